@@ -1,0 +1,122 @@
+"""`pocketdiff VERB --config FILE --output DIR [key=value ...]`.
+
+The CLI knows every stage; a stage is a module exposing `Config` (a dataclass schema) and
+`run(cfg, output_dir, resume=None) -> dict` (the report). The CLI loads and validates the
+config, prepares the output folder (never overwriting without --overwrite), writes the
+resolved `config.yaml`, runs the stage and writes `report.json`.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Optional
+
+from .errors import PocketdiffError
+
+# verb -> module implementing it (None: its issue has not landed yet).
+VERBS: dict[str, Optional[str]] = {
+    "train-teacher": "pocketdiff.train.teacher",
+    "distill": None,
+    "calibrate": None,
+    "prune": None,
+    "evaluate": None,
+    "export": None,
+    "run-bundle": None,
+    "demo": None,
+}
+
+HELP = {
+    "train-teacher": "train a text-to-image latent diffusion teacher (Accelerate)",
+    "distill": "guided + progressive distillation to few sampling steps",
+    "calibrate": "block-wise reconstruction PTQ to int8 / int4 weights",
+    "prune": "structured pruning of the large convolutions + recovery",
+    "evaluate": "FD / FID and CLIP score, sample grids, reports",
+    "export": "mobile bundle of .tflite files for the LiteRT GPU delegate",
+    "run-bundle": "run an exported bundle: text to PNG with ai-edge-litert",
+    "demo": "the whole chain end to end on the embedded default",
+}
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="YAML recipe (see configs/)")
+    p.add_argument("--output", required=True, help="output folder")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
+    p.add_argument("--resume", default=None, metavar="CKPT", help="'latest' or a checkpoint folder inside --output")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pocketdiff", description="Make Stable-Diffusion-family models phone-ready.")
+    sub = parser.add_subparsers(dest="verb", metavar="VERB")
+    sub.required = True
+    for verb in VERBS:
+        p = sub.add_parser(verb, help=HELP[verb], description=HELP[verb])
+        if verb == "run-bundle":
+            p.add_argument("bundle", help="bundle folder made by `pocketdiff export`")
+            p.add_argument("--prompt", required=True)
+            p.add_argument("--output", required=True)
+            p.add_argument("--accelerator", choices=["cpu", "gpu"], default="gpu")
+            p.add_argument("--pipelined", action="store_true")
+            p.add_argument("--seed", type=int, default=0)
+            p.add_argument("--overwrite", action="store_true")
+            p.add_argument("--debug", action="store_true")
+        elif verb == "demo":
+            p.add_argument("--output", default="outputs/demo")
+            p.add_argument("--smoke", action="store_true", help="smoke sizes (minutes)")
+            p.add_argument("--overwrite", action="store_true")
+            p.add_argument("--debug", action="store_true")
+        else:
+            _add_common(p)
+    return parser
+
+
+def run_verb(args: argparse.Namespace) -> int:
+    from .config import load_config, to_yaml
+    from .outputs import atomic_write_text, prepare_output_dir, write_json
+
+    module_name = VERBS[args.verb]
+    if module_name is None:
+        print(f"pocketdiff {args.verb}: not implemented yet", file=sys.stderr)
+        return 2
+    module = importlib.import_module(module_name)
+    if args.verb in ("run-bundle", "demo"):
+        return int(module.main(args) or 0)
+    cfg = load_config(module.Config, args.config, args.overrides)
+    out = prepare_output_dir(args.output, overwrite=args.overwrite, resume=args.resume is not None)
+    atomic_write_text(out / "config.yaml", to_yaml(cfg))
+    start = time.time()
+    report = module.run(cfg, out, resume=args.resume)
+    report.setdefault("verb", args.verb)
+    report.setdefault("wall_time_s", round(time.time() - start, 3))
+    write_json(out / "report.json", report)
+    return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return run_verb(args)
+    except PocketdiffError as e:
+        if args.debug:
+            traceback.print_exc()
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - one line unless --debug
+        if args.debug:
+            traceback.print_exc()
+        first = str(e).splitlines()[0] if str(e) else ""
+        print(f"error: {type(e).__name__}: {first} (rerun with --debug for the traceback)", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""Typed configs: dataclass schemas validated through OmegaConf structured configs.
+
+Every verb has a dataclass; `load_config` merges a YAML recipe and dotted command-line
+overrides (`train.lr=1e-4`) onto it. Unknown keys and wrong types fail naming the key and
+the file; value checks live in each dataclass's `__post_init__` (see `errors.require`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Optional, TypeVar
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from .errors import ConfigError, PocketdiffError, require
+
+T = TypeVar("T")
+
+DATA_SOURCES = ("shapes", "openmoji", "cifar10", "imagefolder", "hub")
+
+
+@dataclasses.dataclass
+class DataConfig:
+    """Where captioned images come from. `source` picks the loader (see pocketdiff.data)."""
+
+    source: str = "shapes"
+    path: Optional[str] = None  # folder / zip folder / hub id, depending on source
+    image_column: str = "image"
+    caption_column: str = "text"
+    split: str = "train"
+    resolution: int = 32
+    max_samples: Optional[int] = None
+    seed: int = 0  # shuffling and procedural generation
+    shapes_count: int = 2048  # size of the procedural set
+
+    def __post_init__(self) -> None:
+        require(self.source in DATA_SOURCES, "data.source", f"must be one of {DATA_SOURCES}, got {self.source!r}")
+        require(self.resolution >= 8, "data.resolution", f"must be >= 8, got {self.resolution}")
+        require(self.max_samples is None or self.max_samples > 0, "data.max_samples", "must be positive")
+        require(self.shapes_count > 0, "data.shapes_count", "must be positive")
+        if self.source in ("imagefolder", "hub"):
+            require(bool(self.path), "data.path", f"is required for source={self.source!r}")
+
+
+def _format_omegaconf_error(err: OmegaConfBaseException, where: str) -> str:
+    key = getattr(err, "full_key", None) or ""
+    msg = str(err).splitlines()[0] if str(err) else type(err).__name__
+    if "Key '" in msg and "not in" in msg:
+        msg = "unknown key"
+    return f"{where}: {key + ': ' if key else ''}{msg}"
+
+
+def load_config(schema: type[T], path: Optional[str | Path] = None, overrides: Optional[list[str]] = None) -> T:
+    """Build a validated `schema` instance from a YAML file and dotted overrides."""
+    cfg = OmegaConf.structured(schema)
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except (yaml.YAMLError, UnicodeDecodeError) as e:
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ConfigError(f"{path}: invalid YAML: {first}") from None
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: top level must be a mapping, got {type(raw).__name__}")
+        try:
+            cfg = OmegaConf.merge(cfg, OmegaConf.create(raw))
+        except OmegaConfBaseException as e:
+            raise ConfigError(_format_omegaconf_error(e, str(path))) from None
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"command line: override {item!r} must look like key=value")
+        try:
+            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([item]))
+        except OmegaConfBaseException as e:
+            raise ConfigError(_format_omegaconf_error(e, f"command line override {item!r}")) from None
+    try:
+        obj = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as e:
+        where = str(path) if path is not None else "config"
+        raise ConfigError(_format_omegaconf_error(e, where)) from None
+    except PocketdiffError as e:
+        where = str(path) if path is not None else "config"
+        raise ConfigError(f"{where}: {e}") from None
+    return obj  # type: ignore[return-value]
+
+
+def to_yaml(cfg: Any) -> str:
+    """The resolved config as YAML (written to DIR/config.yaml by every verb)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))

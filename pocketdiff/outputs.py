@@ -1,0 +1,83 @@
+"""Output folders, reports and atomic writes shared by every verb."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from .errors import PocketdiffError
+
+
+def prepare_output_dir(path: str | Path, overwrite: bool = False, resume: bool = False) -> Path:
+    """Create `path`; refuse to touch a non-empty folder unless asked to.
+
+    `resume` reuses the folder as it is (checkpoints inside it are read); `overwrite`
+    empties it first. Without either, an existing non-empty folder is an error, so nothing
+    a user had is lost.
+    """
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise PocketdiffError(f"output {out} exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()):
+        if resume:
+            return out
+        if not overwrite:
+            raise PocketdiffError(f"output folder {out} is not empty (pass --overwrite to replace it, or --resume latest)")
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, Path):
+        return str(value)
+    if hasattr(value, "item") and callable(value.item):  # numpy / torch scalars
+        return _jsonable(value.item())
+    return value
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """Write through a temporary file in the same folder, fsync, then rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json(path: str | Path, data: Any) -> None:
+    atomic_write_text(path, json.dumps(_jsonable(data), indent=2, sort_keys=False) + "\n")
+
+
+def fsync_tree(folder: str | Path) -> None:
+    """fsync every file and folder under `folder` (before an atomic rename of the folder)."""
+    folder = Path(folder)
+    for root, dirs, files in os.walk(folder):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fd = os.open(root, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
