@@ -1,0 +1,42 @@
+import subprocess
+import sys
+
+import pytest
+
+from pocketdiff.cli import VERBS, main
+
+EXPECTED = ["train-teacher", "distill", "calibrate", "prune", "evaluate", "export", "run-bundle", "demo"]
+
+
+def test_help_lists_every_verb():
+    out = subprocess.run([sys.executable, "-m", "pocketdiff", "--help"], capture_output=True, text=True, check=True).stdout
+    for verb in EXPECTED:
+        assert verb in out
+    assert list(VERBS) == EXPECTED
+
+
+@pytest.mark.parametrize("verb", [v for v in EXPECTED if VERBS[v] is None and v not in ("run-bundle", "demo")])
+def test_unimplemented_verbs_exit_2(verb, tmp_path, capsys):
+    assert main([verb, "--output", str(tmp_path / "o")]) == 2
+    assert "not implemented yet" in capsys.readouterr().err
+
+
+def test_missing_config_is_one_line_exit_2(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "pocketdiff", "train-teacher", "--config", str(tmp_path / "nope.yaml"),
+                        "--output", str(tmp_path / "o")], capture_output=True, text=True)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "nope.yaml" in lines[0] and "Traceback" not in r.stderr
+
+
+def test_existing_output_is_not_overwritten(tmp_path):
+    out = tmp_path / "o"
+    out.mkdir()
+    keep = out / "precious.txt"
+    keep.write_text("mine")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("seed: 1\n")
+    r = subprocess.run([sys.executable, "-m", "pocketdiff", "train-teacher", "--config", str(cfg), "--output", str(out)],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "--overwrite" in r.stderr
+    assert keep.read_text() == "mine"

@@ -1,0 +1,70 @@
+import dataclasses
+
+import pytest
+
+from pocketdiff.config import DataConfig, load_config
+from pocketdiff.errors import ConfigError
+
+
+@dataclasses.dataclass
+class Inner:
+    lr: float = 1e-3
+    steps: int = 10
+
+
+@dataclasses.dataclass
+class Schema:
+    name: str = "x"
+    inner: Inner = dataclasses.field(default_factory=Inner)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+
+
+def write(tmp_path, text, name="cfg.yaml"):
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def test_yaml_and_overrides_merge_typed(tmp_path):
+    p = write(tmp_path, "inner:\n  lr: 0.5\ndata:\n  resolution: 64\n")
+    cfg = load_config(Schema, p, ["inner.steps=7", "name=abc"])
+    assert isinstance(cfg, Schema) and isinstance(cfg.inner, Inner)
+    assert cfg.inner.lr == 0.5 and cfg.inner.steps == 7 and cfg.name == "abc"
+    assert cfg.data.resolution == 64
+
+
+def test_unknown_key_names_key_and_file(tmp_path):
+    p = write(tmp_path, "inner:\n  lrr: 0.5\n", name="recipe.yaml")
+    with pytest.raises(ConfigError) as e:
+        load_config(Schema, p)
+    assert "recipe.yaml" in str(e.value) and "inner.lrr" in str(e.value)
+
+
+def test_wrong_type_names_key_and_file(tmp_path):
+    p = write(tmp_path, "inner:\n  steps: many\n", name="typed.yaml")
+    with pytest.raises(ConfigError) as e:
+        load_config(Schema, p)
+    assert "typed.yaml" in str(e.value) and "inner.steps" in str(e.value)
+
+
+def test_override_unknown_key_and_bad_form(tmp_path):
+    with pytest.raises(ConfigError, match="inner.nope"):
+        load_config(Schema, None, ["inner.nope=1"])
+    with pytest.raises(ConfigError, match="key=value"):
+        load_config(Schema, None, ["inner.lr"])
+
+
+def test_missing_file_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(Schema, tmp_path / "absent.yaml")
+    with pytest.raises(ConfigError, match="invalid YAML"):
+        load_config(Schema, write(tmp_path, "inner: [1, 2\n"))
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(Schema, write(tmp_path, "- 1\n- 2\n"))
+
+
+def test_value_validation_names_the_field(tmp_path):
+    with pytest.raises(ConfigError, match="data.source"):
+        load_config(Schema, write(tmp_path, "data:\n  source: nowhere\n"))
+    with pytest.raises(ConfigError, match="data.path"):
+        load_config(Schema, None, ["data.source=imagefolder"])

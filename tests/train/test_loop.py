@@ -1,0 +1,123 @@
+"""The shared training loop: determinism, resume bit-exactness, checkpoint rotation, NaN stop."""
+import dataclasses
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from pocketdiff.errors import PocketdiffError
+from pocketdiff.train.checkpoints import list_checkpoints, resolve_resume
+from pocketdiff.train.loop import BatchPlan, BatchRandom, LoopConfig, train_loop
+
+
+class Toy(torch.utils.data.Dataset):
+    def __init__(self, n=20):
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, 4, generator=g)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"x": self.x[i]}
+
+
+def collate(items):
+    return {"x": torch.stack([i["x"] for i in items])}
+
+
+def loss_fn(model, batch, rng: BatchRandom):
+    noise = rng.randn(4)
+    return ((model(batch["x"] + 0.1 * noise) - batch["x"]) ** 2).mean()
+
+
+def make_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+
+
+def run(tmp, steps, resume=None, model=None, **kw):
+    cfg = LoopConfig(max_steps=steps, batch_size=4, grad_accum=2, lr=1e-2, ema_decay=0.9, checkpoint_every=2,
+                     checkpoints_total_limit=2, log_every=1, **kw)
+    model = model or make_model()
+    res = train_loop(cfg, model=model, loss_fn=loss_fn, dataset=Toy(), collate=collate, ckpt_dir=tmp / "ckpt",
+                     seed=3, resume=resume)
+    return model, res
+
+
+def test_resume_mid_run_is_bit_exact(tmp_path):
+    full, full_res = run(tmp_path / "a", 8)
+    run(tmp_path / "b", 5)  # "killed" after step 5: checkpoints at 2 and 4 (limit 2) + final 5
+    resumed, res = run(tmp_path / "b", 8, resume="latest")  # a fresh process would rebuild the model
+    for (n, p), (_, q) in zip(full.state_dict().items(), resumed.state_dict().items()):
+        assert torch.equal(p, q), n
+    assert full_res.ema.shadow.keys() == res.ema.shadow.keys()
+    assert all(torch.equal(full_res.ema.shadow[k], res.ema.shadow[k]) for k in full_res.ema.shadow)
+    assert res.losses == full_res.losses
+
+
+def test_resume_from_an_older_checkpoint_replays_exactly(tmp_path):
+    full, _ = run(tmp_path / "a", 6)
+    run(tmp_path / "b", 6)
+    resumed, _ = run(tmp_path / "b", 6, resume=str(tmp_path / "b" / "ckpt" / "checkpoint-4"))
+    assert all(torch.equal(p, q) for p, q in zip(full.parameters(), resumed.parameters()))
+
+
+def test_rotation_keeps_the_newest(tmp_path):
+    run(tmp_path, 8)
+    names = [p.name for p in list_checkpoints(tmp_path / "ckpt")]
+    assert names == ["checkpoint-6", "checkpoint-8"]
+    assert set(load_file(str(tmp_path / "ckpt" / "checkpoint-8" / "model.safetensors"))) == set(make_model().state_dict())
+
+
+def test_torn_checkpoint_is_never_latest(tmp_path):
+    run(tmp_path, 4)
+    torn = tmp_path / "ckpt" / ".tmp-checkpoint-6"
+    torn.mkdir()
+    (tmp_path / "ckpt" / "checkpoint-9").mkdir()  # no trainer_state.json: incomplete
+    assert resolve_resume(tmp_path / "ckpt", "latest").name == "checkpoint-4"
+
+
+def test_batch_plan_deterministic_and_covers_epoch():
+    a, b = BatchPlan(10, 3, seed=1), BatchPlan(10, 3, seed=1)
+    assert [a.indices(m) for m in range(6)] == [b.indices(m) for m in range(6)]
+    epoch0 = sum((a.indices(m) for m in range(3)), [])
+    assert len(set(epoch0)) == 9
+
+
+def test_randomness_independent_of_world_size():
+    g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    full = BatchRandom(g1, 4).randn(3)
+    halves = BatchRandom(g2, 4, rank=1, world=2).randn(3)
+    assert torch.equal(full[1::2], halves)
+
+
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
+    model = make_model()
+    calls = {"n": 0}
+
+    def bad_loss(m, batch, rng):
+        calls["n"] += 1
+        loss = loss_fn(m, batch, rng)
+        return loss * float("nan") if calls["n"] > 6 else loss  # steps 0-2 fine (2 micro-batches each)
+
+    cfg = LoopConfig(max_steps=8, batch_size=4, grad_accum=2, lr=1e-2, checkpoint_every=2, log_every=1)
+    with pytest.raises(PocketdiffError, match="non-finite loss at step 3"):
+        train_loop(cfg, model=model, loss_fn=bad_loss, dataset=Toy(), collate=collate, ckpt_dir=tmp_path / "ckpt", seed=0)
+    latest = resolve_resume(tmp_path / "ckpt", "latest")
+    assert latest.name == "checkpoint-2"
+    assert all(torch.isfinite(v).all() for v in load_file(str(latest / "model.safetensors")).values())
+
+
+def test_nan_skip_policy_skips(tmp_path):
+    cfg = LoopConfig(max_steps=3, batch_size=4, lr=1e-2, nan_policy="skip", log_every=1)
+    res = train_loop(cfg, model=make_model(), loss_fn=lambda m, b, r: loss_fn(m, b, r) * float("nan"), dataset=Toy(),
+                     collate=collate, ckpt_dir=tmp_path / "c", seed=0)
+    assert res.skipped_steps == 3
+
+
+def test_config_validation_names_field():
+    with pytest.raises(PocketdiffError, match="train.mixed_precision"):
+        LoopConfig(mixed_precision="fp8")
+    with pytest.raises(PocketdiffError, match="train.batch_size"):
+        dataclasses.replace(LoopConfig(), batch_size=0)

@@ -1,0 +1,78 @@
+"""Training checkpoints: atomic folders `checkpoint-STEP`, rotation, `--resume latest`.
+
+A checkpoint folder is written under a temporary name, fsynced, then renamed, so a run
+killed mid-save never leaves a torn folder that looks complete. Contents are plain files:
+model / EMA tensors as safetensors, optimizer and scheduler state through `torch.save`
+(loaded back with `weights_only=True`), and `trainer_state.json`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Optional
+
+from pocketdiff.errors import PocketdiffError
+from pocketdiff.outputs import fsync_tree
+
+_NAME = re.compile(r"^checkpoint-(\d+)$")
+STATE_FILE = "trainer_state.json"
+
+
+def list_checkpoints(folder: Path) -> list[Path]:
+    """Complete checkpoints in `folder`, oldest first (temporary folders are ignored)."""
+    if not folder.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := _NAME.match(p.name)) and (p / STATE_FILE).is_file()]
+    return [p for _, p in sorted(found)]
+
+
+def resolve_resume(folder: Path, resume: Optional[str]) -> Optional[Path]:
+    """`None` -> start fresh; "latest" -> newest complete checkpoint or None; else a named one."""
+    if resume is None:
+        return None
+    if resume == "latest":
+        found = list_checkpoints(folder)
+        return found[-1] if found else None
+    path = Path(resume)
+    if not path.is_absolute() and not path.exists():
+        path = folder / resume
+    if not (path / STATE_FILE).is_file():
+        raise PocketdiffError(f"--resume {resume}: {path} is not a complete checkpoint (no {STATE_FILE})")
+    return path
+
+
+def begin_checkpoint(folder: Path, step: int) -> Path:
+    """A fresh temporary folder to write checkpoint `step` into."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".tmp-checkpoint-{step}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    return tmp
+
+
+def commit_checkpoint(tmp: Path, step: int, state: dict, total_limit: int) -> Path:
+    """Write the state file, fsync, rename into place, then rotate old checkpoints."""
+    (tmp / STATE_FILE).write_text(json.dumps({"step": step, **state}, indent=2), encoding="utf-8")
+    fsync_tree(tmp)
+    final = tmp.parent / f"checkpoint-{step}"
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    dir_fd = os.open(tmp.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    existing = list_checkpoints(tmp.parent)
+    if total_limit > 0:
+        for old in existing[:-total_limit]:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def read_state(checkpoint: Path) -> dict:
+    return json.loads((checkpoint / STATE_FILE).read_text(encoding="utf-8"))

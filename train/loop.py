@@ -1,0 +1,260 @@
+"""The Accelerate training loop shared by train-teacher, distill and prune's recovery.
+
+Determinism is by construction rather than by saving RNG states: the data order of epoch
+`e` is a permutation seeded by (seed, e), and every random draw of optimizer step `s`
+(noise, timesteps, caption dropout) comes from a generator seeded by (seed, s). Resuming
+from a checkpoint therefore replays exactly what the uninterrupted run would have done,
+skipping the batches already seen without loading them.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+
+from pocketdiff.errors import PocketdiffError, require
+
+from .checkpoints import begin_checkpoint, commit_checkpoint, read_state, resolve_resume
+
+MIXED_PRECISION = ("no", "fp16", "bf16")
+
+
+@dataclasses.dataclass
+class LoopConfig:
+    """Optimisation settings (the `train:` section of a recipe)."""
+
+    max_steps: int = 1000
+    batch_size: int = 16  # global batch per optimizer step, split across processes
+    grad_accum: int = 1
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    max_grad_norm: float = 1.0
+    mixed_precision: str = "no"
+    ema_decay: float = 0.0  # 0 disables EMA
+    checkpoint_every: int = 100
+    checkpoints_total_limit: int = 2
+    log_every: int = 10
+    nan_policy: str = "stop"  # stop | skip
+    tensorboard: bool = False
+
+    def __post_init__(self) -> None:
+        require(self.max_steps > 0, "train.max_steps", f"must be positive, got {self.max_steps}")
+        require(self.batch_size > 0, "train.batch_size", f"must be positive, got {self.batch_size}")
+        require(self.grad_accum > 0, "train.grad_accum", f"must be positive, got {self.grad_accum}")
+        require(self.lr > 0, "train.lr", f"must be positive, got {self.lr}")
+        require(self.mixed_precision in MIXED_PRECISION, "train.mixed_precision", f"must be one of {MIXED_PRECISION}")
+        require(0.0 <= self.ema_decay < 1.0, "train.ema_decay", f"must be in [0, 1), got {self.ema_decay}")
+        require(self.checkpoint_every > 0, "train.checkpoint_every", "must be positive")
+        require(self.nan_policy in ("stop", "skip"), "train.nan_policy", "must be 'stop' or 'skip'")
+
+
+def step_generator(seed: int, step: int) -> torch.Generator:
+    """The (CPU) generator for every random draw of optimizer step `step`."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + step) % (2**63))
+
+
+class BatchRandom:
+    """Random draws for one micro-batch, identical whatever the number of processes.
+
+    Each draw is made for the whole global micro-batch from the step's generator and this
+    process keeps its rows `[rank::world]` (the same rows as its data), so one GPU and
+    several GPUs see the same noise for the same sample.
+    """
+
+    def __init__(self, generator: torch.Generator, global_batch: int, rank: int = 0, world: int = 1, device="cpu"):
+        self.generator, self.n, self.rank, self.world, self.device = generator, global_batch, rank, world, device
+
+    def _local(self, full: torch.Tensor) -> torch.Tensor:
+        return full[self.rank :: self.world].to(self.device)
+
+    def randn(self, *shape: int) -> torch.Tensor:
+        return self._local(torch.randn(self.n, *shape, generator=self.generator))
+
+    def rand(self, *shape: int) -> torch.Tensor:
+        return self._local(torch.rand(self.n, *shape, generator=self.generator))
+
+    def randint(self, low: int, high: int) -> torch.Tensor:
+        return self._local(torch.randint(low, high, (self.n,), generator=self.generator))
+
+
+class EMA:
+    """Exponential moving average of a module's trainable parameters (float32 shadow)."""
+
+    def __init__(self, module: torch.nn.Module, decay: float):
+        self.decay = decay
+        self.shadow = {n: p.detach().float().clone() for n, p in module.named_parameters() if p.requires_grad}
+
+    @torch.no_grad()
+    def update(self, module: torch.nn.Module) -> None:
+        for n, p in module.named_parameters():
+            if n in self.shadow:
+                self.shadow[n].lerp_(p.detach().float(), 1.0 - self.decay)
+
+    @torch.no_grad()
+    def copy_to(self, module: torch.nn.Module) -> None:
+        for n, p in module.named_parameters():
+            if n in self.shadow:
+                p.copy_(self.shadow[n].to(p.dtype))
+
+
+class BatchPlan:
+    """Which dataset indices form micro-batch `m` (global), deterministic by seed."""
+
+    def __init__(self, num_items: int, batch_size: int, seed: int):
+        if num_items < batch_size:
+            raise PocketdiffError(f"dataset has {num_items} items, fewer than train.batch_size={batch_size}")
+        self.num_items, self.batch_size, self.seed = num_items, batch_size, seed
+        self.per_epoch = num_items // batch_size
+        self._epoch, self._perm = -1, None
+
+    def indices(self, micro_batch: int) -> list[int]:
+        epoch, pos = divmod(micro_batch, self.per_epoch)
+        if epoch != self._epoch:
+            g = torch.Generator().manual_seed(self.seed * 7919 + epoch)
+            self._epoch, self._perm = epoch, torch.randperm(self.num_items, generator=g)
+        return self._perm[pos * self.batch_size : (pos + 1) * self.batch_size].tolist()
+
+
+@dataclasses.dataclass
+class LoopResult:
+    steps: int
+    final_loss: float
+    losses: list  # (step, loss) pairs logged this run and earlier runs
+    ema: Optional[EMA]
+    skipped_steps: int
+
+
+LossFn = Callable[[torch.nn.Module, dict, BatchRandom], torch.Tensor]
+
+
+def _save(ckpt_dir, step, model, optimizer, scheduler, ema, losses, skipped, total_limit, extra):
+    tmp = begin_checkpoint(ckpt_dir, step)
+    save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, str(tmp / "model.safetensors"))
+    if ema is not None:
+        save_file({k: v.contiguous().cpu() for k, v in ema.shadow.items()}, str(tmp / "ema.safetensors"))
+    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
+    return commit_checkpoint(tmp, step, {"losses": losses, "skipped_steps": skipped, **extra}, total_limit)
+
+
+def _load(ckpt: Path, model, optimizer, scheduler, ema):
+    model.load_state_dict(load_file(str(ckpt / "model.safetensors")))
+    if ema is not None:
+        if not (ckpt / "ema.safetensors").is_file():
+            raise PocketdiffError(f"{ckpt}: no ema.safetensors although train.ema_decay > 0")
+        ema.shadow = {k: v.float() for k, v in load_file(str(ckpt / "ema.safetensors")).items()}
+    opt = torch.load(ckpt / "optimizer.pt", map_location="cpu", weights_only=True)
+    optimizer.load_state_dict(opt["optimizer"])
+    scheduler.load_state_dict(opt["scheduler"])
+    return read_state(ckpt)
+
+
+def train_loop(
+    cfg: LoopConfig,
+    *,
+    model: torch.nn.Module,
+    loss_fn: LossFn,
+    dataset,
+    collate: Callable,
+    ckpt_dir: Path,
+    seed: int,
+    resume: Optional[str] = None,
+    desc: str = "train",
+    log_path: Optional[Path] = None,
+    accelerator=None,
+    extra_state: Optional[dict] = None,
+) -> LoopResult:
+    """Optimise the trainable parameters of `model` on `loss_fn` for `cfg.max_steps` steps.
+
+    `loss_fn(model, batch, rng)` returns the mean loss of one micro-batch; it must draw all
+    randomness from `rng` (a `BatchRandom`). Checkpoints go to `ckpt_dir`; `resume` is None,
+    "latest" or a checkpoint path. On return the model holds the trained (not EMA) weights.
+    """
+    from accelerate import Accelerator
+
+    acc = accelerator or Accelerator(mixed_precision=cfg.mixed_precision, log_with="tensorboard" if cfg.tensorboard else None, project_dir=str(ckpt_dir.parent))
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise PocketdiffError("the model has no trainable parameters")
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    warm = max(cfg.warmup_steps, 0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
+    ema = EMA(model, cfg.ema_decay) if cfg.ema_decay > 0 else None
+
+    start, losses, skipped = 0, [], 0
+    ckpt = resolve_resume(ckpt_dir, resume)
+    if ckpt is not None:
+        state = _load(ckpt, model, optimizer, scheduler, ema)
+        start, losses, skipped = state["step"], state.get("losses", []), state.get("skipped_steps", 0)
+        acc.print(f"[{desc}] resumed from {ckpt} at step {start}")
+    wrapped, optimizer = acc.prepare(model, optimizer)
+    if cfg.tensorboard and acc.is_main_process:
+        acc.init_trackers(desc)
+
+    world, rank = acc.num_processes, acc.process_index
+    if cfg.batch_size % world:
+        raise PocketdiffError(f"train.batch_size={cfg.batch_size} is not divisible by the {world} processes")
+    plan = BatchPlan(len(dataset), cfg.batch_size, seed)
+    log_file = open(log_path, "a", encoding="utf-8") if (log_path and acc.is_main_process) else None
+    bar = tqdm(total=cfg.max_steps, initial=start, desc=desc, disable=not acc.is_main_process, dynamic_ncols=True)
+    last_loss = losses[-1][1] if losses else float("nan")
+    try:
+        for step in range(start, cfg.max_steps):
+            gen = step_generator(seed, step)
+            total = torch.zeros((), device=acc.device)
+            for k in range(cfg.grad_accum):
+                idx = plan.indices(step * cfg.grad_accum + k)[rank::world]
+                batch = collate([dataset[i] for i in idx])
+                rng = BatchRandom(gen, cfg.batch_size, rank, world, acc.device)
+                ctx = acc.no_sync(wrapped) if k < cfg.grad_accum - 1 else contextlib.nullcontext()
+                with ctx, acc.autocast():
+                    loss = loss_fn(wrapped, batch, rng)
+                acc.backward(loss / cfg.grad_accum)
+                total += loss.detach() / cfg.grad_accum
+            grads_ok = all(torch.isfinite(p.grad).all() for p in params if p.grad is not None)
+            mean_loss = acc.reduce(total, reduction="mean").item()
+            if not (math.isfinite(mean_loss) and grads_ok):
+                what = "loss" if not math.isfinite(mean_loss) else "gradients"
+                if cfg.nan_policy == "stop":
+                    raise PocketdiffError(f"[{desc}] non-finite {what} at step {step}; stopped, last good checkpoint kept in {ckpt_dir}")
+                optimizer.zero_grad(set_to_none=True)
+                skipped += 1
+                acc.print(f"[{desc}] non-finite {what} at step {step}: step skipped")
+                continue
+            if cfg.max_grad_norm > 0:
+                acc.clip_grad_norm_(params, cfg.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            if ema is not None:
+                ema.update(acc.unwrap_model(wrapped))
+            last_loss = mean_loss
+            done = step + 1
+            if done % cfg.log_every == 0 or done == cfg.max_steps:
+                losses.append([done, mean_loss])
+                bar.set_postfix(loss=f"{mean_loss:.4f}")
+                if log_file:
+                    log_file.write(json.dumps({"phase": desc, "step": done, "loss": mean_loss, "lr": scheduler.get_last_lr()[0]}) + "\n")
+                    log_file.flush()
+                if cfg.tensorboard:
+                    acc.log({f"{desc}/loss": mean_loss}, step=done)
+            bar.update(1)
+            if done % cfg.checkpoint_every == 0 or done == cfg.max_steps:
+                acc.wait_for_everyone()
+                if acc.is_main_process:
+                    _save(ckpt_dir, done, acc.unwrap_model(wrapped), optimizer, scheduler, ema, losses, skipped, cfg.checkpoints_total_limit, extra_state or {})
+                acc.wait_for_everyone()
+    finally:
+        bar.close()
+        if log_file:
+            log_file.close()
+        if cfg.tensorboard:
+            acc.end_training()
+    return LoopResult(steps=cfg.max_steps, final_loss=last_loss, losses=losses, ema=ema, skipped_steps=skipped)

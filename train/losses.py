@@ -1,0 +1,30 @@
+"""Losses shared by the training recipes."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .loop import BatchRandom
+
+
+def tokenize(tokenizer, texts: list[str]) -> torch.Tensor:
+    return tokenizer(texts, padding="max_length", max_length=tokenizer.model_max_length, truncation=True, return_tensors="pt").input_ids
+
+
+def diffusion_target(scheduler, latents, noise, timesteps) -> torch.Tensor:
+    """epsilon or v (Salimans & Ho) target for the scheduler's prediction type."""
+    kind = scheduler.config.prediction_type
+    if kind == "epsilon":
+        return noise
+    if kind == "v_prediction":
+        return scheduler.get_velocity(latents, noise, timesteps)
+    raise ValueError(f"unsupported prediction_type {kind!r}")
+
+
+def diffusion_loss(unet, scheduler, latents: torch.Tensor, text_emb: torch.Tensor, rng: BatchRandom) -> torch.Tensor:
+    """The ordinary denoising loss at uniformly drawn training timesteps."""
+    noise = rng.randn(*latents.shape[1:]).to(latents.dtype)
+    t = rng.randint(0, scheduler.config.num_train_timesteps)
+    noisy = scheduler.add_noise(latents, noise, t)
+    pred = unet(noisy, t, encoder_hidden_states=text_emb).sample
+    return F.mse_loss(pred.float(), diffusion_target(scheduler, latents, noise, t).float())
