@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import time
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -44,6 +45,7 @@ class LoopConfig:
     log_every: int = 10
     nan_policy: str = "stop"  # stop | skip
     tensorboard: bool = False
+    max_time_s: float = 0.0  # > 0: stop (with a checkpoint) at the first step past this wall time
 
     def __post_init__(self) -> None:
         require(self.max_steps > 0, "train.max_steps", f"must be positive, got {self.max_steps}")
@@ -130,6 +132,7 @@ class LoopResult:
     losses: list  # (step, loss) pairs logged this run and earlier runs
     ema: Optional[EMA]
     skipped_steps: int
+    stopped_early: bool = False
 
 
 LossFn = Callable[[torch.nn.Module, dict, BatchRandom], torch.Tensor]
@@ -205,6 +208,7 @@ def train_loop(
     log_file = open(log_path, "a", encoding="utf-8") if (log_path and acc.is_main_process) else None
     bar = tqdm(total=cfg.max_steps, initial=start, desc=desc, disable=not acc.is_main_process, dynamic_ncols=True)
     last_loss = losses[-1][1] if losses else float("nan")
+    started, done, stopped_early = time.time(), start, False
     try:
         for step in range(start, cfg.max_steps):
             gen = step_generator(seed, step)
@@ -246,15 +250,23 @@ def train_loop(
                 if cfg.tensorboard:
                     acc.log({f"{desc}/loss": mean_loss}, step=done)
             bar.update(1)
-            if done % cfg.checkpoint_every == 0 or done == cfg.max_steps:
+            out_of_time = False
+            if cfg.max_time_s > 0:  # every process must agree on where to stop
+                late = torch.tensor(float(time.time() - started > cfg.max_time_s), device=acc.device)
+                out_of_time = bool(acc.reduce(late, reduction="sum").item() > 0)
+            if done % cfg.checkpoint_every == 0 or done == cfg.max_steps or out_of_time:
                 acc.wait_for_everyone()
                 if acc.is_main_process:
                     _save(ckpt_dir, done, acc.unwrap_model(wrapped), optimizer, scheduler, ema, losses, skipped, cfg.checkpoints_total_limit, extra_state or {})
                 acc.wait_for_everyone()
+            if out_of_time and done < cfg.max_steps:
+                stopped_early = True
+                acc.print(f"[{desc}] train.max_time_s={cfg.max_time_s} reached: stopped at step {done} of {cfg.max_steps}")
+                break
     finally:
         bar.close()
         if log_file:
             log_file.close()
         if cfg.tensorboard:
             acc.end_training()
-    return LoopResult(steps=cfg.max_steps, final_loss=last_loss, losses=losses, ema=ema, skipped_steps=skipped)
+    return LoopResult(steps=done if stopped_early else cfg.max_steps, final_loss=last_loss, losses=losses, ema=ema, skipped_steps=skipped, stopped_early=stopped_early)

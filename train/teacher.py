@@ -88,7 +88,7 @@ def _check_resolution(pipe, resolution: int) -> None:
 def train_vae(cfg: Config, vae, dataset, out: Path, resume: Optional[str]) -> dict:
     """Step 2: reconstruction + KL training of the VAE, then its latent scaling factor."""
     loop = dataclasses.replace(cfg.train, max_steps=cfg.vae.steps, lr=cfg.vae.lr, batch_size=cfg.vae.batch_size,
-                               ema_decay=0.0, checkpoint_every=cfg.vae.checkpoint_every, warmup_steps=0)
+                               ema_decay=0.0, checkpoint_every=cfg.vae.checkpoint_every, warmup_steps=0, max_time_s=0.0)
 
     def vae_loss(model, batch, rng: BatchRandom):
         x = batch["pixel_values"].to(rng.device)
@@ -159,7 +159,7 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
     pipeline_dir = save_pipeline(pipe, out / "pipeline")
     report.update({
         "pipeline_dir": str(pipeline_dir), "steps": result.steps, "final_loss": result.final_loss,
-        "losses": result.losses, "skipped_steps": result.skipped_steps,
+        "losses": result.losses, "skipped_steps": result.skipped_steps, "stopped_early": result.stopped_early,
         "params": {"unet": count_params(pipe.unet), "text_encoder": count_params(pipe.text_encoder), "vae": count_params(pipe.vae)},
         "prediction_type": scheduler.config.prediction_type,
     })
