@@ -81,6 +81,7 @@ def load_config(schema: type[T], path: Optional[str | Path] = None, overrides: O
             raise ConfigError(_format_omegaconf_error(e, f"command line override {item!r}")) from None
     try:
         obj = OmegaConf.to_object(cfg)
+        OmegaConf.structured(obj)  # re-check element types that merge lets through (e.g. a dict in list[str])
     except OmegaConfBaseException as e:
         where = str(path) if path is not None else "config"
         raise ConfigError(_format_omegaconf_error(e, where)) from None

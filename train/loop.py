@@ -24,7 +24,7 @@ from pocketdiff.errors import PocketdiffError, require
 
 from .checkpoints import begin_checkpoint, commit_checkpoint, read_state, resolve_resume
 
-MIXED_PRECISION = ("no", "fp16", "bf16")
+MIXED_PRECISION = ("fp32", "fp16", "bf16")  # "fp32" = accelerate's "no" (YAML reads a bare no as false)
 
 
 @dataclasses.dataclass
@@ -38,7 +38,7 @@ class LoopConfig:
     weight_decay: float = 0.0
     warmup_steps: int = 0
     max_grad_norm: float = 1.0
-    mixed_precision: str = "no"
+    mixed_precision: str = "fp32"
     ema_decay: float = 0.0  # 0 disables EMA
     checkpoint_every: int = 100
     checkpoints_total_limit: int = 2
@@ -182,7 +182,7 @@ def train_loop(
     """
     from accelerate import Accelerator
 
-    acc = accelerator or Accelerator(mixed_precision=cfg.mixed_precision, log_with="tensorboard" if cfg.tensorboard else None, project_dir=str(ckpt_dir.parent))
+    acc = accelerator or Accelerator(mixed_precision="no" if cfg.mixed_precision == "fp32" else cfg.mixed_precision, log_with="tensorboard" if cfg.tensorboard else None, project_dir=str(ckpt_dir.parent))
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise PocketdiffError("the model has no trainable parameters")

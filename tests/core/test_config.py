@@ -68,3 +68,14 @@ def test_value_validation_names_the_field(tmp_path):
         load_config(Schema, write(tmp_path, "data:\n  source: nowhere\n"))
     with pytest.raises(ConfigError, match="data.path"):
         load_config(Schema, None, ["data.source=imagefolder"])
+
+
+@dataclasses.dataclass
+class WithList:
+    prompts: list[str] = dataclasses.field(default_factory=list)
+
+
+def test_list_element_type_is_checked(tmp_path):
+    p = write(tmp_path, "prompts:\n  - ok\n  - flag: Germany\n", name="lists.yaml")
+    with pytest.raises(ConfigError, match="lists.yaml"):
+        load_config(WithList, p)
