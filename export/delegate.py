@@ -1,0 +1,337 @@
+"""Run a .tflite on the LiteRT GPU delegate (WebGPU over Vulkan) and report what it did.
+
+The delegate is the judge of GPU compatibility (DESIGN.md: the TFLite analyzer checks
+nothing). `run_on_delegate` compiles a model with `CompiledModel` + `HardwareAccelerator.GPU`,
+records `is_fully_accelerated()`, the delegate's log of rejected ops (with its reasons and
+the tensor locations, i.e. the torch modules they came from), and runs inference on fixed
+inputs at the delegate's default precision (fp16) and with `GpuOptions(enforce_f32=True)`.
+
+The Vulkan loader reads VK_ICD_FILENAMES / LD_LIBRARY_PATH when the delegate library is
+loaded, so each run happens in a child process (`python -m pocketdiff.export._delegate_worker`)
+started with `delegate_env()`: on a machine with an NVIDIA driver the system's Vulkan driver,
+else the Mesa lavapipe unpacked by `scripts/setup_vulkan.sh` into `<repo>/.vulkan/`. A child
+process also isolates crashes (models carrying STABLEHLO_COMPOSITE segfault the delegate).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Optional, Sequence, Union
+
+import numpy as np
+
+from pocketdiff.errors import PocketdiffError
+
+PRECISIONS = ("fp16", "fp32")
+_SETUP_HINT = "run `bash scripts/setup_vulkan.sh` (Mesa lavapipe into .vulkan/) or install a Vulkan GPU driver"
+
+
+# --------------------------------------------------------------------------------------
+# Environment
+# --------------------------------------------------------------------------------------
+
+def repo_root() -> Path:
+    return Path(__file__).resolve().parent.parent
+
+
+def vulkan_dir() -> Path:
+    return Path(os.environ.get("POCKETDIFF_VULKAN_DIR", repo_root() / ".vulkan"))
+
+
+_SYSTEM_ICD_DIRS = ("/usr/share/vulkan/icd.d", "/etc/vulkan/icd.d", "/usr/local/share/vulkan/icd.d")
+
+
+def _nvidia_icds() -> list[str]:
+    found = []
+    for d in _SYSTEM_ICD_DIRS:
+        p = Path(d)
+        if p.is_dir():
+            found += [str(f) for f in sorted(p.glob("nvidia*.json"))]
+    return found
+
+
+def has_nvidia_driver() -> bool:
+    return Path("/proc/driver/nvidia/version").exists() or bool(_nvidia_icds())
+
+
+def _system_has_libvulkan() -> bool:
+    for d in ("/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib", "/lib/x86_64-linux-gnu"):
+        if Path(d, "libvulkan.so.1").exists():
+            return True
+    return False
+
+
+def delegate_env(base: Optional[dict] = None, driver: Optional[str] = None) -> tuple[dict, str]:
+    """(environment for a delegate child process, driver name).
+
+    `driver`: "system" (the machine's Vulkan driver, e.g. NVIDIA), "lavapipe" (the project's
+    unpacked Mesa), or None/"auto" (env POCKETDIFF_VULKAN, else system when an NVIDIA driver is
+    present, else lavapipe). Raises PocketdiffError when lavapipe is needed but missing.
+    """
+    env = dict(os.environ if base is None else base)
+    driver = driver or os.environ.get("POCKETDIFF_VULKAN", "auto")
+    if driver not in ("auto", "system", "lavapipe"):
+        raise PocketdiffError(f"POCKETDIFF_VULKAN must be auto, system or lavapipe, got {driver!r}")
+    if driver == "auto":
+        driver = "system" if has_nvidia_driver() else "lavapipe"
+    vk = vulkan_dir()
+    libdir_file = vk / "libdir"
+    libdir = libdir_file.read_text().strip() if libdir_file.is_file() else ""
+    if driver == "system":
+        icds = _nvidia_icds()
+        if icds and "VK_ICD_FILENAMES" not in env:
+            env["VK_ICD_FILENAMES"] = os.pathsep.join(icds)
+        if not _system_has_libvulkan() and libdir:  # loader only, from our unpacked libvulkan1
+            env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (libdir, env.get("LD_LIBRARY_PATH", "")) if p)
+        return env, "system"
+    icd = vk / "lvp_icd.json"
+    if not icd.is_file() or not libdir:
+        raise PocketdiffError(f"no Vulkan driver for the LiteRT GPU delegate: {icd} missing; {_SETUP_HINT}")
+    env["VK_ICD_FILENAMES"] = str(icd)
+    env.pop("VK_DRIVER_FILES", None)
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (libdir, env.get("LD_LIBRARY_PATH", "")) if p)
+    return env, "lavapipe"
+
+
+def apply_delegate_env_in_process(driver: Optional[str] = None) -> str:
+    """Set the Vulkan variables in this process (only useful before ai_edge_litert loads the
+    GPU accelerator; LD_LIBRARY_PATH changes are not seen by the running dynamic loader, so
+    this works only when the library dir is already on the path or the loader is system-wide)."""
+    env, name = delegate_env(driver=driver)
+    for key in ("VK_ICD_FILENAMES", "LD_LIBRARY_PATH"):
+        if key in env:
+            os.environ[key] = env[key]
+    return name
+
+
+# --------------------------------------------------------------------------------------
+# Log parsing
+# --------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class RejectedOp:
+    op: str
+    reason: str
+    location: str = ""  # tensor location as the converter wrote it (torch module stack)
+    module: str = ""  # readable module path
+
+    def describe(self) -> str:
+        where = f" (from {self.module})" if self.module else ""
+        return f"{self.op}: {self.reason}{where}"
+
+
+_HEADER = "Following operations are not supported by GPU delegate:"
+_FOOTER = re.compile(r"^(\d+) operations? will run on the GPU, and the remaining (\d+) operations? will run on the CPU")
+_LINE = re.compile(r"^([A-Z][A-Z0-9_]*): (.*)$")
+
+
+def module_from_location(location: str) -> str:
+    """'pkg.Class_attr/pkg.Class2_0/...;7' -> 'attr/0/...' (readable torch module path)."""
+    loc = location.split(";;")[0].split(";")[0].strip()
+    parts = []
+    for seg in loc.split("/"):
+        leaf = seg.rsplit(".", 1)[-1]
+        if "_" in leaf:
+            cls, attr = leaf.split("_", 1)
+            parts.append(f"{attr}")
+        else:
+            parts.append(leaf)
+    # the first segment is the wrapper module itself
+    return ".".join(parts[1:]) if len(parts) > 1 else ".".join(parts)
+
+
+def parse_delegate_log(text: str) -> tuple[list[RejectedOp], Optional[tuple[int, int]]]:
+    """Rejected ops listed by the delegate, and (ops on GPU, ops on CPU) when it says so."""
+    rejected: list[RejectedOp] = []
+    split = None
+    inside = False
+    for raw in text.splitlines():
+        line = raw.strip()
+        if line.endswith(_HEADER) or line == _HEADER:
+            inside = True
+            continue
+        m = _FOOTER.match(line)
+        if m:
+            split = (int(m.group(1)), int(m.group(2)))
+            inside = False
+            continue
+        if inside:
+            lm = _LINE.match(line)
+            if not lm:
+                inside = False
+                continue
+            op, rest = lm.group(1), lm.group(2)
+            reason, location = rest, ""
+            # "Tensor dimensions must be less than 5. pkg.Module_x/...;5"
+            idx = rest.find(". ")
+            if idx >= 0 and (";" in rest[idx:] or "/" in rest[idx:]):
+                reason, location = rest[: idx + 1], rest[idx + 2 :].strip()
+            rejected.append(RejectedOp(op, reason.strip(), location, module_from_location(location) if location else ""))
+    return rejected, split
+
+
+# --------------------------------------------------------------------------------------
+# Running
+# --------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class DelegateRun:
+    """What one compile + run on an accelerator did."""
+
+    accelerator: str  # gpu | cpu
+    driver: str  # lavapipe | system | n/a
+    compiled: bool
+    fully_accelerated: bool
+    rejected: list[RejectedOp]
+    ops_split: Optional[tuple[int, int]]
+    outputs: dict[str, list[np.ndarray]]  # precision -> outputs in signature order
+    output_names: list[str]
+    input_names: list[str]
+    compile_s: dict[str, float]
+    latency_s: dict[str, float]  # median over repeats
+    adapter: str
+    error: str
+    log: str
+
+    def rejected_summary(self) -> str:
+        return "; ".join(r.describe() for r in self.rejected) or (self.error or "no rejected ops listed")
+
+
+def _write_inputs(inputs: Union[Sequence[np.ndarray], dict], path: Path) -> None:
+    if isinstance(inputs, dict):
+        arrays = {f"in_{i}": np.asarray(v) for i, v in enumerate(inputs.values())}
+        names = list(inputs.keys())
+    else:
+        arrays = {f"in_{i}": np.asarray(v) for i, v in enumerate(inputs)}
+        names = []
+    np.savez(path, **arrays)
+    (path.parent / "input_names.json").write_text(json.dumps(names))
+
+
+def run_on_delegate(
+    model_path: Union[str, Path],
+    inputs: Union[Sequence[np.ndarray], dict, None] = None,
+    precisions: Sequence[str] = PRECISIONS,
+    accelerator: str = "gpu",
+    repeats: int = 1,
+    warmup: int = 0,
+    timeout_s: float = 900.0,
+    driver: Optional[str] = None,
+    num_threads: int = 0,
+) -> DelegateRun:
+    """Compile `model_path` on the GPU delegate (or CPU) in a child process and run `inputs`.
+
+    `inputs`: arrays in signature input order (or a dict name -> array); None compiles only.
+    `precisions`: "fp16" (the delegate's default) and/or "fp32" (`enforce_f32`); ignored on CPU
+    (one run, reported under "fp32"). Never raises for delegate failures: read `.compiled`,
+    `.fully_accelerated`, `.rejected`, `.error`.
+    """
+    model_path = Path(model_path)
+    if not model_path.is_file():
+        raise PocketdiffError(f"model not found: {model_path}")
+    for p in precisions:
+        if p not in PRECISIONS:
+            raise PocketdiffError(f"precision must be one of {PRECISIONS}, got {p!r}")
+    if accelerator == "gpu":
+        env, drv = delegate_env(driver=driver)
+    else:
+        env, drv = dict(os.environ), "n/a"
+        precisions = ("fp32",)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    # One child process per precision: a second CompiledModel in the same process cannot
+    # write its input buffers (TensorBufferWrapper error), and a crash stays isolated.
+    res: dict = {"compile_s": {}, "latency_s": {}, "ran": []}
+    outputs: dict[str, list[np.ndarray]] = {}
+    logs: list[str] = []
+    rc: Optional[int] = 0
+    first_error = ""
+    with tempfile.TemporaryDirectory(prefix="pocketdiff-delegate-") as tmp:
+        tmp = Path(tmp)
+        if inputs is not None:
+            _write_inputs(inputs, tmp / "inputs.npz")
+        for prec in precisions:
+            work = tmp / prec
+            work.mkdir()
+            request = {
+                "model": str(model_path.resolve()),
+                "accelerator": accelerator,
+                "precisions": [prec],
+                "repeats": int(repeats),
+                "warmup": int(warmup),
+                "num_threads": int(num_threads),
+                "inputs": str(tmp / "inputs.npz") if inputs is not None else None,
+                "out_dir": str(work),
+            }
+            (work / "request.json").write_text(json.dumps(request))
+            try:
+                proc = subprocess.run(
+                    [sys.executable, "-m", "pocketdiff.export._delegate_worker", str(work / "request.json")],
+                    env=env, capture_output=True, text=True, timeout=timeout_s,
+                )
+                log = proc.stdout + proc.stderr
+                this_rc: Optional[int] = proc.returncode
+            except subprocess.TimeoutExpired as e:
+                out = e.stdout or ""
+                log = out.decode(errors="replace") if isinstance(out, bytes) else out
+                this_rc = None
+            logs.append(f"===== {accelerator} {prec} =====\n{log}")
+            part = json.loads((work / "result.json").read_text()) if (work / "result.json").is_file() else {}
+            for key in ("compiled", "fully_accelerated", "input_names", "output_names"):
+                if key in part and key not in res:
+                    res[key] = part[key]
+            res["compile_s"].update(part.get("compile_s", {}))
+            res["latency_s"].update(part.get("latency_s", {}))
+            if prec in part.get("ran", []):
+                data = np.load(work / f"out_{prec}.npz")
+                outputs[prec] = [data[f"out_{i}"] for i in range(len(data.files))]
+                res["ran"].append(prec)
+            err = part.get("error", "")
+            if this_rc is None:
+                err = f"delegate run timed out after {timeout_s:.0f} s"
+            elif this_rc < 0:
+                err = f"delegate process crashed (signal {-this_rc})" + (f" after: {err}" if err else "")
+            elif this_rc != 0 and not err:
+                tail = [line for line in log.splitlines() if line.strip()][-3:]
+                err = f"delegate process failed (exit {this_rc}): " + " | ".join(tail)
+            if err and not first_error:
+                first_error = f"[{prec}] {err}"
+                rc = this_rc
+            if not part.get("compiled"):
+                break  # the other precision would fail the same way
+    log = "\n".join(logs)
+    error = first_error
+    rejected, split = parse_delegate_log(logs[0] if logs else "")
+    if "No adapters found" in log and not res.get("compiled"):
+        error = f"no Vulkan adapter for the GPU delegate ({drv}); {_SETUP_HINT}"
+    m = re.search(r"Selected adapter: ([^\n]*)", log)
+    return DelegateRun(
+        accelerator=accelerator,
+        driver=drv,
+        compiled=bool(res.get("compiled")),
+        fully_accelerated=bool(res.get("fully_accelerated")),
+        rejected=rejected,
+        ops_split=split,
+        outputs=outputs,
+        output_names=res.get("output_names", []),
+        input_names=res.get("input_names", []),
+        compile_s=res.get("compile_s", {}),
+        latency_s=res.get("latency_s", {}),
+        adapter=m.group(1).strip() if m else "",
+        error=error,
+        log=log,
+    )
+
+
+def delegate_available(driver: Optional[str] = None) -> tuple[bool, str]:
+    """(True, driver) when a Vulkan driver for the delegate is configured; else (False, why)."""
+    try:
+        _, name = delegate_env(driver=driver)
+    except PocketdiffError as e:
+        return False, str(e)
+    return True, name
