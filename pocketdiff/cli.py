@@ -22,7 +22,7 @@ VERBS: dict[str, Optional[str]] = {
     "train-teacher": "pocketdiff.train.teacher",
     "distill": None,
     "calibrate": None,
-    "prune": None,
+    "prune": "pocketdiff.compress.prune",
     "evaluate": None,
     "export": None,
     "run-bundle": None,

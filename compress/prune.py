@@ -1,0 +1,565 @@
+"""`pocketdiff prune`: dependency-aware structured pruning of the large UNet convolutions,
+then recovery distillation from the unpruned model.
+
+1. load data and the teacher pipeline (`model.pretrained`, or a built `model.arch`)
+2. select target convs (name patterns + weight-size / activation-volume thresholds) and
+   map them to their dependency groups (ResNet-block internal channels, `prune_graph`)
+3. score channels with the importance callable (`prune_importance`; Taylor accumulates
+   denoising-loss gradients over stratified timesteps first)
+4. allocate kept channels per group (uniform or global), remove them physically, save the
+   pruned UNet (`pruned_unet/`, pocketdiff format: stock config + pruning.json + safetensors)
+5. recovery: knowledge distillation from the unpruned UNet through the shared training
+   loop (`prune_recovery`, `--resume latest`)
+6. measure: params and MACs per conv and in total, teacher-relative error on fixed probes,
+   FD / CLIP (through `pocketdiff.evaluate` when available), sample grids; save the
+   pipeline folder (`pipeline/`, stock components + pruned unet) and report.json + index.html
+
+Loading the result: `pocketdiff.compress.prune.load_pruned_pipeline(dir)` (or
+`load_pruned_unet(dir/unet)`); see `prune_model`.
+
+Bad input is refused while the config is validated, before the output folder is touched:
+a ratio outside (0, 1), a target pattern matching no conv, targets with nothing prunable,
+and a ratio that would leave a group with fewer channels than its GroupNorm groups.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import logging
+import math
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from pocketdiff.config import DataConfig
+from pocketdiff.errors import PocketdiffError, require
+from pocketdiff.models import ModelConfig, count_params
+from pocketdiff.train.loop import LoopConfig
+
+from . import prune_graph as pg
+from .prune_importance import (
+    accumulate_diffusion_gradients,
+    group_parameters,
+    needs_gradients,
+    resolve_importance,
+    score_group,
+)
+from .prune_model import (  # noqa: F401  (re-exported: the loader hooks other stages call)
+    PrunedUNet2DConditionModel,
+    is_pruned_pipeline,
+    load_pruned_pipeline,
+    load_pruned_unet,
+    to_pruned,
+)
+from .prune_recovery import RecoveryConfig, recover
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Config", "run", "load_pruned_pipeline", "load_pruned_unet", "is_pruned_pipeline", "prune_unet"]
+
+ALLOCATIONS = ("uniform", "global")
+
+
+@dataclasses.dataclass
+class TargetConfig:
+    """Which convs are pruned: name patterns (fnmatch) and size thresholds.
+
+    A conv is a target when it matches an `include` pattern, no `exclude` pattern, and (if
+    any threshold is set) its weight has >= `min_weight_params` elements OR its output has
+    >= `min_activation` elements per sample at the UNet's sample size. Targets that no
+    internal ResNet group covers (conv_in, shortcuts, samplers, 1x1 projections) are listed
+    in the report as not prunable.
+    """
+
+    include: list[str] = dataclasses.field(default_factory=lambda: ["*"])
+    exclude: list[str] = dataclasses.field(default_factory=list)
+    min_weight_params: Optional[int] = None
+    min_activation: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        require(len(self.include) > 0, "prune.targets.include", "needs at least one pattern")
+        require(self.min_weight_params is None or self.min_weight_params >= 0, "prune.targets.min_weight_params", "must be >= 0")
+        require(self.min_activation is None or self.min_activation >= 0, "prune.targets.min_activation", "must be >= 0")
+
+
+@dataclasses.dataclass
+class TaylorConfig:
+    """Gradient accumulation for `importance: taylor` (Diff-Pruning)."""
+
+    samples: int = 256  # calibration samples; timesteps are stratified over all of them
+    batch_size: int = 16
+    t_min: float = 0.0  # timestep range, as fractions of the training timesteps
+    t_max: float = 1.0
+
+    def __post_init__(self) -> None:
+        require(self.samples > 0, "prune.taylor.samples", "must be positive")
+        require(self.batch_size > 0, "prune.taylor.batch_size", "must be positive")
+        require(0.0 <= self.t_min < self.t_max <= 1.0, "prune.taylor", "needs 0 <= t_min < t_max <= 1")
+
+
+@dataclasses.dataclass
+class PruneSettings:
+    """The `prune:` section."""
+
+    ratio: float = 0.3  # fraction of the targeted convs' parameters to remove
+    importance: str = "l1"  # l1 | l2 | taylor | random | "module:function"
+    groupnorm: str = "whole_groups"  # whole_groups (exact) | per_group (keeps num_groups)
+    allocation: str = "uniform"  # uniform | global
+    round_to: int = 8  # kept channel counts are multiples of this
+    max_layer_ratio: float = 0.9  # global allocation: most any group may lose
+    targets: TargetConfig = dataclasses.field(default_factory=TargetConfig)
+    taylor: TaylorConfig = dataclasses.field(default_factory=TaylorConfig)
+
+    def __post_init__(self) -> None:
+        require(0.0 < self.ratio < 1.0, "prune.ratio", f"must be in (0, 1) (fraction of targeted conv parameters to remove), got {self.ratio}")
+        require(self.groupnorm in pg.GROUPNORM_MODES, "prune.groupnorm", f"must be one of {pg.GROUPNORM_MODES}, got {self.groupnorm!r}")
+        require(self.allocation in ALLOCATIONS, "prune.allocation", f"must be one of {ALLOCATIONS}, got {self.allocation!r}")
+        require(self.round_to >= 1, "prune.round_to", f"must be >= 1, got {self.round_to}")
+        require(0.0 < self.max_layer_ratio < 1.0, "prune.max_layer_ratio", "must be in (0, 1)")
+        try:
+            resolve_importance(self.importance)
+        except PocketdiffError as e:
+            raise type(e)(str(e)) from None
+
+
+@dataclasses.dataclass
+class EvalSettings:
+    """What is measured before pruning, after pruning and after recovery."""
+
+    probe_samples: int = 64  # teacher-relative error on fixed (x_t, t, caption) probes
+    metrics: bool = True  # FD / CLIP score through pocketdiff.evaluate, when it is installed
+    num_samples: int = 256  # images per model for FD / CLIP
+    prompts: list[str] = dataclasses.field(default_factory=list)  # sample grid (default: first captions)
+    steps: int = 25
+    guidance_scale: float = 3.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        require(self.probe_samples >= 0, "eval.probe_samples", "must be >= 0")
+        require(self.num_samples >= 2, "eval.num_samples", "must be >= 2")
+        require(self.steps >= 1, "eval.steps", "must be >= 1")
+
+
+@dataclasses.dataclass
+class Config:
+    seed: int = 0
+    device: str = "auto"  # importance, probes and sampling (recovery uses Accelerate's device)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    prune: PruneSettings = dataclasses.field(default_factory=PruneSettings)
+    recovery: RecoveryConfig = dataclasses.field(default_factory=RecoveryConfig)
+    train: LoopConfig = dataclasses.field(default_factory=lambda: LoopConfig(max_steps=500, batch_size=16, lr=5e-5))
+    eval: EvalSettings = dataclasses.field(default_factory=EvalSettings)
+
+    def __post_init__(self) -> None:
+        require(self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda", "mps"), "device",
+                f"must be auto, cpu, cuda[:N] or mps, got {self.device!r}")
+        precheck(self)  # model-dependent bad input, refused before anything is written
+
+
+# --------------------------------------------------------------------------------------
+# Planning (also run on a meta-device model to validate the config)
+# --------------------------------------------------------------------------------------
+
+def _unet_config_for(cfg: Config) -> Optional[tuple[dict, Optional[dict]]]:
+    """(UNet config, pruning spec or None) without loading weights; None when unknown here
+    (hub ids, separate VAEs): then `run` checks the same things after loading."""
+    from pocketdiff.models import unet_config, vae_config
+
+    if cfg.model.pretrained:
+        folder = Path(str(cfg.model.pretrained)).expanduser() / "unet"
+        if not (folder / "config.json").is_file():
+            return None
+        try:
+            conf = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+            spec = json.loads((folder / "pruning.json").read_text(encoding="utf-8")) if (folder / "pruning.json").is_file() else None
+        except (OSError, json.JSONDecodeError):
+            return None
+        return conf, spec
+    if cfg.model.vae:
+        return None
+    factor = 2 ** (len(vae_config(cfg.model.arch)["block_out_channels"]) - 1)
+    return unet_config(cfg.model.arch, cfg.model.prediction_type, cfg.data.resolution, vae_factor=factor), None
+
+
+def precheck(cfg: Config) -> None:
+    """Targets and ratio against the model's shapes, on the meta device (no weights, ~1 s)."""
+    found = _unet_config_for(cfg)
+    if found is None:
+        return
+    from .prune_model import build_pruned_unet
+
+    conf, spec = found
+    unet = build_pruned_unet(conf, spec or {"format": "pocketdiff-pruned-unet", "version": 1, "modules": {}})
+    plan_shapes(unet, cfg.prune)
+
+
+def _budgets(selection: pg.Selection, scores: Optional[dict[str, torch.Tensor]] = None) -> list[pg.GroupBudget]:
+    out = []
+    for g in selection.groups:
+        cost = 0.0
+        c1, c2 = g.conv_names
+        if c1 in selection.targeted:
+            cost += g.conv1.in_channels * g.conv1.kernel_size[0] * g.conv1.kernel_size[1] + (1 if g.conv1.bias is not None else 0)
+        if c2 in selection.targeted:
+            cost += g.conv2.out_channels * g.conv2.kernel_size[0] * g.conv2.kernel_size[1]
+        out.append(pg.GroupBudget(g.name, g.channels, g.num_groups, cost, None if scores is None else scores[g.name]))
+    return out
+
+
+def plan_shapes(unet, p: PruneSettings, profile: Optional[dict] = None) -> tuple[pg.Selection, dict]:
+    """Target selection + (for uniform allocation) kept channels per group; raises on bad input."""
+    profile = profile if profile is not None else pg.layer_profile(unet)
+    sel = pg.select_targets(unet, profile, p.targets.include, p.targets.exclude, p.targets.min_weight_params, p.targets.min_activation)
+    budgets = _budgets(sel)
+    if p.allocation == "uniform":
+        keep = pg.allocate(budgets, p.ratio, p.groupnorm, p.round_to, "uniform")
+    else:  # feasibility only: scores are needed to decide
+        fake = {b.name: torch.ones(b.channels) for b in budgets}
+        keep = pg.allocate(_budgets(sel, fake), p.ratio, p.groupnorm, p.round_to, "global", p.max_layer_ratio)
+    return sel, keep
+
+
+# --------------------------------------------------------------------------------------
+# The pruning itself (usable without the CLI)
+# --------------------------------------------------------------------------------------
+
+def prune_unet(unet, p: PruneSettings, *, generator: Optional[torch.Generator] = None, gradient_fn=None, scores=None):
+    """Prune a copy of `unet` (a UNet2DConditionModel) and return (PrunedUNet2DConditionModel, plan).
+
+    `gradient_fn(unet_copy, params)` accumulates gradients when the importance needs them
+    (Taylor); `scores` ({group name: Tensor}) skips the importance callable. `plan` lists per
+    group the channels and GroupNorm groups before/after, kept indices and the scores.
+    """
+    generator = generator or torch.Generator().manual_seed(0)
+    work = copy.deepcopy(unet)
+    profile = pg.layer_profile(work)
+    sel = pg.select_targets(work, profile, p.targets.include, p.targets.exclude, p.targets.min_weight_params, p.targets.min_activation)
+    importance = resolve_importance(p.importance)
+    if scores is None:
+        if needs_gradients(importance):
+            if gradient_fn is None:
+                raise PocketdiffError(f"importance {p.importance!r} needs gradients: pass gradient_fn")
+            gradient_fn(work, group_parameters(sel.groups))
+        scores = {g.name: score_group(importance, g, work, generator) for g in sel.groups}
+        for prm in work.parameters():
+            prm.grad = None
+    keep_counts = pg.allocate(_budgets(sel, scores), p.ratio, p.groupnorm, p.round_to, p.allocation, p.max_layer_ratio)
+    plan = []
+    for g in sel.groups:
+        before_c, before_g = g.channels, g.num_groups
+        keep = pg.choose_keep(scores[g.name], g.num_groups, keep_counts[g.name], p.groupnorm)
+        pg.prune_internal(g, keep, p.groupnorm)
+        plan.append({
+            "group": g.name, "channels_before": before_c, "channels_after": g.channels,
+            "groupnorm_groups_before": before_g, "groupnorm_groups_after": g.num_groups,
+            "targeted_convs": [c for c in g.conv_names if c in sel.targeted],
+            "keep": keep.tolist(), "scores": [float(s) for s in scores[g.name].tolist()],
+        })
+    pruned = to_pruned(work)
+    return pruned, {"groups": plan, "unprunable": sel.unprunable, "targeted": sorted(sel.targeted)}
+
+
+# --------------------------------------------------------------------------------------
+# Measurements
+# --------------------------------------------------------------------------------------
+
+def macs_table(before: dict, after: dict, targeted: list[str]) -> dict:
+    per_conv, tot = [], {"conv_before": 0, "conv_after": 0, "linear_before": 0, "linear_after": 0}
+    for name, sb in before.items():
+        sa = after[name]
+        tot[f"{sb.kind}_before"] += sb.macs
+        tot[f"{sb.kind}_after"] += sa.macs
+        if sb.kind == "conv":
+            per_conv.append({"name": name, "targeted": name in targeted, "params_before": sb.params, "params_after": sa.params,
+                             "macs_before": sb.macs, "macs_after": sa.macs, "out_shape": list(sb.out_shape)})
+    tot["total_before"] = tot["conv_before"] + tot["linear_before"]
+    tot["total_after"] = tot["conv_after"] + tot["linear_after"]
+    tot["note"] = "multiply-accumulates per sample at the UNet's sample size; convolutions + linear layers (attention score/value matmuls excluded, unchanged by pruning)"
+    tot["per_conv"] = per_conv
+    return tot
+
+
+def _device(cfg: Config) -> torch.device:
+    if cfg.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(cfg.device)
+
+
+@torch.no_grad()
+def _encode(pipe, items: list[dict], generator: torch.Generator, device) -> tuple[torch.Tensor, torch.Tensor]:
+    from pocketdiff.data import collate
+    from pocketdiff.train.losses import tokenize
+
+    batch = collate(items)
+    x = batch["pixel_values"].to(device)
+    dist = pipe.vae.encode(x).latent_dist
+    eps = torch.randn(dist.mean.shape, generator=generator).to(device)
+    latents = (dist.mean + dist.std * eps) * pipe.vae.config.scaling_factor
+    emb = pipe.text_encoder(tokenize(pipe.tokenizer, list(batch["text"])).to(device))[0]
+    return latents, emb
+
+
+def _calibration_batches(pipe, dataset, n: int, batch_size: int, generator: torch.Generator, device):
+    order = torch.randperm(len(dataset), generator=generator).tolist()
+    while len(order) < n:
+        order += order
+    order = order[:n]
+    for start in range(0, n, batch_size):
+        items = [dataset[i] for i in order[start : start + batch_size]]
+        yield _encode(pipe, items, generator, device)
+
+
+class Probe:
+    """Fixed (x_t, t, text) inputs and the teacher's outputs on them: the teacher-relative
+    error of a student is mean((s - t)^2) and its ratio to mean(t^2)."""
+
+    def __init__(self, pipe, teacher, dataset, n: int, seed: int, device, batch_size: int = 16):
+        g = torch.Generator().manual_seed(seed * 31 + 17)
+        T = pipe.scheduler.config.num_train_timesteps
+        self.batches = []
+        idx = list(range(len(dataset)))[-n:] if n <= len(dataset) else [i % len(dataset) for i in range(n)]
+        ts = ((torch.arange(n, dtype=torch.float64) + torch.rand(n, generator=g, dtype=torch.float64)) * T / n).long().clamp(0, T - 1)
+        for s in range(0, n, batch_size):
+            items = [dataset[i] for i in idx[s : s + batch_size]]
+            lat, emb = _encode(pipe, items, g, device)
+            noise = torch.randn(lat.shape, generator=g).to(device)
+            t = ts[s : s + len(items)].to(device)
+            x = pipe.scheduler.add_noise(lat, noise, t)
+            with torch.no_grad():
+                ref = teacher(x, t, encoder_hidden_states=emb).sample.float()
+            self.batches.append((x, t, emb, ref))
+
+    @torch.no_grad()
+    def error(self, unet) -> dict:
+        if not self.batches:
+            return {}
+        se, ref2, n = 0.0, 0.0, 0
+        for x, t, emb, ref in self.batches:
+            out = unet(x, t, encoder_hidden_states=emb).sample.float()
+            se += float(((out - ref) ** 2).sum())
+            ref2 += float((ref ** 2).sum())
+            n += ref.numel()
+        return {"mse_to_teacher": se / n, "relative_mse": se / max(ref2, 1e-12), "samples": sum(b[0].shape[0] for b in self.batches)}
+
+
+def external_metrics(cfg: Config, pipe, unets: dict, out: Path) -> dict:
+    """FD / CLIP score for each named UNet through pocketdiff.evaluate, when it offers
+    `evaluate_unets(pipe, unets, cfg, out) -> {name: {"fd": .., "clip_score": .., "features": ..}}`."""
+    if not cfg.eval.metrics:
+        return {"available": False, "reason": "eval.metrics is false"}
+    try:
+        import pocketdiff.evaluate as ev
+    except ImportError as e:
+        return {"available": False, "reason": f"pocketdiff.evaluate is not importable: {e}"}
+    fn = getattr(ev, "evaluate_unets", None)
+    if fn is None:
+        return {"available": False, "reason": "pocketdiff.evaluate offers no evaluate_unets(); FD / CLIP left out"}
+    return {"available": True, "results": fn(pipe, unets, cfg.eval, out)}
+
+
+# --------------------------------------------------------------------------------------
+# Report helpers
+# --------------------------------------------------------------------------------------
+
+def plot_importance(plan: list[dict], path: Path, title: str, mode: str = "per_group") -> Path:
+    """Left: sorted normalised scores per group; right: histogram of kept vs pruned units
+    (whole_groups: one unit = one GroupNorm group, scored by its channels' sum)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 3.8), dpi=100)
+    kept_all, pruned_all = [], []
+    for g in plan:
+        s = torch.tensor(g["scores"], dtype=torch.float64)
+        mask = torch.zeros(len(s), dtype=torch.bool)
+        mask[torch.tensor(g["keep"], dtype=torch.long)] = True
+        if mode == "whole_groups":
+            G = g["groupnorm_groups_before"]
+            s = s.reshape(G, -1).sum(1)
+            mask = mask.reshape(G, -1).all(1)
+        s = s / (float(s.abs().mean()) or 1.0)
+        order = torch.argsort(s)
+        xs = torch.linspace(0, 1, len(s))
+        a1.plot(xs.tolist(), s[order].tolist(), lw=1, alpha=0.7)
+        kept_all += s[mask].tolist()
+        pruned_all += s[~mask].tolist()
+    unit = "GroupNorm groups" if mode == "whole_groups" else "channels"
+    a1.set_xlabel(f"rank / {unit} (per ResNet block)")
+    a1.set_ylabel("importance / block mean")
+    a1.set_title(f"sorted importance of {unit}")
+    a1.grid(alpha=0.3)
+    if kept_all:
+        a2.hist(kept_all, bins=40, alpha=0.6, label=f"kept ({len(kept_all)})")
+    if pruned_all:
+        a2.hist(pruned_all, bins=40, alpha=0.6, label=f"pruned ({len(pruned_all)})")
+    a2.set_xlabel("importance / block mean")
+    a2.set_ylabel(unit)
+    a2.set_title(title)
+    a2.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def _save_unet_atomic(unet, folder: Path) -> None:
+    tmp = folder.with_name(folder.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    unet.save_pretrained(str(tmp))
+    if folder.exists():
+        shutil.rmtree(folder)
+    os.replace(tmp, folder)
+
+
+# --------------------------------------------------------------------------------------
+# The verb
+# --------------------------------------------------------------------------------------
+
+def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
+    from pocketdiff.data import ImageCaptionDataset, collate, load_captioned_dataset
+    from pocketdiff.models import load_or_build, save_pipeline
+    from pocketdiff.report import img, plot_curves, save_grid, table, write_page
+    from pocketdiff.sampling import generate
+
+    out = Path(out)
+    device = _device(cfg)
+    torch.manual_seed(cfg.seed)
+
+    # 1. data and teacher
+    hf_ds = load_captioned_dataset(cfg.data)
+    captions = list(hf_ds["text"])
+    dataset = ImageCaptionDataset(hf_ds)
+    pipe = load_or_build(cfg.model, captions=captions, resolution=cfg.data.resolution)
+    if isinstance(pipe.unet, PrunedUNet2DConditionModel):
+        log.info("model.pretrained is already pruned: pruning it further")
+    teacher = pipe.unet.to(device).eval().requires_grad_(False)
+    pipe.vae.to(device).eval().requires_grad_(False)
+    pipe.text_encoder.to(device).eval().requires_grad_(False)
+    report: dict[str, Any] = {"data": {"source": cfg.data.source, "items": len(dataset), "resolution": cfg.data.resolution},
+                              "teacher": cfg.model.pretrained or f"built {cfg.model.arch} (random weights)"}
+
+    # 2-4. plan and prune (reused on --resume)
+    pruned_dir, plan_path = out / "pruned_unet", out / "plan.json"
+    if resume is not None and (pruned_dir / "pruning.json").is_file() and plan_path.is_file():
+        student = load_pruned_unet(pruned_dir).to(device)
+        plan = json.loads(plan_path.read_text(encoding="utf-8"))
+        report["resumed_pruning"] = True
+    else:
+        gen = torch.Generator().manual_seed(cfg.seed)
+        importance = resolve_importance(cfg.prune.importance)
+        gradient_fn = None
+        if needs_gradients(importance):
+            tc = cfg.prune.taylor
+
+            def gradient_fn(work, params):
+                batches = _calibration_batches(pipe, dataset, tc.samples, tc.batch_size, gen, device)
+                report["taylor"] = accumulate_diffusion_gradients(work, pipe.scheduler, batches, tc.samples, params, gen, (tc.t_min, tc.t_max))
+
+        student, plan = prune_unet(teacher, cfg.prune, generator=gen, gradient_fn=gradient_fn)
+        _save_unet_atomic(student, pruned_dir)
+        from pocketdiff.outputs import write_json
+
+        write_json(plan_path, plan)
+    student = student.to(device).eval()
+
+    # measurements before recovery
+    prof_before = pg.layer_profile(teacher)
+    prof_after = pg.layer_profile(student)
+    targeted = plan["targeted"]
+    tp_before = sum(prof_before[n].params for n in targeted)
+    tp_after = sum(prof_after[n].params for n in targeted)
+    report.update({
+        "params_before": count_params(teacher),
+        "params_after": count_params(student),
+        "targeted_conv_params_before": tp_before,
+        "targeted_conv_params_after": tp_after,
+        "targeted_conv_params_removed_fraction": 1.0 - tp_after / max(tp_before, 1),
+        "requested_ratio": cfg.prune.ratio,
+        "importance": cfg.prune.importance, "groupnorm": cfg.prune.groupnorm, "allocation": cfg.prune.allocation,
+        "round_to": cfg.prune.round_to,
+        "groups": [{k: v for k, v in g.items() if k not in ("keep", "scores")} for g in plan["groups"]],
+        "targeted_convs": targeted,
+        "unprunable_targets": plan["unprunable"],
+        "macs": macs_table(prof_before, prof_after, targeted),
+    })
+    probe = Probe(pipe, teacher, dataset, cfg.eval.probe_samples, cfg.seed, device) if cfg.eval.probe_samples else None
+    quality = {"before_pruning": {"mse_to_teacher": 0.0, "relative_mse": 0.0}}
+    if probe:
+        quality["after_pruning"] = probe.error(student)
+
+    # 5. recovery
+    if cfg.recovery.enabled:
+        report["recovery"] = recover(cfg.recovery, cfg.train, student=student, teacher=teacher, pipe=pipe, dataset=dataset,
+                                     collate=collate, ckpt_dir=out / "checkpoints" / "recovery", seed=cfg.seed,
+                                     resume=resume, log_path=out / "logs.jsonl")
+        student = student.to(device).eval()
+        if probe:
+            quality["after_recovery"] = probe.error(student)
+    else:
+        report["recovery"] = {"enabled": False}
+    report["teacher_relative_error"] = quality
+
+    # 6. outputs
+    components = dict(pipe.components)
+    components["unet"] = student
+    final = type(pipe)(**components, requires_safety_checker=False)
+    pipeline_dir = save_pipeline(final, out / "pipeline")
+    report["pipeline_dir"] = str(pipeline_dir)
+    report["loader"] = "pocketdiff.compress.prune.load_pruned_pipeline(pipeline_dir)"
+
+    unets = {"before_pruning": teacher, "after_pruning": load_pruned_unet(pruned_dir).to(device)}
+    if cfg.recovery.enabled:
+        unets["after_recovery"] = student
+    report["metrics"] = external_metrics(cfg, pipe, unets, out)
+
+    sections = []
+    rows = [["UNet params", report["params_before"], report["params_after"], report["params_after"] / report["params_before"]],
+            ["targeted conv params", tp_before, tp_after, tp_after / max(tp_before, 1)],
+            ["conv MACs / sample", report["macs"]["conv_before"], report["macs"]["conv_after"],
+             report["macs"]["conv_after"] / max(report["macs"]["conv_before"], 1)],
+            ["conv + linear MACs / sample", report["macs"]["total_before"], report["macs"]["total_after"],
+             report["macs"]["total_after"] / max(report["macs"]["total_before"], 1)]]
+    sections.append(("Size", table(["", "before", "after", "after / before"], rows)))
+    sections.append(("Groups (ResNet internal channels)", table(
+        ["group", "channels", "GroupNorm groups", "targeted convs"],
+        [[g["group"], f"{g['channels_before']} -> {g['channels_after']}",
+          f"{g['groupnorm_groups_before']} -> {g['groupnorm_groups_after']}", ", ".join(g["targeted_convs"])] for g in plan["groups"]])))
+    plot_importance(plan["groups"], out / "importance.png", f"importance: {cfg.prune.importance}", cfg.prune.groupnorm)
+    sections.append((f"Importance distribution ({cfg.prune.importance})", img("importance.png")))
+    qrows = [[k, v.get("mse_to_teacher", ""), v.get("relative_mse", "")] for k, v in quality.items()]
+    sections.append(("Teacher-relative error on fixed probes", table(["model", "MSE to teacher", "relative MSE"], qrows)))
+    if report["metrics"].get("available"):
+        mrows = [[k, v.get("fd"), v.get("clip_score"), v.get("features", "")] for k, v in report["metrics"]["results"].items()]
+        sections.append(("FD / CLIP score", table(["model", "FD", "CLIP score", "features"], mrows)))
+    else:
+        sections.append(("FD / CLIP score", f"<p>not measured: {report['metrics']['reason']}</p>"))
+    if cfg.recovery.enabled and report["recovery"]["losses"]:
+        plot_curves({"recovery": report["recovery"]["losses"]}, out / "recovery_loss.png", "step", "loss", "recovery loss", logy=True)
+        sections.append(("Recovery loss", img("recovery_loss.png")))
+    prompts = list(cfg.eval.prompts) or captions[:4]
+    if prompts:
+        grids = []
+        for label, unet in unets.items():
+            grids.append(generate(pipe, prompts, steps=cfg.eval.steps, guidance_scale=cfg.eval.guidance_scale,
+                                  seed=cfg.eval.seed, resolution=cfg.data.resolution, unet=unet))
+        images = torch.cat(grids)
+        labels = [f"{label}: {p}" for label in unets for p in prompts]
+        save_grid(images, out / "samples.png", ncols=len(prompts), labels=labels, cell=128)
+        report["samples"] = {"grid": "samples.png", "rows": list(unets), "prompts": prompts, "steps": cfg.eval.steps,
+                             "guidance_scale": cfg.eval.guidance_scale}
+        sections.append((f"Samples, rows: {', '.join(unets)} (DDIM {cfg.eval.steps} steps, guidance {cfg.eval.guidance_scale})",
+                         img("samples.png")))
+    per_conv = [c for c in report["macs"]["per_conv"] if c["targeted"] or c["params_before"] != c["params_after"]]
+    sections.append(("Per conv (targeted or changed)", table(
+        ["conv", "targeted", "params before", "params after", "MACs before", "MACs after"],
+        [[c["name"], c["targeted"], c["params_before"], c["params_after"], c["macs_before"], c["macs_after"]] for c in per_conv])))
+    write_page(out / "index.html", "pocketdiff prune", sections, report)
+    return report

@@ -1,0 +1,152 @@
+"""Recovery of a pruned UNet: knowledge distillation from the unpruned model.
+
+The loss of one batch (all randomness from the loop's `BatchRandom`, so `--resume latest`
+replays exactly):
+
+    x_t = add_noise(z, eps, t),  z = VAE latents of real images, t ~ U[0, T)
+    L = output_weight  * |student(x_t) - teacher(x_t)|^2              (output-level KD)
+      + task_weight    * |student(x_t) - target(z, eps, t)|^2         (ordinary denoising loss)
+      + feature_weight * sum_blocks |student_block(x_t) - teacher_block(x_t)|^2   (BK-SDM feature KD)
+
+Feature KD compares the outputs of every down block, the mid block and every up block.
+Internal-channel pruning keeps those outputs' shapes, so no projection is needed. Captions
+are dropped with `caption_dropout` so the unconditional branch used by classifier-free
+guidance is distilled too. Runs through `pocketdiff.train.loop.train_loop` (Accelerate,
+atomic checkpoints, `--resume latest`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pocketdiff.errors import require
+from pocketdiff.train.loop import BatchRandom, LoopConfig, train_loop
+from pocketdiff.train.losses import diffusion_target, tokenize
+
+
+@dataclasses.dataclass
+class RecoveryConfig:
+    """The `recovery:` section (optimisation settings are the `train:` section)."""
+
+    enabled: bool = True
+    output_weight: float = 1.0
+    task_weight: float = 0.0
+    feature_weight: float = 0.0
+    caption_dropout: float = 0.1
+
+    def __post_init__(self) -> None:
+        for key in ("output_weight", "task_weight", "feature_weight"):
+            require(getattr(self, key) >= 0, f"recovery.{key}", "must be >= 0")
+        require(self.output_weight + self.task_weight + self.feature_weight > 0, "recovery",
+                "at least one of output_weight, task_weight, feature_weight must be positive")
+        require(0.0 <= self.caption_dropout < 1.0, "recovery.caption_dropout", "must be in [0, 1)")
+
+
+def block_names(unet: nn.Module) -> list[str]:
+    names = [f"down_blocks.{i}" for i in range(len(unet.down_blocks))]
+    if getattr(unet, "mid_block", None) is not None:
+        names.append("mid_block")
+    names += [f"up_blocks.{i}" for i in range(len(unet.up_blocks))]
+    return names
+
+
+class FeatureTap:
+    """Forward hooks storing the outputs of named blocks (first element of tuple outputs)."""
+
+    def __init__(self, model: nn.Module, names: list[str]):
+        self.features: dict[str, torch.Tensor] = {}
+        mods = dict(model.named_modules())
+        self.handles = [mods[n].register_forward_hook(self._hook(n)) for n in names]
+
+    def _hook(self, name):
+        def hook(mod, inputs, output):
+            self.features[name] = output[0] if isinstance(output, (tuple, list)) else output
+        return hook
+
+    def pop(self) -> dict[str, torch.Tensor]:
+        f, self.features = self.features, {}
+        return f
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
+def recover(
+    cfg: RecoveryConfig,
+    loop: LoopConfig,
+    *,
+    student: nn.Module,
+    teacher: nn.Module,
+    pipe,
+    dataset,
+    collate,
+    ckpt_dir: Path,
+    seed: int,
+    resume: Optional[str] = None,
+    log_path: Optional[Path] = None,
+) -> dict:
+    """Distil `teacher` (frozen) into `student` (trained in place). Returns losses and steps."""
+    vae, text_encoder, tokenizer, scheduler = pipe.vae, pipe.text_encoder, pipe.tokenizer, pipe.scheduler
+    for m in (teacher, vae, text_encoder):
+        m.requires_grad_(False).eval()
+    student.requires_grad_(True).train()
+    names = block_names(student) if cfg.feature_weight > 0 else []
+    tap_s = FeatureTap(student, names) if names else None
+    tap_t = FeatureTap(teacher, names) if names else None
+    parts: dict[str, float] = {}
+
+    def loss_fn(model, batch, rng: BatchRandom):
+        dev = rng.device
+        x = batch["pixel_values"].to(dev)
+        with torch.no_grad():
+            vae.to(dev)
+            text_encoder.to(dev)
+            teacher.to(dev)
+            dist = vae.encode(x).latent_dist
+            latents = (dist.mean + dist.std * rng.randn(*dist.mean.shape[1:])) * vae.config.scaling_factor
+            drop = rng.rand() < cfg.caption_dropout
+            texts = ["" if d else t for d, t in zip(drop.tolist(), batch["text"])]
+            emb = text_encoder(tokenize(tokenizer, texts).to(dev))[0]
+            noise = rng.randn(*latents.shape[1:]).to(latents.dtype)
+            t = rng.randint(0, scheduler.config.num_train_timesteps)
+            noisy = scheduler.add_noise(latents, noise, t)
+            t_out = teacher(noisy, t, encoder_hidden_states=emb).sample.float()
+            t_feat = tap_t.pop() if tap_t else {}
+        s_out = model(noisy, t, encoder_hidden_states=emb).sample.float()
+        s_feat = tap_s.pop() if tap_s else {}
+        loss = torch.zeros((), device=dev)
+        if cfg.output_weight > 0:
+            kd = F.mse_loss(s_out, t_out)
+            parts["output_kd"] = float(kd.detach())
+            loss = loss + cfg.output_weight * kd
+        if cfg.task_weight > 0:
+            task = F.mse_loss(s_out, diffusion_target(scheduler, latents, noise, t).float())
+            parts["task"] = float(task.detach())
+            loss = loss + cfg.task_weight * task
+        if cfg.feature_weight > 0:
+            feat = sum(F.mse_loss(s_feat[n].float(), t_feat[n].float()) for n in names)
+            parts["feature_kd"] = float(feat.detach())
+            loss = loss + cfg.feature_weight * feat
+        return loss
+
+    try:
+        result = train_loop(loop, model=student, loss_fn=loss_fn, dataset=dataset, collate=collate, ckpt_dir=ckpt_dir,
+                            seed=seed, resume=resume, desc="recovery", log_path=log_path)
+    finally:
+        if tap_s:
+            tap_s.remove()
+        if tap_t:
+            tap_t.remove()
+    if result.ema is not None:
+        result.ema.copy_to(student)
+    student.eval()
+    return {"steps": result.steps, "final_loss": result.final_loss, "losses": result.losses,
+            "skipped_steps": result.skipped_steps, "last_loss_parts": dict(parts),
+            "weights": {"output": cfg.output_weight, "task": cfg.task_weight, "feature": cfg.feature_weight}}

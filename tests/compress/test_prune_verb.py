@@ -1,0 +1,101 @@
+"""`pocketdiff prune` end to end on the tiny config, resume, report, and bad input."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from pocketdiff.cli import main
+from pocketdiff.compress.prune import Config, load_pruned_pipeline
+from pocketdiff.compress.prune_model import PrunedUNet2DConditionModel
+from pocketdiff.config import load_config
+from pocketdiff.errors import ConfigError
+
+SMALL = [
+    "data.source=shapes", "data.shapes_count=16", "data.resolution=32",
+    "model.arch=tiny",
+    "prune.ratio=0.3", "prune.importance=taylor", "prune.round_to=4", "prune.taylor.samples=4", "prune.taylor.batch_size=4",
+    "recovery.feature_weight=0.1",
+    "train.batch_size=4", "train.checkpoint_every=1", "train.log_every=1",
+    "eval.probe_samples=4", "eval.metrics=false", "eval.prompts=[a red circle]", "eval.steps=2",
+]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("prune") / "run"
+    assert main(["prune", "--output", str(out), *SMALL, "train.max_steps=2"]) == 0
+    return out
+
+
+def test_report_and_outputs(run_dir):
+    report = json.loads((run_dir / "report.json").read_text())
+    for key in ("params_before", "params_after", "pipeline_dir", "macs", "groups", "teacher_relative_error", "recovery"):
+        assert key in report, key
+    assert report["params_after"] < report["params_before"]
+    frac = report["targeted_conv_params_removed_fraction"]
+    assert 0.2 < frac < 0.4
+    macs = report["macs"]
+    assert macs["conv_after"] < macs["conv_before"] and macs["total_after"] < macs["total_before"]
+    per_conv = {c["name"]: c for c in macs["per_conv"]}
+    c = per_conv["up_blocks.0.resnets.0.conv1"]
+    assert c["targeted"] and c["macs_after"] < c["macs_before"] and c["params_after"] < c["params_before"]
+    assert per_conv["conv_in"]["macs_after"] == per_conv["conv_in"]["macs_before"]
+    assert report["recovery"]["steps"] == 2
+    q = report["teacher_relative_error"]
+    assert q["after_pruning"]["relative_mse"] > 0 and "after_recovery" in q
+    assert report["metrics"]["available"] is False and report["metrics"]["reason"]
+    for name in ("index.html", "importance.png", "samples.png", "config.yaml", "plan.json"):
+        assert (run_dir / name).is_file(), name
+    assert "importance.png" in (run_dir / "index.html").read_text()
+    pipe = load_pruned_pipeline(report["pipeline_dir"])
+    assert isinstance(pipe.unet, PrunedUNet2DConditionModel)
+    assert sum(p.numel() for p in pipe.unet.parameters()) == report["params_after"]
+
+
+def test_resume_latest_continues_recovery(run_dir):
+    before = json.loads((run_dir / "report.json").read_text())
+    assert main(["prune", "--output", str(run_dir), "--resume", "latest", *SMALL, "train.max_steps=3"]) == 0
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["resumed_pruning"] is True
+    assert report["recovery"]["steps"] == 3
+    steps = [s for s, _ in report["recovery"]["losses"]]
+    assert steps == [1, 2, 3]  # steps 1-2 from the first run's checkpoint, 3 new
+    assert report["groups"] == before["groups"]  # the same pruned architecture, not re-pruned
+
+
+@pytest.mark.parametrize("override,match", [
+    ("prune.ratio=0", "prune.ratio"),
+    ("prune.ratio=1.0", "prune.ratio"),
+    ("prune.ratio=1.5", "prune.ratio"),
+    ("prune.ratio=-0.1", "prune.ratio"),
+    ("prune.ratio=0.9", "fewer than its 8 GroupNorm groups"),
+    ("prune.targets.include=[encoder.*]", "matches no Conv2d"),
+    ("prune.targets.include=[conv_in]", "no prunable conv"),
+    ("prune.targets.min_weight_params=1000000000", "no prunable conv"),
+    ("prune.groupnorm=some", "prune.groupnorm"),
+    ("prune.importance=magic", "prune.importance"),
+])
+def test_bad_input_clear_error_nothing_written(tmp_path, capsys, override, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(Config, None, ["model.arch=tiny", override])
+    out = tmp_path / "never"
+    assert main(["prune", "--output", str(out), "model.arch=tiny", override]) == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+def test_global_allocation_config_checks_capacity():
+    cfg = load_config(Config, None, ["model.arch=tiny", "prune.allocation=global", "prune.ratio=0.5"])
+    assert cfg.prune.allocation == "global"
+    with pytest.raises(ConfigError, match="cannot be reached"):
+        load_config(Config, None, ["model.arch=tiny", "prune.allocation=global", "prune.ratio=0.8", "prune.max_layer_ratio=0.5"])
+
+
+def test_smoke_recipe_is_valid():
+    from pathlib import Path
+
+    cfg = load_config(Config, Path(__file__).resolve().parents[2] / "configs" / "smoke" / "prune.yaml")
+    assert cfg.prune.importance == "taylor" and cfg.train.max_steps <= 20
