@@ -1,0 +1,533 @@
+"""Model factories and loading: every stage gets its Stable-Diffusion-family pipeline here.
+
+Two ways in, one type out (`diffusers.StableDiffusionPipeline`):
+
+- `build_pipeline`: an architecture from `ARCHS` with random weights, constructed from
+  config dicts (nothing is downloaded), plus a CLIP-format tokenizer trained on the
+  captions (`pocketdiff.tokenizer`). `tiny` trains on CPU in minutes (32 px), `small`
+  is a few-MB teacher for 64 px domains, `sd15` / `sd21` are the real SD-1.5 / SD-2.1
+  architectures for export and benchmarks.
+- `load_pipeline`: a diffusers pipeline folder or hub id through the stock
+  `StableDiffusionPipeline.from_pretrained` (safetensors only, safety checker off).
+
+Outputs are written with `save_pipeline`, which any stock diffusers install can load.
+
+Freshly built models keep diffusers' initialisation, including identity norm affines
+(weight 1, bias 0). Benchmarks and converter tests that need trained-like weights call
+`perturb_norm_affines` themselves (see DESIGN.md: identity affines are an artefact the
+converter folds into BROADCAST_TO).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any, Iterable, Optional, Union
+
+import torch
+from torch import nn
+
+from .errors import PocketdiffError, require
+
+log = logging.getLogger(__name__)
+
+ARCHS = ("tiny", "small", "sd15", "sd21")
+PREDICTION_TYPES = ("epsilon", "v_prediction")
+
+# Image size each architecture is built for when no resolution is given.
+DEFAULT_RESOLUTION = {"tiny": 32, "small": 64, "sd15": 512, "sd21": 768}
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    """The `model:` section of every verb's config.
+
+    `pretrained` (a diffusers pipeline folder or hub id) wins over `arch`; its own scheduler
+    config is authoritative for the prediction type (a mismatch with `prediction_type` is
+    logged, not applied). `prediction_type` and `vocab_size` apply to built models.
+    """
+
+    pretrained: Optional[str] = None  # diffusers pipeline folder or hub id; None -> build `arch` with random weights
+    arch: str = "tiny"
+    prediction_type: str = "epsilon"  # epsilon | v_prediction
+    vae: Optional[str] = None  # optional separate pretrained VAE (AutoencoderKL folder, pipeline folder, or hub id)
+    vocab_size: int = 1024  # tokenizer size for built (non-pretrained) models
+
+    def __post_init__(self) -> None:
+        require(self.arch in ARCHS, "model.arch", f"must be one of {ARCHS}, got {self.arch!r}")
+        require(
+            self.prediction_type in PREDICTION_TYPES,
+            "model.prediction_type",
+            f"must be one of {PREDICTION_TYPES}, got {self.prediction_type!r}",
+        )
+        require(self.vocab_size >= 514, "model.vocab_size", f"must be >= 514 (CLIP byte symbols + specials), got {self.vocab_size}")
+        require(self.pretrained is None or bool(str(self.pretrained).strip()), "model.pretrained", "must be a folder or hub id, or null")
+        require(self.vae is None or bool(str(self.vae).strip()), "model.vae", "must be a folder or hub id, or null")
+
+
+# --------------------------------------------------------------------------------------
+# Architecture configs
+# --------------------------------------------------------------------------------------
+
+def _check_arch(arch: str) -> None:
+    if arch not in ARCHS:
+        raise PocketdiffError(f"unknown model arch {arch!r}; choose one of {ARCHS}")
+
+
+def default_resolution(arch: str, prediction_type: str = "epsilon") -> int:
+    """Image size an arch is built for: SD-2.1 is 768 px (v-prediction) or 512 px (2.1-base, epsilon)."""
+    _check_arch(arch)
+    if arch == "sd21" and prediction_type != "v_prediction":
+        return 512
+    return DEFAULT_RESOLUTION[arch]
+
+
+def vae_config(arch: str, resolution: Optional[int] = None) -> dict:
+    """AutoencoderKL config dict. Factor 4 for tiny/small, 8 for the SD archs."""
+    _check_arch(arch)
+    if arch == "tiny":
+        cfg = dict(block_out_channels=(32, 64, 64), layers_per_block=1, norm_num_groups=8)
+    elif arch == "small":
+        cfg = dict(block_out_channels=(32, 64, 128), layers_per_block=1, norm_num_groups=16)
+    else:  # sd15 / sd21 share the SD VAE
+        cfg = dict(block_out_channels=(128, 256, 512, 512), layers_per_block=2, norm_num_groups=32)
+    n = len(cfg["block_out_channels"])
+    cfg.update(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * n,
+        up_block_types=("UpDecoderBlock2D",) * n,
+        latent_channels=4,
+        act_fn="silu",
+        sample_size=int(resolution or DEFAULT_RESOLUTION[arch]),
+        scaling_factor=0.18215,
+    )
+    return cfg
+
+
+def unet_config(
+    arch: str,
+    prediction_type: str = "epsilon",
+    resolution: Optional[int] = None,
+    latent_channels: int = 4,
+    vae_factor: Optional[int] = None,
+) -> dict:
+    """UNet2DConditionModel config dict; `sample_size` is the latent size for `resolution`.
+
+    `prediction_type` only picks the default resolution (SD-2.1: 768 px v-prediction,
+    512 px epsilon); it is the scheduler that carries the prediction type.
+    """
+    _check_arch(arch)
+    require(prediction_type in PREDICTION_TYPES, "model.prediction_type", f"must be one of {PREDICTION_TYPES}, got {prediction_type!r}")
+    resolution = int(resolution or default_resolution(arch, prediction_type))
+    if vae_factor is None:
+        vae_factor = 2 ** (len(vae_config(arch)["block_out_channels"]) - 1)
+    if arch == "tiny":
+        cfg = dict(
+            block_out_channels=(32, 64),
+            down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+            up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+            layers_per_block=1,
+            cross_attention_dim=64,
+            attention_head_dim=8,
+            norm_num_groups=8,
+        )
+    elif arch == "small":
+        cfg = dict(
+            block_out_channels=(64, 128, 128),
+            down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
+            up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
+            layers_per_block=2,
+            cross_attention_dim=128,
+            attention_head_dim=4,
+            norm_num_groups=16,
+        )
+    elif arch == "sd15":
+        cfg = dict(
+            block_out_channels=(320, 640, 1280, 1280),
+            down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
+            up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3,
+            layers_per_block=2,
+            cross_attention_dim=768,
+            attention_head_dim=8,
+            norm_num_groups=32,
+        )
+    else:  # sd21
+        cfg = dict(
+            block_out_channels=(320, 640, 1280, 1280),
+            down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
+            up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3,
+            layers_per_block=2,
+            cross_attention_dim=1024,
+            attention_head_dim=(5, 10, 20, 20),
+            use_linear_projection=True,
+            upcast_attention=True,
+            norm_num_groups=32,
+        )
+    n_down = len(cfg["block_out_channels"])
+    multiple = vae_factor * 2 ** (n_down - 1)
+    if resolution % multiple:
+        raise PocketdiffError(
+            f"resolution {resolution} does not fit arch {arch!r}: must be a multiple of {multiple} "
+            f"(VAE factor {vae_factor} x UNet downsampling {2 ** (n_down - 1)})"
+        )
+    cfg.update(
+        sample_size=resolution // vae_factor,
+        in_channels=latent_channels,
+        out_channels=latent_channels,
+        act_fn="silu",
+        center_input_sample=False,
+        downsample_padding=1,
+        flip_sin_to_cos=True,
+        freq_shift=0,
+        mid_block_scale_factor=1,
+        norm_eps=1e-5,
+    )
+    return cfg
+
+
+def text_encoder_config(
+    arch: str,
+    vocab_size: int = 49408,
+    bos_token_id: Optional[int] = None,
+    eos_token_id: Optional[int] = None,
+    pad_token_id: Optional[int] = None,
+    max_position_embeddings: int = 77,
+):
+    """transformers.CLIPTextConfig. Token ids default to CLIP's layout (bos, eos = last two ids).
+
+    sd15: CLIP ViT-L/14 text tower; sd21: OpenCLIP ViT-H/14 text tower (23 layers, gelu).
+    """
+    from transformers import CLIPTextConfig
+
+    _check_arch(arch)
+    if arch == "tiny":
+        dims = dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2, projection_dim=64, hidden_act="quick_gelu")
+    elif arch == "small":
+        dims = dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4, projection_dim=128, hidden_act="quick_gelu")
+    elif arch == "sd15":
+        dims = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12, projection_dim=768, hidden_act="quick_gelu")
+    else:
+        dims = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=23, num_attention_heads=16, projection_dim=512, hidden_act="gelu")
+    bos = vocab_size - 2 if bos_token_id is None else bos_token_id
+    eos = vocab_size - 1 if eos_token_id is None else eos_token_id
+    pad = eos if pad_token_id is None else pad_token_id
+    return CLIPTextConfig(
+        vocab_size=vocab_size,
+        max_position_embeddings=max_position_embeddings,
+        layer_norm_eps=1e-5,
+        bos_token_id=bos,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        **dims,
+    )
+
+
+def scheduler_config(prediction_type: str = "epsilon") -> dict:
+    """DDIMScheduler config of the SD family (scaled-linear betas, leading spacing, offset 1)."""
+    require(prediction_type in PREDICTION_TYPES, "model.prediction_type", f"must be one of {PREDICTION_TYPES}, got {prediction_type!r}")
+    return dict(
+        num_train_timesteps=1000,
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        clip_sample=False,
+        set_alpha_to_one=False,
+        steps_offset=1,
+        timestep_spacing="leading",
+        prediction_type=prediction_type,
+    )
+
+
+# --------------------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------------------
+
+def vae_scale_factor(pipe_or_vae: Any) -> int:
+    """Pixel-to-latent downsampling factor, 2 ** (len(vae.config.block_out_channels) - 1)."""
+    vae = getattr(pipe_or_vae, "vae", pipe_or_vae)
+    config = getattr(vae, "config", vae)
+    channels = config["block_out_channels"] if isinstance(config, dict) else config.block_out_channels
+    return 2 ** (len(channels) - 1)
+
+
+def count_params(module: nn.Module) -> int:
+    """Number of (distinct) parameters; works on `meta`-device models."""
+    return sum(p.numel() for p in module.parameters())
+
+
+def _is_norm(module: nn.Module) -> bool:
+    if isinstance(module, (nn.GroupNorm, nn.LayerNorm, nn.modules.batchnorm._NormBase)):
+        return True
+    weight = getattr(module, "weight", None)
+    return type(module).__name__.endswith("Norm") and isinstance(weight, nn.Parameter) and weight.dim() == 1
+
+
+@torch.no_grad()
+def perturb_norm_affines(module: nn.Module, generator: Union[torch.Generator, int, None] = None, scale: float = 0.1) -> int:
+    """Give every norm layer a trained-like affine: weight 1 + scale*N(0,1), bias scale*N(0,1).
+
+    For benchmarks and converter tests on random weights (identity affines get folded into
+    BROADCAST_TO by litert-torch). Deterministic for a given generator / integer seed.
+    Returns the number of norm modules changed.
+    """
+    if generator is None or isinstance(generator, int):
+        generator = torch.Generator("cpu").manual_seed(0 if generator is None else int(generator))
+    count = 0
+    for sub in module.modules():
+        if not _is_norm(sub):
+            continue
+        weight = getattr(sub, "weight", None)
+        bias = getattr(sub, "bias", None)
+        changed = False
+        if isinstance(weight, torch.Tensor):
+            noise = torch.randn(weight.shape, generator=generator, device=generator.device, dtype=torch.float32)
+            weight.copy_((1.0 + scale * noise).to(device=weight.device, dtype=weight.dtype))
+            changed = True
+        if isinstance(bias, torch.Tensor):
+            noise = torch.randn(bias.shape, generator=generator, device=generator.device, dtype=torch.float32)
+            bias.copy_((scale * noise).to(device=bias.device, dtype=bias.dtype))
+            changed = True
+        count += int(changed)
+    return count
+
+
+# --------------------------------------------------------------------------------------
+# Build
+# --------------------------------------------------------------------------------------
+
+def _seeded(seed: int):
+    """Fork the CPU RNG so building a model neither depends on nor disturbs global RNG state."""
+    ctx = torch.random.fork_rng(devices=[])
+    torch.manual_seed(seed)
+    return ctx
+
+
+def build_pipeline(
+    cfg: ModelConfig,
+    captions: Optional[list[str]] = None,
+    resolution: Optional[int] = None,
+    *,
+    seed: int = 0,
+    tokenizer_dir: Optional[Path] = None,
+):
+    """A `StableDiffusionPipeline` of architecture `cfg.arch` with random weights (never downloaded).
+
+    The tokenizer is trained on `captions` (a small built-in corpus when None), at most
+    `cfg.vocab_size` tokens; the text encoder's embedding table has `cfg.vocab_size` rows.
+    `resolution` (pixels) sets the UNet/VAE sample sizes (default: the arch's own). With
+    `cfg.vae` set, that pretrained VAE replaces the built one (latent channels and factor
+    follow it). Weights depend only on (`cfg`, `resolution`, `seed`), not on global RNG.
+    """
+    from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    from transformers import CLIPTextModel
+
+    from .tokenizer import build_clip_tokenizer
+
+    resolution = int(resolution or default_resolution(cfg.arch, cfg.prediction_type))
+    tokenizer = build_clip_tokenizer(captions, out_dir=tokenizer_dir, vocab_size=cfg.vocab_size, model_max_length=77)
+    if len(tokenizer) > cfg.vocab_size:  # cannot happen: the builder respects vocab_size
+        raise PocketdiffError(f"tokenizer has {len(tokenizer)} tokens, more than model.vocab_size={cfg.vocab_size}")
+
+    if cfg.vae:
+        vae = load_vae(cfg.vae)
+    else:
+        with _seeded(seed + 2):
+            vae = AutoencoderKL(**vae_config(cfg.arch, resolution))
+    factor = vae_scale_factor(vae)
+
+    with _seeded(seed):
+        text_encoder = CLIPTextModel(
+            text_encoder_config(
+                cfg.arch,
+                vocab_size=cfg.vocab_size,
+                bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        )
+    with _seeded(seed + 1):
+        unet = UNet2DConditionModel(
+            **unet_config(cfg.arch, cfg.prediction_type, resolution, latent_channels=vae.config.latent_channels, vae_factor=factor)
+        )
+    scheduler = DDIMScheduler(**scheduler_config(cfg.prediction_type))
+    pipe = StableDiffusionPipeline(
+        vae=vae,
+        text_encoder=text_encoder.eval(),
+        tokenizer=tokenizer,
+        unet=unet.eval(),
+        scheduler=scheduler,
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+# --------------------------------------------------------------------------------------
+# Load / save
+# --------------------------------------------------------------------------------------
+
+_WEIGHTED = ("unet", "vae", "text_encoder")
+_COMPONENTS = ("unet", "vae", "text_encoder", "tokenizer", "scheduler")
+
+
+def _has_safetensors(folder: Path) -> bool:
+    return any(folder.glob("*.safetensors")) or any(folder.glob("*.safetensors.index.json"))
+
+
+def _looks_like_hub_id(source: str) -> bool:
+    parts = source.split("/")
+    return (
+        len(parts) == 2
+        and all(parts)
+        and not source.startswith((".", "~"))
+        and all(c.isalnum() or c in "-_." for c in source.replace("/", ""))
+    )
+
+
+def check_pipeline_folder(path: Path) -> None:
+    """Raise PocketdiffError naming the folder and the first missing piece of a diffusers SD folder."""
+    path = Path(path)
+    if not path.is_dir():
+        raise PocketdiffError(f"{path}: not a folder")
+    for comp in _COMPONENTS:
+        if not (path / comp).is_dir():
+            raise PocketdiffError(f"{path}: no {comp}/ (not a diffusers pipeline folder)")
+    if not (path / "model_index.json").is_file():
+        raise PocketdiffError(f"{path}: no model_index.json (not a diffusers pipeline folder)")
+    for comp in _WEIGHTED:
+        if not (path / comp / "config.json").is_file():
+            raise PocketdiffError(f"{path}: no {comp}/config.json (incomplete diffusers pipeline folder)")
+        if not _has_safetensors(path / comp):
+            raise PocketdiffError(
+                f"{path}: no {comp}/*.safetensors (pocketdiff loads safetensors only; convert .bin/.ckpt weights first)"
+            )
+    tok = path / "tokenizer"
+    if not ((tok / "tokenizer.json").is_file() or ((tok / "vocab.json").is_file() and (tok / "merges.txt").is_file())):
+        raise PocketdiffError(f"{path}: no tokenizer/vocab.json + merges.txt or tokenizer/tokenizer.json")
+    if not (path / "scheduler" / "scheduler_config.json").is_file():
+        raise PocketdiffError(f"{path}: no scheduler/scheduler_config.json (incomplete diffusers pipeline folder)")
+
+
+def _resolve_source(source: str) -> tuple[str, bool]:
+    """(what to pass to from_pretrained, is_local)."""
+    text = str(source)
+    path = Path(text).expanduser()
+    if path.exists():
+        return str(path), True
+    if _looks_like_hub_id(text):
+        return text, False
+    raise PocketdiffError(f"{text}: no such folder (and not a hub id like 'owner/name')")
+
+
+def _load_error(source: str, err: Exception) -> PocketdiffError:
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return PocketdiffError(f"{source}: cannot load: {first}")
+
+
+def load_pipeline(source: str, prediction_type: Optional[str] = None, torch_dtype=None):
+    """Load a diffusers SD pipeline folder or hub id with the stock `StableDiffusionPipeline.from_pretrained`.
+
+    Safetensors only, safety checker and feature extractor off. Local folders are checked
+    first and load offline. `prediction_type` (when given) overrides the scheduler's.
+    """
+    from diffusers import StableDiffusionPipeline
+
+    if prediction_type is not None:
+        require(prediction_type in PREDICTION_TYPES, "model.prediction_type", f"must be one of {PREDICTION_TYPES}, got {prediction_type!r}")
+    src, local = _resolve_source(source)
+    if local:
+        check_pipeline_folder(Path(src))
+    kwargs: dict[str, Any] = dict(
+        use_safetensors=True, safety_checker=None, feature_extractor=None, requires_safety_checker=False
+    )
+    if torch_dtype is not None:
+        kwargs["dtype"] = torch_dtype  # diffusers 0.42 name (torch_dtype is deprecated)
+    if local:
+        kwargs["local_files_only"] = True
+    try:
+        pipe = StableDiffusionPipeline.from_pretrained(src, **kwargs)
+    except PocketdiffError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError, AttributeError) as e:
+        raise _load_error(src, e) from e
+    if prediction_type is not None and pipe.scheduler.config.get("prediction_type") != prediction_type:
+        pipe.scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config, prediction_type=prediction_type)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def load_vae(source: str, torch_dtype=None):
+    """An AutoencoderKL from a VAE folder, a pipeline folder (its vae/), or a hub id."""
+    from diffusers import AutoencoderKL
+
+    src, local = _resolve_source(source)
+    kwargs: dict[str, Any] = dict(use_safetensors=True)
+    if torch_dtype is not None:
+        kwargs["dtype"] = torch_dtype  # diffusers 0.42 name (torch_dtype is deprecated)
+    if local:
+        path = Path(src)
+        if (path / "vae" / "config.json").is_file():
+            path = path / "vae"
+        if not (path / "config.json").is_file():
+            raise PocketdiffError(f"{src}: no config.json or vae/config.json (not a diffusers AutoencoderKL folder)")
+        if not _has_safetensors(path):
+            raise PocketdiffError(f"{path}: no *.safetensors (pocketdiff loads safetensors only)")
+        src = str(path)
+        kwargs["local_files_only"] = True
+    try:
+        return AutoencoderKL.from_pretrained(src, **kwargs)
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError, AttributeError) as e:
+        raise _load_error(src, e) from e
+
+
+def load_or_build(cfg: ModelConfig, captions: Optional[list[str]] = None, resolution: Optional[int] = None):
+    """`load_pipeline(cfg.pretrained)` (+ `cfg.vae`) when pretrained is set, else `build_pipeline`."""
+    if not cfg.pretrained:
+        return build_pipeline(cfg, captions=captions, resolution=resolution)
+    pipe = load_pipeline(cfg.pretrained)
+    folder_type = pipe.scheduler.config.get("prediction_type", "epsilon")
+    if folder_type != cfg.prediction_type:
+        log.warning(
+            "model.prediction_type=%s ignored: %s's scheduler says %s (the folder is authoritative)",
+            cfg.prediction_type, cfg.pretrained, folder_type,
+        )
+    if cfg.vae:
+        vae = load_vae(cfg.vae, torch_dtype=pipe.vae.dtype)
+        if vae.config.latent_channels != pipe.unet.config.in_channels:
+            raise PocketdiffError(
+                f"model.vae: {cfg.vae} has {vae.config.latent_channels} latent channels, "
+                f"the UNet of {cfg.pretrained} expects {pipe.unet.config.in_channels}"
+            )
+        pipe.register_modules(vae=vae)
+        if hasattr(pipe, "vae_scale_factor"):
+            pipe.vae_scale_factor = vae_scale_factor(vae)
+    return pipe
+
+
+def save_pipeline(pipe, out_dir: Union[str, Path]) -> Path:
+    """`save_pretrained(safe_serialization=True)`; loads back with `StableDiffusionPipeline.from_pretrained`.
+
+    Also writes tokenizer/vocab.json + merges.txt (CLIP's file pair, for export bundles and
+    older readers) next to the tokenizer.json that transformers 5 saves.
+    """
+    from .tokenizer import export_vocab_merges
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    pipe.save_pretrained(str(out), safe_serialization=True)
+    tok_dir = out / "tokenizer"
+    tokenizer = getattr(pipe, "tokenizer", None)
+    if tokenizer is not None and tok_dir.is_dir() and not (tok_dir / "vocab.json").is_file():
+        try:
+            export_vocab_merges(tokenizer, tok_dir)
+        except PocketdiffError as e:  # a non-BPE tokenizer: tokenizer.json alone is fine
+            log.info("tokenizer vocab/merges not written: %s", e)
+    return out
+
+
+def iter_norm_modules(module: nn.Module) -> Iterable[nn.Module]:
+    """Norm layers (GroupNorm, LayerNorm, ...) inside `module`, as `perturb_norm_affines` sees them."""
+    return (m for m in module.modules() if _is_norm(m))
