@@ -1,0 +1,133 @@
+"""`pocketdiff distill` end to end on a tiny saved teacher: folders, resume mid-round, stock pipeline loading."""
+import dataclasses
+import json
+import shutil
+
+import pytest
+import torch
+
+from pocketdiff.config import load_config
+from pocketdiff.errors import PocketdiffError
+from pocketdiff.train import distill
+
+
+class Interrupted(Exception):
+    pass
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # the shared 2-core box: no OpenMP spinning
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tmp_path_factory):
+    from pocketdiff.data import load_captions
+    from pocketdiff.config import DataConfig
+    from pocketdiff.models import ModelConfig, build_pipeline, save_pipeline
+
+    captions = load_captions(DataConfig(source="shapes", shapes_count=16, resolution=32))
+    pipe = build_pipeline(ModelConfig(arch="tiny"), captions=captions, resolution=32)
+    return save_pipeline(pipe, tmp_path_factory.mktemp("teacher") / "pipeline")
+
+
+def _cfg(teacher_dir, *extra):
+    return load_config(distill.Config, None, [
+        f"model.pretrained={teacher_dir}", "data.source=shapes", "data.shapes_count=16", "data.resolution=32",
+        "guidance.embed_dim=16", "guidance.w_min=1", "guidance.w_max=3", "guidance.scale=2",
+        "guided.train.max_steps=2", "guided.train.batch_size=2", "guided.train.checkpoint_every=1",
+        "progressive.start_steps=4", "progressive.final_steps=2",
+        "progressive.train.max_steps=4", "progressive.train.batch_size=2", "progressive.train.checkpoint_every=1",
+        "progressive.train.ema_decay=0.5", "progressive.train.log_every=1",
+        "eval.enabled=false", *extra])
+
+
+@pytest.fixture(scope="module")
+def full_run(teacher_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("full")
+    cfg = _cfg(teacher_dir, "eval.enabled=true", "eval.prompts=[a red circle]")
+    return out, distill.run(cfg, out)
+
+
+def test_report_and_round_folders(full_run):
+    out, report = full_run
+    assert [(r["round"], r["stage"], r["steps"]) for r in report["rounds"]] == [(0, "guided", 4), (1, "progressive", 2)]
+    assert report["final_steps"] == 2 and report["pipeline_dir"] == str(out / "round-1")
+    for r in report["rounds"]:
+        assert set(r) >= {"steps", "final_loss", "pipeline_dir"} and torch.isfinite(torch.tensor(r["final_loss"]))
+        meta = json.loads((out / f"round-{r['round']}" / "distill.json").read_text())
+        assert meta["num_inference_steps"] == r["steps"]
+        assert (out / r["eval"]["grid"]).is_file()
+    assert not list(out.glob(".round-*"))  # no temporary folders left
+    sched = json.loads((out / "round-1" / "scheduler" / "scheduler_config.json").read_text())
+    assert sched["prediction_type"] == "v_prediction" and sched["timestep_spacing"] == "trailing"
+    assert (out / "index.html").is_file()
+
+
+def test_saved_student_samples_in_stock_pipeline_with_its_step_count(full_run):
+    from diffusers import StableDiffusionPipeline
+
+    from pocketdiff.sampling import ddim_sample, encode_prompts
+
+    out, report = full_run
+    folder = out / "round-1"
+    pipe = StableDiffusionPipeline.from_pretrained(str(folder), safety_checker=None, requires_safety_checker=False)
+    pipe.set_progress_bar_config(disable=True)
+    assert pipe.unet.config.time_cond_proj_dim == 16
+    noise = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(0))
+    img = pipe("a red circle", num_inference_steps=2, guidance_scale=2.0, latents=noise.clone(), output_type="np").images
+    assert img.shape == (1, 32, 32, 3) and img.min() >= 0 and img.max() <= 1
+    latents = pipe("a red circle", num_inference_steps=2, guidance_scale=2.0, latents=noise.clone(), output_type="latent").images
+    # the same student through pocketdiff's sampler with the documented w helper
+    ours = ddim_sample(pipe.unet, pipe.scheduler, encode_prompts(pipe, ["a red circle"]), steps=2, guidance_scale=2.0,
+                       latents=noise.clone(), w_embedding_fn=distill.w_embedding_fn(pipe.unet))
+    assert torch.allclose(latents, ours, atol=1e-5)
+    other = pipe("a red circle", num_inference_steps=2, guidance_scale=3.0, latents=noise.clone(), output_type="latent").images
+    assert other.shape == latents.shape
+
+
+def test_resume_mid_round_is_bit_exact(teacher_dir, full_run, tmp_path, monkeypatch):
+    full_out, full_report = full_run
+    cfg = _cfg(teacher_dir)
+    real_loop = distill.train_loop
+
+    def interrupted_loop(loop_cfg, **kw):
+        if kw["desc"] == "round-1":  # "killed" after step 2 of 4 of the progressive round
+            real_loop(dataclasses.replace(loop_cfg, max_steps=2), **kw)
+            raise Interrupted
+        return real_loop(loop_cfg, **kw)
+
+    monkeypatch.setattr(distill, "train_loop", interrupted_loop)
+    with pytest.raises(Interrupted):
+        distill.run(cfg, tmp_path)
+    assert (tmp_path / "round-0" / "distill.json").is_file() and not (tmp_path / "round-1").exists()
+    monkeypatch.setattr(distill, "train_loop", real_loop)
+    with pytest.raises(PocketdiffError, match="--resume latest"):
+        distill.run(cfg, tmp_path)  # not without --resume
+    report = distill.run(cfg, tmp_path, resume="latest")
+
+    from safetensors.torch import load_file
+
+    for k in (0, 1):
+        a = load_file(str(full_out / f"round-{k}" / "unet" / "diffusion_pytorch_model.safetensors"))
+        b = load_file(str(tmp_path / f"round-{k}" / "unet" / "diffusion_pytorch_model.safetensors"))
+        assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a), k
+    assert [r["losses"] for r in report["rounds"]] == [r["losses"] for r in full_report["rounds"]]
+
+    changed = _cfg(teacher_dir, "guidance.w_max=5")
+    shutil.rmtree(tmp_path / "round-1")
+    with pytest.raises(PocketdiffError, match="recipe changed"):
+        distill.run(changed, tmp_path, resume="latest")
+
+
+def test_teacher_folder_without_unet_fails_before_training(teacher_dir, tmp_path):
+    broken = tmp_path / "teacher"
+    shutil.copytree(teacher_dir, broken)
+    shutil.rmtree(broken / "unet")
+    out = tmp_path / "out"
+    with pytest.raises(PocketdiffError, match="unet"):
+        distill.run(_cfg(broken), out)
+    assert not (out / "checkpoints").exists()
