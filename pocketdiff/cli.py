@@ -20,7 +20,7 @@ from .errors import PocketdiffError
 # verb -> module implementing it (None: its issue has not landed yet).
 VERBS: dict[str, Optional[str]] = {
     "train-teacher": "pocketdiff.train.teacher",
-    "distill": None,
+    "distill": "pocketdiff.train.distill",
     "calibrate": None,
     "prune": "pocketdiff.compress.prune",
     "evaluate": None,
