@@ -98,6 +98,8 @@ class EMA:
     def update(self, module: torch.nn.Module) -> None:
         for n, p in module.named_parameters():
             if n in self.shadow:
+                if self.shadow[n].device != p.device:  # built or loaded before the model moved
+                    self.shadow[n] = self.shadow[n].to(p.device)
                 self.shadow[n].lerp_(p.detach().float(), 1.0 - self.decay)
 
     @torch.no_grad()

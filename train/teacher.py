@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from pocketdiff.config import DataConfig
-from pocketdiff.data import ImageCaptionDataset, collate, load_captioned_dataset
+from pocketdiff.data import ImageCaptionDataset, InMemoryImageCaptionDataset, collate, load_captioned_dataset
 from pocketdiff.errors import PocketdiffError, require
 from pocketdiff.models import ModelConfig, count_params, load_or_build, save_pipeline, vae_scale_factor
 from pocketdiff.report import img, plot_curves, save_grid, write_page
@@ -116,7 +116,7 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
     torch.manual_seed(cfg.seed)
     hf_ds = load_captioned_dataset(cfg.data)
     captions = list(hf_ds["text"])
-    dataset = ImageCaptionDataset(hf_ds)
+    dataset = InMemoryImageCaptionDataset(ImageCaptionDataset(hf_ds))
     pipe = load_or_build(cfg.model, captions=captions, resolution=cfg.data.resolution)
     _check_resolution(pipe, cfg.data.resolution)
     report: dict = {"data": {"source": cfg.data.source, "items": len(dataset), "resolution": cfg.data.resolution}}
