@@ -21,7 +21,7 @@ from .errors import PocketdiffError
 VERBS: dict[str, Optional[str]] = {
     "train-teacher": "pocketdiff.train.teacher",
     "distill": "pocketdiff.train.distill",
-    "calibrate": None,
+    "calibrate": "pocketdiff.compress.calibrate",
     "prune": "pocketdiff.compress.prune",
     "evaluate": None,
     "export": None,

@@ -1,0 +1,322 @@
+"""Block-reconstruction PTQ speed and error on an SD-2.1-size UNet with random weights.
+
+    python benchmarks/calibrate_sd21.py --out result.json [--arch sd21] [--device cuda]
+    python benchmarks/calibrate_sd21.py --out tiny.json --arch tiny --device cpu   # quick check
+
+What it measures (JSON):
+- `activations`: per-block output std / max-abs on the calibration inputs (random weights
+  with perturbed norm affines must keep them realistic: no fp16-range blow-up);
+- `timing`: seconds per optimisation iteration of every block (after warm-up) at the given
+  batch, precision and compile settings, their sum over the UNet, the capture-pass cost, and
+  the projected whole-UNet wall time for each iteration count of `--iters`;
+- `sweep`: for representative blocks (or `--blocks all|name,name`), reconstruction error
+  against iterations: block-output MSE of RTN (max-abs), RTN at the searched scale, and
+  AdaRound after N iterations (hard rounding), plus wall time and the fraction of weights
+  still soft;
+- `full` (with `--full-iters N`): a real whole-UNet calibration through
+  `pocketdiff.compress.reconstruct.reconstruct_unet` (sequential mode by default): measured
+  wall time, peak GPU memory and held-out UNet cosine of RTN and of the reconstruction.
+
+Calibration inputs come from the production path: DDIM trajectories of the (random) UNet
+recorded by `collect_unet_inputs`, with random text embeddings (cond + uncond).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+
+def sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def build_unet(arch: str, resolution: int, seed: int, device, norm_scale: float):
+    from diffusers import DDIMScheduler, UNet2DConditionModel
+
+    from pocketdiff.models import perturb_norm_affines, scheduler_config, unet_config
+
+    cfg = unet_config(arch, "epsilon", resolution)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        unet = UNet2DConditionModel(**cfg)
+    perturb_norm_affines(unet, seed, scale=norm_scale)
+    unet.to(device).eval().requires_grad_(False)
+    return unet, DDIMScheduler(**scheduler_config("epsilon")), cfg
+
+
+def calib_set(unet, scheduler, cfg, trajectories: int, steps: int, seed: int, device, guidance: float = 3.0):
+    from pocketdiff.compress.calib_data import collect_unet_inputs
+
+    g = torch.Generator("cpu").manual_seed(seed)
+    dim = cfg["cross_attention_dim"]
+    cond = torch.randn(trajectories, 77, dim, generator=g).to(device)
+    uncond = torch.randn(1, 77, dim, generator=g).to(device)
+    side = cfg["sample_size"]
+    return collect_unet_inputs(unet, scheduler, cond, uncond, steps=steps, guidance_scale=guidance,
+                               latent_shape=(cfg["in_channels"], side, side), seed=seed, batch_size=8)
+
+
+@torch.no_grad()
+def activation_stats(unet, blocks, calib, device, batch):
+    from pocketdiff.compress.blocks import first_tensor, unet_forward
+
+    stats = {b.name: {"std": 0.0, "max_abs": 0.0} for b in blocks if b.kind != "rest"}
+    unit_block = {u.name: b.name for b in blocks if b.kind != "rest" for u in b.units}
+    handles = []
+    acc = {k: [0.0, 0] for k in stats}
+
+    def make(u):
+        def hook(m, a, o):
+            t = first_tensor(o).float()
+            s = stats[unit_block[u.name]]
+            s["max_abs"] = max(s["max_abs"], float(t.abs().max()))
+            acc[unit_block[u.name]][0] += float((t.double() ** 2).sum())
+            acc[unit_block[u.name]][1] += t.numel()
+        return hook
+
+    for b in blocks:
+        if b.kind == "rest":
+            continue
+        for u in b.units:
+            handles.append(unet.get_submodule(u.exit).register_forward_hook(make(u)))
+    try:
+        for s in range(0, len(calib), batch):
+            unet_forward(unet, calib.batch_kwargs(s, min(len(calib), s + batch), device, torch.float32))
+    finally:
+        for h in handles:
+            h.remove()
+    for k, (sq, n) in acc.items():
+        stats[k]["std"] = (sq / max(n, 1)) ** 0.5
+    return stats
+
+
+def pick_blocks(blocks, spec: str):
+    real = [b for b in blocks if b.kind != "rest"]
+    if spec == "all":
+        return real
+    if spec == "representative":
+        chosen = []
+        # the largest block of each kind (by parameters x output size) plus stem and head
+        for kind in ("stem", "resnet", "transformer", "downsample", "upsample", "head"):
+            cands = [b for b in real if b.kind == kind]
+            if cands:
+                chosen.append(max(cands, key=lambda b: sum(p.numel() for u in b.units for p in u.module.parameters())))
+        # and the highest-resolution transformer of the up path (largest attention maps)
+        ups = [b for b in real if b.kind == "transformer" and b.name.startswith("up_blocks")]
+        if ups and ups[-1] not in chosen:
+            chosen.append(ups[-1])
+        return chosen
+    names = [s.strip() for s in spec.split(",") if s.strip()]
+    found = [b for b in real if b.name in names]
+    missing = set(names) - {b.name for b in found}
+    if missing:
+        raise SystemExit(f"unknown blocks: {sorted(missing)}; known: {[b.name for b in real]}")
+    return found
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True)
+    p.add_argument("--arch", default="sd21", choices=["tiny", "small", "sd15", "sd21"])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--resolution", type=int, default=None, help="pixels (default: 512 for sd15/sd21, the arch's own otherwise)")
+    p.add_argument("--bits", type=int, default=8)
+    p.add_argument("--group-size", type=int, default=None)
+    p.add_argument("--iters", default="0,100,200,500,1000,2000", help="iteration counts of the sweep / projection")
+    p.add_argument("--blocks", default="representative", help="representative | all | comma-separated block names")
+    p.add_argument("--trajectories", type=int, default=8)
+    p.add_argument("--steps", type=int, default=16, help="DDIM steps per trajectory (all recorded, cond + uncond)")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--lr", type=float, default=None)
+    p.add_argument("--round-weight", type=float, default=None)
+    p.add_argument("--warmup", type=float, default=None)
+    p.add_argument("--autocast", default="auto", choices=["auto", "bf16", "fp16", "off"])
+    p.add_argument("--compile", action="store_true")
+    p.add_argument("--compile-mode", default=None)
+    p.add_argument("--channels-last", action="store_true")
+    p.add_argument("--scale-init", default="mse", choices=["mse", "maxabs"])
+    p.add_argument("--timing-iters", type=int, default=20, help="timed iterations per block (after warm-up)")
+    p.add_argument("--no-timing", action="store_true")
+    p.add_argument("--no-sweep", action="store_true")
+    p.add_argument("--full-iters", type=int, default=None, help="also run a whole-UNet calibration at this many iterations")
+    p.add_argument("--full-mode", default="sequential", choices=["sequential", "independent"])
+    p.add_argument("--holdout", type=int, default=32, help="held-out inputs for the full run's UNet cosine")
+    p.add_argument("--norm-scale", type=float, default=0.1, help="perturb_norm_affines scale")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+
+    import dataclasses
+
+    from pocketdiff.compress.blocks import Request, build_blocks, capture, order_blocks
+    from pocketdiff.compress.quant import layer_specs
+    from pocketdiff.compress.reconstruct import (ReconConfig, capture_settings, float_weights, layer_inits, precision,
+                                                 reconstruct_block, reconstruct_unet)
+
+    device = torch.device(args.device)
+    resolution = args.resolution or (512 if args.arch in ("sd15", "sd21") else None)
+    result: dict = {"args": vars(args), "torch": torch.__version__, "python": platform.python_version(),
+                    "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"}
+    t0 = time.time()
+    unet, scheduler, ucfg = build_unet(args.arch, resolution, args.seed, device, args.norm_scale)
+    result["unet_params"] = sum(p.numel() for p in unet.parameters())
+    result["latent_size"] = ucfg["sample_size"]
+    result["build_s"] = round(time.time() - t0, 2)
+
+    t = time.time()
+    calib = calib_set(unet, scheduler, ucfg, args.trajectories, args.steps, args.seed + 1, device)
+    sync(device)
+    result["calibration"] = {"samples": len(calib), "collect_s": round(time.time() - t, 2)}
+    print(f"{len(calib)} calibration inputs in {result['calibration']['collect_s']} s", file=sys.stderr, flush=True)
+
+    blocks = build_blocks(unet)
+    per_sample = order_blocks(unet, blocks, calib, device)
+    names = [g for b in blocks for g in b.layers]
+    specs = layer_specs(names, {g: unet.get_submodule(g).weight.shape for g in names}, args.bits, args.group_size)
+    result["blocks"] = [{"name": b.name, "kind": b.kind, "layers": len(b.layers),
+                         "params": int(sum(unet.get_submodule(g).weight.numel() for g in b.layers)),
+                         "bytes_per_sample": per_sample[b.name]} for b in blocks]
+    act = activation_stats(unet, blocks, calib, device, 8)
+    result["activations"] = act
+    result["activations_max_abs"] = max(v["max_abs"] for v in act.values())
+
+    overrides = {k: v for k, v in (("lr", args.lr), ("round_weight", args.round_weight), ("warmup", args.warmup)) if v is not None}
+    base = ReconConfig(iters=1, batch_size=args.batch, autocast=args.autocast, compile=args.compile,
+                       compile_mode=args.compile_mode, channels_last=args.channels_last, scale_init=args.scale_init, **overrides)
+    result["recon_config"] = dataclasses.asdict(base)
+    weights = float_weights(unet, names)
+    rtn_res, init_scales = layer_inits(weights, specs, base, device)
+    tf32, cap_ac = capture_settings(base, device)
+    iters_list = [int(x) for x in args.iters.split(",") if x.strip()]
+
+    def block_data(b):
+        sync(device)
+        tc = time.time()
+        with precision(tf32):
+            caps = capture(unet, calib, [Request(u, inputs=True, output=True) for u in b.units], device=device,
+                           batch_size=16, store_device=device, autocast=cap_ac)
+        sync(device)
+        return caps, time.time() - tc
+
+    # ---- timing of every block
+    if not args.no_timing:
+        timing = []
+        capture_total = 0.0
+        for b in blocks:
+            if b.kind == "rest":
+                continue
+            caps, tc = block_data(b)
+            capture_total += tc
+            warm = dataclasses.replace(base, iters=3, fallback=True)
+            reconstruct_block(b, caps, [c.output for c in caps], weights, specs, rtn_res, init_scales, warm, device)
+            opts = dataclasses.replace(base, iters=args.timing_iters)
+            sync(device)
+            ts = time.time()
+            res = reconstruct_block(b, caps, [c.output for c in caps], weights, specs, rtn_res, init_scales, opts, device)
+            sync(device)
+            total = time.time() - ts
+            # reconstruct_block also evaluates 3 candidates (fixed cost): time it with iters=0 via method=rtn
+            opts0 = dataclasses.replace(base, method="rtn", iters=0)
+            sync(device)
+            ts = time.time()
+            reconstruct_block(b, caps, [c.output for c in caps], weights, specs, rtn_res, init_scales, opts0, device)
+            sync(device)
+            fixed = time.time() - ts
+            per_iter = max(0.0, total - fixed) / args.timing_iters
+            timing.append({"name": b.name, "kind": b.kind, "s_per_iter": per_iter, "eval_s": fixed, "capture_s": tc})
+            print(f"timing {b.name}: {per_iter * 1000:.2f} ms/iter, eval {fixed:.2f} s, capture {tc:.2f} s", file=sys.stderr, flush=True)
+            del caps
+        s_iter = sum(t["s_per_iter"] for t in timing)
+        fixed = sum(t["eval_s"] for t in timing)
+        result["timing"] = {
+            "blocks": timing,
+            "s_per_iter_all_blocks": s_iter,
+            "eval_s_all_blocks": fixed,
+            "capture_s_all_blocks_independent": capture_total,
+            "capture_s_sequential_estimate": 2 * capture_total,
+            "projected_wall_s": {str(n): round(n * s_iter + fixed + 2 * capture_total + result["calibration"]["collect_s"], 1)
+                                 for n in iters_list},
+        }
+
+    # ---- error vs iterations on selected blocks
+    if not args.no_sweep:
+        sweep = []
+        for b in pick_blocks(blocks, args.blocks):
+            caps, _ = block_data(b)
+            rows = []
+            for n in iters_list:
+                opts = dataclasses.replace(base, iters=n, method="adaround" if n > 0 else "rtn", fallback=False)
+                sync(device)
+                ts = time.time()
+                res = reconstruct_block(b, caps, [c.output for c in caps], weights, specs, rtn_res, init_scales, opts, device)
+                sync(device)
+                s = res.stats
+                row = {"iters": n, "wall_s": round(time.time() - ts, 3), "mse_rtn": s["mse_rtn_calib"], "mse_init": s["mse_init_calib"],
+                       "mse_recon": s["mse_recon_calib"], "target_power": s["target_power"], "soft_fraction": s.get("soft_fraction")}
+                row["ratio_vs_rtn"] = row["mse_recon"] / max(row["mse_rtn"], 1e-30)
+                rows.append(row)
+                print(f"sweep {b.name} iters={n}: rtn {row['mse_rtn']:.3e} init {row['mse_init']:.3e} recon {row['mse_recon']:.3e} "
+                      f"({row['ratio_vs_rtn']:.3f}x rtn) soft {row['soft_fraction']} {row['wall_s']:.1f}s", file=sys.stderr, flush=True)
+            sweep.append({"name": b.name, "kind": b.kind, "rows": rows})
+            del caps
+        result["sweep"] = sweep
+
+    # ---- whole-UNet run
+    if args.full_iters is not None:
+        from pocketdiff.compress.metrics import compare_unets
+        from pocketdiff.compress.reconstruct import write_weights
+
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        opts = dataclasses.replace(base, iters=args.full_iters, mode=args.full_mode)
+        sync(device)
+        ts = time.time()
+        results, info = reconstruct_unet(unet, calib, specs, opts, device=device, seed=args.seed,
+                                         log=lambda m: print(m, file=sys.stderr, flush=True))
+        sync(device)
+        wall = time.time() - ts
+        import copy
+
+        held = calib_set(unet, scheduler, ucfg, max(1, args.holdout // (2 * args.steps)) or 1, args.steps, args.seed + 99, device)
+        q = copy.deepcopy(unet)
+        write_weights(q, {g: lr for r in results for g, lr in r.layers.items()}, specs)
+        r = copy.deepcopy(unet)
+        from pocketdiff.compress.reconstruct import LayerResult
+
+        write_weights(r, {g: LayerResult(c, s, "rtn") for g, (c, s) in info["rtn"].items()}, specs)
+        cmp = compare_unets(unet, {"rtn": r, "recon": q}, build_blocks(unet), held, device, batch=8)
+        result["full"] = {
+            "iters": args.full_iters, "mode": args.full_mode, "wall_s": round(wall, 2),
+            "wall_s_including_collect": round(wall + result["calibration"]["collect_s"], 2),
+            "peak_gpu_memory_gb": round(torch.cuda.max_memory_allocated(device) / 2 ** 30, 2) if device.type == "cuda" else None,
+            "unet_cosine_rtn": cmp["unets"]["rtn"]["cosine_mean"], "unet_cosine_recon": cmp["unets"]["recon"]["cosine_mean"],
+            "unet_nmse_rtn": cmp["unets"]["rtn"]["nmse"], "unet_nmse_recon": cmp["unets"]["recon"]["nmse"],
+            "blocks_improved": sum(1 for v in cmp["blocks"].values() if v["recon"]["mse"] < v["rtn"]["mse"]),
+            "blocks": [{"name": res.name, "chosen": res.stats.get("chosen"), "time_s": res.stats.get("time_s"),
+                        "mse_rtn_calib": res.stats.get("mse_rtn_calib"), "mse_recon_calib": res.stats.get("mse_recon_calib"),
+                        "mse_rtn": cmp["blocks"].get(res.name, {}).get("rtn", {}).get("mse"),
+                        "mse_recon": cmp["blocks"].get(res.name, {}).get("recon", {}).get("mse")} for res in results],
+        }
+        print(f"full: {wall:.1f} s, cosine rtn {result['full']['unet_cosine_rtn']:.6f} recon {result['full']['unet_cosine_recon']:.6f}",
+              file=sys.stderr, flush=True)
+
+    result["total_s"] = round(time.time() - t0, 2)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,576 @@
+"""`pocketdiff calibrate`: block-wise reconstruction PTQ of the UNet to int8 / int4 weights.
+
+1. load (or build) the pipeline; refuse NaN/inf weights
+2. calibration data: the model's own DDIM trajectories on calibration prompts, UNet inputs
+   recorded at steps spread over each trajectory (cond + uncond under guidance); a held-out
+   set from other prompts and seeds
+3. per-layer specs (bits, group size), then BRECQ-style block reconstruction with AdaRound
+   (`pocketdiff.compress.reconstruct`); the RTN baseline comes for free
+4. optional text encoder / VAE decoder: round to nearest at searched scales
+5. held-out comparison (UNet cosine, per-block MSE, sample grid); named parity thresholds
+6. outputs: `unet_int8.safetensors` + `.json` recipe, `rtn/unet_int8.*`, stock diffusers
+   folders `pipeline/` (and `rtn/pipeline/`) whose weights are codes * scales, report + page
+
+`load_quantized_pipeline(DIR)` rebuilds the float pipeline from the int8 codes and scales.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from pocketdiff.config import DataConfig
+from pocketdiff.errors import ParityError, PocketdiffError, require
+from pocketdiff.models import ModelConfig, load_or_build, load_pipeline, perturb_norm_affines, save_pipeline, vae_scale_factor
+from pocketdiff.outputs import write_json
+from pocketdiff.sampling import encode_prompts
+
+from .blocks import build_blocks
+from .calib_data import collect_unet_inputs, subsample
+from .int8_format import LayerRecipe, QuantRecipe, dequantized_state_dict, load_quantized, save_quantized
+from .metrics import compare_unets
+from .quant import LayerSpec, dequant, layer_specs, quantizable_layers, quantized_state_dict, rtn, search_scale
+from .reconstruct import BlockResult, ReconConfig, reconstruct_unet, write_weights
+
+UNET_FILE = "unet_int8.safetensors"
+TEXT_ENCODER_FILE = "text_encoder_int8.safetensors"
+VAE_DECODER_FILE = "vae_decoder_int8.safetensors"
+DEFAULT_MIN_COSINE = {8: 0.99, 4: 0.9}
+
+
+@dataclasses.dataclass
+class CalibDataConfig:
+    """Where calibration inputs come from: prompts (explicit, else captions of `data`) sampled
+    by the model's own DDIM sampler."""
+
+    prompts: list[str] = dataclasses.field(default_factory=list)  # cycled when fewer than needed
+    data: DataConfig = dataclasses.field(default_factory=lambda: DataConfig(source="shapes", shapes_count=512))
+    num_prompts: int = 32  # calibration trajectories
+    holdout_prompts: int = 4  # held-out trajectories (other prompts and seeds) for the report
+    steps: int = 25  # sampler steps (a distilled student: its step count)
+    timesteps_per_trajectory: int = 0  # recorded steps per trajectory, spread evenly; 0: all
+    guidance_scale: float = 3.0
+    negative_prompt: str = ""
+    seed: int = 1000  # trajectory i starts from noise seeded seed + i
+    batch_size: int = 16  # trajectories per sampler call
+    class_label: Optional[int] = None  # UNets with a class embedding: the label fed while sampling
+    max_samples: Optional[int] = None  # cap on recorded calibration inputs (evenly subsampled)
+
+    def __post_init__(self) -> None:
+        require(self.num_prompts >= 1, "calib.num_prompts", f"must be >= 1 (zero calibration samples), got {self.num_prompts}")
+        require(self.holdout_prompts >= 1, "calib.holdout_prompts", "must be >= 1")
+        require(self.steps >= 1, "calib.steps", f"must be >= 1, got {self.steps}")
+        require(self.timesteps_per_trajectory >= 0, "calib.timesteps_per_trajectory", "must be >= 0")
+        require(self.batch_size >= 1, "calib.batch_size", "must be >= 1")
+        require(self.max_samples is None or self.max_samples >= 1, "calib.max_samples", "must be >= 1 (zero calibration samples)")
+        require(all(isinstance(p, str) for p in self.prompts), "calib.prompts", "must be strings")
+
+
+@dataclasses.dataclass
+class QuantConfig:
+    bits: int = 8  # 8 or 4
+    group_size: Optional[int] = None  # None: per output channel; else group-wise over the flattened input
+    layer_bits: dict[str, int] = dataclasses.field(default_factory=dict)  # fnmatch pattern -> bits (e.g. conv_in: 8)
+    skip: list[str] = dataclasses.field(default_factory=list)  # fnmatch patterns of UNet layers kept float
+    text_encoder: bool = False  # also quantize the text encoder (RTN at searched scales)
+    vae_decoder: bool = False  # also quantize the VAE decoder (RTN at searched scales)
+
+    def __post_init__(self) -> None:
+        require(self.bits in (4, 8), "quant.bits", f"must be 4 or 8, got {self.bits}")
+        require(self.group_size is None or self.group_size >= 2, "quant.group_size", "must be >= 2 or null")
+        for k, v in self.layer_bits.items():
+            require(v in (4, 8), f"quant.layer_bits.{k}", f"must be 4 or 8, got {v}")
+
+
+@dataclasses.dataclass
+class ParityConfig:
+    """Named thresholds; a miss raises ParityError (no checkpoint is written)."""
+
+    min_unet_cosine: Optional[float] = None  # held-out UNet-output cosine; None: 0.99 at W8, 0.9 at W4
+    min_text_encoder_cosine: Optional[float] = None  # same defaults
+    min_vae_decoder_cosine: Optional[float] = None  # same defaults
+    recon_not_worse_than_rtn: bool = True  # held-out UNet cosine of reconstruction >= RTN's - 1e-4
+
+
+@dataclasses.dataclass
+class OutputConfig:
+    rtn_pipeline: bool = True  # also write rtn/pipeline/ (a diffusers folder of the RTN baseline)
+    samples: int = 4  # held-out prompts in the float / RTN / reconstruction grid (0: none)
+    sample_steps: Optional[int] = None  # default: calib.steps
+
+
+@dataclasses.dataclass
+class Config:
+    seed: int = 0
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    perturb_norms: float = 0.0  # built (random) models only: perturb_norm_affines(scale) on every component
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    calib: CalibDataConfig = dataclasses.field(default_factory=CalibDataConfig)
+    quant: QuantConfig = dataclasses.field(default_factory=QuantConfig)
+    recon: ReconConfig = dataclasses.field(default_factory=ReconConfig)
+    parity: ParityConfig = dataclasses.field(default_factory=ParityConfig)
+    output: OutputConfig = dataclasses.field(default_factory=OutputConfig)
+
+    def __post_init__(self) -> None:
+        require(self.perturb_norms >= 0, "perturb_norms", "must be >= 0")
+        require(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"), "device",
+                f"must be auto, cpu or cuda[:N], got {self.device!r}")
+        if self.model.pretrained:
+            _check_pretrained_folder(self.model.pretrained)
+
+
+def _check_pretrained_folder(source: str) -> None:
+    """A local checkpoint folder must hold a diffusers UNet (checked before anything is written)."""
+    path = Path(source).expanduser()
+    if not path.exists():
+        return  # a hub id, or a missing folder: load_pipeline reports it
+    unet = path / "unet"
+    require(unet.is_dir() and (unet / "config.json").is_file(), "model.pretrained",
+            f"{path} has no unet/ with a config.json (not a diffusers pipeline folder with a UNet)")
+    require(any(unet.glob("*.safetensors")) or any(unet.glob("*.safetensors.index.json")), "model.pretrained",
+            f"{path}/unet has no *.safetensors weights")
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _log(msg: str) -> None:
+    print(f"calibrate: {msg}", file=sys.stderr, flush=True)
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise PocketdiffError(f"device={name}: CUDA is not available here")
+    return dev
+
+
+def _worker_devices(cfg: Config, device: torch.device) -> list[str]:
+    if cfg.recon.devices:
+        return list(cfg.recon.devices)
+    if cfg.recon.mode == "independent" and device.type == "cuda" and cfg.device == "auto" and torch.cuda.device_count() > 1:
+        return [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    return []
+
+
+def check_finite(module: torch.nn.Module, what: str) -> None:
+    for name, p in module.state_dict().items():
+        if p.is_floating_point() and not torch.isfinite(p).all():
+            raise PocketdiffError(f"{what}: weight {name!r} has NaN/inf values; refusing to quantize a broken model")
+
+
+def versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {}
+    for pkg in ("pocketdiff", "torch", "diffusers", "transformers", "safetensors"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
+def _prompts(cfg: CalibDataConfig) -> tuple[list[str], list[str]]:
+    need = cfg.num_prompts + cfg.holdout_prompts
+    if cfg.prompts:
+        source = [p for p in cfg.prompts]
+    else:
+        from pocketdiff.data import load_captions
+
+        source = [c for c in load_captions(cfg.data) if c is not None]
+    if not source:
+        raise PocketdiffError("calibration has zero prompts (calib.prompts is empty and calib.data gave no captions)")
+    full = [source[i % len(source)] for i in range(need)]
+    return full[: cfg.num_prompts], full[cfg.num_prompts:]
+
+
+def _collect(pipe, prompts, cfg: CalibDataConfig, seed: int, device):
+    cond = encode_prompts(pipe, prompts, device).float()
+    uncond = None
+    if float(cfg.guidance_scale) != 1.0:
+        uncond = encode_prompts(pipe, [cfg.negative_prompt] * len(prompts), device).float()
+    side = pipe.unet.config.sample_size
+    if isinstance(side, (list, tuple)):
+        shape = (pipe.unet.config.in_channels, *side)
+    else:
+        shape = (pipe.unet.config.in_channels, side, side)
+    return collect_unet_inputs(pipe.unet, pipe.scheduler, cond, uncond, steps=cfg.steps, guidance_scale=cfg.guidance_scale,
+                               latent_shape=shape, seed=seed, per_trajectory=cfg.timesteps_per_trajectory,
+                               batch_size=cfg.batch_size, class_label=cfg.class_label)
+
+
+def _recipe(component: str, specs: dict[str, LayerSpec], methods: dict[str, str], seed: int, extra: dict) -> QuantRecipe:
+    layers = {g: LayerRecipe(bits=s.bits, group_size=s.group_size, method=methods[g]) for g, s in specs.items()}
+    return QuantRecipe(component=component, layers=layers, seed=seed, versions=versions(), extra=extra)
+
+
+def _component_layers(module: torch.nn.Module, prefix_filter=None) -> dict[str, torch.nn.Module]:
+    layers = quantizable_layers(module)
+    if prefix_filter is not None:
+        layers = {k: v for k, v in layers.items() if any(k == p or k.startswith(p + ".") for p in prefix_filter)}
+    return layers
+
+
+def _quantize_simple(module: torch.nn.Module, names: list[str], bits: int, group_size, overrides, device) -> tuple[dict, dict, dict]:
+    """(rtn: name -> (codes, scale), searched: name -> (codes, scale), specs) for a module without reconstruction."""
+    shapes = {n: module.get_submodule(n).weight.shape for n in names}
+    specs = layer_specs(names, shapes, bits, group_size, overrides)
+    rtn_res, searched = {}, {}
+    for n in names:
+        w = module.get_submodule(n).weight.detach().float().to(device)
+        rtn_res[n] = tuple(t.cpu() for t in rtn(w, specs[n]))
+        searched[n] = tuple(t.cpu() for t in rtn(w, specs[n], search_scale(w, specs[n])))
+    return rtn_res, searched, specs
+
+
+@torch.no_grad()
+def _apply(module: torch.nn.Module, layers: dict[str, tuple], specs: dict[str, LayerSpec]) -> None:
+    for n, (c, s) in layers.items():
+        p = module.get_submodule(n).weight
+        p.copy_(dequant(c, s, specs[n]).to(device=p.device, dtype=p.dtype))
+
+
+def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(torch.nn.functional.cosine_similarity(a.flatten(1).double(), b.flatten(1).double(), dim=1).mean())
+
+
+# ----------------------------------------------------------------------------- run
+
+
+def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
+    if resume is not None:
+        raise PocketdiffError("calibrate has no checkpoints to resume from (it restarts; drop --resume)")
+    t_start = time.time()
+    out = Path(out)
+    device = _device(cfg.device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    timings: dict[str, float] = {}
+
+    # 1. model
+    t = time.time()
+    calib_prompts, holdout_prompts = _prompts(cfg.calib)
+    pipe = load_or_build(cfg.model, captions=calib_prompts + holdout_prompts)
+    if getattr(pipe, "unet", None) is None:
+        raise PocketdiffError("the pipeline has no UNet")
+    if cfg.perturb_norms > 0:
+        if cfg.model.pretrained:
+            raise PocketdiffError("perturb_norms applies to built (random) models only; unset it for model.pretrained")
+        for i, comp in enumerate((pipe.unet, pipe.text_encoder, pipe.vae)):
+            perturb_norm_affines(comp, cfg.seed + i, scale=cfg.perturb_norms)
+    check_finite(pipe.unet, "UNet")
+    check_finite(pipe.text_encoder, "text encoder")
+    if cfg.quant.vae_decoder:
+        check_finite(pipe.vae, "VAE")
+    pipe.unet.to(device=device, dtype=torch.float32).eval().requires_grad_(False)
+    pipe.text_encoder.to(device=device, dtype=torch.float32).eval().requires_grad_(False)
+    pipe.vae.to(device=device, dtype=torch.float32).eval().requires_grad_(False)
+    timings["load_s"] = round(time.time() - t, 3)
+
+    # 2. calibration data
+    t = time.time()
+    calib = subsample(_collect(pipe, calib_prompts, cfg.calib, cfg.calib.seed, device), cfg.calib.max_samples)
+    holdout = _collect(pipe, holdout_prompts, cfg.calib, cfg.calib.seed + 100_000, device)
+    if len(calib) == 0:
+        raise PocketdiffError("zero calibration samples")
+    timings["collect_s"] = round(time.time() - t, 3)
+    _log(f"{len(calib)} calibration inputs ({len(calib_prompts)} trajectories x {len(calib.meta['step_indices'])} steps"
+         f"{' x cond/uncond' if calib.meta['cfg'] else ''}), {len(holdout)} held-out ({timings['collect_s']:.1f}s)")
+
+    # 3. UNet reconstruction
+    t = time.time()
+    unet = pipe.unet
+    names = list(quantizable_layers(unet, cfg.quant.skip))
+    if not names:
+        raise PocketdiffError("the UNet has no Conv2d / Linear layer left to quantize (check quant.skip)")
+    shapes = {g: unet.get_submodule(g).weight.shape for g in names}
+    specs = layer_specs(names, shapes, cfg.quant.bits, cfg.quant.group_size, cfg.quant.layer_bits)
+    results, info = reconstruct_unet(unet, calib, specs, cfg.recon, device=device, skip=cfg.quant.skip, seed=cfg.seed,
+                                     log=_log, devices=_worker_devices(cfg, device))
+    timings["reconstruct_s"] = round(time.time() - t, 3)
+    recon_layers = {g: lr for r in results for g, lr in r.layers.items()}
+    rtn_layers = info["rtn"]
+
+    # 4. held-out comparison
+    t = time.time()
+    q_unet = copy.deepcopy(unet)
+    write_weights(q_unet, recon_layers, specs)
+    r_unet = copy.deepcopy(unet)
+    _apply(r_unet, rtn_layers, specs)
+    blocks = build_blocks(unet, cfg.quant.skip)
+    cmp = compare_unets(unet, {"rtn": r_unet, "recon": q_unet}, blocks, holdout, device, batch=cfg.recon.forward_batch)
+    timings["evaluate_s"] = round(time.time() - t, 3)
+
+    extras = _optional_components(cfg, pipe, holdout_prompts, calib, device)
+
+    # 5. report + parity
+    block_rows = []
+    for r in results:
+        row = {"name": r.name, "kind": r.kind, "layers": len(r.layers), "chosen": r.stats.get("chosen")}
+        held = cmp["blocks"].get(r.name)
+        if held is not None:
+            row.update(mse_rtn=held["rtn"]["mse"], mse_recon=held["recon"]["mse"],
+                       mse_rtn_local=held["rtn"]["mse_local"], mse_recon_local=held["recon"]["mse_local"],
+                       output_power=held["power"])
+        for k in ("mse_rtn_calib", "mse_init_calib", "mse_adaround_calib", "mse_recon_calib", "soft_fraction", "time_s", "iters"):
+            if k in r.stats:
+                row[k] = r.stats[k]
+        if "curve" in r.stats:
+            row["curve"] = r.stats["curve"]
+        block_rows.append(row)
+    min_bits = min(s.bits for s in specs.values())
+    unet_cos = cmp["unets"]["recon"]["cosine_mean"]
+    rtn_cos = cmp["unets"]["rtn"]["cosine_mean"]
+    rows_eval = [b for b in block_rows if "mse_recon" in b]
+    report: dict = {
+        "bits": cfg.quant.bits,
+        "group_size": cfg.quant.group_size,
+        "bits_per_layer": {str(b): sum(1 for s in specs.values() if s.bits == b) for b in sorted({s.bits for s in specs.values()})},
+        "method": cfg.recon.method,
+        "mode": cfg.recon.mode,
+        "iters": cfg.recon.iters,
+        "unet_cosine": unet_cos,
+        "unet_cosine_min": cmp["unets"]["recon"]["cosine_min"],
+        "unet_nmse": cmp["unets"]["recon"]["nmse"],
+        "unet_cosine_rtn": rtn_cos,
+        "unet_cosine_rtn_min": cmp["unets"]["rtn"]["cosine_min"],
+        "unet_nmse_rtn": cmp["unets"]["rtn"]["nmse"],
+        "blocks_improved": sum(1 for b in rows_eval if b["mse_recon"] < b["mse_rtn"]),
+        "blocks_improved_local": sum(1 for b in rows_eval if b["mse_recon_local"] < b["mse_rtn_local"]),
+        "blocks_evaluated": len(rows_eval),
+        "blocks": block_rows,
+        "calibration": {"samples": len(calib), "holdout_samples": len(holdout), "trajectories": len(calib_prompts),
+                        "steps": cfg.calib.steps, "step_indices": calib.meta["step_indices"],
+                        "guidance_scale": cfg.calib.guidance_scale, "cond_and_uncond": bool(calib.meta["cfg"])},
+        "source": cfg.model.pretrained or f"built:{cfg.model.arch}",
+        "device": str(device),
+        "workers": _worker_devices(cfg, device),
+        "timings": timings,
+    }
+    report.update(extras.get("report", {}))
+    parity = _parity(cfg, min_bits, unet_cos, rtn_cos, extras)
+    report["parity"] = parity
+    report["peak_gpu_memory_gb"] = (round(torch.cuda.max_memory_allocated(device) / 2 ** 30, 3) if device.type == "cuda" else None)
+    if not parity["passed"]:
+        report["wall_time_s"] = round(time.time() - t_start, 3)
+        write_json(out / "report.json", report)
+        _page(out, report, None)
+        failed = [f"{k}: {v['value']:.6f} < {v['threshold']}" for k, v in parity["checks"].items() if not v["passed"]]
+        raise ParityError("parity failed (no checkpoint written): " + "; ".join(failed))
+
+    # 6. outputs
+    t = time.time()
+    extra = {"source_pipeline": report["source"], "mode": cfg.recon.mode, "method": cfg.recon.method,
+             "recon": dataclasses.asdict(cfg.recon), "calibration": report["calibration"],
+             "blocks": [{"name": r.name, "kind": r.kind, "chosen": r.stats.get("chosen")} for r in results]}
+    float_state = {k: v.detach().cpu().clone() for k, v in unet.state_dict().items()}
+    recon_state = quantized_state_dict(float_state, {g: (lr.codes, lr.scale) for g, lr in recon_layers.items()})
+    recon_recipe = _recipe("unet", specs, {g: lr.method for g, lr in recon_layers.items()}, cfg.seed, extra)
+    ckpt, _ = save_quantized(recon_state, recon_recipe, out / UNET_FILE)
+    rtn_state = quantized_state_dict(float_state, rtn_layers)
+    rtn_recipe = _recipe("unet", specs, {g: "rtn" for g in specs}, cfg.seed, {**extra, "method": "rtn"})
+    (out / "rtn").mkdir(exist_ok=True)
+    rtn_ckpt, _ = save_quantized(rtn_state, rtn_recipe, out / "rtn" / UNET_FILE)
+    for comp in extras.get("save", []):
+        save_quantized(comp["state"], comp["recipe"], out / comp["file"])
+        save_quantized(comp["rtn_state"], comp["rtn_recipe"], out / "rtn" / comp["file"])
+
+    pipe.to("cpu")
+    _set_state(pipe.unet, dequantized_state_dict(recon_state, recon_recipe))
+    for comp in extras.get("save", []):
+        _set_component(pipe, comp["component"], dequantized_state_dict(comp["state"], comp["recipe"]))
+    pipeline_dir = save_pipeline(pipe, out / "pipeline")
+    report_paths = {"checkpoint": str(ckpt), "recipe": str(ckpt.with_suffix(".json")), "rtn_checkpoint": str(rtn_ckpt),
+                    "pipeline_dir": str(pipeline_dir)}
+    if cfg.output.rtn_pipeline:
+        _set_state(pipe.unet, dequantized_state_dict(rtn_state, rtn_recipe))
+        for comp in extras.get("save", []):
+            _set_component(pipe, comp["component"], dequantized_state_dict(comp["rtn_state"], comp["rtn_recipe"]))
+        report_paths["rtn_pipeline_dir"] = str(save_pipeline(pipe, out / "rtn" / "pipeline"))
+    report.update(report_paths)
+    timings["save_s"] = round(time.time() - t, 3)
+
+    samples = _samples(cfg, pipe, float_state, recon_state, recon_recipe, rtn_state, rtn_recipe, holdout_prompts, out, device)
+    if samples:
+        report["samples"] = samples
+    report["wall_time_s"] = round(time.time() - t_start, 3)
+    _page(out, report, samples)
+    _log(f"UNet cosine {unet_cos:.6f} (RTN {rtn_cos:.6f}); {report['blocks_improved']}/{report['blocks_evaluated']} blocks "
+         f"below RTN; {report['wall_time_s']:.1f}s")
+    return report
+
+
+def _set_state(module: torch.nn.Module, state: dict) -> None:
+    module.load_state_dict({k: v.to(torch.float32) if v.is_floating_point() else v for k, v in state.items()}, strict=True)
+
+
+def _set_component(pipe, component: str, state: dict) -> None:
+    if component == "text_encoder":
+        _set_state(pipe.text_encoder, state)
+    elif component == "vae_decoder":
+        pipe.vae.load_state_dict(state, strict=False)
+
+
+def _parity(cfg: Config, min_bits: int, unet_cos: float, rtn_cos: float, extras: dict) -> dict:
+    checks = {}
+    thr = cfg.parity.min_unet_cosine if cfg.parity.min_unet_cosine is not None else DEFAULT_MIN_COSINE[min_bits]
+    checks["min_unet_cosine"] = {"value": unet_cos, "threshold": thr, "passed": unet_cos >= thr}
+    if cfg.parity.recon_not_worse_than_rtn:
+        checks["recon_not_worse_than_rtn"] = {"value": unet_cos, "threshold": rtn_cos - 1e-4, "passed": unet_cos >= rtn_cos - 1e-4}
+    for key, comp_bits in (("text_encoder", cfg.quant.bits), ("vae_decoder", cfg.quant.bits)):
+        if key in extras.get("cosines", {}):
+            name = f"min_{key}_cosine"
+            val = extras["cosines"][key]
+            t = getattr(cfg.parity, name)
+            t = t if t is not None else DEFAULT_MIN_COSINE[comp_bits]
+            checks[name] = {"value": val, "threshold": t, "passed": val >= t}
+    return {"passed": all(c["passed"] for c in checks.values()), "checks": checks}
+
+
+@torch.no_grad()
+def _optional_components(cfg: Config, pipe, holdout_prompts, calib, device) -> dict:
+    """Text encoder / VAE decoder: RTN at searched scales; cosine vs float on held-out prompts / latents."""
+    result: dict = {"save": [], "cosines": {}, "report": {}}
+    seed = cfg.seed
+    if cfg.quant.text_encoder:
+        te = pipe.text_encoder
+        names = list(_component_layers(te))
+        rtn_res, searched, specs = _quantize_simple(te, names, cfg.quant.bits, cfg.quant.group_size, cfg.quant.layer_bits, device)
+        ref = encode_prompts(pipe, holdout_prompts, device).float()
+        q_te = copy.deepcopy(te)
+        _apply(q_te, searched, specs)
+        saved, pipe.text_encoder = pipe.text_encoder, q_te
+        cos = _cos(encode_prompts(pipe, holdout_prompts, device).float(), ref)
+        pipe.text_encoder = saved
+        result["cosines"]["text_encoder"] = cos
+        result["report"]["text_encoder_cosine"] = cos
+        state = te.state_dict()
+        result["save"].append({
+            "component": "text_encoder", "file": TEXT_ENCODER_FILE,
+            "state": quantized_state_dict(state, searched),
+            "recipe": _recipe("text_encoder", specs, {n: "rtn_mse" for n in names}, seed, {"source_pipeline": cfg.model.pretrained or f"built:{cfg.model.arch}"}),
+            "rtn_state": quantized_state_dict(state, rtn_res),
+            "rtn_recipe": _recipe("text_encoder", specs, {n: "rtn" for n in names}, seed, {"source_pipeline": cfg.model.pretrained or f"built:{cfg.model.arch}"}),
+        })
+    if cfg.quant.vae_decoder:
+        vae = pipe.vae
+        names = list(_component_layers(vae, ("decoder", "post_quant_conv")))
+        rtn_res, searched, specs = _quantize_simple(vae, names, cfg.quant.bits, cfg.quant.group_size, cfg.quant.layer_bits, device)
+        g = torch.Generator("cpu").manual_seed(seed)
+        n = min(4, len(holdout_prompts))
+        latents = torch.randn((n, vae.config.latent_channels, *calib.sample.shape[2:]), generator=g).to(device)
+        ref = vae.decode(latents / vae.config.scaling_factor).sample.float()
+        q_vae = copy.deepcopy(vae)
+        _apply(q_vae, searched, specs)
+        cos = _cos(q_vae.decode(latents / vae.config.scaling_factor).sample.float(), ref)
+        result["cosines"]["vae_decoder"] = cos
+        result["report"]["vae_decoder_cosine"] = cos
+        state = {k: v for k, v in vae.state_dict().items() if k.startswith(("decoder.", "post_quant_conv."))}
+        src = {"source_pipeline": cfg.model.pretrained or f"built:{cfg.model.arch}"}
+        result["save"].append({
+            "component": "vae_decoder", "file": VAE_DECODER_FILE,
+            "state": quantized_state_dict(state, searched),
+            "recipe": _recipe("vae_decoder", specs, {n: "rtn_mse" for n in names}, seed, src),
+            "rtn_state": quantized_state_dict(state, rtn_res),
+            "rtn_recipe": _recipe("vae_decoder", specs, {n: "rtn" for n in names}, seed, src),
+        })
+    return result
+
+
+@torch.no_grad()
+def _samples(cfg: Config, pipe, float_state, recon_state, recon_recipe, rtn_state, rtn_recipe, prompts, out: Path, device) -> Optional[dict]:
+    """Float / RTN / reconstruction images on held-out prompts, same seeds; grid + PSNR vs float."""
+    if cfg.output.samples <= 0 or not prompts:
+        return None
+    from pocketdiff.report import save_grid
+    from pocketdiff.sampling import generate
+
+    prompts = prompts[: cfg.output.samples]
+    steps = cfg.output.sample_steps or cfg.calib.steps
+    pipe.to(device)
+    images = {}
+    for name, state in (("float", float_state), ("rtn", dequantized_state_dict(rtn_state, rtn_recipe)),
+                        ("recon", dequantized_state_dict(recon_state, recon_recipe))):
+        _set_state(pipe.unet, state)
+        images[name] = generate(pipe, prompts, steps=steps, guidance_scale=cfg.calib.guidance_scale, seed=cfg.calib.seed + 200_000)
+    pipe.to("cpu")
+    grid = torch.cat([images["float"], images["rtn"], images["recon"]])
+    labels = [f"float: {p}" for p in prompts] + [f"rtn: {p}" for p in prompts] + [f"recon: {p}" for p in prompts]
+    save_grid(grid, out / "samples.png", ncols=len(prompts), labels=labels, cell=128)
+
+    def psnr(a, b):
+        mse = float(((a - b) ** 2).mean())
+        return 99.0 if mse == 0 else float(10 * torch.log10(torch.tensor(1.0 / mse)))
+
+    return {"grid": "samples.png", "prompts": prompts, "steps": steps, "guidance_scale": cfg.calib.guidance_scale,
+            "psnr_rtn": psnr(images["rtn"], images["float"]), "psnr_recon": psnr(images["recon"], images["float"])}
+
+
+def _page(out: Path, report: dict, samples: Optional[dict]) -> None:
+    from pocketdiff.report import img, plot_curves, table, write_page
+
+    rows = [b for b in report["blocks"] if "mse_recon" in b]
+    sections = []
+    if rows:
+        curves = {
+            "RTN (in quantized UNet)": [(i, max(b["mse_rtn"], 1e-30)) for i, b in enumerate(rows)],
+            "reconstruction (in quantized UNet)": [(i, max(b["mse_recon"], 1e-30)) for i, b in enumerate(rows)],
+            "RTN (block alone)": [(i, max(b["mse_rtn_local"], 1e-30)) for i, b in enumerate(rows)],
+            "reconstruction (block alone)": [(i, max(b["mse_recon_local"], 1e-30)) for i, b in enumerate(rows)],
+        }
+        plot_curves(curves, out / "block_mse.png", "block (execution order)", "output MSE (held-out)",
+                    f"W{report['bits']} per-block error", logy=True)
+        sections.append(("Per-block error", img("block_mse.png")))
+        sections.append(("Blocks", table(
+            ["#", "block", "kind", "chosen", "MSE RTN", "MSE recon", "MSE RTN (alone)", "MSE recon (alone)", "time s"],
+            [(i, b["name"], b["kind"], b.get("chosen", ""), b["mse_rtn"], b["mse_recon"], b["mse_rtn_local"],
+              b["mse_recon_local"], b.get("time_s", 0.0)) for i, b in enumerate(rows)])))
+    summary = [("UNet cosine (held-out)", report["unet_cosine"]), ("UNet cosine RTN", report["unet_cosine_rtn"]),
+               ("blocks below RTN", f"{report['blocks_improved']}/{report['blocks_evaluated']}"),
+               ("parity", "passed" if report["parity"]["passed"] else "FAILED")]
+    sections.insert(0, ("Summary", table(["", "value"], summary)))
+    if samples:
+        sections.append((f"Samples: float / RTN / reconstruction (rows), DDIM {samples['steps']} steps; PSNR vs float: "
+                         f"RTN {samples['psnr_rtn']:.2f} dB, recon {samples['psnr_recon']:.2f} dB", img(samples["grid"])))
+    write_page(out / "index.html", "pocketdiff calibrate", sections, report)
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def load_quantized_pipeline(folder, variant: str = "recon", device=None, torch_dtype=None):
+    """The stock `StableDiffusionPipeline` of a calibrate output folder with its UNet (and
+    quantized text encoder / VAE decoder, when present) rebuilt from codes * scales.
+
+    `variant` is "recon" (the reconstruction) or "rtn" (the baseline). The other components
+    come from `DIR/pipeline` (or, without it, the recipe's source pipeline folder)."""
+    if variant not in ("recon", "rtn"):
+        raise PocketdiffError(f"variant must be 'recon' or 'rtn', got {variant!r}")
+    folder = Path(folder)
+    qdir = folder if variant == "recon" else folder / "rtn"
+    state, recipe = load_quantized(qdir / UNET_FILE)
+    base = folder / "pipeline"
+    if not base.is_dir():
+        src = recipe.extra.get("source_pipeline", "")
+        if not src or src.startswith("built:"):
+            raise PocketdiffError(f"{folder}: no pipeline/ folder and no source pipeline in the recipe to rebuild from")
+        base = Path(src)
+    pipe = load_pipeline(str(base))
+    _set_state(pipe.unet, dequantized_state_dict(state, recipe))
+    for file, comp in ((TEXT_ENCODER_FILE, "text_encoder"), (VAE_DECODER_FILE, "vae_decoder")):
+        if (qdir / file).is_file():
+            s, r = load_quantized(qdir / file)
+            _set_component(pipe, comp, dequantized_state_dict(s, r))
+    if torch_dtype is not None:
+        pipe.to(dtype=torch_dtype)
+    if device is not None:
+        pipe.to(device)
+    return pipe

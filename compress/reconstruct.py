@@ -1,0 +1,693 @@
+"""Block reconstruction (BRECQ-style AdaRound) over a UNet's blocks.
+
+Per block: AdaRound quantizers for its layers (scales from `scale_init`, optionally
+learned), Adam on the rounding variables for `iters` minibatches of cached block inputs,
+minimising the block-output error against the float block (sum over channels, mean over
+batch and positions, as BRECQ; optionally Fisher-weighted) plus the annealed rounding
+regulariser. The hard-rounded result is then compared, in float32 on all calibration
+inputs, with plain RTN (max-abs scale) and with RTN at the searched scale; unless
+`fallback` is off the best of the three is kept, so no block ends worse than RTN.
+
+Modes:
+- sequential: block k's inputs come from the UNet whose blocks 0..k-1 are already
+  quantized (hard), targets from the float UNet; QDrop mixes those inputs element-wise with
+  the float ones (probability `qdrop` of taking the float value).
+- independent: float inputs and targets; blocks are independent, so with several devices
+  they are spread over one worker process per device.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import os
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch import nn
+
+from pocketdiff.errors import PocketdiffError, require
+
+from .blocks import Block, CalibSet, Captured, Request, _autocast, build_blocks, capture, first_tensor, group_by_budget, order_blocks, unet_forward
+from .quant import AdaRoundQuantizer, LayerSpec, beta_schedule, dequant, rtn, search_scale
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ReconConfig:
+    """The `recon:` section: how blocks are reconstructed."""
+
+    method: str = "adaround"  # adaround | rtn (searched scale, round to nearest: no optimisation)
+    mode: str = "sequential"  # sequential | independent
+    iters: int = 1000  # optimisation steps per block
+    batch_size: int = 32  # calibration samples per step
+    lr: float = 3e-3  # Adam on the rounding variables
+    round_weight: float = 0.01  # weight of the rounding regulariser
+    warmup: float = 0.2  # fraction of iterations without the regulariser
+    beta_start: float = 20.0
+    beta_end: float = 2.0
+    learn_scale: bool = False  # learn per-channel scales jointly (s = s0 * exp(delta))
+    scale_lr: float = 1e-3
+    loss: str = "mse"  # mse | fisher (diagonal Gauss-Newton weights from random output projections)
+    qdrop: float = 0.0  # sequential mode: probability of a float input element instead of the quantized one
+    autocast: str = "auto"  # auto (bf16 on CUDA, off on CPU) | bf16 | fp16 | off: precision of the optimisation forwards
+    capture_precision: str = "auto"  # auto (tf32 on CUDA) | fp32 | tf32 | bf16: precision of the capture passes
+    cache_dtype: str = "float32"  # float32 | bfloat16 | float16: cached block inputs / targets
+    cache_budget_gb: Optional[float] = None  # per capture group; None: 40 % of free device memory (CPU: 4 GB)
+    forward_batch: int = 16  # UNet batch of the capture passes
+    compile: bool = False  # torch.compile the block loss
+    compile_mode: Optional[str] = None  # e.g. max-autotune-no-cudagraphs, reduce-overhead (CUDA graphs)
+    channels_last: bool = False  # channels_last convs (CUDA, with bf16)
+    fallback: bool = True  # keep the best of adaround / rtn / searched-scale rtn per block
+    scale_init: str = "mse"  # mse (clipping-ratio search per channel) | maxabs
+    scale_grid: int = 50
+    devices: list[str] = field(default_factory=list)  # [] auto; independent mode: one worker per device when > 1
+    log_every: int = 0  # loss-curve points per block (0: 20 points)
+
+    def __post_init__(self) -> None:
+        require(self.method in ("adaround", "rtn"), "recon.method", f"must be adaround or rtn, got {self.method!r}")
+        require(self.mode in ("sequential", "independent"), "recon.mode", f"must be sequential or independent, got {self.mode!r}")
+        require(self.iters >= 0, "recon.iters", "must be >= 0")
+        require(self.method == "rtn" or self.iters > 0, "recon.iters", "must be > 0 for adaround")
+        require(self.batch_size >= 1, "recon.batch_size", "must be >= 1")
+        require(self.lr > 0 and self.scale_lr > 0, "recon.lr", "learning rates must be > 0")
+        require(self.round_weight >= 0, "recon.round_weight", "must be >= 0")
+        require(0 <= self.warmup < 1, "recon.warmup", "must be in [0, 1)")
+        require(self.beta_start >= self.beta_end > 0, "recon.beta_start", "need beta_start >= beta_end > 0")
+        require(self.loss in ("mse", "fisher"), "recon.loss", f"must be mse or fisher, got {self.loss!r}")
+        require(0 <= self.qdrop < 1, "recon.qdrop", "must be in [0, 1)")
+        require(self.qdrop == 0 or self.mode == "sequential", "recon.qdrop", "needs mode=sequential (independent mode has float inputs only)")
+        require(self.autocast in ("auto", "bf16", "fp16", "off"), "recon.autocast", "must be auto, bf16, fp16 or off")
+        require(self.capture_precision in ("auto", "fp32", "tf32", "bf16"), "recon.capture_precision", "must be auto, fp32, tf32 or bf16")
+        require(self.cache_dtype in DTYPES, "recon.cache_dtype", f"must be one of {list(DTYPES)}")
+        require(self.cache_budget_gb is None or self.cache_budget_gb > 0, "recon.cache_budget_gb", "must be > 0")
+        require(self.forward_batch >= 1, "recon.forward_batch", "must be >= 1")
+        require(self.scale_init in ("mse", "maxabs"), "recon.scale_init", "must be mse or maxabs")
+        require(self.scale_grid >= 1, "recon.scale_grid", "must be >= 1")
+
+
+@dataclass
+class LayerResult:
+    codes: torch.Tensor
+    scale: torch.Tensor
+    method: str  # adaround | rtn | rtn_mse
+
+
+@dataclass
+class BlockResult:
+    name: str
+    kind: str
+    layers: dict[str, LayerResult]
+    stats: dict
+
+
+# ----------------------------------------------------------------------- precision helpers
+
+
+def optimisation_autocast(opts: ReconConfig, device) -> Optional[torch.dtype]:
+    dev = torch.device(device)
+    if opts.autocast == "off" or (opts.autocast == "auto" and dev.type != "cuda"):
+        return None
+    if opts.autocast == "fp16":
+        return torch.float16
+    return torch.bfloat16
+
+
+class precision:
+    """Context: TF32 on / off for CUDA matmuls and convs (restored on exit)."""
+
+    def __init__(self, tf32: bool):
+        self.tf32 = tf32
+
+    def __enter__(self):
+        self.saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+        torch.backends.cuda.matmul.allow_tf32 = self.tf32
+        torch.backends.cudnn.allow_tf32 = self.tf32
+
+    def __exit__(self, *exc):
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = self.saved
+
+
+def capture_settings(opts: ReconConfig, device) -> tuple[bool, Optional[torch.dtype]]:
+    """(tf32, autocast dtype) of the capture passes."""
+    cuda = torch.device(device).type == "cuda"
+    p = opts.capture_precision
+    if p == "auto":
+        p = "tf32" if cuda else "fp32"
+    return (p == "tf32"), (torch.bfloat16 if p == "bf16" else None)
+
+
+def cache_budget(opts: ReconConfig, device) -> float:
+    if opts.cache_budget_gb is not None:
+        return opts.cache_budget_gb * 2 ** 30
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(dev)
+        return 0.4 * free
+    return 4 * 2 ** 30
+
+
+# ----------------------------------------------------------------------- per-layer inits
+
+
+def layer_inits(weights: dict[str, torch.Tensor], specs: dict[str, LayerSpec], opts: ReconConfig, device) -> tuple[dict, dict]:
+    """(rtn: name -> (codes, scale) at max-abs scale, init: name -> searched (or max-abs) scale)."""
+    rtn_res, init = {}, {}
+    for name, w in weights.items():
+        w = w.to(device)
+        spec = specs[name]
+        codes, scale = rtn(w, spec)
+        rtn_res[name] = (codes.cpu(), scale.cpu())
+        init[name] = (search_scale(w, spec, grid=opts.scale_grid) if opts.scale_init == "mse" else scale).cpu()
+    return rtn_res, init
+
+
+# ----------------------------------------------------------------------- block functions
+
+
+def _key(local: str) -> str:
+    return f"{local}.weight" if local else "weight"
+
+
+def unit_output(unit, wmap: dict[str, torch.Tensor], args, kwargs) -> torch.Tensor:
+    overrides = {_key(local): wmap[g] for local, g in unit.layers.items() if g in wmap}
+    return first_tensor(torch.func.functional_call(unit.module, overrides, args, kwargs, strict=False))
+
+
+def _mix(q_args, fp_args, p: float, gen: torch.Generator):
+    """QDrop: each floating input element is the float one with probability p, else the quantized one."""
+    from torch.utils import _pytree as pytree
+
+    ql, spec = pytree.tree_flatten(q_args)
+    fl, _ = pytree.tree_flatten(fp_args)
+    out = []
+    for a, b in zip(ql, fl):
+        if isinstance(a, torch.Tensor) and a.is_floating_point() and a.shape == b.shape and a.dim() >= 1:
+            mask = torch.rand(a.shape, generator=gen, device=gen.device) < p
+            out.append(torch.where(mask, b, a))
+        else:
+            out.append(a)
+    return pytree.tree_unflatten(out, spec)
+
+
+def _rec_loss(out: torch.Tensor, tgt: torch.Tensor, fisher: Optional[torch.Tensor]) -> torch.Tensor:
+    d = (out.float() - tgt.float()) ** 2
+    if fisher is not None:
+        w = fisher.to(d.dtype)
+        d = d * w.reshape(*w.shape, *([1] * (d.dim() - w.dim())))
+    if d.dim() == 1:
+        return d.mean()
+    return d.sum(dim=1).mean()
+
+
+@torch.no_grad()
+def block_mse(block: Block, caps: Sequence[Captured], targets: Sequence[torch.Tensor], wmap: dict, device, batch: int = 32) -> float:
+    """Mean squared error per element of the block's outputs vs `targets`, float32, TF32 off."""
+    sq, count = 0.0, 0
+    with precision(False):
+        for u, cap, tgt in zip(block.units, caps, targets):
+            n = cap.n()
+            for s in range(0, n, batch):
+                idx = torch.arange(s, min(n, s + batch))
+                args, kwargs = cap.inputs(idx, device, torch.float32)
+                out = unit_output(u, wmap, args, kwargs).float()
+                t = tgt[idx.to(tgt.device)].to(device).float()
+                sq += float(((out - t) ** 2).double().sum())
+                count += t.numel()
+    return sq / max(count, 1)
+
+
+@torch.no_grad()
+def _target_power(targets: Sequence[torch.Tensor]) -> float:
+    sq = sum(float((t.double() ** 2).sum()) for t in targets)
+    return sq / max(1, sum(t.numel() for t in targets))
+
+
+# ----------------------------------------------------------------------- one block
+
+
+def reconstruct_block(
+    block: Block,
+    caps: Sequence[Captured],
+    targets: Sequence[torch.Tensor],
+    weights: dict[str, torch.Tensor],
+    specs: dict[str, LayerSpec],
+    rtn_res: dict,
+    init_scales: dict,
+    opts: ReconConfig,
+    device,
+    *,
+    fp_caps: Optional[Sequence[Captured]] = None,
+    fisher: Optional[Sequence[Optional[torch.Tensor]]] = None,
+    seed: int = 0,
+) -> BlockResult:
+    """Quantize one block; `caps` are its (possibly quantized-prefix) inputs, `targets` the
+    float outputs, per unit."""
+    device = torch.device(device)
+    t0 = time.time()
+    names = block.layers
+    for u in block.units:
+        u.module.requires_grad_(False)
+    rtn_w = {g: dequant(*rtn_res[g], specs[g]).to(device) for g in names}
+    init_codes = {g: rtn(weights[g].to(device), specs[g], init_scales[g].to(device)) for g in names}
+    init_w = {g: dequant(c, s, specs[g]).to(device) for g, (c, s) in init_codes.items()}
+    stats: dict = {"layers": len(names), "params": int(sum(weights[g].numel() for g in names)), "samples": caps[0].n() if caps else 0}
+    stats["target_power"] = _target_power(targets)
+    stats["mse_rtn_calib"] = block_mse(block, caps, targets, rtn_w, device)
+    stats["mse_init_calib"] = block_mse(block, caps, targets, init_w, device)
+    candidates = {"rtn": stats["mse_rtn_calib"], "rtn_mse": stats["mse_init_calib"]}
+    quantizers: dict[str, AdaRoundQuantizer] = {}
+
+    if opts.method == "adaround" and opts.iters > 0 and names:
+        quantizers = {g: AdaRoundQuantizer(weights[g].to(device), specs[g], init_scales[g].to(device), opts.learn_scale) for g in names}
+        groups = [{"params": [q.v for q in quantizers.values()], "lr": opts.lr}]
+        if opts.learn_scale:
+            groups.append({"params": [q.log_scale for q in quantizers.values()], "lr": opts.scale_lr})
+        optim = torch.optim.Adam(groups)
+        gen = torch.Generator("cpu").manual_seed(seed)
+        drop_gen = torch.Generator(device).manual_seed(seed + 1)
+        ac = optimisation_autocast(opts, device)
+        n = caps[0].n()
+        bs = min(opts.batch_size, n)
+        every = max(1, opts.iters // (opts.log_every or 20))
+        curve = []
+        fisher = list(fisher) if fisher is not None else [None] * len(block.units)
+
+        def loss_fn(wmap, inputs, tgts, fws):
+            rec = 0.0
+            for u, (args, kwargs), tgt, fw in zip(block.units, inputs, tgts, fws):
+                rec = rec + _rec_loss(unit_output(u, wmap, args, kwargs), tgt, fw)
+            return rec
+
+        step_fn = loss_fn
+        if opts.compile:
+            step_fn = torch.compile(loss_fn, mode=opts.compile_mode, dynamic=False)
+        cl = opts.channels_last and device.type == "cuda"
+        with precision(device.type == "cuda"):
+            for it in range(opts.iters):
+                idx = torch.randint(0, n, (bs,), generator=gen)
+                inputs = []
+                for ui, cap in enumerate(caps):
+                    args, kwargs = cap.inputs(idx, device)
+                    if fp_caps is not None and opts.qdrop > 0:
+                        args, kwargs = _mix((args, kwargs), fp_caps[ui].inputs(idx, device), opts.qdrop, drop_gen)
+                    if cl:
+                        args = tuple(a.contiguous(memory_format=torch.channels_last) if isinstance(a, torch.Tensor) and a.dim() == 4 else a for a in args)
+                    inputs.append((args, kwargs))
+                tgts = [t[idx.to(t.device)].to(device, non_blocking=True) for t in targets]
+                fws = [None if f is None else f[idx.to(f.device)].to(device) for f in fisher]
+                wmap = {g: q.soft_weight() for g, q in quantizers.items()}
+                with _autocast(device, ac):
+                    rec = step_fn(wmap, inputs, tgts, fws)
+                beta = beta_schedule(it, opts.iters, opts.warmup, opts.beta_start, opts.beta_end)
+                loss = rec
+                reg = None
+                if beta is not None and opts.round_weight > 0:
+                    reg = opts.round_weight * sum(q.round_loss(beta) for q in quantizers.values())
+                    loss = loss + reg
+                optim.zero_grad(set_to_none=True)
+                loss.backward()
+                optim.step()
+                if it % every == 0 or it == opts.iters - 1:
+                    curve.append([it, float(rec.detach()), float(reg.detach()) if reg is not None else 0.0])
+        hard = {g: q.hard_weight() for g, q in quantizers.items()}
+        stats["mse_adaround_calib"] = block_mse(block, caps, targets, hard, device)
+        stats["soft_fraction"] = float(sum(q.soft_fraction() * q.v.numel() for q in quantizers.values()) / max(1, sum(q.v.numel() for q in quantizers.values())))
+        stats["curve"] = curve
+        candidates["adaround"] = stats["mse_adaround_calib"]
+        del optim
+
+    if opts.method == "adaround" and quantizers and not opts.fallback:
+        chosen = "adaround"
+    else:
+        chosen = min(candidates, key=lambda k: (candidates[k], k != "adaround"))
+    layers = {}
+    for g in names:
+        if chosen == "adaround":
+            q = quantizers[g]
+            layers[g] = LayerResult(q.codes().cpu(), q.scale().detach().float().cpu(), "adaround")
+        elif chosen == "rtn_mse":
+            c, s = init_codes[g]
+            layers[g] = LayerResult(c.cpu(), s.cpu(), "rtn_mse")
+        else:
+            c, s = rtn_res[g]
+            layers[g] = LayerResult(c.cpu(), s.cpu(), "rtn")
+    stats["chosen"] = chosen
+    stats["mse_recon_calib"] = candidates[chosen]
+    stats["time_s"] = round(time.time() - t0, 3)
+    stats["iters"] = opts.iters if quantizers else 0
+    return BlockResult(block.name, block.kind, layers, stats)
+
+
+def rest_block_result(block: Block, weights, specs, rtn_res, init_scales) -> BlockResult:
+    """Layers outside every block: RTN at the searched scale, no reconstruction."""
+    layers = {}
+    for g in block.layers:
+        c, s = rtn(weights[g], specs[g], init_scales[g])
+        layers[g] = LayerResult(c, s, "rtn_mse")
+    return BlockResult(block.name, block.kind, layers, {"chosen": "rtn_mse", "layers": len(layers), "time_s": 0.0, "iters": 0})
+
+
+# ----------------------------------------------------------------------- Fisher weights
+
+
+def fisher_weights(unet: nn.Module, blocks: Sequence[Block], calib: CalibSet, device, batch: int, seed: int = 0,
+                   store_device="cpu") -> dict[str, torch.Tensor]:
+    """Per unit: [N, C] diagonal Gauss-Newton weights of its output (squared gradient of r . UNet
+    output, r ~ N(0, I), averaged over positions), normalised to mean 1."""
+    units = [u for b in blocks if b.kind != "rest" for u in b.units]
+    n = len(calib)
+    store: dict[str, list] = {u.name: [] for u in units}
+    gen = torch.Generator("cpu").manual_seed(seed)
+    for start in range(0, n, batch):
+        end = min(n, start + batch)
+        outs: dict[str, torch.Tensor] = {}
+        handles = []
+
+        def make(name):
+            def hook(module, args, output):
+                t = first_tensor(output)
+                if not t.requires_grad:
+                    t.requires_grad_(True)
+                outs[name] = t
+                return output
+            return hook
+
+        for u in units:
+            handles.append(unet.get_submodule(u.exit).register_forward_hook(make(u.name)))
+        try:
+            with torch.enable_grad():
+                b = calib.batch_kwargs(start, end, device, torch.float32)
+                out = unet_forward(unet, b)
+                r = torch.randn(out.shape, generator=gen).to(device)
+                names = [k for k in outs if outs[k].requires_grad]
+                grads = torch.autograd.grad((out * r).sum(), [outs[k] for k in names], allow_unused=True)
+        finally:
+            for h in handles:
+                h.remove()
+        for k, g in zip(names, grads):
+            if g is None:
+                g = torch.zeros_like(outs[k])
+            g2 = g.detach().float() ** 2
+            if g2.dim() > 2:
+                g2 = g2.flatten(2).mean(dim=2)
+            store[k].append(g2.to(store_device))
+    result = {}
+    for k, parts in store.items():
+        w = torch.cat(parts)
+        result[k] = w / w.mean().clamp_min(1e-30)
+    return result
+
+
+# ----------------------------------------------------------------------- drivers
+
+
+def _log(msg: str, log: Optional[Callable[[str], None]]) -> None:
+    if log is not None:
+        log(msg)
+
+
+def _fmt(block_idx: int, total: int, res: BlockResult) -> str:
+    s = res.stats
+    if "mse_rtn_calib" not in s:
+        return f"[{block_idx}/{total}] {res.name} ({res.kind}): {s.get('layers', 0)} layers, rtn_mse (no reconstruction)"
+    return (f"[{block_idx}/{total}] {res.name} ({res.kind}, {s['layers']} layers): mse rtn {s['mse_rtn_calib']:.3e} "
+            f"init {s['mse_init_calib']:.3e} -> {s['mse_recon_calib']:.3e} ({s['chosen']}) {s['time_s']:.1f}s")
+
+
+def float_weights(unet: nn.Module, names: Sequence[str]) -> dict[str, torch.Tensor]:
+    return {g: unet.get_submodule(g).weight.detach().float().cpu().clone() for g in names}
+
+
+@torch.no_grad()
+def write_weights(unet: nn.Module, layers: dict[str, LayerResult], specs: dict[str, LayerSpec]) -> None:
+    """Copy dequantized (codes * scales) weights into `unet` in place."""
+    for g, lr in layers.items():
+        p = unet.get_submodule(g).weight
+        p.copy_(dequant(lr.codes, lr.scale, specs[g]).to(device=p.device, dtype=p.dtype))
+
+
+def reconstruct_unet(
+    unet: nn.Module,
+    calib: CalibSet,
+    specs: dict[str, LayerSpec],
+    opts: ReconConfig,
+    *,
+    device,
+    skip: Sequence[str] = (),
+    seed: int = 0,
+    log: Optional[Callable[[str], None]] = print,
+    devices: Optional[Sequence[str]] = None,
+) -> tuple[list[BlockResult], dict]:
+    """Quantize every block of `unet` (float, on `device`). Returns the block results in
+    execution order (layer codes + scales + stats) and run info. `unet` is not modified."""
+    device = torch.device(device)
+    t0 = time.time()
+    blocks = build_blocks(unet, skip)
+    per_sample = order_blocks(unet, blocks, calib, device)
+    names = [g for b in blocks for g in b.layers]
+    missing = set(specs) ^ set(names)
+    if missing:
+        raise PocketdiffError(f"layer specs and blocks disagree on {sorted(missing)[:5]}")
+    weights = float_weights(unet, names)
+    rtn_res, init_scales = layer_inits(weights, specs, opts, device)
+    info: dict = {"blocks": len(blocks), "samples": len(calib), "mode": opts.mode, "method": opts.method}
+    fisher = None
+    if opts.loss == "fisher" and opts.method == "adaround":
+        tf = time.time()
+        with precision(False):
+            fisher = fisher_weights(unet, blocks, calib, device, opts.forward_batch, seed=seed)
+        info["fisher_s"] = round(time.time() - tf, 3)
+    devices = list(devices or [])
+    if opts.mode == "independent" and len(devices) > 1 and opts.method == "adaround":
+        results = _run_parallel(unet, calib, blocks, specs, opts, devices, skip, seed, fisher, log)
+    elif opts.mode == "sequential" and opts.method == "adaround":
+        results = _run_sequential(unet, calib, blocks, per_sample, weights, specs, rtn_res, init_scales, opts, device, seed, fisher, log)
+    else:
+        results = _run_independent(unet, calib, blocks, per_sample, weights, specs, rtn_res, init_scales, opts, device, seed, fisher, log)
+    info["reconstruct_s"] = round(time.time() - t0, 3)
+    info["rtn"] = {g: rtn_res[g] for g in names}
+    return results, info
+
+
+def _fisher_for(block: Block, fisher):
+    if fisher is None:
+        return None
+    return [fisher.get(u.name) for u in block.units]
+
+
+def _run_sequential(unet, calib, blocks, per_sample, weights, specs, rtn_res, init_scales, opts, device, seed, fisher, log):
+    q_unet = copy.deepcopy(unet)
+    q_blocks = {b.name: b for b in build_blocks(q_unet, [])}
+    # units of q_unet share paths with `blocks`; keep the ordered list but q_unet's modules
+    ordered = []
+    for b in blocks:
+        qb = q_blocks.get(b.name)
+        if qb is None or b.kind == "rest":
+            ordered.append(b)
+            continue
+        units = {u.name: u for u in qb.units}
+        ordered.append(Block(b.name, b.kind, [dataclasses.replace(units[u.name], layers=u.layers) for u in b.units], b.order))
+    store_dtype = DTYPES[opts.cache_dtype]
+    tf32, cap_ac = capture_settings(opts, device)
+    budget = cache_budget(opts, device)
+    n = len(calib)
+    keys = ("in", "out") if opts.qdrop > 0 else ("out",)
+    groups = group_by_budget([b for b in ordered if b.kind != "rest"], per_sample, n, budget / 2, keys)
+    store = _store_device(per_sample, ordered, n, budget, device)
+    results = []
+    total = len(ordered)
+    done = 0
+    for group in groups:
+        reqs = [Request(u, inputs=opts.qdrop > 0, output=True) for b in group for u in b.units]
+        with precision(tf32):
+            fcaps = capture(unet, calib, reqs, device=device, batch_size=opts.forward_batch, store_device=store,
+                            store_dtype=store_dtype, autocast=cap_ac)
+        k = 0
+        for b in group:
+            nu = len(b.units)
+            mine = fcaps[k:k + nu]
+            k += nu
+            with precision(tf32):
+                qcaps = capture(q_unet, calib, [Request(u, inputs=True) for u in b.units], device=device,
+                                batch_size=opts.forward_batch, store_device=store, store_dtype=store_dtype, autocast=cap_ac)
+            res = reconstruct_block(b, qcaps, [c.output for c in mine], weights, specs, rtn_res, init_scales, opts, device,
+                                    fp_caps=mine if opts.qdrop > 0 else None, fisher=_fisher_for(b, fisher), seed=seed + b.order)
+            write_weights(q_unet, res.layers, specs)
+            results.append(res)
+            done += 1
+            _log(_fmt(done, total, res), log)
+            del qcaps
+        del fcaps
+        _empty_cache(device)
+    for b in ordered:
+        if b.kind == "rest":
+            results.append(rest_block_result(b, weights, specs, rtn_res, init_scales))
+    del q_unet
+    return results
+
+
+def _store_device(per_sample, blocks, n, budget, device):
+    """Cache on the compute device when the largest block's data fits in the budget, else CPU."""
+    largest = max((n * (v["in"] * 2 + v["out"]) for v in per_sample.values()), default=0)
+    return device if largest <= budget else torch.device("cpu")
+
+
+def _run_independent(unet, calib, blocks, per_sample, weights, specs, rtn_res, init_scales, opts, device, seed, fisher, log):
+    store_dtype = DTYPES[opts.cache_dtype]
+    tf32, cap_ac = capture_settings(opts, device)
+    budget = cache_budget(opts, device)
+    n = len(calib)
+    store = _store_device(per_sample, blocks, n, budget, device)
+    results = []
+    real = [b for b in blocks if b.kind != "rest"]
+    total = len(blocks)
+    done = 0
+    for group in group_by_budget(real, per_sample, n, budget, ("in", "out")):
+        reqs = [Request(u, inputs=True, output=True) for b in group for u in b.units]
+        with precision(tf32):
+            caps = capture(unet, calib, reqs, device=device, batch_size=opts.forward_batch, store_device=store,
+                           store_dtype=store_dtype, autocast=cap_ac)
+        k = 0
+        for b in group:
+            nu = len(b.units)
+            mine = caps[k:k + nu]
+            k += nu
+            res = reconstruct_block(b, mine, [c.output for c in mine], weights, specs, rtn_res, init_scales, opts, device,
+                                    fisher=_fisher_for(b, fisher), seed=seed + b.order)
+            results.append(res)
+            done += 1
+            _log(_fmt(done, total, res), log)
+        del caps
+        _empty_cache(device)
+    for b in blocks:
+        if b.kind == "rest":
+            results.append(rest_block_result(b, weights, specs, rtn_res, init_scales))
+    return results
+
+
+def _empty_cache(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------- several devices
+
+
+def _block_cost(block: Block, per_sample: dict) -> float:
+    """FLOP proxy: quantized parameters x output positions."""
+    params = sum(p.numel() for u in block.units for p in u.module.parameters())
+    out_elems = per_sample[block.name]["out"] / 4
+    channels = 1
+    for u in block.units:
+        for p in u.module.parameters():
+            channels = max(channels, p.shape[0])
+            break
+    return params * max(1.0, out_elems / max(channels, 1))
+
+
+def split_blocks(blocks: Sequence[Block], per_sample: dict, k: int) -> list[list[str]]:
+    """Longest-processing-time assignment of blocks to k workers."""
+    loads = [0.0] * k
+    parts: list[list[str]] = [[] for _ in range(k)]
+    for b in sorted(blocks, key=lambda b: -_block_cost(b, per_sample)):
+        i = min(range(k), key=lambda j: loads[j])
+        parts[i].append(b.name)
+        loads[i] += _block_cost(b, per_sample)
+    return parts
+
+
+def _worker(rank: int, device: str, unet_cls: str, unet_config: dict, state: dict, calib_tensors: dict, meta: dict,
+            block_names: list, specs: dict, opts: ReconConfig, skip: list, seed: int, fisher, out_path: str) -> None:
+    try:
+        import importlib
+
+        mod_name, cls_name = unet_cls.rsplit(".", 1)
+        cls = getattr(importlib.import_module(mod_name), cls_name)
+        unet = cls.from_config(unet_config)
+        unet.load_state_dict(state)
+        unet.to(device).eval().requires_grad_(False)
+        calib = CalibSet(meta=meta, **calib_tensors)
+        blocks = build_blocks(unet, skip)
+        per_sample = order_blocks(unet, blocks, calib, device)
+        mine = [b for b in blocks if b.name in set(block_names)]
+        names = [g for b in mine for g in b.layers]
+        weights = float_weights(unet, names)
+        my_specs = {g: specs[g] for g in names}
+        rtn_res, init_scales = layer_inits(weights, my_specs, opts, device)
+
+        def log(msg):
+            print(f"[{device}] {msg}", file=sys.stderr, flush=True)
+
+        results = _run_independent(unet, calib, mine, per_sample, weights, my_specs, rtn_res, init_scales, opts, device, seed, fisher, log)
+        torch.save({"results": [dataclasses.asdict(r) for r in results]}, out_path)
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        Path(out_path + ".err").write_text(f"{type(e).__name__}: {e}\n{traceback.format_exc()}", encoding="utf-8")
+        raise SystemExit(1)
+
+
+def _run_parallel(unet, calib, blocks, specs, opts, devices, skip, seed, fisher, log) -> list[BlockResult]:
+    import torch.multiprocessing as mp
+
+    per_sample = order_blocks(unet, blocks, calib, next(unet.parameters()).device)
+    real = [b for b in blocks if b.kind != "rest"]
+    parts = split_blocks(real, per_sample, len(devices))
+    _log(f"independent mode on {len(devices)} devices: " + ", ".join(f"{d}: {len(p)} blocks" for d, p in zip(devices, parts)), log)
+    ctx = mp.get_context("spawn")
+    state = {k: v.detach().cpu() for k, v in unet.state_dict().items()}
+    calib_tensors = {k: v.cpu() for k, v in calib.tensors().items()}
+    cls = f"{type(unet).__module__}.{type(unet).__qualname__}"
+    config = dict(unet.config)
+    procs = []
+    tmp = tempfile.mkdtemp(prefix="pocketdiff-calib-")
+    try:
+        for rank, (dev, part) in enumerate(zip(devices, parts)):
+            if not part:
+                continue
+            out_path = os.path.join(tmp, f"worker{rank}.pt")
+            my_fisher = None if fisher is None else {k: v.cpu() for k, v in fisher.items()}
+            p = ctx.Process(target=_worker, args=(rank, dev, cls, config, state, calib_tensors, dict(calib.meta), part, specs,
+                                                  opts, list(skip), seed, my_fisher, out_path))
+            p.start()
+            procs.append((p, out_path, dev))
+        results: list[BlockResult] = []
+        errors = []
+        for p, out_path, dev in procs:
+            p.join()
+            if p.exitcode != 0 or not os.path.isfile(out_path):
+                err = Path(out_path + ".err")
+                msg = err.read_text(encoding="utf-8").splitlines()[0] if err.is_file() else f"exit code {p.exitcode}"
+                errors.append(f"{dev}: {msg}")
+                continue
+            data = torch.load(out_path, weights_only=True)
+            for r in data["results"]:
+                layers = {g: LayerResult(**lr) for g, lr in r["layers"].items()}
+                results.append(BlockResult(r["name"], r["kind"], layers, r["stats"]))
+        if errors:
+            raise PocketdiffError("calibration worker failed: " + "; ".join(errors))
+    finally:
+        for p, _, _ in procs:
+            if p.is_alive():
+                p.terminate()
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    order = {b.name: i for i, b in enumerate(blocks)}
+    results.sort(key=lambda r: order.get(r.name, 10 ** 9))
+    rest = [b for b in blocks if b.kind == "rest"]
+    if rest:
+        names = [g for b in rest for g in b.layers]
+        weights = float_weights(unet, names)
+        rtn_res, init_scales = layer_inits(weights, {g: specs[g] for g in names}, opts, "cpu")
+        for b in rest:
+            results.append(rest_block_result(b, weights, specs, rtn_res, init_scales))
+    for i, r in enumerate(results):
+        _log(_fmt(i + 1, len(results), r), log)
+    return results

@@ -1,0 +1,227 @@
+"""`pocketdiff calibrate` end to end on a tiny pipeline (CPU, seconds)."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from pocketdiff.cli import VERBS, main
+from pocketdiff.compress.calibrate import Config, load_quantized_pipeline, run
+from pocketdiff.compress.int8_format import dequantized_state_dict, load_quantized, qmax
+from pocketdiff.config import load_config
+from pocketdiff.errors import ConfigError, ParityError, PocketdiffError
+from pocketdiff.models import ModelConfig, build_pipeline, perturb_norm_affines, save_pipeline
+
+PROMPTS = ["a red circle", "a blue square", "a green triangle", "a yellow star", "two purple circles"]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory):
+    torch.set_num_threads(1)
+    pipe = build_pipeline(ModelConfig(arch="tiny", vocab_size=600), captions=PROMPTS, resolution=32)
+    for i, comp in enumerate((pipe.unet, pipe.text_encoder, pipe.vae)):
+        perturb_norm_affines(comp, i, scale=0.3)
+    return save_pipeline(pipe, tmp_path_factory.mktemp("teacher") / "pipe")
+
+
+def _cfg(teacher, tmp_path, extra=""):
+    text = f"""
+device: cpu
+model: {{pretrained: {teacher}}}
+calib: {{prompts: {json.dumps(PROMPTS)}, num_prompts: 3, holdout_prompts: 1, steps: 3, guidance_scale: 2.0}}
+recon: {{iters: 12, batch_size: 16, lr: 2.0e-2}}
+output: {{samples: 0}}
+{extra}
+"""
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    return path
+
+
+@pytest.fixture(scope="module")
+def w8(teacher, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("w8")
+    cfg = load_config(Config, _cfg(teacher, tmp, "output: {samples: 1}"))
+    out = tmp / "out"
+    out.mkdir()
+    return out, run(cfg, out)
+
+
+def test_verb_registered():
+    assert VERBS["calibrate"] == "pocketdiff.compress.calibrate"
+
+
+def test_w8_report(w8):
+    out, report = w8
+    assert report["bits"] == 8
+    assert {"bits", "blocks", "unet_cosine", "checkpoint", "wall_time_s", "peak_gpu_memory_gb"} <= report.keys()
+    names = [b["name"] for b in report["blocks"]]
+    assert names[0] == "stem" and names[-1] == "head" and len(names) == 16
+    for b in report["blocks"]:
+        assert {"name", "mse_rtn", "mse_recon"} <= b.keys()
+        assert b["mse_recon"] <= b["mse_rtn"], b["name"]
+    assert report["unet_cosine"] >= report["unet_cosine_rtn"] - 1e-6 and report["unet_cosine"] > 0.999
+    assert report["parity"]["passed"]
+    assert report["calibration"]["cond_and_uncond"] and report["calibration"]["samples"] == 3 * 3 * 2
+    for f in ("unet_int8.safetensors", "unet_int8.json", "rtn/unet_int8.safetensors", "rtn/unet_int8.json",
+              "pipeline/unet/config.json", "rtn/pipeline/model_index.json", "index.html", "block_mse.png", "samples.png"):
+        assert (out / f).is_file(), f
+
+
+def test_w8_checkpoint_codes_and_recipe(w8):
+    out, report = w8
+    state, recipe = load_quantized(out / "unet_int8.safetensors")
+    assert recipe.component == "unet" and recipe.extra["source_pipeline"]
+    assert {"torch", "diffusers"} <= recipe.versions.keys()
+    assert len(recipe.layers) == 83
+    methods = {lr.method for lr in recipe.layers.values()}
+    assert methods <= {"adaround", "rtn", "rtn_mse"} and "adaround" in methods
+    for name, lr in recipe.layers.items():
+        codes = state[f"{name}.weight"]
+        assert codes.dtype == torch.int8 and int(codes.abs().max()) <= qmax(lr.bits)
+        assert state[f"{name}.weight_scale"].shape == (codes.shape[0],)
+
+
+def test_rebuilt_models_equal_codes_times_scales(w8):
+    out, _ = w8
+    from diffusers import StableDiffusionPipeline
+
+    for variant, qdir in (("recon", out), ("rtn", out / "rtn")):
+        state, recipe = load_quantized(qdir / "unet_int8.safetensors")
+        expected = dequantized_state_dict(state, recipe)
+        pipe = load_quantized_pipeline(out, variant=variant)
+        got = pipe.unet.state_dict()
+        for name, lr in recipe.layers.items():
+            w = state[f"{name}.weight"].float() * state[f"{name}.weight_scale"].reshape(-1, *[1] * (state[f"{name}.weight"].dim() - 1))
+            assert torch.equal(got[f"{name}.weight"], w), name
+        assert all(torch.equal(got[k], expected[k].float()) for k in got)
+        stock = StableDiffusionPipeline.from_pretrained(str(qdir / "pipeline"), safety_checker=None)  # stock diffusers
+        stock_state = stock.unet.state_dict()
+        assert all(torch.equal(stock_state[k], got[k]) for k in got)
+
+
+def test_w4_groupwise_and_optional_components(teacher, tmp_path):
+    cfg = load_config(Config, _cfg(teacher, tmp_path, """
+quant: {bits: 4, group_size: 16, layer_bits: {conv_in: 8, conv_out: 8}, text_encoder: true, vae_decoder: true}
+parity: {min_unet_cosine: 0.5, min_text_encoder_cosine: 0.5, min_vae_decoder_cosine: 0.5}
+output: {rtn_pipeline: false, samples: 0}
+"""))
+    out = tmp_path / "o"
+    out.mkdir()
+    report = run(cfg, out)
+    assert report["bits"] == 4 and report["bits_per_layer"]["8"] == 2
+    for b in report["blocks"]:
+        assert b["mse_recon"] <= b["mse_rtn"], b["name"]
+    state, recipe = load_quantized(out / "unet_int8.safetensors")
+    grouped = [n for n, lr in recipe.layers.items() if lr.group_size == 16 and lr.bits == 4]
+    assert grouped and all(int(state[f"{n}.weight"].abs().max()) <= 7 for n in grouped)
+    assert recipe.layers["conv_in"].bits == 8
+    for f in ("text_encoder_int8.safetensors", "vae_decoder_int8.safetensors", "rtn/text_encoder_int8.safetensors"):
+        assert (out / f).is_file()
+    assert not (out / "rtn" / "pipeline").exists()
+    pipe = load_quantized_pipeline(out)
+    s, r = load_quantized(out / "text_encoder_int8.safetensors")
+    deq = dequantized_state_dict(s, r)
+    te = pipe.text_encoder.state_dict()
+    assert all(torch.equal(te[k], deq[k]) for k in deq)
+
+
+def test_independent_mode_on_two_worker_processes(teacher, tmp_path):
+    from pocketdiff.compress.calibrate import _collect, _prompts
+    from pocketdiff.compress.quant import layer_specs, quantizable_layers
+    from pocketdiff.compress.reconstruct import ReconConfig, reconstruct_unet
+    from pocketdiff.models import load_pipeline
+    from pocketdiff.compress.calibrate import CalibDataConfig
+
+    pipe = load_pipeline(str(teacher))
+    pipe.unet.eval().requires_grad_(False)
+    ccfg = CalibDataConfig(prompts=PROMPTS, num_prompts=2, holdout_prompts=1, steps=2)
+    calib = _collect(pipe, _prompts(ccfg)[0], ccfg, 0, "cpu")
+    names = list(quantizable_layers(pipe.unet))
+    specs = layer_specs(names, {g: pipe.unet.get_submodule(g).weight.shape for g in names}, 8)
+    opts = ReconConfig(mode="independent", iters=5, batch_size=8)
+    single, _ = reconstruct_unet(pipe.unet, calib, specs, opts, device="cpu", log=None)
+    multi, _ = reconstruct_unet(pipe.unet, calib, specs, opts, device="cpu", log=None, devices=["cpu", "cpu"])
+    assert [r.name for r in single] == [r.name for r in multi]
+    for a, b in zip(single, multi):
+        for g in a.layers:
+            assert torch.equal(a.layers[g].codes, b.layers[g].codes), g
+            assert torch.equal(a.layers[g].scale, b.layers[g].scale), g
+
+
+def test_parity_failure_raises_and_writes_no_checkpoint(teacher, tmp_path):
+    cfg = load_config(Config, _cfg(teacher, tmp_path, "parity: {min_unet_cosine: 1.01}\nrecon: {method: rtn, iters: 0}"))
+    out = tmp_path / "o"
+    out.mkdir()
+    with pytest.raises(ParityError, match="min_unet_cosine"):
+        run(cfg, out)
+    assert not (out / "unet_int8.safetensors").exists() and not (out / "pipeline").exists()
+    assert json.loads((out / "report.json").read_text())["parity"]["passed"] is False
+
+
+# ------------------------------------------------------------------ bad input: clear error, nothing written
+
+
+def _cli(args, tmp_path):
+    return subprocess.run([sys.executable, "-m", "pocketdiff", "calibrate", *args], capture_output=True, text=True,
+                          env={"OMP_NUM_THREADS": "1", **__import__("os").environ})
+
+
+def test_checkpoint_without_unet(tmp_path):
+    folder = tmp_path / "pipe"
+    (folder / "vae").mkdir(parents=True)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"model: {{pretrained: {folder}}}\n")
+    out = tmp_path / "out"
+    r = _cli(["--config", str(cfg), "--output", str(out)], tmp_path)
+    assert r.returncode == 2 and "no unet/" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("override,key", [("quant.bits=3", "quant.bits"), ("quant.bits=16", "quant.bits"),
+                                          ("calib.num_prompts=0", "calib.num_prompts"),
+                                          ("calib.max_samples=0", "calib.max_samples"),
+                                          ("quant.layer_bits.conv_in=2", "quant.layer_bits")])
+def test_bad_config_values(override, key, tmp_path):
+    with pytest.raises(ConfigError, match=key):
+        load_config(Config, None, [override])
+    out = tmp_path / "out"
+    assert main(["calibrate", "--output", str(out), override]) == 2
+    assert not out.exists()
+
+
+def test_zero_prompts_is_an_error(monkeypatch):
+    import pocketdiff.data
+    from pocketdiff.compress.calibrate import CalibDataConfig, _prompts
+
+    monkeypatch.setattr(pocketdiff.data, "load_captions", lambda cfg: [])
+    with pytest.raises(PocketdiffError, match="zero prompts"):
+        _prompts(CalibDataConfig(prompts=[], num_prompts=2))
+
+
+def test_nan_weights(teacher, tmp_path):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(teacher, bad)
+    f = bad / "unet" / "diffusion_pytorch_model.safetensors"
+    state = load_file(str(f))
+    key = next(k for k in state if k.endswith("conv_in.weight"))
+    state[key][0, 0, 0, 0] = float("nan")
+    save_file(state, str(f))
+    cfg = load_config(Config, _cfg(bad, tmp_path))
+    out = tmp_path / "o"
+    out.mkdir()
+    with pytest.raises(PocketdiffError, match="NaN"):
+        run(cfg, out)
+    assert not any(out.iterdir())
