@@ -23,10 +23,11 @@ VERBS: dict[str, Optional[str]] = {
     "distill": "pocketdiff.train.distill",
     "calibrate": "pocketdiff.compress.calibrate",
     "prune": "pocketdiff.compress.prune",
-    "evaluate": None,
+    "evaluate": "pocketdiff.evaluate.run",
     "export": None,
     "run-bundle": None,
     "demo": None,
+    "train-clip": "pocketdiff.evaluate.train_clip",
 }
 
 HELP = {
@@ -38,6 +39,7 @@ HELP = {
     "export": "mobile bundle of .tflite files for the LiteRT GPU delegate",
     "run-bundle": "run an exported bundle: text to PNG with ai-edge-litert",
     "demo": "the whole chain end to end on the embedded default",
+    "train-clip": "train a small domain CLIP (image + text towers) for FD / CLIP score on small domains",
 }
 
 
