@@ -531,3 +531,8 @@ def save_pipeline(pipe, out_dir: Union[str, Path]) -> Path:
 def iter_norm_modules(module: nn.Module) -> Iterable[nn.Module]:
     """Norm layers (GroupNorm, LayerNorm, ...) inside `module`, as `perturb_norm_affines` sees them."""
     return (m for m in module.modules() if _is_norm(m))
+
+
+def embedded_teacher_dir() -> Path:
+    """The shipped shapes teacher (a diffusers pipeline folder made by our train-teacher)."""
+    return Path(__file__).resolve().parent / "assets" / "shapes-teacher"
