@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -56,6 +57,7 @@ from .distill_targets import (
     x_space_loss,
 )
 from .guidance_embedding import DEFAULT_EMBED_DIM, USAGE, add_guidance_embedding, is_w_conditioned, w_condition, w_embedding_fn
+from .checkpoints import read_state, resolve_resume
 from .loop import BatchRandom, LoopConfig, train_loop
 
 log = logging.getLogger(__name__)
@@ -151,14 +153,21 @@ class EvalConfig:
     prompts: list[str] = dataclasses.field(default_factory=list)  # default: the first 8 distinct captions
     seed: int = 0
     reference_steps: int = 0  # the teacher's reference DDIM count (0: progressive.start_steps)
-    metrics: bool = True  # FD / CLIP score through pocketdiff.evaluate when it provides them
-    num_images: int = 256  # images per model for the metrics
     batch_size: int = 16
+    # FD and CLIP score per round (student at N vs teacher DDIM at N and at reference_steps),
+    # through pocketdiff.evaluate.evaluate_pipelines; FD against the training data's images.
+    metrics: bool = False
+    features: str = "clip"  # clip: FD on a (domain) CLIP's image embeddings | inception: FID
+    clip: Optional[str] = None  # CLIP folder or hub id (null: pocketdiff.evaluate's shipped shapes CLIP)
+    num_images: int = 256  # images per model and seed: the first num_images captions of the data
+    metric_seeds: list[int] = dataclasses.field(default_factory=lambda: [0])
 
     def __post_init__(self) -> None:
         require(self.reference_steps >= 0, "eval.reference_steps", "must be >= 0")
-        require(self.num_images > 0, "eval.num_images", "must be positive")
+        require(self.num_images >= 2, "eval.num_images", "must be >= 2 (FD needs two images)")
         require(self.batch_size > 0, "eval.batch_size", "must be positive")
+        require(self.features in ("clip", "inception"), "eval.features", "must be clip or inception")
+        require(len(self.metric_seeds) > 0, "eval.metric_seeds", "must not be empty")
 
 
 @dataclasses.dataclass
@@ -170,6 +179,7 @@ class Config:
     timestep_spacing: str = "trailing"  # students' DDIM spacing: trailing | leading | teacher
     loss_weighting: str = "truncated_snr"  # truncated_snr (x space, max(SNR, 1)) | snr_plus_one (= v space)
     cache_latents: bool = True
+    max_time_s: float = 0.0  # > 0: wall-time budget of this invocation; the round in progress stops with a checkpoint (--resume latest continues)
     guidance: GuidanceConfig = dataclasses.field(default_factory=GuidanceConfig)
     guided: GuidedStageConfig = dataclasses.field(default_factory=GuidedStageConfig)
     progressive: ProgressiveConfig = dataclasses.field(default_factory=ProgressiveConfig)
@@ -179,6 +189,7 @@ class Config:
     def __post_init__(self) -> None:
         require(self.student_prediction_type in STUDENT_PREDICTION, "student_prediction_type", f"must be one of {STUDENT_PREDICTION}")
         require(self.timestep_spacing in SPACINGS, "timestep_spacing", f"must be one of {SPACINGS}")
+        require(self.max_time_s >= 0, "max_time_s", f"must be >= 0, got {self.max_time_s}")
         require(self.loss_weighting in WEIGHTINGS, "loss_weighting", f"must be one of {WEIGHTINGS}")
         require(self.guided.train.mixed_precision == self.progressive.train.mixed_precision, "guided.train.mixed_precision",
                 f"must equal progressive.train.mixed_precision ({self.progressive.train.mixed_precision}): one Accelerator runs every round")
@@ -512,15 +523,6 @@ def _student_pipe(pipe, unet, sched):
 # Evaluation after each round
 # --------------------------------------------------------------------------------------
 
-def _metrics_fn():
-    """pocketdiff.evaluate's metric entry point when the evaluation stage provides one."""
-    try:
-        import pocketdiff.evaluate as ev
-    except ImportError:
-        return None
-    return getattr(ev, "compare_images", None)
-
-
 class RoundEvaluator:
     """Grids (and metrics when pocketdiff.evaluate provides them) on fixed prompts and seeds."""
 
@@ -529,11 +531,65 @@ class RoundEvaluator:
         self.teacher_sched = teacher_sched
         self.prompts = list(cfg.eval.prompts)
         self.ref_steps = cfg.eval.reference_steps or cfg.progressive.start_steps
-        self.metric = _metrics_fn() if cfg.eval.metrics else None
+        self.captions: list[str] = []
+        self._setup = None
 
     def set_default_prompts(self, captions: list[str]) -> None:
+        self.captions = list(captions)
         if not self.prompts:
             self.prompts = list(dict.fromkeys(captions))[:8]
+
+    def check(self) -> None:
+        """Metric prerequisites that would only fail after a round: check them first."""
+        if not self.cfg.eval.metrics:
+            return
+        clip = self.cfg.eval.clip
+        if clip and not Path(clip).exists() and (clip.startswith((".", "/", "~")) or clip.count("/") != 1):
+            raise PocketdiffError(f"eval.clip: {clip}: no such folder (train one with `pocketdiff train-clip`, or set eval.metrics=false)")
+        try:
+            import pocketdiff.evaluate  # noqa: F401
+        except Exception as e:  # noqa: BLE001
+            raise PocketdiffError(f"eval.metrics: pocketdiff.evaluate cannot be imported ({type(e).__name__}: {e}); set eval.metrics=false") from None
+
+    def _metric_setup(self):
+        if self._setup is None:
+            from pocketdiff.evaluate import MetricConfig, MetricSetup
+
+            kw = {"clip": self.cfg.eval.clip} if self.cfg.eval.clip else {}
+            if not self.cfg.eval.clip:
+                from pocketdiff.evaluate import SHAPES_CLIP
+
+                kw = {"clip": SHAPES_CLIP}
+            self._setup = MetricSetup(MetricConfig(features=self.cfg.eval.features, **kw), reference=self.cfg.data, device=self.device)
+        return self._setup
+
+    def _evaluate(self, models, steps: int, out_dir: Path) -> list[dict]:
+        from pocketdiff.evaluate import evaluate_pipelines
+
+        prompts = self.captions[: self.cfg.eval.num_images]
+        return evaluate_pipelines(models, prompts, [steps], self._metric_setup(), out_dir, seeds=self.cfg.eval.metric_seeds,
+                                  guidance_scale=self.cfg.guidance.scale, batch_size=self.cfg.eval.batch_size,
+                                  resolution=self.cfg.data.resolution, device=self.device)
+
+    def teacher_metrics(self, steps: int) -> dict:
+        path = self.out / "eval" / f"teacher-{steps}steps.json"
+        if path.is_file():
+            return json.loads(path.read_text(encoding="utf-8"))
+        from pocketdiff.evaluate import ModelSpec  # noqa: F401 (API check)
+
+        self.pipe.unet.to(self.device)
+        sp = _student_pipe(self.pipe, self.pipe.unet, self.teacher_sched)
+        result = self._evaluate([("teacher DDIM", sp)], steps, self.out / "eval" / f"teacher-{steps}steps")[0]
+        write_json(path, result)
+        return result
+
+    def metrics(self, spec: RoundSpec, folder: Path) -> dict:
+        from pocketdiff.evaluate import ModelSpec
+
+        student = self._evaluate([ModelSpec(name=f"student {spec.steps}", path=str(folder))], spec.steps,
+                                 self.out / "eval" / spec.name)[0]
+        return {"student": student, "teacher_same_steps": self.teacher_metrics(spec.steps),
+                "teacher_reference": self.teacher_metrics(self.ref_steps)}
 
     def _images(self, sp, steps: int, w: float) -> torch.Tensor:
         return generate(sp, self.prompts, steps=steps, guidance_scale=w, seed=self.cfg.eval.seed,
@@ -567,8 +623,14 @@ class RoundEvaluator:
                   "guidance_scale": self.cfg.guidance.scale,
                   "rows": [f"teacher DDIM {self.ref_steps} steps", f"teacher DDIM {spec.steps} steps", f"student {spec.steps} steps"],
                   "metrics": None}
-        if self.metric is None:
-            result["metrics_note"] = "pocketdiff.evaluate offers no metric function yet: run `pocketdiff evaluate` on the round folders"
+        if self.cfg.eval.metrics:
+            try:
+                result["metrics"] = self.metrics(spec, self.out / spec.name)
+            except Exception as e:  # noqa: BLE001 - the round's model stands; the metric failure is reported
+                log.exception("metrics of %s failed", spec.name)
+                result["metrics_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        else:
+            result["metrics_note"] = "eval.metrics=false: run `pocketdiff evaluate` on the round folders for FD / CLIP score"
         return result
 
 
@@ -582,9 +644,11 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
     out = Path(out)
     # 1. recipe, teacher, schedulers (every check before any training)
     plan = plan_rounds(cfg)
-    done = _check_resume(out, cfg, plan, resume)
+    started = time.time()
     mp = cfg.progressive.train.mixed_precision
     acc = Accelerator(mixed_precision="no" if mp in ("no", "fp32") else mp)
+    done = _check_resume(out, cfg, plan, resume)
+    acc.wait_for_everyone()  # every process has read the folder before the main one writes the plan
     device = acc.device
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = cfg.speed.cudnn_benchmark
@@ -614,6 +678,7 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
 
     evaluator = RoundEvaluator(cfg, pipe, eval_t_sched, out, device)
     evaluator.set_default_prompts(captions)
+    evaluator.check()
     report: dict = {
         "teacher": {"source": cfg.model.pretrained or f"built {cfg.model.arch} (random weights)",
                     "prediction_type": t_sched.config.prediction_type, "unet_params": count_params(teacher_unet)},
@@ -633,8 +698,20 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
             meta = json.loads((folder / DISTILL_META).read_text(encoding="utf-8"))
             report["rounds"].append(meta["report"])
         else:
-            report["rounds"].append(_train_round(cfg, spec, acc, pipe, teacher_unet, t_sched, s_sched, tdtype, uncond,
-                                                 dataset, prev_folder, out, resume))
+            budget = None
+            if cfg.max_time_s > 0:
+                budget = cfg.max_time_s - (time.time() - started)
+                if budget <= 0:
+                    report["stopped_early"] = f"max_time_s={cfg.max_time_s} reached before {spec.name}; --resume latest continues"
+                    break
+            # a named checkpoint belongs to the first round trained here; later rounds continue their own
+            round_resume = resume if position == done or resume is None else "latest"
+            entry = _train_round(cfg, spec, acc, pipe, teacher_unet, t_sched, s_sched, tdtype, uncond,
+                                 dataset, prev_folder, out, round_resume, budget)
+            if entry is None:
+                report["stopped_early"] = f"max_time_s={cfg.max_time_s} reached during {spec.name}; --resume latest continues"
+                break
+            report["rounds"].append(entry)
         prev_folder = folder
         entry = report["rounds"][-1]
         eval_path = out / "eval" / f"{spec.name}.json"
@@ -647,17 +724,19 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
         acc.wait_for_everyone()
 
     # 6. report
-    last = report["rounds"][-1]
-    report["final_steps"] = last["steps"]
-    report["pipeline_dir"] = last["pipeline_dir"]
+    last = report["rounds"][-1] if report["rounds"] else None
+    report["final_steps"] = last["steps"] if last else None
+    report["pipeline_dir"] = last["pipeline_dir"] if last else None
+    report["complete"] = len(report["rounds"]) == len(plan)
     if acc.is_main_process:
         _write_page(out, report)
     return report
 
 
 def _train_round(cfg: Config, spec: RoundSpec, acc, pipe, teacher_unet, t_sched, s_sched, tdtype, uncond, dataset,
-                 prev_folder: Optional[Path], out: Path, resume: Optional[str]) -> dict:
-    """Train one round (one `train_loop` call), write its pipeline folder atomically, return its report."""
+                 prev_folder: Optional[Path], out: Path, resume: Optional[str], budget: Optional[float] = None) -> Optional[dict]:
+    """Train one round (one `train_loop` call), write its pipeline folder atomically, return its report
+    (None when the time budget stopped the round: its checkpoint is kept, no folder is written)."""
     device = acc.device
     compile_mode = cfg.speed.teacher_compile_mode if cfg.speed.compile_teacher else None
     if prev_folder is None:  # first round: the original model teaches, with classifier-free guidance
@@ -679,14 +758,22 @@ def _train_round(cfg: Config, spec: RoundSpec, acc, pipe, teacher_unet, t_sched,
     embed = cfg.guidance.embed_dim if cfg.guidance.conditioned else None
     loss_fn = make_loss_fn(cfg, spec, teacher, rplan, pipe, s_sched, t_uncond, embed, device)
     loop_cfg = dataclasses.replace(cfg.guided.train if spec.stage == "guided" else cfg.progressive.train, max_steps=spec.max_steps)
+    if budget is not None:
+        loop_cfg = dataclasses.replace(loop_cfg, max_time_s=max(budget, 1e-3))
     acc.print(f"[distill] {spec.name}: {spec.stage}, student {spec.steps} steps"
               + (f" from a {spec.teacher_steps}-step teacher" if spec.teacher_steps else " from the guided teacher"))
+    ckpt = resolve_resume(out / "checkpoints" / spec.name, resume)
+    start_step = read_state(ckpt)["step"] if ckpt is not None else 0
+    t0 = time.time()
     result = train_loop(loop_cfg, model=student, loss_fn=loss_fn, dataset=dataset, collate=collate,
                         ckpt_dir=out / "checkpoints" / spec.name, seed=cfg.seed + 1000 * spec.index, resume=resume,
                         desc=spec.name, log_path=out / "logs.jsonl", accelerator=acc,
                         extra_state={"round": spec.index, "stage": spec.stage, "student_steps": spec.steps})
+    seconds = time.time() - t0
     acc.free_memory()
     del teacher, loss_fn
+    if getattr(result, "stopped_early", False):
+        return None
     if result.ema is not None:
         result.ema.copy_to(student)
     student.eval()
@@ -695,6 +782,8 @@ def _train_round(cfg: Config, spec: RoundSpec, acc, pipe, teacher_unet, t_sched,
         "round": spec.index, "stage": spec.stage, "steps": spec.steps, "teacher_steps": spec.teacher_steps,
         "train_steps": result.steps, "final_loss": result.final_loss, "losses": result.losses,
         "skipped_steps": result.skipped_steps, "pipeline_dir": str(folder),
+        "train_seconds": seconds, "processes": acc.num_processes,
+        "samples_per_s": loop_cfg.batch_size * loop_cfg.grad_accum * max(result.steps - start_step, 1) / max(seconds, 1e-9),
         "transitions": rplan.rows() if rplan is not None else None,
     }
     meta = {
@@ -730,6 +819,16 @@ def _write_page(out: Path, report: dict) -> None:
     rows = [[r["round"], r["stage"], r["steps"], r["teacher_steps"] or "-", r["train_steps"], r["final_loss"], Path(r["pipeline_dir"]).name]
             for r in report["rounds"]]
     sections.append(("Rounds", table(["round", "stage", "student steps", "teacher steps", "train steps", "final loss", "folder"], rows)))
+    mrows = []
+    for r in report["rounds"]:
+        m = (r.get("eval") or {}).get("metrics")
+        if m:
+            for key, label in (("student", f"student {r['steps']} steps"), ("teacher_same_steps", f"teacher DDIM {r['steps']} steps"),
+                               ("teacher_reference", f"teacher DDIM {m['teacher_reference'].get('steps')} steps")):
+                mrows.append([r["round"], label, m[key].get("fd"), m[key].get("clip_score"), m[key].get("num_samples")])
+    if mrows:
+        first = next(r["eval"]["metrics"]["student"] for r in report["rounds"] if (r.get("eval") or {}).get("metrics"))
+        sections.append(("Metrics", table(["round", "model", first.get("features") or "FD", first.get("clip_model_label") or "CLIP score", "images"], mrows)))
     for r in report["rounds"]:
         ev = r.get("eval") or {}
         if ev.get("grid"):

@@ -46,10 +46,33 @@ def _cfg(teacher_dir, *extra):
 
 
 @pytest.fixture(scope="module")
-def full_run(teacher_dir, tmp_path_factory):
+def clip_dir(tmp_path_factory):
+    """A tiny random CLIP folder for the metrics path (pocketdiff.evaluate's own builders)."""
+    train_clip = pytest.importorskip("pocketdiff.evaluate.train_clip")
+    from pocketdiff.config import DataConfig
+    from pocketdiff.data import load_captions
+    from pocketdiff.tokenizer import build_clip_tokenizer
+
+    tok = build_clip_tokenizer(load_captions(DataConfig(source="shapes", shapes_count=64, resolution=32)), vocab_size=560, model_max_length=16)
+    mcfg = train_clip.ClipModelConfig(image_size=32, patch_size=8, vision_width=32, vision_layers=1, vision_heads=2, text_width=32,
+                                      text_layers=1, text_heads=2, max_length=16, projection_dim=16, vocab_size=560)
+    model, processor = train_clip.build_clip(mcfg, tok, seed=0)
+    out = tmp_path_factory.mktemp("clip") / "clip"
+    train_clip.save_clip(model, processor, out, {"domain": "test", "label": "test-CLIP"})
+    return out
+
+
+@pytest.fixture(scope="module")
+def full_run(teacher_dir, clip_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("full")
-    cfg = _cfg(teacher_dir, "eval.enabled=true", "eval.prompts=[a red circle]")
-    return out, distill.run(cfg, out)
+    cfg = _cfg(teacher_dir, "eval.enabled=true", "eval.prompts=[a red circle]", "eval.metrics=true", f"eval.clip={clip_dir}",
+               "eval.num_images=4")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("POCKETDIFF_CACHE", str(out / "metric-cache"))
+    try:
+        return out, distill.run(cfg, out)
+    finally:
+        mp.undo()
 
 
 def test_report_and_round_folders(full_run):
@@ -61,6 +84,12 @@ def test_report_and_round_folders(full_run):
         meta = json.loads((out / f"round-{r['round']}" / "distill.json").read_text())
         assert meta["num_inference_steps"] == r["steps"]
         assert (out / r["eval"]["grid"]).is_file()
+        m = r["eval"]["metrics"]
+        assert m is not None, r["eval"].get("metrics_error")
+        assert m["student"]["steps"] == r["steps"] and m["teacher_same_steps"]["steps"] == r["steps"]
+        assert m["teacher_reference"]["steps"] == 4
+        assert all(isinstance(m[k]["fd"], float) and isinstance(m[k]["clip_score"], float) for k in m)
+        assert m["student"]["guidance_mode"] == "w_conditioned" and m["teacher_same_steps"]["guidance_mode"] == "cfg"
     assert not list(out.glob(".round-*"))  # no temporary folders left
     sched = json.loads((out / "round-1" / "scheduler" / "scheduler_config.json").read_text())
     assert sched["prediction_type"] == "v_prediction" and sched["timestep_spacing"] == "trailing"
@@ -131,3 +160,33 @@ def test_teacher_folder_without_unet_fails_before_training(teacher_dir, tmp_path
     with pytest.raises(PocketdiffError, match="unet"):
         distill.run(_cfg(broken), out)
     assert not (out / "checkpoints").exists()
+
+
+class FakeClock:
+    """The loop's clock: every reading is 10^4 s after the previous one."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def time(self):
+        self.now += 1e4
+        return self.now
+
+
+def test_time_budget_stops_a_round_without_committing_it(teacher_dir, tmp_path, monkeypatch):
+    import pocketdiff.train.loop as loop_module
+
+    cfg = _cfg(teacher_dir, "guided.enabled=false", "progressive.start_steps=4", "progressive.final_steps=2",
+               "progressive.train.max_steps=3", "max_time_s=3600")
+    monkeypatch.setattr(loop_module, "time", FakeClock())
+    report = distill.run(cfg, tmp_path)
+    monkeypatch.undo()
+    assert report["complete"] is False and "round-1" in report["stopped_early"] and report["rounds"] == []
+    assert not (tmp_path / "round-1").exists() and (tmp_path / "checkpoints" / "round-1" / "checkpoint-1").is_dir()
+    cfg = _cfg(teacher_dir, "guided.enabled=false", "progressive.start_steps=4", "progressive.final_steps=2",
+               "progressive.train.max_steps=3")
+    with pytest.raises(PocketdiffError, match="recipe changed"):  # the round plan (optimizer steps) changed
+        distill.run(_cfg(teacher_dir, "guided.enabled=false", "progressive.train.max_steps=5"), tmp_path, resume="latest")
+    report = distill.run(cfg, tmp_path, resume="latest")
+    assert report["complete"] is True and report["rounds"][0]["train_steps"] == 3
+    assert [s for s, _ in report["rounds"][0]["losses"]] == [1, 2, 3]

@@ -1,0 +1,312 @@
+"""Throughput of one progressive-distillation training step: pocketdiff's step vs a plain eager one.
+
+One step = the teacher's two classifier-free-guided DDIM steps (the Salimans & Ho target) +
+the student's forward and backward + the optimizer step, on random weights and random latents
+(SD-2.1-size UNet by default, 64x64 latents, batch 16). Variants, measured side by side in one
+process:
+
+- `eager`: what a plain diffusers-style script does: fp32 teacher weights under bf16 autocast,
+  conditional and unconditional teacher passes as separate calls, no channels_last, no
+  compile (diffusers' default SDPA attention, as every variant).
+- `ours_eager`: pocketdiff's step (`pocketdiff.train.distill_targets`, the code the trainer
+  runs) with its switches except compile: teacher weights cast once to bf16, one fused
+  cond/uncond batch, channels_last, cudnn.benchmark.
+- `ours`: the same plus torch.compile of student and teacher (`--teacher-compile-mode`,
+  `--student-compile-mode`).
+- `ours_wcond`: the step pocketdiff actually runs in progressive rounds after guided
+  distillation: the teacher is the w-conditioned student, one pass per teacher step instead of
+  a cond/uncond pair (5 instead of 7 forward-equivalents per sample). Same switches as `ours`.
+- `ours_loop` (optional): `ours` through `pocketdiff.train.loop.train_loop` itself (Accelerate
+  autocast/backward, gradient-finite check, EMA off), timed between successive steps.
+
+FLOPs are counted once per variant with torch.utils.flop_counter on the eager modules;
+TFLOP/s = counted FLOPs of a step / measured step time (`ours_wcond` counts its own smaller
+step, so compare it on samples/s).
+
+    python benchmarks/distill_step.py --out result.json --arch sd21 --device cuda
+    python benchmarks/distill_step.py --out tiny.json --arch tiny --device cpu --iters 2   # quick check
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run from a checkout without installing
+    sys.path.insert(0, str(ROOT))
+import pocketdiff  # noqa: E402
+
+try:
+    import pocketdiff.train  # noqa: F401
+except ImportError:  # a checkout that is not pip-installed: map pocketdiff.train -> train/ (pyproject's package-dir)
+    pocketdiff.__path__.append(str(ROOT))
+
+from pocketdiff.models import default_resolution, perturb_norm_affines, scheduler_config, unet_config  # noqa: E402
+from pocketdiff.train.distill_targets import (  # noqa: E402
+    GuidedTeacher,
+    noisy_latents,
+    round_plan,
+    student_forward,
+    two_step_x_target,
+    x_space_loss,
+)
+from pocketdiff.train.guidance_embedding import add_guidance_embedding  # noqa: E402
+
+VARIANTS = ("eager", "ours_eager", "ours", "ours_wcond", "ours_loop")
+
+
+def build_unet(arch: str, latent: int, seed: int = 0):
+    from diffusers import UNet2DConditionModel
+
+    vae_factor = 4 if arch in ("tiny", "small") else 8
+    cfg = unet_config(arch, resolution=latent * vae_factor, vae_factor=vae_factor)
+    torch.manual_seed(seed)
+    unet = UNet2DConditionModel(**cfg)
+    perturb_norm_affines(unet, seed)
+    return unet
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+class Batch:
+    """Random latents / text embeddings / draws for one step (fixed across variants)."""
+
+    def __init__(self, unet, batch: int, latent: int, steps: int, device, seed: int = 0):
+        from diffusers import DDIMScheduler
+
+        g = torch.Generator().manual_seed(seed)
+        ch, dim = unet.config.in_channels, unet.config.cross_attention_dim
+        self.sched = DDIMScheduler(**{**scheduler_config("v_prediction"), "timestep_spacing": "trailing"})
+        self.plan = round_plan(self.sched, steps, 2 * steps)
+        k = torch.randint(0, steps, (batch,), generator=g)
+        self.t, self.t_mid = self.plan.t[k].to(device), self.plan.t_mid[k].to(device)
+        self.a_t, self.a_mid, self.a_prev = (v[k].to(device) for v in (self.plan.a_t, self.plan.a_mid, self.plan.a_prev))
+        x0 = torch.randn(batch, ch, latent, latent, generator=g)
+        eps = torch.randn(batch, ch, latent, latent, generator=g)
+        self.z = noisy_latents(x0, eps, self.a_t.cpu()).to(device)
+        self.cond = (0.5 * torch.randn(batch, 77, dim, generator=g)).to(device)
+        self.uncond = (0.5 * torch.randn(1, 77, dim, generator=g)).to(device)
+        self.w = (1.0 + 7.0 * torch.rand(batch, generator=g)).to(device)
+
+
+def eager_step(teacher, student, opt, b: Batch, amp, embed_dim):
+    """The plain loop: separate cond/uncond teacher calls, autocast over fp32 weights, no tricks."""
+    from pocketdiff.sampling import ddim_step
+
+    with amp():
+        with torch.no_grad():
+            def guided(z, t):
+                c = teacher(z, t, encoder_hidden_states=b.cond).sample.float()
+                u = teacher(z, t, encoder_hidden_states=b.uncond.expand_as(b.cond)).sample.float()
+                return u + b.w.view(-1, 1, 1, 1) * (c - u)
+            z_mid = ddim_step(b.z, guided(b.z, b.t), b.a_t, b.a_mid, "v_prediction")
+            z_prev = ddim_step(z_mid, guided(z_mid, b.t_mid), b.a_mid, b.a_prev, "v_prediction")
+            from pocketdiff.train.distill_targets import x_from_two_steps
+            target = x_from_two_steps(b.z, z_prev, b.a_t, b.a_prev)
+        out = student_forward(student, b.z, b.t, b.cond, b.w, False, embed_dim)
+        loss = x_space_loss(out, b.z, b.a_t, target, "v_prediction")
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
+
+
+def ours_step(teacher: GuidedTeacher, student, opt, b: Batch, amp, embed_dim, channels_last, uncond):
+    with amp():
+        target = two_step_x_target(teacher, b.z, b.t, b.t_mid, b.a_t, b.a_mid, b.a_prev, b.cond, uncond, b.w)
+        out = student_forward(student, b.z, b.t, b.cond, b.w, channels_last, embed_dim)
+        loss = x_space_loss(out, b.z, b.a_t, target, "v_prediction")
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
+
+
+def count_flops(fn) -> int:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with counter:
+        fn()
+    return int(counter.get_total_flops())
+
+
+def measure(name, args, base_unet, device, amp_dtype):
+    """Build the variant's models, count FLOPs, warm up, time `args.iters` steps."""
+    amp = (lambda: torch.autocast(device.type, dtype=amp_dtype)) if amp_dtype is not None else (lambda: torch.autocast(device.type, enabled=False))
+    embed_dim = 256
+    student = add_guidance_embedding(copy.deepcopy(base_unet), embed_dim).to(device).train()
+    if args.grad_ckpt:
+        student.enable_gradient_checkpointing()
+    opt_kwargs = {"fused": True} if (args.fused_adam and device.type == "cuda") else {}
+    opt = torch.optim.AdamW(student.parameters(), lr=1e-6, **opt_kwargs)
+    b = Batch(base_unet, args.batch, args.latent, args.steps, device)
+    ours = name != "eager"
+    compile_it = name in ("ours", "ours_wcond", "ours_loop") and args.compile
+    if name == "ours_wcond":
+        teacher_unet = add_guidance_embedding(copy.deepcopy(base_unet), embed_dim)
+        with torch.no_grad():
+            teacher_unet.time_embedding.cond_proj.weight.normal_(std=0.01)
+    else:
+        teacher_unet = copy.deepcopy(base_unet)
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = ours
+    teacher_dtype = (amp_dtype or torch.float32) if ours else torch.float32
+    flop_teacher = GuidedTeacher(copy.deepcopy(teacher_unet), "v_prediction", dtype=torch.float32, device=device)
+    uncond = None if name == "ours_wcond" else b.uncond
+    # FLOPs of this variant's step (eager modules; the optimizer step is not counted)
+    flops = count_flops(lambda: ours_step(flop_teacher, student, opt, b, amp, embed_dim, False, uncond))
+    del flop_teacher
+    opt.zero_grad(set_to_none=True)
+    if ours:
+        teacher = GuidedTeacher(teacher_unet, "v_prediction", dtype=teacher_dtype, fused_cfg=True,
+                                channels_last=args.channels_last, device=device,
+                                compile_mode=args.teacher_compile_mode if compile_it else None)
+        if args.channels_last:
+            student.to(memory_format=torch.channels_last)
+        if compile_it:
+            student.compile(mode=None if args.student_compile_mode == "default" else args.student_compile_mode)
+        step = lambda: ours_step(teacher, student, opt, b, amp, embed_dim, args.channels_last, uncond)  # noqa: E731
+    else:
+        teacher = teacher_unet.to(device).requires_grad_(False).eval()
+        step = lambda: eager_step(teacher, student, opt, b, amp, embed_dim)  # noqa: E731
+
+    if name == "ours_loop":
+        return measure_loop(args, student, teacher, b, device, flops, amp_dtype, embed_dim, uncond)
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    sync(device)
+    t0 = time.perf_counter()
+    loss = step()
+    sync(device)
+    first = time.perf_counter() - t0
+    for _ in range(max(args.warmup - 1, 0)):
+        step()
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(args.iters):
+        loss = step()
+    sync(device)
+    dt = (time.perf_counter() - t0) / args.iters
+    result = {
+        "variant": name, "step_s": dt, "samples_per_s": args.batch / dt, "tflops_per_s": flops / dt / 1e12,
+        "flops_per_step": flops, "flops_per_sample": flops / args.batch, "first_step_s": first,
+        "loss": float(loss.detach()), "teacher_passes_per_step": 2 if name == "ours_wcond" else 4,
+        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+        "compiled": compile_it,
+    }
+    del teacher, student, opt, step
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def measure_loop(args, student, teacher, b: Batch, device, flops, amp_dtype, embed_dim, uncond):
+    """`ours` through train_loop: time between successive loss_fn calls = one whole loop step."""
+    from accelerate import Accelerator
+
+    from pocketdiff.train.loop import LoopConfig, train_loop
+
+    stamps = []
+
+    class Data(torch.utils.data.Dataset):
+        def __len__(self):
+            return args.batch * 4
+
+        def __getitem__(self, i):
+            return {"i": torch.tensor(i)}
+
+    def loss_fn(model, batch, rng):
+        sync(device)
+        stamps.append(time.perf_counter())
+        target = two_step_x_target(teacher, b.z, b.t, b.t_mid, b.a_t, b.a_mid, b.a_prev, b.cond, uncond, b.w)
+        out = student_forward(model, b.z, b.t, b.cond, b.w, args.channels_last, embed_dim)
+        return x_space_loss(out, b.z, b.a_t, target, "v_prediction")
+
+    mp = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(amp_dtype, "no")
+    acc = Accelerator(mixed_precision=mp)
+    n = args.warmup + args.iters + 1
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = LoopConfig(max_steps=n, batch_size=args.batch, lr=1e-6, checkpoint_every=10**9, log_every=10**9,
+                         **({"mixed_precision": mp} if mp != "no" else {}))
+        train_loop(cfg, model=student, loss_fn=loss_fn, dataset=Data(), collate=lambda items: {"i": torch.stack([x["i"] for x in items])},
+                   ckpt_dir=Path(tmp) / "ckpt", seed=0, accelerator=acc, desc="bench")
+    steps = [b2 - a2 for a2, b2 in zip(stamps[args.warmup:-1], stamps[args.warmup + 1:])]
+    dt = sum(steps) / len(steps)
+    return {"variant": "ours_loop", "step_s": dt, "samples_per_s": args.batch / dt, "tflops_per_s": flops / dt / 1e12,
+            "flops_per_step": flops, "first_step_s": stamps[1] - stamps[0], "teacher_passes_per_step": 2 if uncond is None else 4,
+            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None, "compiled": args.compile}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="JSON result file")
+    p.add_argument("--arch", default="sd21", choices=("tiny", "small", "sd15", "sd21"))
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--latent", type=int, default=None, help="latent side (default: the arch's: sd21 64, tiny 8)")
+    p.add_argument("--steps", type=int, default=32, help="the student's step count (teacher: twice that)")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--variants", default="eager,ours_eager,ours,ours_wcond", help=f"comma list of {VARIANTS}")
+    p.add_argument("--dtype", default=None, choices=("bf16", "fp16", "fp32"), help="autocast / teacher dtype (default: bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--compile", default="auto", choices=("auto", "on", "off"), help="torch.compile in ours / ours_wcond (auto: on for CUDA)")
+    p.add_argument("--teacher-compile-mode", default="default", choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"))
+    p.add_argument("--student-compile-mode", default="default", choices=("default", "max-autotune-no-cudagraphs"))
+    p.add_argument("--no-channels-last", dest="channels_last", action="store_false")
+    p.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing in the student (every variant)")
+    p.add_argument("--fused-adam", action="store_true", help="AdamW(fused=True) in every variant (the trainer's loop uses the default)")
+    args = p.parse_args(argv)
+
+    device = torch.device(args.device)
+    dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
+    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[dtype]
+    if args.latent is None:
+        args.latent = default_resolution(args.arch) // (4 if args.arch in ("tiny", "small") else 8)
+    args.compile = args.compile == "on" or (args.compile == "auto" and device.type == "cuda")
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    bad = [v for v in variants if v not in VARIANTS]
+    if bad:
+        p.error(f"unknown variants {bad}; choose from {VARIANTS}")
+
+    base = build_unet(args.arch, args.latent)
+    result = {
+        "benchmark": "distill_step", "arch": args.arch, "latent": args.latent, "batch": args.batch,
+        "student_steps": args.steps, "dtype": dtype, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__, "diffusers": __import__("diffusers").__version__, "params": sum(q.numel() for q in base.parameters()),
+        "attention_processor": type(next(iter(base.attn_processors.values()))).__name__ if base.attn_processors else None,
+        "settings": {k: v for k, v in vars(args).items() if k != "out"}, "variants": {},
+    }
+    for name in variants:
+        print(f"[distill_step] {name} ...", flush=True)
+        r = measure(name, args, base, device, amp_dtype)
+        result["variants"][name] = r
+        print(f"[distill_step] {name}: {r['samples_per_s']:.2f} samples/s, {r['tflops_per_s']:.1f} TFLOP/s "
+              f"(first step {r['first_step_s']:.1f} s)", flush=True)
+    if "eager" in result["variants"]:
+        ref = result["variants"]["eager"]["samples_per_s"]
+        result["speedup_vs_eager"] = {k: v["samples_per_s"] / ref for k, v in result["variants"].items()}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result.get("speedup_vs_eager", {}), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
