@@ -237,7 +237,7 @@ class _Store:
         if self.buf is None:
             dt = self.dtype if x.is_floating_point() else x.dtype
             self.buf = torch.empty((self.n_total, *x.shape[1:]), dtype=dt, device=self.device)
-        self.buf[start:start + x.shape[0]].copy_(x, non_blocking=True)
+        self.buf[start:start + x.shape[0]].copy_(x, non_blocking=self.device.type == "cuda")
 
 
 @dataclass

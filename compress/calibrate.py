@@ -316,7 +316,9 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
     for r in results:
         row = {"name": r.name, "kind": r.kind, "layers": len(r.layers), "chosen": r.stats.get("chosen")}
         held = cmp["blocks"].get(r.name)
-        if held is not None:
+        if held is None:  # layers outside every block (unusual UNets): quantized without reconstruction
+            row.update(mse_rtn=None, mse_recon=None)
+        else:
             row.update(mse_rtn=held["rtn"]["mse"], mse_recon=held["recon"]["mse"],
                        mse_rtn_local=held["rtn"]["mse_local"], mse_recon_local=held["recon"]["mse_local"],
                        output_power=held["power"])
@@ -329,7 +331,7 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
     min_bits = min(s.bits for s in specs.values())
     unet_cos = cmp["unets"]["recon"]["cosine_mean"]
     rtn_cos = cmp["unets"]["rtn"]["cosine_mean"]
-    rows_eval = [b for b in block_rows if "mse_recon" in b]
+    rows_eval = [b for b in block_rows if b.get("mse_recon") is not None]
     report: dict = {
         "bits": cfg.quant.bits,
         "group_size": cfg.quant.group_size,
@@ -517,7 +519,7 @@ def _samples(cfg: Config, pipe, float_state, recon_state, recon_recipe, rtn_stat
 def _page(out: Path, report: dict, samples: Optional[dict]) -> None:
     from pocketdiff.report import img, plot_curves, table, write_page
 
-    rows = [b for b in report["blocks"] if "mse_recon" in b]
+    rows = [b for b in report["blocks"] if b.get("mse_recon") is not None]
     sections = []
     if rows:
         curves = {

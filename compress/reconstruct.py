@@ -66,6 +66,7 @@ class ReconConfig:
     compile_mode: Optional[str] = None  # e.g. max-autotune-no-cudagraphs, reduce-overhead (CUDA graphs)
     channels_last: bool = False  # channels_last convs (CUDA, with bf16)
     fallback: bool = True  # keep the best of adaround / rtn / searched-scale rtn per block
+    eval_samples: int = 256  # calibration inputs (evenly spaced) on which the candidates are compared
     scale_init: str = "mse"  # mse (clipping-ratio search per channel) | maxabs
     scale_grid: int = 50
     devices: list[str] = field(default_factory=list)  # [] auto; independent mode: one worker per device when > 1
@@ -91,6 +92,7 @@ class ReconConfig:
         require(self.forward_batch >= 1, "recon.forward_batch", "must be >= 1")
         require(self.scale_init in ("mse", "maxabs"), "recon.scale_init", "must be mse or maxabs")
         require(self.scale_grid >= 1, "recon.scale_grid", "must be >= 1")
+        require(self.eval_samples >= 1, "recon.eval_samples", "must be >= 1")
 
 
 @dataclass
@@ -208,14 +210,17 @@ def _rec_loss(out: torch.Tensor, tgt: torch.Tensor, fisher: Optional[torch.Tenso
 
 
 @torch.no_grad()
-def block_mse(block: Block, caps: Sequence[Captured], targets: Sequence[torch.Tensor], wmap: dict, device, batch: int = 32) -> float:
-    """Mean squared error per element of the block's outputs vs `targets`, float32, TF32 off."""
+def block_mse(block: Block, caps: Sequence[Captured], targets: Sequence[torch.Tensor], wmap: dict, device, batch: int = 32,
+              rows: Optional[torch.Tensor] = None, tf32: bool = False) -> float:
+    """Mean squared error per element of the block's outputs vs `targets` (float32; TF32 only
+    when asked), over all calibration rows or the given `rows`."""
     sq, count = 0.0, 0
-    with precision(False):
+    with precision(tf32):
         for u, cap, tgt in zip(block.units, caps, targets):
-            n = cap.n()
+            all_rows = torch.arange(cap.n()) if rows is None else rows
+            n = len(all_rows)
             for s in range(0, n, batch):
-                idx = torch.arange(s, min(n, s + batch))
+                idx = all_rows[s:s + batch]
                 args, kwargs = cap.inputs(idx, device, torch.float32)
                 out = unit_output(u, wmap, args, kwargs).float()
                 t = tgt[idx.to(tgt.device)].to(device).float()
@@ -225,8 +230,8 @@ def block_mse(block: Block, caps: Sequence[Captured], targets: Sequence[torch.Te
 
 
 @torch.no_grad()
-def _target_power(targets: Sequence[torch.Tensor]) -> float:
-    sq = sum(float((t.double() ** 2).sum()) for t in targets)
+def _target_power(targets: Sequence[torch.Tensor], chunk: int = 64) -> float:
+    sq = sum(float((t[i:i + chunk].double() ** 2).sum()) for t in targets for i in range(0, t.shape[0], chunk))
     return sq / max(1, sum(t.numel() for t in targets))
 
 
@@ -260,8 +265,17 @@ def reconstruct_block(
     init_w = {g: dequant(c, s, specs[g]).to(device) for g, (c, s) in init_codes.items()}
     stats: dict = {"layers": len(names), "params": int(sum(weights[g].numel() for g in names)), "samples": caps[0].n() if caps else 0}
     stats["target_power"] = _target_power(targets)
-    stats["mse_rtn_calib"] = block_mse(block, caps, targets, rtn_w, device)
-    stats["mse_init_calib"] = block_mse(block, caps, targets, init_w, device)
+    n_all = caps[0].n() if caps else 0
+    rows = None
+    if n_all > opts.eval_samples:
+        rows = torch.linspace(0, n_all - 1, opts.eval_samples).round().long()
+    tf32 = capture_settings(opts, device)[0]
+
+    def evaluate(wmap):
+        return block_mse(block, caps, targets, wmap, device, rows=rows, tf32=tf32)
+
+    stats["mse_rtn_calib"] = evaluate(rtn_w)
+    stats["mse_init_calib"] = evaluate(init_w)
     candidates = {"rtn": stats["mse_rtn_calib"], "rtn_mse": stats["mse_init_calib"]}
     quantizers: dict[str, AdaRoundQuantizer] = {}
 
@@ -288,6 +302,7 @@ def reconstruct_block(
 
         step_fn = loss_fn
         if opts.compile:
+            torch._dynamo.reset()  # one compilation per block; keeps dynamo's recompile limit out of the way
             step_fn = torch.compile(loss_fn, mode=opts.compile_mode, dynamic=False)
         cl = opts.channels_last and device.type == "cuda"
         with precision(device.type == "cuda"):
@@ -295,9 +310,9 @@ def reconstruct_block(
                 idx = torch.randint(0, n, (bs,), generator=gen)
                 inputs = []
                 for ui, cap in enumerate(caps):
-                    args, kwargs = cap.inputs(idx, device)
+                    args, kwargs = cap.inputs(idx, device, torch.float32)
                     if fp_caps is not None and opts.qdrop > 0:
-                        args, kwargs = _mix((args, kwargs), fp_caps[ui].inputs(idx, device), opts.qdrop, drop_gen)
+                        args, kwargs = _mix((args, kwargs), fp_caps[ui].inputs(idx, device, torch.float32), opts.qdrop, drop_gen)
                     if cl:
                         args = tuple(a.contiguous(memory_format=torch.channels_last) if isinstance(a, torch.Tensor) and a.dim() == 4 else a for a in args)
                     inputs.append((args, kwargs))
@@ -318,7 +333,7 @@ def reconstruct_block(
                 if it % every == 0 or it == opts.iters - 1:
                     curve.append([it, float(rec.detach()), float(reg.detach()) if reg is not None else 0.0])
         hard = {g: q.hard_weight() for g, q in quantizers.items()}
-        stats["mse_adaround_calib"] = block_mse(block, caps, targets, hard, device)
+        stats["mse_adaround_calib"] = evaluate(hard)
         stats["soft_fraction"] = float(sum(q.soft_fraction() * q.v.numel() for q in quantizers.values()) / max(1, sum(q.v.numel() for q in quantizers.values())))
         stats["curve"] = curve
         candidates["adaround"] = stats["mse_adaround_calib"]
@@ -463,7 +478,7 @@ def reconstruct_unet(
     if opts.loss == "fisher" and opts.method == "adaround":
         tf = time.time()
         with precision(False):
-            fisher = fisher_weights(unet, blocks, calib, device, opts.forward_batch, seed=seed)
+            fisher = fisher_weights(unet, blocks, calib, device, max(1, opts.forward_batch // 4), seed=seed)
         info["fisher_s"] = round(time.time() - tf, 3)
     devices = list(devices or [])
     if opts.mode == "independent" and len(devices) > 1 and opts.method == "adaround":
@@ -501,7 +516,7 @@ def _run_sequential(unet, calib, blocks, per_sample, weights, specs, rtn_res, in
     n = len(calib)
     keys = ("in", "out") if opts.qdrop > 0 else ("out",)
     groups = group_by_budget([b for b in ordered if b.kind != "rest"], per_sample, n, budget / 2, keys)
-    store = _store_device(per_sample, ordered, n, budget, device)
+    store = _store_device(per_sample, ordered, n, budget, device, 2 if opts.qdrop > 0 else 1)
     results = []
     total = len(ordered)
     done = 0
@@ -534,9 +549,9 @@ def _run_sequential(unet, calib, blocks, per_sample, weights, specs, rtn_res, in
     return results
 
 
-def _store_device(per_sample, blocks, n, budget, device):
+def _store_device(per_sample, blocks, n, budget, device, input_copies: int = 1):
     """Cache on the compute device when the largest block's data fits in the budget, else CPU."""
-    largest = max((n * (v["in"] * 2 + v["out"]) for v in per_sample.values()), default=0)
+    largest = max((n * (v["in"] * input_copies + v["out"]) for v in per_sample.values()), default=0)
     return device if largest <= budget else torch.device("cpu")
 
 

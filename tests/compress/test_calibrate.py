@@ -136,19 +136,38 @@ output: {rtn_pipeline: false, samples: 0}
     assert all(torch.equal(te[k], deq[k]) for k in deq)
 
 
-def test_independent_mode_on_two_worker_processes(teacher, tmp_path):
-    from pocketdiff.compress.calibrate import _collect, _prompts
+def _unet_and_calib(teacher):
+    from pocketdiff.compress.calibrate import CalibDataConfig, _collect, _prompts
     from pocketdiff.compress.quant import layer_specs, quantizable_layers
-    from pocketdiff.compress.reconstruct import ReconConfig, reconstruct_unet
     from pocketdiff.models import load_pipeline
-    from pocketdiff.compress.calibrate import CalibDataConfig
 
     pipe = load_pipeline(str(teacher))
     pipe.unet.eval().requires_grad_(False)
     ccfg = CalibDataConfig(prompts=PROMPTS, num_prompts=2, holdout_prompts=1, steps=2)
     calib = _collect(pipe, _prompts(ccfg)[0], ccfg, 0, "cpu")
     names = list(quantizable_layers(pipe.unet))
-    specs = layer_specs(names, {g: pipe.unet.get_submodule(g).weight.shape for g in names}, 8)
+    specs = layer_specs(names, {g: pipe.unet.get_submodule(g).weight.shape for g in names}, 4, 16)
+    return pipe.unet, calib, specs
+
+
+def test_sequential_with_qdrop_fisher_learned_scales_and_bf16_cache(teacher):
+    from pocketdiff.compress.reconstruct import ReconConfig, reconstruct_unet
+
+    unet, calib, specs = _unet_and_calib(teacher)
+    before = {k: v.clone() for k, v in unet.state_dict().items()}
+    opts = ReconConfig(mode="sequential", iters=3, batch_size=4, qdrop=0.5, loss="fisher", learn_scale=True,
+                       cache_dtype="bfloat16", fallback=False)
+    results, info = reconstruct_unet(unet, calib, specs, opts, device="cpu", log=None)
+    assert {g for r in results for g in r.layers} == set(specs) and "fisher_s" in info
+    assert all(r.stats["chosen"] == "adaround" for r in results)
+    assert all(torch.equal(before[k], v) for k, v in unet.state_dict().items())  # the float UNet is untouched
+
+
+def test_independent_mode_on_two_worker_processes(teacher, tmp_path):
+    from pocketdiff.compress.reconstruct import ReconConfig, reconstruct_unet
+
+    unet, calib, specs = _unet_and_calib(teacher)
+    pipe = type("P", (), {"unet": unet})
     opts = ReconConfig(mode="independent", iters=5, batch_size=8)
     single, _ = reconstruct_unet(pipe.unet, calib, specs, opts, device="cpu", log=None)
     multi, _ = reconstruct_unet(pipe.unet, calib, specs, opts, device="cpu", log=None, devices=["cpu", "cpu"])
@@ -225,3 +244,26 @@ def test_nan_weights(teacher, tmp_path):
     with pytest.raises(PocketdiffError, match="NaN"):
         run(cfg, out)
     assert not any(out.iterdir())
+
+
+def test_w_conditioned_student_inputs_are_recorded_and_reconstructed():
+    from diffusers import DDIMScheduler, UNet2DConditionModel
+
+    from pocketdiff.compress.calib_data import collect_unet_inputs, trajectory_indices
+    from pocketdiff.compress.quant import layer_specs, quantizable_layers
+    from pocketdiff.compress.reconstruct import ReconConfig, reconstruct_unet
+    from pocketdiff.models import scheduler_config, unet_config
+
+    torch.manual_seed(0)
+    unet = UNet2DConditionModel(**unet_config("tiny", resolution=32), time_cond_proj_dim=16).eval().requires_grad_(False)
+    cond = torch.randn(3, 77, 64)
+    calib = collect_unet_inputs(unet, DDIMScheduler(**scheduler_config()), cond, torch.randn(1, 77, 64), steps=4,
+                                guidance_scale=3.0, latent_shape=(4, 8, 8), seed=0, per_trajectory=2)
+    assert trajectory_indices(4, 2) == [0, 3] and calib.meta["step_indices"] == [0, 3]
+    assert len(calib) == 3 * 2 and not calib.meta["cfg"]  # one guidance-free pass per step
+    assert calib.timestep_cond.shape == (6, 16)
+    names = list(quantizable_layers(unet))
+    assert "time_embedding.cond_proj" in names
+    specs = layer_specs(names, {g: unet.get_submodule(g).weight.shape for g in names}, 8)
+    results, _ = reconstruct_unet(unet, calib, specs, ReconConfig(iters=2, batch_size=4), device="cpu", log=None)
+    assert "time_embedding.cond_proj" in results[0].layers
