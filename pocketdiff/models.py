@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from .errors import PocketdiffError, require
+from .shipped import resolve_shipped
 
 log = logging.getLogger(__name__)
 
@@ -413,7 +414,7 @@ def check_pipeline_folder(path: Path) -> None:
 
 def _resolve_source(source: str) -> tuple[str, bool]:
     """(what to pass to from_pretrained, is_local)."""
-    text = str(source)
+    text = resolve_shipped(source)
     path = Path(text).expanduser()
     if path.exists():
         return str(path), True
@@ -533,6 +534,9 @@ def iter_norm_modules(module: nn.Module) -> Iterable[nn.Module]:
     return (m for m in module.modules() if _is_norm(m))
 
 
+EMBEDDED_TEACHER = "pocketdiff:shapes-teacher"
+
+
 def embedded_teacher_dir() -> Path:
     """The shipped shapes teacher (a diffusers pipeline folder made by our train-teacher)."""
-    return Path(__file__).resolve().parent / "assets" / "shapes-teacher"
+    return Path(resolve_shipped(EMBEDDED_TEACHER))
