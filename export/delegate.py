@@ -128,7 +128,7 @@ class RejectedOp:
 
 _HEADER = "Following operations are not supported by GPU delegate:"
 _FOOTER = re.compile(r"^(\d+) operations? will run on the GPU, and the remaining (\d+) operations? will run on the CPU")
-_LINE = re.compile(r"^([A-Z][A-Z0-9_]*): (.*)$")
+_LINE = re.compile(r"^([A-Z][A-Z0-9_]*):\s*(.*)$")
 
 
 def module_from_location(location: str) -> str:
@@ -142,8 +142,11 @@ def module_from_location(location: str) -> str:
             parts.append(f"{attr}")
         else:
             parts.append(leaf)
-    # the first segment is the wrapper module itself
-    return ".".join(parts[1:]) if len(parts) > 1 else ".".join(parts)
+    # the first segment is the wrapper module itself; "module" is the keyword adapter
+    parts = parts[1:] if len(parts) > 1 else parts
+    while parts and parts[0] == "module":
+        parts = parts[1:]
+    return ".".join(parts)
 
 
 def parse_delegate_log(text: str) -> tuple[list[RejectedOp], Optional[tuple[int, int]]]:
@@ -335,3 +338,23 @@ def delegate_available(driver: Optional[str] = None) -> tuple[bool, str]:
     except PocketdiffError as e:
         return False, str(e)
     return True, name
+
+
+def prepare_in_process(driver: Optional[str] = None) -> str:
+    """Make the GPU delegate usable from this process (run-bundle): set VK_ICD_FILENAMES and
+    preload the unpacked Vulkan loader and libdrm by absolute path (LD_LIBRARY_PATH is only
+    read at process start). Call before the first GPU CompiledModel is created."""
+    import ctypes
+
+    env, name = delegate_env(driver=driver)
+    if "VK_ICD_FILENAMES" in env:
+        os.environ["VK_ICD_FILENAMES"] = env["VK_ICD_FILENAMES"]
+    libdir_file = vulkan_dir() / "libdir"
+    if name == "lavapipe" or (name == "system" and not _system_has_libvulkan()):
+        if libdir_file.is_file():
+            libdir = Path(libdir_file.read_text().strip())
+            for lib in ("libdrm.so.2", "libdrm_amdgpu.so.1", "libvulkan.so.1"):
+                p = libdir / lib
+                if p.exists():
+                    ctypes.CDLL(str(p), mode=ctypes.RTLD_GLOBAL)
+    return name

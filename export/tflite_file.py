@@ -306,7 +306,7 @@ class TfliteModel:
                     found.append(int(t))
         return found
 
-    def store_weights_fp16(self, min_elements: int = 1, all_large_constants: bool = True, exclude: Iterable[int] = ()) -> int:
+    def store_weights_fp16(self, min_elements: int = 1, all_large_constants: bool = False, exclude: Iterable[int] = ()) -> int:
         """fp32 constants -> fp16 storage + DEQUANTIZE (TFLite's float16 weight format).
 
         Converts the weight operands of conv / FC / matmul ops, and with `all_large_constants`

@@ -24,8 +24,8 @@ VERBS: dict[str, Optional[str]] = {
     "calibrate": "pocketdiff.compress.calibrate",
     "prune": "pocketdiff.compress.prune",
     "evaluate": "pocketdiff.evaluate.run",
-    "export": None,
-    "run-bundle": None,
+    "export": "pocketdiff.export.verb",
+    "run-bundle": "pocketdiff.export.run_bundle",
     "demo": None,
     "train-clip": "pocketdiff.evaluate.train_clip",
 }

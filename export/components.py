@@ -1,0 +1,144 @@
+"""The three exported graphs as torch modules with fixed shapes, and their fixed inputs.
+
+- `TextEncoderGraph`: input_ids int32 [1, L] -> last_hidden_state [1, L, D]
+- `UNetGraph`: sample [B, C, h, w], timestep [B] (or the precomputed time embedding
+  [B, T] when the time embedding is computed outside the graph), encoder_hidden_states
+  [B, L, D] (+ timestep_cond [B, W] for guidance-embedded students) -> model output
+- `VaeDecoderGraph`: latents [1, C, h, w] (as the sampler produces them, unscaled) ->
+  image [1, 3, H, W] in [0, 1] (before clipping)
+
+B is 2 for classifier-free guidance (uncond + cond in one batch), 1 for a student whose
+guidance is distilled into the weights.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+from typing import Optional
+
+import numpy as np
+import torch
+from torch import nn
+
+from pocketdiff.errors import PocketdiffError
+
+COMPONENTS = ("text_encoder", "unet", "vae_decoder")
+
+
+class TextEncoderGraph(nn.Module):
+    def __init__(self, text_encoder: nn.Module):
+        super().__init__()
+        self.text_encoder = text_encoder
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.text_encoder(input_ids, return_dict=False)[0]
+
+
+class _PassThrough(nn.Module):
+    """Stands in for the time embedding MLP: returns its first argument."""
+
+    def forward(self, x, *args, **kwargs):
+        return x
+
+
+class UNetGraph(nn.Module):
+    """UNet2DConditionModel with its time embedding inside the graph or fed in."""
+
+    def __init__(self, unet: nn.Module, external_time_embedding: bool = False, timestep_cond: bool = False):
+        super().__init__()
+        self.unet = unet
+        self.external_time_embedding = external_time_embedding
+        self.takes_timestep_cond = timestep_cond and not external_time_embedding
+        if external_time_embedding:
+            # get_time_embed returns what we feed; time_embedding becomes the identity
+            unet.get_time_embed = types.MethodType(lambda self, sample, timestep: timestep.to(sample.dtype), unet)
+            unet.time_embedding = _PassThrough()
+
+    def forward(self, sample, timestep, encoder_hidden_states, timestep_cond=None):
+        kwargs = {}
+        if self.takes_timestep_cond:
+            kwargs["timestep_cond"] = timestep_cond
+        return self.unet(sample, timestep, encoder_hidden_states=encoder_hidden_states, return_dict=False, **kwargs)[0]
+
+
+class VaeDecoderGraph(nn.Module):
+    def __init__(self, vae: nn.Module):
+        super().__init__()
+        self.post_quant_conv = getattr(vae, "post_quant_conv", None)
+        self.decoder = vae.decoder
+        self.scaling_factor = float(vae.config.scaling_factor)
+        shift = getattr(vae.config, "shift_factor", None)
+        self.shift_factor = float(shift) if shift is not None else 0.0
+
+    def forward(self, latents: torch.Tensor) -> torch.Tensor:
+        z = latents * (1.0 / self.scaling_factor)
+        if self.shift_factor:
+            z = z + self.shift_factor
+        if self.post_quant_conv is not None:
+            z = self.post_quant_conv(z)
+        image = self.decoder(z)
+        # [0, 1] up to the clamp, which the runner applies (clamp(0, 1) lowers to
+        # RELU_0_TO_1, which the GPU delegate rejects)
+        return image * 0.5 + 0.5
+
+
+@dataclasses.dataclass
+class Shapes:
+    """Fixed shapes of one export."""
+
+    resolution: int
+    latent_channels: int
+    latent_size: int
+    vae_factor: int
+    text_length: int
+    text_dim: int
+    unet_batch: int
+    time_embed_dim: int
+    timestep_cond_dim: Optional[int]
+
+
+def time_embed_dim(unet) -> int:
+    te = unet.time_embedding
+    lin2 = getattr(te, "linear_2", None)
+    if lin2 is None:
+        raise PocketdiffError("the UNet's time embedding has no linear_2: cannot compute it outside the graph")
+    return int(lin2.out_features)
+
+
+def shapes_for(pipe, resolution: Optional[int], unet_batch: int) -> Shapes:
+    vae_factor = 2 ** (len(pipe.vae.config.block_out_channels) - 1)
+    res = int(resolution or pipe.unet.config.sample_size * vae_factor)
+    if res % vae_factor:
+        raise PocketdiffError(f"resolution {res} is not a multiple of the VAE factor {vae_factor}")
+    down = 2 ** (len(pipe.unet.config.block_out_channels) - 1)
+    if (res // vae_factor) % down:
+        raise PocketdiffError(f"resolution {res}: latent size {res // vae_factor} is not a multiple of the UNet's downsampling {down}")
+    return Shapes(
+        resolution=res,
+        latent_channels=int(pipe.unet.config.in_channels),
+        latent_size=res // vae_factor,
+        vae_factor=vae_factor,
+        text_length=int(pipe.tokenizer.model_max_length),
+        text_dim=int(pipe.text_encoder.config.hidden_size),
+        unet_batch=int(unet_batch),
+        time_embed_dim=time_embed_dim(pipe.unet),
+        timestep_cond_dim=getattr(pipe.unet.config, "time_cond_proj_dim", None),
+    )
+
+
+@torch.no_grad()
+def time_embedding_table(unet, num_train_timesteps: int, w_embedding: Optional[torch.Tensor] = None) -> np.ndarray:
+    """[num_train_timesteps, T] float32: the UNet's time embedding of every training timestep
+    (with the guidance embedding folded in for guidance-embedded students)."""
+    t = torch.arange(num_train_timesteps)
+    t_emb = unet.time_proj(t).to(torch.float32)
+    cond = None
+    if w_embedding is not None:
+        cond = w_embedding.reshape(1, -1).expand(num_train_timesteps, -1).to(torch.float32)
+    emb = unet.time_embedding(t_emb, cond)
+    return emb.to(torch.float32).cpu().numpy()
+
+
+def tokenize(tokenizer, prompts: list[str]) -> np.ndarray:
+    enc = tokenizer(prompts, padding="max_length", max_length=tokenizer.model_max_length, truncation=True, return_tensors="np")
+    return enc["input_ids"].astype(np.int32)

@@ -1,0 +1,244 @@
+"""Export one component: rewrite, convert, store weights, verify on the GPU delegate.
+
+`export_component` is the whole per-component contract of the export verb:
+(a) conversion through litert-torch after the configured module swaps; (b) weight storage
+fp32 / fp16 / int8 (codes carried bit for bit); (c) the LiteRT GPU delegate must accelerate
+every op, else the export fails naming each rejected op, the delegate's reason and the torch
+module it came from; (d) parity with PyTorch on fixed inputs at the delegate's default (fp16)
+precision and at fp32, against named thresholds; (e) op histogram, TRANSPOSE count, bytes;
+(f) golden input/output pairs for the bundle.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import resource
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+from torch import nn
+
+from pocketdiff.errors import ParityError, PocketdiffError
+
+from . import parity as parity_lib
+from .convert import store_weights
+from .delegate import RejectedOp, module_from_location, run_on_delegate
+from .int8 import QuantizedComponent, pieces_for, split_groupwise, unexported_layers
+from .rewrites import RewriteConfig, apply_rewrites, attention_chunk_report
+from .tflite_file import TfliteModel
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class VerifyConfig:
+    delegate: bool = True  # run the LiteRT GPU delegate on every export
+    require_fully_accelerated: bool = True
+    precisions: list[str] = dataclasses.field(default_factory=lambda: ["fp16", "fp32"])
+    driver: str = "auto"  # auto | system | lavapipe
+    timeout_s: float = 1800.0
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def _np(x: torch.Tensor) -> np.ndarray:
+    return x.detach().to(torch.float32 if x.is_floating_point() else x.dtype).cpu().numpy()
+
+
+def resolve_module_path(root: nn.Module, location: str) -> str:
+    """The converter's location ('pkg.Wrapper/pkg.Class_attr/...;n') -> the dotted torch path
+    in `root` (ModuleList hops the converter does not record are found by index and class)."""
+    loc = location.split(";;")[0].split(";")[0].strip()
+    segs = loc.split("/")[1:]
+    path: list[str] = []
+    cur = root
+    for seg in segs:
+        leaf = seg.rsplit(".", 1)[-1]
+        if "_" not in leaf:
+            break
+        cls, attr = leaf.split("_", 1)
+        if cur is root and not path and type(root).__name__ == cls:
+            continue  # the keyword adapter's child is `root` itself
+        children = dict(cur.named_children())
+        if attr in children:
+            path.append(attr)
+            cur = children[attr]
+            continue
+        hop = None
+        for cname, child in children.items():
+            if isinstance(child, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
+                sub = dict(child.named_children())
+                if attr in sub and type(sub[attr]).__name__ == cls:
+                    hop = (cname, sub[attr])
+                    break
+        if hop is None:
+            path.append(f"{attr}({cls})")
+            break
+        path += [hop[0], attr]
+        cur = hop[1]
+    return ".".join(path) or module_from_location(location)
+
+
+def _rejected_with_modules(run, model: TfliteModel, root: nn.Module) -> list[dict]:
+    """Rejected ops with the torch modules they came from (log location, else the graph's ops of that type)."""
+    out = []
+    for r in run.rejected:
+        locs = [r.location] if r.location else model.op_locations(r.op, limit=50)
+        modules = sorted({resolve_module_path(root, loc) for loc in locs})
+        out.append({"op": r.op, "reason": r.reason or "rejected", "modules": modules[:10]})
+    return out
+
+
+def export_component(
+    name: str,
+    graph: nn.Module,
+    inputs: dict[str, torch.Tensor],
+    out_path: Path,
+    rewrites: RewriteConfig,
+    weights: str,
+    verify: VerifyConfig,
+    parity_cfg: parity_lib.ParityConfig,
+    quantized: Optional[QuantizedComponent] = None,
+    float_storage: str = "fp16",
+    work_dir: Optional[Path] = None,
+) -> dict:
+    """Export `graph` (a TextEncoderGraph / UNetGraph / VaeDecoderGraph) to `out_path`.
+
+    Returns the component's report entry; raises PocketdiffError (op not GPU-compatible)
+    or ParityError (a named threshold failed).
+    """
+    args = tuple(inputs.values())
+    report: dict = {"file": out_path.name, "weights": weights, "inputs": {}, "outputs": {}}
+    for k, v in inputs.items():
+        report["inputs"][k] = {"shape": list(v.shape), "dtype": str(v.dtype).replace("torch.", "")}
+
+    # 1. PyTorch reference on the fixed inputs (the module as given: float or codes * scales)
+    graph = graph.eval()
+    with torch.no_grad():
+        reference = graph(*args)
+    ref_np = _np(reference)
+    report["outputs"]["output_0"] = {"shape": list(ref_np.shape), "dtype": "float32"}
+
+    # 2. module swaps on a copy, checked against the reference in PyTorch
+    rewritten = copy.deepcopy(graph)
+    t0 = time.perf_counter()
+    rw = apply_rewrites(rewritten, rewrites, sample_inputs=args)
+    if quantized is not None:
+        rw["groupwise_split"] = len(split_groupwise(rewritten, quantized))
+    with torch.no_grad():
+        rewritten_out = rewritten(*args)
+    rw["attention_chunks"] = attention_chunk_report(rewritten)
+    report["rewrites"] = rw
+    report["rewrite_parity"] = parity_lib.metrics(ref_np, _np(rewritten_out))
+    if not report["rewrite_parity"]["cosine"] >= 0.9999:
+        raise ParityError(f"{name}: the rewritten PyTorch module drifted from the original (cosine {report['rewrite_parity']['cosine']:.6f})")
+
+    # 3. convert (fp32 constants) and store the weights as asked
+    with tempfile.TemporaryDirectory(prefix=f"pocketdiff-{name}-", dir=work_dir) as tmp:
+        raw_path = Path(tmp) / f"{name}_fp32.tflite"
+        report["convert_s"] = round(_convert(rewritten, inputs, raw_path), 3)
+        report["convert_peak_rss_mb"] = round(peak_rss_mb(), 1)
+        pieces = []
+        if weights == "int8":
+            if quantized is None:
+                raise PocketdiffError(f"{name}: weights=int8 but no int8 checkpoint for this component")
+            pieces = pieces_for(rewritten, quantized)
+            skipped = unexported_layers(rewritten, quantized, pieces)
+            report["int8_layers"] = len({p.layer for p in pieces})
+            report["int8_layers_outside_graph"] = skipped
+        info = store_weights(raw_path, out_path, weights, pieces, float_storage=float_storage)
+        report["int8_tensors"] = info["int8_tensors"]
+        report["fp16_tensors"] = info["fp16_tensors"]
+        report["int8_map"] = info["int8_map"]
+        report["rewrite_s"] = round(time.perf_counter() - t0, 3)
+
+    # 4. graph facts
+    model = TfliteModel(out_path)
+    hist = model.op_histogram()
+    report["ops"] = hist
+    report["op_count"] = int(sum(hist.values()))
+    report["transposes"] = int(hist.get("TRANSPOSE", 0))
+    report["bytes"] = out_path.stat().st_size
+    report["max_rank"] = model.max_rank()
+    n, where = model.largest_activation()
+    report["largest_activation"] = {"elements": n, "tensor": module_from_location(where)}
+    bad_ops = {k: v for k, v in hist.items() if k in ("BROADCAST_TO",) or k.startswith("CUSTOM") or k == "STABLEHLO_COMPOSITE"}
+    report["suspect_ops"] = bad_ops
+
+    # 5. the GPU delegate: full acceleration, then parity at fp16 (default) and fp32
+    report["fully_accelerated"] = None
+    if verify.delegate:
+        feeds = {k: _np(v) for k, v in inputs.items()}
+        run = run_on_delegate(out_path, feeds, precisions=verify.precisions, driver=verify.driver, timeout_s=verify.timeout_s)
+        report["delegate"] = {
+            "driver": run.driver,
+            "adapter": run.adapter,
+            "compiled": run.compiled,
+            "compile_s": run.compile_s,
+            "latency_s": run.latency_s,
+            "ops_split": run.ops_split,
+            "error": run.error,
+        }
+        report["fully_accelerated"] = bool(run.compiled and run.fully_accelerated)
+        if not report["fully_accelerated"]:
+            rejected = _rejected_with_modules(run, model, rewritten)
+            report["rejected_ops"] = rejected
+            if verify.require_fully_accelerated:
+                if rejected:
+                    detail = "; ".join(f"{r['op']} ({r['reason']}) from {', '.join(r['modules']) or '?'}" for r in rejected)
+                else:
+                    detail = run.error or "the delegate did not say which ops"
+                if model.high_rank_ops(1):
+                    detail += f"; tensors above rank 4 at {'; '.join(model.high_rank_ops(5))}"
+                raise PocketdiffError(f"{name}: not fully accelerated on the LiteRT GPU delegate ({run.driver}): {detail}")
+        report["parity"] = {}
+        fails = []
+        for prec in verify.precisions:
+            if prec not in run.outputs:
+                fails.append(f"{name}: the delegate produced no {prec} output ({run.error or 'unknown error'})")
+                continue
+            m = parity_lib.metrics(ref_np, run.outputs[prec][0])
+            report["parity"][prec] = m
+            fails += parity_lib.check(name, prec, m, parity_cfg.for_precision(prec))
+        main = report["parity"].get("fp16") or next(iter(report["parity"].values()), {})
+        report["cosine"] = main.get("cosine")
+        report["psnr_db"] = main.get("psnr_db")
+        report["max_abs"] = main.get("max_abs")
+        report["parity_failures"] = fails
+        if fails and parity_cfg.enforce:
+            raise ParityError("; ".join(fails))
+    report["reference"] = ref_np
+    return report
+
+
+def _convert(module: nn.Module, inputs: dict[str, torch.Tensor], path: Path) -> float:
+    """litert-torch with keyword sample inputs, so the signature's inputs carry our names."""
+    import contextlib
+    import io
+
+    import litert_torch
+
+    from .convert import _quiet_native_stderr
+
+    t0 = time.perf_counter()
+    with torch.no_grad(), _quiet_native_stderr(True), contextlib.redirect_stdout(io.StringIO()):
+        edge = litert_torch.convert(_Keyworded(module, list(inputs)), sample_kwargs=dict(inputs))
+        edge.export(str(path))
+    return time.perf_counter() - t0
+
+
+class _Keyworded(nn.Module):
+    def __init__(self, module: nn.Module, names: list[str]):
+        super().__init__()
+        self.module = module
+        self.names = names
+
+    def forward(self, **kwargs):
+        return self.module(*[kwargs[n] for n in self.names])

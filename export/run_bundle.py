@@ -1,0 +1,297 @@
+"""`pocketdiff run-bundle BUNDLE --prompt TEXT --output DIR`: text -> PNG from a bundle alone.
+
+The reference runner of an exported bundle. It uses only the bundle's files, numpy,
+`tokenizers` (the bundle's tokenizer.json), ai-edge-litert and PIL (to write the PNG):
+no torch, no diffusers. DDIM with the manifest's timesteps, classifier-free guidance in one
+batch-2 UNet call (or the student's embedded guidance), the time embedding looked up in the
+bundle's table when it was computed outside the graph.
+
+`--pipelined` keeps the UNet resident, loads + runs the text encoder in a background thread
+while the UNet compiles, releases it, and loads the decoder in a background thread during
+the last denoising step. Without it the three models are loaded up front (the naive app).
+The report has per-stage latency, the process's peak RSS and the peak of model bytes held at
+once.
+"""
+from __future__ import annotations
+
+import os
+import resource
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from pocketdiff.errors import PocketdiffError
+
+from .bundle import load_manifest
+
+
+def bundle_tokenize(tokenizer_json: str | Path, prompt: str, tok: dict) -> np.ndarray:
+    """ids [max_length] int32, as CLIPTokenizer(padding="max_length", truncation=True) gives them."""
+    from tokenizers import Tokenizer
+
+    t = Tokenizer.from_file(str(tokenizer_json))
+    L = int(tok["max_length"])
+    t.enable_truncation(max_length=L)
+    t.enable_padding(length=L, pad_id=int(tok["pad_id"]), pad_token=str(tok.get("pad_token", "")))
+    ids = t.encode(prompt).ids
+    return np.asarray(ids[:L], dtype=np.int32)
+
+
+def _np_dtype(name: str):
+    return np.dtype(name)
+
+
+class _Loaded:
+    """A compiled model with its buffers."""
+
+    def __init__(self, name: str, entry: dict, accelerator: str):
+        from ai_edge_litert.compiled_model import CompiledModel, GpuOptions, HardwareAccelerator, Options
+
+        t0 = time.perf_counter()
+        if accelerator == "gpu":
+            opts = Options(hardware_accelerators=HardwareAccelerator.GPU, gpu_options=GpuOptions())
+        else:
+            opts = Options(hardware_accelerators=HardwareAccelerator.CPU)
+        self.name = name
+        self.bytes = int(entry.get("bytes") or Path(entry["_path"]).stat().st_size)
+        self.model = CompiledModel.from_file(entry["_path"], options=opts)
+        self.fully_accelerated = bool(self.model.is_fully_accelerated()) if accelerator == "gpu" else False
+        sigs = self.model.get_signature_list()
+        self.sig = next(iter(sigs))
+        self.in_names = list(sigs[self.sig]["inputs"])
+        self.out_names = list(sigs[self.sig]["outputs"])
+        self.in_details = self.model.get_input_tensor_details(self.sig)
+        self.out_details = self.model.get_output_tensor_details(self.sig)
+        self.in_bufs = self.model.create_input_buffers(0)
+        self.out_bufs = self.model.create_output_buffers(0)
+        self.load_s = time.perf_counter() - t0
+        self.run_s: list[float] = []
+
+    def __call__(self, feeds: dict[str, np.ndarray]) -> np.ndarray:
+        names = list(feeds)
+        for i, (buf, name) in enumerate(zip(self.in_bufs, self.in_names)):
+            key = name if name in feeds else names[i]
+            det = self.in_details[name]
+            arr = np.ascontiguousarray(np.asarray(feeds[key]).astype(_np_dtype(det["dtype"])))
+            if list(arr.shape) != [int(s) for s in det["shape"]]:
+                raise PocketdiffError(f"{self.name}: input {name} has shape {list(arr.shape)}, the model takes {list(det['shape'])}")
+            buf.write(arr)
+        t0 = time.perf_counter()
+        self.model.run_by_index(0, self.in_bufs, self.out_bufs)
+        self.run_s.append(time.perf_counter() - t0)
+        det = self.out_details[self.out_names[0]]
+        shape = [int(s) for s in det["shape"]]
+        return np.asarray(self.out_bufs[0].read(int(np.prod(shape)), _np_dtype(det["dtype"]))).reshape(shape)
+
+    def close(self) -> None:
+        self.in_bufs = self.out_bufs = None
+        self.model = None
+
+
+class _Residency:
+    """Peak of model bytes held at once."""
+
+    def __init__(self):
+        self.now = 0
+        self.peak = 0
+        self.lock = threading.Lock()
+
+    def add(self, n: int) -> None:
+        with self.lock:
+            self.now += n
+            self.peak = max(self.peak, self.now)
+
+    def sub(self, n: int) -> None:
+        with self.lock:
+            self.now -= n
+
+
+def ddim_step(x: np.ndarray, out: np.ndarray, a_t: float, a_prev: float, prediction_type: str) -> np.ndarray:
+    if prediction_type == "epsilon":
+        eps = out
+        x0 = (x - np.sqrt(1.0 - a_t) * eps) / np.sqrt(a_t)
+    elif prediction_type == "v_prediction":
+        x0 = np.sqrt(a_t) * x - np.sqrt(1.0 - a_t) * out
+        eps = np.sqrt(a_t) * out + np.sqrt(1.0 - a_t) * x
+    else:
+        raise PocketdiffError(f"bundle: prediction type {prediction_type!r} is not supported")
+    return (np.sqrt(a_prev) * x0 + np.sqrt(1.0 - a_prev) * eps).astype(np.float32)
+
+
+def generate(
+    bundle: str | Path,
+    prompt: str,
+    seed: int = 0,
+    accelerator: str = "gpu",
+    pipelined: bool = False,
+    init_latents: Optional[np.ndarray] = None,
+    manifest: Optional[dict] = None,
+) -> tuple[np.ndarray, dict]:
+    """Run the bundle: (image [H, W, 3] float32 in [0, 1], stats)."""
+    if accelerator not in ("cpu", "gpu"):
+        raise PocketdiffError(f"accelerator must be cpu or gpu, got {accelerator!r}")
+    man = manifest or load_manifest(bundle)
+    comps = man["components"]
+    for need in ("text_encoder", "unet", "vae_decoder"):
+        if need not in comps:
+            raise PocketdiffError(f"bundle {bundle}: has no {need} (exported with components={list(comps)})")
+    driver = "n/a"
+    if accelerator == "gpu":
+        from .delegate import prepare_in_process
+
+        driver = prepare_in_process()
+    sched = man["scheduler"]
+    guidance = man["guidance"]
+    lat = man["latent"]
+    tok = man["tokenizer"]
+    B = int(guidance["unet_batch"])
+    stats: dict = {"latency_s": {}, "driver": driver}
+    res = _Residency()
+    t_total = time.perf_counter()
+
+    # tokenizer
+    t0 = time.perf_counter()
+    tok_json = tok["files"]["tokenizer.json"]["_path"]
+    ids = bundle_tokenize(tok_json, prompt, tok)
+    ids_empty = bundle_tokenize(tok_json, "", tok) if B == 2 else None
+    stats["latency_s"]["tokenize"] = time.perf_counter() - t0
+
+    loaded: dict[str, _Loaded] = {}
+
+    def load(name: str) -> _Loaded:
+        m = _Loaded(name, comps[name], accelerator)
+        res.add(m.bytes)
+        loaded[name] = m
+        stats["latency_s"][f"{name}_load"] = m.load_s
+        return m
+
+    def release(name: str) -> None:
+        m = loaded.pop(name, None)
+        if m is not None:
+            m.close()
+            res.sub(m.bytes)
+
+    text: dict = {}
+    errors: list[BaseException] = []
+
+    def encode() -> None:
+        try:
+            te = load("text_encoder") if "text_encoder" not in loaded else loaded["text_encoder"]
+            text["cond"] = te({"input_ids": ids[None]})
+            if ids_empty is not None:
+                text["uncond"] = te({"input_ids": ids_empty[None]})
+            stats["latency_s"]["text_encoder_run"] = float(sum(te.run_s))
+            if pipelined:
+                release("text_encoder")
+        except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
+            errors.append(e)
+
+    if pipelined:
+        th = threading.Thread(target=encode, name="text-encoder")
+        th.start()
+        unet = load("unet")
+        th.join()
+    else:
+        load("text_encoder")
+        unet = load("unet")
+        load("vae_decoder")
+        encode()
+    if errors:
+        raise errors[0]
+    ehs = np.concatenate([text["uncond"], text["cond"]]) if B == 2 else text["cond"]
+
+    # denoising
+    shape = (1, int(lat["channels"]), int(lat["height"]), int(lat["width"]))
+    x = np.random.default_rng(seed).standard_normal(shape).astype(np.float32) if init_latents is None else np.asarray(init_latents, np.float32).reshape(shape)
+    table = np.load(man["time_embedding"]["_path"]) if man.get("time_embedding") else None
+    T = int(sched["num_train_timesteps"])
+    steps = int(sched["steps"])
+    alphas = np.asarray(sched["alphas_cumprod"], dtype=np.float64)
+    final = float(sched["final_alpha_cumprod"])
+    scale = float(guidance["scale"])
+    dec_thread = None
+    n = len(sched["timesteps"])
+    for i, t in enumerate(sched["timesteps"]):
+        if pipelined and i == n - 1 and "vae_decoder" not in loaded:
+            dec_thread = threading.Thread(target=lambda: _safe(load, "vae_decoder", errors), name="decoder")
+            dec_thread.start()
+        x_in = np.concatenate([x] * B) if B > 1 else x
+        feeds = {"sample": x_in}
+        if table is not None:
+            feeds["timestep"] = np.repeat(table[int(t)][None], B, axis=0)
+        else:
+            feeds["timestep"] = np.full((B,), float(t), dtype=np.float32)
+        feeds["encoder_hidden_states"] = ehs
+        out = unet(feeds)
+        if B == 2:
+            out = out[0:1] + scale * (out[1:2] - out[0:1])
+        prev = int(t) - T // steps
+        a_t = float(alphas[int(t)])
+        a_prev = float(alphas[prev]) if prev >= 0 else final
+        x = ddim_step(x, out, a_t, a_prev, sched["prediction_type"])
+    stats["latency_s"]["unet_steps"] = float(sum(unet.run_s))
+    stats["latency_s"]["unet_step_mean"] = float(np.mean(unet.run_s)) if unet.run_s else 0.0
+    if dec_thread is not None:
+        dec_thread.join()
+    if errors:
+        raise errors[0]
+    dec = loaded["vae_decoder"]
+    image = dec({"latents": x})[0].transpose(1, 2, 0)
+    stats["latency_s"]["vae_decoder_run"] = float(sum(dec.run_s))
+    stats["fully_accelerated"] = accelerator == "gpu" and all(m.fully_accelerated for m in loaded.values()) and bool(text)
+    stats["fully_accelerated_by_component"] = {k: m.fully_accelerated for k, m in loaded.items()}
+    if pipelined:
+        release("vae_decoder")  # the UNet stays resident for the next prompt
+    stats["latency_s"]["total"] = time.perf_counter() - t_total
+    stats["peak_model_mb"] = res.peak / 2**20
+    stats["finite"] = bool(np.isfinite(image).all())
+    for name in list(loaded):
+        release(name)
+    return np.clip(image, 0.0, 1.0), stats
+
+
+def _safe(fn, arg, errors):
+    try:
+        fn(arg)
+    except BaseException as e:  # noqa: BLE001
+        errors.append(e)
+
+
+def main(args) -> int:
+    """CLI entry (argparse namespace: bundle, prompt, output, accelerator, pipelined, seed, overwrite, debug)."""
+    from PIL import Image
+
+    from pocketdiff.outputs import prepare_output_dir, write_json
+
+    man = load_manifest(args.bundle)  # refuses bad bundles before touching --output
+    out = prepare_output_dir(args.output, overwrite=args.overwrite)
+    fully = None
+    image, stats = generate(args.bundle, args.prompt, seed=args.seed, accelerator=args.accelerator, pipelined=args.pipelined, manifest=man)
+    if not stats["finite"]:
+        raise PocketdiffError(f"bundle {args.bundle}: the image has NaN/Inf values ({args.accelerator})")
+    fully = stats["fully_accelerated"]
+    path = out / "image.png"
+    Image.fromarray((image * 255).round().astype(np.uint8)).save(path)
+    report = {
+        "image": str(path.resolve()),
+        "prompt": args.prompt,
+        "seed": args.seed,
+        "bundle": str(Path(args.bundle).resolve()),
+        "accelerator": args.accelerator,
+        "driver": stats["driver"],
+        "pipelined": bool(args.pipelined),
+        "fully_accelerated": fully,
+        "fully_accelerated_by_component": stats["fully_accelerated_by_component"],
+        "latency_s": {k: round(v, 4) for k, v in stats["latency_s"].items()},
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, 1),
+        "peak_model_mb": round(stats["peak_model_mb"], 2),
+        "steps": len(man["scheduler"]["timesteps"]),
+        "guidance": man["guidance"],
+        "pid": os.getpid(),
+    }
+    write_json(out / "report.json", report)
+    print(f"wrote {path} ({args.accelerator}, {report['latency_s']['total']:.2f} s, peak RSS {report['peak_rss_mb']} MB)")
+    return 0

@@ -1,0 +1,343 @@
+"""`pocketdiff export`: a diffusers pipeline -> a mobile bundle for the LiteRT GPU delegate.
+
+1. load (or build) the pipeline; int8 checkpoints from `calibrate` (or RTN) when weights=int8
+2. fixed shapes (resolution, UNet batch 2 for classifier-free guidance, 1 for a student)
+   and fixed inputs (a golden prompt, its text-encoder states, seeded latents)
+3. per component (text encoder, UNet, VAE decoder): module swaps, litert-torch, weight
+   storage, the GPU delegate must accelerate every op, parity at fp16 and fp32
+4. fp16 overflow scan on calibration prompts (PyTorch hooks with fp16 emulation)
+5. bundle: manifest.json, tokenizer files, golden vectors, time-embedding table, sha256
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+from pocketdiff.errors import PocketdiffError, require
+from pocketdiff.models import ModelConfig, load_or_build, perturb_norm_affines
+from pocketdiff.outputs import write_json
+
+from . import bundle as bundle_lib
+from .components import (
+    COMPONENTS,
+    TextEncoderGraph,
+    UNetGraph,
+    VaeDecoderGraph,
+    shapes_for,
+    time_embedding_table,
+    tokenize,
+)
+from .convert import WEIGHT_FORMATS
+from .exporter import VerifyConfig, export_component, peak_rss_mb
+from .parity import ParityConfig
+from .rewrites import RewriteConfig
+
+log = logging.getLogger(__name__)
+
+GUIDANCE_MODES = ("auto", "cfg", "embedded", "none")
+
+
+@dataclasses.dataclass
+class Int8Config:
+    checkpoint: Optional[str] = None  # calibrate output folder or one *_int8.safetensors; None + rtn: quantize here
+    rtn: bool = False  # no checkpoint: round-to-nearest per channel here (benchmarks, smoke)
+    bits: int = 8
+    components: list[str] = dataclasses.field(default_factory=lambda: ["unet"])  # RTN: which components
+    float_storage: str = "fp16"  # the unquantized constants (biases, norms): fp16 | fp32
+
+    def __post_init__(self) -> None:
+        require(self.bits in (4, 8), "int8.bits", f"must be 4 or 8, got {self.bits}")
+        require(self.float_storage in ("fp16", "fp32"), "int8.float_storage", "must be fp16 or fp32")
+        for c in self.components:
+            require(c in COMPONENTS, "int8.components", f"unknown component {c!r}; choose from {COMPONENTS}")
+
+
+@dataclasses.dataclass
+class ScanConfig:
+    enabled: bool = True
+    prompts: list[str] = dataclasses.field(default_factory=lambda: ["a red circle", "a blue square on a white background"])
+    steps: int = 4  # DDIM steps of the calibration trajectories
+    fail: bool = False  # fail the export when the scan finds overflow
+
+
+@dataclasses.dataclass
+class Config:
+    seed: int = 0
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    perturb_norms: bool = False  # random-weight builds: trained-like norm affines (DESIGN.md)
+    components: list[str] = dataclasses.field(default_factory=lambda: list(COMPONENTS))
+    weights: str = "fp16"  # fp32 | fp16 | int8 (int8 where a checkpoint exists, fp16 elsewhere)
+    int8: Int8Config = dataclasses.field(default_factory=Int8Config)
+    resolution: Optional[int] = None  # pixels; default: the UNet's sample size x the VAE factor
+    guidance: str = "auto"  # auto | cfg (UNet batch 2) | embedded (w-conditioned student, batch 1) | none (batch 1)
+    guidance_scale: float = 7.5
+    steps: int = 20  # scheduler steps recorded in the manifest
+    golden_prompt: str = "a red circle on a white background"
+    rewrites: RewriteConfig = dataclasses.field(default_factory=RewriteConfig)
+    verify: VerifyConfig = dataclasses.field(default_factory=VerifyConfig)
+    parity: ParityConfig = dataclasses.field(default_factory=ParityConfig)
+    fp16_scan: ScanConfig = dataclasses.field(default_factory=ScanConfig)
+
+    def __post_init__(self) -> None:
+        require(self.weights in WEIGHT_FORMATS, "weights", f"must be one of {WEIGHT_FORMATS}, got {self.weights!r}")
+        require(self.guidance in GUIDANCE_MODES, "guidance", f"must be one of {GUIDANCE_MODES}, got {self.guidance!r}")
+        require(len(self.components) > 0, "components", "must name at least one component")
+        for c in self.components:
+            require(c in COMPONENTS, "components", f"unknown component {c!r}; choose from {COMPONENTS}")
+        require(len(set(self.components)) == len(self.components), "components", "must not repeat")
+        require(self.steps >= 1, "steps", "must be >= 1")
+        require(self.resolution is None or self.resolution >= 8, "resolution", "must be >= 8")
+        for p in self.verify.precisions:
+            require(p in ("fp16", "fp32"), "verify.precisions", f"must be fp16 and/or fp32, got {p!r}")
+        if self.weights == "int8":
+            require(self.int8.checkpoint is not None or self.int8.rtn, "int8.checkpoint", "weights=int8 needs a checkpoint (or int8.rtn: true)")
+
+
+def _versions() -> dict:
+    import importlib.metadata as md
+
+    out = {}
+    for pkg in ("pocketdiff", "torch", "diffusers", "transformers", "litert-torch", "ai-edge-litert"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
+def _guidance_mode(cfg: Config, unet) -> str:
+    embedded = getattr(unet.config, "time_cond_proj_dim", None) is not None
+    if cfg.guidance == "auto":
+        return "embedded" if embedded else "cfg"
+    if cfg.guidance == "embedded" and not embedded:
+        raise PocketdiffError("guidance: embedded needs a UNet with time_cond_proj_dim (a guidance-distilled student)")
+    return cfg.guidance
+
+
+def _save_tokenizer(tokenizer, folder: Path) -> dict:
+    from tokenizers import Tokenizer
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(str(folder))
+    try:
+        from pocketdiff.tokenizer import export_vocab_merges
+
+        export_vocab_merges(tokenizer, folder)
+    except Exception as e:  # noqa: BLE001 - vocab/merges are a convenience for other readers
+        log.info("vocab.json/merges.txt not written: %s", e)
+    if not (folder / "tokenizer.json").is_file():
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            raise PocketdiffError("the pipeline's tokenizer has no tokenizers backend; cannot write tokenizer.json for the bundle")
+        backend.save(str(folder / "tokenizer.json"))
+    Tokenizer.from_file(str(folder / "tokenizer.json"))  # must load without transformers
+    return {p.name: p for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
+    from .fp16scan import scan_pipeline
+    from .int8 import apply_to_module, load_component_checkpoints, rtn_checkpoint
+    from .run_bundle import bundle_tokenize
+    from pocketdiff.sampling import default_w_embedding_fn, final_alpha_cumprod, scheduler_timesteps
+
+    if resume:
+        raise PocketdiffError("export does not resume; rerun with --overwrite")
+    t_start = time.perf_counter()
+    out = Path(output_dir)
+    work = out / "_export"
+    work.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+
+    # 1. pipeline and int8 checkpoints
+    model_cfg = cfg.model
+    if model_cfg.pretrained is None and cfg.int8.checkpoint and (Path(cfg.int8.checkpoint) / "pipeline").is_dir():
+        model_cfg = dataclasses.replace(model_cfg, pretrained=str(Path(cfg.int8.checkpoint) / "pipeline"))
+    pipe = load_or_build(model_cfg, resolution=cfg.resolution)
+    for comp in (pipe.text_encoder, pipe.unet, pipe.vae):
+        comp.to(torch.float32).eval().requires_grad_(False)
+    if cfg.perturb_norms:
+        perturb_norm_affines(pipe.unet, cfg.seed)
+        perturb_norm_affines(pipe.vae, cfg.seed + 1)
+        perturb_norm_affines(pipe.text_encoder, cfg.seed + 2)
+    quantized: dict = {}
+    if cfg.weights == "int8":
+        if cfg.int8.checkpoint:
+            quantized = load_component_checkpoints(cfg.int8.checkpoint)
+        else:
+            graphs = {"text_encoder": pipe.text_encoder, "unet": pipe.unet, "vae_decoder": pipe.vae}
+            for c in cfg.int8.components:
+                skip = ("encoder.", "quant_conv.") if c == "vae_decoder" else ()
+                quantized[c] = rtn_checkpoint(graphs[c], c, cfg.int8.bits, skip=skip)
+        if "unet" in quantized:
+            apply_to_module(pipe.unet, quantized["unet"])
+        if "text_encoder" in quantized:
+            apply_to_module(pipe.text_encoder, quantized["text_encoder"])
+        if "vae_decoder" in quantized:
+            apply_to_module(pipe.vae, quantized["vae_decoder"])
+
+    # 2. shapes and fixed inputs
+    mode = _guidance_mode(cfg, pipe.unet)
+    shapes = shapes_for(pipe, cfg.resolution, unet_batch=2 if mode == "cfg" else 1)
+    sched = pipe.scheduler
+    T = int(sched.config.num_train_timesteps)
+    timesteps = scheduler_timesteps(sched, cfg.steps).tolist()
+    w_emb = None
+    if mode == "embedded":
+        fn = default_w_embedding_fn(pipe.unet)
+        w_emb = fn(torch.tensor([float(cfg.guidance_scale)])).to(torch.float32)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    ids_prompt = tokenize(pipe.tokenizer, [cfg.golden_prompt])
+    ids_empty = tokenize(pipe.tokenizer, [""])
+    with torch.no_grad():
+        h_prompt = pipe.text_encoder(torch.from_numpy(ids_prompt).long(), return_dict=False)[0]
+        h_empty = pipe.text_encoder(torch.from_numpy(ids_empty).long(), return_dict=False)[0]
+    B = shapes.unet_batch
+    ehs = torch.cat([h_empty, h_prompt]) if B == 2 else h_prompt
+    latents = torch.randn(B, shapes.latent_channels, shapes.latent_size, shapes.latent_size, generator=gen)
+    t_golden = timesteps[len(timesteps) // 2]
+    table = None
+    if cfg.rewrites.time_embedding_outside:
+        table = time_embedding_table(pipe.unet, T, w_emb)
+        time_input = torch.from_numpy(table[[t_golden] * B])
+    else:
+        time_input = torch.full((B,), float(t_golden))
+    unet_inputs = {"sample": latents, "timestep": time_input, "encoder_hidden_states": ehs}
+    takes_cond = mode == "embedded" and not cfg.rewrites.time_embedding_outside
+    if takes_cond:
+        unet_inputs["timestep_cond"] = w_emb.expand(B, -1).contiguous()
+    vae_latents = torch.randn(1, shapes.latent_channels, shapes.latent_size, shapes.latent_size, generator=gen)
+
+    # 3. components
+    def graph_for(name: str):
+        if name == "text_encoder":
+            return TextEncoderGraph(pipe.text_encoder), {"input_ids": torch.from_numpy(ids_prompt)}
+        if name == "unet":
+            import copy
+
+            unet = copy.deepcopy(pipe.unet) if cfg.rewrites.time_embedding_outside else pipe.unet
+            return UNetGraph(unet, external_time_embedding=cfg.rewrites.time_embedding_outside, timestep_cond=takes_cond), unet_inputs
+        return VaeDecoderGraph(pipe.vae), {"latents": vae_latents}
+
+    comp_reports: dict = {}
+    manifest_components: dict = {}
+    (out / "golden").mkdir(exist_ok=True)
+    for name in cfg.components:
+        graph, inputs = graph_for(name)
+        q = quantized.get(name)
+        weights = cfg.weights if (cfg.weights != "int8" or q is not None) else "fp16"
+        log.info("export %s (%s)", name, weights)
+        rep = export_component(
+            name, graph, inputs, out / f"{name}.tflite", cfg.rewrites, weights, cfg.verify, cfg.parity,
+            quantized=q, float_storage=cfg.int8.float_storage, work_dir=work,
+        )
+        reference = rep.pop("reference")
+        golden_path = out / "golden" / f"{name}.npz"
+        np.savez(golden_path, **{f"input_{k}": v.detach().numpy() for k, v in inputs.items()}, output_0=reference)
+        int8_map = rep.pop("int8_map", {})
+        if int8_map:
+            write_json(work / f"{name}_int8_map.json", int8_map)
+        comp_reports[name] = rep
+        entry = bundle_lib.file_entry(out, out / f"{name}.tflite")
+        entry.update(
+            weights=weights,
+            inputs=[{"name": k, **v} for k, v in rep["inputs"].items()],
+            outputs=[{"name": k, **v} for k, v in rep["outputs"].items()],
+            fully_accelerated=rep.get("fully_accelerated"),
+            golden={**bundle_lib.file_entry(out, golden_path), "tolerances": {
+                "fp16": dataclasses.asdict(cfg.parity.fp16), "fp32": dataclasses.asdict(cfg.parity.fp32)}},
+        )
+        if q is not None and weights == "int8":
+            entry["int8"] = {"layers": rep.get("int8_layers"), "method": q.recipe.extra.get("method") or sorted({lr.method for lr in q.recipe.layers.values()})}
+        manifest_components[name] = entry
+        del graph
+
+    # 4. fp16 overflow scan
+    scan = None
+    if cfg.fp16_scan.enabled:
+        scan = scan_pipeline(pipe, cfg.fp16_scan.prompts, steps=cfg.fp16_scan.steps, guidance_scale=cfg.guidance_scale,
+                             resolution=shapes.resolution, seed=cfg.seed, rewrites=cfg.rewrites)
+        write_json(work / "fp16_scan.json", scan)
+        if cfg.fp16_scan.fail and scan["overflowing_ops"]:
+            raise PocketdiffError(f"fp16 scan: {scan['overflowing_ops']} ops leave the fp16 range (first: {scan['first_overflow']})")
+
+    # 5. bundle: tokenizer, time embedding, manifest
+    tok_files = _save_tokenizer(pipe.tokenizer, out / "tokenizer")
+    tok = pipe.tokenizer
+    tokenizer_entry = {
+        "files": {n: bundle_lib.file_entry(out, p) for n, p in tok_files.items()},
+        "max_length": int(tok.model_max_length),
+        "pad_id": int(tok.pad_token_id),
+        "bos_id": int(tok.bos_token_id),
+        "eos_id": int(tok.eos_token_id),
+        "pad_token": str(tok.pad_token),
+        "golden": {"prompt": cfg.golden_prompt, "ids": ids_prompt[0].tolist()},
+    }
+    runner_ids = bundle_tokenize(out / "tokenizer" / "tokenizer.json", cfg.golden_prompt, tokenizer_entry)
+    if runner_ids.tolist() != ids_prompt[0].tolist():
+        raise PocketdiffError("the bundle's tokenizer.json does not reproduce the pipeline tokenizer's ids for the golden prompt")
+    te_entry = None
+    if table is not None:
+        np.save(out / "time_embedding.npy", table.astype(np.float32))
+        te_entry = {**bundle_lib.file_entry(out, out / "time_embedding.npy"), "shape": list(table.shape), "dtype": "float32"}
+    alphas = sched.alphas_cumprod.to(torch.float64).numpy()
+    manifest = {
+        "created_by": "pocketdiff export",
+        "image": {"height": shapes.resolution, "width": shapes.resolution, "channels": 3, "range": [0, 1]},
+        "latent": {"channels": shapes.latent_channels, "height": shapes.latent_size, "width": shapes.latent_size, "vae_factor": shapes.vae_factor},
+        "guidance": {"mode": mode, "scale": float(cfg.guidance_scale), "unet_batch": B},
+        "scheduler": {
+            "type": "ddim",
+            "prediction_type": str(sched.config.prediction_type),
+            "num_train_timesteps": T,
+            "steps": cfg.steps,
+            "timesteps": [int(t) for t in timesteps],
+            "alphas_cumprod": [float(a) for a in alphas],
+            "final_alpha_cumprod": float(final_alpha_cumprod(sched)),
+            "timestep_spacing": str(sched.config.get("timestep_spacing", "leading")),
+            "steps_offset": int(sched.config.get("steps_offset", 0)),
+            "eta": 0.0,
+        },
+        "unet_time_input": "time_embedding" if table is not None else "timestep",
+        "tokenizer": tokenizer_entry,
+        "time_embedding": te_entry,
+        "components": manifest_components,
+        "provenance": {
+            "source": model_cfg.pretrained or f"built:{model_cfg.arch}",
+            "arch": None if model_cfg.pretrained else model_cfg.arch,
+            "perturb_norms": cfg.perturb_norms,
+            "int8_checkpoint": cfg.int8.checkpoint,
+            "int8_rtn": bool(cfg.weights == "int8" and not cfg.int8.checkpoint),
+            "rewrites": dataclasses.asdict(cfg.rewrites),
+            "versions": _versions(),
+        },
+    }
+    bundle_lib.write_manifest(out, manifest)
+    bundle_lib.load_manifest(out)  # the bundle we wrote must pass the runner's checks
+
+    summary = {
+        name: {k: r.get(k) for k in ("file", "weights", "fully_accelerated", "cosine", "psnr_db", "max_abs", "bytes", "ops", "op_count", "transposes")}
+        for name, r in comp_reports.items()
+    }
+    for name, r in comp_reports.items():
+        summary[name]["details"] = {k: v for k, v in r.items() if k not in summary[name]}
+    report = {
+        "bundle_dir": str(out.resolve()),
+        "manifest": str((out / bundle_lib.MANIFEST).resolve()),
+        "guidance": mode,
+        "resolution": shapes.resolution,
+        "weights": cfg.weights,
+        "components": summary,
+        "bundle_bytes": int(sum(p.stat().st_size for p in out.rglob("*") if p.is_file() and "_export" not in p.parts)),
+        "fp16_scan": None if scan is None else {k: scan[k] for k in ("overflowing_ops", "first_overflow", "max_abs", "worst")},
+        "peak_rss_mb": round(peak_rss_mb(), 1),
+        "export_s": round(time.perf_counter() - t_start, 2),
+    }
+    shutil.rmtree(work / "tmp", ignore_errors=True)
+    return report
