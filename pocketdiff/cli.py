@@ -26,7 +26,7 @@ VERBS: dict[str, Optional[str]] = {
     "evaluate": "pocketdiff.evaluate.run",
     "export": "pocketdiff.export.verb",
     "run-bundle": "pocketdiff.export.run_bundle",
-    "demo": None,
+    "demo": "pocketdiff.demo",
     "train-clip": "pocketdiff.evaluate.train_clip",
 }
 
@@ -77,25 +77,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def run_verb(args: argparse.Namespace) -> int:
+def run_stage(verb: str, config: Optional[str], output: str | Path, overrides: Optional[list[str]] = None,
+              overwrite: bool = False, resume: Optional[str] = None) -> dict:
+    """Run one config-driven verb as the CLI does: validate, prepare DIR, config.yaml, run, report.json."""
     from .config import load_config, to_yaml
     from .outputs import atomic_write_text, prepare_output_dir, write_json
 
-    module_name = VERBS[args.verb]
-    if module_name is None:
-        print(f"pocketdiff {args.verb}: not implemented yet", file=sys.stderr)
-        return 2
-    module = importlib.import_module(module_name)
-    if args.verb in ("run-bundle", "demo"):
-        return int(module.main(args) or 0)
-    cfg = load_config(module.Config, args.config, args.overrides)
-    out = prepare_output_dir(args.output, overwrite=args.overwrite, resume=args.resume is not None)
+    module = importlib.import_module(VERBS[verb])
+    cfg = load_config(module.Config, config, overrides or [])
+    out = prepare_output_dir(output, overwrite=overwrite, resume=resume is not None)
     atomic_write_text(out / "config.yaml", to_yaml(cfg))
     start = time.time()
-    report = module.run(cfg, out, resume=args.resume)
-    report.setdefault("verb", args.verb)
+    report = module.run(cfg, out, resume=resume)
+    report.setdefault("verb", verb)
     report.setdefault("wall_time_s", round(time.time() - start, 3))
     write_json(out / "report.json", report)
+    return report
+
+
+def run_verb(args: argparse.Namespace) -> int:
+    if VERBS[args.verb] is None:
+        print(f"pocketdiff {args.verb}: not implemented yet", file=sys.stderr)
+        return 2
+    if args.verb in ("run-bundle", "demo"):
+        return int(importlib.import_module(VERBS[args.verb]).main(args) or 0)
+    run_stage(args.verb, args.config, args.output, args.overrides, overwrite=args.overwrite, resume=args.resume)
     return 0
 
 
