@@ -25,6 +25,7 @@ autograd, one fused cond/uncond batch, channels_last, torch.compile / CUDA graph
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Optional
 
@@ -91,6 +92,22 @@ def round_plan(scheduler, steps: int, teacher_steps: Optional[int] = None) -> Ro
 # The frozen teacher
 # --------------------------------------------------------------------------------------
 
+def _quiet_cast(module, dtype: torch.dtype) -> None:
+    """module.to(dtype) without diffusers' "modules that should be kept in float32: []" notice."""
+    try:
+        from diffusers.utils import logging as dlog
+
+        before = dlog.get_verbosity()
+        dlog.set_verbosity_error()
+    except ImportError:  # pragma: no cover
+        module.to(dtype=dtype)
+        return
+    try:
+        module.to(dtype=dtype)
+    finally:
+        dlog.set_verbosity(before)
+
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -101,7 +118,8 @@ class GuidedTeacher:
     - plain UNet: ``u + w (c - u)``; with `fused_cfg` one batch ``cat([uncond, cond])``, else
       two calls. Rows with w == 1 still get both passes (the batch is fused).
     The teacher is never handed to accelerate's `prepare`; its weights are cast to `dtype`
-    (no autocast copies per call), it runs under `torch.no_grad`, optionally channels_last
+    (no autocast weight copies per call; half-precision teachers run outside autocast, as a
+    diffusers pipeline in bf16 does), it runs under `torch.no_grad`, optionally channels_last
     and compiled (`compile_mode`, e.g. "max-autotune-no-cudagraphs"; modes with CUDA graphs
     clone outputs before the next replay).
     """
@@ -112,7 +130,7 @@ class GuidedTeacher:
         if device is not None:
             self.unet.to(device=device)
         if dtype != next(self.unet.parameters()).dtype:
-            self.unet.to(dtype=dtype)
+            _quiet_cast(self.unet, dtype)
         self.dtype = dtype
         self.prediction_type = prediction_type
         self.fused_cfg = fused_cfg
@@ -135,7 +153,10 @@ class GuidedTeacher:
         if self.cudagraphs:
             torch.compiler.cudagraph_mark_step_begin()
         kwargs = {} if cond_w is None else {"timestep_cond": cond_w}
-        out = self._forward(z, t, encoder_hidden_states=emb, return_dict=False, **kwargs)[0]
+        # half-precision weights run as they are (as diffusers pipelines do): no autocast round trips
+        # through fp32 for the norms between layers
+        with torch.autocast(z.device.type, enabled=False) if self.dtype != torch.float32 else contextlib.nullcontext():
+            out = self._forward(z, t, encoder_hidden_states=emb, return_dict=False, **kwargs)[0]
         return out.to(torch.float32, copy=True) if self.cudagraphs else out.to(torch.float32)
 
     @torch.no_grad()

@@ -176,17 +176,21 @@ class FakeClock:
 def test_time_budget_stops_a_round_without_committing_it(teacher_dir, tmp_path, monkeypatch):
     import pocketdiff.train.loop as loop_module
 
-    cfg = _cfg(teacher_dir, "guided.enabled=false", "progressive.start_steps=4", "progressive.final_steps=2",
+    folded = "guidance.conditioned=false"  # and a student that folds a fixed w (no w embedding)
+    cfg = _cfg(teacher_dir, folded, "guided.enabled=false", "progressive.start_steps=4", "progressive.final_steps=2",
                "progressive.train.max_steps=3", "max_time_s=3600")
     monkeypatch.setattr(loop_module, "time", FakeClock())
     report = distill.run(cfg, tmp_path)
     monkeypatch.undo()
     assert report["complete"] is False and "round-1" in report["stopped_early"] and report["rounds"] == []
     assert not (tmp_path / "round-1").exists() and (tmp_path / "checkpoints" / "round-1" / "checkpoint-1").is_dir()
-    cfg = _cfg(teacher_dir, "guided.enabled=false", "progressive.start_steps=4", "progressive.final_steps=2",
+    cfg = _cfg(teacher_dir, folded, "guided.enabled=false", "progressive.start_steps=4", "progressive.final_steps=2",
                "progressive.train.max_steps=3")
     with pytest.raises(PocketdiffError, match="recipe changed"):  # the round plan (optimizer steps) changed
-        distill.run(_cfg(teacher_dir, "guided.enabled=false", "progressive.train.max_steps=5"), tmp_path, resume="latest")
+        distill.run(_cfg(teacher_dir, folded, "guided.enabled=false", "progressive.train.max_steps=5"), tmp_path, resume="latest")
     report = distill.run(cfg, tmp_path, resume="latest")
     assert report["complete"] is True and report["rounds"][0]["train_steps"] == 3
     assert [s for s, _ in report["rounds"][0]["losses"]] == [1, 2, 3]
+    unet_cfg = json.loads((tmp_path / "round-1" / "unet" / "config.json").read_text())
+    assert unet_cfg.get("time_cond_proj_dim") is None
+    assert "guidance_scale=1.0" in (tmp_path / "round-1" / "README.md").read_text()
