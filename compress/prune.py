@@ -128,20 +128,37 @@ class PruneSettings:
 
 @dataclasses.dataclass
 class EvalSettings:
-    """What is measured before pruning, after pruning and after recovery."""
+    """What is measured before pruning, after pruning and after recovery.
+
+    Always: the teacher-relative error on fixed probes and a sample grid. With
+    `metrics: true`, FD and CLIP score through `pocketdiff.evaluate` (its library API:
+    `MetricSetup` + `evaluate_pipelines`): `num_samples` images per model for the first
+    captions of the `data:` set, FD against that set's images, same prompts and seeds for the
+    three models. `features: clip` needs a (domain) CLIP folder in `clip`, and names the
+    score "FD (<domain>-CLIP)"; `features: inception` is Inception FID.
+    """
 
     probe_samples: int = 64  # teacher-relative error on fixed (x_t, t, caption) probes
-    metrics: bool = True  # FD / CLIP score through pocketdiff.evaluate, when it is installed
-    num_samples: int = 256  # images per model for FD / CLIP
+    metrics: bool = False  # FD / CLIP score through pocketdiff.evaluate
+    features: str = "clip"  # clip | inception
+    clip: Optional[str] = None  # CLIP folder or hub id (FD features when features=clip, and CLIP score)
+    inception_weights: Optional[str] = None  # local Inception weights for features=inception
+    num_samples: int = 1024  # images per model and seed for FD / CLIP
+    seeds: list[int] = dataclasses.field(default_factory=lambda: [0])
+    batch_size: int = 64
     prompts: list[str] = dataclasses.field(default_factory=list)  # sample grid (default: first captions)
-    steps: int = 25
+    steps: int = 25  # DDIM steps (grid and metrics)
     guidance_scale: float = 3.0
     seed: int = 0
 
     def __post_init__(self) -> None:
         require(self.probe_samples >= 0, "eval.probe_samples", "must be >= 0")
-        require(self.num_samples >= 2, "eval.num_samples", "must be >= 2")
+        require(self.num_samples >= 2, "eval.num_samples", "must be >= 2 (FD needs two images)")
         require(self.steps >= 1, "eval.steps", "must be >= 1")
+        require(self.features in ("clip", "inception"), "eval.features", f"must be clip or inception, got {self.features!r}")
+        require(bool(self.seeds), "eval.seeds", "needs at least one seed")
+        if self.metrics and self.features == "clip":
+            require(bool(self.clip), "eval.clip", "a CLIP folder is needed for features=clip (e.g. outputs/clip-openmoji/clip)")
 
 
 @dataclasses.dataclass
@@ -347,19 +364,34 @@ class Probe:
         return {"mse_to_teacher": se / n, "relative_mse": se / max(ref2, 1e-12), "samples": sum(b[0].shape[0] for b in self.batches)}
 
 
-def external_metrics(cfg: Config, pipe, unets: dict, out: Path) -> dict:
-    """FD / CLIP score for each named UNet through pocketdiff.evaluate, when it offers
-    `evaluate_unets(pipe, unets, cfg, out) -> {name: {"fd": .., "clip_score": .., "features": ..}}`."""
+def external_metrics(cfg: Config, pipe, unets: dict, out: Path, device) -> dict:
+    """FD and CLIP score of each named UNet (same pipeline otherwise) through pocketdiff.evaluate."""
     if not cfg.eval.metrics:
         return {"available": False, "reason": "eval.metrics is false"}
     try:
-        import pocketdiff.evaluate as ev
+        from pocketdiff.evaluate import MetricConfig, MetricSetup, evaluate_pipelines
     except ImportError as e:
         return {"available": False, "reason": f"pocketdiff.evaluate is not importable: {e}"}
-    fn = getattr(ev, "evaluate_unets", None)
-    if fn is None:
-        return {"available": False, "reason": "pocketdiff.evaluate offers no evaluate_unets(); FD / CLIP left out"}
-    return {"available": True, "results": fn(pipe, unets, cfg.eval, out)}
+    e = cfg.eval
+    mcfg = MetricConfig(fd=True, clip_score=bool(e.clip), features=e.features, clip=e.clip,
+                        inception_weights=e.inception_weights, batch_size=e.batch_size)
+    setup = MetricSetup(mcfg, cfg.data, device)
+    captions = list(setup.reference_captions())
+    prompts = [captions[i % len(captions)] for i in range(e.num_samples)]
+    models = [{"name": name, "pipe": pipe, "unet": unet} for name, unet in unets.items()]
+    results = evaluate_pipelines(models, prompts, [e.steps], setup, out / "eval", seeds=e.seeds,
+                                 guidance_scale=e.guidance_scale, batch_size=e.batch_size,
+                                 resolution=cfg.data.resolution, device=device, grid_prompts=8)
+    by_name = {r["model"]: {k: r.get(k) for k in ("fd", "fd_std", "clip_score", "clip_score_std", "features",
+                                                   "clip_model_label", "num_samples", "num_seeds", "steps")}
+               for r in results}
+    res: dict = {"available": True, "results": by_name, "page": "eval/index.html"}
+    fd0 = by_name.get("before_pruning", {}).get("fd")
+    for key in ("after_pruning", "after_recovery"):
+        fd = by_name.get(key, {}).get("fd")
+        if fd0 and fd is not None:
+            res[f"fd_ratio_{key}"] = fd / fd0
+    return res
 
 
 # --------------------------------------------------------------------------------------
@@ -518,7 +550,7 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
     unets = {"before_pruning": teacher, "after_pruning": load_pruned_unet(pruned_dir).to(device)}
     if cfg.recovery.enabled:
         unets["after_recovery"] = student
-    report["metrics"] = external_metrics(cfg, pipe, unets, out)
+    report["metrics"] = external_metrics(cfg, pipe, unets, out, device)
 
     sections = []
     rows = [["UNet params", report["params_before"], report["params_after"], report["params_after"] / report["params_before"]],
@@ -537,8 +569,11 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
     qrows = [[k, v.get("mse_to_teacher", ""), v.get("relative_mse", "")] for k, v in quality.items()]
     sections.append(("Teacher-relative error on fixed probes", table(["model", "MSE to teacher", "relative MSE"], qrows)))
     if report["metrics"].get("available"):
-        mrows = [[k, v.get("fd"), v.get("clip_score"), v.get("features", "")] for k, v in report["metrics"]["results"].items()]
-        sections.append(("FD / CLIP score", table(["model", "FD", "CLIP score", "features"], mrows)))
+        m = report["metrics"]
+        mrows = [[k, v.get("fd"), v.get("clip_score"), v.get("features") or "", v.get("num_samples")] for k, v in m["results"].items()]
+        ratio = "".join(f"<p>{k.replace('_', ' ')}: {v:.4g}</p>" for k, v in m.items() if k.startswith("fd_ratio"))
+        sections.append(("FD / CLIP score (pocketdiff.evaluate; details in eval/index.html)",
+                         table(["model", "FD", "CLIP score", "features", "samples per seed"], mrows) + ratio))
     else:
         sections.append(("FD / CLIP score", f"<p>not measured: {report['metrics']['reason']}</p>"))
     if cfg.recovery.enabled and report["recovery"]["losses"]:

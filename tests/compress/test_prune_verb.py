@@ -23,9 +23,33 @@ SMALL = [
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
+def clip_dir(tmp_path_factory):
+    """A random tiny CLIP folder: exercises the FD / CLIP path through pocketdiff.evaluate."""
+    evaluate = pytest.importorskip("pocketdiff.evaluate.train_clip")
+    from pocketdiff.config import DataConfig
+    from pocketdiff.data import load_captions
+    from pocketdiff.tokenizer import build_clip_tokenizer
+
+    captions = load_captions(DataConfig(source="shapes", shapes_count=64, resolution=32))
+    tok = build_clip_tokenizer(captions, vocab_size=560, model_max_length=16)
+    mcfg = evaluate.ClipModelConfig(image_size=32, patch_size=8, vision_width=32, vision_layers=1, vision_heads=2,
+                                    text_width=32, text_layers=1, text_heads=2, max_length=16, projection_dim=16, vocab_size=560)
+    model, processor = evaluate.build_clip(mcfg, tok, seed=0)
+    out = tmp_path_factory.mktemp("clip") / "tiny-clip"
+    evaluate.save_clip(model, processor, out, {"domain": "tinytest", "label": "tinytest-CLIP"})
+    return out
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, clip_dir):
     out = tmp_path_factory.mktemp("prune") / "run"
-    assert main(["prune", "--output", str(out), *SMALL, "train.max_steps=2"]) == 0
+    mp = pytest.MonkeyPatch()
+    mp.setenv("POCKETDIFF_CACHE", str(tmp_path_factory.mktemp("cache")))
+    try:
+        metrics = ["eval.metrics=true", f"eval.clip={clip_dir}", "eval.num_samples=4", "eval.batch_size=4"]
+        assert main(["prune", "--output", str(out), *SMALL, *metrics, "train.max_steps=2"]) == 0
+    finally:
+        mp.undo()
     return out
 
 
@@ -45,7 +69,13 @@ def test_report_and_outputs(run_dir):
     assert report["recovery"]["steps"] == 2
     q = report["teacher_relative_error"]
     assert q["after_pruning"]["relative_mse"] > 0 and "after_recovery" in q
-    assert report["metrics"]["available"] is False and report["metrics"]["reason"]
+    m = report["metrics"]
+    assert m["available"] is True
+    assert set(m["results"]) == {"before_pruning", "after_pruning", "after_recovery"}
+    for r in m["results"].values():
+        assert r["fd"] is not None and r["num_samples"] == 4 and r["features"] == "FD (tinytest-CLIP)"
+    assert m["fd_ratio_after_recovery"] == pytest.approx(m["results"]["after_recovery"]["fd"] / m["results"]["before_pruning"]["fd"])
+    assert (run_dir / "eval" / "index.html").is_file()
     for name in ("index.html", "importance.png", "samples.png", "config.yaml", "plan.json"):
         assert (run_dir / name).is_file(), name
     assert "importance.png" in (run_dir / "index.html").read_text()
@@ -60,6 +90,7 @@ def test_resume_latest_continues_recovery(run_dir):
     report = json.loads((run_dir / "report.json").read_text())
     assert report["resumed_pruning"] is True
     assert report["recovery"]["steps"] == 3
+    assert report["metrics"] == {"available": False, "reason": "eval.metrics is false"}
     steps = [s for s, _ in report["recovery"]["losses"]]
     assert steps == [1, 2, 3]  # steps 1-2 from the first run's checkpoint, 3 new
     assert report["groups"] == before["groups"]  # the same pruned architecture, not re-pruned
