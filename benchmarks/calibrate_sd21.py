@@ -101,21 +101,30 @@ def activation_stats(unet, blocks, calib, device, batch):
     return stats
 
 
-def pick_blocks(blocks, spec: str):
+def _params(b) -> int:
+    return sum(p.numel() for u in b.units for p in u.module.parameters())
+
+
+def _channels(b) -> int:
+    return max((p.shape[0] for u in b.units for p in u.module.parameters() if p.dim() > 1), default=1)
+
+
+def pick_blocks(blocks, spec: str, per_sample: dict):
     real = [b for b in blocks if b.kind != "rest"]
     if spec == "all":
         return real
     if spec == "representative":
+        # per kind: the block with the most parameters and the one with the most compute
+        # (parameters x output positions, e.g. the 64x64 transformer with the largest attention maps)
         chosen = []
-        # the largest block of each kind (by parameters x output size) plus stem and head
         for kind in ("stem", "resnet", "transformer", "downsample", "upsample", "head"):
             cands = [b for b in real if b.kind == kind]
-            if cands:
-                chosen.append(max(cands, key=lambda b: sum(p.numel() for u in b.units for p in u.module.parameters())))
-        # and the highest-resolution transformer of the up path (largest attention maps)
-        ups = [b for b in real if b.kind == "transformer" and b.name.startswith("up_blocks")]
-        if ups and ups[-1] not in chosen:
-            chosen.append(ups[-1])
+            if not cands:
+                continue
+            for key in (lambda b: _params(b), lambda b: _params(b) * per_sample[b.name]["out"] / max(1, _channels(b))):
+                best = max(cands, key=key)
+                if best not in chosen:
+                    chosen.append(best)
         return chosen
     names = [s.strip() for s in spec.split(",") if s.strip()]
     found = [b for b in real if b.name in names]
@@ -133,12 +142,13 @@ def main(argv=None) -> int:
     p.add_argument("--resolution", type=int, default=None, help="pixels (default: 512 for sd15/sd21, the arch's own otherwise)")
     p.add_argument("--bits", type=int, default=8)
     p.add_argument("--group-size", type=int, default=None)
-    p.add_argument("--iters", default="0,100,200,500,1000,2000", help="iteration counts of the sweep / projection")
+    p.add_argument("--iters", default="0,100,250,500,1000", help="iteration counts of the sweep / projection")
     p.add_argument("--blocks", default="representative", help="representative | all | comma-separated block names")
     p.add_argument("--trajectories", type=int, default=8)
     p.add_argument("--steps", type=int, default=16, help="DDIM steps per trajectory (all recorded, cond + uncond)")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--lr", type=float, default=None)
+    p.add_argument("--lr-schedule", default=None, choices=["constant", "cosine"])
     p.add_argument("--round-weight", type=float, default=None)
     p.add_argument("--warmup", type=float, default=None)
     p.add_argument("--autocast", default="auto", choices=["auto", "bf16", "fp16", "off"])
@@ -162,6 +172,12 @@ def main(argv=None) -> int:
     from pocketdiff.compress.quant import layer_specs
     from pocketdiff.compress.reconstruct import (ReconConfig, capture_settings, float_weights, layer_inits, precision,
                                                  reconstruct_block, reconstruct_unet)
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save():  # after every phase, so that a run stopped by a time limit keeps what it measured
+        out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
 
     device = torch.device(args.device)
     resolution = args.resolution or (512 if args.arch in ("sd15", "sd21") else None)
@@ -189,8 +205,10 @@ def main(argv=None) -> int:
     act = activation_stats(unet, blocks, calib, device, 8)
     result["activations"] = act
     result["activations_max_abs"] = max(v["max_abs"] for v in act.values())
+    save()
 
-    overrides = {k: v for k, v in (("lr", args.lr), ("round_weight", args.round_weight), ("warmup", args.warmup)) if v is not None}
+    overrides = {k: v for k, v in (("lr", args.lr), ("round_weight", args.round_weight), ("warmup", args.warmup),
+                                                   ("lr_schedule", args.lr_schedule)) if v is not None}
     base = ReconConfig(iters=1, batch_size=args.batch, autocast=args.autocast, compile=args.compile,
                        compile_mode=args.compile_mode, channels_last=args.channels_last, scale_init=args.scale_init, **overrides)
     result["recon_config"] = dataclasses.asdict(base)
@@ -234,6 +252,8 @@ def main(argv=None) -> int:
             fixed = time.time() - ts
             per_iter = max(0.0, total - fixed) / args.timing_iters
             timing.append({"name": b.name, "kind": b.kind, "s_per_iter": per_iter, "eval_s": fixed, "capture_s": tc})
+            result["timing"] = {"blocks": timing, "partial": True}
+            save()
             print(f"timing {b.name}: {per_iter * 1000:.2f} ms/iter, eval {fixed:.2f} s, capture {tc:.2f} s", file=sys.stderr, flush=True)
             del caps
         s_iter = sum(t["s_per_iter"] for t in timing)
@@ -247,11 +267,12 @@ def main(argv=None) -> int:
             "projected_wall_s": {str(n): round(n * s_iter + fixed + 2 * capture_total + result["calibration"]["collect_s"], 1)
                                  for n in iters_list},
         }
+        save()
 
     # ---- error vs iterations on selected blocks
     if not args.no_sweep:
         sweep = []
-        for b in pick_blocks(blocks, args.blocks):
+        for b in pick_blocks(blocks, args.blocks, per_sample):
             caps, _ = block_data(b)
             rows = []
             for n in iters_list:
@@ -268,6 +289,8 @@ def main(argv=None) -> int:
                 print(f"sweep {b.name} iters={n}: rtn {row['mse_rtn']:.3e} init {row['mse_init']:.3e} recon {row['mse_recon']:.3e} "
                       f"({row['ratio_vs_rtn']:.3f}x rtn) soft {row['soft_fraction']} {row['wall_s']:.1f}s", file=sys.stderr, flush=True)
             sweep.append({"name": b.name, "kind": b.kind, "rows": rows})
+            result["sweep"] = sweep
+            save()
             del caps
         result["sweep"] = sweep
 
@@ -311,9 +334,7 @@ def main(argv=None) -> int:
               file=sys.stderr, flush=True)
 
     result["total_s"] = round(time.time() - t0, 2)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    save()
     print(f"wrote {out}", file=sys.stderr)
     return 0
 

@@ -389,14 +389,20 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
     _set_state(pipe.unet, dequantized_state_dict(recon_state, recon_recipe))
     for comp in extras.get("save", []):
         _set_component(pipe, comp["component"], dequantized_state_dict(comp["state"], comp["recipe"]))
-    pipeline_dir = save_pipeline(pipe, out / "pipeline")
+    src_folder = Path(cfg.model.pretrained).expanduser() if cfg.model.pretrained and Path(cfg.model.pretrained).expanduser().is_dir() else None
+    qmeta = {"pocketdiff_calibrate": 1, "variant": "recon", "bits": cfg.quant.bits, "group_size": cfg.quant.group_size,
+             "checkpoint": f"../{UNET_FILE}", "source_pipeline": report["source"],
+             "note": "weights are the dequantized int8/int4 codes x scales of the checkpoint; load it with "
+                     "pocketdiff.compress.calibrate.load_quantized_pipeline to rebuild them from the codes"}
+    pipeline_dir = _save_pipeline_folder(pipe, out / "pipeline", src_folder, qmeta)
     report_paths = {"checkpoint": str(ckpt), "recipe": str(ckpt.with_suffix(".json")), "rtn_checkpoint": str(rtn_ckpt),
                     "pipeline_dir": str(pipeline_dir)}
     if cfg.output.rtn_pipeline:
         _set_state(pipe.unet, dequantized_state_dict(rtn_state, rtn_recipe))
         for comp in extras.get("save", []):
             _set_component(pipe, comp["component"], dequantized_state_dict(comp["rtn_state"], comp["rtn_recipe"]))
-        report_paths["rtn_pipeline_dir"] = str(save_pipeline(pipe, out / "rtn" / "pipeline"))
+        report_paths["rtn_pipeline_dir"] = str(_save_pipeline_folder(pipe, out / "rtn" / "pipeline", src_folder,
+                                                                     {**qmeta, "variant": "rtn"}))
     report.update(report_paths)
     timings["save_s"] = round(time.time() - t, 3)
 
@@ -408,6 +414,35 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
     _log(f"UNet cosine {unet_cos:.6f} (RTN {rtn_cos:.6f}); {report['blocks_improved']}/{report['blocks_evaluated']} blocks "
          f"below RTN; {report['wall_time_s']:.1f}s")
     return report
+
+
+QUANT_META = "quantization.json"
+
+
+def _save_pipeline_folder(pipe, folder: Path, source: Optional[Path], meta: dict) -> Path:
+    """A stock diffusers folder (written under a temporary name, then renamed), plus the
+    source folder's extra top-level files (e.g. a distilled student's distill.json, so that
+    evaluate samples it at its step count) and `quantization.json`."""
+    import json
+    import os
+    import shutil
+
+    from pocketdiff.outputs import fsync_tree
+
+    tmp = folder.parent / f".{folder.name}.tmp"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    save_pipeline(pipe, tmp)
+    if source is not None:
+        for f in source.iterdir():
+            if f.is_file() and not (tmp / f.name).exists() and f.name != "model_index.json":
+                shutil.copy2(f, tmp / f.name)
+    (tmp / QUANT_META).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+    fsync_tree(tmp)
+    if folder.exists():
+        shutil.rmtree(folder)
+    os.replace(tmp, folder)
+    return folder
 
 
 def _set_state(module: torch.nn.Module, state: dict) -> None:

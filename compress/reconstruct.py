@@ -49,6 +49,8 @@ class ReconConfig:
     iters: int = 1000  # optimisation steps per block
     batch_size: int = 32  # calibration samples per step
     lr: float = 3e-3  # Adam on the rounding variables
+    lr_schedule: str = "constant"  # constant | cosine (to lr_min_ratio x lr at the last iteration)
+    lr_min_ratio: float = 0.1
     round_weight: float = 0.01  # weight of the rounding regulariser
     warmup: float = 0.2  # fraction of iterations without the regulariser
     beta_start: float = 20.0
@@ -79,6 +81,8 @@ class ReconConfig:
         require(self.method == "rtn" or self.iters > 0, "recon.iters", "must be > 0 for adaround")
         require(self.batch_size >= 1, "recon.batch_size", "must be >= 1")
         require(self.lr > 0 and self.scale_lr > 0, "recon.lr", "learning rates must be > 0")
+        require(self.lr_schedule in ("constant", "cosine"), "recon.lr_schedule", "must be constant or cosine")
+        require(0 <= self.lr_min_ratio <= 1, "recon.lr_min_ratio", "must be in [0, 1]")
         require(self.round_weight >= 0, "recon.round_weight", "must be >= 0")
         require(0 <= self.warmup < 1, "recon.warmup", "must be in [0, 1)")
         require(self.beta_start >= self.beta_end > 0, "recon.beta_start", "need beta_start >= beta_end > 0")
@@ -285,6 +289,10 @@ def reconstruct_block(
         if opts.learn_scale:
             groups.append({"params": [q.log_scale for q in quantizers.values()], "lr": opts.scale_lr})
         optim = torch.optim.Adam(groups)
+        sched = None
+        if opts.lr_schedule == "cosine":
+            lo, total = opts.lr_min_ratio, max(1, opts.iters - 1)
+            sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda i: lo + (1 - lo) * 0.5 * (1 + math.cos(math.pi * min(i, total) / total)))
         gen = torch.Generator("cpu").manual_seed(seed)
         drop_gen = torch.Generator(device).manual_seed(seed + 1)
         ac = optimisation_autocast(opts, device)
@@ -330,6 +338,8 @@ def reconstruct_block(
                 optim.zero_grad(set_to_none=True)
                 loss.backward()
                 optim.step()
+                if sched is not None:
+                    sched.step()
                 if it % every == 0 or it == opts.iters - 1:
                     curve.append([it, float(rec.detach()), float(reg.detach()) if reg is not None else 0.0])
         hard = {g: q.hard_weight() for g, q in quantizers.items()}
@@ -620,9 +630,13 @@ def split_blocks(blocks: Sequence[Block], per_sample: dict, k: int) -> list[list
 
 
 def _worker(rank: int, device: str, unet_cls: str, unet_config: dict, state: dict, calib_tensors: dict, meta: dict,
-            block_names: list, specs: dict, opts: ReconConfig, skip: list, seed: int, fisher, out_path: str) -> None:
+            block_names: list, specs: dict, opts: ReconConfig, skip: list, seed: int, fisher, out_path: str,
+            threads: int = 0) -> None:
     try:
         import importlib
+
+        if threads > 0:
+            torch.set_num_threads(threads)  # the parent's CPU thread setting
 
         mod_name, cls_name = unet_cls.rsplit(".", 1)
         cls = getattr(importlib.import_module(mod_name), cls_name)
@@ -669,7 +683,7 @@ def _run_parallel(unet, calib, blocks, specs, opts, devices, skip, seed, fisher,
             out_path = os.path.join(tmp, f"worker{rank}.pt")
             my_fisher = None if fisher is None else {k: v.cpu() for k, v in fisher.items()}
             p = ctx.Process(target=_worker, args=(rank, dev, cls, config, state, calib_tensors, dict(calib.meta), part, specs,
-                                                  opts, list(skip), seed, my_fisher, out_path))
+                                                  opts, list(skip), seed, my_fisher, out_path, torch.get_num_threads()))
             p.start()
             procs.append((p, out_path, dev))
         results: list[BlockResult] = []
