@@ -37,24 +37,23 @@ from typing import Optional, Sequence
 
 import torch
 
-def _shapes_clip_candidates() -> list[Path]:
-    here = Path(__file__).resolve().parent
-    # editable install: <repo>/evaluate -> <repo>/pocketdiff/assets; wheel: site-packages/pocketdiff/evaluate -> ../assets
-    return [here.parent / "pocketdiff" / "assets" / "clip-shapes", here.parent / "assets" / "clip-shapes"]
-
-
 def shipped_shapes_clip() -> str:
-    """Folder of the small shapes CLIP shipped with pocketdiff (package data)."""
-    from pocketdiff.errors import PocketdiffError
+    """Folder of the small shapes CLIP shipped with pocketdiff (package data); also reachable
+    in configs as ``clip: pocketdiff:clip-shapes``."""
+    from .features import shipped_asset
 
-    for c in _shapes_clip_candidates():
-        if (c / "config.json").is_file():
-            return str(c)
-    raise PocketdiffError("the shipped shapes CLIP (pocketdiff/assets/clip-shapes) is missing: "
-                          "make it with `pocketdiff train-clip --config configs/clip/shapes.yaml --output DIR`")
+    return shipped_asset("clip-shapes")
 
 
-SHAPES_CLIP = next((str(c) for c in _shapes_clip_candidates() if (c / "config.json").is_file()), str(_shapes_clip_candidates()[0]))
+def _shapes_clip_path() -> str:
+    here = Path(__file__).resolve().parent
+    for base in (here.parent / "pocketdiff" / "assets", here.parent / "assets"):
+        if (base / "clip-shapes" / "config.json").is_file():
+            return str(base / "clip-shapes")
+    return str(here.parent / "pocketdiff" / "assets" / "clip-shapes")
+
+
+SHAPES_CLIP = _shapes_clip_path()  # the shipped shapes CLIP folder (may be absent in a fresh checkout)
 
 
 from .features import load_clip  # noqa: E402

@@ -29,6 +29,7 @@ from torch import nn
 from pocketdiff.errors import PocketdiffError
 
 CLIP_META = "pocketdiff_clip.json"  # written by train-clip beside the CLIPModel files
+SHIPPED_PREFIX = "pocketdiff:"  # "pocketdiff:clip-shapes" = the CLIP shipped in pocketdiff/assets/
 DEFAULT_HUB_CLIP = "openai/clip-vit-large-patch14"
 
 
@@ -94,6 +95,16 @@ def check_clip_folder(path: Path, key: str = "metrics.clip") -> dict:
     return {}
 
 
+def shipped_asset(name: str, key: str = "metrics.clip") -> str:
+    """Folder of an asset shipped in pocketdiff/assets/ (editable checkout or installed wheel)."""
+    here = Path(__file__).resolve().parent
+    for base in (here.parent / "pocketdiff" / "assets", here.parent / "assets"):
+        if (base / name / "config.json").is_file():
+            return str(base / name)
+    raise PocketdiffError(f"{key}: {SHIPPED_PREFIX}{name}: pocketdiff/assets/{name} is missing from this install "
+                          f"(make it with `pocketdiff train-clip --config configs/clip/shapes.yaml --output DIR`)")
+
+
 def load_clip(source: str, device: Optional[torch.device] = None, key: str = "metrics.clip", label: Optional[str] = None) -> LoadedCLIP:
     """A CLIPModel + CLIPProcessor from a local folder or a hub id (no download for folders)."""
     from transformers import CLIPModel, CLIPProcessor
@@ -101,6 +112,8 @@ def load_clip(source: str, device: Optional[torch.device] = None, key: str = "me
     text = str(source).strip()
     if not text:
         raise PocketdiffError(f"{key}: empty CLIP model path")
+    if text.startswith(SHIPPED_PREFIX):
+        text = shipped_asset(text[len(SHIPPED_PREFIX):], key)
     path = Path(text).expanduser()
     meta: dict = {}
     if path.exists():

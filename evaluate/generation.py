@@ -122,6 +122,31 @@ def _read_distill_meta(path: Optional[str]) -> dict:
     return meta if isinstance(meta, dict) else {}
 
 
+def import_declared_classes(path: Optional[str]) -> list[str]:
+    """Import the pocketdiff modules a pipeline folder's model_index.json names for its components
+    (e.g. a pruned UNet class), so the stock `from_pretrained` can resolve them. Only modules
+    under the `pocketdiff.` namespace are imported; the folder declares them, evaluate does not
+    know them."""
+    if not path:
+        return []
+    index = Path(path).expanduser() / "model_index.json"
+    if not index.is_file():
+        return []
+    try:
+        entries = json.loads(index.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return []  # load_pipeline reports the broken file
+    imported = []
+    for value in entries.values() if isinstance(entries, dict) else []:
+        if isinstance(value, list) and len(value) == 2 and isinstance(value[0], str) and value[0].startswith("pocketdiff."):
+            try:
+                importlib.import_module(value[0])
+            except ImportError as e:
+                raise PocketdiffError(f"{index}: names {value[0]}.{value[1]}, which cannot be imported ({e})") from None
+            imported.append(value[0])
+    return imported
+
+
 def _load_unet(folder: str, dtype: Optional[torch.dtype]):
     from diffusers import UNet2DConditionModel
 
@@ -132,6 +157,9 @@ def _load_unet(folder: str, dtype: Optional[torch.dtype]):
         raise PocketdiffError(f"models.unet: {folder} has no config.json or unet/config.json (not a diffusers UNet folder)")
     if not any(p.glob("*.safetensors")):
         raise PocketdiffError(f"models.unet: {p} has no *.safetensors (pocketdiff loads safetensors only)")
+    if (p / "pruning.json").is_file():
+        raise PocketdiffError(f"models.unet: {p} is a pruned UNet (pruning.json): evaluate the pruned pipeline folder "
+                              "that prune writes (its model_index.json names the loader) with models.path instead")
     kwargs: dict = {"use_safetensors": True, "local_files_only": True}
     if dtype is not None:
         kwargs["torch_dtype"] = dtype
@@ -187,6 +215,7 @@ def resolve_model(spec_or_obj: Any, index: int = 0, device: Optional[torch.devic
     if pipe is None:
         if not spec.path:
             raise PocketdiffError(f"models[{index}] ({name}): set path (a diffusers pipeline folder or hub id) or build")
+        import_declared_classes(spec.path)
         pipe = load_pipeline(spec.path, torch_dtype=dtype)
     if spec.unet:
         unet = _load_unet(spec.unet, dtype)

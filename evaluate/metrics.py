@@ -29,7 +29,7 @@ import os
 import time
 import warnings
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -298,42 +298,67 @@ class MetricSetup:
     # ------------------------------------------------------------------ metrics
 
     @torch.no_grad()
-    def fd(self, images: torch.Tensor) -> float:
-        """FD / FID of generated images (uint8 or float [0, 1], [N, 3, H, W]) against the reference."""
-        if not self.cfg.fd:
-            raise PocketdiffError("metrics.fd is off")
-        self.prepare()
-        if len(images) < 2:
-            raise PocketdiffError(f"FD needs at least 2 generated images, got {len(images)}")
-        if self.reference is None:
-            raise PocketdiffError("reference: FD needs a reference data set (set reference.source / path), or metrics.fd=false")
-        fid = self._fid
-        fid.reset()  # keeps the real statistics (reset_real_features=False)
-        images = to_uint8(images)
-        for i in range(0, len(images), self.cfg.batch_size):
-            fid.update(images[i : i + self.cfg.batch_size].to(self.device), real=False)
-        value = float(fid.compute())
-        fid.reset()
-        return value
+    def measure(self, batches: Iterable[tuple[torch.Tensor, Sequence[str]]], fd: Optional[bool] = None,
+                clip_score: Optional[bool] = None) -> dict:
+        """Stream (images, prompts) batches through FD (against the reference) and CLIP score.
 
-    @torch.no_grad()
-    def clip_score(self, images: torch.Tensor, prompts: Sequence[str]) -> float:
-        """torchmetrics CLIPScore (100 x cosine, clamped at 0) of images against their prompts."""
-        if not self.cfg.clip_score:
+        Images are [B, 3, H, W] uint8 or float in [0, 1]; nothing is kept, so sets of any size
+        fit. Returns {"fd", "clip_score", "num_samples"} (None for a metric that is off).
+        """
+        do_fd = self.cfg.fd if fd is None else fd
+        do_clip = self.cfg.clip_score if clip_score is None else clip_score
+        if do_fd and not self.cfg.fd:
+            raise PocketdiffError("metrics.fd is off")
+        if do_clip and not self.cfg.clip_score:
             raise PocketdiffError("metrics.clip_score is off")
-        if len(images) != len(prompts):
-            raise PocketdiffError(f"CLIP score: {len(images)} images but {len(prompts)} prompts")
-        metric = self._clip_score_metric()
-        metric.reset()
-        images = to_uint8(images)
-        with warnings.catch_warnings():  # torchmetrics' own notes on padding / truncation: counted in too_long()
+        if do_fd:
+            if self.reference is None:
+                raise PocketdiffError("reference: FD needs a reference data set (set reference.source / path), or metrics.fd=false")
+            self.prepare()
+            self._fid.reset()  # keeps the real statistics (reset_real_features=False)
+        metric = self._clip_score_metric() if do_clip else None
+        if metric is not None:
+            metric.reset()
+        n = 0
+        with warnings.catch_warnings():  # torchmetrics' notes on padding / truncation: counted in too_long()
             warnings.filterwarnings("ignore", message=".*max_length.*is ignored.*")
             warnings.filterwarnings("ignore", message=".*Encountered caption longer.*")
-            for i in range(0, len(images), self.cfg.batch_size):
-                metric.update(images[i : i + self.cfg.batch_size].to(self.device), list(prompts[i : i + self.cfg.batch_size]))
-        value = float(metric.compute())
-        metric.reset()
-        return value
+            for images, prompts in batches:
+                images = to_uint8(images)
+                if prompts is not None and len(prompts) != len(images):
+                    raise PocketdiffError(f"CLIP score: {len(images)} images but {len(prompts)} prompts")
+                n += len(images)
+                for i in range(0, len(images), self.cfg.batch_size):
+                    part = images[i : i + self.cfg.batch_size].to(self.device)
+                    if do_fd:
+                        self._fid.update(part, real=False)
+                    if metric is not None:
+                        metric.update(part, list(prompts[i : i + self.cfg.batch_size]))
+        out: dict = {"fd": None, "clip_score": None, "num_samples": n}
+        if do_fd:
+            if n < 2:
+                self._fid.reset()
+                raise PocketdiffError(f"FD needs at least 2 generated images, got {n}")
+            out["fd"] = float(self._fid.compute())
+            self._fid.reset()
+        if metric is not None:
+            if n == 0:
+                raise PocketdiffError("CLIP score: no images")
+            out["clip_score"] = float(metric.compute())
+            metric.reset()
+        return out
+
+    def fd(self, images) -> float:
+        """FD / FID against the reference of generated images: a tensor [N, 3, H, W] (uint8, or
+        float in [0, 1]) or an iterable of such batches."""
+        batches = [images] if isinstance(images, torch.Tensor) else images
+        return self.measure(((b, None) for b in batches), fd=True, clip_score=False)["fd"]
+
+    def clip_score(self, images: torch.Tensor, prompts: Sequence[str]) -> float:
+        """torchmetrics CLIPScore (100 x cosine, clamped at 0) of images against their prompts."""
+        if len(images) != len(prompts):
+            raise PocketdiffError(f"CLIP score: {len(images)} images but {len(prompts)} prompts")
+        return self.measure([(images, list(prompts))], fd=False, clip_score=True)["clip_score"]
 
     def too_long(self, prompts: Sequence[str]) -> int:
         """How many prompts exceed the CLIP text tower's positions (CLIPScore truncates them,

@@ -28,7 +28,7 @@ from pocketdiff.errors import PocketdiffError, require
 from pocketdiff.outputs import write_json
 
 from .generation import DTYPES, LoadedModel, ModelSpec, generate_images, resolve_model
-from .metrics import MetricConfig, MetricSetup, iter_reference_batches, to_uint8
+from .metrics import MetricConfig, MetricSetup, iter_reference_batches
 from .pages import compare_section, grid_section, img, load_run, metric_table, plot_metric, write_index
 
 log = logging.getLogger(__name__)
@@ -134,7 +134,8 @@ def _mean_std(values: list[float]) -> tuple[Optional[float], Optional[float]]:
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
 
 
-def sample_warnings(setup: MetricSetup, num_samples: int, num_seeds: int, prompts: Optional[Sequence[str]] = None) -> list[str]:
+def sample_warnings(setup: MetricSetup, num_samples: int, num_seeds: int, prompts: Optional[Sequence[str]] = None,
+                    seeds: Optional[Sequence[int]] = None) -> list[str]:
     out = []
     if setup.cfg.fd:
         dim = setup.feature_dim or 0
@@ -152,6 +153,11 @@ def sample_warnings(setup: MetricSetup, num_samples: int, num_seeds: int, prompt
         if n_long:
             out.append(f"{setup.clip_label}: {n_long} of {len(prompts)} prompts exceed the CLIP text length "
                        f"({setup.clip.model.config.text_config.max_position_embeddings} tokens) and are truncated")
+    if seeds is not None and len(seeds) > 1:
+        ordered = sorted(seeds)
+        if any(b - a < num_samples for a, b in zip(ordered, ordered[1:])):
+            out.append(f"seeds {list(seeds)} are closer than {num_samples} (image i of seed s uses noise seed s + i): "
+                       "the repeated runs share noise and their spread is understated; space seeds >= num_samples apart")
     if num_seeds < 2:
         out.append("one seed only: no spread over seeds is reported (add seeds: [0, 1000, ...])")
     return out
@@ -191,6 +197,7 @@ def evaluate_pipelines(
     out = Path(out_dir) if out_dir is not None else None
     metric_setup.prepare()
     n_grid = min(grid_prompts, len(prompts))
+    chunk = max(batch_size, 64)  # images generated and measured at a time (image i still seeded seed + i)
 
     results: list[dict] = []
     grids: dict[int, dict[str, torch.Tensor]] = {}
@@ -206,16 +213,27 @@ def evaluate_pipelines(
         for steps in steps_for_model:
             fds, clips, secs = [], [], 0.0
             for si, seed in enumerate(seeds):
-                images, seconds = generate_images(loaded, prompts, steps, w, seed, resolution, batch_size)
-                secs += seconds
-                if si == 0 and n_grid:
-                    grids.setdefault(steps, {})[name] = images[:n_grid].clone()
-                u8 = to_uint8(images)
-                if metric_setup.cfg.fd:
-                    fds.append(metric_setup.fd(u8))
-                if metric_setup.cfg.clip_score:
-                    clips.append(metric_setup.clip_score(u8, prompts))
-                log.info("evaluate %s %d steps seed %d: fd=%s clip=%s", name, steps, seed, fds[-1:] or None, clips[-1:] or None)
+                timing = [0.0]
+
+                def batches(seed=seed, keep=(si == 0 and n_grid > 0), timing=timing, steps=steps):
+                    kept = []
+                    for start in range(0, len(prompts), chunk):
+                        part = prompts[start : start + chunk]
+                        images, seconds = generate_images(loaded, part, steps, w, seed + start, resolution, batch_size)
+                        timing[0] += seconds
+                        if keep and start < n_grid:
+                            kept.append(images[: n_grid - start].clone())
+                            if sum(len(k) for k in kept) >= n_grid:
+                                grids.setdefault(steps, {})[name] = torch.cat(kept)[:n_grid]
+                        yield images, part
+
+                got = metric_setup.measure(batches())
+                secs += timing[0]
+                if got["fd"] is not None:
+                    fds.append(got["fd"])
+                if got["clip_score"] is not None:
+                    clips.append(got["clip_score"])
+                log.info("evaluate %s %d steps seed %d: %s", name, steps, seed, got)
             fd, fd_std = _mean_std(fds)
             cs, cs_std = _mean_std(clips)
             results.append({
@@ -238,7 +256,7 @@ def write_evaluation(out: Path, results: list[dict], setup: Optional[MetricSetup
                      grids: dict, model_names: list[str], compare: Sequence[str | Path] = (), extra_report: Optional[dict] = None) -> dict:
     """report.json + index.html for `results` (and earlier runs in `compare`)."""
     out.mkdir(parents=True, exist_ok=True)
-    warnings = sample_warnings(setup, len(prompts), len(seeds), prompts) if (setup is not None and results) else []
+    warnings = sample_warnings(setup, len(prompts), len(seeds), prompts, seeds) if (setup is not None and results) else []
     report: dict = {
         "results": results,
         "metrics": setup.describe() if setup is not None else None,
@@ -333,6 +351,6 @@ def add_real_floor(setup: MetricSetup, n: int) -> None:
         return
     g = torch.Generator().manual_seed(12345)
     idx = torch.randperm(len(ds), generator=g)[:m].tolist()
-    images = torch.cat([b for b, _ in iter_reference_batches(ds.select(idx), 256)])
-    setup.reference_info["fd_real_subset"] = setup.fd(images)
+    batches = (b for b, _ in iter_reference_batches(ds.select(idx), setup.cfg.batch_size))
+    setup.reference_info["fd_real_subset"] = setup.fd(batches)
     setup.reference_info["fd_real_subset_samples"] = m

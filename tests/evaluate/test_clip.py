@@ -21,6 +21,8 @@ def test_clip_folder_that_is_not_a_clip_model_is_named(tiny_pipeline_dir, tmp_pa
         load_clip(str(tiny_pipeline_dir))
     with pytest.raises(PocketdiffError, match="no such folder"):
         load_clip(str(tmp_path / "nowhere" / "clip"))
+    with pytest.raises(PocketdiffError, match="pocketdiff:clip-nope: pocketdiff/assets/clip-nope is missing"):
+        load_clip("pocketdiff:clip-nope")
     text_only = tmp_path / "text-only"
     text_only.mkdir()
     (text_only / "config.json").write_text(json.dumps({"model_type": "clip_text_model"}))

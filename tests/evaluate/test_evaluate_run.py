@@ -129,3 +129,21 @@ def test_library_api_with_pipeline_objects(tiny_pipeline_dir, tiny_clip_dir, tmp
     images, _ = generate_images(resolve_model(("a", pipe)), prompts, 1, 1.0, seed=0)
     got = compare_images(images, prompts, reference_images=images, setup=setup)
     assert abs(got["fd"]) < 1e-3 and "clip_score" in got and got["num_samples"] == 4
+
+
+def test_folder_declared_loader_modules_are_imported_or_named(tmp_path, tiny_pipeline_dir):
+    import shutil
+
+    from pocketdiff.evaluate.generation import import_declared_classes
+
+    assert import_declared_classes(str(tiny_pipeline_dir)) == []  # stock folder: nothing to import
+    folder = tmp_path / "custom"
+    shutil.copytree(tiny_pipeline_dir, folder)
+    index = json.loads((folder / "model_index.json").read_text())
+    index["unet"] = ["pocketdiff.no_such_module", "SomeUNet"]
+    (folder / "model_index.json").write_text(json.dumps(index))
+    with pytest.raises(PocketdiffError, match="pocketdiff.no_such_module.SomeUNet, which cannot be imported"):
+        resolve_model(ModelSpec(path=str(folder)))
+    (folder / "unet" / "pruning.json").write_text("{}")
+    with pytest.raises(PocketdiffError, match="is a pruned UNet"):
+        resolve_model(ModelSpec(path=str(tiny_pipeline_dir), unet=str(folder / "unet")))
