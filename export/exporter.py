@@ -229,7 +229,7 @@ def _convert(module: nn.Module, inputs: dict[str, torch.Tensor], path: Path) -> 
 
     t0 = time.perf_counter()
     with torch.no_grad(), _quiet_native_stderr(True), contextlib.redirect_stdout(io.StringIO()):
-        edge = litert_torch.convert(_Keyworded(module, list(inputs)), sample_kwargs=dict(inputs))
+        edge = litert_torch.convert(_Keyworded(module, list(inputs)).eval(), sample_kwargs=dict(inputs))
         edge.export(str(path))
     return time.perf_counter() - t0
 

@@ -68,7 +68,7 @@ def check_tflite_file(path: Union[str, Path]) -> None:
     except PocketdiffError:
         raise
     except Exception as e:  # flatbuffers raises plain errors on garbage offsets
-        raise PocketdiffError(f"{path}: corrupted .tflite ({type(e).__name__}: {e})") from None
+        raise PocketdiffError(f"{path}: truncated or corrupted .tflite ({type(e).__name__}: {e})") from None
 
 
 class TfliteModel:

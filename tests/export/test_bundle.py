@@ -1,0 +1,228 @@
+"""One full `pocketdiff export` (the shipped tiny teacher, int8 UNet from an RTN checkpoint in
+compress's format, fp16 text encoder / decoder) shared by every test here, then run-bundle."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from pocketdiff.cli import main as cli_main
+
+TEACHER = "pocketdiff:shapes-teacher"
+
+
+@pytest.fixture(scope="module")
+def int8_checkpoint(tmp_path_factory):
+    from pocketdiff.compress.int8_format import LayerRecipe, QuantRecipe, quantize_codes, rtn_scale, save_quantized
+    from pocketdiff.models import ModelConfig, load_or_build
+
+    pipe = load_or_build(ModelConfig(pretrained=TEACHER))
+    state = {k: v.detach().clone() for k, v in pipe.unet.state_dict().items()}
+    recipe = QuantRecipe(component="unet", extra={"method": "rtn"})
+    for name, m in pipe.unet.named_modules():
+        if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear)):
+            scale = rtn_scale(m.weight, 8)
+            state[f"{name}.weight"] = quantize_codes(m.weight, scale, 8)
+            state[f"{name}.weight_scale"] = scale
+            recipe.layers[name] = LayerRecipe(bits=8)
+    path = tmp_path_factory.mktemp("calib") / "unet_int8.safetensors"
+    save_quantized(state, recipe, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def exported(gpu_delegate, int8_checkpoint, tmp_path_factory):
+    root = tmp_path_factory.mktemp("export")
+    cfg = {
+        "seed": 0,
+        "model": {"pretrained": TEACHER},
+        "weights": "int8",
+        "int8": {"checkpoint": str(int8_checkpoint)},
+        "guidance": "cfg",
+        "guidance_scale": 3.0,
+        "steps": 4,
+        "golden_prompt": "a large red circle at the center",
+        "fp16_scan": {"enabled": True, "prompts": ["a red circle"], "steps": 1},
+    }
+    cfg_path = root / "export.yaml"
+    cfg_path.write_text(yaml.safe_dump(cfg))
+    out = root / "bundle"
+    assert cli_main(["export", "--config", str(cfg_path), "--output", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    return {"out": out, "report": report, "config": cfg_path, "root": root}
+
+
+def test_report_has_every_component_fully_accelerated_with_parity(exported):
+    rep = exported["report"]
+    assert Path(rep["bundle_dir"]) == exported["out"].resolve()
+    for name in ("text_encoder", "unet", "vae_decoder"):
+        c = rep["components"][name]
+        for key in ("file", "fully_accelerated", "cosine", "psnr_db", "bytes", "ops"):
+            assert key in c, (name, key)
+        assert c["fully_accelerated"] is True
+        assert c["cosine"] > 0.999 and c["psnr_db"] > 30
+        assert (exported["out"] / c["file"]).stat().st_size == c["bytes"]
+        assert c["details"]["parity"]["fp32"]["cosine"] > 0.99999
+        assert "BROADCAST_TO" not in c["ops"]
+        # every weight-bearing Linear became a 1x1 conv (a FULLY_CONNECTED may remain as a
+        # matmul of two activations, never with a constant / dequantized weight)
+        from pocketdiff.export.tflite_file import TfliteModel
+
+        m = TfliteModel(exported["out"] / c["file"])
+        fc_weights = [t for op in m.graph.operators if m.op_name(op) == "FULLY_CONNECTED"
+                      for t in op.inputs[1:2] if m.is_constant(t) or t in m.producers()
+                      and m.op_name(m.graph.operators[m.producers()[t]]) == "DEQUANTIZE"]
+        assert not fc_weights, name
+    assert rep["components"]["unet"]["weights"] == "int8"
+    assert rep["components"]["text_encoder"]["weights"] == "fp16"
+    assert rep["fp16_scan"] is not None
+
+
+def test_int8_codes_in_the_tflite_equal_the_checkpoint_bit_for_bit(exported, int8_checkpoint):
+    from pocketdiff.compress.int8_format import load_quantized
+    from pocketdiff.export.tflite_file import TfliteModel
+
+    state, recipe = load_quantized(int8_checkpoint)
+    tensors = TfliteModel(exported["out"] / "unet.tflite").int8_weights()
+    mapping = json.loads((exported["out"] / "_export" / "unet_int8_map.json").read_text())
+    outside = set(exported["report"]["components"]["unet"]["details"]["int8_layers_outside_graph"])
+    assert outside == {n for n in recipe.layers if n.startswith("time_embedding.")}  # computed outside the graph
+    assert set(mapping) == set(recipe.layers) - outside
+    checked = 0
+    for layer, places in mapping.items():
+        codes = state[f"{layer}.weight"]
+        scale = state[f"{layer}.weight_scale"]
+        for p in places:
+            t = tensors[p["tensor"]]
+            got = t["codes"]
+            if p["layout"] == "ohwi":
+                got = got.transpose(0, 3, 1, 2)
+            r0, r1 = p["rows"]
+            c0, c1 = p["cols"]
+            want = codes[r0:r1, c0:c1].numpy().reshape(got.shape)
+            assert got.dtype == np.int8 and np.array_equal(got, want), layer
+            factor = p["scale_factor"] or 1.0
+            np.testing.assert_allclose(t["scale"], scale[r0:r1].numpy() * factor, rtol=1e-6)
+            assert t["axis"] == 0 and not t["zero_point"].any()
+            checked += 1
+    assert checked == exported["report"]["components"]["unet"]["details"]["int8_tensors"] > 10
+
+
+def test_manifest_goldens_and_tokenizer(exported):
+    from pocketdiff.export.bundle import load_manifest
+    from pocketdiff.export.delegate import run_on_delegate
+    from pocketdiff.export.parity import metrics
+    from pocketdiff.export.run_bundle import bundle_tokenize
+
+    man = load_manifest(exported["out"])
+    assert man["schema_version"] == 1 and man["guidance"]["unet_batch"] == 2
+    assert man["scheduler"]["timesteps"] == sorted(man["scheduler"]["timesteps"], reverse=True)
+    tok = man["tokenizer"]
+    ids = bundle_tokenize(tok["files"]["tokenizer.json"]["_path"], tok["golden"]["prompt"], tok)
+    assert ids.tolist() == tok["golden"]["ids"]
+    for name, entry in man["components"].items():
+        g = np.load(entry["golden"]["_path"])
+        feeds = {i["name"]: g[f"input_{i['name']}"] for i in entry["inputs"]}
+        run = run_on_delegate(entry["_path"], feeds, accelerator="cpu")
+        assert metrics(g["output_0"], run.outputs["fp32"][0])["cosine"] > 0.9999, name
+
+
+def test_run_bundle_gpu_and_pipelined_cpu(exported, tmp_path):
+    out = exported["out"]
+    assert cli_main(["run-bundle", str(out), "--prompt", "a red circle", "--output", str(tmp_path / "gpu")]) == 0
+    rep = json.loads((tmp_path / "gpu" / "report.json").read_text())
+    for key in ("image", "accelerator", "fully_accelerated", "latency_s", "peak_rss_mb"):
+        assert key in rep
+    assert rep["accelerator"] == "gpu" and rep["fully_accelerated"] is True
+    assert Path(rep["image"]).is_file()
+    from PIL import Image
+
+    assert Image.open(rep["image"]).size == (32, 32)
+    assert cli_main(["run-bundle", str(out), "--prompt", "a red circle", "--output", str(tmp_path / "cpu"), "--accelerator", "cpu"]) == 0
+    assert cli_main(["run-bundle", str(out), "--prompt", "a red circle", "--output", str(tmp_path / "pipe"), "--accelerator", "cpu", "--pipelined"]) == 0
+    plain = json.loads((tmp_path / "cpu" / "report.json").read_text())
+    piped = json.loads((tmp_path / "pipe" / "report.json").read_text())
+    assert piped["pipelined"] and piped["peak_model_mb"] < plain["peak_model_mb"]
+    a = np.asarray(Image.open(plain["image"]), dtype=np.float32)
+    b = np.asarray(Image.open(piped["image"]), dtype=np.float32)
+    assert np.abs(a - b).max() <= 1.0  # same computation, only the loading order differs
+    # nothing is written over an existing output without --overwrite
+    assert cli_main(["run-bundle", str(out), "--prompt", "x", "--output", str(tmp_path / "cpu"), "--accelerator", "cpu"]) == 2
+
+
+def test_bundle_image_matches_the_torch_pipeline(exported):
+    """Same initial noise: run-bundle's DDIM + models (CPU) against pocketdiff.sampling in torch."""
+    from pocketdiff.compress.int8_format import dequantized_state_dict, load_quantized
+    from pocketdiff.export.bundle import load_manifest
+    from pocketdiff.export.parity import metrics
+    from pocketdiff.export.run_bundle import generate
+    from pocketdiff.models import ModelConfig, load_or_build
+    from pocketdiff.sampling import ddim_sample, decode_latents, encode_prompts
+
+    man = load_manifest(exported["out"])
+    pipe = load_or_build(ModelConfig(pretrained=TEACHER))
+    cfg = yaml.safe_load(exported["config"].read_text())
+    state, recipe = load_quantized(cfg["int8"]["checkpoint"])
+    pipe.unet.load_state_dict(dequantized_state_dict(state, recipe))
+    noise = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(5))
+    prompt = "a small blue square at the top left"
+    with torch.no_grad():
+        lat = ddim_sample(pipe.unet, pipe.scheduler, encode_prompts(pipe, prompt), encode_prompts(pipe, ""),
+                          steps=man["scheduler"]["steps"], guidance_scale=man["guidance"]["scale"], latents=noise)
+        ref = decode_latents(pipe.vae, lat)[0].permute(1, 2, 0).numpy()
+    image, stats = generate(exported["out"], prompt, accelerator="cpu", init_latents=noise.numpy(), manifest=man)
+    m = metrics(ref, image)
+    assert stats["finite"] and m["cosine"] > 0.999 and m["psnr_db"] > 30, m
+
+
+def _copy_bundle(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("_export"))
+    return dst
+
+
+def test_run_bundle_refuses_bad_bundles(exported, tmp_path, capsys):
+    from pocketdiff.export.tflite_file import sha256_file
+
+    def run(bundle: Path, name: str) -> str:
+        code = cli_main(["run-bundle", str(bundle), "--prompt", "x", "--output", str(tmp_path / name), "--accelerator", "cpu"])
+        assert code == 2
+        return capsys.readouterr().err
+
+    # sha256 mismatch
+    b = _copy_bundle(exported["out"], tmp_path / "sha")
+    data = (b / "vae_decoder.tflite").read_bytes()
+    (b / "vae_decoder.tflite").write_bytes(data[:-100] + bytes(100))
+    assert "sha256 mismatch" in run(b, "o1")
+    # truncated .tflite whose sha256 the manifest agrees with
+    b = _copy_bundle(exported["out"], tmp_path / "trunc")
+    path = b / "unet.tflite"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 3])
+    man = json.loads((b / "manifest.json").read_text())
+    man["components"]["unet"]["sha256"] = sha256_file(path)
+    (b / "manifest.json").write_text(json.dumps(man))
+    err = run(b, "o2")
+    assert "truncated" in err or "corrupted" in err
+    # a manifest path escaping the bundle folder
+    b = _copy_bundle(exported["out"], tmp_path / "escape")
+    man = json.loads((b / "manifest.json").read_text())
+    man["components"]["text_encoder"]["path"] = "../escape_target.tflite"
+    (b / "manifest.json").write_text(json.dumps(man))
+    shutil.copy(b / "text_encoder.tflite", tmp_path / "escape_target.tflite")
+    assert "escapes the bundle" in run(b, "o3")
+    b = _copy_bundle(exported["out"], tmp_path / "abs")
+    man = json.loads((b / "manifest.json").read_text())
+    man["tokenizer"]["files"]["tokenizer.json"]["path"] = str(b / "tokenizer" / "tokenizer.json")
+    (b / "manifest.json").write_text(json.dumps(man))
+    assert "escapes the bundle" in run(b, "o4")
+    assert not (tmp_path / "o1").exists()  # refused before the output folder was made
+
+
+def test_export_does_not_overwrite_a_bundle(exported, capsys):
+    code = cli_main(["export", "--config", str(exported["config"]), "--output", str(exported["out"])])
+    assert code == 2
+    assert "--overwrite" in capsys.readouterr().err
