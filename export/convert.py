@@ -78,6 +78,7 @@ class Int8Piece:
     scale: torch.Tensor
     rows: Optional[tuple[int, int]] = None
     cols: Optional[tuple[int, int]] = None
+    scale_factor: float = 1.0  # `scale` already includes this factor (residual rescaling)
 
     def float_weight(self) -> np.ndarray:
         shape = [self.codes.shape[0]] + [1] * (self.codes.dim() - 1)
@@ -213,7 +214,7 @@ def store_weights(
                         "layout": layout,
                         "rows": piece.rows,
                         "cols": piece.cols,
-                        "scale_factor": None if factor is None else float(np.median(factor)),
+                        "scale_factor": (1.0 if factor is None else float(np.median(factor))) * piece.scale_factor,
                     }
                 )
         model.end_edit()

@@ -160,6 +160,11 @@ class Fp16Scanner:
                 continue
             entries.append({"module": name, "kind": s["kind"], "over": over, "mitigated_by": _mitigation(s["kind"], over, rewrites)})
         worst_ratio.sort(reverse=True)
+        peaks: dict[str, dict] = {}
+        for name in self.order:
+            for key, value in self.stats[name].items():
+                if key != "kind" and value > peaks.get(key, {}).get("value", -1.0):
+                    peaks[key] = {"value": value, "module": name}
         unmitigated = [e for e in entries if not e["mitigated_by"]]
         return {
             "fp16_max": FP16_MAX,
@@ -170,6 +175,7 @@ class Fp16Scanner:
             "first_overflow": self.first_overflow,
             "max_abs": max((s.get("max_abs", 0.0) for s in self.stats.values()), default=0.0),
             "worst": [{"module": n, "kind": k, "peak": p} for p, n, k in worst_ratio[:10]],
+            "peaks": peaks,
             "ops": entries,
         }
 

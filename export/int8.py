@@ -151,6 +151,9 @@ def pieces_for(graph: nn.Module, q: QuantizedComponent) -> list[Int8Piece]:
             if c0 % per_group or (c1 - c0) != per_group:
                 raise PocketdiffError(f"int8 layer {layer}: piece columns {c0}:{c1} do not match one group of {per_group} channels")
             piece_scale = scale[r0:r1, g0]
+        factor = float(getattr(m, "pd_weight_factor", 1.0))  # a power of two from residual rescaling
+        if factor != 1.0:
+            piece_scale = piece_scale * factor
         target_shape = tuple(m.weight.shape)
         if piece_codes.numel() != m.weight.numel():
             raise PocketdiffError(f"int8 layer {layer}: piece {list(piece_codes.shape)} does not fit module weight {list(target_shape)}")
@@ -159,7 +162,7 @@ def pieces_for(graph: nn.Module, q: QuantizedComponent) -> list[Int8Piece]:
         expect = piece_codes.float() * piece_scale.reshape(-1, *([1] * (piece_codes.dim() - 1)))
         if not torch.equal(expect, m.weight.detach().float()):
             raise PocketdiffError(f"int8 layer {layer}: module weight differs from codes * scales (was the checkpoint applied?)")
-        pieces.append(Int8Piece(layer, piece_codes, piece_scale.contiguous(), rows=(r0, r1), cols=(c0, c1)))
+        pieces.append(Int8Piece(layer, piece_codes, piece_scale.contiguous(), rows=(r0, r1), cols=(c0, c1), scale_factor=factor))
         seen_layers.add(layer)
     return pieces
 

@@ -53,6 +53,7 @@ class RewriteConfig:
     conv_budget_mb: Optional[float] = None  # max activation per conv piece (fp16 bytes); None: no serialization
     conv_split: str = "input"  # preferred split: input | output
     time_embedding_outside: bool = True  # UNet time embedding computed outside the graph (a table in the bundle)
+    residual_scale: Optional[float] = None  # fp16: scale the UNet / VAE-decoder residual stream by this power of two (e.g. 0.125)
     activation_bytes: int = 2  # bytes per activation element on the device (fp16)
 
     def __post_init__(self) -> None:
@@ -61,6 +62,10 @@ class RewriteConfig:
         require(self.conv_budget_mb is None or self.conv_budget_mb > 0, "rewrites.conv_budget_mb", "must be positive or null")
         require(self.conv_split in ("input", "output"), "rewrites.conv_split", f"must be input or output, got {self.conv_split!r}")
         require(self.activation_bytes in (2, 4), "rewrites.activation_bytes", "must be 2 (fp16) or 4 (fp32)")
+        if self.residual_scale is not None:
+            k = math.log2(self.residual_scale) if self.residual_scale > 0 else 0.5
+            require(self.residual_scale > 0 and k == int(k), "rewrites.residual_scale",
+                    f"must be a power of two (exact in the weights and int8 scales), got {self.residual_scale}")
 
     @classmethod
     def none(cls) -> "RewriteConfig":
@@ -90,6 +95,8 @@ class Conv1x1Linear(nn.Module):
             if linear.bias is not None:
                 self.conv.bias.copy_(linear.bias.detach())
         self.conv.pd_source = _source(linear, name)
+        if hasattr(linear, "pd_weight_factor"):
+            self.conv.pd_weight_factor = linear.pd_weight_factor
 
     @property
     def weight(self) -> torch.Tensor:  # diffusers peeks at .weight.dtype
@@ -258,6 +265,8 @@ class SerializedConv2d(nn.Module):
                     if p.bias is not None:
                         p.bias.copy_(conv.bias.detach()[rows[0] : rows[1]])
                 p.pd_source = (src_name, (r0 + rows[0], r0 + rows[1]), (c0 + cols[0], c0 + cols[1]))
+                if hasattr(conv, "pd_weight_factor"):
+                    p.pd_weight_factor = conv.pd_weight_factor
                 self.pieces.append(p)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -349,6 +358,92 @@ class SplitAttention(nn.Module):
 
 
 # --------------------------------------------------------------------------------------
+# Residual-stream rescaling (fp16 range)
+# --------------------------------------------------------------------------------------
+
+def _scale_param(module: nn.Module, name: str, factor: float) -> None:
+    p = getattr(module, name, None)
+    if p is not None:
+        with torch.no_grad():
+            p.mul_(factor)
+
+
+def _scale_writer(conv: nn.Module, s: float) -> None:
+    """A layer whose input is normalized (unscaled) and whose output joins the stream: W, b * s."""
+    _scale_param(conv, "weight", s)
+    _scale_param(conv, "bias", s)
+    conv.pd_weight_factor = getattr(conv, "pd_weight_factor", 1.0) * s
+
+
+def _scale_passthrough(conv: Optional[nn.Module], s: float) -> None:
+    """A linear layer from the (scaled) stream to the stream: only the bias scales."""
+    if conv is not None:
+        _scale_param(conv, "bias", s)
+
+
+def _scale_norm_eps(norm: Optional[nn.Module], s: float) -> None:
+    """A norm reading the scaled stream: its output is unchanged when eps scales by s^2."""
+    if norm is not None:
+        norm.eps = float(norm.eps) * s * s
+
+
+def rescale_residual_stream(model: nn.Module, s: float) -> dict:
+    """Multiply the residual stream of a diffusers UNet2DConditionModel or VAE Decoder by `s`.
+
+    Every norm that reads the stream is scale-invariant (its eps scales by s^2), so only the
+    layers that write the stream change: conv_in (W, b * s), each resnet's conv2 (W, b * s) and
+    shortcut bias, each transformer's proj_out / VAE attention's to_out (W, b * s), the
+    down/upsampler biases. The output (after conv_norm_out) is the same; the activations in
+    between are s times smaller, which keeps an fp16 graph inside its range. `s` is a power of
+    two, so the scaled weights are exact (int8 codes are unchanged; their scales absorb s).
+    """
+    counts = {"writers": 0, "passthrough": 0, "norms": 0}
+    conv_in = getattr(model, "conv_in", None)
+    if conv_in is None or getattr(model, "conv_norm_out", None) is None:
+        raise PocketdiffError(f"residual rescaling: {type(model).__name__} has no conv_in / conv_norm_out")
+    _scale_writer(conv_in, s)
+    counts["writers"] += 1
+    _scale_norm_eps(model.conv_norm_out, s)
+    counts["norms"] += 1
+    handled = set()
+    for name, m in model.named_modules():
+        kind = type(m).__name__
+        if kind in ("ResnetBlock2D",):
+            temb_mode = getattr(m, "time_embedding_norm", "default") if getattr(m, "time_emb_proj", None) is not None else "default"
+            if temb_mode != "default" or getattr(m, "upsample", None) is not None or getattr(m, "downsample", None) is not None:
+                raise PocketdiffError(f"residual rescaling: resnet {name} ({m.time_embedding_norm}, up/down inside) is not supported")
+            _scale_norm_eps(m.norm1, s)
+            _scale_writer(m.conv2, s)
+            _scale_passthrough(m.conv_shortcut, s)
+            counts["writers"] += 1
+            counts["norms"] += 1
+            handled.add(name)
+        elif kind == "Transformer2DModel":
+            if not getattr(m, "is_input_continuous", True):
+                raise PocketdiffError(f"residual rescaling: transformer {name} is not a continuous-input transformer")
+            _scale_norm_eps(m.norm, s)
+            _scale_writer(m.proj_out, s)
+            counts["writers"] += 1
+            counts["norms"] += 1
+            handled.add(name)
+        elif kind == "Attention" and getattr(m, "residual_connection", False):  # the VAE's spatial attention
+            _scale_norm_eps(m.group_norm, s)
+            _scale_writer(m.to_out[0], s)
+            counts["writers"] += 1
+            counts["norms"] += 1
+            handled.add(name)
+        elif kind in ("Downsample2D", "Upsample2D"):
+            conv = getattr(m, "conv", None) or getattr(m, "Conv2d_0", None)
+            if getattr(m, "norm", None) is not None:
+                raise PocketdiffError(f"residual rescaling: {kind} {name} with a norm is not supported")
+            _scale_passthrough(conv if isinstance(conv, nn.Conv2d) else None, s)
+            counts["passthrough"] += 1
+        elif kind in ("ResnetBlock2DSimple", "ResnetBlockCondNorm2D", "SpatialNorm", "KDownsample2D", "KUpsample2D", "DualTransformer2DModel"):
+            raise PocketdiffError(f"residual rescaling: {kind} ({name}) is not supported")
+    return counts
+
+
+# --------------------------------------------------------------------------------------
 # Applying
 # --------------------------------------------------------------------------------------
 
@@ -410,6 +505,12 @@ def apply_rewrites(module: nn.Module, cfg: RewriteConfig, sample_inputs=None) ->
     for name, m in module.named_modules():
         if isinstance(m, (nn.Linear, nn.Conv2d)) and not hasattr(m, "pd_source"):
             m.pd_source = (name, None, None)
+    if cfg.residual_scale is not None and cfg.residual_scale != 1.0:
+        stream = getattr(module, "unet", None)
+        if stream is None:
+            stream = getattr(module, "decoder", None)
+        if stream is not None:  # the text encoder has no such stream
+            report["residual_scale"] = {"scale": cfg.residual_scale, **rescale_residual_stream(stream, cfg.residual_scale)}
     if cfg.attention:
         budget = None if cfg.attention_budget_mb is None else cfg.attention_budget_mb * 2**20
         names = swap_modules(module, lambda n, m: _is_diffusers_attention(m), lambda n, m: SplitAttention(m, budget, cfg.activation_bytes))

@@ -209,3 +209,51 @@ def test_all_rewrites_on_a_unet_keep_its_output(tiny_unet):
     assert not any(isinstance(m, (nn.Linear, nn.GroupNorm)) for m in graph.modules())
     assert F.cosine_similarity(out.flatten(), ref.flatten(), dim=0) > 0.99999
     assert (out - ref).abs().max() < 5e-3 * ref.abs().max()
+
+
+def test_residual_rescaling_keeps_unet_and_decoder_outputs_and_shrinks_the_stream(tiny_unet):
+    from diffusers import AutoencoderKL
+
+    from pocketdiff.export.components import VaeDecoderGraph
+    from pocketdiff.export.fp16scan import Fp16Scanner
+    from pocketdiff.models import perturb_norm_affines, vae_config
+
+    x = torch.randn(2, 4, 8, 8, generator=_gen())
+    c = torch.randn(2, 77, 64, generator=_gen(1))
+    t = torch.tensor([601.0, 601.0])
+    cfg = dataclass_replace(RewriteConfig.none(), residual_scale=0.125)
+
+    def peak(graph, args, prefix):
+        sc = Fp16Scanner(emulate=False, accumulation=False)
+        sc.attach(graph, prefix)
+        with torch.no_grad():
+            out = graph(*args)
+        sc.detach()
+        writers = (".conv_in", ".conv2", ".proj_out")  # the layers that write the residual stream
+        return out, max(v.get("max_abs", 0) for k, v in sc.stats.items() if k.endswith(writers))
+
+    graph = UNetGraph(copy.deepcopy(tiny_unet))
+    ref, peak_ref = peak(graph, (x, t, c), "g")
+    rep = apply_rewrites(graph, cfg)
+    out, peak_scaled = peak(graph, (x, t, c), "g")
+    assert rep["residual_scale"]["writers"] > 5
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    assert peak_scaled == pytest.approx(peak_ref * 0.125, rel=1e-3)
+
+    torch.manual_seed(0)
+    vae = AutoencoderKL(**vae_config("tiny", 32)).eval()
+    perturb_norm_affines(vae, 0)
+    dec = VaeDecoderGraph(vae)
+    z = torch.randn(1, 4, 8, 8, generator=_gen(2))
+    with torch.no_grad():
+        ref = dec(z)
+        apply_rewrites(dec, dataclass_replace(RewriteConfig(), residual_scale=0.25))
+        out = dec(z)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_residual_scale_must_be_a_power_of_two():
+    from pocketdiff.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="residual_scale"):
+        RewriteConfig(residual_scale=0.1)
