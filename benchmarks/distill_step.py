@@ -137,10 +137,13 @@ def ours_step(teacher: GuidedTeacher, student, opt, b: Batch, amp, embed_dim, ch
 
 
 def count_flops(fn) -> int:
+    """FLOPs of `fn` with attention on SDPA's math path (plain matmuls, counted on every device;
+    fused CPU attention kernels are invisible to the counter)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
     counter = FlopCounterMode(display=False)
-    with counter:
+    with sdpa_kernel(SDPBackend.MATH), counter:
         fn()
     return int(counter.get_total_flops())
 
@@ -170,6 +173,9 @@ def measure(name, args, base_unet, device, amp_dtype):
     uncond = None if name == "ours_wcond" else b.uncond
     # FLOPs of this variant's step (eager modules; the optimizer step is not counted)
     flops = count_flops(lambda: ours_step(flop_teacher, student, opt, b, amp, embed_dim, False, uncond))
+    with torch.no_grad():
+        fwd = count_flops(lambda: flop_teacher.unet(b.z[:1], b.t[:1], encoder_hidden_states=b.cond[:1],
+                                                      **({"timestep_cond": torch.zeros(1, embed_dim, device=device)} if name == "ours_wcond" else {})))
     del flop_teacher
     opt.zero_grad(set_to_none=True)
     if ours:
@@ -205,7 +211,8 @@ def measure(name, args, base_unet, device, amp_dtype):
     dt = (time.perf_counter() - t0) / args.iters
     result = {
         "variant": name, "step_s": dt, "samples_per_s": args.batch / dt, "tflops_per_s": flops / dt / 1e12,
-        "flops_per_step": flops, "flops_per_sample": flops / args.batch, "first_step_s": first,
+        "flops_per_step": flops, "flops_per_sample": flops / args.batch, "unet_forward_tflop_per_sample": fwd / 1e12,
+        "forward_equivalents_per_sample": flops / args.batch / fwd, "first_step_s": first,
         "loss": float(loss.detach()), "teacher_passes_per_step": 2 if name == "ours_wcond" else 4,
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
         "compiled": compile_it,
