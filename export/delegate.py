@@ -67,6 +67,37 @@ def _system_has_libvulkan() -> bool:
     return False
 
 
+def _lavapipe_libdir(vk: Path) -> str:
+    """The unpacked Mesa library folder (found again if .vulkan/ was moved or copied)."""
+    libdir_file = vk / "libdir"
+    libdir = libdir_file.read_text().strip() if libdir_file.is_file() else ""
+    if libdir and Path(libdir, "libvulkan.so.1").exists():
+        return libdir
+    for lvp in sorted((vk / "root").glob("**/libvulkan_lvp.so")) if (vk / "root").is_dir() else []:
+        return str(lvp.parent)
+    return libdir if libdir and Path(libdir).is_dir() else ""
+
+
+def _lavapipe_icd(vk: Path, libdir: str) -> Optional[Path]:
+    """vk/lvp_icd.json, rewritten when it points at a library that is not there any more."""
+    icd = vk / "lvp_icd.json"
+    if not libdir or not Path(libdir, "libvulkan_lvp.so").exists():
+        return icd if icd.is_file() else None
+    lib = str(Path(libdir, "libvulkan_lvp.so"))
+    try:
+        current = json.loads(icd.read_text())["ICD"]["library_path"] if icd.is_file() else None
+    except (ValueError, KeyError, TypeError):
+        current = None
+    if current != lib:
+        text = json.dumps({"file_format_version": "1.0.1", "ICD": {"library_path": lib, "api_version": "1.3.0"}}, indent=4)
+        try:
+            icd.write_text(text)
+        except OSError:
+            icd = Path(tempfile.gettempdir()) / f"pocketdiff_lvp_icd_{os.getuid()}.json"
+            icd.write_text(text)
+    return icd
+
+
 def delegate_env(base: Optional[dict] = None, driver: Optional[str] = None) -> tuple[dict, str]:
     """(environment for a delegate child process, driver name).
 
@@ -81,8 +112,7 @@ def delegate_env(base: Optional[dict] = None, driver: Optional[str] = None) -> t
     if driver == "auto":
         driver = "system" if has_nvidia_driver() else "lavapipe"
     vk = vulkan_dir()
-    libdir_file = vk / "libdir"
-    libdir = libdir_file.read_text().strip() if libdir_file.is_file() else ""
+    libdir = _lavapipe_libdir(vk)
     if driver == "system":
         icds = _nvidia_icds()
         if icds and "VK_ICD_FILENAMES" not in env:
@@ -90,8 +120,8 @@ def delegate_env(base: Optional[dict] = None, driver: Optional[str] = None) -> t
         if not _system_has_libvulkan() and libdir:  # loader only, from our unpacked libvulkan1
             env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (libdir, env.get("LD_LIBRARY_PATH", "")) if p)
         return env, "system"
-    icd = vk / "lvp_icd.json"
-    if not icd.is_file() or not libdir:
+    icd = _lavapipe_icd(vk, libdir)
+    if icd is None or not libdir:
         raise PocketdiffError(f"no Vulkan driver for the LiteRT GPU delegate: {icd} missing; {_SETUP_HINT}")
     env["VK_ICD_FILENAMES"] = str(icd)
     env.pop("VK_DRIVER_FILES", None)
@@ -349,10 +379,10 @@ def prepare_in_process(driver: Optional[str] = None) -> str:
     env, name = delegate_env(driver=driver)
     if "VK_ICD_FILENAMES" in env:
         os.environ["VK_ICD_FILENAMES"] = env["VK_ICD_FILENAMES"]
-    libdir_file = vulkan_dir() / "libdir"
+    libdir_str = _lavapipe_libdir(vulkan_dir())
     if name == "lavapipe" or (name == "system" and not _system_has_libvulkan()):
-        if libdir_file.is_file():
-            libdir = Path(libdir_file.read_text().strip())
+        if libdir_str:
+            libdir = Path(libdir_str)
             for lib in ("libdrm.so.2", "libdrm_amdgpu.so.1", "libvulkan.so.1"):
                 p = libdir / lib
                 if p.exists():

@@ -116,6 +116,11 @@ cat > "$ICD" <<EOF
 EOF
 echo "$LIBDIR" > "$DEST/libdir"
 echo "$MESA_VERSION" > "$DEST/mesa_version"
-rm -rf "$WORK/archives" "$WORK/lists" "$WORK"/*.bin
+# Keep lavapipe, the loader and libdrm; drop the hardware drivers and layers (~55 MB), so the
+# folder is small enough to carry to a machine without network (its GPU driver + our loader).
+find "$DEST/root" \( -name 'libvulkan_intel*.so' -o -name 'libvulkan_radeon.so' -o -name 'libvulkan_virtio.so' \
+  -o -name 'libvulkan_gfxstream.so' -o -name 'libVkLayer_*.so' \) -delete
+find "$DEST/root" -path '*/vulkan/icd.d/*' ! -name 'lvp_icd*' -delete 2>/dev/null || true
+rm -rf "$WORK"
 touch "$STAMP"
 echo "setup_vulkan: Mesa $MESA_VERSION lavapipe ready: VK_ICD_FILENAMES=$ICD LD_LIBRARY_PATH=$LIBDIR"
