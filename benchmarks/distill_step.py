@@ -171,12 +171,16 @@ def measure(name, args, base_unet, device, amp_dtype):
     teacher_dtype = (amp_dtype or torch.float32) if ours else torch.float32
     flop_teacher = GuidedTeacher(copy.deepcopy(teacher_unet), "v_prediction", dtype=torch.float32, device=device)
     uncond = None if name == "ours_wcond" else b.uncond
-    # FLOPs of this variant's step (eager modules; the optimizer step is not counted)
-    flops = count_flops(lambda: ours_step(flop_teacher, student, opt, b, amp, embed_dim, False, uncond))
+    # FLOPs of this variant's step (eager modules, counted on a batch of 2 and scaled: every op is
+    # per sample; the optimizer step is not counted)
+    nb = min(2, args.batch)
+    small = Batch(base_unet, nb, args.latent, args.steps, device)
+    flops = count_flops(lambda: ours_step(flop_teacher, student, opt, small, amp, embed_dim, False,
+                                          None if uncond is None else small.uncond)) * args.batch // nb
     with torch.no_grad():
-        fwd = count_flops(lambda: flop_teacher.unet(b.z[:1], b.t[:1], encoder_hidden_states=b.cond[:1],
+        fwd = count_flops(lambda: flop_teacher.unet(small.z[:1], small.t[:1], encoder_hidden_states=small.cond[:1],
                                                       **({"timestep_cond": torch.zeros(1, embed_dim, device=device)} if name == "ours_wcond" else {})))
-    del flop_teacher
+    del flop_teacher, small
     opt.zero_grad(set_to_none=True)
     if ours:
         teacher = GuidedTeacher(teacher_unet, "v_prediction", dtype=teacher_dtype, fused_cfg=True,
