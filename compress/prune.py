@@ -55,7 +55,7 @@ from .prune_model import (  # noqa: F401  (re-exported: the loader hooks other s
     load_pruned_unet,
     to_pruned,
 )
-from .prune_recovery import RecoveryConfig, recover
+from .prune_recovery import RecoveryConfig, recover, w_cond_dim, w_embedding
 
 log = logging.getLogger(__name__)
 
@@ -147,14 +147,15 @@ class EvalSettings:
     seeds: list[int] = dataclasses.field(default_factory=lambda: [0])
     batch_size: int = 64
     prompts: list[str] = dataclasses.field(default_factory=list)  # sample grid (default: first captions)
-    steps: int = 25  # DDIM steps (grid and metrics)
-    guidance_scale: float = 3.0
+    steps: Optional[int] = None  # DDIM steps (grid and metrics); default: distill.json's, else 25
+    guidance_scale: Optional[float] = None  # default: distill.json's guidance scale, else 3.0
     seed: int = 0
 
     def __post_init__(self) -> None:
         require(self.probe_samples >= 0, "eval.probe_samples", "must be >= 0")
         require(self.num_samples >= 2, "eval.num_samples", "must be >= 2 (FD needs two images)")
-        require(self.steps >= 1, "eval.steps", "must be >= 1")
+        require(self.steps is None or self.steps >= 1, "eval.steps", "must be >= 1")
+        require(self.guidance_scale is None or self.guidance_scale >= 0, "eval.guidance_scale", "must be >= 0")
         require(self.features in ("clip", "inception"), "eval.features", f"must be clip or inception, got {self.features!r}")
         require(bool(self.seeds), "eval.seeds", "needs at least one seed")
         if self.metrics and self.features == "clip":
@@ -188,7 +189,9 @@ def _unet_config_for(cfg: Config) -> Optional[tuple[dict, Optional[dict]]]:
     from pocketdiff.models import unet_config, vae_config
 
     if cfg.model.pretrained:
-        folder = Path(str(cfg.model.pretrained)).expanduser() / "unet"
+        from pocketdiff.shipped import resolve_shipped
+
+        folder = Path(resolve_shipped(str(cfg.model.pretrained))).expanduser() / "unet"
         if not (folder / "config.json").is_file():
             return None
         try:
@@ -331,12 +334,32 @@ def _calibration_batches(pipe, dataset, n: int, batch_size: int, generator: torc
         yield _encode(pipe, items, generator, device)
 
 
+DISTILL_META = "distill.json"  # what a distilled student's folder carries (pocketdiff distill)
+
+
+def source_meta(pretrained: Optional[str]) -> dict:
+    """The distill.json of `model.pretrained` (a distilled student), else {}."""
+    if not pretrained:
+        return {}
+    from pocketdiff.shipped import resolve_shipped
+
+    f = Path(resolve_shipped(str(pretrained))).expanduser() / DISTILL_META
+    try:
+        meta = json.loads(f.read_text(encoding="utf-8")) if f.is_file() else {}
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return {}
+    return meta if isinstance(meta, dict) and meta.get("pocketdiff_distill") else {}
+
+
 class Probe:
     """Fixed (x_t, t, text) inputs and the teacher's outputs on them: the teacher-relative
     error of a student is mean((s - t)^2) and its ratio to mean(t^2)."""
 
-    def __init__(self, pipe, teacher, dataset, n: int, seed: int, device, batch_size: int = 16):
+    def __init__(self, pipe, teacher, dataset, n: int, seed: int, device, batch_size: int = 16, guidance_scale: float = 3.0):
+        from .prune_recovery import w_cond_dim, w_embedding
+
         g = torch.Generator().manual_seed(seed * 31 + 17)
+        wdim = w_cond_dim(teacher)
         T = pipe.scheduler.config.num_train_timesteps
         self.batches = []
         idx = list(range(len(dataset)))[-n:] if n <= len(dataset) else [i % len(dataset) for i in range(n)]
@@ -347,24 +370,27 @@ class Probe:
             noise = torch.randn(lat.shape, generator=g).to(device)
             t = ts[s : s + len(items)].to(device)
             x = pipe.scheduler.add_noise(lat, noise, t)
+            kw = {}
+            if wdim:  # guidance-conditioned: the evaluation guidance scale
+                kw["timestep_cond"] = w_embedding(torch.full((len(items),), float(guidance_scale)), wdim).to(device, emb.dtype)
             with torch.no_grad():
-                ref = teacher(x, t, encoder_hidden_states=emb).sample.float()
-            self.batches.append((x, t, emb, ref))
+                ref = teacher(x, t, encoder_hidden_states=emb, **kw).sample.float()
+            self.batches.append((x, t, emb, kw, ref))
 
     @torch.no_grad()
     def error(self, unet) -> dict:
         if not self.batches:
             return {}
         se, ref2, n = 0.0, 0.0, 0
-        for x, t, emb, ref in self.batches:
-            out = unet(x, t, encoder_hidden_states=emb).sample.float()
+        for x, t, emb, kw, ref in self.batches:
+            out = unet(x, t, encoder_hidden_states=emb, **kw).sample.float()
             se += float(((out - ref) ** 2).sum())
             ref2 += float((ref ** 2).sum())
             n += ref.numel()
         return {"mse_to_teacher": se / n, "relative_mse": se / max(ref2, 1e-12), "samples": sum(b[0].shape[0] for b in self.batches)}
 
 
-def external_metrics(cfg: Config, pipe, unets: dict, out: Path, device) -> dict:
+def external_metrics(cfg: Config, pipe, unets: dict, out: Path, device, steps: int = 25, guidance_scale: float = 3.0) -> dict:
     """FD and CLIP score of each named UNet (same pipeline otherwise) through pocketdiff.evaluate."""
     if not cfg.eval.metrics:
         return {"available": False, "reason": "eval.metrics is false"}
@@ -379,8 +405,8 @@ def external_metrics(cfg: Config, pipe, unets: dict, out: Path, device) -> dict:
     captions = list(setup.reference_captions())
     prompts = [captions[i % len(captions)] for i in range(e.num_samples)]
     models = [{"name": name, "pipe": pipe, "unet": unet} for name, unet in unets.items()]
-    results = evaluate_pipelines(models, prompts, [e.steps], setup, out / "eval", seeds=e.seeds,
-                                 guidance_scale=e.guidance_scale, batch_size=e.batch_size,
+    results = evaluate_pipelines(models, prompts, [steps], setup, out / "eval", seeds=e.seeds,
+                                 guidance_scale=guidance_scale, batch_size=e.batch_size,
                                  resolution=cfg.data.resolution, device=device, grid_prompts=8)
     by_name = {r["model"]: {k: r.get(k) for k in ("fd", "fd_std", "clip_score", "clip_score_std", "features",
                                                    "clip_model_label", "num_samples", "num_seeds", "steps")}
@@ -456,7 +482,7 @@ def _save_unet_atomic(unet, folder: Path) -> None:
 # --------------------------------------------------------------------------------------
 
 def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
-    from pocketdiff.data import ImageCaptionDataset, collate, load_captioned_dataset
+    from pocketdiff.data import ImageCaptionDataset, InMemoryImageCaptionDataset, collate, load_captioned_dataset
     from pocketdiff.models import load_or_build, save_pipeline
     from pocketdiff.report import img, plot_curves, save_grid, table, write_page
     from pocketdiff.sampling import generate
@@ -468,7 +494,7 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
     # 1. data and teacher
     hf_ds = load_captioned_dataset(cfg.data)
     captions = list(hf_ds["text"])
-    dataset = ImageCaptionDataset(hf_ds)
+    dataset = InMemoryImageCaptionDataset(ImageCaptionDataset(hf_ds))  # decoded once: recovery reads items many times
     pipe = load_or_build(cfg.model, captions=captions, resolution=cfg.data.resolution)
     if isinstance(pipe.unet, PrunedUNet2DConditionModel):
         log.info("model.pretrained is already pruned: pruning it further")
@@ -477,6 +503,17 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
     pipe.text_encoder.to(device).eval().requires_grad_(False)
     report: dict[str, Any] = {"data": {"source": cfg.data.source, "items": len(dataset), "resolution": cfg.data.resolution},
                               "teacher": cfg.model.pretrained or f"built {cfg.model.arch} (random weights)"}
+    meta = source_meta(cfg.model.pretrained)
+    guid = meta.get("guidance") or {}
+    wdim = w_cond_dim(teacher)
+    w_range = (float(cfg.recovery.w_min if cfg.recovery.w_min is not None else guid.get("w_min", 1.0)),
+               float(cfg.recovery.w_max if cfg.recovery.w_max is not None else guid.get("w_max", 8.0)))
+    if w_range[0] > w_range[1]:
+        raise PocketdiffError(f"recovery.w_min={w_range[0]} > recovery.w_max={w_range[1]}")
+    eval_steps = int(cfg.eval.steps or meta.get("num_inference_steps") or 25)
+    eval_w = float(cfg.eval.guidance_scale if cfg.eval.guidance_scale is not None else (guid.get("scale") or 3.0))
+    report["model_kind"] = {"guidance_conditioned": bool(wdim), "distilled_steps": meta.get("num_inference_steps"),
+                            "prediction_type": pipe.scheduler.config.prediction_type}
 
     # 2-4. plan and prune (reused on --resume)
     pruned_dir, plan_path = out / "pruned_unet", out / "plan.json"
@@ -491,9 +528,14 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
         if needs_gradients(importance):
             tc = cfg.prune.taylor
 
+            def cond_fn(b):  # guidance-conditioned models: w ~ U[w_range] per sample
+                w = w_range[0] + torch.rand(b, generator=gen) * (w_range[1] - w_range[0])
+                return w_embedding(w, wdim)
+
             def gradient_fn(work, params):
                 batches = _calibration_batches(pipe, dataset, tc.samples, tc.batch_size, gen, device)
-                report["taylor"] = accumulate_diffusion_gradients(work, pipe.scheduler, batches, tc.samples, params, gen, (tc.t_min, tc.t_max))
+                report["taylor"] = accumulate_diffusion_gradients(work, pipe.scheduler, batches, tc.samples, params, gen,
+                                                                  (tc.t_min, tc.t_max), cond_fn if wdim else None)
 
         student, plan = prune_unet(teacher, cfg.prune, generator=gen, gradient_fn=gradient_fn)
         _save_unet_atomic(student, pruned_dir)
@@ -522,7 +564,8 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
         "unprunable_targets": plan["unprunable"],
         "macs": macs_table(prof_before, prof_after, targeted),
     })
-    probe = Probe(pipe, teacher, dataset, cfg.eval.probe_samples, cfg.seed, device) if cfg.eval.probe_samples else None
+    probe = (Probe(pipe, teacher, dataset, cfg.eval.probe_samples, cfg.seed, device, guidance_scale=eval_w)
+             if cfg.eval.probe_samples else None)
     quality = {"before_pruning": {"mse_to_teacher": 0.0, "relative_mse": 0.0}}
     if probe:
         quality["after_pruning"] = probe.error(student)
@@ -531,7 +574,7 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
     if cfg.recovery.enabled:
         report["recovery"] = recover(cfg.recovery, cfg.train, student=student, teacher=teacher, pipe=pipe, dataset=dataset,
                                      collate=collate, ckpt_dir=out / "checkpoints" / "recovery", seed=cfg.seed,
-                                     resume=resume, log_path=out / "logs.jsonl")
+                                     resume=resume, log_path=out / "logs.jsonl", w_range=w_range)
         student = student.to(device).eval()
         if probe:
             quality["after_recovery"] = probe.error(student)
@@ -544,13 +587,16 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
     components["unet"] = student
     final = type(pipe)(**components, requires_safety_checker=False)
     pipeline_dir = save_pipeline(final, out / "pipeline")
+    if meta:  # a pruned distilled student keeps its sampling recipe (steps, guidance) for evaluate / export
+        meta = {**meta, "pruned_by": "pocketdiff prune", "report": None}
+        (pipeline_dir / DISTILL_META).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
     report["pipeline_dir"] = str(pipeline_dir)
     report["loader"] = "pocketdiff.compress.prune.load_pruned_pipeline(pipeline_dir)"
 
     unets = {"before_pruning": teacher, "after_pruning": load_pruned_unet(pruned_dir).to(device)}
     if cfg.recovery.enabled:
         unets["after_recovery"] = student
-    report["metrics"] = external_metrics(cfg, pipe, unets, out, device)
+    report["metrics"] = external_metrics(cfg, pipe, unets, out, device, eval_steps, eval_w)
 
     sections = []
     rows = [["UNet params", report["params_before"], report["params_after"], report["params_after"] / report["params_before"]],
@@ -583,14 +629,14 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
     if prompts:
         grids = []
         for label, unet in unets.items():
-            grids.append(generate(pipe, prompts, steps=cfg.eval.steps, guidance_scale=cfg.eval.guidance_scale,
+            grids.append(generate(pipe, prompts, steps=eval_steps, guidance_scale=eval_w,
                                   seed=cfg.eval.seed, resolution=cfg.data.resolution, unet=unet))
         images = torch.cat(grids)
         labels = [f"{label}: {p}" for label in unets for p in prompts]
         save_grid(images, out / "samples.png", ncols=len(prompts), labels=labels, cell=128)
-        report["samples"] = {"grid": "samples.png", "rows": list(unets), "prompts": prompts, "steps": cfg.eval.steps,
-                             "guidance_scale": cfg.eval.guidance_scale}
-        sections.append((f"Samples, rows: {', '.join(unets)} (DDIM {cfg.eval.steps} steps, guidance {cfg.eval.guidance_scale})",
+        report["samples"] = {"grid": "samples.png", "rows": list(unets), "prompts": prompts, "steps": eval_steps,
+                             "guidance_scale": eval_w}
+        sections.append((f"Samples, rows: {', '.join(unets)} (DDIM {eval_steps} steps, guidance {eval_w})",
                          img("samples.png")))
     per_conv = [c for c in report["macs"]["per_conv"] if c["targeted"] or c["params_before"] != c["params_after"]]
     sections.append(("Per conv (targeted or changed)", table(

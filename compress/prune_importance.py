@@ -153,13 +153,15 @@ def accumulate_diffusion_gradients(
     params: list[nn.Parameter],
     generator: torch.Generator,
     t_range: tuple[float, float] = (0.0, 1.0),
+    timestep_cond_fn: Optional[Callable[[int], torch.Tensor]] = None,
 ) -> dict:
     """Sum of denoising-loss gradients into ``p.grad`` for `params` (others frozen).
 
     `batches` yields (clean latents [B,C,H,W], text embeddings [B,L,D]) on the UNet's device;
     the `num_samples` samples over all batches get timesteps stratified over
     ``t_range`` (fractions of the training timesteps), in a shuffled order, one per sample,
-    with noise from `generator` (CPU). Returns {"samples", "mean_loss", "timesteps"}.
+    with noise from `generator` (CPU). `timestep_cond_fn(B)` gives the ``timestep_cond`` of a
+    guidance-conditioned UNet. Returns {"samples", "mean_loss", "timesteps"}.
     """
     from pocketdiff.train.losses import diffusion_target
 
@@ -186,7 +188,10 @@ def accumulate_diffusion_gradients(
             noise = torch.randn(latents.shape, generator=generator).to(latents.device, latents.dtype)
             t = ts[done : done + B].to(latents.device)
             noisy = scheduler.add_noise(latents, noise, t)
-            pred = unet(noisy, t, encoder_hidden_states=emb).sample
+            kwargs = {}
+            if timestep_cond_fn is not None:
+                kwargs["timestep_cond"] = timestep_cond_fn(B).to(device=latents.device, dtype=emb.dtype)
+            pred = unet(noisy, t, encoder_hidden_states=emb, **kwargs).sample
             loss = F.mse_loss(pred.float(), diffusion_target(scheduler, latents, noise, t).float(), reduction="sum") / latents[0].numel()
             loss.backward()
             losses.append(loss.item() / B)

@@ -38,6 +38,11 @@ class RecoveryConfig:
     task_weight: float = 0.0
     feature_weight: float = 0.0
     caption_dropout: float = 0.1
+    # guidance-conditioned UNets (time_cond_proj_dim, e.g. a guided-distillation student):
+    # w ~ U[w_min, w_max] per sample, the same for teacher and student (default: the
+    # folder's distill.json guidance range, else [1, 8])
+    w_min: Optional[float] = None
+    w_max: Optional[float] = None
 
     def __post_init__(self) -> None:
         for key in ("output_weight", "task_weight", "feature_weight"):
@@ -45,6 +50,22 @@ class RecoveryConfig:
         require(self.output_weight + self.task_weight + self.feature_weight > 0, "recovery",
                 "at least one of output_weight, task_weight, feature_weight must be positive")
         require(0.0 <= self.caption_dropout < 1.0, "recovery.caption_dropout", "must be in [0, 1)")
+        if self.w_min is not None and self.w_max is not None:
+            require(1.0 <= self.w_min <= self.w_max, "recovery.w_min", "needs 1 <= w_min <= w_max")
+
+
+def w_cond_dim(unet: nn.Module) -> Optional[int]:
+    """``time_cond_proj_dim`` of a guidance-conditioned UNet, else None."""
+    config = getattr(unet, "config", None)
+    dim = config.get("time_cond_proj_dim") if isinstance(config, dict) else getattr(config, "time_cond_proj_dim", None)
+    return int(dim) if dim else None
+
+
+def w_embedding(w: torch.Tensor, dim: int) -> torch.Tensor:
+    """``timestep_cond`` for guidance scales `w` [B]: the stock pipeline's convention (embedding of w - 1)."""
+    from pocketdiff.sampling import guidance_scale_embedding
+
+    return guidance_scale_embedding(torch.as_tensor(w, dtype=torch.float32) - 1.0, dim)
 
 
 def block_names(unet: nn.Module) -> list[str]:
@@ -91,8 +112,12 @@ def recover(
     seed: int,
     resume: Optional[str] = None,
     log_path: Optional[Path] = None,
+    w_range: tuple[float, float] = (1.0, 8.0),
 ) -> dict:
-    """Distil `teacher` (frozen) into `student` (trained in place). Returns losses and steps."""
+    """Distil `teacher` (frozen) into `student` (trained in place). Returns losses and steps.
+
+    A guidance-conditioned teacher (``time_cond_proj_dim``) gets the same random
+    ``timestep_cond`` as the student, w ~ U[`w_range`] per sample."""
     vae, text_encoder, tokenizer, scheduler = pipe.vae, pipe.text_encoder, pipe.tokenizer, pipe.scheduler
     for m in (teacher, vae, text_encoder):
         m.requires_grad_(False).eval()
@@ -101,6 +126,7 @@ def recover(
     tap_s = FeatureTap(student, names) if names else None
     tap_t = FeatureTap(teacher, names) if names else None
     parts: dict[str, float] = {}
+    wdim = w_cond_dim(teacher)
 
     def loss_fn(model, batch, rng: BatchRandom):
         dev = rng.device
@@ -117,9 +143,13 @@ def recover(
             noise = rng.randn(*latents.shape[1:]).to(latents.dtype)
             t = rng.randint(0, scheduler.config.num_train_timesteps)
             noisy = scheduler.add_noise(latents, noise, t)
-            t_out = teacher(noisy, t, encoder_hidden_states=emb).sample.float()
+            kwargs = {}
+            if wdim:
+                w = w_range[0] + rng.rand() * (w_range[1] - w_range[0])
+                kwargs["timestep_cond"] = w_embedding(w.cpu(), wdim).to(device=dev, dtype=emb.dtype)
+            t_out = teacher(noisy, t, encoder_hidden_states=emb, **kwargs).sample.float()
             t_feat = tap_t.pop() if tap_t else {}
-        s_out = model(noisy, t, encoder_hidden_states=emb).sample.float()
+        s_out = model(noisy, t, encoder_hidden_states=emb, **kwargs).sample.float()
         s_feat = tap_s.pop() if tap_s else {}
         loss = torch.zeros((), device=dev)
         if cfg.output_weight > 0:
@@ -149,4 +179,5 @@ def recover(
     student.eval()
     return {"steps": result.steps, "final_loss": result.final_loss, "losses": result.losses,
             "skipped_steps": result.skipped_steps, "last_loss_parts": dict(parts),
-            "weights": {"output": cfg.output_weight, "task": cfg.task_weight, "feature": cfg.feature_weight}}
+            "weights": {"output": cfg.output_weight, "task": cfg.task_weight, "feature": cfg.feature_weight},
+            "w_range": list(w_range) if wdim else None}

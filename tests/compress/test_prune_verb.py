@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -130,3 +131,35 @@ def test_smoke_recipe_is_valid():
 
     cfg = load_config(Config, Path(__file__).resolve().parents[2] / "configs" / "smoke" / "prune.yaml")
     assert cfg.prune.importance == "taylor" and cfg.train.max_steps <= 20
+
+
+def test_guidance_conditioned_student(tmp_path):
+    """A guided-distillation student (time_cond_proj_dim, distill.json) is pruned and distilled
+    with the same w embedding for teacher and student, and keeps its sampling recipe."""
+    from diffusers import UNet2DConditionModel
+
+    from pocketdiff.models import ModelConfig, build_pipeline, perturb_norm_affines, save_pipeline, unet_config
+
+    pipe = build_pipeline(ModelConfig(arch="tiny"), captions=["a red circle", "a blue square"], resolution=32)
+    torch.manual_seed(0)
+    unet = UNet2DConditionModel(**unet_config("tiny", resolution=32, vae_factor=4), time_cond_proj_dim=32).eval()
+    perturb_norm_affines(unet, 0)
+    with torch.no_grad():
+        unet.time_embedding.cond_proj.weight.normal_(0, 0.5)
+    pipe.unet = unet
+    student_dir = save_pipeline(pipe, tmp_path / "student")
+    meta = {"pocketdiff_distill": 1, "num_inference_steps": 2, "guidance": {"conditioned": True, "w_min": 2.0, "w_max": 5.0, "scale": 4.0}}
+    (student_dir / "distill.json").write_text(json.dumps(meta))
+
+    out = tmp_path / "run"
+    args = [a for a in SMALL if not a.startswith(("eval.steps", "prune.importance"))]
+    assert main(["prune", "--output", str(out), *args, "prune.importance=taylor", f"model.pretrained={student_dir}",
+                 "train.max_steps=1"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["model_kind"]["guidance_conditioned"] is True
+    assert report["recovery"]["w_range"] == [2.0, 5.0]
+    assert report["samples"]["steps"] == 2 and report["samples"]["guidance_scale"] == 4.0
+    kept = json.loads((Path(report["pipeline_dir"]) / "distill.json").read_text())
+    assert kept["num_inference_steps"] == 2 and kept["pruned_by"] == "pocketdiff prune"
+    loaded = load_pruned_pipeline(report["pipeline_dir"])
+    assert loaded.unet.config.time_cond_proj_dim == 32
