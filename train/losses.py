@@ -21,10 +21,13 @@ def diffusion_target(scheduler, latents, noise, timesteps) -> torch.Tensor:
     raise ValueError(f"unsupported prediction_type {kind!r}")
 
 
-def diffusion_loss(unet, scheduler, latents: torch.Tensor, text_emb: torch.Tensor, rng: BatchRandom) -> torch.Tensor:
-    """The ordinary denoising loss at uniformly drawn training timesteps."""
+def diffusion_loss(predict, scheduler, latents: torch.Tensor, rng: BatchRandom) -> torch.Tensor:
+    """The ordinary denoising loss at uniformly drawn training timesteps.
+
+    `predict(noisy_latents, timesteps)` is the model's output (through the wrapped module's
+    forward, so that DDP sees the call)."""
     noise = rng.randn(*latents.shape[1:]).to(latents.dtype)
     t = rng.randint(0, scheduler.config.num_train_timesteps)
     noisy = scheduler.add_noise(latents, noise, t)
-    pred = unet(noisy, t, encoder_hidden_states=text_emb).sample
+    pred = predict(noisy, t)
     return F.mse_loss(pred.float(), diffusion_target(scheduler, latents, noise, t).float())

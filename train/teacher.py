@@ -67,13 +67,32 @@ class Config:
 
 
 class _DiffusionModel(torch.nn.Module):
-    """What the optimizer sees: the UNet, plus the text encoder when it is trained."""
+    """What the optimizer (and DDP) sees: the UNet, plus the text encoder when it is trained.
+
+    The whole prediction goes through `forward`, so DDP's hooks average the gradients."""
 
     def __init__(self, unet, text_encoder, train_text_encoder: bool):
         super().__init__()
         self.unet = unet
         self.text_encoder = text_encoder
         text_encoder.requires_grad_(train_text_encoder)
+
+    def forward(self, input_ids, noisy_latents, timesteps):
+        emb = self.text_encoder(input_ids)[0]
+        return self.unet(noisy_latents, timesteps, encoder_hidden_states=emb).sample
+
+
+class _VaeModel(torch.nn.Module):
+    """Encode, sample, decode in one forward (so DDP sees the call); returns (recon, kl)."""
+
+    def __init__(self, vae):
+        super().__init__()
+        self.vae = vae
+
+    def forward(self, x, rng: BatchRandom):
+        dist = self.vae.encode(x).latent_dist
+        z = dist.mean + dist.std * rng.randn(*dist.mean.shape[1:])
+        return self.vae.decode(z).sample, dist.kl()
 
 
 def _check_resolution(pipe, resolution: int) -> None:
@@ -92,13 +111,11 @@ def train_vae(cfg: Config, vae, dataset, out: Path, resume: Optional[str]) -> di
 
     def vae_loss(model, batch, rng: BatchRandom):
         x = batch["pixel_values"].to(rng.device)
-        dist = model.encode(x).latent_dist
-        z = dist.mean + dist.std * rng.randn(*dist.mean.shape[1:])
-        recon = model.decode(z).sample
-        return F.mse_loss(recon.float(), x.float()) + cfg.vae.kl_weight * dist.kl().mean()
+        recon, kl = model(x, rng)
+        return F.mse_loss(recon.float(), x.float()) + cfg.vae.kl_weight * kl.mean()
 
     vae.requires_grad_(True)
-    result = train_loop(loop, model=vae, loss_fn=vae_loss, dataset=dataset, collate=collate,
+    result = train_loop(loop, model=_VaeModel(vae), loss_fn=vae_loss, dataset=dataset, collate=collate,
                         ckpt_dir=out / "checkpoints" / "vae", seed=cfg.seed + 1, resume=resume, desc="vae",
                         log_path=out / "logs.jsonl")
     vae.requires_grad_(False)
@@ -117,7 +134,12 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
     hf_ds = load_captioned_dataset(cfg.data)
     captions = list(hf_ds["text"])
     dataset = InMemoryImageCaptionDataset(ImageCaptionDataset(hf_ds))
-    pipe = load_or_build(cfg.model, captions=captions, resolution=cfg.data.resolution)
+    try:
+        pipe = load_or_build(cfg.model, captions=captions, resolution=cfg.data.resolution)
+    except PocketdiffError as e:
+        if cfg.model.pretrained is None and "resolution" in str(e):
+            raise PocketdiffError(f"data.resolution={cfg.data.resolution}: {e}") from None
+        raise
     _check_resolution(pipe, cfg.data.resolution)
     report: dict = {"data": {"source": cfg.data.source, "items": len(dataset), "resolution": cfg.data.resolution}}
 
@@ -135,7 +157,6 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
     vae = pipe.vae
 
     def loss_fn(m, batch, rng: BatchRandom):
-        inner = m.module if hasattr(m, "module") else m
         x = batch["pixel_values"].to(rng.device)
         with torch.no_grad():
             vae.to(rng.device)
@@ -144,8 +165,7 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
         drop = rng.rand() < cfg.caption_dropout
         texts = ["" if d else t for d, t in zip(drop.tolist(), batch["text"])]
         ids = tokenize(tokenizer, texts).to(rng.device)
-        emb = inner.text_encoder(ids)[0]
-        return diffusion_loss(inner.unet, scheduler, latents, emb, rng)
+        return diffusion_loss(lambda noisy, t: m(ids, noisy, t), scheduler, latents, rng)
 
     result = train_loop(cfg.train, model=model, loss_fn=loss_fn, dataset=dataset, collate=collate,
                         ckpt_dir=out / "checkpoints" / "unet", seed=cfg.seed, resume=resume, desc="unet",

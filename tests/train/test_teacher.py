@@ -1,0 +1,81 @@
+"""train-teacher end to end on tiny settings: outputs, bit-exact resume, bad input."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from diffusers import StableDiffusionPipeline
+from safetensors.torch import load_file
+
+from pocketdiff.cli import run_stage
+
+TINY = ["data.shapes_count=16", "data.resolution=32", "vae.steps=2", "vae.batch_size=4", "train.batch_size=4",
+        "train.checkpoint_every=2", "train.log_every=1", "samples.steps=2", "train.ema_decay=0.9"]
+SMOKE = "configs/smoke/train-teacher.yaml"
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def unet_weights(out):
+    return load_file(str(out / "pipeline" / "unet" / "diffusion_pytorch_model.safetensors"))
+
+
+def test_resume_after_interruption_equals_uninterrupted_run(tmp_path):
+    full = run_stage("train-teacher", SMOKE, tmp_path / "full", TINY + ["train.max_steps=4"])
+    # "interrupted" after 2 steps: then --resume latest continues the same output folder
+    run_stage("train-teacher", SMOKE, tmp_path / "cut", TINY + ["train.max_steps=2"])
+    resumed = run_stage("train-teacher", SMOKE, tmp_path / "cut", TINY + ["train.max_steps=4"], resume="latest")
+    a, b = unet_weights(tmp_path / "full"), unet_weights(tmp_path / "cut")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert full["losses"] == resumed["losses"] and full["final_loss"] == resumed["final_loss"]
+
+
+def test_outputs_are_a_stock_pipeline_with_report(tmp_path):
+    report = run_stage("train-teacher", SMOKE, tmp_path / "o", TINY + ["train.max_steps=2"])
+    for key in ("pipeline_dir", "steps", "final_loss"):
+        assert key in report
+    assert report["steps"] == 2
+    on_disk = json.loads((tmp_path / "o" / "report.json").read_text()) if (tmp_path / "o" / "report.json").exists() else report
+    assert on_disk["pipeline_dir"].endswith("pipeline")
+    pipe = StableDiffusionPipeline.from_pretrained(report["pipeline_dir"], safety_checker=None, requires_safety_checker=False)
+    pipe.set_progress_bar_config(disable=True)
+    image = pipe("a large red circle in the center", num_inference_steps=2, output_type="np").images[0]
+    assert image.shape == (32, 32, 3)
+    assert (tmp_path / "o" / "samples.png").is_file() and (tmp_path / "o" / "loss.png").is_file()
+
+
+@pytest.mark.parametrize("overrides, culprit", [
+    (["data.source=imagefolder", "data.path=/nonexistent/folder"], "/nonexistent/folder"),
+    (["data.resolution=30"], "data.resolution"),
+    (["train.lr=fast"], "train.lr"),
+    (["train.no_such_key=1"], "train.no_such_key"),
+])
+def test_bad_input_is_one_line_exit_2(tmp_path, overrides, culprit):
+    r = subprocess.run([sys.executable, "-m", "pocketdiff", "train-teacher", "--config", SMOKE, "--output",
+                        str(tmp_path / "o"), *overrides], capture_output=True, text=True)
+    assert r.returncode == 2, r.stderr[-2000:]
+    err = [l for l in r.stderr.strip().splitlines() if l.startswith("error:")]
+    assert len(err) == 1 and culprit in err[0], r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+
+
+def test_dataset_without_caption_column_is_named(tmp_path):
+    from PIL import Image
+
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    for i in range(4):
+        Image.new("RGB", (32, 32), "red").save(folder / f"{i}.png")
+    (folder / "metadata.jsonl").write_text("".join(json.dumps({"file_name": f"{i}.png", "label": "x"}) + "\n" for i in range(4)))
+    r = subprocess.run([sys.executable, "-m", "pocketdiff", "train-teacher", "--config", SMOKE, "--output", str(tmp_path / "o"),
+                        "data.source=imagefolder", f"data.path={folder}", "data.caption_column=caption"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2
+    assert "caption" in r.stderr.strip().splitlines()[-1]
