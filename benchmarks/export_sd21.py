@@ -13,6 +13,8 @@ Variants (--variants, comma separated):
   litert_fp32   plain litert-torch conversion
   litert_fp16   plain litert-torch + its fp16 weight recipe
   litert_int8   plain litert-torch + its weight-only int8 recipe (expected: CPU only)
+  litert_gn_composite  plain litert-torch with its fused GroupNorm composite (DESIGN.md: the
+                delegate segfaults on STABLEHLO_COMPOSITE; the child process reports the crash)
   ours_fp16     pocketdiff rewrites + fp16 weights
   ours_int8     pocketdiff rewrites + int8 codes (RTN per channel) carried bit for bit
   ours_fp16_rs  ours_fp16 + residual-stream rescaling (--residual-scale, fp16 range)
@@ -39,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-ALL_VARIANTS = ["litert_fp32", "litert_fp16", "litert_int8", "ours_fp16", "ours_int8", "ours_fp16_rs", "ours_int8_rs"]
+ALL_VARIANTS = ["litert_fp32", "litert_fp16", "litert_int8", "litert_gn_composite", "ours_fp16", "ours_int8", "ours_fp16_rs", "ours_int8_rs"]
 
 
 def log(msg: str) -> None:
@@ -153,7 +155,10 @@ def convert_variant(args, work: Path, variant: str) -> dict:
         import litert_torch
         from litert_torch.generative.quantize import quant_recipes
 
-        qc = {"litert_fp32": None, "litert_fp16": quant_recipes.full_fp16_recipe(), "litert_int8": quant_recipes.full_weight_only_recipe()}[variant]
+        qc = {"litert_fp32": None, "litert_gn_composite": None, "litert_fp16": quant_recipes.full_fp16_recipe(),
+              "litert_int8": quant_recipes.full_weight_only_recipe()}[variant]
+        if variant == "litert_gn_composite":
+            litert_torch.config.enable_group_norm_composite = True
         sample = tuple(torch.from_numpy(data[k]) for k in ("sample", "timestep", "encoder_hidden_states"))
         edge = litert_torch.convert(UNetGraph(unet).eval(), sample, quant_config=qc)
         edge.export(str(path))

@@ -34,6 +34,24 @@ class TextEncoderGraph(nn.Module):
         return self.text_encoder(input_ids, return_dict=False)[0]
 
 
+def _fed_time_embed(self, sample, timestep):
+    return timestep.to(sample.dtype)
+
+
+def _external_time_unet_class():
+    from diffusers import UNet2DConditionModel
+
+    class ExternalTimeUNet(UNet2DConditionModel):
+        """UNet2DConditionModel whose `timestep` input already is the time embedding."""
+
+        def get_time_embed(self, sample, timestep):
+            return _fed_time_embed(self, sample, timestep)
+
+    ExternalTimeUNet.__module__ = __name__
+    ExternalTimeUNet.__qualname__ = "ExternalTimeUNet"
+    return ExternalTimeUNet
+
+
 class _PassThrough(nn.Module):
     """Stands in for the time embedding MLP: returns its first argument."""
 
@@ -51,7 +69,12 @@ class UNetGraph(nn.Module):
         self.takes_timestep_cond = timestep_cond and not external_time_embedding
         if external_time_embedding:
             # get_time_embed returns what we feed; time_embedding becomes the identity
-            unet.get_time_embed = types.MethodType(lambda self, sample, timestep: timestep.to(sample.dtype), unet)
+            from diffusers import UNet2DConditionModel
+
+            if type(unet) is UNet2DConditionModel:
+                unet.__class__ = ExternalTimeUNet  # a module-level class: the graph stays picklable
+            else:
+                unet.get_time_embed = types.MethodType(_fed_time_embed, unet)
             unet.time_embedding = _PassThrough()
 
     def forward(self, sample, timestep, encoder_hidden_states, timestep_cond=None):
@@ -142,3 +165,6 @@ def time_embedding_table(unet, num_train_timesteps: int, w_embedding: Optional[t
 def tokenize(tokenizer, prompts: list[str]) -> np.ndarray:
     enc = tokenizer(prompts, padding="max_length", max_length=tokenizer.model_max_length, truncation=True, return_tensors="np")
     return enc["input_ids"].astype(np.int32)
+
+
+ExternalTimeUNet = _external_time_unet_class()

@@ -96,37 +96,41 @@ def _rejected_with_modules(run, model: TfliteModel, root: nn.Module) -> list[dic
     return out
 
 
-def export_component(
+@dataclasses.dataclass
+class Prepared:
+    """A component after the PyTorch-side steps (reference, rewrites), ready to convert."""
+
+    name: str
+    rewritten: nn.Module
+    inputs: dict[str, torch.Tensor]
+    reference: np.ndarray
+    report: dict
+    out_path: Path
+    weights: str
+    quantized: Optional[QuantizedComponent]
+    raw_path: Optional[Path] = None
+
+
+def prepare_component(
     name: str,
     graph: nn.Module,
     inputs: dict[str, torch.Tensor],
     out_path: Path,
     rewrites: RewriteConfig,
     weights: str,
-    verify: VerifyConfig,
-    parity_cfg: parity_lib.ParityConfig,
     quantized: Optional[QuantizedComponent] = None,
-    float_storage: str = "fp16",
-    work_dir: Optional[Path] = None,
-) -> dict:
-    """Export `graph` (a TextEncoderGraph / UNetGraph / VaeDecoderGraph) to `out_path`.
-
-    Returns the component's report entry; raises PocketdiffError (op not GPU-compatible)
-    or ParityError (a named threshold failed).
-    """
+) -> Prepared:
+    """Steps 1-2: the PyTorch reference on the fixed inputs, then the module swaps on a copy,
+    checked against the reference."""
     args = tuple(inputs.values())
     report: dict = {"file": out_path.name, "weights": weights, "inputs": {}, "outputs": {}}
     for k, v in inputs.items():
         report["inputs"][k] = {"shape": list(v.shape), "dtype": str(v.dtype).replace("torch.", "")}
-
-    # 1. PyTorch reference on the fixed inputs (the module as given: float or codes * scales)
     graph = graph.eval()
     with torch.no_grad():
         reference = graph(*args)
     ref_np = _np(reference)
     report["outputs"]["output_0"] = {"shape": list(ref_np.shape), "dtype": "float32"}
-
-    # 2. module swaps on a copy, checked against the reference in PyTorch
     rewritten = copy.deepcopy(graph)
     t0 = time.perf_counter()
     rw = apply_rewrites(rewritten, rewrites, sample_inputs=args)
@@ -136,30 +140,43 @@ def export_component(
         rewritten_out = rewritten(*args)
     rw["attention_chunks"] = attention_chunk_report(rewritten)
     report["rewrites"] = rw
+    report["rewrite_s"] = round(time.perf_counter() - t0, 3)
     report["rewrite_parity"] = parity_lib.metrics(ref_np, _np(rewritten_out))
     if not report["rewrite_parity"]["cosine"] >= 0.9999:
         raise ParityError(f"{name}: the rewritten PyTorch module drifted from the original (cosine {report['rewrite_parity']['cosine']:.6f})")
+    return Prepared(name, rewritten.eval(), dict(inputs), ref_np, report, out_path, weights, quantized)
 
-    # 3. convert (fp32 constants) and store the weights as asked
-    with tempfile.TemporaryDirectory(prefix=f"pocketdiff-{name}-", dir=work_dir) as tmp:
-        raw_path = Path(tmp) / f"{name}_fp32.tflite"
-        report["convert_s"] = round(_convert(rewritten, inputs, raw_path), 3)
-        report["convert_peak_rss_mb"] = round(peak_rss_mb(), 1)
-        pieces = []
-        if weights == "int8":
-            if quantized is None:
-                raise PocketdiffError(f"{name}: weights=int8 but no int8 checkpoint for this component")
-            pieces = pieces_for(rewritten, quantized)
-            skipped = unexported_layers(rewritten, quantized, pieces)
-            report["int8_layers"] = len({p.layer for p in pieces})
-            report["int8_layers_outside_graph"] = skipped
-        info = store_weights(raw_path, out_path, weights, pieces, float_storage=float_storage)
-        report["int8_tensors"] = info["int8_tensors"]
-        report["fp16_tensors"] = info["fp16_tensors"]
-        report["int8_map"] = info["int8_map"]
-        report["rewrite_s"] = round(time.perf_counter() - t0, 3)
 
-    # 4. graph facts
+def convert_job(module: nn.Module, inputs: dict[str, torch.Tensor], raw_path: str) -> dict:
+    """Step 3a, picklable for a worker process: litert-torch conversion (fp32 constants)."""
+    torch.set_num_threads(1)
+    seconds = _convert(module, inputs, Path(raw_path))
+    return {"convert_s": round(seconds, 3), "convert_peak_rss_mb": round(peak_rss_mb(), 1)}
+
+
+def finish_component(
+    prep: Prepared,
+    convert_info: dict,
+    verify: VerifyConfig,
+    parity_cfg: parity_lib.ParityConfig,
+    float_storage: str = "fp16",
+) -> dict:
+    """Steps 3b-5: weight storage, graph facts, the GPU delegate and parity."""
+    name, report, ref_np, out_path, weights = prep.name, prep.report, prep.reference, prep.out_path, prep.weights
+    report.update(convert_info)
+    pieces = []
+    if weights == "int8":
+        if prep.quantized is None:
+            raise PocketdiffError(f"{name}: weights=int8 but no int8 checkpoint for this component")
+        pieces = pieces_for(prep.rewritten, prep.quantized)
+        report["int8_layers"] = len({p.layer for p in pieces})
+        report["int8_layers_outside_graph"] = unexported_layers(prep.rewritten, prep.quantized, pieces)
+    info = store_weights(prep.raw_path, out_path, weights, pieces, float_storage=float_storage)
+    report["int8_tensors"] = info["int8_tensors"]
+    report["fp16_tensors"] = info["fp16_tensors"]
+    report["int8_map"] = info["int8_map"]
+
+    # graph facts
     model = TfliteModel(out_path)
     hist = model.op_histogram()
     report["ops"] = hist
@@ -168,14 +185,13 @@ def export_component(
     report["bytes"] = out_path.stat().st_size
     report["max_rank"] = model.max_rank()
     n, where = model.largest_activation()
-    report["largest_activation"] = {"elements": n, "tensor": module_from_location(where)}
-    bad_ops = {k: v for k, v in hist.items() if k in ("BROADCAST_TO",) or k.startswith("CUSTOM") or k == "STABLEHLO_COMPOSITE"}
-    report["suspect_ops"] = bad_ops
+    report["largest_activation"] = {"elements": n, "tensor": resolve_module_path(prep.rewritten, where) if where else ""}
+    report["suspect_ops"] = {k: v for k, v in hist.items() if k == "BROADCAST_TO" or k.startswith("CUSTOM") or "COMPOSITE" in k}
 
-    # 5. the GPU delegate: full acceleration, then parity at fp16 (default) and fp32
+    # the GPU delegate: full acceleration, then parity at fp16 (default) and fp32
     report["fully_accelerated"] = None
     if verify.delegate:
-        feeds = {k: _np(v) for k, v in inputs.items()}
+        feeds = {k: _np(v) for k, v in prep.inputs.items()}
         run = run_on_delegate(out_path, feeds, precisions=verify.precisions, driver=verify.driver, timeout_s=verify.timeout_s)
         report["delegate"] = {
             "driver": run.driver,
@@ -188,7 +204,7 @@ def export_component(
         }
         report["fully_accelerated"] = bool(run.compiled and run.fully_accelerated)
         if not report["fully_accelerated"]:
-            rejected = _rejected_with_modules(run, model, rewritten)
+            rejected = _rejected_with_modules(run, model, prep.rewritten)
             report["rejected_ops"] = rejected
             if verify.require_fully_accelerated:
                 if rejected:
@@ -216,6 +232,29 @@ def export_component(
             raise ParityError("; ".join(fails))
     report["reference"] = ref_np
     return report
+
+
+def export_component(
+    name: str,
+    graph: nn.Module,
+    inputs: dict[str, torch.Tensor],
+    out_path: Path,
+    rewrites: RewriteConfig,
+    weights: str,
+    verify: VerifyConfig,
+    parity_cfg: parity_lib.ParityConfig,
+    quantized: Optional[QuantizedComponent] = None,
+    float_storage: str = "fp16",
+    work_dir: Optional[Path] = None,
+) -> dict:
+    """Export `graph` (a TextEncoderGraph / UNetGraph / VaeDecoderGraph) to `out_path`, in
+    this process. Returns the component's report entry; raises PocketdiffError (an op that is
+    not GPU-compatible, named with its torch module) or ParityError (a named threshold)."""
+    prep = prepare_component(name, graph, inputs, out_path, rewrites, weights, quantized)
+    with tempfile.TemporaryDirectory(prefix=f"pocketdiff-{name}-", dir=work_dir) as tmp:
+        prep.raw_path = Path(tmp) / f"{name}_fp32.tflite"
+        info = {"convert_s": round(_convert(prep.rewritten, prep.inputs, prep.raw_path), 3), "convert_peak_rss_mb": round(peak_rss_mb(), 1)}
+        return finish_component(prep, info, verify, parity_cfg, float_storage)
 
 
 def _convert(module: nn.Module, inputs: dict[str, torch.Tensor], path: Path) -> float:

@@ -35,7 +35,7 @@ from .components import (
     tokenize,
 )
 from .convert import WEIGHT_FORMATS
-from .exporter import VerifyConfig, export_component, peak_rss_mb
+from .exporter import VerifyConfig, convert_job, finish_component, peak_rss_mb, prepare_component
 from .parity import ParityConfig
 from .rewrites import RewriteConfig
 
@@ -84,8 +84,10 @@ class Config:
     verify: VerifyConfig = dataclasses.field(default_factory=VerifyConfig)
     parity: ParityConfig = dataclasses.field(default_factory=ParityConfig)
     fp16_scan: ScanConfig = dataclasses.field(default_factory=ScanConfig)
+    jobs: int = 1  # conversions in parallel worker processes (each holds a copy of its component)
 
     def __post_init__(self) -> None:
+        require(self.jobs >= 1, "jobs", f"must be >= 1, got {self.jobs}")
         require(self.weights in WEIGHT_FORMATS, "weights", f"must be one of {WEIGHT_FORMATS}, got {self.weights!r}")
         require(self.guidance in GUIDANCE_MODES, "guidance", f"must be one of {GUIDANCE_MODES}, got {self.guidance!r}")
         require(len(self.components) > 0, "components", "must name at least one component")
@@ -228,35 +230,60 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
     comp_reports: dict = {}
     manifest_components: dict = {}
     (out / "golden").mkdir(exist_ok=True)
-    for name in cfg.components:
-        graph, inputs = graph_for(name)
-        q = quantized.get(name)
-        weights = cfg.weights if (cfg.weights != "int8" or q is not None) else "fp16"
-        log.info("export %s (%s)", name, weights)
-        rep = export_component(
-            name, graph, inputs, out / f"{name}.tflite", cfg.rewrites, weights, cfg.verify, cfg.parity,
-            quantized=q, float_storage=cfg.int8.float_storage, work_dir=work,
-        )
+    weights_of = {n: (cfg.weights if (cfg.weights != "int8" or quantized.get(n) is not None) else "fp16") for n in cfg.components}
+
+    def finish(prep, info) -> None:
+        name = prep.name
+        rep = finish_component(prep, info, cfg.verify, cfg.parity, float_storage=cfg.int8.float_storage)
         reference = rep.pop("reference")
         golden_path = out / "golden" / f"{name}.npz"
-        np.savez(golden_path, **{f"input_{k}": v.detach().numpy() for k, v in inputs.items()}, output_0=reference)
+        np.savez(golden_path, **{f"input_{k}": v.detach().numpy() for k, v in prep.inputs.items()}, output_0=reference)
         int8_map = rep.pop("int8_map", {})
         if int8_map:
             write_json(work / f"{name}_int8_map.json", int8_map)
         comp_reports[name] = rep
         entry = bundle_lib.file_entry(out, out / f"{name}.tflite")
         entry.update(
-            weights=weights,
+            weights=prep.weights,
             inputs=[{"name": k, **v} for k, v in rep["inputs"].items()],
             outputs=[{"name": k, **v} for k, v in rep["outputs"].items()],
             fully_accelerated=rep.get("fully_accelerated"),
             golden={**bundle_lib.file_entry(out, golden_path), "tolerances": {
                 "fp16": dataclasses.asdict(cfg.parity.fp16), "fp32": dataclasses.asdict(cfg.parity.fp32)}},
         )
-        if q is not None and weights == "int8":
+        q = prep.quantized
+        if q is not None and prep.weights == "int8":
             entry["int8"] = {"layers": rep.get("int8_layers"), "method": q.recipe.extra.get("method") or sorted({lr.method for lr in q.recipe.layers.values()})}
         manifest_components[name] = entry
-        del graph
+
+    def prepare(name):
+        graph, inputs = graph_for(name)
+        log.info("export %s (%s)", name, weights_of[name])
+        prep = prepare_component(name, graph, inputs, out / f"{name}.tflite", cfg.rewrites, weights_of[name], quantized.get(name))
+        prep.raw_path = work / f"{name}_fp32.tflite"
+        return prep
+
+    if cfg.jobs == 1 or len(cfg.components) == 1:
+        for name in cfg.components:  # one component in memory at a time
+            prep = prepare(name)
+            from .exporter import _convert
+
+            info = {"convert_s": round(_convert(prep.rewritten, prep.inputs, prep.raw_path), 3), "convert_peak_rss_mb": round(peak_rss_mb(), 1)}
+            finish(prep, info)
+            prep.raw_path.unlink(missing_ok=True)
+            del prep
+    else:
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+
+        preps = [prepare(name) for name in cfg.components]
+        # the largest first: with 2 workers the UNet runs beside the other two
+        order = sorted(preps, key=lambda p: -sum(t.numel() for t in p.rewritten.parameters()))
+        with ProcessPoolExecutor(max_workers=min(cfg.jobs, len(preps)), mp_context=mp.get_context("spawn")) as pool:
+            futures = {p.name: pool.submit(convert_job, p.rewritten, p.inputs, str(p.raw_path)) for p in order}
+            for prep in preps:
+                finish(prep, futures[prep.name].result())
+                prep.raw_path.unlink(missing_ok=True)
 
     # 4. fp16 overflow scan
     scan = None
