@@ -1,9 +1,13 @@
 """A pruned UNet still converts and runs fully accelerated on the LiteRT GPU delegate.
 
-Uses the export package's building blocks: `pocketdiff.export.components.UNetGraph`
-(timestep in, time embedding inside the graph), `pocketdiff.export.convert.to_tflite` (litert-torch) and
-`pocketdiff.export.delegate.run_on_delegate` (the delegate is the judge). Skips with the
-reason when those, litert-torch or a Vulkan adapter (lavapipe in CI) are missing.
+Goes the way `pocketdiff export` takes a UNet to the phone: `export.components.UNetGraph`
+with the time embedding computed outside the graph (`time_embedding_table`), the module
+rewrites `export.rewrites.apply_rewrites(RewriteConfig())` (Linear -> 1x1 conv, rank-4
+GroupNorm, clipped GELU, explicit attention), litert-torch through
+`export.convert.to_tflite`, then `export.delegate.run_on_delegate`: the delegate is the
+judge. Pruned blocks have per-block GroupNorm group counts (whole_groups mode), which the
+rank-4 GroupNorm rewrite must handle. Skips with the reason when the export package,
+litert-torch or a Vulkan adapter (lavapipe in CI) is missing.
 """
 from __future__ import annotations
 
@@ -20,12 +24,14 @@ from pocketdiff.models import perturb_norm_affines, unet_config
 
 def _export_api():
     try:
-        from pocketdiff.export.components import UNetGraph
+        from pocketdiff.export.components import UNetGraph, time_embedding_table
         from pocketdiff.export.convert import to_tflite
         from pocketdiff.export.delegate import delegate_available, run_on_delegate
+        from pocketdiff.export.rewrites import RewriteConfig, apply_rewrites
     except ImportError as e:
-        pytest.skip(f"pocketdiff.export offers no UNet conversion yet (needs export.components.UNetGraph, "
-                    f"export.convert.to_tflite, export.delegate.run_on_delegate): {e}")
+        pytest.skip(f"pocketdiff.export offers no UNet conversion yet (needs export.components.UNetGraph + "
+                    f"time_embedding_table, export.rewrites.apply_rewrites, export.convert.to_tflite, "
+                    f"export.delegate.run_on_delegate): {e}")
     try:
         import litert_torch  # noqa: F401
     except ImportError:
@@ -33,30 +39,39 @@ def _export_api():
     ok, why = delegate_available()
     if not ok:
         pytest.skip(f"LiteRT GPU delegate unavailable: {why}")
-    return UNetGraph, to_tflite, run_on_delegate
+    return UNetGraph, time_embedding_table, RewriteConfig, apply_rewrites, to_tflite, run_on_delegate
+
+
+def _cos(a: np.ndarray, b: np.ndarray) -> float:
+    return float((a * b).sum() / (np.linalg.norm(a) * np.linalg.norm(b)))
 
 
 def test_pruned_unet_runs_fully_accelerated_on_gpu_delegate(tmp_path):
-    UNetGraph, to_tflite, run_on_delegate = _export_api()
+    UNetGraph, time_embedding_table, RewriteConfig, apply_rewrites, to_tflite, run_on_delegate = _export_api()
     torch.manual_seed(0)
     unet = UNet2DConditionModel(**unet_config("tiny", resolution=32, vae_factor=4)).eval()
     perturb_norm_affines(unet, 0)  # identity affines become BROADCAST_TO (DESIGN.md)
     pruned, plan = prune_unet(unet, PruneSettings(ratio=0.3, importance="l1", groupnorm="whole_groups", round_to=4))
     assert any(g["groupnorm_groups_after"] < g["groupnorm_groups_before"] for g in plan["groups"])
 
-    graph = UNetGraph(copy.deepcopy(pruned)).eval()
     g = torch.Generator().manual_seed(0)
-    inputs = (torch.randn(1, 4, 8, 8, generator=g), torch.tensor([500.0]), torch.randn(1, 77, 64, generator=g))
+    temb = torch.from_numpy(time_embedding_table(pruned, 1000)[[500]])
+    inputs = (torch.randn(1, 4, 8, 8, generator=g), temb, torch.randn(1, 77, 64, generator=g))
+    graph = UNetGraph(copy.deepcopy(pruned), external_time_embedding=True).eval()
     with torch.no_grad():
         ref = graph(*inputs).numpy()
         direct = pruned(inputs[0], torch.tensor([500]), encoder_hidden_states=inputs[2]).sample.numpy()
     np.testing.assert_allclose(ref, direct, atol=1e-5)
+    rewritten = copy.deepcopy(graph)
+    info = apply_rewrites(rewritten, RewriteConfig(), sample_inputs=inputs)
+    assert info.get("group_norm", 0) > 0 and info.get("linear_to_conv", 0) > 0
+    with torch.no_grad():
+        assert _cos(rewritten(*inputs).numpy(), ref) > 0.9999
 
     path = tmp_path / "unet_pruned.tflite"
-    to_tflite(graph, inputs, path)
-    run = run_on_delegate(path, [x.numpy() for x in inputs], precisions=("fp32",))
+    to_tflite(rewritten, inputs, path)
+    run = run_on_delegate(path, [x.numpy() for x in inputs], precisions=("fp32", "fp16"))
     assert run.compiled, run.error
     assert run.fully_accelerated, run.rejected_summary()
-    out = run.outputs["fp32"][0].reshape(ref.shape)
-    cos = float((out * ref).sum() / (np.linalg.norm(out) * np.linalg.norm(ref)))
-    assert cos > 0.999, cos
+    assert _cos(run.outputs["fp32"][0].reshape(ref.shape), ref) > 0.9999
+    assert _cos(run.outputs["fp16"][0].reshape(ref.shape), ref) > 0.999  # the delegate's default precision
