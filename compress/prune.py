@@ -27,7 +27,6 @@ import copy
 import dataclasses
 import json
 import logging
-import math
 import os
 import shutil
 from pathlib import Path
