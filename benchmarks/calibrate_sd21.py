@@ -156,12 +156,13 @@ def main(argv=None) -> int:
     p.add_argument("--compile-mode", default=None)
     p.add_argument("--channels-last", action="store_true")
     p.add_argument("--scale-init", default="mse", choices=["mse", "maxabs"])
+    p.add_argument("--no-learn-scale", action="store_true", help="plain AdaRound (scales fixed at their init)")
     p.add_argument("--timing-iters", type=int, default=20, help="timed iterations per block (after warm-up)")
     p.add_argument("--no-timing", action="store_true")
     p.add_argument("--no-sweep", action="store_true")
     p.add_argument("--full-iters", type=int, default=None, help="also run a whole-UNet calibration at this many iterations")
     p.add_argument("--full-mode", default="sequential", choices=["sequential", "independent"])
-    p.add_argument("--holdout", type=int, default=32, help="held-out inputs for the full run's UNet cosine")
+    p.add_argument("--holdout", type=int, default=64, help="held-out inputs (whole trajectories) for the sweep and the full run")
     p.add_argument("--norm-scale", type=float, default=0.1, help="perturb_norm_affines scale")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -210,19 +211,20 @@ def main(argv=None) -> int:
     overrides = {k: v for k, v in (("lr", args.lr), ("round_weight", args.round_weight), ("warmup", args.warmup),
                                                    ("lr_schedule", args.lr_schedule)) if v is not None}
     base = ReconConfig(iters=1, batch_size=args.batch, autocast=args.autocast, compile=args.compile,
-                       compile_mode=args.compile_mode, channels_last=args.channels_last, scale_init=args.scale_init, **overrides)
+                       compile_mode=args.compile_mode, channels_last=args.channels_last, scale_init=args.scale_init,
+                       learn_scale=not args.no_learn_scale, **overrides)
     result["recon_config"] = dataclasses.asdict(base)
     weights = float_weights(unet, names)
     rtn_res, init_scales = layer_inits(weights, specs, base, device)
     tf32, cap_ac = capture_settings(base, device)
     iters_list = [int(x) for x in args.iters.split(",") if x.strip()]
 
-    def block_data(b):
+    def block_data(b, data=None):
         sync(device)
         tc = time.time()
         with precision(tf32):
-            caps = capture(unet, calib, [Request(u, inputs=True, output=True) for u in b.units], device=device,
-                           batch_size=16, store_device=device, autocast=cap_ac)
+            caps = capture(unet, data if data is not None else calib, [Request(u, inputs=True, output=True) for u in b.units],
+                           device=device, batch_size=16, store_device=device, autocast=cap_ac)
         sync(device)
         return caps, time.time() - tc
 
@@ -271,9 +273,17 @@ def main(argv=None) -> int:
 
     # ---- error vs iterations on selected blocks
     if not args.no_sweep:
+        from pocketdiff.compress.quant import dequant
+        from pocketdiff.compress.reconstruct import block_mse
+
+        held = calib_set(unet, scheduler, ucfg, max(1, args.holdout // (2 * args.steps)), args.steps, args.seed + 99, device)
+        result["holdout_samples"] = len(held)
         sweep = []
         for b in pick_blocks(blocks, args.blocks, per_sample):
             caps, _ = block_data(b)
+            hcaps, _ = block_data(b, held)
+            htargets = [c.output for c in hcaps]
+            h_rtn = block_mse(b, hcaps, htargets, {g: dequant(*rtn_res[g], specs[g]).to(device) for g in b.layers}, device)
             rows = []
             for n in iters_list:
                 opts = dataclasses.replace(base, iters=n, method="adaround" if n > 0 else "rtn", fallback=False)
@@ -285,13 +295,16 @@ def main(argv=None) -> int:
                 row = {"iters": n, "wall_s": round(time.time() - ts, 3), "mse_rtn": s["mse_rtn_calib"], "mse_init": s["mse_init_calib"],
                        "mse_recon": s["mse_recon_calib"], "target_power": s["target_power"], "soft_fraction": s.get("soft_fraction")}
                 row["ratio_vs_rtn"] = row["mse_recon"] / max(row["mse_rtn"], 1e-30)
+                h = block_mse(b, hcaps, htargets, {g: dequant(lr.codes, lr.scale, specs[g]).to(device) for g, lr in res.layers.items()}, device)
+                row.update(holdout_mse_rtn=h_rtn, holdout_mse_recon=h, holdout_ratio_vs_rtn=h / max(h_rtn, 1e-30))
                 rows.append(row)
                 print(f"sweep {b.name} iters={n}: rtn {row['mse_rtn']:.3e} init {row['mse_init']:.3e} recon {row['mse_recon']:.3e} "
-                      f"({row['ratio_vs_rtn']:.3f}x rtn) soft {row['soft_fraction']} {row['wall_s']:.1f}s", file=sys.stderr, flush=True)
+                      f"({row['ratio_vs_rtn']:.3f}x rtn; held-out {row['holdout_ratio_vs_rtn']:.3f}x) soft {row['soft_fraction']} "
+                      f"{row['wall_s']:.1f}s", file=sys.stderr, flush=True)
             sweep.append({"name": b.name, "kind": b.kind, "rows": rows})
             result["sweep"] = sweep
             save()
-            del caps
+            del caps, hcaps
         result["sweep"] = sweep
 
     # ---- whole-UNet run
