@@ -428,6 +428,29 @@ def _load_error(source: str, err: Exception) -> PocketdiffError:
     return PocketdiffError(f"{source}: cannot load: {first}")
 
 
+def import_declared_classes(folder: Path) -> list[str]:
+    """Import the `pocketdiff.*` modules a folder's model_index.json names for its components
+    (e.g. a pruned UNet class), so the stock `from_pretrained` resolves them. Only our own
+    namespace is imported: the folder declares the class, no remote code is ever run."""
+    import importlib
+    import json
+
+    index = Path(folder) / "model_index.json"
+    try:
+        entries = json.loads(index.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return []  # from_pretrained reports a missing or broken file
+    imported = []
+    for value in entries.values() if isinstance(entries, dict) else []:
+        if isinstance(value, list) and len(value) == 2 and isinstance(value[0], str) and value[0].startswith("pocketdiff."):
+            try:
+                importlib.import_module(value[0])
+            except ImportError as e:
+                raise PocketdiffError(f"{index}: names {value[0]}.{value[1]}, which cannot be imported ({e})") from None
+            imported.append(value[0])
+    return imported
+
+
 def load_pipeline(source: str, prediction_type: Optional[str] = None, torch_dtype=None):
     """Load a diffusers SD pipeline folder or hub id with the stock `StableDiffusionPipeline.from_pretrained`.
 
@@ -441,6 +464,7 @@ def load_pipeline(source: str, prediction_type: Optional[str] = None, torch_dtyp
     src, local = _resolve_source(source)
     if local:
         check_pipeline_folder(Path(src))
+        import_declared_classes(Path(src))
     kwargs: dict[str, Any] = dict(
         use_safetensors=True, safety_checker=None, feature_extractor=None, requires_safety_checker=False
     )

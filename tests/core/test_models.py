@@ -252,3 +252,17 @@ def test_model_index_is_stock(saved):
     assert index["_class_name"] == "StableDiffusionPipeline"
     assert index["unet"] == ["diffusers", "UNet2DConditionModel"]
     assert index["requires_safety_checker"] is False
+
+
+def test_declared_pocketdiff_classes_are_imported_and_others_are_not(tmp_path):
+    import json
+
+    from pocketdiff.errors import PocketdiffError
+    from pocketdiff.models import import_declared_classes
+
+    (tmp_path / "model_index.json").write_text(json.dumps({
+        "unet": ["pocketdiff.sampling", "Anything"], "vae": ["os", "system"], "scheduler": ["diffusers", "DDIMScheduler"]}))
+    assert import_declared_classes(tmp_path) == ["pocketdiff.sampling"]
+    (tmp_path / "model_index.json").write_text(json.dumps({"unet": ["pocketdiff.no_such_module", "X"]}))
+    with pytest.raises(PocketdiffError, match="pocketdiff.no_such_module"):
+        import_declared_classes(tmp_path)
