@@ -53,7 +53,10 @@ def peak_rss_mb() -> float:
 
 
 # ----------------------------------------------------------------------------- setup
-def build_unet(arch: str, resolution: int, seed: int):
+def build_unet(arch: str, resolution: int, seed: int, init: str = "default"):
+    """diffusers' own initialisation (activations stay small), or `normal002`: every conv /
+    linear weight N(0, 0.02^2), biases 0, the synthetic kind that drives SD-size activations
+    past the fp16 range (DESIGN.md) -- the case the fp16-safe rewrites must survive."""
     import torch
     from diffusers import UNet2DConditionModel
 
@@ -63,6 +66,13 @@ def build_unet(arch: str, resolution: int, seed: int):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         unet = UNet2DConditionModel(**unet_config(arch, resolution=resolution, vae_factor=factor)).eval()
+        if init == "normal002":
+            with torch.no_grad():
+                for m in unet.modules():
+                    if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear)):
+                        m.weight.normal_(0.0, 0.02)
+                        if m.bias is not None:
+                            m.bias.zero_()
     perturb_norm_affines(unet, seed)
     return unet
 
@@ -85,7 +95,7 @@ def prepare(args, work: Path) -> dict:
 
     from pocketdiff.export.components import UNetGraph, time_embedding_table
 
-    unet = build_unet(args.arch, args.resolution, args.seed)
+    unet = build_unet(args.arch, args.resolution, args.seed, args.init)
     n_params = sum(p.numel() for p in unet.parameters())
     unet.save_pretrained(str(work / "unet"), safe_serialization=True)
     inputs = make_inputs(unet, args.batch, args.seed)
@@ -114,7 +124,10 @@ def fp16_scan(unet, inputs: dict, args) -> dict:
 
     device = "cuda" if args.device == "cuda" and torch.cuda.is_available() else "cpu"
     out = {}
-    for label, scale in (("raw", None), ("residual_scaled", args.residual_scale)):
+    scales = [("raw", None)]
+    if args.residual_scale != "auto":
+        scales.append(("residual_scaled", float(args.residual_scale)))
+    for label, scale in scales:
         g = UNetGraph(copy.deepcopy(unet)).to(device)
         if scale:
             apply_rewrites(g, dataclasses.replace(RewriteConfig.none(), residual_scale=scale))
@@ -125,9 +138,17 @@ def fp16_scan(unet, inputs: dict, args) -> dict:
         sc.detach()
         rep = sc.report(RewriteConfig())
         out[label] = {k: rep[k] for k in ("overflowing_ops", "unmitigated", "first_overflow", "max_abs", "peaks")}
+        out[label]["stream_peak"] = max([v.get("stream", 0.0) for v in rep["stats"].values()] or [0.0])
         out[label]["output_finite"] = bool(torch.isfinite(y).all())
         out[label]["unmitigated_ops"] = [e["module"] for e in rep["ops"] if not e["mitigated_by"]][:20]
         del g
+        if label == "raw" and args.residual_scale == "auto":
+            from pocketdiff.export.fp16scan import residual_scale_for
+
+            auto = residual_scale_for(out["raw"]["stream_peak"])
+            out["auto_scale"] = auto
+            if auto != 1.0:
+                scales.append(("residual_scaled", auto))
     return out
 
 
@@ -164,7 +185,15 @@ def convert_variant(args, work: Path, variant: str) -> dict:
         edge.export(str(path))
         meta["time_input"] = "timestep"
     else:
-        rs = args.residual_scale if variant.endswith("_rs") else None
+        rs = None
+        if variant.endswith("_rs"):
+            if args.residual_scale == "auto":
+                scan = json.loads((work / "prepare.json").read_text()).get("fp16_scan")
+                if not scan:
+                    raise SystemExit("--residual-scale auto needs --scan")
+                rs = scan.get("auto_scale") or None
+            else:
+                rs = float(args.residual_scale)
         rewrites = dataclasses.replace(
             RewriteConfig(), residual_scale=rs, attention_budget_mb=args.attention_budget_mb, conv_budget_mb=args.conv_budget_mb
         )
@@ -237,7 +266,8 @@ def main(argv=None) -> int:
     p.add_argument("--resolution", type=int, default=512, help="pixels (latents = resolution / VAE factor)")
     p.add_argument("--batch", type=int, default=2, help="UNet batch (2: classifier-free guidance)")
     p.add_argument("--variants", default=",".join(ALL_VARIANTS))
-    p.add_argument("--residual-scale", type=float, default=0.125, help="power of two for the *_rs variants")
+    p.add_argument("--residual-scale", default="0.125", help="power of two for the *_rs variants, or 'auto' (from --scan)")
+    p.add_argument("--init", default="default", choices=["default", "normal002"], help="synthetic weights (see build_unet)")
     p.add_argument("--attention-budget-mb", type=float, default=None)
     p.add_argument("--conv-budget-mb", type=float, default=None)
     p.add_argument("--repeats", type=int, default=10)
@@ -275,12 +305,15 @@ def main(argv=None) -> int:
     from pocketdiff.export.delegate import delegate_available
 
     result.update(
-        arch=args.arch, resolution=args.resolution, batch=args.batch, host=platform.node(), cpu_count=os.cpu_count(),
+        init=args.init, residual_scale=args.residual_scale, arch=args.arch, resolution=args.resolution, batch=args.batch, host=platform.node(), cpu_count=os.cpu_count(),
         delegate_driver=delegate_available()[1], started=time.strftime("%Y-%m-%d %H:%M:%S"),
     )
-    if not (work / "inputs.npz").is_file() or not (work / "prepare.json").is_file():
+    key = f"{args.arch}-{args.resolution}-{args.init}-{args.seed}-{args.batch}"
+    stale = (work / "prepare.json").is_file() and json.loads((work / "prepare.json").read_text()).get("key") != key
+    if stale or not (work / "inputs.npz").is_file() or not (work / "prepare.json").is_file():
         log(f"building {args.arch} UNet at {args.resolution}px, torch reference")
         meta = prepare(args, work)
+        meta["key"] = key
         (work / "prepare.json").write_text(json.dumps(meta, indent=2))
     meta = json.loads((work / "prepare.json").read_text())
     if args.scan and "fp16_scan" not in meta:
@@ -303,7 +336,8 @@ def main(argv=None) -> int:
     for v in variants:
         log(f"{v}: converting in a child process")
         cmd = [sys.executable, __file__, "--_convert", v, "--work", str(work), "--out", str(out), "--arch", args.arch,
-               "--resolution", str(args.resolution), "--residual-scale", str(args.residual_scale), "--seed", str(args.seed)]
+               "--resolution", str(args.resolution), "--residual-scale", str(args.residual_scale), "--seed", str(args.seed),
+               "--init", args.init]
         if args.attention_budget_mb:
             cmd += ["--attention-budget-mb", str(args.attention_budget_mb)]
         if args.conv_budget_mb:
@@ -320,6 +354,8 @@ def main(argv=None) -> int:
             result["variants"][v] = measure(args, work, v, vmeta, meta["params"])
         result["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
         out.write_text(json.dumps(_summarize(result), indent=2, default=float))
+    result["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    out.write_text(json.dumps(_summarize(result), indent=2, default=float))
     log(f"wrote {out}")
     return 0
 

@@ -25,6 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 FP16_MAX = 65504.0
+# blocks whose outputs are the residual stream of a UNet / VAE decoder
+STREAM_BLOCKS = ("ResnetBlock2D", "Transformer2DModel", "Downsample2D", "Upsample2D")
 
 
 def _amax(t: torch.Tensor) -> float:
@@ -131,9 +133,20 @@ class Fp16Scanner:
         self._hooks.append(attn.to_k.register_forward_hook(grab("k")))
         self._hooks.append(attn.register_forward_hook(done))
 
+    def _stream_hook(self, name: str):
+        def hook(mod, inputs, output):
+            out = output[0] if isinstance(output, (tuple, list)) else output
+            if isinstance(out, torch.Tensor):
+                self._rec(name, "stream", _amax(out), type(mod).__name__)
+            return None
+
+        return hook
+
     def attach(self, module: nn.Module, prefix: str) -> None:
         for name, m in module.named_modules():
             full = f"{prefix}.{name}" if name else prefix
+            if type(m).__name__ in STREAM_BLOCKS:
+                self._hooks.append(m.register_forward_hook(self._stream_hook(full)))
             if type(m).__name__ == "Attention" and hasattr(m, "to_q") and hasattr(m, "heads"):
                 self._attention_hooks(full, m)
             if type(m).__name__ in ("GELU", "GEGLU") and isinstance(getattr(m, "proj", None), nn.Module) and not isinstance(m, nn.GELU):
@@ -176,6 +189,7 @@ class Fp16Scanner:
             "max_abs": max((s.get("max_abs", 0.0) for s in self.stats.values()), default=0.0),
             "worst": [{"module": n, "kind": k, "peak": p} for p, n, k in worst_ratio[:10]],
             "peaks": peaks,
+            "stats": {n: {k: v for k, v in self.stats[n].items()} for n in self.order if "stream" in self.stats[n]},
             "ops": entries,
         }
 
@@ -197,6 +211,23 @@ def _mitigation(kind: str, over: dict, rewrites) -> list[str]:
         remaining -= {"logits_unscaled"}
         fixes.append("rewrites.attention (q scaled before QK^T)")
     return fixes if not remaining else []
+
+
+def residual_scale_for(peak: float, target: float = FP16_MAX / 16) -> float:
+    """The power of two that brings a residual-stream peak down to `target` (1.0 when it fits)."""
+    if not peak > target:
+        return 1.0
+    return 2.0 ** -math.ceil(math.log2(peak / target))
+
+
+def stream_peaks(report: dict) -> dict[str, float]:
+    """Largest residual-stream value per component prefix ('unet', 'vae_decoder') of a scan."""
+    out: dict[str, float] = {}
+    for name, s in report.get("stats", {}).items():
+        if "stream" in s:
+            comp = name.split(".", 1)[0]
+            out[comp] = max(out.get(comp, 0.0), s["stream"])
+    return out
 
 
 @torch.no_grad()

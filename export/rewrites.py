@@ -54,6 +54,7 @@ class RewriteConfig:
     conv_split: str = "input"  # preferred split: input | output
     time_embedding_outside: bool = True  # UNet time embedding computed outside the graph (a table in the bundle)
     residual_scale: Optional[float] = None  # fp16: scale the UNet / VAE-decoder residual stream by this power of two (e.g. 0.125)
+    residual_scale_auto: bool = False  # pick the power of two per component from the fp16 scan's stream peak
     activation_bytes: int = 2  # bytes per activation element on the device (fp16)
 
     def __post_init__(self) -> None:

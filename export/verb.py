@@ -216,7 +216,30 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
         unet_inputs["timestep_cond"] = w_emb.expand(B, -1).contiguous()
     vae_latents = torch.randn(1, shapes.latent_channels, shapes.latent_size, shapes.latent_size, generator=gen)
 
-    # 3. components
+    # 3. fp16 overflow scan (before conversion: it can choose the residual-stream scale)
+    scan = None
+    if cfg.fp16_scan.enabled:
+        scan = scan_pipeline(pipe, cfg.fp16_scan.prompts, steps=cfg.fp16_scan.steps, guidance_scale=cfg.guidance_scale,
+                             resolution=shapes.resolution, seed=cfg.seed, rewrites=cfg.rewrites)
+        write_json(work / "fp16_scan.json", scan)
+        if cfg.fp16_scan.fail and scan["overflowing_ops"]:
+            raise PocketdiffError(f"fp16 scan: {scan['overflowing_ops']} ops leave the fp16 range (first: {scan['first_overflow']})")
+
+    rewrites_of = {n: cfg.rewrites for n in cfg.components}
+    if cfg.rewrites.residual_scale_auto:
+        if scan is None:
+            raise PocketdiffError("rewrites.residual_scale_auto needs fp16_scan.enabled: true")
+        from .fp16scan import residual_scale_for, stream_peaks
+
+        peaks = stream_peaks(scan)
+        for n in ("unet", "vae_decoder"):
+            if n in rewrites_of:
+                s = residual_scale_for(peaks.get(n, 0.0))
+                rewrites_of[n] = dataclasses.replace(cfg.rewrites, residual_scale=None if s == 1.0 else s)
+        scan["residual_scale_auto"] = {n: rewrites_of[n].residual_scale for n in rewrites_of}
+        write_json(work / "fp16_scan.json", scan)
+
+    # 4. components
     def graph_for(name: str):
         if name == "text_encoder":
             return TextEncoderGraph(pipe.text_encoder), {"input_ids": torch.from_numpy(ids_prompt)}
@@ -259,7 +282,7 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
     def prepare(name):
         graph, inputs = graph_for(name)
         log.info("export %s (%s)", name, weights_of[name])
-        prep = prepare_component(name, graph, inputs, out / f"{name}.tflite", cfg.rewrites, weights_of[name], quantized.get(name))
+        prep = prepare_component(name, graph, inputs, out / f"{name}.tflite", rewrites_of[name], weights_of[name], quantized.get(name))
         prep.raw_path = work / f"{name}_fp32.tflite"
         return prep
 
@@ -284,15 +307,6 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
             for prep in preps:
                 finish(prep, futures[prep.name].result())
                 prep.raw_path.unlink(missing_ok=True)
-
-    # 4. fp16 overflow scan
-    scan = None
-    if cfg.fp16_scan.enabled:
-        scan = scan_pipeline(pipe, cfg.fp16_scan.prompts, steps=cfg.fp16_scan.steps, guidance_scale=cfg.guidance_scale,
-                             resolution=shapes.resolution, seed=cfg.seed, rewrites=cfg.rewrites)
-        write_json(work / "fp16_scan.json", scan)
-        if cfg.fp16_scan.fail and scan["overflowing_ops"]:
-            raise PocketdiffError(f"fp16 scan: {scan['overflowing_ops']} ops leave the fp16 range (first: {scan['first_overflow']})")
 
     # 5. bundle: tokenizer, time embedding, manifest
     tok_files = _save_tokenizer(pipe.tokenizer, out / "tokenizer")
@@ -362,7 +376,7 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
         "weights": cfg.weights,
         "components": summary,
         "bundle_bytes": int(sum(p.stat().st_size for p in out.rglob("*") if p.is_file() and "_export" not in p.parts)),
-        "fp16_scan": None if scan is None else {k: scan[k] for k in ("overflowing_ops", "first_overflow", "max_abs", "worst")},
+        "fp16_scan": None if scan is None else {k: scan.get(k) for k in ("overflowing_ops", "unmitigated", "first_overflow", "max_abs", "peaks", "residual_scale_auto")},
         "peak_rss_mb": round(peak_rss_mb(), 1),
         "export_s": round(time.perf_counter() - t_start, 2),
     }

@@ -75,3 +75,11 @@ def test_scan_of_a_pipeline_reports_attention_logits():
         assert key in peaks, key
     assert ".attn" in peaks["logits"]["module"]
     assert peaks["logits"]["value"] < peaks["logits_unscaled"]["value"]
+
+
+def test_residual_scale_for_the_stream_peak():
+    from pocketdiff.export.fp16scan import residual_scale_for
+
+    assert residual_scale_for(100.0) == 1.0
+    assert residual_scale_for(6.7e4) == 2.0 ** -5  # 6.7e4 / 32 < 4094 (= 65504 / 16)
+    assert residual_scale_for(6.7e4, target=65504) == 0.5
