@@ -105,7 +105,7 @@ def test_reconstruction_beats_rtn_on_a_toy_block(bits):
     res = reconstruct_block(block, [_captured(x)], [target], weights, specs, rtn_res, init, opts, "cpu", seed=0)
     assert res.stats["chosen"] == "adaround"
     assert res.stats["mse_recon_calib"] < res.stats["mse_rtn_calib"]
-    for name, lr in res.layers.items():  # every code is floor or ceil of W / s0 (scale not learned)
+    for name, lr in res.layers.items():  # every code is floor or ceil of W / s0 (s0: the initial scale; the stored one is learned)
         assert lr.codes.dtype == torch.int8 and int(lr.codes.abs().max()) <= qmax(bits)
         x0 = weights[name] / expand_scale(init[name], weights[name].shape, None)
         m = qmax(bits)
