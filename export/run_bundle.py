@@ -288,6 +288,8 @@ def main(args) -> int:
         "latency_s": {k: round(v, 4) for k, v in stats["latency_s"].items()},
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, 1),
         "peak_model_mb": round(stats["peak_model_mb"], 2),
+        # what a non-pipelined run holds at once (all three models), for comparison
+        "peak_model_mb_all_resident": round(sum(int(e.get("bytes", 0)) for e in man["components"].values()) / 2**20, 2),
         "steps": len(man["scheduler"]["timesteps"]),
         "guidance": man["guidance"],
         "pid": os.getpid(),
