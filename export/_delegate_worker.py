@@ -95,6 +95,12 @@ def main(request_path: str) -> int:
             result["latency_s"][prec] = statistics.median(times)
             result["ran"].append(prec)
             flush()
+            # release everything before the next precision: a second CompiledModel cannot
+            # write its inputs while the first one's buffers are alive
+            for buf in list(in_bufs) + list(out_bufs):
+                buf.destroy()
+            del in_bufs, out_bufs
+            model.close()
             del model
     except Exception as e:  # noqa: BLE001 - reported to the parent
         first = str(e).strip().splitlines()

@@ -184,6 +184,7 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
         if "vae_decoder" in quantized:
             apply_to_module(pipe.vae, quantized["vae_decoder"])
 
+    timings = {"load_s": round(time.perf_counter() - t_start, 2)}
     # 2. shapes and fixed inputs
     mode = _guidance_mode(cfg, pipe.unet)
     shapes = shapes_for(pipe, cfg.resolution, unet_batch=2 if mode == "cfg" else 1)
@@ -218,6 +219,7 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
 
     # 3. fp16 overflow scan (before conversion: it can choose the residual-stream scale)
     scan = None
+    t_scan = time.perf_counter()
     if cfg.fp16_scan.enabled:
         scan = scan_pipeline(pipe, cfg.fp16_scan.prompts, steps=cfg.fp16_scan.steps, guidance_scale=cfg.guidance_scale,
                              resolution=shapes.resolution, seed=cfg.seed, rewrites=cfg.rewrites)
@@ -225,6 +227,7 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
         if cfg.fp16_scan.fail and scan["overflowing_ops"]:
             raise PocketdiffError(f"fp16 scan: {scan['overflowing_ops']} ops leave the fp16 range (first: {scan['first_overflow']})")
 
+    timings["fp16_scan_s"] = round(time.perf_counter() - t_scan, 2)
     rewrites_of = {n: cfg.rewrites for n in cfg.components}
     if cfg.rewrites.residual_scale_auto:
         if scan is None:
@@ -257,7 +260,9 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
 
     def finish(prep, info) -> None:
         name = prep.name
+        t0 = time.perf_counter()
         rep = finish_component(prep, info, cfg.verify, cfg.parity, float_storage=cfg.int8.float_storage)
+        timings[f"{name}_verify_s"] = round(time.perf_counter() - t0, 2)
         reference = rep.pop("reference")
         golden_path = out / "golden" / f"{name}.npz"
         np.savez(golden_path, **{f"input_{k}": v.detach().numpy() for k, v in prep.inputs.items()}, output_0=reference)
@@ -280,10 +285,12 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
         manifest_components[name] = entry
 
     def prepare(name):
+        t0 = time.perf_counter()
         graph, inputs = graph_for(name)
         log.info("export %s (%s)", name, weights_of[name])
         prep = prepare_component(name, graph, inputs, out / f"{name}.tflite", rewrites_of[name], weights_of[name], quantized.get(name))
         prep.raw_path = work / f"{name}_fp32.tflite"
+        timings[f"{name}_prepare_s"] = round(time.perf_counter() - t0, 2)
         return prep
 
     if cfg.jobs == 1 or len(cfg.components) == 1:
@@ -308,6 +315,7 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
                 finish(prep, futures[prep.name].result())
                 prep.raw_path.unlink(missing_ok=True)
 
+    t_bundle = time.perf_counter()
     # 5. bundle: tokenizer, time embedding, manifest
     tok_files = _save_tokenizer(pipe.tokenizer, out / "tokenizer")
     tok = pipe.tokenizer
@@ -378,6 +386,8 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
         "bundle_bytes": int(sum(p.stat().st_size for p in out.rglob("*") if p.is_file() and "_export" not in p.parts)),
         "fp16_scan": None if scan is None else {k: scan.get(k) for k in ("overflowing_ops", "unmitigated", "first_overflow", "max_abs", "peaks", "residual_scale_auto")},
         "peak_rss_mb": round(peak_rss_mb(), 1),
+        "timings": {**timings, "bundle_s": round(time.perf_counter() - t_bundle, 2),
+                    **{f"{n}_convert_s": r.get("convert_s") for n, r in comp_reports.items()}},
         "export_s": round(time.perf_counter() - t_start, 2),
     }
     shutil.rmtree(work / "tmp", ignore_errors=True)
