@@ -81,3 +81,20 @@ def fsync_tree(folder: str | Path) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def commit_folder(tmp: str | Path, final: str | Path) -> Path:
+    """Make a fully written temporary folder `final`: fsync its files, rename it into place
+    (replacing an older `final`), fsync the parent. A kill at any point leaves either the old
+    folder or the new one, never a torn one under the final name."""
+    tmp, final = Path(tmp), Path(final)
+    fsync_tree(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    fd = os.open(final.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return final

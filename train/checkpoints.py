@@ -8,14 +8,13 @@ model / EMA tensors as safetensors, optimizer and scheduler state through `torch
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 from pathlib import Path
 from typing import Optional
 
 from pocketdiff.errors import PocketdiffError
-from pocketdiff.outputs import fsync_tree
+from pocketdiff.outputs import commit_folder
 
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 STATE_FILE = "trainer_state.json"
@@ -57,17 +56,8 @@ def begin_checkpoint(folder: Path, step: int) -> Path:
 def commit_checkpoint(tmp: Path, step: int, state: dict, total_limit: int) -> Path:
     """Write the state file, fsync, rename into place, then rotate old checkpoints."""
     (tmp / STATE_FILE).write_text(json.dumps({"step": step, **state}, indent=2), encoding="utf-8")
-    fsync_tree(tmp)
-    final = tmp.parent / f"checkpoint-{step}"
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    dir_fd = os.open(tmp.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-    existing = list_checkpoints(tmp.parent)
+    final = commit_folder(tmp, tmp.parent / f"checkpoint-{step}")
+    existing = list_checkpoints(final.parent)
     if total_limit > 0:
         for old in existing[:-total_limit]:
             shutil.rmtree(old, ignore_errors=True)

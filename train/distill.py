@@ -40,7 +40,7 @@ from pocketdiff.config import DataConfig
 from pocketdiff.data import ImageCaptionDataset, collate, load_captioned_dataset
 from pocketdiff.errors import PocketdiffError, require
 from pocketdiff.models import ModelConfig, count_params, load_or_build, save_pipeline, vae_scale_factor
-from pocketdiff.outputs import atomic_write_text, fsync_tree, write_json
+from pocketdiff.outputs import commit_folder, write_json
 from pocketdiff.report import img, plot_curves, save_grid, table, write_page
 from pocketdiff.sampling import encode_prompts, generate
 
@@ -477,16 +477,7 @@ def _write_round_folder(pipe, student, sched, folder: Path, meta: dict) -> Path:
     save_pipeline(sp, tmp)
     (tmp / DISTILL_META).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
     (tmp / "README.md").write_text(_readme(meta), encoding="utf-8")
-    fsync_tree(tmp)
-    if folder.exists():
-        shutil.rmtree(folder)
-    os.replace(tmp, folder)
-    fd = os.open(folder.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return folder
+    return commit_folder(tmp, folder)
 
 
 def _readme(meta: dict) -> str:
