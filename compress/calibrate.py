@@ -110,6 +110,7 @@ class Config:
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     perturb_norms: float = 0.0  # built (random) models only: perturb_norm_affines(scale) on every component
     device: str = "auto"  # auto | cpu | cuda | cuda:N
+    cpu_threads: Optional[int] = None  # torch CPU threads (None: torch's default); 1 is much faster on a busy small box
     calib: CalibDataConfig = dataclasses.field(default_factory=CalibDataConfig)
     quant: QuantConfig = dataclasses.field(default_factory=QuantConfig)
     recon: ReconConfig = dataclasses.field(default_factory=ReconConfig)
@@ -118,6 +119,7 @@ class Config:
 
     def __post_init__(self) -> None:
         require(self.perturb_norms >= 0, "perturb_norms", "must be >= 0")
+        require(self.cpu_threads is None or self.cpu_threads >= 1, "cpu_threads", "must be >= 1 or null")
         require(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"), "device",
                 f"must be auto, cpu or cuda[:N], got {self.device!r}")
         if self.model.pretrained:
@@ -251,6 +253,8 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
     t_start = time.time()
     out = Path(out)
     device = _device(cfg.device)
+    if cfg.cpu_threads is not None:
+        torch.set_num_threads(cfg.cpu_threads)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     timings: dict[str, float] = {}
