@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import shutil
 import sys
 import time
 import traceback
@@ -85,10 +86,18 @@ def run_stage(verb: str, config: Optional[str], output: str | Path, overrides: O
 
     module = importlib.import_module(VERBS[verb])
     cfg = load_config(module.Config, config, overrides or [])
+    fresh = not Path(output).exists()
     out = prepare_output_dir(output, overwrite=overwrite, resume=resume is not None)
     atomic_write_text(out / "config.yaml", to_yaml(cfg))
     start = time.time()
-    report = module.run(cfg, out, resume=resume)
+    try:
+        report = module.run(cfg, out, resume=resume)
+    except PocketdiffError:
+        # bad input found while running (e.g. NaN weights): leave no half-made folder behind
+        # (a resumable run keeps its checkpoints: only folders this call created are removed)
+        if fresh and not any(out.rglob("checkpoint-*")):
+            shutil.rmtree(out, ignore_errors=True)
+        raise
     report.setdefault("verb", verb)
     report.setdefault("wall_time_s", round(time.time() - start, 3))
     write_json(out / "report.json", report)

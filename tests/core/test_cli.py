@@ -41,3 +41,29 @@ def test_existing_output_is_not_overwritten(tmp_path):
                        capture_output=True, text=True)
     assert r.returncode == 2 and "--overwrite" in r.stderr
     assert keep.read_text() == "mine"
+
+
+def test_bad_input_found_while_running_leaves_no_folder(tmp_path, monkeypatch):
+    import dataclasses
+    import types
+
+    from pocketdiff.errors import PocketdiffError
+
+    @dataclasses.dataclass
+    class Config:
+        seed: int = 0
+
+    def run(cfg, out, resume=None):
+        (out / "partial.txt").write_text("half")
+        raise PocketdiffError("weights contain NaN")
+
+    module = types.SimpleNamespace(Config=Config, run=run)
+    monkeypatch.setitem(VERBS, "prune", "fake_stage_module")
+    monkeypatch.setitem(sys.modules, "fake_stage_module", module)
+    assert main(["prune", "--output", str(tmp_path / "new")]) == 2
+    assert not (tmp_path / "new").exists()
+    existing = tmp_path / "old"
+    existing.mkdir()
+    (existing / "keep.txt").write_text("mine")
+    assert main(["prune", "--output", str(existing)]) == 2  # non-empty: refused before running
+    assert (existing / "keep.txt").read_text() == "mine"
