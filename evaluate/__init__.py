@@ -32,7 +32,6 @@ CLIP gives "FD (shapes-CLIP)" and "CLIP score (shapes-CLIP)".
 """
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
@@ -46,14 +45,12 @@ def shipped_shapes_clip() -> str:
 
 
 def _shapes_clip_path() -> str:
-    here = Path(__file__).resolve().parent
-    for base in (here.parent / "pocketdiff" / "assets", here.parent / "assets"):
-        if (base / "clip-shapes" / "config.json").is_file():
-            return str(base / "clip-shapes")
-    return str(here.parent / "pocketdiff" / "assets" / "clip-shapes")
+    from pocketdiff.shipped import ASSETS
+
+    return str(ASSETS / "clip-shapes")
 
 
-SHAPES_CLIP = _shapes_clip_path()  # the shipped shapes CLIP folder (may be absent in a fresh checkout)
+SHAPES_CLIP = _shapes_clip_path()  # the shipped shapes CLIP folder (pocketdiff:clip-shapes)
 
 
 from .features import load_clip  # noqa: E402

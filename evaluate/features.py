@@ -96,13 +96,13 @@ def check_clip_folder(path: Path, key: str = "metrics.clip") -> dict:
 
 
 def shipped_asset(name: str, key: str = "metrics.clip") -> str:
-    """Folder of an asset shipped in pocketdiff/assets/ (editable checkout or installed wheel)."""
-    here = Path(__file__).resolve().parent
-    for base in (here.parent / "pocketdiff" / "assets", here.parent / "assets"):
-        if (base / name / "config.json").is_file():
-            return str(base / name)
-    raise PocketdiffError(f"{key}: {SHIPPED_PREFIX}{name}: pocketdiff/assets/{name} is missing from this install "
-                          f"(make it with `pocketdiff train-clip --config configs/clip/shapes.yaml --output DIR`)")
+    """Folder of an asset shipped in pocketdiff/assets/ (`pocketdiff.shipped`, as for shipped teachers)."""
+    from pocketdiff.shipped import resolve_shipped
+
+    try:
+        return resolve_shipped(SHIPPED_PREFIX + name)
+    except PocketdiffError as e:
+        raise PocketdiffError(f"{key}: {e}") from None
 
 
 def load_clip(source: str, device: Optional[torch.device] = None, key: str = "metrics.clip", label: Optional[str] = None) -> LoadedCLIP:
@@ -113,7 +113,7 @@ def load_clip(source: str, device: Optional[torch.device] = None, key: str = "me
     if not text:
         raise PocketdiffError(f"{key}: empty CLIP model path")
     if text.startswith(SHIPPED_PREFIX):
-        text = shipped_asset(text[len(SHIPPED_PREFIX):], key)
+        text = shipped_asset(text[len(SHIPPED_PREFIX):], key)  # pocketdiff:clip-shapes -> pocketdiff/assets/clip-shapes
     path = Path(text).expanduser()
     meta: dict = {}
     if path.exists():

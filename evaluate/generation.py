@@ -109,6 +109,13 @@ def class_label_w_fn(unet) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda w: guidance_scale_embedding(torch.as_tensor(w, dtype=torch.float32) - 1.0, dim)
 
 
+def _local(path: Optional[str]) -> Optional[str]:
+    """`pocketdiff:NAME` -> the shipped folder; anything else unchanged."""
+    from pocketdiff.shipped import resolve_shipped
+
+    return resolve_shipped(path) if path else path
+
+
 def _read_distill_meta(path: Optional[str]) -> dict:
     if not path:
         return {}
@@ -215,7 +222,7 @@ def resolve_model(spec_or_obj: Any, index: int = 0, device: Optional[torch.devic
     if pipe is None:
         if not spec.path:
             raise PocketdiffError(f"models[{index}] ({name}): set path (a diffusers pipeline folder or hub id) or build")
-        import_declared_classes(spec.path)
+        import_declared_classes(_local(spec.path))
         pipe = load_pipeline(spec.path, torch_dtype=dtype)
     if spec.unet:
         unet = _load_unet(spec.unet, dtype)
@@ -223,7 +230,7 @@ def resolve_model(spec_or_obj: Any, index: int = 0, device: Optional[torch.devic
     if device is not None:
         pipe.to(device)
         unet.to(device)
-    meta = _read_distill_meta(spec.path) if spec.path and spec.kind == "pipeline" else {}
+    meta = _read_distill_meta(_local(spec.path)) if spec.path and spec.kind == "pipeline" else {}
     takes_w = unet_takes_w(unet)
     mode = spec.guidance_mode
     default_steps: list[int] = []

@@ -76,7 +76,10 @@ def grid_section(out: Path, steps: int, models: list[str], prompts: list[str], s
         for m in models:
             cells.append(images[m][i : i + 1])
     grid_path = out / f"{tag}.png"
-    save_grid(torch.cat(cells), grid_path, ncols=len(models), labels=[m for _ in prompts for m in models], cell=96)
+    if len(models) == 1:  # one model: prompts across the rows of a compact grid
+        save_grid(torch.cat(cells), grid_path, ncols=min(8, len(prompts)), labels=[models[0]] * len(prompts), cell=96)
+    else:  # rows = prompts, columns = models
+        save_grid(torch.cat(cells), grid_path, ncols=len(models), labels=[m for _ in prompts for m in models], cell=96)
     folder = out / "images"
     folder.mkdir(parents=True, exist_ok=True)
     head = "".join(f"<th>{html.escape(m)}</th>" for m in models)

@@ -17,6 +17,7 @@ import html
 import json
 import logging
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -179,6 +180,7 @@ def evaluate_pipelines(
     grid_prompts: int = 8,
     compare: Sequence[str | Path] = (),
     extra_report: Optional[dict] = None,
+    progress: bool = False,
 ) -> list[dict]:
     """Evaluate `models` (ModelSpec / folder / pipeline / (name, pipeline) / dict) on `prompts`
     at every step count; returns the `results` list (also written to `out_dir` with the page).
@@ -234,6 +236,9 @@ def evaluate_pipelines(
                 if got["clip_score"] is not None:
                     clips.append(got["clip_score"])
                 log.info("evaluate %s %d steps seed %d: %s", name, steps, seed, got)
+                if progress:
+                    print(f"evaluate: {name} {steps} steps seed {seed}: FD {got['fd']} CLIP score {got['clip_score']} "
+                          f"({got['num_samples']} images, {timing[0]:.1f} s sampling)", file=sys.stderr, flush=True)
             fd, fd_std = _mean_std(fds)
             cs, cs_std = _mean_std(clips)
             results.append({
@@ -333,7 +338,7 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
     results = evaluate_pipelines(
         cfg.models, prompts, cfg.steps, setup, out, seeds=cfg.seeds, guidance_scale=cfg.guidance_scale,
         batch_size=cfg.batch_size, resolution=cfg.resolution, device=device, dtype=dtype,
-        grid_prompts=cfg.grid_prompts, compare=cfg.compare,
+        grid_prompts=cfg.grid_prompts, compare=cfg.compare, progress=True,
     )
     report = json.loads((out / "report.json").read_text(encoding="utf-8"))
     report["results"] = results
