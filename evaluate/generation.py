@@ -129,31 +129,6 @@ def _read_distill_meta(path: Optional[str]) -> dict:
     return meta if isinstance(meta, dict) else {}
 
 
-def import_declared_classes(path: Optional[str]) -> list[str]:
-    """Import the pocketdiff modules a pipeline folder's model_index.json names for its components
-    (e.g. a pruned UNet class), so the stock `from_pretrained` can resolve them. Only modules
-    under the `pocketdiff.` namespace are imported; the folder declares them, evaluate does not
-    know them."""
-    if not path:
-        return []
-    index = Path(path).expanduser() / "model_index.json"
-    if not index.is_file():
-        return []
-    try:
-        entries = json.loads(index.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return []  # load_pipeline reports the broken file
-    imported = []
-    for value in entries.values() if isinstance(entries, dict) else []:
-        if isinstance(value, list) and len(value) == 2 and isinstance(value[0], str) and value[0].startswith("pocketdiff."):
-            try:
-                importlib.import_module(value[0])
-            except ImportError as e:
-                raise PocketdiffError(f"{index}: names {value[0]}.{value[1]}, which cannot be imported ({e})") from None
-            imported.append(value[0])
-    return imported
-
-
 def _load_unet(folder: str, dtype: Optional[torch.dtype]):
     from diffusers import UNet2DConditionModel
 
@@ -222,7 +197,6 @@ def resolve_model(spec_or_obj: Any, index: int = 0, device: Optional[torch.devic
     if pipe is None:
         if not spec.path:
             raise PocketdiffError(f"models[{index}] ({name}): set path (a diffusers pipeline folder or hub id) or build")
-        import_declared_classes(_local(spec.path))
         pipe = load_pipeline(spec.path, torch_dtype=dtype)
     if spec.unet:
         unet = _load_unet(spec.unet, dtype)

@@ -134,7 +134,7 @@ def test_library_api_with_pipeline_objects(tiny_pipeline_dir, tiny_clip_dir, tmp
 def test_folder_declared_loader_modules_are_imported_or_named(tmp_path, tiny_pipeline_dir):
     import shutil
 
-    from pocketdiff.evaluate.generation import import_declared_classes
+    from pocketdiff.models import import_declared_classes
 
     assert import_declared_classes(str(tiny_pipeline_dir)) == []  # stock folder: nothing to import
     folder = tmp_path / "custom"
