@@ -114,7 +114,17 @@ def run_verb(args: argparse.Namespace) -> int:
     return 0
 
 
+# Import-time notices of optional backends pocketdiff does not use (torchao, pulled in by
+# litert-torch; torchvision, absent from CPU installs). The CLI silences only these loggers.
+IMPORT_NOISE_LOGGERS = ("torch.utils._pytree", "torchao", "diffusers.quantizers.torchao.torchao_quantizer",
+                        "transformers.utils.import_utils")
+
+
 def main(argv: Optional[list[str]] = None) -> int:
+    import logging
+
+    for name in IMPORT_NOISE_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
