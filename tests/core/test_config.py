@@ -79,3 +79,24 @@ def test_list_element_type_is_checked(tmp_path):
     p = write(tmp_path, "prompts:\n  - ok\n  - flag: Germany\n", name="lists.yaml")
     with pytest.raises(ConfigError, match="lists.yaml"):
         load_config(WithList, p)
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=40, deadline=None)
+@given(lr=st.floats(1e-8, 10, allow_nan=False), steps=st.integers(0, 10**6), name=st.text(
+    alphabet=st.characters(whitelist_categories=("Ll", "Lu", "Nd")), min_size=1, max_size=12))
+def test_overrides_round_trip_any_valid_value(lr, steps, name):
+    cfg = load_config(Schema, None, [f"inner.lr={lr!r}", f"inner.steps={steps}", f"name={name}"])
+    assert cfg.inner.lr == float(repr(lr)) and cfg.inner.steps == steps and cfg.name == name
+
+
+@settings(max_examples=40, deadline=None)
+@given(key=st.text(alphabet="abcdefghijklmnopqrstuvwxyz_", min_size=1, max_size=10))
+def test_any_unknown_key_is_named(key):
+    if key in ("lr", "steps"):
+        return
+    with pytest.raises(ConfigError, match=f"inner.{key}"):
+        load_config(Schema, None, [f"inner.{key}=1"])
