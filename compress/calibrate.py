@@ -29,6 +29,7 @@ from pocketdiff.errors import ParityError, PocketdiffError, require
 from pocketdiff.models import ModelConfig, load_or_build, load_pipeline, perturb_norm_affines, save_pipeline, vae_scale_factor
 from pocketdiff.outputs import write_json
 from pocketdiff.sampling import encode_prompts
+from pocketdiff.device import resolve_device
 
 from .blocks import build_blocks
 from .calib_data import collect_unet_inputs, subsample
@@ -145,15 +146,6 @@ def _log(msg: str) -> None:
     print(f"calibrate: {msg}", file=sys.stderr, flush=True)
 
 
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise PocketdiffError(f"device={name}: CUDA is not available here")
-    return dev
-
-
 def _worker_devices(cfg: Config, device: torch.device) -> list[str]:
     if cfg.recon.devices:
         return list(cfg.recon.devices)
@@ -252,7 +244,7 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
         raise PocketdiffError("calibrate has no checkpoints to resume from (it restarts; drop --resume)")
     t_start = time.time()
     out = Path(out)
-    device = _device(cfg.device)
+    device = resolve_device(cfg.device)
     if cfg.cpu_threads is not None:
         torch.set_num_threads(cfg.cpu_threads)
     if device.type == "cuda":

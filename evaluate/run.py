@@ -27,6 +27,7 @@ import torch
 from pocketdiff.config import DataConfig
 from pocketdiff.errors import PocketdiffError, require
 from pocketdiff.outputs import write_json
+from pocketdiff.device import resolve_device
 
 from .generation import DTYPES, LoadedModel, ModelSpec, generate_images, resolve_model
 from .metrics import MetricConfig, MetricSetup, iter_reference_batches
@@ -115,18 +116,6 @@ def resolve_prompts(cfg: PromptConfig, reference_captions=None) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- core
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(name)
-    except RuntimeError as e:
-        raise PocketdiffError(f"device: {name!r} is not a torch device ({e})") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise PocketdiffError(f"device: {name} requested but CUDA is not available")
-    return dev
 
 
 def _mean_std(values: list[float]) -> tuple[Optional[float], Optional[float]]:

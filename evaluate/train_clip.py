@@ -32,6 +32,7 @@ from pocketdiff.data import load_captioned_dataset
 from pocketdiff.errors import PocketdiffError, require
 from pocketdiff.outputs import write_json
 from pocketdiff.report import img, plot_curves, table, write_page
+from pocketdiff.device import resolve_device
 
 from .features import CLIP_META, preprocess_images
 from .retrieval import retrieval_accuracy
@@ -102,18 +103,6 @@ class Config:
         require(bool(self.domain.strip()), "domain", "must be a non-empty name")
         require(self.holdout >= 2, "holdout", "must be >= 2 (retrieval accuracy)")
         require(self.save_dtype in ("float32", "float16"), "save_dtype", "must be float32 or float16")
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(name)
-    except RuntimeError as e:
-        raise PocketdiffError(f"device: {name!r} is not a torch device ({e})") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise PocketdiffError(f"device: {name} requested but CUDA is not available")
-    return dev
 
 
 def images_to_uint8(dataset, batch: int = 1024) -> torch.Tensor:
