@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Optional, TypeVar
 
 import yaml
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf, StringNode
 from omegaconf.errors import OmegaConfBaseException
 
 from .errors import ConfigError, PocketdiffError, require
@@ -52,6 +52,24 @@ def _format_omegaconf_error(err: OmegaConfBaseException, where: str) -> str:
     return f"{where}: {key + ': ' if key else ''}{msg}"
 
 
+def _override(cfg, item: str):
+    """`key=value` as a config to merge. Values are YAML-typed, except for string fields,
+    which keep the text as written ("007" stays "007", not 7; "null" means None only where
+    the field is Optional)."""
+    key, value = item.split("=", 1)
+    node = cfg
+    parts = key.split(".")
+    for part in parts[:-1]:
+        node = node.get(part) if isinstance(node, DictConfig) else None
+    leaf = node._get_node(parts[-1]) if isinstance(node, DictConfig) and parts[-1] in node else None
+    if isinstance(leaf, StringNode) and not (leaf._is_optional() and value in ("null", "~")):
+        nested: Any = value
+        for part in reversed(parts):
+            nested = {part: nested}
+        return OmegaConf.create(nested)
+    return OmegaConf.from_dotlist([item])
+
+
 def load_config(schema: type[T], path: Optional[str | Path] = None, overrides: Optional[list[str]] = None) -> T:
     """Build a validated `schema` instance from a YAML file and dotted overrides."""
     cfg = OmegaConf.structured(schema)
@@ -76,7 +94,7 @@ def load_config(schema: type[T], path: Optional[str | Path] = None, overrides: O
         if "=" not in item:
             raise ConfigError(f"command line: override {item!r} must look like key=value")
         try:
-            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([item]))
+            cfg = OmegaConf.merge(cfg, _override(cfg, item))
         except OmegaConfBaseException as e:
             raise ConfigError(_format_omegaconf_error(e, f"command line override {item!r}")) from None
     try:

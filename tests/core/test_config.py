@@ -100,3 +100,10 @@ def test_any_unknown_key_is_named(key):
         return
     with pytest.raises(ConfigError, match=f"inner.{key}"):
         load_config(Schema, None, [f"inner.{key}=1"])
+
+
+def test_string_overrides_keep_their_text_and_null_means_none_where_optional():
+    cfg = load_config(Schema, None, ["name=007", "data.caption_column=yes"])
+    assert cfg.name == "007" and cfg.data.caption_column == "yes"
+    assert load_config(Schema, None, ["data.path=null"]).data.path is None
+    assert load_config(Schema, None, ["data.path=00"]).data.path == "00"
