@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from pocketdiff.errors import PocketdiffError
+from pocketdiff.outputs import read_json
 
 CLIP_META = "pocketdiff_clip.json"  # written by train-clip beside the CLIPModel files
 SHIPPED_PREFIX = "pocketdiff:"  # "pocketdiff:clip-shapes" = the CLIP shipped in pocketdiff/assets/
@@ -72,10 +73,7 @@ def check_clip_folder(path: Path, key: str = "metrics.clip") -> dict:
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise PocketdiffError(f"{key}: {path} has no config.json (not a transformers CLIP model folder)")
-    try:
-        cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise PocketdiffError(f"{key}: {cfg_file} is not valid JSON ({_first_line(e)})") from None
+    cfg = read_json(cfg_file, key)
     model_type = cfg.get("model_type") if isinstance(cfg, dict) else None
     if model_type != "clip":
         what = f"model_type {model_type!r}" if model_type else f"no model_type (class {cfg.get('_class_name')!r})" if isinstance(cfg, dict) else "not a mapping"

@@ -3,7 +3,6 @@ same prompt + seed grids across models, warnings, and the compare view over earl
 from __future__ import annotations
 
 import html
-import json
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -11,6 +10,7 @@ import torch
 
 from pocketdiff.errors import PocketdiffError
 from pocketdiff.report import img, save_grid, table, to_pil, write_page
+from pocketdiff.outputs import read_json
 
 
 def _fmt(mean: Optional[float], std: Optional[float] = None, n: int = 1) -> str:
@@ -104,10 +104,7 @@ def load_run(folder: str | Path) -> dict:
     f = p / "report.json" if p.is_dir() else p
     if not f.is_file():
         raise PocketdiffError(f"compare: {p} has no report.json (not an evaluate output folder)")
-    try:
-        rep = json.loads(f.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise PocketdiffError(f"compare: {f} is not valid JSON ({e})") from None
+    rep = read_json(f, "compare")
     if not isinstance(rep, dict) or not isinstance(rep.get("results"), list):
         raise PocketdiffError(f"compare: {f} has no 'results' list (not an evaluate report)")
     return rep

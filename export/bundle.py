@@ -20,12 +20,12 @@ or corrupted .tflite files.
 """
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any, Optional
 
 from pocketdiff.errors import PocketdiffError
+from pocketdiff.outputs import read_json
 
 from .tflite_file import check_tflite_file, sha256_file
 
@@ -85,10 +85,7 @@ def load_manifest(bundle: str | Path, verify_sha: bool = True, components: Optio
         raise PocketdiffError(f"bundle {bundle}: not a folder")
     if not mpath.is_file():
         raise PocketdiffError(f"bundle {bundle}: no {MANIFEST}")
-    try:
-        manifest = json.loads(mpath.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise PocketdiffError(f"{mpath}: not valid JSON ({e})") from None
+    manifest = read_json(mpath, f"bundle {bundle}")
     if not isinstance(manifest, dict) or manifest.get("schema") != SCHEMA:
         raise PocketdiffError(f"{mpath}: not a pocketdiff bundle manifest")
     if manifest.get("schema_version") != SCHEMA_VERSION:

@@ -46,6 +46,16 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+def read_json(path: str | Path, where: str = "") -> Any:
+    """Parse a JSON file; a broken file is a one-line PocketdiffError naming it (and `where`)."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise PocketdiffError(f"{where + ': ' if where else ''}{path} is not valid JSON ({first})") from None
+
+
 def atomic_write_text(path: str | Path, text: str) -> None:
     """Write through a temporary file in the same folder, fsync, then rename."""
     path = Path(path)

@@ -6,16 +6,16 @@ import json
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
-import numpy as np
 import torch
 from PIL import Image, ImageDraw
+
+from .sampling import to_pil as tensor_to_pil
 
 
 def to_pil(images: torch.Tensor | Sequence[Image.Image]) -> list[Image.Image]:
     """[N,3,H,W] floats in [0,1] (or PIL images) -> list of PIL RGB images."""
     if isinstance(images, torch.Tensor):
-        arr = (images.detach().float().clamp(0, 1).permute(0, 2, 3, 1).cpu().numpy() * 255).round().astype(np.uint8)
-        return [Image.fromarray(a) for a in arr]
+        return tensor_to_pil(images.detach().float().clamp(0, 1))
     return [im.convert("RGB") for im in images]
 
 

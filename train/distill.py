@@ -58,7 +58,7 @@ from .distill_targets import (
 )
 from .guidance_embedding import DEFAULT_EMBED_DIM, USAGE, add_guidance_embedding, is_w_conditioned, w_condition, w_embedding_fn
 from .checkpoints import read_state, resolve_resume
-from .loop import BatchRandom, LoopConfig, train_loop
+from .loop import BatchRandom, LoopConfig, make_accelerator, train_loop
 
 log = logging.getLogger(__name__)
 
@@ -630,14 +630,11 @@ class RoundEvaluator:
 # --------------------------------------------------------------------------------------
 
 def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
-    from accelerate import Accelerator
-
     out = Path(out)
     # 1. recipe, teacher, schedulers (every check before any training)
     plan = plan_rounds(cfg)
     started = time.time()
-    mp = cfg.progressive.train.mixed_precision
-    acc = Accelerator(mixed_precision="no" if mp in ("no", "fp32") else mp)
+    acc = make_accelerator(cfg.progressive.train)
     done = _check_resume(out, cfg, plan, resume)
     acc.wait_for_everyone()  # every process has read the folder before the main one writes the plan
     device = acc.device

@@ -58,6 +58,15 @@ class LoopConfig:
         require(self.nan_policy in ("stop", "skip"), "train.nan_policy", "must be 'stop' or 'skip'")
 
 
+def make_accelerator(cfg: LoopConfig, project_dir: Optional[Path] = None):
+    """The Accelerator for `cfg` ("fp32" is accelerate's "no"); shared by every recipe."""
+    from accelerate import Accelerator
+
+    return Accelerator(mixed_precision="no" if cfg.mixed_precision == "fp32" else cfg.mixed_precision,
+                       log_with="tensorboard" if cfg.tensorboard else None,
+                       project_dir=str(project_dir) if project_dir is not None else None)
+
+
 def step_generator(seed: int, step: int) -> torch.Generator:
     """The (CPU) generator for every random draw of optimizer step `step`."""
     return torch.Generator().manual_seed((seed * 1_000_003 + step) % (2**63))
@@ -182,9 +191,7 @@ def train_loop(
     randomness from `rng` (a `BatchRandom`). Checkpoints go to `ckpt_dir`; `resume` is None,
     "latest" or a checkpoint path. On return the model holds the trained (not EMA) weights.
     """
-    from accelerate import Accelerator
-
-    acc = accelerator or Accelerator(mixed_precision="no" if cfg.mixed_precision == "fp32" else cfg.mixed_precision, log_with="tensorboard" if cfg.tensorboard else None, project_dir=str(ckpt_dir.parent))
+    acc = accelerator or make_accelerator(cfg, ckpt_dir.parent)
     model.to(acc.device)
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:

@@ -22,7 +22,7 @@ from pocketdiff.models import ModelConfig, count_params, load_or_build, save_pip
 from pocketdiff.report import img, plot_curves, save_grid, write_page
 from pocketdiff.sampling import generate
 
-from .loop import BatchRandom, LoopConfig, train_loop
+from .loop import BatchRandom, LoopConfig, make_accelerator, train_loop
 from .losses import diffusion_loss, tokenize
 
 
@@ -104,7 +104,7 @@ def _check_resolution(pipe, resolution: int) -> None:
         raise PocketdiffError(f"data.resolution={resolution}: latents of {resolution // factor} px are not divisible by the UNet's downsampling factor {down}")
 
 
-def train_vae(cfg: Config, vae, dataset, out: Path, resume: Optional[str]) -> dict:
+def train_vae(cfg: Config, vae, dataset, out: Path, resume: Optional[str], acc) -> dict:
     """Step 2: reconstruction + KL training of the VAE, then its latent scaling factor."""
     loop = dataclasses.replace(cfg.train, max_steps=cfg.vae.steps, lr=cfg.vae.lr, batch_size=cfg.vae.batch_size,
                                ema_decay=0.0, checkpoint_every=cfg.vae.checkpoint_every, warmup_steps=0, max_time_s=0.0)
@@ -117,7 +117,7 @@ def train_vae(cfg: Config, vae, dataset, out: Path, resume: Optional[str]) -> di
     vae.requires_grad_(True)
     result = train_loop(loop, model=_VaeModel(vae), loss_fn=vae_loss, dataset=dataset, collate=collate,
                         ckpt_dir=out / "checkpoints" / "vae", seed=cfg.seed + 1, resume=resume, desc="vae",
-                        log_path=out / "logs.jsonl")
+                        log_path=out / "logs.jsonl", accelerator=acc)
     vae.requires_grad_(False)
     vae.eval()
     with torch.no_grad():  # scaling factor: unit variance of the latents of the first items
@@ -144,11 +144,12 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
     report: dict = {"data": {"source": cfg.data.source, "items": len(dataset), "resolution": cfg.data.resolution}}
 
     # 2. VAE
+    acc = make_accelerator(cfg.train, out)
     if cfg.vae.steps > 0:
         if cfg.model.pretrained or cfg.model.vae:
             raise PocketdiffError("vae.steps > 0 trains a VAE from scratch; it cannot be combined with model.pretrained / model.vae")
-        report["vae"] = train_vae(cfg, pipe.vae, dataset, out, resume)
-    pipe.vae.requires_grad_(False).eval()
+        report["vae"] = train_vae(cfg, pipe.vae, dataset, out, resume, acc)
+    pipe.vae.requires_grad_(False).eval().to(acc.device)
 
     # 3. UNet (+ text encoder)
     model = _DiffusionModel(pipe.unet, pipe.text_encoder, cfg.train_text_encoder)
@@ -159,7 +160,6 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
     def loss_fn(m, batch, rng: BatchRandom):
         x = batch["pixel_values"].to(rng.device)
         with torch.no_grad():
-            vae.to(rng.device)
             dist = vae.encode(x).latent_dist
             latents = (dist.mean + dist.std * rng.randn(*dist.mean.shape[1:])) * vae.config.scaling_factor
         drop = rng.rand() < cfg.caption_dropout
@@ -169,7 +169,7 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
 
     result = train_loop(cfg.train, model=model, loss_fn=loss_fn, dataset=dataset, collate=collate,
                         ckpt_dir=out / "checkpoints" / "unet", seed=cfg.seed, resume=resume, desc="unet",
-                        log_path=out / "logs.jsonl")
+                        log_path=out / "logs.jsonl", accelerator=acc)
     if result.ema is not None:
         result.ema.copy_to(model)
 
