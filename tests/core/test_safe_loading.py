@@ -19,28 +19,39 @@ def test_sources_found():
     assert len(SOURCES) > 30
 
 
-def test_torch_load_always_weights_only_and_no_pickle_or_remote_code():
+def violations(tree, where: str) -> list[str]:
     bad = []
-    for path in SOURCES:
-        tree = ast.parse(path.read_text(encoding="utf-8"))
-        for node, owner, name in calls(tree):
-            kw = {k.arg: k.value for k in node.keywords}
-            where = f"{path.relative_to(ROOT)}:{node.lineno}"
-            if owner == "torch" and name == "load":
-                v = kw.get("weights_only")
-                if not (isinstance(v, ast.Constant) and v.value is True):
-                    bad.append(f"{where}: torch.load without weights_only=True")
-            if owner in ("pickle", "dill", "cloudpickle") and name in ("load", "loads"):
-                bad.append(f"{where}: {owner}.{name}")
-            v = kw.get("trust_remote_code")
-            if v is not None and not (isinstance(v, ast.Constant) and v.value is False):
-                bad.append(f"{where}: trust_remote_code")
-            if name == "from_pretrained" and isinstance(kw.get("use_safetensors"), ast.Constant) and kw["use_safetensors"].value is False:
-                bad.append(f"{where}: from_pretrained(use_safetensors=False)")
+    for node, owner, name in calls(tree):
+        kw = {k.arg: k.value for k in node.keywords}
+        at = f"{where}:{node.lineno}"
+        if owner == "torch" and name == "load":
+            v = kw.get("weights_only")
+            if not (isinstance(v, ast.Constant) and v.value is True):
+                bad.append(f"{at}: torch.load without weights_only=True")
+        if owner in ("pickle", "dill", "cloudpickle") and name in ("load", "loads"):
+            bad.append(f"{at}: {owner}.{name}")
+        v = kw.get("trust_remote_code")
+        if v is not None and not (isinstance(v, ast.Constant) and v.value is False):
+            bad.append(f"{at}: trust_remote_code")
+        if name == "from_pretrained" and isinstance(kw.get("use_safetensors"), ast.Constant) and kw["use_safetensors"].value is False:
+            bad.append(f"{at}: from_pretrained(use_safetensors=False)")
+    return bad
+
+
+def test_torch_load_always_weights_only_and_no_pickle_or_remote_code():
+    bad = [v for path in SOURCES for v in violations(ast.parse(path.read_text(encoding="utf-8")), str(path.relative_to(ROOT)))]
     assert not bad, "\n".join(bad)
 
 
-def test_the_checker_catches_a_bad_call():
-    tree = ast.parse("import torch\ntorch.load('x.pt')\n")
-    found = [(o, n) for _, o, n in calls(tree)]
-    assert ("torch", "load") in found
+def test_the_checker_flags_each_unsafe_form():
+    snippet = (
+        "import torch, pickle\n"
+        "torch.load('a.pt')\n"
+        "torch.load('b.pt', weights_only=False)\n"
+        "torch.load('c.pt', weights_only=True)\n"
+        "pickle.loads(b'')\n"
+        "M.from_pretrained('x', trust_remote_code=True)\n"
+        "M.from_pretrained('x', use_safetensors=False)\n"
+    )
+    found = violations(ast.parse(snippet), "snippet")
+    assert [f.split(": ", 1)[0] for f in found] == ["snippet:2", "snippet:3", "snippet:5", "snippet:6", "snippet:7"]
