@@ -97,6 +97,9 @@ def load_config(schema: type[T], path: Optional[str | Path] = None, overrides: O
             cfg = OmegaConf.merge(cfg, _override(cfg, item))
         except OmegaConfBaseException as e:
             raise ConfigError(_format_omegaconf_error(e, f"command line override {item!r}")) from None
+        except yaml.YAMLError as e:  # the value is parsed as YAML (e.g. an unclosed list "[a, b")
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ConfigError(f"command line override {item!r}: invalid YAML value: {first}") from None
     try:
         obj = OmegaConf.to_object(cfg)
         OmegaConf.structured(obj)  # re-check element types that merge lets through (e.g. a dict in list[str])
