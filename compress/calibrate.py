@@ -240,8 +240,11 @@ def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
-    if resume is not None:
-        raise PocketdiffError("calibrate has no checkpoints to resume from (it restarts; drop --resume)")
+    # No checkpoints: `--resume latest` (what the CLI suggests for a folder left by a killed
+    # run) reruns from the start in the same folder; the run is deterministic, so the files equal
+    # an uninterrupted run's. A named checkpoint cannot exist.
+    if resume is not None and resume != "latest":
+        raise PocketdiffError(f"--resume {resume}: calibrate has no checkpoints (--resume latest reruns it in the same folder)")
     t_start = time.time()
     out = Path(out)
     device = resolve_device(cfg.device)
