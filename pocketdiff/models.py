@@ -478,10 +478,22 @@ def load_pipeline(source: str, prediction_type: Optional[str] = None, torch_dtyp
         raise
     except (OSError, ValueError, KeyError, TypeError, RuntimeError, AttributeError) as e:
         raise _load_error(src, e) from e
+    for comp in _WEIGHTED:
+        check_finite_weights(getattr(pipe, comp, None), f"{src}: {comp}")
     if prediction_type is not None and pipe.scheduler.config.get("prediction_type") != prediction_type:
         pipe.scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config, prediction_type=prediction_type)
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+def check_finite_weights(module: Optional[nn.Module], where: str) -> None:
+    """Refuse a module with NaN/Inf weights, naming the tensor (a loaded model would otherwise
+    train to a non-finite loss, or sample NaN images that metrics score silently)."""
+    if module is None:
+        return
+    for name, t in module.state_dict().items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise PocketdiffError(f"{where}: weight {name!r} has NaN/Inf values")
 
 
 def load_vae(source: str, torch_dtype=None):
@@ -503,9 +515,11 @@ def load_vae(source: str, torch_dtype=None):
         src = str(path)
         kwargs["local_files_only"] = True
     try:
-        return AutoencoderKL.from_pretrained(src, **kwargs)
+        vae = AutoencoderKL.from_pretrained(src, **kwargs)
     except (OSError, ValueError, KeyError, TypeError, RuntimeError, AttributeError) as e:
         raise _load_error(src, e) from e
+    check_finite_weights(vae, f"{src}: vae")
+    return vae
 
 
 def load_or_build(cfg: ModelConfig, captions: Optional[list[str]] = None, resolution: Optional[int] = None):
