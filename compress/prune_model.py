@@ -132,16 +132,27 @@ def apply_shape_spec(unet: nn.Module, spec: dict) -> None:
 # The model class
 # --------------------------------------------------------------------------------------
 
+def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(path))
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for corrupt files
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise PocketdiffError(f"{path}: not a readable safetensors file ({first})") from None
+
+
 def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
     single = folder / WEIGHTS
     if single.is_file():
-        return load_file(str(single))
+        return _load_safetensors(single)
     index = folder / (WEIGHTS + ".index.json")
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            files = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise PocketdiffError(f"{index}: unreadable weight index ({type(e).__name__}: {e})") from None
         state: dict[str, torch.Tensor] = {}
         for f in files:
-            state.update(load_file(str(folder / f)))
+            state.update(_load_safetensors(folder / f))
         return state
     raise PocketdiffError(f"{folder}: no {WEIGHTS} (pruned UNets load from safetensors only)")
 
