@@ -530,7 +530,9 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
     pruned_dir, plan_path = out / "pruned_unet", out / "plan.json"
     if resume is not None and (pruned_dir / "pruning.json").is_file() and plan_path.is_file():
         student = load_pruned_unet(pruned_dir).to(device)
-        plan = json.loads(plan_path.read_text(encoding="utf-8"))
+        from pocketdiff.outputs import read_json
+
+        plan = read_json(plan_path, "--resume")
         report["resumed_pruning"] = True
     else:
         gen = torch.Generator().manual_seed(cfg.seed)
