@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 from pocketdiff.errors import PocketdiffError
-from pocketdiff.outputs import commit_folder
+from pocketdiff.outputs import commit_folder, read_json
 
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 STATE_FILE = "trainer_state.json"
@@ -65,4 +65,7 @@ def commit_checkpoint(tmp: Path, step: int, state: dict, total_limit: int) -> Pa
 
 
 def read_state(checkpoint: Path) -> dict:
-    return json.loads((checkpoint / STATE_FILE).read_text(encoding="utf-8"))
+    state = read_json(checkpoint / STATE_FILE, "--resume")
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+        raise PocketdiffError(f"--resume: {checkpoint / STATE_FILE} has no integer 'step'")
+    return state

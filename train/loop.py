@@ -159,15 +159,24 @@ def _save(ckpt_dir, step, model, optimizer, scheduler, ema, losses, skipped, tot
 
 
 def _load(ckpt: Path, model, optimizer, scheduler, ema):
-    model.load_state_dict(load_file(str(ckpt / "model.safetensors")))
-    if ema is not None:
-        if not (ckpt / "ema.safetensors").is_file():
-            raise PocketdiffError(f"{ckpt}: no ema.safetensors although train.ema_decay > 0")
-        ema.shadow = {k: v.float() for k, v in load_file(str(ckpt / "ema.safetensors")).items()}
-    opt = torch.load(ckpt / "optimizer.pt", map_location="cpu", weights_only=True)
-    optimizer.load_state_dict(opt["optimizer"])
-    scheduler.load_state_dict(opt["scheduler"])
-    return read_state(ckpt)
+    state = read_state(ckpt)
+    if ema is not None and not (ckpt / "ema.safetensors").is_file():
+        raise PocketdiffError(f"{ckpt}: no ema.safetensors although train.ema_decay > 0")
+    name = "model.safetensors"
+    try:  # a damaged file or a checkpoint of another model: one line naming it, not a bare library error
+        model.load_state_dict(load_file(str(ckpt / name)))
+        if ema is not None:
+            name = "ema.safetensors"
+            ema.shadow = {k: v.float() for k, v in load_file(str(ckpt / name)).items()}
+        name = "optimizer.pt"
+        opt = torch.load(ckpt / name, map_location="cpu", weights_only=True)
+        optimizer.load_state_dict(opt["optimizer"])
+        scheduler.load_state_dict(opt["scheduler"])
+    except Exception as e:  # noqa: BLE001 - safetensors, pickle and torch raise many types
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise PocketdiffError(f"--resume: {ckpt / name} cannot be loaded ({type(e).__name__}: {first}); "
+                              "resume from an older checkpoint or start a new output folder") from None
+    return state
 
 
 def train_loop(
