@@ -594,7 +594,9 @@ class RoundEvaluator:
         sp = _student_pipe(self.pipe, self.pipe.unet, self.teacher_sched)
         images = self._images(sp, steps, self.cfg.guidance.scale)
         path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(images, path)
+        tmp = path.with_name(f".{path.name}.tmp")  # a kill mid-write must not leave a torn file that --resume loads
+        torch.save(images, tmp)
+        os.replace(tmp, path)
         save_grid(images, self.out / "samples" / f"teacher-{steps}steps.png", ncols=min(8, len(images)),
                   labels=self.prompts, cell=96)
         return images
