@@ -40,7 +40,7 @@ from pocketdiff.config import DataConfig
 from pocketdiff.data import ImageCaptionDataset, collate, load_captioned_dataset
 from pocketdiff.errors import PocketdiffError, require
 from pocketdiff.models import ModelConfig, count_params, load_or_build, save_pipeline, vae_scale_factor
-from pocketdiff.outputs import commit_folder, write_json
+from pocketdiff.outputs import commit_folder, read_json, write_json
 from pocketdiff.report import img, plot_curves, save_grid, table, write_page
 from pocketdiff.sampling import encode_prompts, generate
 
@@ -276,7 +276,7 @@ def _check_resume(out: Path, cfg: Config, plan: list[RoundSpec], resume: Optiona
             raise PocketdiffError(f"{out} already holds a distillation run; pass --resume latest to continue it (or --overwrite)")
         return 0
     if record_path.is_file():
-        old = json.loads(record_path.read_text(encoding="utf-8"))
+        old = read_json(record_path, "--resume")
         if old != json.loads(json.dumps(record)):
             raise PocketdiffError(f"{out}: the recipe changed since the interrupted run (rounds, guidance, teacher or seed differ); "
                                   "resume with the same config or start a new output folder")
@@ -565,7 +565,7 @@ class RoundEvaluator:
     def teacher_metrics(self, steps: int) -> dict:
         path = self.out / "eval" / f"teacher-{steps}steps.json"
         if path.is_file():
-            return json.loads(path.read_text(encoding="utf-8"))
+            return read_json(path, "--resume")
         from pocketdiff.evaluate import ModelSpec  # noqa: F401 (API check)
 
         self.pipe.unet.to(self.device)
@@ -685,7 +685,7 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
     for position, spec in enumerate(plan):
         folder = out / spec.name
         if position < done:  # complete: reuse
-            meta = json.loads((folder / DISTILL_META).read_text(encoding="utf-8"))
+            meta = read_json(folder / DISTILL_META, "--resume")
             report["rounds"].append(meta["report"])
         else:
             budget = None
@@ -707,7 +707,7 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
         eval_path = out / "eval" / f"{spec.name}.json"
         if acc.is_main_process and cfg.eval.enabled:
             if eval_path.is_file():
-                entry["eval"] = json.loads(eval_path.read_text(encoding="utf-8"))
+                entry["eval"] = read_json(eval_path, "--resume")
             else:
                 entry["eval"] = evaluator(spec, _load_unet(folder), s_sched)
                 write_json(eval_path, entry["eval"])
