@@ -331,8 +331,11 @@ def build_latent_dataset(cfg: Config, pipe, images: ImageCaptionDataset, out: Pa
         if path.is_file():
             from safetensors import safe_open
 
-            with safe_open(str(path), "pt") as f:
-                fresh = (f.metadata() or {}).get("fingerprint") != fingerprint
+            try:
+                with safe_open(str(path), "pt") as f:
+                    fresh = (f.metadata() or {}).get("fingerprint") != fingerprint
+            except Exception:  # noqa: BLE001 - an unreadable cache is rebuilt, like a stale one
+                fresh = True
         if fresh:
             vae = pipe.vae.to(acc.device)
             means, stds = [], []
@@ -589,7 +592,10 @@ class RoundEvaluator:
     def teacher_images(self, steps: int) -> torch.Tensor:
         path = self.out / "samples" / f"teacher-{steps}steps.pt"
         if path.is_file():
-            return torch.load(path, weights_only=True)
+            try:
+                return torch.load(path, weights_only=True)
+            except Exception:  # noqa: BLE001 - a damaged cache (e.g. torn by an older version) is rebuilt
+                pass
         self.pipe.unet.to(self.device)
         sp = _student_pipe(self.pipe, self.pipe.unet, self.teacher_sched)
         images = self._images(sp, steps, self.cfg.guidance.scale)
