@@ -51,7 +51,7 @@ class LoopConfig:
         require(self.max_steps > 0, "train.max_steps", f"must be positive, got {self.max_steps}")
         require(self.batch_size > 0, "train.batch_size", f"must be positive, got {self.batch_size}")
         require(self.grad_accum > 0, "train.grad_accum", f"must be positive, got {self.grad_accum}")
-        require(self.lr > 0, "train.lr", f"must be positive, got {self.lr}")
+        require(0 < self.lr < math.inf, "train.lr", f"must be positive and finite, got {self.lr}")
         require(self.mixed_precision in MIXED_PRECISION, "train.mixed_precision", f"must be one of {MIXED_PRECISION}")
         require(0.0 <= self.ema_decay < 1.0, "train.ema_decay", f"must be in [0, 1), got {self.ema_decay}")
         require(self.checkpoint_every > 0, "train.checkpoint_every", "must be positive")
