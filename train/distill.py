@@ -28,6 +28,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
 import time
@@ -85,6 +86,8 @@ class GuidanceConfig:
     scale: float = 4.0  # w of the sample grids and metrics (and of training when conditioned=false)
 
     def __post_init__(self) -> None:
+        for key in ("w_min", "w_max", "scale"):
+            require(math.isfinite(getattr(self, key)), f"guidance.{key}", f"must be finite, got {getattr(self, key)}")
         require(self.w_min <= self.w_max, "guidance.w_min",
                 f"guidance range is empty: w_min={self.w_min} > w_max={self.w_max}")
         require(self.w_min >= 0, "guidance.w_min", f"must be >= 0, got {self.w_min}")
