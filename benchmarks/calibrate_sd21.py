@@ -162,6 +162,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-sweep", action="store_true")
     p.add_argument("--full-iters", type=int, default=None, help="also run a whole-UNet calibration at this many iterations")
     p.add_argument("--full-mode", default="sequential", choices=["sequential", "independent"])
+    p.add_argument("--devices", default="", help="comma list (e.g. cuda:0,cuda:1): independent mode runs one worker per device")
     p.add_argument("--holdout", type=int, default=64, help="held-out inputs (whole trajectories) for the sweep and the full run")
     p.add_argument("--norm-scale", type=float, default=0.1, help="perturb_norm_affines scale")
     p.add_argument("--seed", type=int, default=0)
@@ -318,6 +319,7 @@ def main(argv=None) -> int:
         sync(device)
         ts = time.time()
         results, info = reconstruct_unet(unet, calib, specs, opts, device=device, seed=args.seed,
+                                         devices=[d for d in args.devices.split(",") if d] or None,
                                          log=lambda m: print(m, file=sys.stderr, flush=True))
         sync(device)
         wall = time.time() - ts
@@ -332,7 +334,7 @@ def main(argv=None) -> int:
         write_weights(r, {g: LayerResult(c, s, "rtn") for g, (c, s) in info["rtn"].items()}, specs)
         cmp = compare_unets(unet, {"rtn": r, "recon": q}, build_blocks(unet), held, device, batch=8)
         result["full"] = {
-            "iters": args.full_iters, "mode": args.full_mode, "wall_s": round(wall, 2),
+            "iters": args.full_iters, "mode": args.full_mode, "devices": args.devices or str(device), "wall_s": round(wall, 2),
             "wall_s_including_collect": round(wall + result["calibration"]["collect_s"], 2),
             "peak_gpu_memory_gb": round(torch.cuda.max_memory_allocated(device) / 2 ** 30, 2) if device.type == "cuda" else None,
             "unet_cosine_rtn": cmp["unets"]["rtn"]["cosine_mean"], "unet_cosine_recon": cmp["unets"]["recon"]["cosine_mean"],

@@ -304,17 +304,17 @@ def main(argv=None) -> int:
         "attention_processor": type(next(iter(base.attn_processors.values()))).__name__ if base.attn_processors else None,
         "settings": {k: v for k, v in vars(args).items() if k != "out"}, "variants": {},
     }
-    for name in variants:
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    for name in variants:  # the JSON is rewritten after every variant: a run cut short keeps what it measured
         print(f"[distill_step] {name} ...", flush=True)
         r = measure(name, args, base, device, amp_dtype)
         result["variants"][name] = r
         print(f"[distill_step] {name}: {r['samples_per_s']:.2f} samples/s, {r['tflops_per_s']:.1f} TFLOP/s "
               f"(first step {r['first_step_s']:.1f} s)", flush=True)
-    if "eager" in result["variants"]:
-        ref = result["variants"]["eager"]["samples_per_s"]
-        result["speedup_vs_eager"] = {k: v["samples_per_s"] / ref for k, v in result["variants"].items()}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        if "eager" in result["variants"]:
+            ref = result["variants"]["eager"]["samples_per_s"]
+            result["speedup_vs_eager"] = {k: v["samples_per_s"] / ref for k, v in result["variants"].items()}
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result.get("speedup_vs_eager", {}), indent=2))
     return 0
 

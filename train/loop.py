@@ -24,6 +24,7 @@ from pocketdiff.errors import PocketdiffError, require
 
 from .checkpoints import begin_checkpoint, commit_checkpoint, read_state, resolve_resume
 
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
 MIXED_PRECISION = ("fp32", "fp16", "bf16")  # "fp32" = accelerate's "no" (YAML reads a bare no as false)
 
 
@@ -46,6 +47,7 @@ class LoopConfig:
     nan_policy: str = "stop"  # stop | skip
     tensorboard: bool = False
     max_time_s: float = 0.0  # > 0: stop (with a checkpoint) at the first step past this wall time
+    compile_mode: Optional[str] = None  # torch.compile the trained module in place: default | reduce-overhead | max-autotune-no-cudagraphs
 
     def __post_init__(self) -> None:
         require(self.max_steps > 0, "train.max_steps", f"must be positive, got {self.max_steps}")
@@ -56,6 +58,8 @@ class LoopConfig:
         require(0.0 <= self.ema_decay < 1.0, "train.ema_decay", f"must be in [0, 1), got {self.ema_decay}")
         require(self.checkpoint_every > 0, "train.checkpoint_every", "must be positive")
         require(self.nan_policy in ("stop", "skip"), "train.nan_policy", "must be 'stop' or 'skip'")
+        require(self.compile_mode is None or self.compile_mode in COMPILE_MODES, "train.compile_mode",
+                f"must be null or one of {COMPILE_MODES}, got {self.compile_mode!r}")
 
 
 def make_accelerator(cfg: LoopConfig, project_dir: Optional[Path] = None):
@@ -105,11 +109,15 @@ class EMA:
 
     @torch.no_grad()
     def update(self, module: torch.nn.Module) -> None:
+        shadows, params = [], []
         for n, p in module.named_parameters():
             if n in self.shadow:
                 if self.shadow[n].device != p.device:  # built or loaded before the model moved
                     self.shadow[n] = self.shadow[n].to(p.device)
-                self.shadow[n].lerp_(p.detach().float(), 1.0 - self.decay)
+                shadows.append(self.shadow[n])
+                params.append(p.detach().float())
+        if shadows:  # one fused kernel per group of tensors, not one per parameter
+            torch._foreach_lerp_(shadows, params, 1.0 - self.decay)
 
     @torch.no_grad()
     def copy_to(self, module: torch.nn.Module) -> None:
@@ -202,6 +210,8 @@ def train_loop(
     """
     acc = accelerator or make_accelerator(cfg, ckpt_dir.parent)
     model.to(acc.device)
+    if cfg.compile_mode:  # in place: parameter names and checkpoints stay those of the plain module
+        model.compile(mode=None if cfg.compile_mode == "default" else cfg.compile_mode)
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise PocketdiffError("the model has no trainable parameters")

@@ -35,9 +35,11 @@ class VaeTrainConfig:
     batch_size: int = 32
     kl_weight: float = 1e-6
     checkpoint_every: int = 200
+    max_time_s: float = 0.0  # > 0: wall-time budget of the VAE phase (stops with a checkpoint)
 
     def __post_init__(self) -> None:
         require(self.steps >= 0, "vae.steps", "must be >= 0")
+        require(self.max_time_s >= 0, "vae.max_time_s", "must be >= 0")
         require(self.kl_weight >= 0, "vae.kl_weight", "must be >= 0")
 
 
@@ -107,7 +109,7 @@ def _check_resolution(pipe, resolution: int) -> None:
 def train_vae(cfg: Config, vae, dataset, out: Path, resume: Optional[str], acc) -> dict:
     """Step 2: reconstruction + KL training of the VAE, then its latent scaling factor."""
     loop = dataclasses.replace(cfg.train, max_steps=cfg.vae.steps, lr=cfg.vae.lr, batch_size=cfg.vae.batch_size,
-                               ema_decay=0.0, checkpoint_every=cfg.vae.checkpoint_every, warmup_steps=0, max_time_s=0.0)
+                               ema_decay=0.0, checkpoint_every=cfg.vae.checkpoint_every, warmup_steps=0, max_time_s=cfg.vae.max_time_s)
 
     def vae_loss(model, batch, rng: BatchRandom):
         x = batch["pixel_values"].to(rng.device)

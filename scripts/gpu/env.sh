@@ -1,0 +1,17 @@
+# Sourced at the start of every GPU-machine script (the device tool runs them from the repo
+# root, with the wheels of .whl/ and the OpenMoji copy of .devdata/ carried beside it).
+# Installs the carried wheels and this repo into /tmp/site, then works from $RUNS: not the
+# repo root, whose pocketdiff/ folder would shadow the installed package.
+REPO=$PWD
+if [ ! -f /tmp/site/.pocketdiff-installed ] || [ "$REPO/pyproject.toml" -nt /tmp/site/.pocketdiff-installed ] || [ -n "${REINSTALL:-}" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+fi
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . >/dev/null || exit 1
+touch /tmp/site/.pocketdiff-installed
+export PYTHONPATH=/tmp/site POCKETDIFF_DATA=$REPO/.devdata TQDM_MININTERVAL=30 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+RUNS=$REPO/.runs  # kept between calls while the machine stays warm (ignored by git)
+mkdir -p "$RUNS" && cd "$RUNS" || exit 1
+pd() { python3 -m pocketdiff "$@"; }
+# pack FOLDER NAME [files...]: tar.gz of FOLDER's listed entries into $OUT, split in 15 MB parts
+pack() { local dir=$1 name=$2; shift 2; tar czf /tmp/$name.tgz -C "$dir" "$@" && split -b 15m /tmp/$name.tgz $OUT/$name.tgz.; }
