@@ -88,7 +88,10 @@ def run_stage(verb: str, config: Optional[str], output: str | Path, overrides: O
     cfg = load_config(module.Config, config, overrides or [])
     fresh = not Path(output).exists()
     out = prepare_output_dir(output, overwrite=overwrite, resume=resume is not None)
-    atomic_write_text(out / "config.yaml", to_yaml(cfg))
+    cfg_file = out / "config.yaml"
+    previous = cfg_file.read_text(encoding="utf-8") if cfg_file.is_file() else None
+    ckpts_before = set() if fresh else set(out.rglob("checkpoint-*"))
+    atomic_write_text(cfg_file, to_yaml(cfg))
     start = time.time()
     try:
         report = module.run(cfg, out, resume=resume)
@@ -97,6 +100,12 @@ def run_stage(verb: str, config: Optional[str], output: str | Path, overrides: O
         # (a resumable run keeps its checkpoints: only folders this call created are removed)
         if fresh and not any(out.rglob("checkpoint-*")):
             shutil.rmtree(out, ignore_errors=True)
+        elif not fresh and set(out.rglob("checkpoint-*")) == ckpts_before:
+            # a refused --resume (e.g. a damaged checkpoint, a changed recipe): the folder keeps its own config
+            if previous is None:
+                cfg_file.unlink(missing_ok=True)
+            else:
+                atomic_write_text(cfg_file, previous)
         raise
     report.setdefault("verb", verb)
     report.setdefault("wall_time_s", round(time.time() - start, 3))
