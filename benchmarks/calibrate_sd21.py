@@ -31,9 +31,9 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from _checkout import ROOT as REPO, use_checkout  # noqa: E402
+
+use_checkout()
 
 
 def sync(device):

@@ -19,15 +19,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-import pocketdiff  # noqa: E402
+from _checkout import ROOT, use_checkout  # noqa: E402
 
-try:
-    import pocketdiff.train  # noqa: F401
-except ImportError:  # a checkout that is not pip-installed: map pocketdiff.train -> train/
-    pocketdiff.__path__.append(str(ROOT))
+use_checkout()
 
 
 def main(argv=None) -> int:

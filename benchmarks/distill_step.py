@@ -40,15 +40,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run from a checkout without installing
-    sys.path.insert(0, str(ROOT))
-import pocketdiff  # noqa: E402
+from _checkout import ROOT, use_checkout  # noqa: E402
 
-try:
-    import pocketdiff.train  # noqa: F401
-except ImportError:  # a checkout that is not pip-installed: map pocketdiff.train -> train/ (pyproject's package-dir)
-    pocketdiff.__path__.append(str(ROOT))
+use_checkout()
 
 from pocketdiff.models import default_resolution, perturb_norm_affines, scheduler_config, unet_config  # noqa: E402
 from pocketdiff.train.distill_targets import (  # noqa: E402

@@ -22,7 +22,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from _checkout import use_checkout  # noqa: E402
+
+use_checkout()
 
 
 def _sync(device):

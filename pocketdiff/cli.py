@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import shutil
 import sys
 import time
@@ -86,8 +87,18 @@ def run_stage(verb: str, config: Optional[str], output: str | Path, overrides: O
 
     module = importlib.import_module(VERBS[verb])
     cfg = load_config(module.Config, config, overrides or [])
+    state = _distributed_state()
+    if state is not None and not state.is_main_process:
+        # `accelerate launch`: the main process owns the folder (a second check would find it
+        # non-empty); the others wait for it, then run without touching config or report
+        state.wait_for_everyone()
+        return module.run(cfg, Path(output), resume=resume)
     fresh = not Path(output).exists()
-    out = prepare_output_dir(output, overwrite=overwrite, resume=resume is not None)
+    try:
+        out = prepare_output_dir(output, overwrite=overwrite, resume=resume is not None)
+    finally:
+        if state is not None:
+            state.wait_for_everyone()  # also on a refused folder, so no process waits forever
     cfg_file = out / "config.yaml"
     previous = cfg_file.read_text(encoding="utf-8") if cfg_file.is_file() else None
     ckpts_before = set() if fresh else set(out.rglob("checkpoint-*"))
@@ -113,6 +124,15 @@ def run_stage(verb: str, config: Optional[str], output: str | Path, overrides: O
     return report
 
 
+def _distributed_state():
+    """accelerate's process state when launched as several processes (None for one process)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    from accelerate import PartialState
+
+    return PartialState()
+
+
 def run_verb(args: argparse.Namespace) -> int:
     if VERBS[args.verb] is None:
         print(f"pocketdiff {args.verb}: not implemented yet", file=sys.stderr)
@@ -135,7 +155,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     for name in IMPORT_NOISE_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # key=value overrides may also follow the options: `--config A x=1 --output B y=2`
+        if hasattr(args, "overrides") and all("=" in a and not a.startswith("-") for a in extra):
+            args.overrides = list(args.overrides) + extra
+        else:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return run_verb(args)
     except PocketdiffError as e:
