@@ -10,7 +10,7 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile
 touch /tmp/site/.pocketdiff-installed
 export PYTHONPATH=/tmp/site POCKETDIFF_DATA=$REPO/.devdata TQDM_MININTERVAL=30 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-RUNS=$REPO/.runs  # kept between calls while the machine stays warm (ignored by git)
+RUNS=/tmp/runs  # /tmp outlives a call while the machine stays warm (the repo copy does not)
 mkdir -p "$RUNS" && cd "$RUNS" || exit 1
 pd() { python3 -m pocketdiff "$@"; }
 # pack FOLDER NAME [files...]: tar.gz of FOLDER's listed entries into $OUT, split in 15 MB parts
