@@ -14,7 +14,8 @@ overrides that keep each run to seconds) the script
      being written, a round folder, ...) plus a random delay of 0-0.3 s;
    - `time`: at a random fraction of the reference wall time (often before any checkpoint,
      or before the output folder even exists);
-   - `early`: just after config.yaml appears (nothing to resume: resume starts from scratch);
+   - `early`: just after config.yaml appears (nothing to resume: resume starts from scratch),
+     or while the interpreter is still importing (the output folder does not exist yet);
    and, for about one point in five, kills the resumed run a second time;
 3. after each kill checks the folder: every checkpoint that `--resume latest` could pick is
    complete (safetensors headers cover their files, optimizer zips are whole, JSON parses),
@@ -29,8 +30,9 @@ overrides that keep each run to seconds) the script
 calibrate has no checkpoints: `--resume latest` reruns it from the start in the same folder
 (deterministic), which must give the same files.
 
-The JSON tally (`--out`): points tried (kills delivered), exact resumes, per stage, and one
-record per point (trigger, when it fired, whether a checkpoint existed, torn files seen).
+The JSON tally (`--out`): points tried (points where a kill landed; a run that ends before its
+trigger is drawn again), kills delivered, exact resumes, the same per stage, and one record per
+point (triggers, when they fired, the checkpoints present, torn files seen).
 Exit status 0 when every resume was exact.
 
 The CI test (tests/reliability/test_kill_resume.py) drives `run_point` on train-teacher with
@@ -396,8 +398,13 @@ def draw_triggers(ref: Reference, rng: random.Random) -> list[Trigger]:
     events = [(t, rel) for t, rel in ref.timeline if "report.json" not in rel and t < 0.98 * ref.wall_s]
     wall = ref.wall_s
 
+    t_config = next((t for t, rel in ref.timeline if rel == "config.yaml"), wall)
+
     def one(first: bool) -> Trigger:
-        kind = rng.choices(["path", "time", "early"], weights=[0.55, 0.3, 0.15] if first else [0.5, 0.5, 0.0])[0]
+        kind = rng.choices(["path", "time", "early", "startup"],
+                           weights=[0.5, 0.25, 0.15, 0.1] if first else [0.5, 0.5, 0.0, 0.0])[0]
+        if kind == "startup":  # while importing: the output folder does not exist yet
+            return Trigger("time", at_s=rng.uniform(0.3, 0.8) * t_config)
         if kind == "early" or not events:
             return Trigger("early", "config.yaml", at_s=wall, delay_s=rng.uniform(0.0, 1.0))
         if kind == "time":
@@ -419,7 +426,9 @@ def tally(points: list[dict], refs: dict[str, Reference]) -> dict:
         kills = [k for p in mine for k in p["kills"] if k["delivered"]]
         per_stage[stage] = {
             "points": len(mine), "exact_resumes": sum(p["exact"] for p in mine), "kills": len(kills),
-            "kills_before_first_checkpoint": sum(k["before_first_checkpoint"] for k in kills),
+            # calibrate has no checkpoints: n/a
+            "kills_before_first_checkpoint": (sum(k["before_first_checkpoint"] for k in kills)
+                                              if any("checkpoint-" in rel for _, rel in refs[stage].timeline) else None),
             "kills_before_output_folder": sum(not k["output_folder_existed"] for k in kills),
             "kills_of_resumed_runs": sum(k["resumed_run"] for k in kills),
             "kills_leaving_torn_final_files": sum(bool(k["torn_files"]) for k in kills),
