@@ -188,7 +188,9 @@ class MetricSetup:
 
             assert self.clip is not None
             model, processor = TensorCLIP(self.clip.model), self.clip.processor
-            self._clip_metric = CLIPScore(model_name_or_path=lambda: (model, processor))
+            # on the images' device: torchmetrics moves the model there, but its running sums
+            # stay where the metric is (a CPU metric fed CUDA images fails on the first update)
+            self._clip_metric = CLIPScore(model_name_or_path=lambda: (model, processor)).to(self.device)
         return self._clip_metric
 
     # ------------------------------------------------------------------ reference
