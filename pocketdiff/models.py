@@ -456,6 +456,9 @@ def load_pipeline(source: str, prediction_type: Optional[str] = None, torch_dtyp
 
     Safetensors only, safety checker and feature extractor off. Local folders are checked
     first and load offline. `prediction_type` (when given) overrides the scheduler's.
+    Every component comes back in `torch_dtype`, float32 by default, whatever the files hold
+    (left to itself, diffusers upcasts its own models of a float16 folder but transformers
+    keeps the text encoder in float16, and a mixed pipeline fails at the cross-attention).
     """
     from diffusers import StableDiffusionPipeline
 
@@ -468,8 +471,7 @@ def load_pipeline(source: str, prediction_type: Optional[str] = None, torch_dtyp
     kwargs: dict[str, Any] = dict(
         use_safetensors=True, safety_checker=None, feature_extractor=None, requires_safety_checker=False
     )
-    if torch_dtype is not None:
-        kwargs["dtype"] = torch_dtype  # diffusers 0.42 name (torch_dtype is deprecated)
+    kwargs["dtype"] = torch_dtype if torch_dtype is not None else torch.float32  # diffusers 0.42 name (torch_dtype is deprecated)
     if local:
         kwargs["local_files_only"] = True
     try:

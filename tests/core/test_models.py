@@ -214,6 +214,13 @@ def test_load_pipeline_local_and_prediction_override(tiny, saved):
     assert half.unet.dtype == torch.float16
 
 
+def test_a_float16_folder_loads_as_float32_in_every_component(saved, tmp_path):
+    load_pipeline(saved, torch_dtype=torch.float16).save_pretrained(tmp_path / "fp16")
+    pipe = load_pipeline(tmp_path / "fp16")  # transformers alone would keep the text encoder in float16
+    assert {c: getattr(pipe, c).dtype for c in ("unet", "vae", "text_encoder")} == dict.fromkeys(("unet", "vae", "text_encoder"), torch.float32)
+    assert generate(pipe, CAPTIONS[:1], steps=2, guidance_scale=2.0).isfinite().all()
+
+
 def test_load_pipeline_errors(saved, tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
