@@ -7,7 +7,8 @@
 #                and one or more packed sets, each made here by
 #                `benchmarks/export_sd21.py --stage convert|pack --pack .devexport/SET`
 #                (manifest.json, *.npy, *.tflite.zst or *.tflite.xz); .devexport itself may be a set
-#   .gl/         Vulkan loader + libglvnd debs (the NVIDIA Vulkan ICD needs them)
+#   .gl/         Vulkan loader + libglvnd debs (the NVIDIA Vulkan ICD needs them); .gl/zstd/ the
+#                zstd deb, used only where the machine has no zstd
 # Conversion happens where litert-torch is installed; this machine needs only numpy + ai-edge-litert.
 #   bash scripts/gpu/export_delegate.sh [extra --stage delegate args, e.g. --variants ours_fp16_rs --skip-cpu]
 #   SETS="normal002" bash scripts/gpu/export_delegate.sh      # only some sets (default: all, in name order)
@@ -74,12 +75,18 @@ if [ -z "${POCKETDIFF_VULKAN:-}" ] && { [ -e /dev/nvidia0 ] || [ -e /proc/driver
 fi
 $PY -c "import numpy, ai_edge_litert.compiled_model as c; print('numpy', numpy.__version__, 'ai_edge_litert', c.__file__)" || exit 4
 
-# 3. the files of every set, decompressed in parallel
+# 3. the files of every set, decompressed in parallel (zstd: the machine's, else the carried
+#    Debian one, .gl/zstd/*.deb, unpacked into /tmp/zstd; .xz: Python's lzma)
+ZSTD=$(command -v zstd)
+if [ -z "$ZSTD" ] && ls .gl/zstd/*.deb > /dev/null 2>&1; then
+  dpkg -x .gl/zstd/*.deb /tmp/zstd && ZSTD=/tmp/zstd/usr/bin/zstd
+fi
+say "zstd: ${ZSTD:-none} $($ZSTD --version 2>&1 | head -1)"
 unpack() {  # src dst
   case "$1" in
     *.xz) $PY -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], 'wb'), 1 << 24)" "$1" "$2" ;;
-    *) if command -v zstd > /dev/null; then
-         zstd -d -q -f --long=31 --memory=2048MB "$1" -o "$2"
+    *) if [ -n "$ZSTD" ]; then
+         "$ZSTD" -d -q -f --long=31 --memory=2048MB "$1" -o "$2"
        else
          $PY -c "import sys, zstandard; zstandard.ZstdDecompressor(max_window_size=2**31).copy_stream(open(sys.argv[1], 'rb'), open(sys.argv[2], 'wb'))" "$1" "$2"
        fi ;;
