@@ -209,19 +209,18 @@ def evaluate_pipelines(
 
                 def batches(seed=seed, keep=(si == 0 and n_grid > 0), timing=timing, steps=steps):
                     kept = []
-                    bar = tqdm(total=len(prompts), desc=f"{name}, {steps} steps, seed {seed}", unit="img",
-                               disable=not progress, leave=False, dynamic_ncols=True)
-                    for start in range(0, len(prompts), chunk):
-                        part = prompts[start : start + chunk]
-                        images, seconds = generate_images(loaded, part, steps, w, seed + start, resolution, batch_size)
-                        timing[0] += seconds
-                        bar.update(len(part))
-                        if keep and start < n_grid:
-                            kept.append(images[: n_grid - start].clone())
-                            if sum(len(k) for k in kept) >= n_grid:
-                                grids.setdefault(steps, {})[name] = torch.cat(kept)[:n_grid]
-                        yield images, part
-                    bar.close()
+                    with tqdm(total=len(prompts), desc=f"{name}, {steps} steps, seed {seed}", unit="img",
+                              disable=not progress, leave=False, dynamic_ncols=True) as bar:  # closed on errors too
+                        for start in range(0, len(prompts), chunk):
+                            part = prompts[start : start + chunk]
+                            images, seconds = generate_images(loaded, part, steps, w, seed + start, resolution, batch_size)
+                            timing[0] += seconds
+                            bar.update(len(part))
+                            if keep and start < n_grid:
+                                kept.append(images[: n_grid - start].clone())
+                                if sum(len(k) for k in kept) >= n_grid:
+                                    grids.setdefault(steps, {})[name] = torch.cat(kept)[:n_grid]
+                            yield images, part
 
                 got = metric_setup.measure(batches())
                 secs += timing[0]
