@@ -549,9 +549,23 @@ def _feeds(meta: dict, arrays: dict):
     return [arrays[k] for k in keys]
 
 
-def _log_tail(text: str, n: int = 12) -> list[str]:
+def _log_tail(text: str, n: int = 10) -> list[str]:
+    """The first distinct error lines of a delegate log (the cause; later ones echo it) + its tail."""
+    import re
+
     lines = [ln for ln in text.splitlines() if ln.strip() and "Warning" not in ln]
-    return [ln[:300] for ln in lines[-n:]]
+    first: list[str] = []
+    seen = set()
+    for ln in lines:
+        if re.search(r"error|invalid|exceed|fail|not supported", ln, re.I):
+            key = re.sub(r"\d+", "N", ln)
+            if key not in seen:
+                seen.add(key)
+                first.append(ln[:300])
+        if len(first) >= 6:
+            break
+    tail = [ln[:300] for ln in lines[-n:] if ln[:300] not in first]
+    return first + ["..."] + tail
 
 
 def _failed_run(accelerator: str, error: str):

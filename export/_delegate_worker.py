@@ -6,6 +6,7 @@ out_<precision>.npz into the request's out_dir. Imports only numpy and ai_edge_l
 from __future__ import annotations
 
 import json
+import signal
 import statistics
 import sys
 import time
@@ -13,6 +14,9 @@ import traceback
 from pathlib import Path
 
 import numpy as np
+
+
+_TEARDOWN_S = 90
 
 
 def _np_dtype(name: str):
@@ -107,6 +111,13 @@ def main(request_path: str) -> int:
         result["error"] = f"{type(e).__name__}: {first[0] if first else ''}"
         result["traceback"] = traceback.format_exc()
         flush()
+        # Tearing down a GPU model after a failed run can hang (seen on lavapipe after a WebGPU
+        # validation error), which would cost the caller its whole timeout; the teardown still
+        # logs the delegate's own errors, so let it run, under a watchdog that ends the process.
+        print(f"delegate worker: {result['error']} (exiting; teardown watchdog {_TEARDOWN_S} s)", file=sys.stderr, flush=True)
+        if hasattr(signal, "alarm"):
+            signal.signal(signal.SIGALRM, signal.SIG_DFL)
+            signal.alarm(_TEARDOWN_S)
         return 3
     flush()
     return 0

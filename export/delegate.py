@@ -312,9 +312,9 @@ def run_on_delegate(
                 )
                 log = proc.stdout + proc.stderr
                 this_rc: Optional[int] = proc.returncode
-            except subprocess.TimeoutExpired as e:
-                out = e.stdout or ""
-                log = out.decode(errors="replace") if isinstance(out, bytes) else out
+            except subprocess.TimeoutExpired as e:  # keep what it logged (the delegate logs to stderr)
+                parts = [e.stdout or "", e.stderr or ""]
+                log = "".join(x.decode(errors="replace") if isinstance(x, bytes) else x for x in parts)
                 this_rc = None
             logs.append(f"===== {accelerator} {prec} =====\n{log}")
             part = json.loads((work / "result.json").read_text()) if (work / "result.json").is_file() else {}
