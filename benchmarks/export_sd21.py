@@ -644,12 +644,12 @@ def stage_delegate(args, work: Path, variants: Optional[list[str]], out: Path) -
                 continue
             timeout = min(timeout, left)
         label = "CPU (XNNPACK)" if acc == "cpu" else f"GPU delegate {prec}"
-        log(f"{v}: {label}, {args.repeats} runs after {args.warmup} warm-up, timeout {timeout:.0f} s")
         t0 = time.perf_counter()
+        repeats, warmup = (args.repeats, args.warmup) if acc == "gpu" else (max(1, args.repeats // 2), min(1, args.warmup))
+        log(f"{v}: {label}, {repeats} runs after {warmup} warm-up, timeout {timeout:.0f} s")
         try:
             run = run_on_delegate(work / meta.get("file", f"{v}.tflite"), _feeds(meta, arrays), precisions=[prec], accelerator=acc,
-                                  repeats=args.repeats, warmup=args.warmup, timeout_s=timeout,
-                                  num_threads=args.cpu_threads if acc == "cpu" else 0)
+                                  repeats=repeats, warmup=warmup, timeout_s=timeout, num_threads=args.cpu_threads if acc == "cpu" else 0)
         except Exception as e:  # noqa: BLE001 - e.g. no Vulkan driver: recorded, the other runs go on
             run = _failed_run(acc, f"{type(e).__name__}: {e}")
         wall = time.perf_counter() - t0
