@@ -147,9 +147,11 @@ def prepare_component(
     return Prepared(name, rewritten.eval(), dict(inputs), ref_np, report, out_path, weights, quantized)
 
 
-def convert_job(module: nn.Module, inputs: dict[str, torch.Tensor], raw_path: str) -> dict:
-    """Step 3a, picklable for a worker process: litert-torch conversion (fp32 constants)."""
-    torch.set_num_threads(1)
+def convert_job(module: nn.Module, inputs: dict[str, torch.Tensor], raw_path: str | Path, num_threads: Optional[int] = None) -> dict:
+    """Step 3a, picklable for a worker process: litert-torch conversion (fp32 constants) to
+    `raw_path`; returns the `convert_info` that `finish_component` takes."""
+    if num_threads:
+        torch.set_num_threads(num_threads)
     seconds = _convert(module, inputs, Path(raw_path))
     return {"convert_s": round(seconds, 3), "convert_peak_rss_mb": round(peak_rss_mb(), 1)}
 
@@ -245,15 +247,14 @@ def export_component(
     parity_cfg: parity_lib.ParityConfig,
     quantized: Optional[QuantizedComponent] = None,
     float_storage: str = "fp16",
-    work_dir: Optional[Path] = None,
 ) -> dict:
     """Export `graph` (a TextEncoderGraph / UNetGraph / VaeDecoderGraph) to `out_path`, in
     this process. Returns the component's report entry; raises PocketdiffError (an op that is
     not GPU-compatible, named with its torch module) or ParityError (a named threshold)."""
     prep = prepare_component(name, graph, inputs, out_path, rewrites, weights, quantized)
-    with tempfile.TemporaryDirectory(prefix=f"pocketdiff-{name}-", dir=work_dir) as tmp:
+    with tempfile.TemporaryDirectory(prefix=f"pocketdiff-{name}-") as tmp:
         prep.raw_path = Path(tmp) / f"{name}_fp32.tflite"
-        info = {"convert_s": round(_convert(prep.rewritten, prep.inputs, prep.raw_path), 3), "convert_peak_rss_mb": round(peak_rss_mb(), 1)}
+        info = convert_job(prep.rewritten, prep.inputs, prep.raw_path)
         return finish_component(prep, info, verify, parity_cfg, float_storage)
 
 

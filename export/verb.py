@@ -296,10 +296,7 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
     if cfg.jobs == 1 or len(cfg.components) == 1:
         for name in cfg.components:  # one component in memory at a time
             prep = prepare(name)
-            from .exporter import _convert
-
-            info = {"convert_s": round(_convert(prep.rewritten, prep.inputs, prep.raw_path), 3), "convert_peak_rss_mb": round(peak_rss_mb(), 1)}
-            finish(prep, info)
+            finish(prep, convert_job(prep.rewritten, prep.inputs, prep.raw_path))
             prep.raw_path.unlink(missing_ok=True)
             del prep
     else:
@@ -310,7 +307,7 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
         # the largest first: with 2 workers the UNet runs beside the other two
         order = sorted(preps, key=lambda p: -sum(t.numel() for t in p.rewritten.parameters()))
         with ProcessPoolExecutor(max_workers=min(cfg.jobs, len(preps)), mp_context=mp.get_context("spawn")) as pool:
-            futures = {p.name: pool.submit(convert_job, p.rewritten, p.inputs, str(p.raw_path)) for p in order}
+            futures = {p.name: pool.submit(convert_job, p.rewritten, p.inputs, str(p.raw_path), 1) for p in order}
             for prep in preps:
                 finish(prep, futures[prep.name].result())
                 prep.raw_path.unlink(missing_ok=True)
