@@ -281,68 +281,49 @@ def run_on_delegate(
     env.setdefault("PYTHONUNBUFFERED", "1")
     # One child process for all precisions (the worker releases each compiled model and its
     # buffers before the next); a crash stays isolated from this process.
-    res: dict = {"compile_s": {}, "latency_s": {}, "ran": []}
     outputs: dict[str, list[np.ndarray]] = {}
-    logs: list[str] = []
-    rc: Optional[int] = 0
-    first_error = ""
     with tempfile.TemporaryDirectory(prefix="pocketdiff-delegate-") as tmp:
-        tmp = Path(tmp)
+        work = Path(tmp)
         if inputs is not None:
-            _write_inputs(inputs, tmp / "inputs.npz")
-        for group in [list(precisions)]:
-            prec = "+".join(group)
-            work = tmp / "run"
-            work.mkdir()
-            request = {
-                "model": str(model_path.resolve()),
-                "accelerator": accelerator,
-                "precisions": group,
-                "repeats": int(repeats),
-                "warmup": int(warmup),
-                "num_threads": int(num_threads),
-                "inputs": str(tmp / "inputs.npz") if inputs is not None else None,
-                "out_dir": str(work),
-            }
-            (work / "request.json").write_text(json.dumps(request))
-            try:
-                proc = subprocess.run(
-                    [sys.executable, "-m", "pocketdiff.export._delegate_worker", str(work / "request.json")],
-                    env=env, capture_output=True, text=True, timeout=timeout_s,
-                )
-                log = proc.stdout + proc.stderr
-                this_rc: Optional[int] = proc.returncode
-            except subprocess.TimeoutExpired as e:  # keep what it logged (the delegate logs to stderr)
-                parts = [e.stdout or "", e.stderr or ""]
-                log = "".join(x.decode(errors="replace") if isinstance(x, bytes) else x for x in parts)
-                this_rc = None
-            logs.append(f"===== {accelerator} {prec} =====\n{log}")
-            part = json.loads((work / "result.json").read_text()) if (work / "result.json").is_file() else {}
-            for key in ("compiled", "fully_accelerated", "input_names", "output_names"):
-                if key in part and key not in res:
-                    res[key] = part[key]
-            res["compile_s"].update(part.get("compile_s", {}))
-            res["latency_s"].update(part.get("latency_s", {}))
-            for p in part.get("ran", []):
-                data = np.load(work / f"out_{p}.npz")
-                outputs[p] = [data[f"out_{i}"] for i in range(len(data.files))]
-                res["ran"].append(p)
-            err = part.get("error", "")
-            if this_rc is None:
-                err = f"delegate run timed out after {timeout_s:.0f} s"
-            elif this_rc < 0:
-                err = f"delegate process crashed (signal {-this_rc})" + (f" after: {err}" if err else "")
-            elif this_rc != 0 and not err:
-                tail = [line for line in log.splitlines() if line.strip()][-3:]
-                err = f"delegate process failed (exit {this_rc}): " + " | ".join(tail)
-            if err and not first_error:
-                first_error = f"[{prec}] {err}"
-                rc = this_rc
-            if not part.get("compiled"):
-                break  # the other precision would fail the same way
-    log = "\n".join(logs)
-    error = first_error
-    rejected, split = parse_delegate_log(logs[0] if logs else "")
+            _write_inputs(inputs, work / "inputs.npz")
+        request = {
+            "model": str(model_path.resolve()),
+            "accelerator": accelerator,
+            "precisions": list(precisions),
+            "repeats": int(repeats),
+            "warmup": int(warmup),
+            "num_threads": int(num_threads),
+            "inputs": str(work / "inputs.npz") if inputs is not None else None,
+            "out_dir": str(work),
+        }
+        (work / "request.json").write_text(json.dumps(request))
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-m", "pocketdiff.export._delegate_worker", str(work / "request.json")],
+                env=env, capture_output=True, text=True, timeout=timeout_s,
+            )
+            log = proc.stdout + proc.stderr
+            rc: Optional[int] = proc.returncode
+        except subprocess.TimeoutExpired as e:  # keep what it logged (the delegate logs to stderr)
+            parts = [e.stdout or "", e.stderr or ""]
+            log = "".join(x.decode(errors="replace") if isinstance(x, bytes) else x for x in parts)
+            rc = None
+        res = json.loads((work / "result.json").read_text()) if (work / "result.json").is_file() else {}
+        for p in res.get("ran", []):
+            data = np.load(work / f"out_{p}.npz")
+            outputs[p] = [data[f"out_{i}"] for i in range(len(data.files))]
+    error = res.get("error", "")
+    if rc is None:
+        error = f"delegate run timed out after {timeout_s:.0f} s"
+    elif rc < 0:
+        error = f"delegate process crashed (signal {-rc})" + (f" after: {error}" if error else "")
+    elif rc != 0 and not error:
+        tail = [line for line in log.splitlines() if line.strip()][-3:]
+        error = f"delegate process failed (exit {rc}): " + " | ".join(tail)
+    if error:
+        error = f"[{'+'.join(precisions)}] {error}"
+    log = f"===== {accelerator} {'+'.join(precisions)} =====\n{log}"
+    rejected, split = parse_delegate_log(log)
     if "No adapters found" in log and not res.get("compiled"):
         error = f"no Vulkan adapter for the GPU delegate ({drv}); {_SETUP_HINT}"
     m = re.search(r"Selected adapter: ([^\n]*)", log)
