@@ -18,6 +18,7 @@ from typing import Optional
 
 import numpy as np
 import torch
+from diffusers import UNet2DConditionModel
 from torch import nn
 
 from pocketdiff.errors import PocketdiffError
@@ -38,18 +39,11 @@ def _fed_time_embed(self, sample, timestep):
     return timestep.to(sample.dtype)
 
 
-def _external_time_unet_class():
-    from diffusers import UNet2DConditionModel
+class ExternalTimeUNet(UNet2DConditionModel):
+    """UNet2DConditionModel whose `timestep` input already is the time embedding."""
 
-    class ExternalTimeUNet(UNet2DConditionModel):
-        """UNet2DConditionModel whose `timestep` input already is the time embedding."""
-
-        def get_time_embed(self, sample, timestep):
-            return _fed_time_embed(self, sample, timestep)
-
-    ExternalTimeUNet.__module__ = __name__
-    ExternalTimeUNet.__qualname__ = "ExternalTimeUNet"
-    return ExternalTimeUNet
+    def get_time_embed(self, sample, timestep):
+        return _fed_time_embed(self, sample, timestep)
 
 
 class _PassThrough(nn.Module):
@@ -69,8 +63,6 @@ class UNetGraph(nn.Module):
         self.takes_timestep_cond = timestep_cond and not external_time_embedding
         if external_time_embedding:
             # get_time_embed returns what we feed; time_embedding becomes the identity
-            from diffusers import UNet2DConditionModel
-
             if type(unet) is UNet2DConditionModel:
                 unet.__class__ = ExternalTimeUNet  # a module-level class: the graph stays picklable
             else:
@@ -165,6 +157,3 @@ def time_embedding_table(unet, num_train_timesteps: int, w_embedding: Optional[t
 def tokenize(tokenizer, prompts: list[str]) -> np.ndarray:
     enc = tokenizer(prompts, padding="max_length", max_length=tokenizer.model_max_length, truncation=True, return_tensors="np")
     return enc["input_ids"].astype(np.int32)
-
-
-ExternalTimeUNet = _external_time_unet_class()
