@@ -100,6 +100,8 @@ class Config:
             require(p in ("fp16", "fp32"), "verify.precisions", f"must be fp16 and/or fp32, got {p!r}")
         if self.weights == "int8":
             require(self.int8.checkpoint is not None or self.int8.rtn, "int8.checkpoint", "weights=int8 needs a checkpoint (or int8.rtn: true)")
+        require(not self.rewrites.residual_scale_auto or self.fp16_scan.enabled, "rewrites.residual_scale_auto",
+                "needs fp16_scan.enabled: true (the scan measures the residual stream)")
 
 
 def _versions() -> dict:
@@ -223,15 +225,9 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
     if cfg.fp16_scan.enabled:
         scan = scan_pipeline(pipe, cfg.fp16_scan.prompts, steps=cfg.fp16_scan.steps, guidance_scale=cfg.guidance_scale,
                              resolution=shapes.resolution, seed=cfg.seed, rewrites=cfg.rewrites)
-        write_json(work / "fp16_scan.json", scan)
-        if cfg.fp16_scan.fail and scan["overflowing_ops"]:
-            raise PocketdiffError(f"fp16 scan: {scan['overflowing_ops']} ops leave the fp16 range (first: {scan['first_overflow']})")
-
     timings["fp16_scan_s"] = round(time.perf_counter() - t_scan, 2)
     rewrites_of = {n: cfg.rewrites for n in cfg.components}
-    if cfg.rewrites.residual_scale_auto:
-        if scan is None:
-            raise PocketdiffError("rewrites.residual_scale_auto needs fp16_scan.enabled: true")
+    if cfg.rewrites.residual_scale_auto:  # Config made sure the scan ran
         from .fp16scan import residual_scale_for, stream_peaks
 
         peaks = stream_peaks(scan)
@@ -240,7 +236,10 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
                 s = residual_scale_for(peaks.get(n, 0.0))
                 rewrites_of[n] = dataclasses.replace(cfg.rewrites, residual_scale=None if s == 1.0 else s)
         scan["residual_scale_auto"] = {n: rewrites_of[n].residual_scale for n in rewrites_of}
+    if scan is not None:
         write_json(work / "fp16_scan.json", scan)
+        if cfg.fp16_scan.fail and scan["overflowing_ops"]:
+            raise PocketdiffError(f"fp16 scan: {scan['overflowing_ops']} ops leave the fp16 range (first: {scan['first_overflow']})")
 
     # 4. components
     def graph_for(name: str):

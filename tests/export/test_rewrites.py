@@ -257,3 +257,12 @@ def test_residual_scale_must_be_a_power_of_two():
 
     with pytest.raises(ConfigError, match="residual_scale"):
         RewriteConfig(residual_scale=0.1)
+
+
+def test_residual_scale_auto_needs_the_fp16_scan():
+    from pocketdiff.errors import ConfigError
+    from pocketdiff.export.verb import Config, ScanConfig
+
+    with pytest.raises(ConfigError, match="rewrites.residual_scale_auto"):
+        Config(rewrites=RewriteConfig(residual_scale_auto=True), fp16_scan=ScanConfig(enabled=False))
+    Config(rewrites=RewriteConfig(residual_scale_auto=True))  # the scan is on by default
