@@ -12,6 +12,7 @@ export PYTHONPATH=/tmp/site POCKETDIFF_DATA=$REPO/.devdata TQDM_MININTERVAL=30 P
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 RUNS=/tmp/runs  # /tmp outlives a call while the machine stays warm (the repo copy does not)
 mkdir -p "$RUNS" && cd "$RUNS" || exit 1
-pd() { python3 -m pocketdiff "$@"; }
-# pack FOLDER NAME [files...]: tar.gz of FOLDER's listed entries into $OUT, split in 15 MB parts
+# pack FOLDER NAME [entries...]: tar.gz of FOLDER's entries into $OUT, split in 15 MB parts ($OUT takes 16 MB files)
 pack() { local dir=$1 name=$2; shift 2; tar czf /tmp/$name.tgz -C "$dir" "$@" && split -b 15m /tmp/$name.tgz $OUT/$name.tgz.; }
+# reports RUN_FOLDER FILE.tgz: a run's reports, logs and pictures, without weights or checkpoints
+reports() { tar czf "$2" -C "$1" --exclude=checkpoints --exclude=cache --exclude='*.safetensors' --exclude='*.pt' . ; }

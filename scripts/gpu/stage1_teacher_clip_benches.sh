@@ -3,7 +3,8 @@
 # variants side by side: torch.compile vs eager, the better one is kept), the OpenMoji CLIP,
 # the 1-GPU vs 2-GPU distillation check, and the SD-2.1-size step / calibration benchmarks.
 #   run from the repo root with .whl/ and .devdata/ carried: bash scripts/gpu/stage1_teacher_clip_benches.sh
-# Results land in $OUT (JSON, logs, report folders) and in .runs/ (kept for stage 2).
+# Results land in $OUT (JSON, logs, report folders, the kept teacher and the CLIP in fp16) and in
+# /tmp/runs (kept while the machine stays warm; then scripts/gpu/openmoji_chain.sh continues).
 set -u
 source scripts/gpu/env.sh
 T0=$(date +%s)
@@ -47,15 +48,13 @@ if best:
     print("kept", best[0])
 PY
 nvidia-smi --query-gpu=name,memory.used --format=csv > $L/gpus.csv
-for d in teacher-compiled teacher-eager ddp-1gpu ddp-2gpu clip-openmoji; do
-  [ -d $d ] && tar czf $L/$d-report.tgz -C $d --exclude=checkpoints --exclude=pipeline --exclude='round-*' --exclude=clip --exclude='*.safetensors' .
-done
+for d in teacher-compiled teacher-eager ddp-1gpu ddp-2gpu clip-openmoji; do [ -d $d ] && reports $d $L/$d-report.tgz; done
 tar czf $OUT/stage1.tgz -C $RUNS stage1
 # the kept teacher in fp16 (about 26 MB) and the CLIP (fp16), for use here and to carry if the machine goes cold
 python3 -c "
 from pocketdiff.models import load_pipeline; import torch
-load_pipeline('teacher-openmoji/pipeline').to(torch.float16).save_pretrained('/tmp/teacher16')
-" && tar cf /tmp/teacher16.tar -C /tmp teacher16 && split -b 15m /tmp/teacher16.tar $OUT/teacher16.tar.
-[ -d clip-openmoji/clip ] && tar czf /tmp/clip.tgz -C clip-openmoji clip && split -b 15m /tmp/clip.tgz $OUT/clip-openmoji.tgz.
+load_pipeline('teacher-openmoji/pipeline', torch_dtype=torch.float16).save_pretrained('/tmp/teacher16')
+" && pack /tmp teacher16 teacher16
+[ -d clip-openmoji/clip ] && pack clip-openmoji clip-openmoji clip
 ls -la $OUT
 echo "stage 1 done after $(( $(date +%s) - T0 )) s"
