@@ -64,8 +64,7 @@ class RewriteConfig:
         require(self.conv_split in ("input", "output"), "rewrites.conv_split", f"must be input or output, got {self.conv_split!r}")
         require(self.activation_bytes in (2, 4), "rewrites.activation_bytes", "must be 2 (fp16) or 4 (fp32)")
         if self.residual_scale is not None:
-            k = math.log2(self.residual_scale) if self.residual_scale > 0 else 0.5
-            require(self.residual_scale > 0 and k == int(k), "rewrites.residual_scale",
+            require(self.residual_scale > 0 and math.log2(self.residual_scale).is_integer(), "rewrites.residual_scale",
                     f"must be a power of two (exact in the weights and int8 scales), got {self.residual_scale}")
 
     @classmethod
