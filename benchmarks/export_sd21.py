@@ -53,7 +53,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import subprocess
 import sys
 import time
@@ -62,16 +61,14 @@ from typing import Optional
 
 import numpy as np
 
+from pocketdiff.outputs import write_json
+
 MANIFEST = "manifest.json"
 ALL_VARIANTS = ["litert_fp32", "litert_fp16", "litert_int8", "litert_gn_composite", "ours_fp16", "ours_int8", "ours_fp16_rs", "ours_int8_rs"]
 
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
 # ----------------------------------------------------------------------------- synthetic weights
@@ -278,7 +275,7 @@ def fp16_scan(unet, inputs: dict, args) -> dict:
     import torch
 
     from pocketdiff.export.components import UNetGraph
-    from pocketdiff.export.fp16scan import Fp16Scanner
+    from pocketdiff.export.fp16scan import Fp16Scanner, stream_peaks
     from pocketdiff.export.rewrites import RewriteConfig, apply_rewrites
 
     device = "cuda" if args.device == "cuda" and torch.cuda.is_available() else "cpu"
@@ -297,7 +294,7 @@ def fp16_scan(unet, inputs: dict, args) -> dict:
         sc.detach()
         rep = sc.report(RewriteConfig())
         out[label] = {k: rep[k] for k in ("overflowing_ops", "unmitigated", "first_overflow", "max_abs", "peaks")}
-        out[label]["stream_peak"] = max([v.get("stream", 0.0) for v in rep["stats"].values()] or [0.0])
+        out[label]["stream_peak"] = stream_peaks(rep).get("unet", 0.0)
         out[label]["output_finite"] = bool(torch.isfinite(y).all())
         out[label]["unmitigated_ops"] = [e["module"] for e in rep["ops"] if not e["mitigated_by"]][:20]
         del g
@@ -319,7 +316,7 @@ def convert_variant(args, work: Path, variant: str) -> dict:
     from diffusers import UNet2DConditionModel
 
     from pocketdiff.export.components import UNetGraph
-    from pocketdiff.export.exporter import VerifyConfig, export_component
+    from pocketdiff.export.exporter import VerifyConfig, export_component, peak_rss_mb
     from pocketdiff.export.int8 import rtn_checkpoint
     from pocketdiff.export.parity import ParityConfig
     from pocketdiff.export.rewrites import RewriteConfig
@@ -434,12 +431,6 @@ def _run_child(cmd: list[str]) -> tuple[int, list[str], float]:
     return proc.returncode, tail, time.perf_counter() - t0
 
 
-def _write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=float))
-    tmp.replace(path)
-
-
 def run_key(args) -> str:
     return f"{args.arch}-{args.resolution}-{args.init}-{args.weights}-{args.seed}-{args.batch}"
 
@@ -477,7 +468,7 @@ def stage_convert(args, work: Path, variants: list[str]) -> dict:
     if "fp16_scan" in prep:
         manifest["fp16_scan"] = prep["fp16_scan"]
     manifest.setdefault("variants", {})
-    _write_json(mpath, manifest)
+    write_json(mpath, manifest)
     for v in variants:
         wait_for_memory(args.min_free_gb)
         log(f"{v}: converting in a child process")
@@ -490,7 +481,7 @@ def stage_convert(args, work: Path, variants: list[str]) -> dict:
             manifest["variants"][v] = vmeta
             log(f"{v}: {vmeta['convert_s']:.1f} s, peak RSS {vmeta['convert_peak_rss_mb'] / 1024:.1f} GB, "
                 f"{vmeta['bytes'] / 2**20:.1f} MiB, TRANSPOSE {vmeta['transposes']}")
-        _write_json(mpath, manifest)
+        write_json(mpath, manifest)
     if args.pack:
         pack(work, Path(args.pack), [v for v in variants if "error" not in manifest["variants"].get(v, {"error": 1})], args.pack_level,
              args.pack_format)
@@ -535,7 +526,7 @@ def pack(work: Path, dest: Path, variants: list[str], level: int = 19, fmt: str 
     for v in list(manifest.get("variants", {})):
         if not any(dest.glob(f"{v}.tflite.*")):
             manifest["variants"].pop(v)
-    _write_json(dest / MANIFEST, manifest)
+    write_json(dest / MANIFEST, manifest)
 
 
 # ----------------------------------------------------------------------------- stage: delegate
@@ -585,7 +576,7 @@ def stage_delegate(args, work: Path, variants: Optional[list[str]], out: Path) -
 
     t_start = time.monotonic()
     manifest = json.loads((work / MANIFEST).read_text())
-    arrays = {k: np.load(work / f"{k}.npy") for k in ARRAYS if (work / f"{k}.npy").is_file()}
+    arrays = load_arrays(work)
     ref = arrays["reference"]
     result: dict = {}
     if args.append and out.is_file():
@@ -628,7 +619,7 @@ def stage_delegate(args, work: Path, variants: Optional[list[str]], out: Path) -
     def save() -> None:
         result["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
         result["wall_s"] = round(time.monotonic() - t_start, 1)
-        _write_json(out, _summarize(result))
+        write_json(out, _summarize(result))
 
     save()
     for acc, prec, v in jobs:
@@ -746,11 +737,11 @@ def main(argv=None) -> int:
     if args._prepare:  # child: build, save, reference
         meta = prepare(args, work)
         meta["key"] = run_key(args)
-        _write_json(work / "prepare.json", meta)
+        write_json(work / "prepare.json", meta)
         return 0
     if args._convert:  # child: one conversion, its own peak RSS
         meta = convert_variant(args, work, args._convert)
-        _write_json(work / f"{args._convert}.json", meta)
+        write_json(work / f"{args._convert}.json", meta)
         return 0
 
     variants = [v for v in args.variants.split(",") if v] if args.variants is not None else None
