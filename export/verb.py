@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import shutil
 import time
 from pathlib import Path
 from typing import Optional
@@ -386,5 +385,4 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
                     **{f"{n}_convert_s": r.get("convert_s") for n, r in comp_reports.items()}},
         "export_s": round(time.perf_counter() - t_start, 2),
     }
-    shutil.rmtree(work / "tmp", ignore_errors=True)
     return report

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 
 import pytest
@@ -119,17 +120,11 @@ def test_apply_rewrites_serializes_convs_over_the_budget():
     model = nn.Sequential(nn.Conv2d(16, 8, 3, padding=1), nn.SiLU(), nn.Conv2d(8, 8, 1))
     x = torch.randn(1, 16, 16, 16, generator=_gen())
     ref = model(x)
-    cfg = dataclass_replace(RewriteConfig.none(), conv_budget_mb=(8 * 16 * 16 * 2) / 2**20)  # fits 8 channels at fp16
+    cfg = dataclasses.replace(RewriteConfig.none(), conv_budget_mb=(8 * 16 * 16 * 2) / 2**20)  # fits 8 channels at fp16
     rep = apply_rewrites(model, cfg, sample_inputs=(x,))
     assert rep["serialized_convs"] == {"0": [2, 1]}
     assert isinstance(model[0], SerializedConv2d)
     torch.testing.assert_close(model(x), ref, rtol=1e-5, atol=1e-5)
-
-
-def dataclass_replace(obj, **kw):
-    import dataclasses
-
-    return dataclasses.replace(obj, **kw)
 
 
 def _attention(**kw):
@@ -173,7 +168,7 @@ def test_query_chunking_keeps_the_attention_map_under_budget_and_the_result_equa
 
 @pytest.fixture(scope="module")
 def tiny_unet():
-    from pocketdiff.models import ModelConfig, perturb_norm_affines, unet_config
+    from pocketdiff.models import perturb_norm_affines, unet_config
     from diffusers import UNet2DConditionModel
 
     torch.manual_seed(0)
@@ -221,7 +216,7 @@ def test_residual_rescaling_keeps_unet_and_decoder_outputs_and_shrinks_the_strea
     x = torch.randn(2, 4, 8, 8, generator=_gen())
     c = torch.randn(2, 77, 64, generator=_gen(1))
     t = torch.tensor([601.0, 601.0])
-    cfg = dataclass_replace(RewriteConfig.none(), residual_scale=0.125)
+    cfg = dataclasses.replace(RewriteConfig.none(), residual_scale=0.125)
 
     def peak(graph, args, prefix):
         sc = Fp16Scanner(emulate=False, accumulation=False)
@@ -247,7 +242,7 @@ def test_residual_rescaling_keeps_unet_and_decoder_outputs_and_shrinks_the_strea
     z = torch.randn(1, 4, 8, 8, generator=_gen(2))
     with torch.no_grad():
         ref = dec(z)
-        apply_rewrites(dec, dataclass_replace(RewriteConfig(), residual_scale=0.25))
+        apply_rewrites(dec, dataclasses.replace(RewriteConfig(), residual_scale=0.25))
         out = dec(z)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
 
