@@ -27,7 +27,7 @@ import torch
 from pocketdiff.config import DataConfig
 from pocketdiff.errors import ParityError, PocketdiffError, require
 from pocketdiff.models import ModelConfig, load_or_build, load_pipeline, perturb_norm_affines, save_pipeline, vae_scale_factor
-from pocketdiff.outputs import write_json
+from pocketdiff.outputs import commit_folder, write_json
 from pocketdiff.sampling import encode_prompts
 from pocketdiff.device import resolve_device
 
@@ -422,11 +422,7 @@ def _save_pipeline_folder(pipe, folder: Path, source: Optional[Path], meta: dict
     """A stock diffusers folder (written under a temporary name, then renamed), plus the
     source folder's extra top-level files (e.g. a distilled student's distill.json, so that
     evaluate samples it at its step count) and `quantization.json`."""
-    import json
-    import os
     import shutil
-
-    from pocketdiff.outputs import fsync_tree
 
     tmp = folder.parent / f".{folder.name}.tmp"
     if tmp.exists():
@@ -436,12 +432,8 @@ def _save_pipeline_folder(pipe, folder: Path, source: Optional[Path], meta: dict
         for f in source.iterdir():
             if f.is_file() and not (tmp / f.name).exists() and f.name != "model_index.json":
                 shutil.copy2(f, tmp / f.name)
-    (tmp / QUANT_META).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-    fsync_tree(tmp)
-    if folder.exists():
-        shutil.rmtree(folder)
-    os.replace(tmp, folder)
-    return folder
+    write_json(tmp / QUANT_META, meta)
+    return commit_folder(tmp, folder)
 
 
 def _set_state(module: torch.nn.Module, state: dict) -> None:

@@ -27,7 +27,6 @@ import copy
 import dataclasses
 import json
 import logging
-import os
 import shutil
 from pathlib import Path
 from typing import Any, Optional
@@ -37,6 +36,7 @@ import torch
 from pocketdiff.config import DataConfig
 from pocketdiff.errors import PocketdiffError, require
 from pocketdiff.models import ModelConfig, count_params
+from pocketdiff.outputs import commit_folder
 from pocketdiff.train.loop import LoopConfig
 
 from . import prune_graph as pg
@@ -482,9 +482,7 @@ def _save_unet_atomic(unet, folder: Path) -> None:
     if tmp.exists():
         shutil.rmtree(tmp)
     unet.save_pretrained(str(tmp))
-    if folder.exists():
-        shutil.rmtree(folder)
-    os.replace(tmp, folder)
+    commit_folder(tmp, folder)
 
 
 # --------------------------------------------------------------------------------------
