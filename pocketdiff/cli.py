@@ -90,15 +90,21 @@ def run_stage(verb: str, config: Optional[str], output: str | Path, overrides: O
     state = _distributed_state()
     if state is not None and not state.is_main_process:
         # `accelerate launch`: the main process owns the folder (a second check would find it
-        # non-empty); the others wait for it, then run without touching config or report
-        state.wait_for_everyone()
+        # non-empty); the others wait for its verdict, then run without touching config or report
+        refused = _share_verdict(None)
+        if refused is not None:
+            raise PocketdiffError(refused)
         return module.run(cfg, Path(output), resume=resume)
     fresh = not Path(output).exists()
+    verdict = None
     try:
         out = prepare_output_dir(output, overwrite=overwrite, resume=resume is not None)
+    except Exception as e:
+        verdict = str(e)
+        raise
     finally:
-        if state is not None:
-            state.wait_for_everyone()  # also on a refused folder, so no process waits forever
+        if state is not None:  # also on a refused folder: no process waits forever, none runs in it
+            _share_verdict(verdict)
     cfg_file = out / "config.yaml"
     previous = cfg_file.read_text(encoding="utf-8") if cfg_file.is_file() else None
     ckpts_before = set() if fresh else set(out.rglob("checkpoint-*"))
@@ -125,12 +131,23 @@ def run_stage(verb: str, config: Optional[str], output: str | Path, overrides: O
 
 
 def _distributed_state():
-    """accelerate's process state when launched as several processes (None for one process)."""
+    """accelerate's process state when launched as several processes (None for one process).
+
+    Made as the Accelerator would make it (`accelerate launch --cpu` sets ACCELERATE_USE_CPU):
+    the state is a singleton, and one made without the flag leaves a CPU launch undistributed."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return None
     from accelerate import PartialState
+    from accelerate.utils import parse_flag_from_env
 
-    return PartialState()
+    return PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
+
+
+def _share_verdict(verdict: Optional[str]) -> Optional[str]:
+    """The main process's verdict on the output folder (None: ready) in every process."""
+    from accelerate.utils import broadcast_object_list
+
+    return broadcast_object_list([verdict], from_process=0)[0]
 
 
 def run_verb(args: argparse.Namespace) -> int:
