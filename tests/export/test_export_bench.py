@@ -114,3 +114,61 @@ def test_delegate_stage_records_crashes_and_goes_on(bench, tmp_path, monkeypatch
     bench.stage_delegate(args, work, ["ours_fp16_rs"], out)
     r = json.loads(out.read_text())
     assert calls == [] and r["variants"]["ours_fp16_rs"]["skipped"]
+
+
+class _Step(nn.Module):
+    """A UNet-step-shaped graph: sample, time embedding and text states in, one tensor out."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+        self.t = nn.Linear(32, 4)
+        self.c = nn.Linear(16, 4)
+
+    def forward(self, sample, timestep, encoder_hidden_states):
+        bias = self.t(timestep) + self.c(encoder_hidden_states).mean(1)
+        return self.conv(sample) + bias[:, :, None, None]
+
+
+def test_delegate_stage_on_the_real_delegate(bench, gpu_delegate, tmp_path):
+    """The same bookkeeping with the real LiteRT GPU delegate: a converted file is fed under its
+    signature's names and measured; a file the delegate cannot load is recorded, not fatal."""
+    import argparse
+
+    import torch
+
+    from pocketdiff.export.exporter import VerifyConfig, export_component
+    from pocketdiff.export.parity import ParityConfig
+    from pocketdiff.export.rewrites import RewriteConfig
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    arrays = {"sample": torch.randn(1, 4, 8, 8, generator=g), "timestep": torch.full((1,), 501.0),
+              "temb": torch.randn(1, 32, generator=g), "encoder_hidden_states": torch.randn(1, 77, 16, generator=g)}
+    step = _Step().eval()
+    with torch.no_grad():
+        arrays["reference"] = step(arrays["sample"], arrays["temb"], arrays["encoder_hidden_states"])
+    for k, v in arrays.items():
+        np.save(tmp_path / f"{k}.npy", v.numpy())
+    inputs = {"sample": arrays["sample"], "timestep": arrays["temb"], "encoder_hidden_states": arrays["encoder_hidden_states"]}
+    export_component("unet", step, inputs, tmp_path / "ours_fp16.tflite", RewriteConfig(), "fp16", VerifyConfig(delegate=False),
+                     ParityConfig(enforce=False))
+    (tmp_path / "litert_fp32.tflite").write_bytes(b"\0" * 64)  # not a model: the delegate run fails
+    variants = {
+        "ours_fp16": {"file": "ours_fp16.tflite", "bytes": (tmp_path / "ours_fp16.tflite").stat().st_size, "time_input": "time_embedding",
+                      "feeds": {"names": ["sample", "timestep", "encoder_hidden_states"], "arrays": ["sample", "temb", "encoder_hidden_states"]}},
+        "litert_fp32": {"file": "litert_fp32.tflite", "bytes": 64, "time_input": "timestep"},
+    }
+    (tmp_path / "manifest.json").write_text(json.dumps({"key": "k", "params": 5, "variants": variants}))
+    args = argparse.Namespace(append=False, skip_gpu=False, skip_f32=False, skip_cpu=False, timeout=120.0, budget_s=None,
+                              repeats=1, warmup=0, cpu_threads=1)
+    out = tmp_path / "r.json"
+    bench.stage_delegate(args, tmp_path, None, out)
+    r = json.loads(out.read_text())
+    assert r["delegate_driver"] == gpu_delegate
+    ours = r["summary"]["ours_fp16"]
+    assert ours["fully_accelerated"] is True and ours["fp16_ok"] is True
+    assert ours["fp16_cosine"] > 0.999 and ours["fp32_cosine"] > 0.99999 and ours["cpu_cosine"] > 0.99999
+    bad = r["variants"]["litert_fp32"]
+    assert bad["gpu"]["compiled"] is False and bad["gpu"]["errors"]["fp16"] and bad["cpu"]["error"]
+    assert r["summary"]["litert_fp32"]["gpu_errors"]["fp16"]
