@@ -54,7 +54,7 @@ from .prune_model import (  # noqa: F401  (re-exported: the loader hooks other s
     load_pruned_unet,
     to_pruned,
 )
-from .prune_recovery import RecoveryConfig, recover, w_cond_dim, w_embedding
+from .prune_recovery import RecoveryConfig, recover
 
 log = logging.getLogger(__name__)
 
@@ -355,10 +355,10 @@ class Probe:
     error of a student is mean((s - t)^2) and its ratio to mean(t^2)."""
 
     def __init__(self, pipe, teacher, dataset, n: int, seed: int, device, batch_size: int = 16, guidance_scale: float = 3.0):
-        from .prune_recovery import w_cond_dim, w_embedding
+        from pocketdiff.sampling import default_w_embedding_fn
 
         g = torch.Generator().manual_seed(seed * 31 + 17)
-        wdim = w_cond_dim(teacher)
+        w_fn = default_w_embedding_fn(teacher)
         T = pipe.scheduler.config.num_train_timesteps
         self.batches = []
         idx = list(range(len(dataset)))[-n:] if n <= len(dataset) else [i % len(dataset) for i in range(n)]
@@ -370,8 +370,8 @@ class Probe:
             t = ts[s : s + len(items)].to(device)
             x = pipe.scheduler.add_noise(lat, noise, t)
             kw = {}
-            if wdim:  # guidance-conditioned: the evaluation guidance scale
-                kw["timestep_cond"] = w_embedding(torch.full((len(items),), float(guidance_scale)), wdim).to(device, emb.dtype)
+            if w_fn is not None:  # guidance-conditioned: the evaluation guidance scale
+                kw["timestep_cond"] = w_fn(torch.full((len(items),), float(guidance_scale))).to(device, emb.dtype)
             with torch.no_grad():
                 ref = teacher(x, t, encoder_hidden_states=emb, **kw).sample.float()
             self.batches.append((x, t, emb, kw, ref))
@@ -493,7 +493,7 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
     from pocketdiff.data import ImageCaptionDataset, InMemoryImageCaptionDataset, collate, load_captioned_dataset
     from pocketdiff.models import load_or_build, save_pipeline
     from pocketdiff.report import img, plot_curves, save_grid, table, write_page
-    from pocketdiff.sampling import generate
+    from pocketdiff.sampling import default_w_embedding_fn, generate
 
     out = Path(out)
     device = _device(cfg)
@@ -514,14 +514,14 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
                               "teacher": cfg.model.pretrained or f"built {cfg.model.arch} (random weights)"}
     meta = source_meta(cfg.model.pretrained)
     guid = meta.get("guidance") or {}
-    wdim = w_cond_dim(teacher)
+    w_fn = default_w_embedding_fn(teacher)  # guidance-conditioned teacher (time_cond_proj_dim), else None
     w_range = (float(cfg.recovery.w_min if cfg.recovery.w_min is not None else guid.get("w_min", 1.0)),
                float(cfg.recovery.w_max if cfg.recovery.w_max is not None else guid.get("w_max", 8.0)))
     if w_range[0] > w_range[1]:
         raise PocketdiffError(f"recovery.w_min={w_range[0]} > recovery.w_max={w_range[1]}")
     eval_steps = int(cfg.eval.steps or meta.get("num_inference_steps") or 25)
     eval_w = float(cfg.eval.guidance_scale if cfg.eval.guidance_scale is not None else (guid.get("scale") or 3.0))
-    report["model_kind"] = {"guidance_conditioned": bool(wdim), "distilled_steps": meta.get("num_inference_steps"),
+    report["model_kind"] = {"guidance_conditioned": w_fn is not None, "distilled_steps": meta.get("num_inference_steps"),
                             "prediction_type": pipe.scheduler.config.prediction_type}
 
     # 2-4. plan and prune (reused on --resume)
@@ -541,12 +541,12 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
 
             def cond_fn(b):  # guidance-conditioned models: w ~ U[w_range] per sample
                 w = w_range[0] + torch.rand(b, generator=gen) * (w_range[1] - w_range[0])
-                return w_embedding(w, wdim)
+                return w_fn(w)
 
             def gradient_fn(work, params):
                 batches = _calibration_batches(pipe, dataset, tc.samples, tc.batch_size, gen, device)
                 report["taylor"] = accumulate_diffusion_gradients(work, pipe.scheduler, batches, tc.samples, params, gen,
-                                                                  (tc.t_min, tc.t_max), cond_fn if wdim else None)
+                                                                  (tc.t_min, tc.t_max), cond_fn if w_fn is not None else None)
 
         student, plan = prune_unet(teacher, cfg.prune, generator=gen, gradient_fn=gradient_fn)
         _save_unet_atomic(student, pruned_dir)

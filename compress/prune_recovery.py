@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pocketdiff.errors import require
+from pocketdiff.sampling import default_w_embedding_fn
 from pocketdiff.train.loop import BatchRandom, LoopConfig, train_loop
 from pocketdiff.train.losses import diffusion_target, tokenize
 
@@ -52,20 +53,6 @@ class RecoveryConfig:
         require(0.0 <= self.caption_dropout < 1.0, "recovery.caption_dropout", "must be in [0, 1)")
         if self.w_min is not None and self.w_max is not None:
             require(1.0 <= self.w_min <= self.w_max, "recovery.w_min", "needs 1 <= w_min <= w_max")
-
-
-def w_cond_dim(unet: nn.Module) -> Optional[int]:
-    """``time_cond_proj_dim`` of a guidance-conditioned UNet, else None."""
-    config = getattr(unet, "config", None)
-    dim = config.get("time_cond_proj_dim") if isinstance(config, dict) else getattr(config, "time_cond_proj_dim", None)
-    return int(dim) if dim else None
-
-
-def w_embedding(w: torch.Tensor, dim: int) -> torch.Tensor:
-    """``timestep_cond`` for guidance scales `w` [B]: the stock pipeline's convention (embedding of w - 1)."""
-    from pocketdiff.sampling import guidance_scale_embedding
-
-    return guidance_scale_embedding(torch.as_tensor(w, dtype=torch.float32) - 1.0, dim)
 
 
 def block_names(unet: nn.Module) -> list[str]:
@@ -126,7 +113,7 @@ def recover(
     tap_s = FeatureTap(student, names) if names else None
     tap_t = FeatureTap(teacher, names) if names else None
     parts: dict[str, float] = {}
-    wdim = w_cond_dim(teacher)
+    w_fn = default_w_embedding_fn(teacher)  # guidance-conditioned teacher: w -> timestep_cond, else None
 
     def loss_fn(model, batch, rng: BatchRandom):
         dev = rng.device
@@ -144,9 +131,9 @@ def recover(
             t = rng.randint(0, scheduler.config.num_train_timesteps)
             noisy = scheduler.add_noise(latents, noise, t)
             kwargs = {}
-            if wdim:
+            if w_fn is not None:
                 w = w_range[0] + rng.rand() * (w_range[1] - w_range[0])
-                kwargs["timestep_cond"] = w_embedding(w.cpu(), wdim).to(device=dev, dtype=emb.dtype)
+                kwargs["timestep_cond"] = w_fn(w).to(device=dev, dtype=emb.dtype)
             t_out = teacher(noisy, t, encoder_hidden_states=emb, **kwargs).sample.float()
             t_feat = tap_t.pop() if tap_t else {}
         s_out = model(noisy, t, encoder_hidden_states=emb, **kwargs).sample.float()
@@ -180,4 +167,4 @@ def recover(
     return {"steps": result.steps, "final_loss": result.final_loss, "losses": result.losses,
             "skipped_steps": result.skipped_steps, "last_loss_parts": dict(parts),
             "weights": {"output": cfg.output_weight, "task": cfg.task_weight, "feature": cfg.feature_weight},
-            "w_range": list(w_range) if wdim else None}
+            "w_range": list(w_range) if w_fn is not None else None}
