@@ -36,7 +36,8 @@ import torch
 from pocketdiff.config import DataConfig
 from pocketdiff.errors import PocketdiffError, require
 from pocketdiff.models import ModelConfig, count_params
-from pocketdiff.outputs import commit_folder
+from pocketdiff.device import resolve_device
+from pocketdiff.outputs import commit_folder, read_json, write_json
 from pocketdiff.train.loop import LoopConfig
 
 from . import prune_graph as pg
@@ -303,12 +304,6 @@ def macs_table(before: dict, after: dict, targeted: list[str]) -> dict:
     return tot
 
 
-def _device(cfg: Config) -> torch.device:
-    if cfg.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(cfg.device)
-
-
 @torch.no_grad()
 def _encode(pipe, items: list[dict], generator: torch.Generator, device) -> tuple[torch.Tensor, torch.Tensor]:
     from pocketdiff.data import collate
@@ -496,7 +491,7 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
     from pocketdiff.sampling import default_w_embedding_fn, generate
 
     out = Path(out)
-    device = _device(cfg)
+    device = resolve_device(cfg.device)
     torch.manual_seed(cfg.seed)
 
     # 1. data and teacher
@@ -528,8 +523,6 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
     pruned_dir, plan_path = out / "pruned_unet", out / "plan.json"
     if resume is not None and (pruned_dir / "pruning.json").is_file() and plan_path.is_file():
         student = load_pruned_unet(pruned_dir).to(device)
-        from pocketdiff.outputs import read_json
-
         plan = read_json(plan_path, "--resume")
         report["resumed_pruning"] = True
     else:
@@ -550,8 +543,6 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
 
         student, plan = prune_unet(teacher, cfg.prune, generator=gen, gradient_fn=gradient_fn)
         _save_unet_atomic(student, pruned_dir)
-        from pocketdiff.outputs import write_json
-
         write_json(plan_path, plan)
     student = student.to(device).eval()
 
@@ -600,7 +591,7 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
     pipeline_dir = save_pipeline(final, out / "pipeline")
     if meta:  # a pruned distilled student keeps its sampling recipe (steps, guidance) for evaluate / export
         meta = {**meta, "pruned_by": "pocketdiff prune", "report": None}
-        (pipeline_dir / DISTILL_META).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+        write_json(pipeline_dir / DISTILL_META, meta)
     report["pipeline_dir"] = str(pipeline_dir)
     report["loader"] = "pocketdiff.compress.prune.load_pruned_pipeline(pipeline_dir)"
 
