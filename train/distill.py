@@ -645,7 +645,7 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
     # 1. recipe, teacher, schedulers (every check before any training)
     plan = plan_rounds(cfg)
     started = time.time()
-    acc = make_accelerator(cfg.progressive.train)
+    acc = make_accelerator(cfg.progressive.train, out)
     done = _check_resume(out, cfg, plan, resume)
     acc.wait_for_everyone()  # every process has read the folder before the main one writes the plan
     device = acc.device

@@ -62,13 +62,13 @@ class LoopConfig:
                 f"must be null or one of {COMPILE_MODES}, got {self.compile_mode!r}")
 
 
-def make_accelerator(cfg: LoopConfig, project_dir: Optional[Path] = None):
-    """The Accelerator for `cfg` ("fp32" is accelerate's "no"); shared by every recipe."""
+def make_accelerator(cfg: LoopConfig, project_dir: Path):
+    """The Accelerator for `cfg` ("fp32" is accelerate's "no"); shared by every recipe.
+    `project_dir` holds the tensorboard logs (accelerate refuses tensorboard without one)."""
     from accelerate import Accelerator
 
     return Accelerator(mixed_precision="no" if cfg.mixed_precision == "fp32" else cfg.mixed_precision,
-                       log_with="tensorboard" if cfg.tensorboard else None,
-                       project_dir=str(project_dir) if project_dir is not None else None)
+                       log_with="tensorboard" if cfg.tensorboard else None, project_dir=str(project_dir))
 
 
 def step_generator(seed: int, step: int) -> torch.Generator:
@@ -300,6 +300,8 @@ def train_loop(
         bar.close()
         if log_file:
             log_file.close()
-        if cfg.tensorboard:
-            acc.end_training()
+        if cfg.tensorboard:  # this loop's trackers only: `end_training` would also end the process group,
+            for tracker in acc.trackers:  # which the next loop sharing `acc` (a distill round, the UNet after the VAE) needs
+                tracker.finish()
+            acc.trackers.clear()
     return LoopResult(steps=done if stopped_early else cfg.max_steps, final_loss=last_loss, losses=losses, ema=ema, skipped_steps=skipped, stopped_early=stopped_early)

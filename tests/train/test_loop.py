@@ -121,3 +121,46 @@ def test_config_validation_names_field():
         LoopConfig(mixed_precision="fp8")
     with pytest.raises(PocketdiffError, match="train.batch_size"):
         dataclasses.replace(LoopConfig(), batch_size=0)
+
+
+TWO_LOOPS_ON_TWO_PROCESSES = '''
+import os, sys
+from pathlib import Path
+import torch
+sys.path.insert(0, sys.argv[2])
+from test_loop import Toy, collate, loss_fn, make_model
+from pocketdiff.train.loop import LoopConfig, make_accelerator, train_loop
+
+out = Path(sys.argv[1]) / os.environ["RANK"]
+cfg = LoopConfig(max_steps=2, batch_size=4, lr=1e-2, checkpoint_every=1, tensorboard=True)
+acc = make_accelerator(cfg, out)
+for phase in ("first", "second"):  # as train-teacher (VAE, then UNet) and distill (rounds) share one
+    train_loop(cfg, model=make_model(), loss_fn=loss_fn, dataset=Toy(), collate=collate,
+               ckpt_dir=out / phase, seed=0, accelerator=acc, desc=phase)
+print("world", acc.num_processes, torch.distributed.is_initialized())
+'''
+
+
+def test_loops_sharing_an_accelerator_keep_the_process_group(tmp_path):
+    """With tensorboard on, a loop ends only its own trackers: the process group that the next
+    loop of the same run (and its DDP) needs stays up."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "two_loops.py"
+    script.write_text(TWO_LOOPS_ON_TWO_PROCESSES)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in (0, 1):
+        env = dict(os.environ, ACCELERATE_USE_CPU="True", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                   LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, str(script), str(tmp_path), str(Path(__file__).parent)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = [(p.wait(timeout=300), p.stdout.read(), p.stderr.read()[-3000:]) for p in procs]
+    assert [code for code, _, _ in results] == [0, 0], results
+    assert all("world 2 True" in stdout for _, stdout, _ in results), results
