@@ -36,21 +36,17 @@ from typing import Optional, Sequence
 
 import torch
 
+from pocketdiff.shipped import ASSETS, PREFIX
+
+SHAPES_CLIP = str(ASSETS / "clip-shapes")  # the shipped shapes CLIP folder (pocketdiff:clip-shapes)
+
+
 def shipped_shapes_clip() -> str:
     """Folder of the small shapes CLIP shipped with pocketdiff (package data); also reachable
-    in configs as ``clip: pocketdiff:clip-shapes``."""
-    from .features import shipped_asset
+    in configs as ``clip: pocketdiff:clip-shapes``. Missing: a one-line error."""
+    from .features import resolve_clip_source
 
-    return shipped_asset("clip-shapes")
-
-
-def _shapes_clip_path() -> str:
-    from pocketdiff.shipped import ASSETS
-
-    return str(ASSETS / "clip-shapes")
-
-
-SHAPES_CLIP = _shapes_clip_path()  # the shipped shapes CLIP folder (pocketdiff:clip-shapes)
+    return resolve_clip_source(PREFIX + "clip-shapes")
 
 
 from .features import load_clip  # noqa: E402

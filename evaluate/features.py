@@ -30,7 +30,6 @@ from pocketdiff.errors import PocketdiffError
 from pocketdiff.outputs import read_json
 
 CLIP_META = "pocketdiff_clip.json"  # written by train-clip beside the CLIPModel files
-SHIPPED_PREFIX = "pocketdiff:"  # "pocketdiff:clip-shapes" = the CLIP shipped in pocketdiff/assets/
 DEFAULT_HUB_CLIP = "openai/clip-vit-large-patch14"
 
 
@@ -93,12 +92,13 @@ def check_clip_folder(path: Path, key: str = "metrics.clip") -> dict:
     return {}
 
 
-def shipped_asset(name: str, key: str = "metrics.clip") -> str:
-    """Folder of an asset shipped in pocketdiff/assets/ (`pocketdiff.shipped`, as for shipped teachers)."""
+def resolve_clip_source(source: str, key: str = "metrics.clip") -> str:
+    """`pocketdiff:NAME` -> the folder shipped in pocketdiff/assets/ (`pocketdiff.shipped`, as for
+    shipped teachers); anything else unchanged. A missing asset is an error naming `key`."""
     from pocketdiff.shipped import resolve_shipped
 
     try:
-        return resolve_shipped(SHIPPED_PREFIX + name)
+        return resolve_shipped(source)
     except PocketdiffError as e:
         raise PocketdiffError(f"{key}: {e}") from None
 
@@ -110,8 +110,7 @@ def load_clip(source: str, device: Optional[torch.device] = None, key: str = "me
     text = str(source).strip()
     if not text:
         raise PocketdiffError(f"{key}: empty CLIP model path")
-    if text.startswith(SHIPPED_PREFIX):
-        text = shipped_asset(text[len(SHIPPED_PREFIX):], key)  # pocketdiff:clip-shapes -> pocketdiff/assets/clip-shapes
+    text = resolve_clip_source(text, key)  # pocketdiff:clip-shapes -> pocketdiff/assets/clip-shapes
     path = Path(text).expanduser()
     meta: dict = {}
     if path.exists():

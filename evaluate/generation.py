@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
-import json
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -109,23 +108,17 @@ def class_label_w_fn(unet) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda w: guidance_scale_embedding(torch.as_tensor(w, dtype=torch.float32) - 1.0, dim)
 
 
-def _local(path: Optional[str]) -> Optional[str]:
-    """`pocketdiff:NAME` -> the shipped folder; anything else unchanged."""
+def _read_distill_meta(path: Optional[str]) -> dict:
+    """distill.json of a pipeline folder (`pocketdiff:NAME` resolved), else {}."""
+    from pocketdiff.outputs import read_json
     from pocketdiff.shipped import resolve_shipped
 
-    return resolve_shipped(path) if path else path
-
-
-def _read_distill_meta(path: Optional[str]) -> dict:
     if not path:
         return {}
-    f = Path(path).expanduser() / DISTILL_META
+    f = Path(resolve_shipped(path)).expanduser() / DISTILL_META
     if not f.is_file():
         return {}
-    try:
-        meta = json.loads(f.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise PocketdiffError(f"{f}: not valid JSON ({e})") from None
+    meta = read_json(f)
     return meta if isinstance(meta, dict) else {}
 
 
@@ -204,7 +197,7 @@ def resolve_model(spec_or_obj: Any, index: int = 0, device: Optional[torch.devic
     if device is not None:
         pipe.to(device)
         unet.to(device)
-    meta = _read_distill_meta(_local(spec.path)) if spec.path and spec.kind == "pipeline" else {}
+    meta = _read_distill_meta(spec.path) if spec.path and spec.kind == "pipeline" else {}
     takes_w = unet_takes_w(unet)
     mode = spec.guidance_mode
     default_steps: list[int] = []
