@@ -272,13 +272,18 @@ def main(argv=None) -> int:
         }
         save()
 
+    # held-out inputs (other prompts and seeds) of the sweep and the full run, collected once
+    # (the float UNet is never modified)
+    held = None
+    if not args.no_sweep or args.full_iters is not None:
+        held = calib_set(unet, scheduler, ucfg, max(1, args.holdout // (2 * args.steps)), args.steps, args.seed + 99, device)
+        result["holdout_samples"] = len(held)
+
     # ---- error vs iterations on selected blocks
     if not args.no_sweep:
         from pocketdiff.compress.quant import dequant
         from pocketdiff.compress.reconstruct import block_mse
 
-        held = calib_set(unet, scheduler, ucfg, max(1, args.holdout // (2 * args.steps)), args.steps, args.seed + 99, device)
-        result["holdout_samples"] = len(held)
         sweep = []
         for b in pick_blocks(blocks, args.blocks, per_sample):
             caps, _ = block_data(b)
@@ -325,7 +330,6 @@ def main(argv=None) -> int:
         wall = time.time() - ts
         import copy
 
-        held = calib_set(unet, scheduler, ucfg, max(1, args.holdout // (2 * args.steps)) or 1, args.steps, args.seed + 99, device)
         q = copy.deepcopy(unet)
         write_weights(q, {g: lr for r in results for g, lr in r.layers.items()}, specs)
         r = copy.deepcopy(unet)
