@@ -65,22 +65,22 @@ def main(argv=None) -> int:
     side = cfg.data.resolution // factor
     ch = pipe.unet.config.in_channels
 
-    def batches():
-        for s in range(0, len(prompts), args.batch):
-            chunk = prompts[s : s + args.batch]
-            noise = randn_latents((len(chunk), ch, side, side),
-                                  [torch.Generator().manual_seed(args.seed + s + i) for i in range(len(chunk))], device)
-            yield chunk, noise
+    # (text embeddings, empty-prompt embeddings, initial noise) per batch: the same for every model and
+    # step count, so encoded once
+    batches = []
+    for s in range(0, len(prompts), args.batch):
+        chunk = prompts[s : s + args.batch]
+        noise = randn_latents((len(chunk), ch, side, side),
+                              [torch.Generator().manual_seed(args.seed + s + i) for i in range(len(chunk))], device)
+        batches.append((encode_prompts(pipe, chunk, device), encode_prompts(pipe, [""] * len(chunk), device), noise))
 
     @torch.no_grad()
     def sample(unet, sched, steps, cfg_guided):
+        fn = w_embedding_fn(unet) if not cfg_guided and unet.config.time_cond_proj_dim else None
         outs = []
-        for chunk, noise in batches():
-            cond = encode_prompts(pipe, chunk, device)
-            unc = encode_prompts(pipe, [""] * len(chunk), device) if cfg_guided else None
-            fn = w_embedding_fn(unet) if not cfg_guided and unet.config.time_cond_proj_dim else None
-            outs.append(ddim_sample(unet, sched, cond, unc, steps=steps, guidance_scale=w if (cfg_guided or fn) else 1.0,
-                                    latents=noise, w_embedding_fn=fn).cpu())
+        for cond, unc, noise in batches:
+            outs.append(ddim_sample(unet, sched, cond, unc if cfg_guided else None, steps=steps,
+                                    guidance_scale=w if (cfg_guided or fn) else 1.0, latents=noise, w_embedding_fn=fn).cpu())
         return torch.cat(outs)
 
     t0 = time.time()
