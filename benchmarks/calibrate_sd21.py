@@ -23,7 +23,6 @@ recorded by `collect_unet_inputs`, with random text embeddings (cond + uncond).
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 import time
@@ -31,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from _checkout import ROOT as REPO, use_checkout  # noqa: E402
+from _checkout import use_checkout  # noqa: E402
 
 use_checkout()
 
@@ -121,7 +120,7 @@ def pick_blocks(blocks, spec: str, per_sample: dict):
             cands = [b for b in real if b.kind == kind]
             if not cands:
                 continue
-            for key in (lambda b: _params(b), lambda b: _params(b) * per_sample[b.name]["out"] / max(1, _channels(b))):
+            for key in (_params, lambda b: _params(b) * per_sample[b.name]["out"] / max(1, _channels(b))):
                 best = max(cands, key=key)
                 if best not in chosen:
                     chosen.append(best)
@@ -174,12 +173,12 @@ def main(argv=None) -> int:
     from pocketdiff.compress.quant import layer_specs
     from pocketdiff.compress.reconstruct import (ReconConfig, capture_settings, float_weights, layer_inits, precision,
                                                  reconstruct_block, reconstruct_unet)
+    from pocketdiff.outputs import write_json
 
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
 
-    def save():  # after every phase, so that a run stopped by a time limit keeps what it measured
-        out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    def save():  # after every phase (atomically), so that a run stopped by a time limit keeps what it measured
+        write_json(out, result)
 
     device = torch.device(args.device)
     resolution = args.resolution or (512 if args.arch in ("sd15", "sd21") else None)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from _checkout import ROOT, use_checkout  # noqa: E402
+from _checkout import use_checkout  # noqa: E402
 
 use_checkout()
 
@@ -29,7 +29,8 @@ def main(argv=None) -> int:
 
     from pocketdiff.config import load_config
     from pocketdiff.data import load_captions
-    from pocketdiff.models import load_pipeline
+    from pocketdiff.models import load_pipeline, vae_scale_factor
+    from pocketdiff.outputs import read_json, write_json
     from pocketdiff.sampling import ddim_sample, encode_prompts, randn_latents
     from pocketdiff.train.distill import Config, w_embedding_fn
 
@@ -61,8 +62,7 @@ def main(argv=None) -> int:
         p.error(f"{run}: no round folders")
     spacing_sched = DDIMScheduler.from_pretrained(str(first[0] / "scheduler"))
     t_sched = DDIMScheduler.from_config(spacing_sched.config, prediction_type=pipe.scheduler.config.prediction_type)
-    factor = 2 ** (len(pipe.vae.config.block_out_channels) - 1)
-    side = cfg.data.resolution // factor
+    side = cfg.data.resolution // vae_scale_factor(pipe)
     ch = pipe.unet.config.in_channels
 
     # (text embeddings, empty-prompt embeddings, initial noise) per batch: the same for every model and
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     for n in [int(x) for x in args.teacher_steps.split(",") if x]:
         result["teacher"][str(n)] = float((sample(pipe.unet, t_sched, n, True) - ref).pow(2).mean())
     for folder in first:
-        meta = json.loads((folder / "distill.json").read_text())
+        meta = read_json(folder / "distill.json")
         unet = UNet2DConditionModel.from_pretrained(str(folder / "unet")).to(device).eval()
         sched = DDIMScheduler.from_pretrained(str(folder / "scheduler"))
         n = int(meta["num_inference_steps"])
@@ -99,7 +99,7 @@ def main(argv=None) -> int:
         result["students"][folder.name] = {"steps": n, "stage": meta["stage"], "mse": float((x - ref).pow(2).mean()),
                                            "teacher_same_steps_mse": result["teacher"].get(str(n))}
     result["seconds"] = time.time() - t0
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, result)
     print(json.dumps(result, indent=2))
     return 0
 

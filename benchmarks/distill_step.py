@@ -40,11 +40,12 @@ from pathlib import Path
 
 import torch
 
-from _checkout import ROOT, use_checkout  # noqa: E402
+from _checkout import use_checkout  # noqa: E402
 
 use_checkout()
 
 from pocketdiff.models import default_resolution, perturb_norm_affines, scheduler_config, unet_config  # noqa: E402
+from pocketdiff.outputs import write_json  # noqa: E402
 from pocketdiff.train.distill_targets import (  # noqa: E402
     GuidedTeacher,
     noisy_latents,
@@ -298,7 +299,6 @@ def main(argv=None) -> int:
         "attention_processor": type(next(iter(base.attn_processors.values()))).__name__ if base.attn_processors else None,
         "settings": {k: v for k, v in vars(args).items() if k != "out"}, "variants": {},
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     for name in variants:  # the JSON is rewritten after every variant: a run cut short keeps what it measured
         print(f"[distill_step] {name} ...", flush=True)
         r = measure(name, args, base, device, amp_dtype)
@@ -308,7 +308,7 @@ def main(argv=None) -> int:
         if "eager" in result["variants"]:
             ref = result["variants"]["eager"]["samples_per_s"]
             result["speedup_vs_eager"] = {k: v["samples_per_s"] / ref for k, v in result["variants"].items()}
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        write_json(args.out, result)  # atomic: a run killed mid-write keeps the previous variants
     print(json.dumps(result.get("speedup_vs_eager", {}), indent=2))
     return 0
 

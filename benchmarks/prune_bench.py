@@ -77,7 +77,9 @@ def main(argv=None) -> int:
     from pocketdiff.compress.prune import PruneSettings, TargetConfig, macs_table, prune_unet
     from pocketdiff.compress.prune_importance import accumulate_diffusion_gradients
     from pocketdiff.compress.prune_model import load_pruned_unet
-    from pocketdiff.models import count_params, default_resolution, perturb_norm_affines, scheduler_config, unet_config, vae_config
+    from pocketdiff.models import (count_params, default_resolution, perturb_norm_affines, scheduler_config, unet_config, vae_config,
+                                   vae_scale_factor)
+    from pocketdiff.outputs import write_json
 
     device = torch.device(args.device)
     dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype or ("fp16" if device.type == "cuda" else "fp32")]
@@ -85,8 +87,7 @@ def main(argv=None) -> int:
     warmup = args.warmup if args.warmup is not None else (5 if device.type == "cuda" else 1)
     pt = "v_prediction" if args.arch == "sd21" else "epsilon"
     res = args.resolution or default_resolution(args.arch, "epsilon")
-    factor = 2 ** (len(vae_config(args.arch)["block_out_channels"]) - 1)
-    conf = unet_config(args.arch, pt, res, vae_factor=factor)
+    conf = unet_config(args.arch, pt, res, vae_factor=vae_scale_factor(vae_config(args.arch)))
     torch.manual_seed(0)
     t0 = time.perf_counter()
     unet = UNet2DConditionModel(**conf).eval()
@@ -172,7 +173,7 @@ def main(argv=None) -> int:
         "pruned_folder_bytes": size,
         "note": "random weights; latency is one UNet forward at the given batch; quality needs trained weights + recovery",
     }
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, result)
     print(json.dumps({k: result[k] for k in ("arch", "params_before", "params_after", "targeted_removed_fraction", "latency_s")},
                      indent=1, default=str)[:2000])
     return 0
