@@ -6,7 +6,10 @@ The full run (all four training-style stages, >= 20 seeded points, JSON tally) i
 same code on two points (three kills):
 1. a kill just after config.yaml appears: no checkpoint yet, the resume starts from scratch;
 2. a kill just after the UNet's first checkpoint is committed, then a second kill of the
-   resumed run, then a final resume.
+   resumed run (which continued from that checkpoint) just after it committed the last
+   checkpoint, before the pipeline is written; then a final resume from that last checkpoint.
+Exact weights alone cannot tell a resume from a restart (training is deterministic), so the
+test also checks which checkpoint each resumed run says it continued from.
 """
 from __future__ import annotations
 
@@ -42,11 +45,17 @@ def test_sigkill_then_resume_latest_equals_the_uninterrupted_run(kr, tmp_path):
     p1 = kr.run_point(ref, tmp_path / "early", [early], "ci", timeout=300)
     assert p1["killed"] and p1["kills"][0]["before_first_checkpoint"], p1["kills"]
     _assert_exact(p1)
+    assert p1["resumed_from"] == [], p1  # nothing to resume: started from scratch
 
     after_ckpt = kr.Trigger("path", "checkpoints/unet/checkpoint-2", at_s=ref.wall_s * 2)
-    again = kr.Trigger("time", at_s=0.4 * ref.wall_s)
+    again = kr.Trigger("path", "checkpoints/unet/checkpoint-4", at_s=ref.wall_s * 2)
     p2 = kr.run_point(ref, tmp_path / "twice", [after_ckpt, again], "ci", timeout=300)
     assert p2["killed"] and "checkpoints/unet/checkpoint-2" in p2["kills"][0]["checkpoints_at_kill"], p2["kills"]
+    second = p2["kills"][1]
+    assert second["delivered"] and second["resumed_run"], p2["kills"]
+    assert any("checkpoints/unet/checkpoint-2 " in line for line in second["resumed_from"]), second
+    assert "checkpoints/unet/checkpoint-4" in second["checkpoints_at_kill"], second
+    assert any("checkpoints/unet/checkpoint-4 " in line for line in p2["resumed_from"]), p2
     _assert_exact(p2)
 
     result = kr.tally([p1, p2], {"train-teacher": ref})
