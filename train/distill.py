@@ -40,7 +40,7 @@ import torch
 from pocketdiff.config import DataConfig
 from pocketdiff.data import ImageCaptionDataset, collate, load_captioned_dataset
 from pocketdiff.errors import PocketdiffError, require
-from pocketdiff.models import ModelConfig, count_params, load_or_build, save_pipeline, vae_scale_factor
+from pocketdiff.models import ModelConfig, check_resolution, count_params, load_or_build, save_pipeline
 from pocketdiff.outputs import commit_folder, read_json, write_json
 from pocketdiff.report import img, plot_curves, save_grid, table, write_page
 from pocketdiff.sampling import encode_prompts, generate
@@ -395,10 +395,7 @@ def _check_teacher(cfg: Config, pipe, plan: list[RoundSpec]) -> None:
     T = sched.config.num_train_timesteps
     if cfg.progressive.start_steps > T // 2 and any(s.stage == "progressive" for s in plan):
         raise PocketdiffError(f"progressive.start_steps={cfg.progressive.start_steps} is above half the teacher's {T} training timesteps")
-    factor = vae_scale_factor(pipe)
-    down = 2 ** (len(pipe.unet.config.block_out_channels) - 1)
-    if cfg.data.resolution % factor or (cfg.data.resolution // factor) % down:
-        raise PocketdiffError(f"data.resolution={cfg.data.resolution} does not fit the teacher (VAE factor {factor}, UNet downsampling {down})")
+    check_resolution(pipe, cfg.data.resolution)
     if is_w_conditioned(pipe.unet):
         raise PocketdiffError("the teacher UNet is already guidance-conditioned (time_cond_proj_dim set); distill from a classifier-free-guided model")
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from pocketdiff.config import DataConfig
 from pocketdiff.data import ImageCaptionDataset, InMemoryImageCaptionDataset, collate, load_captioned_dataset
 from pocketdiff.errors import PocketdiffError, require
-from pocketdiff.models import ModelConfig, count_params, load_or_build, save_pipeline, vae_scale_factor
+from pocketdiff.models import ModelConfig, check_resolution, count_params, load_or_build, save_pipeline
 from pocketdiff.report import img, plot_curves, save_grid, write_page
 from pocketdiff.sampling import generate
 
@@ -97,15 +97,6 @@ class _VaeModel(torch.nn.Module):
         return self.vae.decode(z).sample, dist.kl()
 
 
-def _check_resolution(pipe, resolution: int) -> None:
-    factor = vae_scale_factor(pipe)
-    if resolution % factor:
-        raise PocketdiffError(f"data.resolution={resolution} is not divisible by the VAE factor {factor}")
-    down = 2 ** (len(pipe.unet.config.block_out_channels) - 1)
-    if (resolution // factor) % down:
-        raise PocketdiffError(f"data.resolution={resolution}: latents of {resolution // factor} px are not divisible by the UNet's downsampling factor {down}")
-
-
 def train_vae(cfg: Config, vae, dataset, out: Path, resume: Optional[str], acc) -> dict:
     """Step 2: reconstruction + KL training of the VAE, then its latent scaling factor."""
     loop = dataclasses.replace(cfg.train, max_steps=cfg.vae.steps, lr=cfg.vae.lr, batch_size=cfg.vae.batch_size,
@@ -142,7 +133,7 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
         if cfg.model.pretrained is None and "resolution" in str(e):
             raise PocketdiffError(f"data.resolution={cfg.data.resolution}: {e}") from None
         raise
-    _check_resolution(pipe, cfg.data.resolution)
+    check_resolution(pipe, cfg.data.resolution)
     report: dict = {"data": {"source": cfg.data.source, "items": len(dataset), "resolution": cfg.data.resolution}}
 
     # 2. VAE
