@@ -94,14 +94,10 @@ def round_plan(scheduler, steps: int, teacher_steps: Optional[int] = None) -> Ro
 
 def _quiet_cast(module, dtype: torch.dtype) -> None:
     """module.to(dtype) without diffusers' "modules that should be kept in float32: []" notice."""
-    try:
-        from diffusers.utils import logging as dlog
+    from diffusers.utils import logging as dlog
 
-        before = dlog.get_verbosity()
-        dlog.set_verbosity_error()
-    except ImportError:  # pragma: no cover
-        module.to(dtype=dtype)
-        return
+    before = dlog.get_verbosity()
+    dlog.set_verbosity_error()
     try:
         module.to(dtype=dtype)
     finally:
