@@ -19,7 +19,7 @@ from typing import Callable
 
 from .errors import PocketdiffError
 from .models import EMBEDDED_TEACHER
-from .outputs import prepare_output_dir, write_json
+from .outputs import prepare_output_dir, read_json, write_json
 from .report import img, table, write_page
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "demo"
@@ -104,12 +104,12 @@ def run_demo(out: Path, smoke: bool) -> dict:
 
     def run_bundle() -> dict:
         from pocketdiff.export.run_bundle import main as run_bundle_main
-        import json
 
-        ns = argparse.Namespace(bundle=bundle, prompt=PROMPTS[0], output=str(out / "run-bundle"), accelerator="gpu",
-                                pipelined=True, seed=0, overwrite=True, debug=False)
-        run_bundle_main(ns)
-        return json.loads((out / "run-bundle" / "report.json").read_text())
+        from .cli import build_parser  # the verb's own options and defaults
+
+        run_bundle_main(build_parser().parse_args(["run-bundle", bundle, "--prompt", PROMPTS[0], "--output",
+                                                   str(out / "run-bundle"), "--pipelined", "--overwrite"]))
+        return read_json(out / "run-bundle" / "report.json")
 
     ran = chain.stage(6, "run-bundle", run_bundle)
     return _summary(chain, student, steps, calib, prune, evaluation, export, ran)
