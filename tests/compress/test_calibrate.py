@@ -17,17 +17,11 @@ from pocketdiff.models import ModelConfig, build_pipeline, perturb_norm_affines,
 PROMPTS = ["a red circle", "a blue square", "a green triangle", "a yellow star", "two purple circles"]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/compress/conftest.py
 
 
 @pytest.fixture(scope="module")
 def teacher(tmp_path_factory):
-    torch.set_num_threads(1)
     pipe = build_pipeline(ModelConfig(arch="tiny", vocab_size=600), captions=PROMPTS, resolution=32)
     for i, comp in enumerate((pipe.unet, pipe.text_encoder, pipe.vae)):
         perturb_norm_affines(comp, i, scale=0.3)

@@ -13,12 +13,7 @@ from pocketdiff.compress.quant import (AdaRoundQuantizer, LayerSpec, beta_schedu
 from pocketdiff.compress.reconstruct import ReconConfig, block_mse, layer_inits, reconstruct_block
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/compress/conftest.py
 
 
 def test_rectified_sigmoid_inverse():
