@@ -6,8 +6,8 @@ rewrites `export.rewrites.apply_rewrites(RewriteConfig())` (Linear -> 1x1 conv, 
 GroupNorm, clipped GELU, explicit attention), litert-torch through
 `export.convert.to_tflite`, then `export.delegate.run_on_delegate`: the delegate is the
 judge. Pruned blocks have per-block GroupNorm group counts (whole_groups mode), which the
-rank-4 GroupNorm rewrite must handle. Skips with the reason when the export package,
-litert-torch or a Vulkan adapter (lavapipe in CI) is missing.
+rank-4 GroupNorm rewrite must handle. Skips with the reason when litert-torch or a Vulkan
+adapter (lavapipe in CI) is missing; the export stage itself is part of pocketdiff and must import.
 """
 from __future__ import annotations
 
@@ -19,27 +19,18 @@ import torch
 from diffusers import UNet2DConditionModel
 
 from pocketdiff.compress.prune import PruneSettings, prune_unet
+from pocketdiff.export.components import UNetGraph, time_embedding_table
+from pocketdiff.export.convert import to_tflite
+from pocketdiff.export.delegate import delegate_available, run_on_delegate
+from pocketdiff.export.rewrites import RewriteConfig, apply_rewrites
 from pocketdiff.models import perturb_norm_affines, unet_config
 
 
-def _export_api():
-    try:
-        from pocketdiff.export.components import UNetGraph, time_embedding_table
-        from pocketdiff.export.convert import to_tflite
-        from pocketdiff.export.delegate import delegate_available, run_on_delegate
-        from pocketdiff.export.rewrites import RewriteConfig, apply_rewrites
-    except ImportError as e:
-        pytest.skip(f"pocketdiff.export offers no UNet conversion yet (needs export.components.UNetGraph + "
-                    f"time_embedding_table, export.rewrites.apply_rewrites, export.convert.to_tflite, "
-                    f"export.delegate.run_on_delegate): {e}")
-    try:
-        import litert_torch  # noqa: F401
-    except ImportError:
-        pytest.skip("litert-torch is not installed (pip install -e .[export])")
+def _require_delegate() -> None:
+    pytest.importorskip("litert_torch", reason="litert-torch is not installed (pip install -e .[export])")
     ok, why = delegate_available()
     if not ok:
         pytest.skip(f"LiteRT GPU delegate unavailable: {why}")
-    return UNetGraph, time_embedding_table, RewriteConfig, apply_rewrites, to_tflite, run_on_delegate
 
 
 def _cos(a: np.ndarray, b: np.ndarray) -> float:
@@ -47,7 +38,7 @@ def _cos(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def test_pruned_unet_runs_fully_accelerated_on_gpu_delegate(tmp_path):
-    UNetGraph, time_embedding_table, RewriteConfig, apply_rewrites, to_tflite, run_on_delegate = _export_api()
+    _require_delegate()
     torch.manual_seed(0)
     unet = UNet2DConditionModel(**unet_config("tiny", resolution=32, vae_factor=4)).eval()
     perturb_norm_affines(unet, 0)  # identity affines become BROADCAST_TO (DESIGN.md)
