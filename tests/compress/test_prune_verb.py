@@ -44,13 +44,10 @@ def clip_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory, clip_dir):
     out = tmp_path_factory.mktemp("prune") / "run"
-    mp = pytest.MonkeyPatch()
-    mp.setenv("POCKETDIFF_CACHE", str(tmp_path_factory.mktemp("cache")))
-    try:
-        metrics = ["eval.metrics=true", f"eval.clip={clip_dir}", "eval.num_samples=4", "eval.batch_size=4"]
+    metrics = ["eval.metrics=true", f"eval.clip={clip_dir}", "eval.num_samples=4", "eval.batch_size=4"]
+    with pytest.MonkeyPatch.context() as mp:  # FD reference statistics in a throwaway cache
+        mp.setenv("POCKETDIFF_CACHE", str(tmp_path_factory.mktemp("cache")))
         assert main(["prune", "--output", str(out), *SMALL, *metrics, "train.max_steps=2"]) == 0
-    finally:
-        mp.undo()
     return out
 
 
