@@ -461,17 +461,6 @@ def plot_importance(plan: list[dict], path: Path, title: str, mode: str = "per_g
     return path
 
 
-def _check_resolution(pipe, resolution: int) -> None:
-    """data.resolution must fit the teacher (VAE factor x UNet downsampling), before any work."""
-    from pocketdiff.models import vae_scale_factor
-
-    factor = vae_scale_factor(pipe)
-    down = 2 ** (len(pipe.unet.config.block_out_channels) - 1)
-    if resolution % factor or (resolution // factor) % down:
-        raise PocketdiffError(f"data.resolution={resolution} does not fit the teacher "
-                              f"(VAE factor {factor}, UNet downsampling {down}: a multiple of {factor * down})")
-
-
 def _save_unet_atomic(unet, folder: Path) -> None:
     tmp = folder.with_name(folder.name + ".tmp")
     if tmp.exists():
@@ -486,7 +475,7 @@ def _save_unet_atomic(unet, folder: Path) -> None:
 
 def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
     from pocketdiff.data import ImageCaptionDataset, InMemoryImageCaptionDataset, collate, load_captioned_dataset
-    from pocketdiff.models import load_or_build, save_pipeline
+    from pocketdiff.models import check_resolution, load_or_build, save_pipeline
     from pocketdiff.report import img, plot_curves, save_grid, table, write_page
     from pocketdiff.sampling import default_w_embedding_fn, generate
 
@@ -501,7 +490,7 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
     pipe = load_or_build(cfg.model, captions=captions, resolution=cfg.data.resolution)
     if isinstance(pipe.unet, PrunedUNet2DConditionModel):
         log.info("model.pretrained is already pruned: pruning it further")
-    _check_resolution(pipe, cfg.data.resolution)
+    check_resolution(pipe, cfg.data.resolution)  # before any work
     teacher = pipe.unet.to(device).eval().requires_grad_(False)
     pipe.vae.to(device).eval().requires_grad_(False)
     pipe.text_encoder.to(device).eval().requires_grad_(False)
