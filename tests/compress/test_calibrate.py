@@ -17,7 +17,7 @@ from pocketdiff.models import ModelConfig, build_pipeline, perturb_norm_affines,
 PROMPTS = ["a red circle", "a blue square", "a green triangle", "a yellow star", "two purple circles"]
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tests/compress/conftest.py
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

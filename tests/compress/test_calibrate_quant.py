@@ -13,7 +13,7 @@ from pocketdiff.compress.quant import (AdaRoundQuantizer, LayerSpec, beta_schedu
 from pocketdiff.compress.reconstruct import ReconConfig, block_mse, layer_inits, reconstruct_block
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tests/compress/conftest.py
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def test_rectified_sigmoid_inverse():

@@ -1,16 +1,17 @@
 """The shipped default teacher loads in stock diffusers and draws what it is asked for."""
-import numpy as np
-import torch
+import pytest
 from diffusers import StableDiffusionPipeline
 
 from pocketdiff.models import embedded_teacher_dir
 from pocketdiff.sampling import generate
 
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+
 def test_embedded_teacher_loads_and_draws_the_named_colour():
     pipe = StableDiffusionPipeline.from_pretrained(str(embedded_teacher_dir()), safety_checker=None, requires_safety_checker=False)
     pipe.set_progress_bar_config(disable=True)
-    torch.set_num_threads(1)
     prompts = ["a large red circle in the center", "a large blue square in the center"]
     images = generate(pipe, prompts, steps=20, guidance_scale=3.0, seed=0).numpy()  # [2,3,32,32] in [0,1]
     center = images[:, :, 12:20, 12:20].mean(axis=(2, 3))  # mean RGB of the middle

@@ -21,14 +21,7 @@ from pocketdiff.sampling import (
 
 PROMPTS = ["a red circle on a white background", "a blue star"]
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models run fastest single-threaded; on a shared 2-core box, multi-threaded CPU
-    kernels under oversubscription are 10-100x slower. Restored after this module."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _tiny(prediction_type: str) -> StableDiffusionPipeline:

@@ -70,12 +70,7 @@ PRUNE_TINY = ["data.shapes_count=8", "prune.taylor.samples=4", "prune.taylor.bat
 # ----------------------------------------------------------------------------------- fixtures
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _png(path: Path, size=(32, 32)) -> None:

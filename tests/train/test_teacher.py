@@ -15,12 +15,7 @@ TINY = ["data.shapes_count=16", "data.resolution=32", "vae.steps=2", "vae.batch_
 SMOKE = "configs/smoke/train-teacher.yaml"
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def unet_weights(out):
