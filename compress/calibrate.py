@@ -26,7 +26,7 @@ import torch
 
 from pocketdiff.config import DataConfig
 from pocketdiff.errors import ParityError, PocketdiffError, require
-from pocketdiff.models import ModelConfig, load_or_build, load_pipeline, perturb_norm_affines, save_pipeline, vae_scale_factor
+from pocketdiff.models import ModelConfig, load_or_build, load_pipeline, perturb_norm_affines, save_pipeline
 from pocketdiff.outputs import commit_folder, write_json
 from pocketdiff.sampling import encode_prompts
 from pocketdiff.device import resolve_device
@@ -36,7 +36,7 @@ from .calib_data import collect_unet_inputs, subsample
 from .int8_format import LayerRecipe, QuantRecipe, dequantized_state_dict, load_quantized, save_quantized
 from .metrics import compare_unets
 from .quant import LayerSpec, dequant, layer_specs, quantizable_layers, quantized_state_dict, rtn, search_scale
-from .reconstruct import BlockResult, ReconConfig, reconstruct_unet, write_weights
+from .reconstruct import ReconConfig, reconstruct_unet, write_weights
 
 UNET_FILE = "unet_int8.safetensors"
 TEXT_ENCODER_FILE = "text_encoder_int8.safetensors"
@@ -154,12 +154,6 @@ def _worker_devices(cfg: Config, device: torch.device) -> list[str]:
     return []
 
 
-def check_finite(module: torch.nn.Module, what: str) -> None:
-    for name, p in module.state_dict().items():
-        if p.is_floating_point() and not torch.isfinite(p).all():
-            raise PocketdiffError(f"{what}: weight {name!r} has NaN/inf values; refusing to quantize a broken model")
-
-
 def versions() -> dict[str, str]:
     import importlib.metadata as md
 
@@ -265,10 +259,7 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
             raise PocketdiffError("perturb_norms applies to built (random) models only; unset it for model.pretrained")
         for i, comp in enumerate((pipe.unet, pipe.text_encoder, pipe.vae)):
             perturb_norm_affines(comp, cfg.seed + i, scale=cfg.perturb_norms)
-    check_finite(pipe.unet, "UNet")
-    check_finite(pipe.text_encoder, "text encoder")
-    if cfg.quant.vae_decoder:
-        check_finite(pipe.vae, "VAE")
+    # NaN / Inf weights were refused by load_pipeline (models.check_finite_weights)
     pipe.unet.to(device=device, dtype=torch.float32).eval().requires_grad_(False)
     pipe.text_encoder.to(device=device, dtype=torch.float32).eval().requires_grad_(False)
     pipe.vae.to(device=device, dtype=torch.float32).eval().requires_grad_(False)
