@@ -94,7 +94,9 @@ def run_stage(verb: str, config: Optional[str], output: str | Path, overrides: O
         refused = _share_verdict(None)
         if refused is not None:
             raise PocketdiffError(refused)
-        return module.run(cfg, Path(output), resume=resume)
+        report = module.run(cfg, Path(output), resume=resume)
+        state.wait_for_everyone()  # leave together (see _end_distributed)
+        return report
     fresh = not Path(output).exists()
     verdict = None
     try:
@@ -127,6 +129,8 @@ def run_stage(verb: str, config: Optional[str], output: str | Path, overrides: O
     report.setdefault("verb", verb)
     report.setdefault("wall_time_s", round(time.time() - start, 3))
     write_json(out / "report.json", report)
+    if state is not None:
+        state.wait_for_everyone()
     return report
 
 
@@ -148,6 +152,15 @@ def _share_verdict(verdict: Optional[str]) -> Optional[str]:
     from accelerate.utils import broadcast_object_list
 
     return broadcast_object_list([verdict], from_process=0)[0]
+
+
+def _end_distributed() -> None:
+    """Tear the process group down before exit: a gloo peer that outlives the other process's
+    exit can abort ('terminate called without an active exception'), failing the launch."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def run_verb(args: argparse.Namespace) -> int:
@@ -194,6 +207,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         first = str(e).splitlines()[0] if str(e) else ""
         print(f"error: {type(e).__name__}: {first} (rerun with --debug for the traceback)", file=sys.stderr)
         return 1
+    finally:
+        _end_distributed()
 
 
 if __name__ == "__main__":
