@@ -20,9 +20,10 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from pocketdiff.errors import PocketdiffError
+from pocketdiff.outputs import read_safetensors
 
 FORMAT_NAME = "pocketdiff-int8"
 FORMAT_VERSION = 1
@@ -132,10 +133,7 @@ def load_quantized(path: str | Path) -> tuple[dict[str, torch.Tensor], QuantReci
         raise PocketdiffError(f"quantized checkpoint not found: {path}")
     if not recipe_path.is_file():
         raise PocketdiffError(f"quantization recipe not found: {recipe_path}")
-    try:
-        state = load_file(str(path))
-    except Exception as e:  # safetensors raises its own error types for corrupt files
-        raise PocketdiffError(f"{path}: not a readable safetensors file ({e})") from None
+    state = read_safetensors(path)
     return state, QuantRecipe.from_json(recipe_path.read_text(encoding="utf-8"), where=str(recipe_path))
 
 

@@ -35,7 +35,7 @@ import torch
 
 from pocketdiff.config import DataConfig
 from pocketdiff.errors import PocketdiffError, require
-from pocketdiff.models import ModelConfig, count_params
+from pocketdiff.models import DISTILL_META, ModelConfig, count_params, read_distill_meta
 from pocketdiff.device import resolve_device
 from pocketdiff.outputs import commit_folder, read_json, write_json
 from pocketdiff.train.loop import LoopConfig
@@ -328,23 +328,6 @@ def _calibration_batches(pipe, dataset, n: int, batch_size: int, generator: torc
         yield _encode(pipe, items, generator, device)
 
 
-DISTILL_META = "distill.json"  # what a distilled student's folder carries (pocketdiff distill)
-
-
-def source_meta(pretrained: Optional[str]) -> dict:
-    """The distill.json of `model.pretrained` (a distilled student), else {}."""
-    if not pretrained:
-        return {}
-    from pocketdiff.shipped import resolve_shipped
-
-    f = Path(resolve_shipped(str(pretrained))).expanduser() / DISTILL_META
-    try:
-        meta = json.loads(f.read_text(encoding="utf-8")) if f.is_file() else {}
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
-        return {}
-    return meta if isinstance(meta, dict) and meta.get("pocketdiff_distill") else {}
-
-
 class Probe:
     """Fixed (x_t, t, text) inputs and the teacher's outputs on them: the teacher-relative
     error of a student is mean((s - t)^2) and its ratio to mean(t^2)."""
@@ -496,7 +479,7 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
     pipe.text_encoder.to(device).eval().requires_grad_(False)
     report: dict[str, Any] = {"data": {"source": cfg.data.source, "items": len(dataset), "resolution": cfg.data.resolution},
                               "teacher": cfg.model.pretrained or f"built {cfg.model.arch} (random weights)"}
-    meta = source_meta(cfg.model.pretrained)
+    meta = read_distill_meta(cfg.model.pretrained)
     guid = meta.get("guidance") or {}
     w_fn = default_w_embedding_fn(teacher)  # guidance-conditioned teacher (time_cond_proj_dim), else None
     w_range = (float(cfg.recovery.w_min if cfg.recovery.w_min is not None else guid.get("w_min", 1.0)),

@@ -33,10 +33,10 @@ from typing import Any, Optional, Union
 import torch
 from diffusers import UNet2DConditionModel
 from diffusers.models.modeling_utils import ModelMixin  # noqa: F401  (diffusers looks this name up here)
-from safetensors.torch import load_file
 from torch import nn
 
 from pocketdiff.errors import PocketdiffError
+from pocketdiff.outputs import read_safetensors
 
 SPEC_FILE = "pruning.json"
 FORMAT = "pocketdiff-pruned-unet"
@@ -132,18 +132,10 @@ def apply_shape_spec(unet: nn.Module, spec: dict) -> None:
 # The model class
 # --------------------------------------------------------------------------------------
 
-def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    try:
-        return load_file(str(path))
-    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for corrupt files
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise PocketdiffError(f"{path}: not a readable safetensors file ({first})") from None
-
-
 def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
     single = folder / WEIGHTS
     if single.is_file():
-        return _load_safetensors(single)
+        return read_safetensors(single)
     index = folder / (WEIGHTS + ".index.json")
     if index.is_file():
         try:
@@ -152,7 +144,7 @@ def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
             raise PocketdiffError(f"{index}: unreadable weight index ({type(e).__name__}: {e})") from None
         state: dict[str, torch.Tensor] = {}
         for f in files:
-            state.update(_load_safetensors(folder / f))
+            state.update(read_safetensors(folder / f))
         return state
     raise PocketdiffError(f"{folder}: no {WEIGHTS} (pruned UNets load from safetensors only)")
 

@@ -234,12 +234,9 @@ def _safe_inception_weights(path: str, tmp_dir: Path) -> Path:
     if not p.is_file():
         raise PocketdiffError(f"metrics.inception_weights: {p} is not a file")
     if p.suffix == ".safetensors":
-        from safetensors.torch import load_file
+        from pocketdiff.outputs import read_safetensors
 
-        try:
-            state = load_file(str(p))
-        except Exception as e:  # noqa: BLE001
-            raise PocketdiffError(f"metrics.inception_weights: {p}: unreadable safetensors ({_first_line(e)})") from None
+        state = read_safetensors(p, "metrics.inception_weights")
     else:
         data = p.read_bytes()
         try:

@@ -35,10 +35,10 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from pocketdiff.errors import PocketdiffError, require
+from pocketdiff.models import read_distill_meta
 
 GUIDANCE_MODES = ("auto", "cfg", "w_conditioned", "none")
 KINDS = ("pipeline", "bundle")
-DISTILL_META = "distill.json"  # written by `pocketdiff distill` into each round folder
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -106,20 +106,6 @@ def class_label_w_fn(unet) -> Callable[[torch.Tensor], torch.Tensor]:
     else:  # identity: the class embedding has the time embedding's width
         dim = int(_cfg(unet, "time_embedding_dim") or 4 * _cfg(unet, "block_out_channels")[0])
     return lambda w: guidance_scale_embedding(torch.as_tensor(w, dtype=torch.float32) - 1.0, dim)
-
-
-def _read_distill_meta(path: Optional[str]) -> dict:
-    """distill.json of a pipeline folder (`pocketdiff:NAME` resolved), else {}."""
-    from pocketdiff.outputs import read_json
-    from pocketdiff.shipped import resolve_shipped
-
-    if not path:
-        return {}
-    f = Path(resolve_shipped(path)).expanduser() / DISTILL_META
-    if not f.is_file():
-        return {}
-    meta = read_json(f)
-    return meta if isinstance(meta, dict) else {}
 
 
 def _load_unet(folder: str, dtype: Optional[torch.dtype]):
@@ -197,7 +183,7 @@ def resolve_model(spec_or_obj: Any, index: int = 0, device: Optional[torch.devic
     if device is not None:
         pipe.to(device)
         unet.to(device)
-    meta = _read_distill_meta(spec.path) if spec.path and spec.kind == "pipeline" else {}
+    meta = read_distill_meta(spec.path) if spec.path and spec.kind == "pipeline" else {}
     takes_w = unet_takes_w(unet)
     mode = spec.guidance_mode
     default_steps: list[int] = []

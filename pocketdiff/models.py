@@ -498,6 +498,23 @@ def load_pipeline(source: str, prediction_type: Optional[str] = None, torch_dtyp
     return pipe
 
 
+DISTILL_META = "distill.json"  # written by `pocketdiff distill` into every round folder (and kept by prune)
+
+
+def read_distill_meta(source: Optional[str | Path]) -> dict:
+    """The distill.json of a pipeline folder (`pocketdiff:NAME` resolved): a distilled student's
+    sampling recipe (steps, guidance). {} when the folder has none; a broken one is an error."""
+    from .outputs import read_json
+
+    if not source:
+        return {}
+    f = Path(resolve_shipped(str(source))).expanduser() / DISTILL_META
+    if not f.is_file():
+        return {}
+    meta = read_json(f)
+    return meta if isinstance(meta, dict) and meta.get("pocketdiff_distill") else {}
+
+
 def check_finite_weights(module: Optional[nn.Module], where: str) -> None:
     """Refuse a module with NaN/Inf weights, naming the tensor (a loaded model would otherwise
     train to a non-finite loss, or sample NaN images that metrics score silently)."""

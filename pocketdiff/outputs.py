@@ -56,6 +56,17 @@ def read_json(path: str | Path, where: str = "") -> Any:
         raise PocketdiffError(f"{where + ': ' if where else ''}{path} is not valid JSON ({first})") from None
 
 
+def read_safetensors(path: str | Path, where: str = "") -> dict:
+    """Load a safetensors file; a damaged one is a one-line PocketdiffError naming it (and `where`)."""
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for corrupt files
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise PocketdiffError(f"{where + ': ' if where else ''}{path}: not a readable safetensors file ({first})") from None
+
+
 def atomic_write_text(path: str | Path, text: str) -> None:
     """Write through a temporary file in the same folder, fsync, then rename."""
     path = Path(path)

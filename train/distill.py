@@ -40,7 +40,7 @@ import torch
 from pocketdiff.config import DataConfig
 from pocketdiff.data import ImageCaptionDataset, collate, load_captioned_dataset
 from pocketdiff.errors import PocketdiffError, require
-from pocketdiff.models import ModelConfig, check_resolution, count_params, load_or_build, save_pipeline
+from pocketdiff.models import DISTILL_META, ModelConfig, check_resolution, count_params, load_or_build, save_pipeline
 from pocketdiff.outputs import commit_folder, read_json, write_json
 from pocketdiff.report import img, plot_curves, save_grid, table, write_page
 from pocketdiff.sampling import encode_prompts, generate
@@ -68,8 +68,6 @@ __all__ = ["Config", "run", "w_condition", "w_embedding_fn", "round_schedule", "
 STUDENT_PREDICTION = ("v_prediction", "epsilon", "teacher")
 SPACINGS = ("trailing", "leading", "teacher")
 TEACHER_DTYPES = ("auto", "fp32", "bf16", "fp16")
-DISTILL_META = "distill.json"
-
 
 # --------------------------------------------------------------------------------------
 # Config
