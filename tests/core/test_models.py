@@ -266,3 +266,17 @@ def test_declared_pocketdiff_classes_are_imported_and_others_are_not(tmp_path):
     (tmp_path / "model_index.json").write_text(json.dumps({"unet": ["pocketdiff.no_such_module", "X"]}))
     with pytest.raises(PocketdiffError, match="pocketdiff.no_such_module"):
         import_declared_classes(tmp_path)
+
+
+def test_read_distill_meta(tmp_path):
+    from pocketdiff.errors import PocketdiffError
+    from pocketdiff.models import read_distill_meta
+
+    assert read_distill_meta(None) == {} and read_distill_meta(tmp_path) == {}  # no distill.json: not a student
+    (tmp_path / "distill.json").write_text('{"num_inference_steps": 4}')
+    assert read_distill_meta(tmp_path) == {}  # not written by pocketdiff distill
+    (tmp_path / "distill.json").write_text('{"pocketdiff_distill": 1, "num_inference_steps": 4}')
+    assert read_distill_meta(str(tmp_path))["num_inference_steps"] == 4
+    (tmp_path / "distill.json").write_text('{"pocketdiff_distill": 1,')
+    with pytest.raises(PocketdiffError, match="distill.json is not valid JSON"):
+        read_distill_meta(tmp_path)
