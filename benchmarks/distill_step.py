@@ -16,6 +16,9 @@ process:
 - `ours_wcond`: the step pocketdiff actually runs in progressive rounds after guided
   distillation: the teacher is the w-conditioned student, one pass per teacher step instead of
   a cond/uncond pair (5 instead of 7 forward-equivalents per sample). Same switches as `ours`.
+- `ours_cudnn` (optional): `ours` with attention forced onto cuDNN's fused SDPA kernel
+  (`torch.nn.attention.sdpa_kernel(SDPBackend.CUDNN_ATTENTION)`) instead of PyTorch's default
+  choice (flash attention 2 on Hopper).
 - `ours_loop` (optional): `ours` through `pocketdiff.train.loop.train_loop` itself (Accelerate
   autocast/backward, gradient-finite check, EMA off), timed between successive steps.
 
@@ -56,7 +59,7 @@ from pocketdiff.train.distill_targets import (  # noqa: E402
 )
 from pocketdiff.train.guidance_embedding import add_guidance_embedding  # noqa: E402
 
-VARIANTS = ("eager", "ours_eager", "ours", "ours_wcond", "ours_loop")
+VARIANTS = ("eager", "ours_eager", "ours", "ours_cudnn", "ours_wcond", "ours_loop")
 
 
 def build_unet(arch: str, latent: int, seed: int = 0):
@@ -154,7 +157,7 @@ def measure(name, args, base_unet, device, amp_dtype):
     opt = torch.optim.AdamW(student.parameters(), lr=1e-6, **opt_kwargs)
     b = Batch(base_unet, args.batch, args.latent, args.steps, device)
     ours = name != "eager"
-    compile_it = name in ("ours", "ours_wcond", "ours_loop") and args.compile
+    compile_it = name in ("ours", "ours_cudnn", "ours_wcond", "ours_loop") and args.compile
     if name == "ours_wcond":
         teacher_unet = add_guidance_embedding(copy.deepcopy(base_unet), embed_dim)
         with torch.no_grad():
@@ -186,6 +189,14 @@ def measure(name, args, base_unet, device, amp_dtype):
         if compile_it:
             student.compile(mode=None if args.student_compile_mode == "default" else args.student_compile_mode)
         step = lambda: ours_step(teacher, student, opt, b, amp, embed_dim, args.channels_last, uncond)  # noqa: E731
+        if name == "ours_cudnn":
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            plain_step = step
+
+            def step():
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    return plain_step()
     else:
         teacher = teacher_unet.to(device).requires_grad_(False).eval()
         step = lambda: eager_step(teacher, student, opt, b, amp, embed_dim)  # noqa: E731

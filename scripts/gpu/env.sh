@@ -3,12 +3,19 @@
 # Installs the carried wheels and this repo into /tmp/site, then works from $RUNS: not the
 # repo root, whose pocketdiff/ folder would shadow the installed package.
 REPO=$PWD
-if [ ! -f /tmp/site/.pocketdiff-installed ] || [ "$REPO/pyproject.toml" -nt /tmp/site/.pocketdiff-installed ] || [ -n "${REINSTALL:-}" ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+if [ -z "${POCKETDIFF_ENV_READY:-}" ]; then  # a script started by an already set-up script must not reinstall under running jobs
+  if [ ! -f /tmp/site/.wheels-installed ] || [ -n "${REINSTALL:-}" ]; then  # later calls of a warm machine need not carry .whl
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+    touch /tmp/site/.wheels-installed
+  fi
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . >/dev/null || exit 1
+  touch /tmp/site/.pocketdiff-installed
+  # the data: carried as .devdata on the first call, kept in /tmp for later calls (the repo copy is not kept)
+  if [ -d "$REPO/.devdata" ] && [ ! -f /tmp/devdata/.copied ]; then
+    rm -rf /tmp/devdata && cp -r "$REPO/.devdata" /tmp/devdata && touch /tmp/devdata/.copied
+  fi
 fi
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . >/dev/null || exit 1
-touch /tmp/site/.pocketdiff-installed
-export PYTHONPATH=/tmp/site POCKETDIFF_DATA=$REPO/.devdata TQDM_MININTERVAL=30 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+export PYTHONPATH=/tmp/site POCKETDIFF_DATA=/tmp/devdata POCKETDIFF_ENV_READY=1 TQDM_MININTERVAL=30 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 RUNS=/tmp/runs  # /tmp outlives a call while the machine stays warm (the repo copy does not)
 mkdir -p "$RUNS" && cd "$RUNS" || exit 1

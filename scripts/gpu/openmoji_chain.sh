@@ -1,23 +1,33 @@
 #!/usr/bin/env bash
 # The OpenMoji chain on a 4-GPU machine, resumable across 10-minute calls: run it again and
-# every stage continues where it stopped (--resume latest; finished stages are skipped).
-#   bash scripts/gpu/openmoji_chain.sh     (repo root; carry .whl .devdata .carry)
-# Needs the stage-1 teacher (carried fp16 as .carry/teacher16, or left in /tmp/runs by a warm
-# machine) and trains the OpenMoji CLIP when it is not there yet. The recipes are the repo's
-# OpenMoji configs with the shorter schedules below; the evaluations are the repo's
-# configs/calibrate/evaluate_openmoji.yaml and each verb's own FD / CLIP score.
+# every stage continues where it stopped (--resume latest; finished stages are skipped; a stage
+# that cannot resume starts only when its estimated time still fits the call).
+#   bash scripts/gpu/openmoji_chain.sh     (repo root; first call carries .whl .devdata .carry/teacher16)
+# Later calls of a warm machine need no carry: wheels, data and runs stay in /tmp (env.sh).
+# GPU0 stays free after the first call (CLIP, teacher W8), for a Vulkan delegate run beside
+# the chain (scripts/gpu/export_delegate.sh with SITE=/tmp/site_export), then the measured
+# SD-2.1 calibration. The recipes are the repo's OpenMoji configs with the schedules below.
 # A watchdog packs $OUT/chain.tgz (reports, logs, grids) before the call's limit.
 set -u
 source scripts/gpu/env.sh
-T0=$(date +%s); DEADLINE=${DEADLINE:-530}
+T0=$(date +%s); DEADLINE=${DEADLINE:-520}
 L=$RUNS/chain && mkdir -p $L outputs; C=$REPO/configs
 left() { echo $(( DEADLINE - ($(date +%s) - T0) )); }
-done_() { [ -f outputs/$1/report.json ] || { [ $1 = clip-openmoji ] && [ -f outputs/clip-openmoji/clip/config.json ]; }; }
+done_() {
+  case $1 in
+    clip-openmoji) [ -f outputs/clip-openmoji/clip/config.json ] ;;
+    round-*) [ -f outputs/distill-openmoji/$1/model_index.json ] ;;
+    *) [ -f outputs/$1/report.json ] || [ -f outputs/$1/done ] ;;
+  esac
+}
 wait_for() { while ! done_ "$1" && [ "$(left)" -gt 0 ]; do sleep 5; done; done_ "$1"; }
 run() {  # run GPU LOG VERB ARGS...: one verb on one GPU, stopped at the deadline (timeout 0 would mean none)
   local gpu=$1 name=$2 t; shift 2; t=$(left); [ "$t" -gt 0 ] || return 1
+  echo "[$(date +%T)] start $name on GPU$gpu (${t} s left)" >> $L/timeline.log
   CUDA_VISIBLE_DEVICES=$gpu timeout "$t" python3 -m pocketdiff "$@" >> $L/$name.log 2>&1
+  echo "[$(date +%T)] end $name exit $?" >> $L/timeline.log
 }
+fits() { [ "$(left)" -gt "$1" ] || { echo "[$(date +%T)] not starting $2: needs ${1} s, $(left) s left" >> $L/timeline.log; false; }; }
 
 if [ ! -d outputs/teacher-openmoji/pipeline ]; then
   python3 -c "
@@ -27,26 +37,46 @@ fi
 if [ ! -d outputs/clip-openmoji/clip ] && [ -d $REPO/.carry/clip-openmoji ]; then  # a carried CLIP (when it fits the 64 MiB)
   mkdir -p outputs/clip-openmoji && cp -r $REPO/.carry/clip-openmoji outputs/clip-openmoji/clip
 fi
-DISTILL="guided.train.max_steps=600 progressive.final_steps=4 progressive.round_max_steps=[600,600,600,700] eval.num_images=1024 eval.metric_seeds=[0]"
-(  # GPU3: the CLIP every FD needs
-  done_ clip-openmoji || run 3 clip train-clip --config $C/clip/openmoji.yaml --output outputs/clip-openmoji --overwrite save_dtype=float16
+# 600 guided steps, then 64 -> 32 -> 16 -> 8 -> 4 -> 2; metrics by one evaluate at the end
+DISTILL="guided.train.max_steps=600 progressive.final_steps=2 progressive.round_max_steps=[700,700,700,900,1000] eval.metrics=false"
+(  # GPU0: the CLIP every FD needs, W8 of the teacher; later calls: the measured SD-2.1 calibration
+  done_ clip-openmoji || run 0 clip train-clip --config $C/clip/openmoji.yaml --output outputs/clip-openmoji --overwrite save_dtype=float16
+  done_ calib-openmoji-w8 || { fits 220 calib-w8 && run 0 calib-w8 calibrate --config $C/calibrate/openmoji_w8.yaml --output outputs/calib-openmoji-w8 --overwrite; }
+  if [ -n "${SD21_CALIB:-}" ] && ! done_ calib-sd21 && fits 470 calib-sd21; then
+    echo "[$(date +%T)] start calib-sd21" >> $L/timeline.log
+    mkdir -p outputs/calib-sd21 && (cd $REPO/benchmarks && CUDA_VISIBLE_DEVICES=0 timeout $(left) python3 calibrate_sd21.py \
+      --out $RUNS/outputs/calib-sd21/calibrate_sd21_full.json $SD21_CALIB) >> $L/calib-sd21.log 2>&1 \
+      && touch outputs/calib-sd21/done
+    echo "[$(date +%T)] end calib-sd21" >> $L/timeline.log
+  fi
 ) &
-(  # GPU0: W8 of the teacher while the CLIP trains, distillation (its rounds are evaluated by distill
-   # itself, with the CLIP), then W8 / W4 of the 4-step student
-  done_ calib-openmoji-w8 || run 0 calib-w8 calibrate --config $C/calibrate/openmoji_w8.yaml --output outputs/calib-openmoji-w8 --resume latest
-  wait_for clip-openmoji && { done_ distill-openmoji || run 0 distill distill --config $C/distill/openmoji.yaml --output outputs/distill-openmoji --resume latest $DISTILL; }
-  for b in 8 4; do done_ distill-openmoji && { done_ calib-student4-w$b || run 0 calib-student4-w$b calibrate --config $C/calibrate/openmoji_student_w$b.yaml --output outputs/calib-student4-w$b --resume latest; }; done
+(  # GPU1: 30 % pruning + recovery (its FD at the end needs the CLIP); the FD of the quantized
+   # teacher; W8 of the 4-step student; the FD of the quantized student
+  done_ prune-openmoji || run 1 prune prune --config $C/prune/openmoji.yaml --output outputs/prune-openmoji --resume latest train.max_steps=2000
+  wait_for calib-openmoji-w8 && wait_for calib-openmoji-w4 && wait_for clip-openmoji && { done_ eval-calib-teacher || { fits 200 eval-calib-teacher && run 1 eval-calib-teacher evaluate --config $C/calibrate/evaluate_openmoji_teacher.yaml --output outputs/eval-calib-teacher --overwrite; }; }
+  wait_for round-4 && { done_ calib-student4-w8 || { fits 220 calib-student4-w8 && run 1 calib-student4-w8 calibrate --config $C/calibrate/openmoji_student_w8.yaml --output outputs/calib-student4-w8 --overwrite; }; }
+  wait_for calib-student4-w4 && wait_for calib-student4-w8 && { done_ eval-calib-student || { fits 150 eval-calib-student && run 1 eval-calib-student evaluate --config $C/calibrate/evaluate_openmoji_student.yaml --output outputs/eval-calib-student --overwrite; }; }
 ) &
-(  # GPU1: W4 of the teacher, then the FD of every quantized model (configs/calibrate/evaluate_openmoji.yaml)
-  done_ calib-openmoji-w4 || run 1 calib-w4 calibrate --config $C/calibrate/openmoji_w4.yaml --output outputs/calib-openmoji-w4 --resume latest
-  wait_for calib-student4-w4 && wait_for clip-openmoji && { done_ eval-calib || run 1 eval-calib evaluate --config $C/calibrate/evaluate_openmoji.yaml --output outputs/eval-calib --overwrite 'prompts.from_reference=1024' 'seeds=[0]'; }
+(  # GPU2: W4 of the teacher, the CUDA smoke of every verb, the SD-2.1 distillation-step benchmark, W4 of the student
+  done_ calib-openmoji-w4 || { fits 390 calib-w4 && run 2 calib-w4 calibrate --config $C/calibrate/openmoji_w4.yaml --output outputs/calib-openmoji-w4 --overwrite; }
+  if ! done_ smoke && fits 150 smoke; then
+    (cd $REPO && CUDA_VISIBLE_DEVICES=2 timeout $(left) bash scripts/gpu/smoke.sh) > $L/smoke.log 2>&1; mkdir -p outputs/smoke && touch outputs/smoke/done
+  fi
+  if [ -n "${STEP_BENCH:-}" ] && ! done_ step-bench && fits 300 step-bench; then
+    mkdir -p outputs/step-bench && (cd $REPO/benchmarks && CUDA_VISIBLE_DEVICES=2 timeout $(left) python3 distill_step.py \
+      --out $RUNS/outputs/step-bench/distill_step_sd21.json --arch sd21 $STEP_BENCH) >> $L/step-bench.log 2>&1; touch outputs/step-bench/done
+  fi
+  wait_for round-4 && { done_ calib-student4-w4 || { fits 390 calib-student4-w4 && run 2 calib-student4-w4 calibrate --config $C/calibrate/openmoji_student_w4.yaml --output outputs/calib-student4-w4 --overwrite; }; }
 ) &
-(  # GPU2: 30 % pruning + recovery; its FD before / after / after recovery needs the CLIP at the end
-  wait_for clip-openmoji && { done_ prune-openmoji || run 2 prune prune --config $C/prune/openmoji.yaml --output outputs/prune-openmoji --resume latest train.max_steps=2000 eval.num_samples=1024 'eval.seeds=[0]'; }
+(  # GPU3: distillation, then the FD of the 8-, 4- and 2-step students vs the teacher's DDIM
+  done_ distill-openmoji || run 3 distill distill --config $C/distill/openmoji.yaml --output outputs/distill-openmoji --resume latest $DISTILL
+  done_ distill-openmoji && { done_ eval-distill || { fits 150 eval-distill && run 3 eval-distill evaluate --config $C/distill/evaluate_openmoji.yaml --output outputs/eval-distill --overwrite; }; }
 ) &
 while [ -n "$(jobs -r)" ] && [ "$(left)" -gt 0 ]; do sleep 5; done
-pkill -f "python3 -m pocketdiff"; sleep 2
-for d in $(ls outputs); do [ -f outputs/$d/report.json ] && reports outputs/$d $L/$d.tgz; done
+pkill -f "python3 -m pocketdiff"; pkill -f "calibrate_sd21.py|distill_step.py"; sleep 2
+for d in $(ls outputs); do reports outputs/$d $L/$d.tgz; done  # also unfinished runs (the rounds' grids)
 tar czf $OUT/chain.tgz -C $RUNS chain
-echo "finished: $(cd outputs && for d in *; do [ -f $d/report.json ] && printf '%s ' $d; done)"
+echo "finished: $(cd outputs && for d in *; do { [ -f $d/report.json ] || [ -f $d/done ]; } && printf '%s ' $d; done)"
+echo "rounds: $(ls -d outputs/distill-openmoji/round-* 2>/dev/null | xargs -n1 basename | tr '\n' ' ')"
+cat $L/timeline.log | tail -30
 echo "chain call done after $(( $(date +%s) - T0 )) s (run again to continue)"

@@ -10,7 +10,7 @@ status=0
 check() { local name=$1; shift; if timeout 300 "$@" > $name.log 2>&1; then echo "ok   $name"; else echo "FAIL $name (tail of $name.log:)"; tail -5 $name.log; status=1; fi; }
 check teacher  python3 -m pocketdiff train-teacher --config $S/train-teacher.yaml --output teacher train.compile_mode=default
 check distill  python3 -m pocketdiff distill --config $S/distill.yaml --output distill
-if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+if [ "$(python3 -c "import torch; print(torch.cuda.device_count())")" -ge 2 ]; then  # honours CUDA_VISIBLE_DEVICES
   check distill-2gpu python3 -m accelerate.commands.launch --num_machines 1 --num_processes 2 --dynamo_backend no \
     -m pocketdiff distill --config $S/distill.yaml --output distill-2gpu
 fi
