@@ -27,8 +27,9 @@ Library API for other stages (distill / prune / calibrate / demo call it per rou
   stage already generated (e.g. a student's grid against the teacher's images).
 - `retrieval_accuracy(model, processor, images, captions)`: image<->text top-k of a CLIP.
 
-Names are honest: "FID (Inception-v3 pool3, 2048-d)" only for Inception features; a domain
-CLIP gives "FD (shapes-CLIP)" and "CLIP score (shapes-CLIP)".
+Names are honest: "FID (Inception-v3 pool3, 2048-d)" only for Inception features with the
+standard weights (`inception.py`; other Inception weights give "FD (Inception-v3 ...)"); a
+domain CLIP gives "FD (shapes-CLIP)" and "CLIP score (shapes-CLIP)".
 """
 from __future__ import annotations
 

@@ -7,18 +7,16 @@
 - `TensorCLIP`: a thin adapter for torchmetrics' `CLIPScore`, whose 1.9 release expects
   `get_image_features` / `get_text_features` to return tensors while transformers 5 returns
   model outputs (torchmetrics issue #3407, fixed after 1.9.0).
-- `inception_fid(...)`: torchmetrics' Inception FID (needs torch-fidelity); a local weights
-  file is verified with ``torch.load(weights_only=True)`` (or read as safetensors) before
-  torch-fidelity sees it, since torch-fidelity itself unpickles the file.
+- `inception_fid(...)`: torchmetrics' FrechetInceptionDistance on the FID Inception-v3 of
+  `pocketdiff.evaluate.inception` (weights read with safetensors or
+  ``torch.load(weights_only=True)``), and `inception_label`: "FID" only for the standard weights.
 - `module_fingerprint(module)`: a sha256 over a module's tensors (the reference-statistics
   cache key includes it, so new weights invalidate cached statistics).
 """
 from __future__ import annotations
 
 import hashlib
-import io
 import json
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -222,62 +220,28 @@ class CLIPImageFeatures(nn.Module):
 # ----------------------------------------------------------------------------- Inception
 
 
-def torch_fidelity_available() -> bool:
-    from torchmetrics.utilities.imports import _TORCH_FIDELITY_AVAILABLE
-
-    return bool(_TORCH_FIDELITY_AVAILABLE)
-
-
-def _safe_inception_weights(path: str, tmp_dir: Path) -> Path:
-    """Verify a local Inception weights file holds only tensors; return a file torch-fidelity may read."""
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise PocketdiffError(f"metrics.inception_weights: {p} is not a file")
-    if p.suffix == ".safetensors":
-        from pocketdiff.outputs import read_safetensors
-
-        state = read_safetensors(p, "metrics.inception_weights")
-    else:
-        data = p.read_bytes()
-        try:
-            state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-        except Exception as e:  # noqa: BLE001 - pickles with code are refused here
-            raise PocketdiffError(
-                f"metrics.inception_weights: {p} is not a plain tensor state dict (refused by torch.load(weights_only=True): {_first_line(e)})"
-            ) from None
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise PocketdiffError(f"metrics.inception_weights: {p} is not a state dict of tensors")
-    out = tmp_dir / "inception-verified.pth"
-    torch.save(state, out)  # our own file, made from verified tensors only
-    return out
+def inception_label(info: dict) -> str:
+    """"FID (...)" only for the standard weights; other weights give an FD named by their file."""
+    if info.get("standard"):
+        return "FID (Inception-v3 pool3, 2048-d)"
+    return f"FD (Inception-v3 pool3, 2048-d; weights {Path(info['weights']).name}, not the standard FID weights)"
 
 
-def inception_fid(weights_path: Optional[str] = None, feature: int = 2048):
-    """torchmetrics FrechetInceptionDistance with Inception-v3 (the standard FID network).
+def inception_fid(weights_path: Optional[str] = None):
+    """(torchmetrics FrechetInceptionDistance on pocketdiff's FID Inception-v3, weights info).
 
-    Without `weights_path` torch-fidelity downloads its weights (pt_inception-2015-12-05);
-    with it (a .pth state dict or .safetensors) nothing is downloaded.
+    The network is `pocketdiff.evaluate.inception.FIDInceptionV3` (torch-fidelity's network,
+    which needs torchvision, is not used); weights come from `weights_path` (.pth state dict
+    read with ``torch.load(weights_only=True)``, or .safetensors) or, without one, from the torch
+    hub cache / a one-time download of torch-fidelity's weights file.
     """
     from torchmetrics.image.fid import FrechetInceptionDistance
 
-    if not torch_fidelity_available():
-        raise PocketdiffError(
-            "metrics.features=inception needs torch-fidelity (and torchvision): "
-            "`pip install torch-fidelity` plus the torchvision build matching your torch "
-            "(CPU: from the PyTorch CPU index); or set metrics.features=clip with a CLIP folder"
-        )
-    if weights_path:
-        with tempfile.TemporaryDirectory(prefix="pocketdiff-inception-") as tmp:
-            verified = _safe_inception_weights(weights_path, Path(tmp))
-            return FrechetInceptionDistance(feature=feature, reset_real_features=False, normalize=False,
-                                            feature_extractor_weights_path=str(verified))
-    try:
-        return FrechetInceptionDistance(feature=feature, reset_real_features=False, normalize=False)
-    except Exception as e:  # noqa: BLE001 - offline download failure
-        raise PocketdiffError(
-            f"metrics.features=inception: cannot get the Inception weights ({type(e).__name__}: {_first_line(e)}); "
-            "pass metrics.inception_weights=FILE for offline use"
-        ) from None
+    from .inception import load_fid_inception
+
+    module, info = load_fid_inception(weights_path)
+    fid = FrechetInceptionDistance(feature=module, reset_real_features=False, normalize=False)
+    return fid, info
 
 
 # ----------------------------------------------------------------------------- hashing

@@ -11,7 +11,9 @@ for every model, step count and seed (and across distillation / pruning rounds):
     setup.clip_score(images_uint8, prompts)
 
 Names are honest: FD on CLIP features is "FD (shapes-CLIP)" (never "FID"); FID means
-Inception-v3 pool3 features as torchmetrics / torch-fidelity compute them.
+Inception-v3 pool3 features with the standard TF-port weights (`pocketdiff.evaluate.inception`,
+bit-identical to torch-fidelity's network); other Inception weights give "FD (Inception-v3 ...;
+weights NAME, ...)".
 
 Reference cache: `<cache_dir>/fd-<key>.safetensors` holds torchmetrics' real-feature sums
 (`real_features_sum`, `real_features_cov_sum`, `real_features_num_samples`), where `key` is a
@@ -43,6 +45,7 @@ from .features import (
     LoadedCLIP,
     TensorCLIP,
     inception_fid,
+    inception_label,
     load_clip,
     module_fingerprint,
 )
@@ -150,6 +153,7 @@ class MetricSetup:
         self.fd_label: Optional[str] = None
         self.feature_dim: Optional[int] = None
         self._extractor_fp: Optional[str] = None
+        self.inception_weights: Optional[dict] = None  # features=inception: {"weights", "sha256", "standard"}
         if cfg.fd:
             self._build_fid()
         self.reference_info: dict = {}
@@ -170,12 +174,10 @@ class MetricSetup:
             extra = {"kind": "clip-image-embeds", "image_size": module.image_size, "mean": module.mean.tolist(), "std": module.std.tolist()}
             self._extractor_fp = module_fingerprint(module, extra)
         else:
-            self._fid = inception_fid(self.cfg.inception_weights)
+            self._fid, self.inception_weights = inception_fid(self.cfg.inception_weights)
             self.feature_dim = 2048
-            self.fd_label = "FID (Inception-v3 pool3, 2048-d)"
-            import torch_fidelity  # available: inception_fid checked it
-
-            self._extractor_fp = module_fingerprint(self._fid.inception, {"kind": "inception-2048", "torch_fidelity": torch_fidelity.__version__})
+            self.fd_label = inception_label(self.inception_weights)
+            self._extractor_fp = module_fingerprint(self._fid.inception, {"kind": "fid-inception-v3-2048", "resize": "tf1-bilinear-299"})
         self._fid.to(self.device)
 
     @property
@@ -389,6 +391,7 @@ class MetricSetup:
             "fd": self.fd_label,
             "fd_feature_dim": self.feature_dim,
             "fd_min_samples": self.fd_min_samples if self.cfg.fd else None,
+            "fd_inception_weights": self.inception_weights,
             "clip_score": self.clip_label,
             "clip_model": self.clip.source if self.clip else None,
             "reference": self.reference_info,

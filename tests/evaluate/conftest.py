@@ -52,3 +52,55 @@ def _shapes_uint8(count: int, seed: int = 0, resolution: int = 32):
 def shapes_uint8():
     """(count, seed=0, resolution=32) -> (uint8 images [N, 3, R, R], captions) of the shapes set."""
     return _shapes_uint8
+
+
+def random_inception_state(seed: int = 0) -> dict:
+    """A seeded random state dict for the FID Inception-v3 (torch-fidelity's parameter names):
+    He-normal convolutions and near-identity batch norms, so features neither vanish nor explode."""
+    import torch
+
+    from pocketdiff.evaluate.inception import FIDInceptionV3
+
+    g = torch.Generator().manual_seed(seed)
+    state = {}
+    for k, v in FIDInceptionV3().state_dict().items():
+        if k.endswith("conv.weight"):
+            state[k] = torch.randn(v.shape, generator=g) * (2.0 / v[0].numel()) ** 0.5
+        elif k.endswith(("bn.weight", "running_var")):
+            state[k] = 1 + 0.1 * torch.rand(v.shape, generator=g)
+        elif k.endswith(("bn.bias", "running_mean")) or k.startswith("fc."):
+            state[k] = 0.05 * torch.randn(v.shape, generator=g)
+        else:  # num_batches_tracked
+            state[k] = v
+    return state
+
+
+@pytest.fixture(scope="session")
+def inception_files(tmp_path_factory):
+    """{"pth": ..., "safetensors": ...}: the same seeded random Inception-v3 weights in both
+    formats metrics.inception_weights reads (a plain tensor state dict and safetensors)."""
+    import torch
+    from safetensors.torch import save_file
+
+    state = random_inception_state(0)
+    folder = tmp_path_factory.mktemp("inception")
+    pth, st = folder / "random-inception.pth", folder / "random-inception.safetensors"
+    torch.save(state, pth)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(st))
+    return {"pth": pth, "safetensors": st}
+
+
+@pytest.fixture()
+def no_network(monkeypatch, tmp_path):
+    """An empty torch hub cache, offline flags set, and the weights download made to fail loudly."""
+    from pocketdiff.evaluate import inception
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch-home"))
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE", "POCKETDIFF_OFFLINE"):
+        monkeypatch.setenv(var, "1")
+
+    def refuse(url, dst):
+        raise AssertionError(f"network use: {url}")
+
+    monkeypatch.setattr(inception, "_download", refuse)
+    return tmp_path / "torch-home"

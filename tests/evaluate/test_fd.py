@@ -1,10 +1,9 @@
-"""FD through torchmetrics with CLIP features: self-distance ~0, growth with a controlled shift,
+"""FD through torchmetrics with CLIP features (Inception: test_inception.py): self-distance ~0, growth with a controlled shift,
 the reference-statistics cache (hit, and invalidation when the data changes), bad references."""
 from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -103,28 +102,3 @@ def test_uint8_and_float_images_give_the_same_fd(tiny_clip_dir, cache_dir, shape
     setup = _setup(tiny_clip_dir, cache_dir)
     images, _ = shapes_uint8(32, seed=3)
     assert setup.fd(images) == pytest.approx(setup.fd(images.float() / 255.0), rel=1e-6)
-
-
-def test_inception_needs_torch_fidelity_or_says_so():
-    from pocketdiff.evaluate.features import torch_fidelity_available
-
-    if torch_fidelity_available():
-        pytest.skip("torch-fidelity is installed here (the Inception path needs its weights: not tested offline)")
-    with pytest.raises(PocketdiffError, match="torch-fidelity"):
-        MetricSetup(MetricConfig(features="inception", clip_score=False), reference=REF)
-
-
-def test_local_inception_weights_are_verified_before_unpickling(tmp_path):
-    from pocketdiff.evaluate.features import _safe_inception_weights
-
-    good = tmp_path / "w.pth"
-    torch.save({"a.weight": torch.ones(2, 2)}, good)
-    out = _safe_inception_weights(str(good), tmp_path)
-    assert torch.equal(torch.load(out, weights_only=True)["a.weight"], torch.ones(2, 2))
-
-    bad = tmp_path / "bad.pth"
-    torch.save({"a.weight": torch.ones(1), "obj": np.random.default_rng(0)}, bad)  # arbitrary objects: refused
-    with pytest.raises(PocketdiffError, match="weights_only=True"):
-        _safe_inception_weights(str(bad), tmp_path)
-    with pytest.raises(PocketdiffError, match="is not a file"):
-        _safe_inception_weights(str(tmp_path / "missing.pth"), tmp_path)
