@@ -3,7 +3,9 @@ then recovery distillation from the unpruned model.
 
 1. load data and the teacher pipeline (`model.pretrained`, or a built `model.arch`)
 2. select target convs (name patterns + weight-size / activation-volume thresholds) and
-   map them to their dependency groups (ResNet-block internal channels, `prune_graph`)
+   map them to their dependency groups: ResNet-block internal channels (`prune_graph`) and,
+   with ``prune.scope: stream`` or ``all``, the residual-stream (block-output) channels
+   shared through identity residuals and skip concatenations (`prune_stream`)
 3. score channels with the importance callable (`prune_importance`; Taylor accumulates
    denoising-loss gradients over stratified timesteps first)
 4. allocate kept channels per group (uniform or global), remove them physically, save the
@@ -41,12 +43,14 @@ from pocketdiff.outputs import commit_folder, read_json, write_json
 from pocketdiff.train.loop import LoopConfig
 
 from . import prune_graph as pg
+from . import prune_stream as ps
 from .prune_importance import (
     accumulate_diffusion_gradients,
     group_parameters,
     needs_gradients,
     resolve_importance,
     score_group,
+    score_stream,
 )
 from .prune_model import (  # noqa: F401  (re-exported: the loader hooks other stages call)
     PrunedUNet2DConditionModel,
@@ -106,8 +110,12 @@ class PruneSettings:
     """The `prune:` section."""
 
     ratio: float = 0.3  # fraction of the targeted convs' parameters to remove
+    # which channels: internal (ResNet conv1 -> norm2 -> conv2 channels; block widths kept) |
+    # stream (the residual-stream / block-output channels of every level, skip concatenations,
+    # samplers, conv_in / conv_out and attention proj_in / proj_out with them) | all (both)
+    scope: str = "internal"
     importance: str = "l1"  # l1 | l2 | taylor | random | "module:function"
-    groupnorm: str = "whole_groups"  # whole_groups (exact) | per_group (keeps num_groups)
+    groupnorm: str = "whole_groups"  # internal channels: whole_groups (exact) | per_group (keeps num_groups); streams always lose whole groups
     allocation: str = "uniform"  # uniform | global
     round_to: int = 8  # kept channel counts are multiples of this
     max_layer_ratio: float = 0.9  # global allocation: most any group may lose
@@ -116,6 +124,7 @@ class PruneSettings:
 
     def __post_init__(self) -> None:
         require(0.0 < self.ratio < 1.0, "prune.ratio", f"must be in (0, 1) (fraction of targeted conv parameters to remove), got {self.ratio}")
+        require(self.scope in ps.SCOPES, "prune.scope", f"must be one of {ps.SCOPES}, got {self.scope!r}")
         require(self.groupnorm in pg.GROUPNORM_MODES, "prune.groupnorm", f"must be one of {pg.GROUPNORM_MODES}, got {self.groupnorm!r}")
         require(self.allocation in ALLOCATIONS, "prune.allocation", f"must be one of {ALLOCATIONS}, got {self.allocation!r}")
         require(self.round_to >= 1, "prune.round_to", f"must be >= 1, got {self.round_to}")
@@ -231,9 +240,14 @@ def _budgets(selection: pg.Selection, scores: Optional[dict[str, torch.Tensor]] 
     return out
 
 
-def plan_shapes(unet, p: PruneSettings, profile: Optional[dict] = None) -> tuple[pg.Selection, dict]:
-    """Target selection + (for uniform allocation) kept channels per group; raises on bad input."""
+def plan_shapes(unet, p: PruneSettings, profile: Optional[dict] = None):
+    """Target selection + (for uniform allocation) kept channels per group; raises on bad input.
+    Scope internal: (prune_graph.Selection, keep); stream / all: (prune_stream.Coupled, keep)."""
     profile = profile if profile is not None else pg.layer_profile(unet)
+    if p.scope != "internal":
+        sel = _select_coupled(unet, profile, p)
+        keep = ps.allocate_coupled(sel, p.ratio, p.groupnorm, p.round_to, p.allocation, p.max_layer_ratio, scope=p.scope)
+        return sel, keep
     sel = pg.select_targets(unet, profile, p.targets.include, p.targets.exclude, p.targets.min_weight_params, p.targets.min_activation)
     budgets = _budgets(sel)
     if p.allocation == "uniform":
@@ -248,16 +262,26 @@ def plan_shapes(unet, p: PruneSettings, profile: Optional[dict] = None) -> tuple
 # The pruning itself (usable without the CLI)
 # --------------------------------------------------------------------------------------
 
+def _select_coupled(unet, profile, p: PruneSettings) -> ps.Coupled:
+    t = p.targets
+    return ps.select_coupled(unet, profile, p.scope, t.include, t.exclude, t.min_weight_params, t.min_activation)
+
+
 def prune_unet(unet, p: PruneSettings, *, generator: Optional[torch.Generator] = None, gradient_fn=None, scores=None):
     """Prune a copy of `unet` (a UNet2DConditionModel) and return (PrunedUNet2DConditionModel, plan).
 
     `gradient_fn(unet_copy, params)` accumulates gradients when the importance needs them
-    (Taylor); `scores` ({group name: Tensor}) skips the importance callable. `plan` lists per
-    group the channels and GroupNorm groups before/after, kept indices and the scores.
+    (Taylor); `scores` ({group or stream name: Tensor}) skips the importance callable. `plan`
+    lists per group the channels and GroupNorm groups before/after, kept indices and the
+    scores; with ``p.scope`` stream / all also per stream (``plan["streams"]``) and, per
+    down / mid / up block, the kept channels of its output (``plan["feature_channels"]``,
+    for feature distillation against the unpruned teacher).
     """
     generator = generator or torch.Generator().manual_seed(0)
     work = copy.deepcopy(unet)
     profile = pg.layer_profile(work)
+    if p.scope != "internal":
+        return _prune_coupled(work, profile, p, generator, gradient_fn, scores)
     sel = pg.select_targets(work, profile, p.targets.include, p.targets.exclude, p.targets.min_weight_params, p.targets.min_activation)
     importance = resolve_importance(p.importance)
     if scores is None:
@@ -282,6 +306,60 @@ def prune_unet(unet, p: PruneSettings, *, generator: Optional[torch.Generator] =
         })
     pruned = to_pruned(work)
     return pruned, {"groups": plan, "unprunable": sel.unprunable, "targeted": sorted(sel.targeted)}
+
+
+def _prune_coupled(work, profile, p: PruneSettings, generator, gradient_fn, scores):
+    """`prune_unet` for scope stream / all: internal groups and streams allocated together."""
+    sel = _select_coupled(work, profile, p)
+    importance = resolve_importance(p.importance)
+    if scores is None:
+        if needs_gradients(importance):
+            if gradient_fn is None:
+                raise PocketdiffError(f"importance {p.importance!r} needs gradients: pass gradient_fn")
+            gradient_fn(work, group_parameters(sel.groups, sel.streams, work))
+        scores = {g.name: score_group(importance, g, work, generator) for g in sel.groups}
+        scores.update({st.name: score_stream(importance, st, work, generator) for st in sel.streams})
+        for prm in work.parameters():
+            prm.grad = None
+    missing = [n for n in [g.name for g in sel.groups] + [st.name for st in sel.streams] if n not in scores]
+    if missing:
+        raise PocketdiffError(f"prune_unet: no scores for {missing[:3]}")
+    counts = ps.allocate_coupled(sel, p.ratio, p.groupnorm, p.round_to, p.allocation, p.max_layer_ratio,
+                                 scores=scores, scope=p.scope)
+    # streams first (input / output dimensions of many modules at once), then the internal channels
+    keeps, streams_plan = {}, []
+    for st in sel.streams:
+        order = ps.removal_order(st, scores[st.name])
+        ladder = dict(ps.stream_ladder(st, order, p.round_to))
+        keeps[st.name] = ps.stream_keep(st, order, ladder[counts[st.name]])
+    ps.prune_streams(work, sel.graph, keeps)
+    mods = dict(work.named_modules())
+    for st in sel.streams:
+        norms = [m for m in st.members if m.role == "norm"]
+        streams_plan.append({
+            "stream": st.name, "channels_before": st.channels, "channels_after": int(keeps[st.name].numel()),
+            "removable_units": len(st.atoms), "min_channels": st.min_keep,
+            "groupnorms": {m.module: mods[m.module].num_groups for m in norms},
+            "producers": sorted({m.module for m in st.members if m.role == "out"}),
+            "consumers": sorted({m.module for m in st.members if m.role != "out"}),
+            "targeted_convs": sorted(m for m in st.member_modules() if m in sel.targeted),
+            "keep": keeps[st.name].tolist(), "scores": [float(x) for x in scores[st.name].tolist()],
+        })
+    plan = []
+    for g in sel.groups:
+        before_c, before_g = g.channels, g.num_groups
+        keep = pg.choose_keep(scores[g.name], g.num_groups, counts[g.name], p.groupnorm)
+        pg.prune_internal(g, keep, p.groupnorm)
+        plan.append({
+            "group": g.name, "channels_before": before_c, "channels_after": g.channels,
+            "groupnorm_groups_before": before_g, "groupnorm_groups_after": g.num_groups,
+            "targeted_convs": [c for c in g.conv_names if c in sel.targeted],
+            "keep": keep.tolist(), "scores": [float(s) for s in scores[g.name].tolist()],
+        })
+    features = {b: (keeps[s].tolist() if s in keeps else None) for b, s in sel.graph.block_outputs.items()}
+    pruned = to_pruned(work)
+    return pruned, {"scope": p.scope, "groups": plan, "streams": streams_plan, "feature_channels": features,
+                    "fixed_streams": sel.graph.fixed, "unprunable": sel.unprunable, "targeted": sorted(sel.targeted)}
 
 
 # --------------------------------------------------------------------------------------
@@ -531,9 +609,11 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
         "targeted_conv_params_after": tp_after,
         "targeted_conv_params_removed_fraction": 1.0 - tp_after / max(tp_before, 1),
         "requested_ratio": cfg.prune.ratio,
+        "scope": cfg.prune.scope,
         "importance": cfg.prune.importance, "groupnorm": cfg.prune.groupnorm, "allocation": cfg.prune.allocation,
         "round_to": cfg.prune.round_to,
         "groups": [{k: v for k, v in g.items() if k not in ("keep", "scores")} for g in plan["groups"]],
+        "streams": [{k: v for k, v in st.items() if k not in ("keep", "scores")} for st in plan.get("streams", [])],
         "targeted_convs": targeted,
         "unprunable_targets": plan["unprunable"],
         "macs": macs_table(prof_before, prof_after, targeted),
@@ -548,7 +628,8 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
     if cfg.recovery.enabled:
         report["recovery"] = recover(cfg.recovery, cfg.train, student=student, teacher=teacher, pipe=pipe, dataset=dataset,
                                      collate=collate, ckpt_dir=out / "checkpoints" / "recovery", seed=cfg.seed,
-                                     resume=resume, log_path=out / "logs.jsonl", w_range=w_range)
+                                     resume=resume, log_path=out / "logs.jsonl", w_range=w_range,
+                                     feature_channels=plan.get("feature_channels"))
         student = student.to(device).eval()
         if probe:
             quality["after_recovery"] = probe.error(student)
@@ -584,6 +665,11 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
         ["group", "channels", "GroupNorm groups", "targeted convs"],
         [[g["group"], f"{g['channels_before']} -> {g['channels_after']}",
           f"{g['groupnorm_groups_before']} -> {g['groupnorm_groups_after']}", ", ".join(g["targeted_convs"])] for g in plan["groups"]])))
+    if plan.get("streams"):
+        sections.append(("Streams (residual / block-output channels, whole GroupNorm groups of every norm over them)", table(
+            ["stream", "channels", "removable units", "producers", "consumers"],
+            [[st["stream"], f"{st['channels_before']} -> {st['channels_after']}", st["removable_units"],
+              ", ".join(st["producers"]), ", ".join(st["consumers"])] for st in plan["streams"]])))
     plot_importance(plan["groups"], out / "importance.png", f"importance: {cfg.prune.importance}", cfg.prune.groupnorm)
     sections.append((f"Importance distribution ({cfg.prune.importance})", img("importance.png")))
     qrows = [[k, v.get("mse_to_teacher", ""), v.get("relative_mse", "")] for k, v in quality.items()]

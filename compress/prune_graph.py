@@ -246,6 +246,38 @@ class Selection:
     unprunable: dict[str, str]  # targeted convs that no internal group covers -> reason
 
 
+def matching_convs(
+    profile: dict[str, LayerStat],
+    include: Sequence[str] = ("*",),
+    exclude: Sequence[str] = (),
+    min_weight_params: Optional[int] = None,
+    min_activation: Optional[int] = None,
+) -> list[str]:
+    """The targeted convs, in profile order (see `select_targets`); raises PocketdiffError when an
+    `include` pattern matches no conv."""
+    convs = [n for n, s in profile.items() if s.kind == "conv"]
+    for pat in include:
+        if not any(fnmatch.fnmatchcase(n, pat) for n in convs):
+            raise PocketdiffError(f"prune.targets.include: pattern {pat!r} matches no Conv2d of the UNet "
+                                  f"(examples: {', '.join(convs[:3])}, ...)")
+    out = []
+    for name in convs:
+        if not any(fnmatch.fnmatchcase(name, p) for p in include):
+            continue
+        if any(fnmatch.fnmatchcase(name, p) for p in exclude):
+            continue
+        st = profile[name]
+        checks = []
+        if min_weight_params is not None:
+            checks.append(st.weight_params >= min_weight_params)
+        if min_activation is not None:
+            checks.append(st.activation >= min_activation)
+        if checks and not any(checks):
+            continue
+        out.append(name)
+    return out
+
+
 def select_targets(
     unet: nn.Module,
     profile: dict[str, LayerStat],
@@ -260,11 +292,6 @@ def select_targets(
 
     Raises PocketdiffError when a pattern matches no conv or nothing prunable is selected.
     """
-    convs = [n for n, s in profile.items() if s.kind == "conv"]
-    for pat in include:
-        if not any(fnmatch.fnmatchcase(n, pat) for n in convs):
-            raise PocketdiffError(f"prune.targets.include: pattern {pat!r} matches no Conv2d of the UNet "
-                                  f"(examples: {', '.join(convs[:3])}, ...)")
     groups = find_internal_groups(unet)
     owner = {}
     for g in groups:
@@ -273,22 +300,11 @@ def select_targets(
     chosen: dict[str, InternalGroup] = {}
     targeted: dict[str, LayerStat] = {}
     unprunable: dict[str, str] = {}
-    for name in convs:
-        if not any(fnmatch.fnmatchcase(name, p) for p in include):
-            continue
-        if any(fnmatch.fnmatchcase(name, p) for p in exclude):
-            continue
+    for name in matching_convs(profile, include, exclude, min_weight_params, min_activation):
         st = profile[name]
-        checks = []
-        if min_weight_params is not None:
-            checks.append(st.weight_params >= min_weight_params)
-        if min_activation is not None:
-            checks.append(st.activation >= min_activation)
-        if checks and not any(checks):
-            continue
         g = owner.get(name)
         if g is None:
-            unprunable[name] = "block-output channels (residual / skip coupled): not pruned"
+            unprunable[name] = "block-output channels (residual / skip coupled): pruned only with prune.scope stream / all"
             continue
         targeted[name] = st
         chosen[g.name] = g

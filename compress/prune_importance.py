@@ -18,6 +18,17 @@ Built in (names usable in ``prune.importance``):
 - ``random``: uniform random scores from the context's generator (a control).
 
 A custom importance is named ``"package.module:function"``.
+
+Streams (``prune.scope: stream / all``, `prune_stream`): a stream's channels are the output
+channels of several producers (conv_in, ResNet conv2 / conv_shortcut, transformer proj_out,
+sampler convs; a Conv2d or a Linear) and the input channels of several consumers. Its score
+is the sum over members of the callable's scores, sliced to the stream's channels:
+``importance(module, context)`` with ``context.channel_dim = 0`` for every producer, and, for
+callables marked ``scores_inputs = True`` (l1, l2, taylor), ``channel_dim = 1`` for every
+consumer conv / linear too (the skip-concatenation consumers of the up path included).
+Taylor also adds ``|w * dL/dw|`` of the GroupNorm affines over the stream. A custom callable
+gets a producer's Linear as well as Conv2d modules; ``context.group`` is then a
+`prune_stream.Stream`.
 """
 from __future__ import annotations
 
@@ -36,25 +47,37 @@ from .prune_graph import InternalGroup
 
 @dataclasses.dataclass
 class ImportanceContext:
-    name: str  # module path of the group's block
-    group: InternalGroup
+    name: str  # module path of the group's block (streams: the stream's name)
+    group: InternalGroup  # or a prune_stream.Stream
     unet: nn.Module
     generator: torch.Generator
+    channel_dim: int = 0  # weight dimension the scores are over: 0 = output channels, 1 = input channels
+    module_name: Optional[str] = None  # streams: the member module scored
 
 
 Importance = Callable[[nn.Conv2d, ImportanceContext], torch.Tensor]
 
 
+def _per_channel(w: torch.Tensor, context: Optional[ImportanceContext]) -> torch.Tensor:
+    """`w` with the context's channel dimension first, flattened to [channels, rest]."""
+    dim = context.channel_dim if context is not None else 0
+    return w.detach().float().transpose(0, dim).flatten(1)
+
+
 def l1_importance(conv: nn.Conv2d, context: Optional[ImportanceContext] = None) -> torch.Tensor:
-    return conv.weight.detach().float().abs().flatten(1).sum(dim=1)
+    return _per_channel(conv.weight, context).abs().sum(dim=1)
 
 
 def l2_importance(conv: nn.Conv2d, context: Optional[ImportanceContext] = None) -> torch.Tensor:
-    return conv.weight.detach().float().pow(2).flatten(1).sum(dim=1).sqrt()
+    return _per_channel(conv.weight, context).pow(2).sum(dim=1).sqrt()
 
 
 def random_importance(conv: nn.Conv2d, context: ImportanceContext) -> torch.Tensor:
-    return torch.rand(conv.out_channels, generator=context.generator)
+    return torch.rand(conv.weight.shape[context.channel_dim], generator=context.generator)
+
+
+l1_importance.scores_inputs = True  # type: ignore[attr-defined]
+l2_importance.scores_inputs = True  # type: ignore[attr-defined]
 
 
 def _wg(p: Optional[torch.Tensor], name: str) -> Optional[torch.Tensor]:
@@ -67,6 +90,12 @@ def _wg(p: Optional[torch.Tensor], name: str) -> Optional[torch.Tensor]:
 
 def taylor_importance(conv: nn.Conv2d, context: ImportanceContext) -> torch.Tensor:
     g = context.group
+    if not isinstance(g, InternalGroup):  # a stream member: everything along the channel dimension
+        where = context.module_name or context.name
+        score = _per_channel(_wg(conv.weight, f"{where}.weight"), context).sum(1)
+        if context.channel_dim == 0 and getattr(conv, "bias", None) is not None:
+            score = score + _wg(conv.bias, f"{where}.bias")
+        return score
     if conv is not g.conv1:
         raise PocketdiffError("taylor importance scores a ResNet block's conv1 (the group's producer)")
     n = conv.out_channels
@@ -88,6 +117,8 @@ def taylor_importance(conv: nn.Conv2d, context: ImportanceContext) -> torch.Tens
 
 
 taylor_importance.needs_gradients = True  # type: ignore[attr-defined]
+taylor_importance.scores_inputs = True  # type: ignore[attr-defined]
+taylor_importance.scores_norms = True  # type: ignore[attr-defined]
 
 IMPORTANCE: dict[str, Importance] = {
     "l1": l1_importance,
@@ -136,12 +167,56 @@ def score_group(fn: Importance, group: InternalGroup, unet: nn.Module, generator
     return s
 
 
-def group_parameters(groups: Iterable[InternalGroup]) -> list[nn.Parameter]:
-    params = []
+def score_stream(fn: Importance, stream, unet: nn.Module, generator: torch.Generator) -> torch.Tensor:
+    """A stream's channel scores: the sum of `fn` over its producers (and consumers /
+    GroupNorm affines, as the callable declares), each sliced to the stream; float64 CPU."""
+    mods = dict(unet.named_modules())
+    C = stream.channels
+    total = torch.zeros(C, dtype=torch.float64)
+    for m in stream.members:
+        mod = mods[m.module]
+        if m.role == "norm":
+            if getattr(fn, "scores_norms", False) and mod.affine:
+                total += (_wg(mod.weight, f"{m.module}.weight") + _wg(mod.bias, f"{m.module}.bias"))[m.offset:m.offset + C].double().cpu()
+            continue
+        if m.role == "in" and not getattr(fn, "scores_inputs", False):
+            continue
+        dim = 0 if m.role == "out" else 1
+        ctx = ImportanceContext(stream.name, stream, unet, generator, channel_dim=dim, module_name=m.module)
+        with torch.no_grad():
+            s = torch.as_tensor(fn(mod, ctx))
+        if s.device.type == "meta":
+            raise PocketdiffError(f"importance returned a meta tensor for {m.module} (weights are not loaded)")
+        s = s.detach().to("cpu", torch.float64).reshape(-1)
+        if s.numel() != mod.weight.shape[dim]:
+            raise PocketdiffError(f"importance returned {s.numel()} scores for {m.module} ({stream.name}), "
+                                  f"which has {mod.weight.shape[dim]} channels along dimension {dim}")
+        total += s[m.offset:m.offset + C]
+    if not bool(torch.isfinite(total).all()):
+        raise PocketdiffError(f"importance returned non-finite scores for {stream.name}")
+    return total
+
+
+def group_parameters(groups: Iterable[InternalGroup], streams: Iterable = (), unet: Optional[nn.Module] = None) -> list[nn.Parameter]:
+    """The parameters whose gradients the importance of `groups` (and `streams` of `unet`) reads."""
+    params, seen = [], set()
+
+    def add(m):
+        for p in m.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
+
     for g in groups:
         for m in (g.conv1, g.conv2, g.norm2, g.time_emb_proj):
             if m is not None:
-                params.extend(p for p in m.parameters())
+                add(m)
+    streams = list(streams)
+    if streams:
+        mods = dict(unet.named_modules())
+        for s in streams:
+            for m in s.members:
+                add(mods[m.module])
     return params
 
 

@@ -123,9 +123,33 @@ def apply_shape_spec(unet: nn.Module, spec: dict) -> None:
             new = _build(desc)
         if p is not None:
             new = new.to(p.dtype)
-        parent_name, _, attr = name.rpartition(".")
-        parent = mods[parent_name] if parent_name else unet
-        setattr(parent, attr, new)
+        for m in unet.modules():  # every reference (aliases such as Downsample2D's Conv2d_0 too)
+            for k, child in list(m._modules.items()):
+                if child is old:
+                    m._modules[k] = new
+    sync_channel_attributes(unet)
+
+
+def sync_channel_attributes(unet: nn.Module) -> None:
+    """Make the channel counts diffusers blocks record (and Downsample2D / Upsample2D assert on)
+    agree with their modules after block-output (stream) channels were pruned."""
+    from diffusers.models.downsampling import Downsample2D
+    from diffusers.models.resnet import ResnetBlock2D
+    from diffusers.models.transformers.transformer_2d import Transformer2DModel
+    from diffusers.models.upsampling import Upsample2D
+
+    for m in unet.modules():
+        if isinstance(m, ResnetBlock2D) and isinstance(m.conv1, nn.Conv2d) and isinstance(m.conv2, nn.Conv2d):
+            m.in_channels, m.out_channels = m.conv1.in_channels, m.conv2.out_channels
+        elif isinstance(m, (Downsample2D, Upsample2D)) and isinstance(getattr(m, "conv", None), nn.Conv2d):
+            m.channels, m.out_channels = m.conv.in_channels, m.conv.out_channels
+        elif isinstance(m, Transformer2DModel) and isinstance(getattr(m, "norm", None), nn.GroupNorm):
+            m.in_channels = m.norm.num_channels
+            proj = getattr(m, "proj_out", None)
+            if isinstance(proj, nn.Conv2d):
+                m.out_channels = proj.out_channels
+            elif isinstance(proj, nn.Linear):
+                m.out_channels = proj.out_features
 
 
 # --------------------------------------------------------------------------------------

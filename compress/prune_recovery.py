@@ -9,7 +9,9 @@ replays exactly):
       + feature_weight * sum_blocks |student_block(x_t) - teacher_block(x_t)|^2   (BK-SDM feature KD)
 
 Feature KD compares the outputs of every down block, the mid block and every up block.
-Internal-channel pruning keeps those outputs' shapes, so no projection is needed. Captions
+Internal-channel pruning keeps those outputs' shapes, so no projection is needed; stream
+pruning (``prune.scope: stream / all``) narrows them, and the student's block outputs are
+compared with the teacher's kept channels (`feature_channels`, from the pruning plan). Captions
 are dropped with `caption_dropout` so the unconditional branch used by classifier-free
 guidance is distilled too. Runs through `pocketdiff.train.loop.train_loop` (Accelerate,
 atomic checkpoints, `--resume latest`).
@@ -100,8 +102,12 @@ def recover(
     resume: Optional[str] = None,
     log_path: Optional[Path] = None,
     w_range: tuple[float, float] = (1.0, 8.0),
+    feature_channels: Optional[dict] = None,
 ) -> dict:
     """Distil `teacher` (frozen) into `student` (trained in place). Returns losses and steps.
+
+    `feature_channels` ({block name: kept channel indices or None}) selects the teacher's
+    block-output channels the student kept (stream pruning).
 
     A guidance-conditioned teacher (``time_cond_proj_dim``) gets the same random
     ``timestep_cond`` as the student, w ~ U[`w_range`] per sample."""
@@ -113,6 +119,7 @@ def recover(
     tap_s = FeatureTap(student, names) if names else None
     tap_t = FeatureTap(teacher, names) if names else None
     parts: dict[str, float] = {}
+    picks = {n: torch.as_tensor(i, dtype=torch.long) for n, i in (feature_channels or {}).items() if i is not None}
     w_fn = default_w_embedding_fn(teacher)  # guidance-conditioned teacher: w -> timestep_cond, else None
 
     def loss_fn(model, batch, rng: BatchRandom):
@@ -136,6 +143,7 @@ def recover(
                 kwargs["timestep_cond"] = w_fn(w).to(device=dev, dtype=emb.dtype)
             t_out = teacher(noisy, t, encoder_hidden_states=emb, **kwargs).sample.float()
             t_feat = tap_t.pop() if tap_t else {}
+            t_feat = {n: (f.index_select(1, picks[n].to(f.device)) if n in picks else f) for n, f in t_feat.items()}
         s_out = model(noisy, t, encoder_hidden_states=emb, **kwargs).sample.float()
         s_feat = tap_s.pop() if tap_s else {}
         loss = torch.zeros((), device=dev)

@@ -160,3 +160,20 @@ def test_guidance_conditioned_student(tmp_path):
     assert kept["num_inference_steps"] == 2 and kept["pruned_by"] == "pocketdiff prune"
     loaded = load_pruned_pipeline(report["pipeline_dir"])
     assert loaded.unet.config.time_cond_proj_dim == 32
+
+
+def test_stream_scope_through_the_verb(tmp_path):
+    """`prune.scope=all`: block-output (stream) channels go too; Taylor scores them, feature KD
+    compares the student's narrower block outputs with the teacher's kept channels, and the
+    report's parameter counts are those of the saved pipeline."""
+    out = tmp_path / "run"
+    assert main(["prune", "--output", str(out), *SMALL, "prune.scope=all", "train.max_steps=1"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["scope"] == "all"
+    assert any(s["channels_after"] < s["channels_before"] for s in report["streams"])
+    assert report["groups"] and report["recovery"]["last_loss_parts"]["feature_kd"] > 0
+    assert report["params_after"] < 0.85 * report["params_before"]
+    pipe = load_pruned_pipeline(report["pipeline_dir"])
+    assert sum(p.numel() for p in pipe.unet.parameters()) == report["params_after"]
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["feature_channels"]["mid_block"] is not None

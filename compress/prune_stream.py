@@ -1,0 +1,830 @@
+"""Residual-stream ("block-output") channels of a diffusers UNet2DConditionModel.
+
+What a stream is
+----------------
+Tensors joined by identity residual additions share one channel index set: a
+`ResnetBlock2D` without ``conv_shortcut`` returns ``x + conv2(..)``, a `Transformer2DModel`
+returns ``proj_out(..) + x``, so the input and output of such blocks carry the same channels
+(in SD, a down level's conv_in / downsampler output, every ResNet and attention block of that
+level, and for the last level the whole mid block). Each stream has
+
+- producers, whose *output* channels are the stream: conv_in, a ResNet's conv2 (and its
+  conv_shortcut when the block changes width), a transformer's proj_out, a down/upsampler conv;
+- consumers, whose *input* channels include the stream: GroupNorms (ResNet norm1, the
+  transformer's norm, conv_norm_out), ResNet conv1 / conv_shortcut, transformer proj_in
+  (Linear or 1x1 conv), down/upsampler convs, conv_out. In the up path a ResNet takes
+  ``cat([up stream, skip from the down path], dim=1)``: its norm1, conv1 and conv_shortcut
+  see two streams at two offsets (the same stream twice where the skip is the mid block's
+  own level).
+
+Streams are found by tracing one forward pass on the meta device (no compute): the known
+blocks above get hooks that label their output tensors (a fresh stream for a new producer,
+the input's label for an identity residual), and a torch-function mode follows
+``torch.cat`` along channels. A labelled tensor used by anything else outside those blocks
+(an unknown op or block) makes its stream fixed (never pruned), and the UNet output is
+fixed; so nothing is sliced that the trace did not see. Nothing here names SD-2.1 blocks.
+
+GroupNorm
+---------
+Stream channels always leave in whole GroupNorm groups of *every* GroupNorm that normalises
+them, the ones over skip concatenations included (their groups may straddle the two
+concatenated streams or sit at other offsets). A union-find over the groups of all those
+norms gives the removable units ("atoms"); an atom that spans two streams, or touches a
+fixed one, is kept. So every surviving channel is normalised over exactly the channels it
+was normalised over before: removing channels that carry nothing leaves the function
+unchanged (tested). Kept counts are multiples of ``round_to`` and never below the stream's
+GroupNorm group count.
+
+The result is not a stock-config diffusers model: diffusers gives every GroupNorm the same
+group count (``norm_num_groups``) and ties the transformers' inner width to the block width,
+while whole-group pruning changes group counts per norm and keeps the attention width. The
+pruned UNet is saved like every pruned UNet here (stock config + ``pruning.json`` +
+safetensors, `prune_model`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from pocketdiff.errors import PocketdiffError
+
+from . import prune_graph as pg
+
+SCOPES = ("internal", "stream", "all")
+PREFIX = "stream@"  # stream names: "stream@" + the module path of its first producer
+
+_ACTIVATIONS = (nn.SiLU, nn.GELU, nn.ReLU, nn.Mish, nn.Identity, nn.Dropout, nn.Tanh, nn.Sigmoid)
+# tensor methods / properties that read metadata only
+_METADATA = {"__get__", "size", "dim", "numel", "is_floating_point", "is_contiguous", "__len__", "ndimension",
+             "get_device", "is_complex", "element_size", "nelement"}
+
+
+# --------------------------------------------------------------------------------------
+# Data structures
+# --------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Member:
+    """One place a stream's channels appear: a module's output (``out``), input (``in``) or
+    normalised channels (``norm``), starting at `offset` along that dimension."""
+
+    module: str
+    role: str  # out | in | norm
+    offset: int
+
+
+@dataclasses.dataclass
+class Stream:
+    name: str
+    channels: int
+    members: list[Member]
+    atoms: list[torch.Tensor]  # removable units (sorted channel indices), in channel order
+    min_keep: int  # fewest channels allowed: the most GroupNorm groups it fills in one norm (1 without norms)
+    norm_groups: int  # that group count
+
+    @property
+    def removable(self) -> int:
+        return sum(a.numel() for a in self.atoms)
+
+    def member_modules(self) -> list[str]:
+        return sorted({m.module for m in self.members})
+
+
+@dataclasses.dataclass
+class StreamGraph:
+    streams: list[Stream]  # prunable streams (at least one removable atom), trace order
+    fixed: dict[str, str]  # stream name -> why it is never pruned
+    layout: dict[str, dict[str, list[str]]]  # module -> role -> stream names along that dimension, in order
+    channels: dict[str, int]  # every stream (fixed ones too) -> channel count
+    block_outputs: dict[str, str]  # down/mid/up block -> stream of its (first) output
+
+    def by_name(self) -> dict[str, Stream]:
+        return {s.name: s for s in self.streams}
+
+
+# --------------------------------------------------------------------------------------
+# Tracing
+# --------------------------------------------------------------------------------------
+
+def _block_types():
+    from diffusers.models.downsampling import Downsample2D
+    from diffusers.models.resnet import ResnetBlock2D
+    from diffusers.models.transformers.transformer_2d import Transformer2DModel
+    from diffusers.models.upsampling import Upsample2D
+
+    return ResnetBlock2D, Transformer2DModel, Downsample2D, Upsample2D
+
+
+def _first_tensor(args, kwargs):
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a
+    for v in kwargs.values():
+        if isinstance(v, torch.Tensor):
+            return v
+    return None
+
+
+def _out_tensor(output):
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    sample = getattr(output, "sample", None)
+    return sample if isinstance(sample, torch.Tensor) else None
+
+
+def _dim_size(module: nn.Module, role: str) -> int:
+    if isinstance(module, nn.Conv2d):
+        return module.out_channels if role == "out" else module.in_channels
+    if isinstance(module, nn.Linear):
+        return module.out_features if role == "out" else module.in_features
+    if isinstance(module, nn.GroupNorm):
+        return module.num_channels
+    raise TypeError(type(module).__name__)
+
+
+class _Tracer(TorchFunctionMode):
+    def __init__(self, model: nn.Module, feature_blocks: Sequence[str]):
+        super().__init__()
+        self.model = model
+        self.mods = dict(model.named_modules())
+        self.depth = 0
+        self.stack: list[bool] = []
+        self.labels: dict[int, tuple[str, ...]] = {}
+        self.alive: list[torch.Tensor] = []  # keeps labelled tensors alive (ids stay unique)
+        self.channels: dict[str, int] = {}
+        self.fixed: dict[str, str] = {}
+        self.layout: dict[str, dict[str, list[str]]] = {}
+        self.block_outputs: dict[str, str] = {}
+        self.handles = []
+        Resnet, Transformer, Down, Up = _block_types()
+        self.kinds = {Resnet: self._resnet, Transformer: self._transformer, Down: self._down, Up: self._up}
+        for name, m in model.named_modules():
+            handler = next((h for t, h in self.kinds.items() if isinstance(m, t)), None)
+            if handler is None and isinstance(m, nn.Conv2d):
+                handler = self._conv
+            elif handler is None and isinstance(m, nn.GroupNorm):
+                handler = self._norm
+            elif handler is None and isinstance(m, _ACTIVATIONS):
+                handler = self._passthrough
+            if handler is not None:
+                self.handles.append(m.register_forward_pre_hook(self._pre, with_kwargs=True))
+                self.handles.append(m.register_forward_hook(self._make_post(name, handler), with_kwargs=True))
+        for name in feature_blocks:
+            self.handles.append(self.mods[name].register_forward_hook(self._make_feature(name)))
+
+    # ---- bookkeeping
+    def _label(self, t: Optional[torch.Tensor], label: Optional[tuple]) -> None:
+        if t is not None and label:
+            self.labels[id(t)] = label
+            self.alive.append(t)
+
+    def _get(self, t) -> Optional[tuple]:
+        return self.labels.get(id(t)) if isinstance(t, torch.Tensor) else None
+
+    def _new(self, name: str, channels: int) -> tuple[str, ...]:
+        sname = PREFIX + name
+        self.channels[sname] = channels
+        return (sname,)
+
+    def _fix(self, label, why: str) -> None:
+        for s in label or ():
+            self.fixed.setdefault(s, why)
+
+    def _record(self, module: str, role: str, label: tuple) -> None:
+        mod = self.mods[module]
+        want = _dim_size(mod, role)
+        got = sum(self.channels[s] for s in label)
+        entry = self.layout.setdefault(module, {})
+        if got != want:
+            self._fix(label, f"{module} has {want} {role} channels, the trace gives {got}")
+        elif role in entry and entry[role] != list(label):
+            self._fix(label + tuple(entry[role]), f"{module} is called on different channel sets")
+        entry[role] = list(label)
+
+    # ---- hooks
+    def _pre(self, module, args, kwargs):
+        self.stack.append(self.depth == 0)
+        self.depth += 1
+
+    def _make_post(self, name: str, handler: Callable):
+        def post(module, args, kwargs, output):
+            self.depth -= 1
+            top = self.stack.pop()
+            if top:
+                self.depth += 1  # the handler's own tensor calls are not part of the model's graph
+                try:
+                    handler(name, module, _first_tensor(args, kwargs), output)
+                finally:
+                    self.depth -= 1
+        return post
+
+    def _make_feature(self, name: str):
+        def hook(module, args, output):
+            label = self._get(_out_tensor(output))
+            if label and len(label) == 1:
+                self.block_outputs[name] = label[0]
+        return hook
+
+    def _untraced(self, name: str, module, x, output, why: str) -> None:
+        label = self._get(x)
+        self._fix(label, why)
+        out = _out_tensor(output)
+        if out is not None and out.dim() == 4:
+            new = self._new(name, out.shape[1])
+            self._fix(new, why)
+            self._label(out, new)
+
+    # ---- known blocks
+    def _resnet(self, name, block, x, output):
+        label = self._get(x)
+        why = None
+        if label is None:
+            why = f"{name}: input channels not traced"
+        elif not isinstance(block.norm1, nn.GroupNorm) or not isinstance(block.conv1, nn.Conv2d) or block.conv1.groups != 1:
+            why = f"{name}: norm1 / conv1 are not GroupNorm / Conv2d"
+        elif not isinstance(block.conv2, nn.Conv2d) or block.conv2.groups != 1:
+            why = f"{name}: conv2 is not a Conv2d"
+        elif block.conv_shortcut is not None and (not isinstance(block.conv_shortcut, nn.Conv2d) or block.conv_shortcut.groups != 1):
+            why = f"{name}: conv_shortcut is not a Conv2d"
+        if why:
+            return self._untraced(name, block, x, output, why)
+        self._record(f"{name}.norm1", "norm", label)
+        self._record(f"{name}.conv1", "in", label)
+        if block.conv_shortcut is None:
+            out_label = label
+        else:
+            self._record(f"{name}.conv_shortcut", "in", label)
+            out_label = self._new(name, block.conv2.out_channels)
+            self._record(f"{name}.conv_shortcut", "out", out_label)
+        self._record(f"{name}.conv2", "out", out_label)
+        self._label(_out_tensor(output), out_label)
+
+    def _transformer(self, name, block, x, output):
+        label = self._get(x)
+        ok = (label is not None and getattr(block, "is_input_continuous", False)
+              and isinstance(getattr(block, "norm", None), nn.GroupNorm)
+              and isinstance(getattr(block, "proj_in", None), (nn.Conv2d, nn.Linear))
+              and isinstance(getattr(block, "proj_out", None), (nn.Conv2d, nn.Linear)))
+        if ok and isinstance(block.proj_in, nn.Conv2d):
+            ok = block.proj_in.groups == 1 and block.proj_out.groups == 1 and block.proj_in.kernel_size == (1, 1)
+        if not ok:
+            return self._untraced(name, block, x, output, f"{name}: not a continuous-input Transformer2DModel with a GroupNorm")
+        self._record(f"{name}.norm", "norm", label)
+        self._record(f"{name}.proj_in", "in", label)
+        self._record(f"{name}.proj_out", "out", label)
+        self._label(_out_tensor(output), label)
+
+    def _sampler(self, name, block, x, output, kind):
+        label = self._get(x)
+        conv = getattr(block, "conv", None) if getattr(block, "use_conv", False) else None
+        if label is None or getattr(block, "norm", None) is not None or getattr(block, "use_conv_transpose", False):
+            return self._untraced(name, block, x, output, f"{name}: {kind} with a norm / transposed conv or untraced input")
+        if conv is None:  # pooling / interpolation only: channels pass through
+            self._label(_out_tensor(output), label)
+            return
+        if not isinstance(conv, nn.Conv2d) or conv.groups != 1:
+            return self._untraced(name, block, x, output, f"{name}: {kind} conv is not a plain Conv2d")
+        conv_name = next(n for n, m in block.named_children() if m is conv)
+        self._record(f"{name}.{conv_name}", "in", label)
+        out_label = self._new(name, conv.out_channels)
+        self._record(f"{name}.{conv_name}", "out", out_label)
+        self._label(_out_tensor(output), out_label)
+
+    def _down(self, name, block, x, output):
+        self._sampler(name, block, x, output, "Downsample2D")
+
+    def _up(self, name, block, x, output):
+        self._sampler(name, block, x, output, "Upsample2D")
+
+    # ---- leaves outside known blocks (conv_in, conv_norm_out, conv_act, conv_out)
+    def _conv(self, name, conv, x, output):
+        label = self._get(x)
+        if label is not None:
+            if conv.groups != 1:
+                self._fix(label, f"{name}: grouped convolution")
+            else:
+                self._record(name, "in", label)
+        out = _out_tensor(output)
+        if out is not None and out.dim() == 4:
+            new = self._new(name, conv.out_channels)
+            if conv.groups != 1:
+                self._fix(new, f"{name}: grouped convolution")
+            self._record(name, "out", new)
+            self._label(out, new)
+
+    def _norm(self, name, norm, x, output):
+        label = self._get(x)
+        if label is not None:
+            self._record(name, "norm", label)
+            self._label(_out_tensor(output), label)
+
+    def _passthrough(self, name, module, x, output):
+        self._label(_out_tensor(output), self._get(x))
+
+    # ---- torch functions outside known blocks
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.depth != 0:
+            return out
+        fname = getattr(func, "__name__", str(func))
+        if fname in _METADATA:
+            return out
+        self.depth += 1
+        try:
+            if func in (torch.cat, torch.concat, torch.concatenate):
+                tensors = args[0] if args else kwargs.get("tensors", ())
+                dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+                labels = [self._get(t) for t in tensors]
+                if any(labels):
+                    if all(labels) and all(t.dim() == 4 for t in tensors) and dim in (1, -3):
+                        self._label(out, tuple(s for lab in labels for s in lab))
+                    else:
+                        for lab in labels:
+                            self._fix(lab, f"concatenated with untraced channels ({fname}, dim={dim})")
+                return out
+            flat = list(args) + list(kwargs.values())
+            for a in list(flat):
+                if isinstance(a, (list, tuple)):
+                    flat.extend(a)
+            for a in flat:
+                self._fix(self._get(a), f"used by {fname} outside the known blocks")
+        finally:
+            self.depth -= 1
+        return out
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
+@torch.no_grad()
+def trace_streams(unet: nn.Module) -> StreamGraph:
+    """The streams of `unet` (any device: the trace runs on a meta twin), with their members,
+    removable GroupNorm atoms and the fixed ones (and why)."""
+    from .prune_recovery import block_names
+
+    model = pg._meta_twin(unet)
+    cfg = model.config
+    hw = tuple(int(s) for s in cfg.sample_size) if isinstance(cfg.sample_size, (list, tuple)) else (int(cfg.sample_size),) * 2
+    tracer = _Tracer(model, block_names(model))
+    kwargs = {}
+    if getattr(cfg, "time_cond_proj_dim", None):
+        kwargs["timestep_cond"] = torch.zeros(1, cfg.time_cond_proj_dim, device="meta")
+    try:
+        with tracer:
+            out = model(torch.zeros(1, cfg.in_channels, *hw, device="meta"), torch.tensor([1], device="meta"),
+                        encoder_hidden_states=torch.zeros(1, 4, cfg.cross_attention_dim, device="meta"), **kwargs)
+            tracer._fix(tracer._get(_out_tensor(out)), "the UNet output")
+    finally:
+        tracer.remove()
+    return _graph(model, tracer)
+
+
+def _graph(model: nn.Module, tr: _Tracer) -> StreamGraph:
+    mods = dict(model.named_modules())
+    members: dict[str, list[Member]] = {s: [] for s in tr.channels}
+    for module, roles in tr.layout.items():
+        for role, label in roles.items():
+            off = 0
+            for s in label:
+                members[s].append(Member(module, role, off))
+                off += tr.channels[s]
+    # GroupNorm atoms: union-find over (stream, channel)
+    base, total = {}, 0
+    for s, c in tr.channels.items():
+        base[s] = total
+        total += c
+    parent = list(range(total))
+
+    def find(i):
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    own_groups: dict[str, int] = {}
+    for module, roles in tr.layout.items():
+        label = roles.get("norm")
+        if not label:
+            continue
+        norm = mods[module]
+        ids = torch.cat([torch.arange(tr.channels[s]) + base[s] for s in label]).tolist()
+        gs = norm.num_channels // norm.num_groups
+        for g in range(norm.num_groups):
+            chunk = ids[g * gs:(g + 1) * gs]
+            r0 = find(chunk[0])
+            for i in chunk[1:]:
+                r = find(i)
+                if r != r0:
+                    parent[r] = r0
+        for s in label:  # groups this stream fills in that norm (all of them when it is the norm's only input)
+            share = math.ceil(norm.num_groups * tr.channels[s] / norm.num_channels - 1e-9)
+            own_groups[s] = max(own_groups.get(s, 0), share)
+    owner = []
+    for s, c in tr.channels.items():
+        owner += [s] * c
+    comps: dict[int, list[int]] = {}
+    for i in range(total):
+        comps.setdefault(find(i), []).append(i)
+    atoms: dict[str, list[torch.Tensor]] = {s: [] for s in tr.channels}
+    for comp in comps.values():
+        streams = {owner[i] for i in comp}
+        if len(streams) != 1:
+            continue  # straddles two streams (a skip concatenation's group): kept
+        s = streams.pop()
+        if s in tr.fixed:
+            continue
+        atoms[s].append(torch.tensor(sorted(i - base[s] for i in comp), dtype=torch.long))
+    result, fixed = [], dict(tr.fixed)
+    for s, c in tr.channels.items():
+        if s in fixed:
+            continue
+        if not any(m.role == "out" for m in members[s]):
+            fixed[s] = "no producer traced"
+            continue
+        a = sorted(atoms[s], key=lambda t: int(t[0]))
+        if not a:
+            fixed[s] = "every GroupNorm group over it straddles another stream"
+            continue
+        g = own_groups.get(s, 1)
+        result.append(Stream(s, c, members[s], a, min_keep=g, norm_groups=g))
+    return StreamGraph(result, fixed, tr.layout, dict(tr.channels), dict(tr.block_outputs))
+
+
+# --------------------------------------------------------------------------------------
+# Which channels a stream keeps
+# --------------------------------------------------------------------------------------
+
+def removal_order(stream: Stream, scores: Optional[torch.Tensor]) -> list[torch.Tensor]:
+    """The stream's atoms in the order they are given up: lowest mean channel score first
+    (ties: lower channel index first); channel order without scores."""
+    if scores is None:
+        return list(stream.atoms)
+    s = scores.detach().to("cpu", torch.float64)
+    means = torch.tensor([float(s[a].mean()) for a in stream.atoms], dtype=torch.float64)
+    order = torch.sort(means, stable=True).indices.tolist()
+    return [stream.atoms[i] for i in order]
+
+
+def stream_ladder(stream: Stream, order: list[torch.Tensor], round_to: int, floor: int = 0) -> list[tuple[int, int]]:
+    """Allowed (kept channels, atoms removed) pairs, descending: removing a prefix of `order`,
+    kept a multiple of `round_to` and >= max(min_keep, floor); (channels, 0) always."""
+    out = [(stream.channels, 0)]
+    kept = stream.channels
+    for k, a in enumerate(order, start=1):
+        kept -= a.numel()
+        if kept % round_to == 0 and kept >= max(stream.min_keep, floor):
+            out.append((kept, k))
+    return out
+
+
+def stream_keep(stream: Stream, order: list[torch.Tensor], n_atoms: int) -> torch.Tensor:
+    """Sorted kept channel indices after removing the first `n_atoms` atoms of `order`."""
+    mask = torch.ones(stream.channels, dtype=torch.bool)
+    for a in order[:n_atoms]:
+        mask[a] = False
+    return torch.nonzero(mask).reshape(-1)
+
+
+# --------------------------------------------------------------------------------------
+# Surgery
+# --------------------------------------------------------------------------------------
+
+def _replace(root: nn.Module, old: nn.Module, new: nn.Module) -> None:
+    """Put `new` wherever `old` is a child (aliases such as Downsample2D's Conv2d_0 included)."""
+    for m in root.modules():
+        for k, child in list(m._modules.items()):
+            if child is old:
+                m._modules[k] = new
+
+
+def _take(t: torch.Tensor, dim: int, idx: Optional[torch.Tensor]) -> torch.Tensor:
+    if idx is None:
+        return t.detach().clone()
+    if t.device.type == "meta":
+        shape = list(t.shape)
+        shape[dim] = idx.numel()
+        return torch.empty(shape, dtype=t.dtype, device="meta")
+    return t.detach().index_select(dim, idx.to(t.device)).clone()
+
+
+def _param(t: torch.Tensor, like: nn.Parameter) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=like.requires_grad)
+
+
+@torch.no_grad()
+def slice_module(module: nn.Module, out_idx: Optional[torch.Tensor], in_idx: Optional[torch.Tensor], name: str) -> nn.Module:
+    """A new Conv2d / Linear / GroupNorm holding the kept output / input (GroupNorm: `out_idx`)
+    channels of `module` (None: all)."""
+    p = module.weight
+    dev, dtype = p.device, p.dtype
+    if isinstance(module, nn.GroupNorm):
+        n, G = module.num_channels, module.num_groups
+        gs = n // G
+        if out_idx is None:
+            return module
+        mask = torch.zeros(n, dtype=torch.bool)
+        mask[out_idx] = True
+        per = mask.reshape(G, gs).sum(1)
+        if not bool(((per == 0) | (per == gs)).all()):
+            raise PocketdiffError(f"{name}: stream pruning would split a GroupNorm group (internal error)")
+        with torch.device(dev):
+            new = nn.GroupNorm(int((per == gs).sum()), int(out_idx.numel()), eps=module.eps, affine=module.affine)
+        new = new.to(dtype)
+        if module.affine:
+            new.weight = _param(_take(module.weight, 0, out_idx), module.weight)
+            new.bias = _param(_take(module.bias, 0, out_idx), module.bias)
+        return new
+    if isinstance(module, nn.Conv2d):
+        c_out = module.out_channels if out_idx is None else out_idx.numel()
+        c_in = module.in_channels if in_idx is None else in_idx.numel()
+        with torch.device(dev):
+            new = nn.Conv2d(c_in, c_out, module.kernel_size, module.stride, module.padding, module.dilation, 1,
+                            module.bias is not None, module.padding_mode)
+    elif isinstance(module, nn.Linear):
+        c_out = module.out_features if out_idx is None else out_idx.numel()
+        c_in = module.in_features if in_idx is None else in_idx.numel()
+        with torch.device(dev):
+            new = nn.Linear(c_in, c_out, bias=module.bias is not None)
+    else:
+        raise PocketdiffError(f"{name}: cannot slice a {type(module).__name__}")
+    new = new.to(dtype)
+    new.weight = _param(_take(_take(module.weight, 0, out_idx), 1, in_idx), module.weight)
+    if module.bias is not None:
+        new.bias = _param(_take(module.bias, 0, out_idx), module.bias)
+    return new
+
+
+def module_indices(graph: StreamGraph, keeps: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    """Per module and role, the kept indices along that dimension (only modules that change)."""
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for module, roles in graph.layout.items():
+        for role, label in roles.items():
+            if not any(s in keeps and keeps[s].numel() < graph.channels[s] for s in label):
+                continue
+            parts, off = [], 0
+            for s in label:
+                k = keeps.get(s)
+                parts.append((k if k is not None else torch.arange(graph.channels[s])) + off)
+                off += graph.channels[s]
+            out.setdefault(module, {})[role] = torch.cat(parts)
+    return out
+
+
+@torch.no_grad()
+def apply_indices(unet: nn.Module, indices: dict[str, dict[str, torch.Tensor]]) -> None:
+    """Replace every module named in `indices` by its sliced copy, then fix the blocks'
+    recorded channel counts (`prune_model.sync_channel_attributes`)."""
+    from .prune_model import sync_channel_attributes
+
+    mods = dict(unet.named_modules())
+    for module, roles in indices.items():
+        old = mods[module]
+        out_idx = roles.get("norm") if isinstance(old, nn.GroupNorm) else roles.get("out")
+        new = slice_module(old, out_idx, roles.get("in"), module)
+        if new is not old:
+            _replace(unet, old, new)
+    sync_channel_attributes(unet)
+
+
+def prune_streams(unet: nn.Module, graph: StreamGraph, keeps: dict[str, torch.Tensor]) -> None:
+    """Keep only channels `keeps[stream]` (sorted indices) of each named stream, in place."""
+    for s, k in keeps.items():
+        if s not in graph.channels:
+            raise PocketdiffError(f"unknown stream {s}")
+        if k.numel() == 0 or int(k.max()) >= graph.channels[s] or not bool((k[1:] > k[:-1]).all()):
+            raise PocketdiffError(f"{s}: keep indices must be sorted, unique and inside [0, {graph.channels[s]})")
+    apply_indices(unet, module_indices(graph, keeps))
+
+
+# --------------------------------------------------------------------------------------
+# Selection and allocation over internal groups and streams together
+# --------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Coupled:
+    """What `plan_coupled` works on: the selected internal groups and streams, and for every
+    targeted conv which group owns its output and input channels."""
+
+    groups: list[pg.InternalGroup]
+    streams: list[Stream]
+    graph: StreamGraph
+    targeted: dict[str, pg.LayerStat]
+    unprunable: dict[str, str]
+    convs: dict[str, tuple[int, bool, list[tuple[Optional[str], int]], list[tuple[Optional[str], int]]]]
+
+
+def select_coupled(unet: nn.Module, profile: dict, scope: str, include=("*",), exclude=(), min_weight_params=None,
+                   min_activation=None, graph: Optional[StreamGraph] = None) -> Coupled:
+    """Targets (as `prune_graph.select_targets`) mapped to internal groups (scope internal /
+    all) and streams (scope stream / all): a group or stream is selected when it owns a
+    channel dimension of a targeted conv."""
+    if scope not in SCOPES:
+        raise PocketdiffError(f"prune.scope must be one of {SCOPES}, got {scope!r}")
+    names = pg.matching_convs(profile, include, exclude, min_weight_params, min_activation)
+    graph = graph if graph is not None else trace_streams(unet)
+    internal = pg.find_internal_groups(unet) if scope in ("internal", "all") else []
+    streams = graph.streams if scope in ("stream", "all") else []
+    owners: dict[str, set] = {}
+    for g in internal:
+        for c in g.conv_names:
+            owners.setdefault(c, set()).add(g.name)
+    for s in streams:
+        for m in s.members:
+            if m.role != "norm":
+                owners.setdefault(m.module, set()).add(s.name)
+    chosen, targeted, unprunable = set(), {}, {}
+    for name in names:
+        if not owners.get(name):
+            why = "no prunable channel dimension in this scope"
+            for label in graph.layout.get(name, {}).values():
+                for s in label:
+                    if s in graph.fixed:
+                        why = f"{s} is fixed: {graph.fixed[s]}"
+            unprunable[name] = why
+            continue
+        targeted[name] = profile[name]
+        chosen |= owners[name]
+    if not chosen:
+        raise PocketdiffError(f"prune.targets: the patterns and thresholds select no conv with prunable channels "
+                              f"(prune.scope={scope})")
+    groups = [g for g in internal if g.name in chosen]
+    sel_streams = [s for s in streams if s.name in chosen]
+    internal_by = {g.name: g for g in groups}
+    stream_names = {s.name for s in sel_streams}
+    mods = dict(unet.named_modules())
+    convs = {}
+    for name in targeted:
+        conv = mods[name]
+        kk = conv.kernel_size[0] * conv.kernel_size[1]
+        dims = {}
+        for role in ("out", "in"):
+            label = graph.layout.get(name, {}).get(role)
+            if label:
+                dims[role] = [(s if s in stream_names else None, graph.channels[s]) for s in label]
+            else:
+                dims[role] = [(None, _dim_size(conv, role))]
+        parent, _, leaf = name.rpartition(".")
+        if parent in internal_by and leaf == "conv1":
+            dims["out"] = [(parent, conv.out_channels)]
+        if parent in internal_by and leaf == "conv2":
+            dims["in"] = [(parent, conv.in_channels)]
+        convs[name] = (kk, conv.bias is not None, dims["out"], dims["in"])
+    return Coupled(groups, sel_streams, graph, targeted, unprunable, convs)
+
+
+def _params(convs, counts: dict[str, int]) -> float:
+    total = 0.0
+    for kk, bias, outs, ins in convs.values():
+        o = sum(counts.get(g, n) if g else n for g, n in outs)
+        i = sum(counts.get(g, n) if g else n for g, n in ins)
+        total += o * i * kk + (o if bias else 0)
+    return total
+
+
+@dataclasses.dataclass
+class _Ladder:
+    name: str
+    channels: int
+    min_keep: int
+    what: str  # for messages: "8 GroupNorm groups"
+    counts: list[int]  # allowed kept counts, descending, counts[0] == channels
+    removed: list[torch.Tensor]  # scores of the channels given up between counts[i] and counts[i+1]
+    mean: float
+
+
+def _ladders(sel: Coupled, scores: Optional[dict], mode: str, round_to: int, floor_ratio: Optional[float]) -> list[_Ladder]:
+    out = []
+    for g in sel.groups:
+        C = g.channels
+        s = scores[g.name] if scores is not None else torch.ones(C, dtype=torch.float64)
+        floor = max(g.num_groups, math.ceil(C * (1.0 - floor_ratio) - 1e-9)) if floor_ratio is not None else g.num_groups
+        opts = sorted({c for c in pg.keep_options(C, g.num_groups, mode, round_to) if c >= floor} | {C}, reverse=True)
+        units = pg._removal_units(s, g.num_groups, mode)
+        u = C // len(units)
+        removed = [torch.cat(units[(C - a) // u:(C - b) // u]) for a, b in zip(opts, opts[1:])]
+        out.append(_Ladder(g.name, C, g.num_groups, f"{g.num_groups} GroupNorm groups", opts, removed,
+                           float(s.double().abs().mean()) or 1.0))
+    for st in sel.streams:
+        C = st.channels
+        s = scores[st.name] if scores is not None else None
+        order = removal_order(st, s)
+        floor = math.ceil(C * (1.0 - floor_ratio) - 1e-9) if floor_ratio is not None else 0
+        steps = stream_ladder(st, order, round_to, floor)
+        sv = s if s is not None else torch.ones(C, dtype=torch.float64)
+        removed = [torch.cat([sv[a] for a in order[k0:k1]]) for (_, k0), (_, k1) in zip(steps, steps[1:])]
+        out.append(_Ladder(st.name, C, st.min_keep, f"{st.norm_groups} GroupNorm groups", [c for c, _ in steps], removed,
+                           float(sv.double().abs().mean()) or 1.0))
+    return out
+
+
+def _nearest(counts: list[int], target: float) -> int:
+    return min(counts, key=lambda c: (abs(c - target), -c))
+
+
+def allocate_coupled(sel: Coupled, ratio: float, mode: str, round_to: int, allocation: str = "uniform",
+                     max_layer_ratio: float = 0.9, scores: Optional[dict] = None, scope: str = "all") -> dict[str, int]:
+    """Kept channels per internal group and stream so that about `ratio` of the targeted conv
+    parameters go. A conv loses parameters along both dimensions (conv1: stream inputs x
+    internal outputs), so costs are recomputed from the kept counts, not added per channel.
+
+    uniform: every group and stream keeps the allowed count nearest to ``channels * (1 - r)``,
+    with one per-channel fraction `r` found by bisection. global: units leave in order of
+    increasing normalised importance (as `prune_graph.allocate`) until the ratio is reached.
+    """
+    if not 0.0 < ratio < 1.0:
+        raise PocketdiffError(f"prune.ratio must be in (0, 1), got {ratio}")
+    full = _params(sel.convs, {})
+    if full <= 0:
+        raise PocketdiffError("prune.targets: the targeted convs have no parameters")
+    if allocation == "uniform":
+        ladders = _ladders(sel, scores, mode, round_to, None)
+        r_max = min((1.0 - (l.min_keep - 0.5) / l.channels for l in ladders), default=0.0)
+
+        def cont(r):  # removed fraction with unrounded counts
+            return 1.0 - _params(sel.convs, {l.name: l.channels * (1.0 - r) for l in ladders}) / full
+
+        if cont(r_max) < ratio:
+            limit = [l for l in ladders if abs((1.0 - (l.min_keep - 0.5) / l.channels) - r_max) < 1e-12]
+            names = ", ".join(f"{l.name} ({l.channels} channels, {l.what})" for l in limit[:3])
+            raise PocketdiffError(
+                f"prune.ratio={ratio} would leave fewer channels than GroupNorm groups in {names} "
+                f"(prune.scope={scope}: at most {cont(r_max):.3f} of the targeted conv parameters can go; "
+                f"lower the ratio or exclude those blocks)")
+
+        def counts_at(r):
+            return {l.name: _nearest(l.counts, l.channels * (1.0 - r)) for l in ladders}
+
+        def frac(r):
+            return 1.0 - _params(sel.convs, counts_at(r)) / full
+
+        lo, hi = 0.0, r_max
+        best = (abs(frac(0.0) - ratio), 0.0)
+        for _ in range(50):
+            mid = (lo + hi) / 2
+            f = frac(mid)
+            best = min(best, (abs(f - ratio), mid))
+            if f < ratio:
+                lo = mid
+            else:
+                hi = mid
+        for r in (lo, hi):
+            best = min(best, (abs(frac(r) - ratio), r))
+        return counts_at(best[1])
+    if allocation != "global":
+        raise PocketdiffError(f"prune.allocation must be 'uniform' or 'global', got {allocation!r}")
+    if scores is None:
+        scores = {}
+        for g in sel.groups:
+            scores[g.name] = torch.ones(g.channels, dtype=torch.float64)
+        for st in sel.streams:
+            scores[st.name] = torch.ones(st.channels, dtype=torch.float64)
+    import heapq
+
+    ladders = _ladders(sel, scores, mode, round_to, max_layer_ratio)
+    target = ratio * full
+    floor_counts = {l.name: l.counts[-1] for l in ladders}
+    capacity = full - _params(sel.convs, floor_counts)
+    if capacity < target - 1e-6:
+        raise PocketdiffError(
+            f"prune.ratio={ratio} cannot be reached: even keeping the fewest channels allowed in every group and "
+            f"stream (never fewer channels than GroupNorm groups, max_layer_ratio={max_layer_ratio}, "
+            f"prune.scope={scope}) removes {capacity / full:.3f} of the targeted conv parameters")
+    pos = {l.name: 0 for l in ladders}
+    by = {l.name: l for l in ladders}
+
+    def priority(name):
+        l = by[name]
+        if pos[name] + 1 >= len(l.counts):
+            return None
+        return float(l.removed[pos[name]].mean()) / abs(l.mean)
+
+    heap = []
+    for i, l in enumerate(ladders):
+        p = priority(l.name)
+        if p is not None:
+            heapq.heappush(heap, (p, i, l.name))
+    counts = {l.name: l.channels for l in ladders}
+    removed = 0.0
+    while heap and removed < target:
+        _, i, name = heapq.heappop(heap)
+        trial = dict(counts)
+        trial[name] = by[name].counts[pos[name] + 1]
+        new = full - _params(sel.convs, trial)
+        if new > target and (new - target) > (target - removed):
+            break
+        counts, removed = trial, new
+        pos[name] += 1
+        p = priority(name)
+        if p is not None:
+            heapq.heappush(heap, (p, i, name))
+    return counts
