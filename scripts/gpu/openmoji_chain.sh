@@ -39,9 +39,8 @@ if [ ! -d outputs/clip-openmoji/clip ] && [ -d $REPO/.carry/clip-openmoji ]; the
 fi
 # 600 guided steps, then 64 -> 32 -> 16 -> 8 -> 4 -> 2; metrics by one evaluate at the end
 DISTILL="guided.train.max_steps=600 progressive.final_steps=2 progressive.round_max_steps=[700,700,700,900,1000] eval.metrics=false"
-(  # GPU0: the CLIP every FD needs, W8 of the teacher; later calls: the measured SD-2.1 calibration
+(  # GPU0: the CLIP every FD needs; later calls: the measured SD-2.1 calibration (SD21_CALIB=benchmark args)
   done_ clip-openmoji || run 0 clip train-clip --config $C/clip/openmoji.yaml --output outputs/clip-openmoji --overwrite save_dtype=float16
-  done_ calib-openmoji-w8 || { fits 220 calib-w8 && run 0 calib-w8 calibrate --config $C/calibrate/openmoji_w8.yaml --output outputs/calib-openmoji-w8 --overwrite; }
   if [ -n "${SD21_CALIB:-}" ] && ! done_ calib-sd21 && fits 470 calib-sd21; then
     echo "[$(date +%T)] start calib-sd21" >> $L/timeline.log
     mkdir -p outputs/calib-sd21 && (cd $REPO/benchmarks && CUDA_VISIBLE_DEVICES=0 timeout $(left) python3 calibrate_sd21.py \
@@ -50,23 +49,25 @@ DISTILL="guided.train.max_steps=600 progressive.final_steps=2 progressive.round_
     echo "[$(date +%T)] end calib-sd21" >> $L/timeline.log
   fi
 ) &
-(  # GPU1: 30 % pruning + recovery (its FD at the end needs the CLIP); the FD of the quantized
-   # teacher; W8 of the 4-step student; the FD of the quantized student
+(  # GPU1: 30 % pruning + recovery (its FD at the end needs the CLIP); W8 of the teacher; the FD of
+   # the quantized teacher; W8 of the 4-step student; the FD of the quantized student
   done_ prune-openmoji || run 1 prune prune --config $C/prune/openmoji.yaml --output outputs/prune-openmoji --resume latest train.max_steps=2000
+  done_ calib-openmoji-w8 || { fits 220 calib-w8 && run 1 calib-w8 calibrate --config $C/calibrate/openmoji_w8.yaml --output outputs/calib-openmoji-w8 --overwrite; }
   wait_for calib-openmoji-w8 && wait_for calib-openmoji-w4 && wait_for clip-openmoji && { done_ eval-calib-teacher || { fits 200 eval-calib-teacher && run 1 eval-calib-teacher evaluate --config $C/calibrate/evaluate_openmoji_teacher.yaml --output outputs/eval-calib-teacher --overwrite; }; }
   wait_for round-4 && { done_ calib-student4-w8 || { fits 220 calib-student4-w8 && run 1 calib-student4-w8 calibrate --config $C/calibrate/openmoji_student_w8.yaml --output outputs/calib-student4-w8 --overwrite; }; }
   wait_for calib-student4-w4 && wait_for calib-student4-w8 && { done_ eval-calib-student || { fits 150 eval-calib-student && run 1 eval-calib-student evaluate --config $C/calibrate/evaluate_openmoji_student.yaml --output outputs/eval-calib-student --overwrite; }; }
 ) &
-(  # GPU2: W4 of the teacher, the CUDA smoke of every verb, the SD-2.1 distillation-step benchmark, W4 of the student
+(  # GPU2: W4 of the teacher, the SD-2.1 distillation-step benchmark (STEP_BENCH=its args), W4 of the student,
+   # the CUDA smoke of every verb
   done_ calib-openmoji-w4 || { fits 390 calib-w4 && run 2 calib-w4 calibrate --config $C/calibrate/openmoji_w4.yaml --output outputs/calib-openmoji-w4 --overwrite; }
-  if ! done_ smoke && fits 150 smoke; then
-    (cd $REPO && CUDA_VISIBLE_DEVICES=2 timeout $(left) bash scripts/gpu/smoke.sh) > $L/smoke.log 2>&1; mkdir -p outputs/smoke && touch outputs/smoke/done
-  fi
   if [ -n "${STEP_BENCH:-}" ] && ! done_ step-bench && fits 300 step-bench; then
     mkdir -p outputs/step-bench && (cd $REPO/benchmarks && CUDA_VISIBLE_DEVICES=2 timeout $(left) python3 distill_step.py \
       --out $RUNS/outputs/step-bench/distill_step_sd21.json --arch sd21 $STEP_BENCH) >> $L/step-bench.log 2>&1; touch outputs/step-bench/done
   fi
   wait_for round-4 && { done_ calib-student4-w4 || { fits 390 calib-student4-w4 && run 2 calib-student4-w4 calibrate --config $C/calibrate/openmoji_student_w4.yaml --output outputs/calib-student4-w4 --overwrite; }; }
+  if ! done_ smoke && fits 150 smoke; then
+    (cd $REPO && CUDA_VISIBLE_DEVICES=2 timeout $(left) bash scripts/gpu/smoke.sh) > $L/smoke.log 2>&1; mkdir -p outputs/smoke && touch outputs/smoke/done
+  fi
 ) &
 (  # GPU3: distillation, then the FD of the 8-, 4- and 2-step students vs the teacher's DDIM
   done_ distill-openmoji || run 3 distill distill --config $C/distill/openmoji.yaml --output outputs/distill-openmoji --resume latest $DISTILL
