@@ -779,7 +779,29 @@ def allocate_coupled(sel: Coupled, ratio: float, mode: str, round_to: int, alloc
                 hi = mid
         for r in (lo, hi):
             best = min(best, (abs(frac(r) - ratio), r))
-        return counts_at(best[1])
+        counts = counts_at(best[1])
+        # then single groups / streams switch to the other allowed count around their target
+        # while that brings the removed fraction closer to the ratio (coarse units do not add up)
+        r = best[1]
+        brackets = {}
+        for l in ladders:
+            t = l.channels * (1.0 - r)
+            below = [c for c in l.counts if c <= t]
+            above = [c for c in l.counts if c >= t]
+            brackets[l.name] = {c for c in (max(below) if below else None, min(above) if above else None) if c is not None}
+        err = abs(1.0 - _params(sel.convs, counts) / full - ratio)
+        for _ in range(4 * len(ladders)):
+            move = None
+            for l in ladders:
+                for c in brackets[l.name] - {counts[l.name]}:
+                    e = abs(1.0 - _params(sel.convs, {**counts, l.name: c}) / full - ratio)
+                    if e < err - 1e-12 and (move is None or e < move[0]):
+                        move = (e, l.name, c)
+            if move is None:
+                break
+            err, name, c = move
+            counts[name] = c
+        return counts
     if allocation != "global":
         raise PocketdiffError(f"prune.allocation must be 'uniform' or 'global', got {allocation!r}")
     if scores is None:

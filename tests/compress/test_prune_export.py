@@ -37,13 +37,18 @@ def _cos(a: np.ndarray, b: np.ndarray) -> float:
     return float((a * b).sum() / (np.linalg.norm(a) * np.linalg.norm(b)))
 
 
-def test_pruned_unet_runs_fully_accelerated_on_gpu_delegate(tmp_path):
+@pytest.mark.parametrize("scope", ["internal", "all"])
+def test_pruned_unet_runs_fully_accelerated_on_gpu_delegate(tmp_path, scope):
+    """scope all: block-output (stream) channels pruned too, so skip concatenations, samplers,
+    attention proj_in / proj_out and conv_in / conv_out are narrower as well."""
     _require_delegate()
     torch.manual_seed(0)
     unet = UNet2DConditionModel(**unet_config("tiny", resolution=32, vae_factor=4)).eval()
     perturb_norm_affines(unet, 0)  # identity affines become BROADCAST_TO (DESIGN.md)
-    pruned, plan = prune_unet(unet, PruneSettings(ratio=0.3, importance="l1", groupnorm="whole_groups", round_to=4))
+    pruned, plan = prune_unet(unet, PruneSettings(ratio=0.3, scope=scope, importance="l1", groupnorm="whole_groups", round_to=4))
     assert any(g["groupnorm_groups_after"] < g["groupnorm_groups_before"] for g in plan["groups"])
+    if scope == "all":
+        assert any(s["channels_after"] < s["channels_before"] for s in plan["streams"])
 
     g = torch.Generator().manual_seed(0)
     temb = torch.from_numpy(time_embedding_table(pruned, 1000)[[500]])

@@ -118,7 +118,7 @@ def test_forward_shapes_after_stream_pruning(unet, inputs, scope):
     prof_b, prof_a = pg.layer_profile(unet), pg.layer_profile(pruned)
     tb = sum(prof_b[n].params for n in plan["targeted"])
     ta = sum(prof_a[n].params for n in plan["targeted"])
-    assert 0.2 < 1 - ta / tb < 0.4
+    assert 0.25 < 1 - ta / tb < 0.35
     # the block widths the diffusers blocks record follow the modules (Down/Upsample2D assert on them)
     assert pruned.down_blocks[0].downsamplers[0].channels == pruned.down_blocks[0].downsamplers[0].conv.in_channels
 
@@ -129,6 +129,9 @@ def test_stream_pruned_unet_saves_and_reloads(unet, inputs, tmp_path):
     loaded = load_pruned_unet(tmp_path / "unet")
     assert isinstance(loaded, PrunedUNet2DConditionModel) and _n(loaded) == _n(pruned)
     torch.testing.assert_close(_run(loaded, inputs), _run(pruned, inputs), rtol=0, atol=1e-6)
+    # a stream-pruned UNet loaded back can be traced and pruned again
+    again, _ = prune_unet(loaded, PruneSettings(ratio=0.2, scope="stream", allocation="global", round_to=4))
+    assert _n(again) < _n(loaded) and _run(again, inputs).shape == (2, 4, 8, 8)
     # through the pipeline hook too (stock StableDiffusionPipeline.from_pretrained)
     from diffusers import StableDiffusionPipeline
 
@@ -294,7 +297,7 @@ def test_sd21_size_config_stream_prunes_on_meta():
     prof_b, prof_a = pg.layer_profile(unet), pg.layer_profile(pruned)
     tb = sum(prof_b[n].params for n in plan["targeted"])
     ta = sum(prof_a[n].params for n in plan["targeted"])
-    assert 0.25 < 1 - ta / tb < 0.35
+    assert 0.28 < 1 - ta / tb < 0.32
     assert sum(s["channels_after"] < s["channels_before"] for s in plan["streams"]) >= 10
     assert _n(pruned) < 0.8 * _n(unet)
     for s in plan["streams"]:
