@@ -21,7 +21,8 @@ Loading the result: `pocketdiff.compress.prune.load_pruned_pipeline(dir)` (or
 
 Bad input is refused while the config is validated, before the output folder is touched:
 a ratio outside (0, 1), a target pattern matching no conv, targets with nothing prunable,
-and a ratio that would leave a group with fewer channels than its GroupNorm groups.
+an unknown `prune.scope`, and a ratio that would leave a group or stream with fewer channels
+than its GroupNorm groups.
 """
 from __future__ import annotations
 

@@ -181,9 +181,25 @@ def _half(i, n):  # every other atom, and a stream's only atom
     return i % 2 == 0
 
 
+def _zero_internal(unet, gids=(1, 6)):
+    """Whole norm2 groups of every ResNet's internal channels carry nothing (conv1 filters and
+    biases, time_emb_proj rows, norm2 affines), so scope all can be checked exactly too."""
+    with torch.no_grad():
+        for g in pg.find_internal_groups(unet):
+            gs = g.group_size
+            idx = torch.cat([torch.arange(k * gs, (k + 1) * gs) for k in gids])
+            g.conv1.weight[idx] = 0
+            g.conv1.bias[idx] = 0
+            g.time_emb_proj.weight[idx] = 0
+            g.time_emb_proj.bias[idx] = 0
+            g.norm2.weight[idx] = 0
+            g.norm2.bias[idx] = 0
+
+
 @pytest.fixture(scope="module", params=["conv_projection", "linear_projection"])
 def zeroed(request):
     u = _tiny_unet(seed=3, use_linear_projection=request.param == "linear_projection")
+    _zero_internal(u)
     return u, _zero_atoms(u, _half)
 
 
@@ -211,9 +227,34 @@ def test_pruning_zero_stream_channels_leaves_outputs_unchanged(zeroed, inputs, s
         assert set(gone) <= set(zero.get(s["stream"], torch.tensor([])).tolist()), s["stream"]
         removed_any += bool(gone)
     assert removed_any >= 4 and _n(pruned) < _n(u)
-    if scope == "all":  # internal channels are live: only the stream part is exact, so compare that alone
-        return
+    for g in plan["groups"]:  # scope all: internal channels from the zeroed norm2 groups only
+        gs = g["channels_before"] // g["groupnorm_groups_before"]
+        assert {k // gs for k in set(range(g["channels_before"])) - set(g["keep"])} <= {1, 6}, g["group"]
+    assert any(g["channels_after"] < g["channels_before"] for g in plan["groups"]) == (scope == "all")
     torch.testing.assert_close(_run(pruned, inputs), ref, rtol=0, atol=1e-5)
+
+
+def test_zero_stream_equivalence_also_with_taylor(zeroed, inputs):
+    """Taylor over every producer, consumer and GroupNorm affine of a stream: |w * dL/dw| of
+    exactly-zero parameters is zero, so it removes zeroed atoms only."""
+    from diffusers import DDIMScheduler
+
+    from pocketdiff.compress.prune_importance import accumulate_diffusion_gradients
+    from pocketdiff.models import scheduler_config
+
+    u, zero = zeroed
+    x, t, e = inputs
+
+    def grads(work, params):
+        accumulate_diffusion_gradients(work, DDIMScheduler(**scheduler_config("epsilon")), [(x, e)], 2, params,
+                                       torch.Generator().manual_seed(0))
+
+    pruned, plan = prune_unet(u, PruneSettings(ratio=0.3, scope="stream", importance="taylor", round_to=4),
+                              gradient_fn=grads)
+    for s in plan["streams"]:
+        gone = set(range(s["channels_before"])) - set(s["keep"])
+        assert gone <= set(zero.get(s["stream"], torch.tensor([])).tolist()), s["stream"]
+    torch.testing.assert_close(_run(pruned, inputs), _run(u, inputs), rtol=0, atol=1e-5)
 
 
 def _zero_keeps(u, zero):
