@@ -39,11 +39,12 @@ if [ ! -d outputs/clip-openmoji/clip ] && [ -d $REPO/.carry/clip-openmoji ]; the
 fi
 # 600 guided steps, then 64 -> 32 -> 16 -> 8 -> 4 -> 2; metrics by one evaluate at the end
 DISTILL="guided.train.max_steps=600 progressive.final_steps=2 progressive.round_max_steps=[700,700,700,900,1000] eval.metrics=false"
-(  # GPU0: the CLIP every FD needs; later calls: the measured SD-2.1 calibration (SD21_CALIB=benchmark args)
+(  # GPU0: the CLIP every FD needs; later calls: the measured SD-2.1 calibration (SD21_CALIB=benchmark args,
+   # SD21_GPUS=0,3 for independent mode over two GPUs)
   done_ clip-openmoji || run 0 clip train-clip --config $C/clip/openmoji.yaml --output outputs/clip-openmoji --overwrite save_dtype=float16
   if [ -n "${SD21_CALIB:-}" ] && ! done_ calib-sd21 && fits 470 calib-sd21; then
     echo "[$(date +%T)] start calib-sd21" >> $L/timeline.log
-    mkdir -p outputs/calib-sd21 && (cd $REPO/benchmarks && CUDA_VISIBLE_DEVICES=0 timeout $(left) python3 calibrate_sd21.py \
+    mkdir -p outputs/calib-sd21 && (cd $REPO/benchmarks && CUDA_VISIBLE_DEVICES=${SD21_GPUS:-0} timeout $(left) python3 calibrate_sd21.py \
       --out $RUNS/outputs/calib-sd21/calibrate_sd21_full.json $SD21_CALIB) >> $L/calib-sd21.log 2>&1 \
       && touch outputs/calib-sd21/done
     echo "[$(date +%T)] end calib-sd21" >> $L/timeline.log
