@@ -671,7 +671,12 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
             ["stream", "channels", "removable units", "producers", "consumers"],
             [[st["stream"], f"{st['channels_before']} -> {st['channels_after']}", st["removable_units"],
               ", ".join(st["producers"]), ", ".join(st["consumers"])] for st in plan["streams"]])))
-    plot_importance(plan["groups"], out / "importance.png", f"importance: {cfg.prune.importance}", cfg.prune.groupnorm)
+    if plan.get("streams"):  # streams and groups per channel (stream atoms vary in size)
+        plotted = [{"scores": g["scores"], "keep": g["keep"], "groupnorm_groups_before": len(g["scores"])}
+                   for g in list(plan["groups"]) + list(plan["streams"])]
+        plot_importance(plotted, out / "importance.png", f"importance: {cfg.prune.importance} (groups and streams)", "per_group")
+    else:
+        plot_importance(plan["groups"], out / "importance.png", f"importance: {cfg.prune.importance}", cfg.prune.groupnorm)
     sections.append((f"Importance distribution ({cfg.prune.importance})", img("importance.png")))
     qrows = [[k, v.get("mse_to_teacher", ""), v.get("relative_mse", "")] for k, v in quality.items()]
     sections.append(("Teacher-relative error on fixed probes", table(["model", "MSE to teacher", "relative MSE"], qrows)))
