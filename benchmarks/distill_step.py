@@ -60,6 +60,7 @@ from pocketdiff.train.distill_targets import (  # noqa: E402
 from pocketdiff.train.guidance_embedding import add_guidance_embedding  # noqa: E402
 
 VARIANTS = ("eager", "ours_eager", "ours", "ours_cudnn", "ours_wcond", "ours_loop")
+EMBED_DIM = 256  # the student's guidance-embedding width
 
 
 def build_unet(arch: str, latent: int, seed: int = 0):
@@ -71,6 +72,26 @@ def build_unet(arch: str, latent: int, seed: int = 0):
     unet = UNet2DConditionModel(**cfg)
     perturb_norm_affines(unet, seed)
     return unet
+
+
+def make_student(base_unet, embed_dim: int, device):
+    """The w-conditioned student: a copy of `base_unet` with a (zero) guidance embedding, in train mode."""
+    return add_guidance_embedding(copy.deepcopy(base_unet), embed_dim).to(device).train()
+
+
+def teacher_unet_for(name: str, base_unet, embed_dim: int):
+    """The variant's teacher UNet (on the CPU, fp32): a copy of `base_unet`, or for `ours_wcond` a
+    w-conditioned copy with a small random guidance embedding (the guided student of a later round)."""
+    if name == "ours_wcond":
+        teacher_unet = add_guidance_embedding(copy.deepcopy(base_unet), embed_dim)
+        with torch.no_grad():
+            teacher_unet.time_embedding.cond_proj.weight.normal_(std=0.01)
+        return teacher_unet
+    return copy.deepcopy(base_unet)
+
+
+def device_name(device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
 
 
 def sync(device):
@@ -149,8 +170,8 @@ def count_flops(fn) -> int:
 def measure(name, args, base_unet, device, amp_dtype):
     """Build the variant's models, count FLOPs, warm up, time `args.iters` steps."""
     amp = (lambda: torch.autocast(device.type, dtype=amp_dtype)) if amp_dtype is not None else (lambda: torch.autocast(device.type, enabled=False))
-    embed_dim = 256
-    student = add_guidance_embedding(copy.deepcopy(base_unet), embed_dim).to(device).train()
+    embed_dim = EMBED_DIM
+    student = make_student(base_unet, embed_dim, device)
     if args.grad_ckpt:
         student.enable_gradient_checkpointing()
     opt_kwargs = {"fused": True} if (args.fused_adam and device.type == "cuda") else {}
@@ -158,12 +179,7 @@ def measure(name, args, base_unet, device, amp_dtype):
     b = Batch(base_unet, args.batch, args.latent, args.steps, device)
     ours = name != "eager"
     compile_it = name in ("ours", "ours_cudnn", "ours_wcond", "ours_loop") and args.compile
-    if name == "ours_wcond":
-        teacher_unet = add_guidance_embedding(copy.deepcopy(base_unet), embed_dim)
-        with torch.no_grad():
-            teacher_unet.time_embedding.cond_proj.weight.normal_(std=0.01)
-    else:
-        teacher_unet = copy.deepcopy(base_unet)
+    teacher_unet = teacher_unet_for(name, base_unet, embed_dim)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = ours
     teacher_dtype = (amp_dtype or torch.float32) if ours else torch.float32
@@ -305,7 +321,7 @@ def main(argv=None) -> int:
     base = build_unet(args.arch, args.latent)
     result = {
         "benchmark": "distill_step", "arch": args.arch, "latent": args.latent, "batch": args.batch,
-        "student_steps": args.steps, "dtype": dtype, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "student_steps": args.steps, "dtype": dtype, "device": device_name(device),
         "torch": torch.__version__, "diffusers": __import__("diffusers").__version__, "params": sum(q.numel() for q in base.parameters()),
         "attention_processor": type(next(iter(base.attn_processors.values()))).__name__ if base.attn_processors else None,
         "settings": {k: v for k, v in vars(args).items() if k != "out"}, "variants": {},
