@@ -147,3 +147,13 @@ def test_folder_declared_loader_modules_are_imported_or_named(tmp_path, tiny_pip
     (folder / "unet" / "pruning.json").write_text("{}")
     with pytest.raises(PocketdiffError, match="is a pruned UNet"):
         resolve_model(ModelSpec(path=str(tiny_pipeline_dir), unet=str(folder / "unet")))
+
+
+def test_resolution_that_does_not_fit_the_model_is_refused_naming_the_key(tmp_path, tiny_pipeline_dir, tiny_clip_dir, capsys):
+    cfg = tmp_path / "e.yaml"
+    _yaml(cfg, tiny_pipeline_dir, tiny_clip_dir, tmp_path / "cache", extra="resolution: 36\n")
+    out = tmp_path / "run"
+    assert main(["evaluate", "--config", str(cfg), "--output", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "resolution=36 does not fit the model" in err
+    assert not (out / "report.json").exists()
