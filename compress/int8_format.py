@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save as save_safetensors
 
 from pocketdiff.errors import PocketdiffError
-from pocketdiff.outputs import read_safetensors
+from pocketdiff.outputs import atomic_write_bytes, atomic_write_text, read_safetensors
 
 FORMAT_NAME = "pocketdiff-int8"
 FORMAT_VERSION = 1
@@ -119,9 +119,9 @@ def save_quantized(state_dict: dict[str, torch.Tensor], recipe: QuantRecipe, pat
         if int(codes.abs().max()) > qmax(lr.bits):
             raise PocketdiffError(f"quantized layer {name!r}: codes exceed the {lr.bits}-bit range")
     tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
-    save_file(tensors, str(path), metadata={"format": FORMAT_NAME, "component": recipe.component})
+    atomic_write_bytes(path, save_safetensors(tensors, metadata={"format": FORMAT_NAME, "component": recipe.component}))
     recipe_path = path.with_suffix(".json")
-    recipe_path.write_text(recipe.to_json(), encoding="utf-8")
+    atomic_write_text(recipe_path, recipe.to_json())
     return path, recipe_path
 
 

@@ -67,14 +67,15 @@ def read_safetensors(path: str | Path, where: str = "") -> dict:
         raise PocketdiffError(f"{where + ': ' if where else ''}{path}: not a readable safetensors file ({first})") from None
 
 
-def atomic_write_text(path: str | Path, text: str) -> None:
-    """Write through a temporary file in the same folder, fsync, then rename."""
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    """Write through a temporary file in the same folder, fsync, then rename: a kill leaves the
+    old file or the new one, never a torn one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         umask = os.umask(0)
@@ -84,6 +85,10 @@ def atomic_write_text(path: str | Path, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
 
 
 def write_json(path: str | Path, data: Any) -> None:

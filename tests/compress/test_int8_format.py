@@ -57,6 +57,23 @@ def test_save_load_roundtrip_exact(tmp_path):
     assert torch.equal(deq["conv.weight"], state["conv.weight"].float() * state["conv.weight_scale"][:, None, None, None])
 
 
+def test_save_is_atomic_an_interrupted_write_keeps_the_old_file(tmp_path, monkeypatch):
+    state, recipe = _state()
+    path, rpath = save_quantized(state, recipe, tmp_path / "unet_int8.safetensors")
+    before = path.read_bytes(), rpath.read_bytes()
+    state2 = {**state, "conv.bias": state["conv.bias"] + 1}
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt  # a kill between writing the temporary file and the rename
+
+    monkeypatch.setattr("pocketdiff.outputs.os.replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        save_quantized(state2, recipe, path)
+    monkeypatch.undo()
+    assert (path.read_bytes(), rpath.read_bytes()) == before
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["unet_int8.json", "unet_int8.safetensors"]  # no temporary left
+
+
 def test_save_refuses_bad_codes(tmp_path):
     state, recipe = _state()
     bad = dict(state, **{"conv.weight": state["conv.weight"].float()})
