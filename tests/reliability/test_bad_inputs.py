@@ -415,7 +415,8 @@ CASES = [
     Case("prune-resolution-36", "resolution", lambda w: (verb("prune", w.out("r1"), "data.resolution=36"), ["data.resolution=36"])),
     Case("prune-resolution-30", "resolution", lambda w: (verb("prune", w.out("r2"), "data.resolution=30"), ["data.resolution=30"])),
     Case("distill-resolution-36", "resolution", lambda w: (verb("distill", w.out("r3"), "data.resolution=36"), ["data.resolution=36"])),
-    Case("evaluate-resolution-30", "resolution", lambda w: (verb("evaluate", w.out("r4"), "resolution=30"), ["resolution 30", "VAE factor 4"])),
+    Case("evaluate-resolution-30", "resolution", lambda w: (verb("evaluate", w.out("r4"), "resolution=30"), ["resolution=30", "VAE factor 4"])),
+    Case("evaluate-resolution-36", "resolution", lambda w: (verb("evaluate", w.out("r5"), "resolution=36"), ["resolution=36", "UNet downsampling"])),
     # --- step counts
     Case("distill-final-steps-0", "step counts", lambda w: (verb("distill", w.out("s1"), "progressive.final_steps=0"), ["progressive.final_steps"])),
     Case("distill-start-above-half-T", "step counts", lambda w: (
