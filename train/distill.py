@@ -82,6 +82,9 @@ class GuidanceConfig:
     w_max: float = 8.0
     embed_dim: int = DEFAULT_EMBED_DIM  # time_cond_proj_dim of the student
     scale: float = 4.0  # w of the sample grids and metrics (and of training when conditioned=false)
+    # learning-rate multiplier of the w embedding (time_embedding.cond_proj, zero-initialised) in
+    # the guided stage: at 1, short guided stages leave it near zero and the student ignores w
+    embed_lr_scale: float = 1.0
 
     def __post_init__(self) -> None:
         for key in ("w_min", "w_max", "scale"):
@@ -91,6 +94,15 @@ class GuidanceConfig:
         require(self.w_min >= 0, "guidance.w_min", f"must be >= 0, got {self.w_min}")
         require(self.embed_dim >= 2 and self.embed_dim % 2 == 0, "guidance.embed_dim", f"must be even and >= 2, got {self.embed_dim}")
         require(self.scale >= 0, "guidance.scale", f"must be >= 0, got {self.scale}")
+        require(math.isfinite(self.embed_lr_scale) and self.embed_lr_scale > 0, "guidance.embed_lr_scale",
+                f"must be a finite number > 0, got {self.embed_lr_scale}")
+
+
+def embed_lr_scale(cfg, spec) -> dict:
+    """The guided stage's learning-rate multiplier for the w embedding (train_loop's `lr_scale`)."""
+    if spec.stage == "guided" and cfg.guidance.conditioned and cfg.guidance.embed_lr_scale != 1.0:
+        return {"time_embedding.cond_proj": cfg.guidance.embed_lr_scale}
+    return {}
 
 
 def _loop(**kw) -> LoopConfig:
@@ -762,7 +774,8 @@ def _train_round(cfg: Config, spec: RoundSpec, acc, pipe, teacher_unet, t_sched,
     result = train_loop(loop_cfg, model=student, loss_fn=loss_fn, dataset=dataset, collate=collate,
                         ckpt_dir=out / "checkpoints" / spec.name, seed=cfg.seed + 1000 * spec.index, resume=resume,
                         desc=spec.name, log_path=out / "logs.jsonl", accelerator=acc,
-                        extra_state={"round": spec.index, "stage": spec.stage, "student_steps": spec.steps})
+                        extra_state={"round": spec.index, "stage": spec.stage, "student_steps": spec.steps},
+                        lr_scale=embed_lr_scale(cfg, spec))
     seconds = time.time() - t0
     acc.free_memory()
     del teacher, loss_fn

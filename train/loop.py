@@ -187,6 +187,23 @@ def _load(ckpt: Path, model, optimizer, scheduler, ema):
     return state
 
 
+def param_groups(model: torch.nn.Module, lr: float, lr_scale: dict) -> list[dict]:
+    """AdamW param groups of the trainable parameters: one per `lr_scale` prefix that matches
+    (lr x its multiplier), the rest at `lr`; empty groups are left out."""
+    for prefix, scale in lr_scale.items():
+        if not (math.isfinite(scale) and scale > 0):
+            raise PocketdiffError(f"learning-rate multiplier for {prefix!r} must be > 0, got {scale}")
+    groups = {prefix: [] for prefix in lr_scale}
+    rest = []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        prefix = next((k for k in lr_scale if name == k or name.startswith(k + ".")), None)
+        (groups[prefix] if prefix is not None else rest).append(p)
+    out = [{"params": rest, "lr": lr}] if rest else []
+    return out + [{"params": ps, "lr": lr * lr_scale[k]} for k, ps in groups.items() if ps]
+
+
 def train_loop(
     cfg: LoopConfig,
     *,
@@ -201,22 +218,26 @@ def train_loop(
     log_path: Optional[Path] = None,
     accelerator=None,
     extra_state: Optional[dict] = None,
+    lr_scale: Optional[dict] = None,
 ) -> LoopResult:
     """Optimise the trainable parameters of `model` on `loss_fn` for `cfg.max_steps` steps.
 
     `loss_fn(model, batch, rng)` returns the mean loss of one micro-batch; it must draw all
     randomness from `rng` (a `BatchRandom`). Checkpoints go to `ckpt_dir`; `resume` is None,
     "latest" or a checkpoint path. On return the model holds the trained (not EMA) weights.
+    `lr_scale` maps parameter-name prefixes to learning-rate multipliers (their own AdamW
+    param group; the warm-up applies to every group alike).
     """
     acc = accelerator or make_accelerator(cfg, ckpt_dir.parent)
     model.to(acc.device)
     if cfg.compile_mode:  # in place: parameter names and checkpoints stay those of the plain module
         model.compile(mode=None if cfg.compile_mode == "default" else cfg.compile_mode)
-    params = [p for p in model.parameters() if p.requires_grad]
+    groups = param_groups(model, cfg.lr, lr_scale or {})
+    params = [p for g in groups for p in g["params"]]
     if not params:
         raise PocketdiffError("the model has no trainable parameters")
     # fused AdamW on CUDA: one kernel instead of several per parameter (small models are launch-bound)
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=acc.device.type == "cuda")
+    optimizer = torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=acc.device.type == "cuda")
     warm = max(cfg.warmup_steps, 0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
     ema = EMA(model, cfg.ema_decay) if cfg.ema_decay > 0 else None

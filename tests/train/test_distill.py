@@ -246,3 +246,16 @@ def test_w_condition_is_the_stock_pipeline_embedding():
     w = torch.tensor([1.0, 3.5, 8.0])
     ref = StableDiffusionPipeline.get_guidance_scale_embedding(None, w - 1, embedding_dim=32)
     assert torch.allclose(w_condition(w, 32), ref, atol=1e-6)
+
+
+def test_guided_stage_gives_the_w_embedding_its_own_learning_rate(tiny_unet):
+    cfg = load_config(Config, None, ["guidance.embed_lr_scale=20"])
+    guided, progressive = plan_rounds(cfg)[:2]
+    assert distill.embed_lr_scale(cfg, guided) == {"time_embedding.cond_proj": 20.0}
+    assert distill.embed_lr_scale(cfg, progressive) == {}
+    assert distill.embed_lr_scale(load_config(Config, None, []), guided) == {}  # default 1: one group
+    with pytest.raises(ConfigError, match="guidance.embed_lr_scale"):
+        load_config(Config, None, ["guidance.embed_lr_scale=0"])
+    # the prefix names a real parameter of a w-conditioned student
+    student = add_guidance_embedding(tiny_unet, 8)
+    assert "time_embedding.cond_proj.weight" in dict(student.named_parameters())

@@ -164,3 +164,27 @@ def test_loops_sharing_an_accelerator_keep_the_process_group(tmp_path):
     results = [(p.wait(timeout=300), p.stdout.read(), p.stderr.read()[-3000:]) for p in procs]
     assert [code for code, _, _ in results] == [0, 0], results
     assert all("world 2 True" in stdout for _, stdout, _ in results), results
+
+
+def test_lr_scale_gives_a_prefix_its_own_learning_rate(tmp_path):
+    from pocketdiff.train.loop import param_groups
+
+    model = make_model()
+    groups = param_groups(model, 1e-3, {"2": 10.0})
+    assert [g["lr"] for g in groups] == [1e-3, 1e-2]
+    assert {id(p) for p in groups[1]["params"]} == {id(model[2].weight), id(model[2].bias)}
+    (only,) = param_groups(model, 1e-3, {"9": 10.0})  # no match: one group
+    assert only["lr"] == 1e-3 and [id(p) for p in only["params"]] == [id(p) for p in model.parameters()]
+    with pytest.raises(PocketdiffError, match="must be > 0"):
+        param_groups(model, 1e-3, {"2": 0.0})
+
+    # Adam moves each weight by about lr per step: the scaled layer moves about 10x as far
+    cfg = LoopConfig(max_steps=3, batch_size=4, lr=1e-4, checkpoint_every=100, log_every=100)
+    moved = {}
+    for scale in (1.0, 10.0):
+        model = make_model()
+        before = model[2].weight.detach().clone()
+        train_loop(cfg, model=model, loss_fn=loss_fn, dataset=Toy(), collate=collate, ckpt_dir=tmp_path / f"c{scale}",
+                   seed=3, lr_scale={"2": scale})
+        moved[scale] = float((model[2].weight.detach() - before).abs().max())
+    assert 8.0 < moved[10.0] / moved[1.0] < 12.0
