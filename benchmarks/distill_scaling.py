@@ -57,25 +57,6 @@ def _timed(step, n: int, acc, device):
     return (time.perf_counter() - t0) / n, own, loss
 
 
-def _count_flops(args, base, student, variant, device, amp_dtype) -> tuple[int, int]:
-    """(FLOPs of one step per sample, FLOPs of one UNet forward per sample), as distill_step counts them
-    (eager fp32 modules, math attention, batch of up to 2 scaled); the optimizer update is not counted."""
-    embed = ds.EMBED_DIM
-    amp = (lambda: torch.autocast(device.type, dtype=amp_dtype)) if amp_dtype is not None else (lambda: torch.autocast(device.type, enabled=False))
-    nb = min(2, args.batch)
-    small = ds.Batch(base, nb, args.latent, args.steps, device, seed=args.seed)
-    flop_teacher = GuidedTeacher(ds.teacher_unet_for(variant, base, embed), "v_prediction", dtype=torch.float32, device=device)
-    uncond = None if variant == "ours_wcond" else small.uncond
-    scratch = torch.optim.SGD(student.parameters(), lr=0.0)  # the step's update, leaving the weights as they are
-    step = ds.count_flops(lambda: ds.ours_step(flop_teacher, student, scratch, small, amp, embed, False, uncond)) // nb
-    kw = {"timestep_cond": torch.zeros(1, embed, device=device)} if variant == "ours_wcond" else {}
-    with torch.no_grad():
-        fwd = ds.count_flops(lambda: flop_teacher.unet(small.z[:1], small.t[:1], encoder_hidden_states=small.cond[:1], **kw))
-    del flop_teacher, scratch
-    student.zero_grad(set_to_none=True)
-    return step, fwd
-
-
 def measure(args) -> dict:
     from accelerate import Accelerator
     from accelerate.utils import gather_object
@@ -100,7 +81,10 @@ def measure(args) -> dict:
     student = ds.make_student(base, embed, device)
     flops = fwd = None
     if args.flops and acc.is_main_process:  # before compile / prepare, on the plain modules; the others wait in prepare
-        flops, fwd = _count_flops(args, base, student, args.variant, device, amp_dtype)
+        amp = (lambda: torch.autocast(device.type, dtype=amp_dtype)) if amp_dtype is not None else (lambda: torch.autocast(device.type, enabled=False))
+        scratch = torch.optim.SGD(student.parameters(), lr=0.0)  # the step's update, leaving the weights as they are
+        flops, fwd = ds.step_flops(args.variant, base, ds.teacher_unet_for(args.variant, base, embed), student, scratch,
+                                   min(2, args.batch), args.latent, args.steps, device, amp, seed=args.seed)
     b = ds.Batch(base, args.batch, args.latent, args.steps, device, seed=args.seed + rank)  # each rank its own samples
     teacher = GuidedTeacher(ds.teacher_unet_for(args.variant, base, embed), "v_prediction", dtype=amp_dtype or torch.float32,
                             fused_cfg=True, channels_last=args.channels_last, device=device,

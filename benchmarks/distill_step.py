@@ -167,6 +167,21 @@ def count_flops(fn) -> int:
     return int(counter.get_total_flops())
 
 
+def step_flops(name, base_unet, teacher_unet, student, opt, nb: int, latent: int, steps: int, device, amp, seed: int = 0):
+    """(FLOPs of one step of variant `name` per sample, FLOPs of one UNet forward per sample):
+    eager fp32 modules, math attention, counted on a batch of `nb` (every op is per sample); the
+    optimizer step is not counted. `teacher_unet` is copied; `student`'s gradients are cleared."""
+    small = Batch(base_unet, nb, latent, steps, device, seed)
+    flop_teacher = GuidedTeacher(copy.deepcopy(teacher_unet), "v_prediction", dtype=torch.float32, device=device)
+    uncond = None if name == "ours_wcond" else small.uncond
+    per_sample = count_flops(lambda: ours_step(flop_teacher, student, opt, small, amp, EMBED_DIM, False, uncond)) // nb
+    kw = {"timestep_cond": torch.zeros(1, EMBED_DIM, device=device)} if name == "ours_wcond" else {}
+    with torch.no_grad():
+        fwd = count_flops(lambda: flop_teacher.unet(small.z[:1], small.t[:1], encoder_hidden_states=small.cond[:1], **kw))
+    opt.zero_grad(set_to_none=True)
+    return per_sample, fwd
+
+
 def measure(name, args, base_unet, device, amp_dtype):
     """Build the variant's models, count FLOPs, warm up, time `args.iters` steps."""
     amp = (lambda: torch.autocast(device.type, dtype=amp_dtype)) if amp_dtype is not None else (lambda: torch.autocast(device.type, enabled=False))
@@ -183,19 +198,9 @@ def measure(name, args, base_unet, device, amp_dtype):
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = ours
     teacher_dtype = (amp_dtype or torch.float32) if ours else torch.float32
-    flop_teacher = GuidedTeacher(copy.deepcopy(teacher_unet), "v_prediction", dtype=torch.float32, device=device)
     uncond = None if name == "ours_wcond" else b.uncond
-    # FLOPs of this variant's step (eager modules, counted on a batch of 2 and scaled: every op is
-    # per sample; the optimizer step is not counted)
-    nb = min(2, args.batch)
-    small = Batch(base_unet, nb, args.latent, args.steps, device)
-    flops = count_flops(lambda: ours_step(flop_teacher, student, opt, small, amp, embed_dim, False,
-                                          None if uncond is None else small.uncond)) * args.batch // nb
-    with torch.no_grad():
-        fwd = count_flops(lambda: flop_teacher.unet(small.z[:1], small.t[:1], encoder_hidden_states=small.cond[:1],
-                                                      **({"timestep_cond": torch.zeros(1, embed_dim, device=device)} if name == "ours_wcond" else {})))
-    del flop_teacher, small
-    opt.zero_grad(set_to_none=True)
+    per_sample, fwd = step_flops(name, base_unet, teacher_unet, student, opt, min(2, args.batch), args.latent, args.steps, device, amp)
+    flops = per_sample * args.batch
     if ours:
         teacher = GuidedTeacher(teacher_unet, "v_prediction", dtype=teacher_dtype, fused_cfg=True,
                                 channels_last=args.channels_last, device=device,
