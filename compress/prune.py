@@ -286,18 +286,32 @@ def prune_unet(unet, p: PruneSettings, *, generator: Optional[torch.Generator] =
     sel = pg.select_targets(work, profile, p.targets.include, p.targets.exclude, p.targets.min_weight_params, p.targets.min_activation)
     importance = resolve_importance(p.importance)
     if scores is None:
-        if needs_gradients(importance):
-            if gradient_fn is None:
-                raise PocketdiffError(f"importance {p.importance!r} needs gradients: pass gradient_fn")
-            gradient_fn(work, group_parameters(sel.groups))
-        scores = {g.name: score_group(importance, g, work, generator) for g in sel.groups}
-        for prm in work.parameters():
-            prm.grad = None
+        scores = _scores(work, sel.groups, [], importance, p, generator, gradient_fn)
     keep_counts = pg.allocate(_budgets(sel, scores), p.ratio, p.groupnorm, p.round_to, p.allocation, p.max_layer_ratio)
+    plan = _prune_groups(sel, scores, keep_counts, p)
+    pruned = to_pruned(work)
+    return pruned, {"groups": plan, "unprunable": sel.unprunable, "targeted": sorted(sel.targeted)}
+
+
+def _scores(work, groups, streams, importance, p: PruneSettings, generator, gradient_fn) -> dict:
+    """Importance of every internal group and stream, by name."""
+    if needs_gradients(importance):
+        if gradient_fn is None:
+            raise PocketdiffError(f"importance {p.importance!r} needs gradients: pass gradient_fn")
+        gradient_fn(work, group_parameters(groups, streams, work))
+    scores = {g.name: score_group(importance, g, work, generator) for g in groups}
+    scores.update({st.name: score_stream(importance, st, work, generator) for st in streams})
+    for prm in work.parameters():
+        prm.grad = None
+    return scores
+
+
+def _prune_groups(sel, scores: dict, counts: dict, p: PruneSettings) -> list[dict]:
+    """Cut the internal channels of every group of `sel` to its count; the plan rows."""
     plan = []
     for g in sel.groups:
         before_c, before_g = g.channels, g.num_groups
-        keep = pg.choose_keep(scores[g.name], g.num_groups, keep_counts[g.name], p.groupnorm)
+        keep = pg.choose_keep(scores[g.name], g.num_groups, counts[g.name], p.groupnorm)
         pg.prune_internal(g, keep, p.groupnorm)
         plan.append({
             "group": g.name, "channels_before": before_c, "channels_after": g.channels,
@@ -305,8 +319,7 @@ def prune_unet(unet, p: PruneSettings, *, generator: Optional[torch.Generator] =
             "targeted_convs": [c for c in g.conv_names if c in sel.targeted],
             "keep": keep.tolist(), "scores": [float(s) for s in scores[g.name].tolist()],
         })
-    pruned = to_pruned(work)
-    return pruned, {"groups": plan, "unprunable": sel.unprunable, "targeted": sorted(sel.targeted)}
+    return plan
 
 
 def _prune_coupled(work, profile, p: PruneSettings, generator, gradient_fn, scores):
@@ -314,14 +327,7 @@ def _prune_coupled(work, profile, p: PruneSettings, generator, gradient_fn, scor
     sel = _select_coupled(work, profile, p)
     importance = resolve_importance(p.importance)
     if scores is None:
-        if needs_gradients(importance):
-            if gradient_fn is None:
-                raise PocketdiffError(f"importance {p.importance!r} needs gradients: pass gradient_fn")
-            gradient_fn(work, group_parameters(sel.groups, sel.streams, work))
-        scores = {g.name: score_group(importance, g, work, generator) for g in sel.groups}
-        scores.update({st.name: score_stream(importance, st, work, generator) for st in sel.streams})
-        for prm in work.parameters():
-            prm.grad = None
+        scores = _scores(work, sel.groups, sel.streams, importance, p, generator, gradient_fn)
     missing = [n for n in [g.name for g in sel.groups] + [st.name for st in sel.streams] if n not in scores]
     if missing:
         raise PocketdiffError(f"prune_unet: no scores for {missing[:3]}")
@@ -346,17 +352,7 @@ def _prune_coupled(work, profile, p: PruneSettings, generator, gradient_fn, scor
             "targeted_convs": sorted(m for m in st.member_modules() if m in sel.targeted),
             "keep": keeps[st.name].tolist(), "scores": [float(x) for x in scores[st.name].tolist()],
         })
-    plan = []
-    for g in sel.groups:
-        before_c, before_g = g.channels, g.num_groups
-        keep = pg.choose_keep(scores[g.name], g.num_groups, counts[g.name], p.groupnorm)
-        pg.prune_internal(g, keep, p.groupnorm)
-        plan.append({
-            "group": g.name, "channels_before": before_c, "channels_after": g.channels,
-            "groupnorm_groups_before": before_g, "groupnorm_groups_after": g.num_groups,
-            "targeted_convs": [c for c in g.conv_names if c in sel.targeted],
-            "keep": keep.tolist(), "scores": [float(s) for s in scores[g.name].tolist()],
-        })
+    plan = _prune_groups(sel, scores, counts, p)
     features = {b: (keeps[s].tolist() if s in keeps else None) for b, s in sel.graph.block_outputs.items()}
     pruned = to_pruned(work)
     return pruned, {"scope": p.scope, "groups": plan, "streams": streams_plan, "feature_channels": features,
