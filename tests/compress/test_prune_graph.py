@@ -20,29 +20,7 @@ from pocketdiff.compress.prune_importance import (
 )
 from pocketdiff.compress.prune_model import PrunedUNet2DConditionModel, build_pruned_unet, shape_spec
 from pocketdiff.errors import PocketdiffError
-from pocketdiff.models import perturb_norm_affines, unet_config
-
-
-def _tiny_unet(seed: int = 0) -> UNet2DConditionModel:
-    torch.manual_seed(seed)
-    unet = UNet2DConditionModel(**unet_config("tiny", resolution=32, vae_factor=4)).eval()
-    perturb_norm_affines(unet, seed)  # trained-like norms: identity affines would hide bugs
-    with torch.no_grad():  # non-zero biases everywhere, so a wrong slice shows
-        for m in unet.modules():
-            if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear)) and m.bias is not None:
-                m.bias.normal_(0, 0.05)
-    return unet
-
-
-@pytest.fixture(scope="module")
-def unet():
-    return _tiny_unet()
-
-
-@pytest.fixture(scope="module")
-def inputs():
-    g = torch.Generator().manual_seed(1)
-    return (torch.randn(2, 4, 8, 8, generator=g), torch.tensor([10, 700]), torch.randn(2, 77, 64, generator=g))
+from pocketdiff.models import unet_config
 
 
 def _run(model, inputs):
@@ -143,8 +121,8 @@ ZEROED = {  # 2 of 8 groups in every block = 25 % of the internal channels
 
 
 @pytest.fixture(scope="module")
-def zeroed_unet():
-    u = _tiny_unet(seed=3)
+def zeroed_unet(make_tiny_unet):
+    u = make_tiny_unet(seed=3)
     _zero_groups(u, ZEROED)
     return u
 
@@ -225,8 +203,8 @@ def test_builtin_importances(unet):
                                g.conv1.weight.detach().abs().sum((1, 2, 3)).double())
 
 
-def test_taylor_importance_needs_and_uses_gradients(inputs):
-    u = _tiny_unet(seed=4)
+def test_taylor_importance_needs_and_uses_gradients(inputs, make_tiny_unet):
+    u = make_tiny_unet(seed=4)
     g = pg.find_internal_groups(u)[0]
     gen = torch.Generator().manual_seed(0)
     with pytest.raises(PocketdiffError, match="gradient"):

@@ -16,29 +16,7 @@ from pocketdiff.compress.prune_importance import IMPORTANCE, score_stream
 from pocketdiff.compress.prune_model import PrunedUNet2DConditionModel, build_pruned_unet, shape_spec
 from pocketdiff.config import load_config
 from pocketdiff.errors import ConfigError, PocketdiffError
-from pocketdiff.models import perturb_norm_affines, unet_config
-
-
-def _tiny_unet(seed: int = 0, **overrides) -> UNet2DConditionModel:
-    torch.manual_seed(seed)
-    unet = UNet2DConditionModel(**{**unet_config("tiny", resolution=32, vae_factor=4), **overrides}).eval()
-    perturb_norm_affines(unet, seed)  # trained-like norms: identity affines would hide bugs
-    with torch.no_grad():  # non-zero biases everywhere, so a wrong slice shows
-        for m in unet.modules():
-            if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear)) and m.bias is not None:
-                m.bias.normal_(0, 0.05)
-    return unet
-
-
-@pytest.fixture(scope="module")
-def unet():
-    return _tiny_unet()
-
-
-@pytest.fixture(scope="module")
-def inputs():
-    g = torch.Generator().manual_seed(1)
-    return (torch.randn(2, 4, 8, 8, generator=g), torch.tensor([10, 700]), torch.randn(2, 77, 64, generator=g))
+from pocketdiff.models import unet_config
 
 
 def _run(model, inputs):
@@ -197,8 +175,8 @@ def _zero_internal(unet, gids=(1, 6)):
 
 
 @pytest.fixture(scope="module", params=["conv_projection", "linear_projection"])
-def zeroed(request):
-    u = _tiny_unet(seed=3, use_linear_projection=request.param == "linear_projection")
+def zeroed(request, make_tiny_unet):
+    u = make_tiny_unet(seed=3, use_linear_projection=request.param == "linear_projection")
     _zero_internal(u)
     return u, _zero_atoms(u, _half)
 
