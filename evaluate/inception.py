@@ -21,7 +21,6 @@ pocketdiff carries the network itself and hands it to torchmetrics as a custom f
 from __future__ import annotations
 
 import hashlib
-import io
 import os
 from pathlib import Path
 from typing import Optional
@@ -255,7 +254,7 @@ def read_tensor_file(path: Path, key: str = KEY) -> dict:
         state = read_safetensors(path, key)
     else:
         try:
-            state = torch.load(io.BytesIO(path.read_bytes()), map_location="cpu", weights_only=True)
+            state = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001 - pickles with code are refused here
             raise PocketdiffError(
                 f"{key}: {path} is not a plain tensor state dict (refused by torch.load(weights_only=True): {_first_line(e)})"
@@ -332,5 +331,5 @@ def load_fid_inception(weights_path: Optional[str] = None) -> tuple[FIDInception
     full = {k: state[k].float().contiguous() if k in state else torch.zeros((), dtype=torch.long) for k in own}
     model.load_state_dict(full, strict=True, assign=True)
     model.requires_grad_(False)
-    info = {"weights": str(path), "sha256": sha, "standard": sha == STANDARD_SHA256 or sha.startswith(STANDARD_SHA256[:8])}
+    info = {"weights": str(path), "sha256": sha, "standard": sha == STANDARD_SHA256}
     return model.eval(), info
