@@ -29,7 +29,6 @@ from pocketdiff.config import DataConfig
 from pocketdiff.errors import PocketdiffError, require
 from pocketdiff.outputs import write_json
 from pocketdiff.device import resolve_device
-from pocketdiff.models import check_resolution
 
 from .generation import DTYPES, LoadedModel, ModelSpec, generate_images, resolve_model
 from .metrics import MetricConfig, MetricSetup, iter_reference_batches
@@ -197,8 +196,6 @@ def evaluate_pipelines(
     model_names: list[str] = []
     for index, m in enumerate(models):
         loaded: LoadedModel = resolve_model(m, index, dev, dtype)
-        if resolution is not None and loaded.pipe is not None:
-            check_resolution(loaded.pipe, int(resolution), "resolution")
         name = loaded.name
         while name in model_names:
             name += "'"

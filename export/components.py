@@ -22,6 +22,7 @@ from diffusers import UNet2DConditionModel
 from torch import nn
 
 from pocketdiff.errors import PocketdiffError
+from pocketdiff.models import check_resolution, vae_scale_factor
 
 COMPONENTS = ("text_encoder", "unet", "vae_decoder")
 
@@ -121,13 +122,9 @@ def time_embed_dim(unet) -> int:
 
 
 def shapes_for(pipe, resolution: Optional[int], unet_batch: int) -> Shapes:
-    vae_factor = 2 ** (len(pipe.vae.config.block_out_channels) - 1)
+    vae_factor = vae_scale_factor(pipe)
     res = int(resolution or pipe.unet.config.sample_size * vae_factor)
-    if res % vae_factor:
-        raise PocketdiffError(f"resolution {res} is not a multiple of the VAE factor {vae_factor}")
-    down = 2 ** (len(pipe.unet.config.block_out_channels) - 1)
-    if (res // vae_factor) % down:
-        raise PocketdiffError(f"resolution {res}: latent size {res // vae_factor} is not a multiple of the UNet's downsampling {down}")
+    check_resolution(pipe, res, "resolution")
     return Shapes(
         resolution=res,
         latent_channels=int(pipe.unet.config.in_channels),

@@ -252,11 +252,14 @@ def vae_scale_factor(pipe_or_vae: Any) -> int:
     return 2 ** (len(channels) - 1)
 
 
-def check_resolution(pipe, resolution: int, key: str = "data.resolution") -> None:
+def check_resolution(pipe, resolution: int, key: str = "data.resolution", unet=None) -> None:
     """`resolution` (pixels) must fit the pipeline: a multiple of the VAE factor times the UNet's
-    downsampling. Raised naming `key`, before any work."""
+    downsampling (`unet`'s when given, e.g. a replacement UNet, else the pipeline's). Raised
+    naming `key`, before any work."""
     factor = vae_scale_factor(pipe)
-    down = 2 ** (len(pipe.unet.config.block_out_channels) - 1)
+    config = getattr(unet, "config", None) or pipe.unet.config
+    channels = config["block_out_channels"] if isinstance(config, dict) else config.block_out_channels
+    down = 2 ** (len(channels) - 1)
     if resolution % factor or (resolution // factor) % down:
         raise PocketdiffError(f"{key}={resolution} does not fit the model (VAE factor {factor}, UNet downsampling "
                               f"{down}: a multiple of {factor * down})")

@@ -394,7 +394,7 @@ def generate(
     factor. Returns float [N, 3, H, W] in [0, 1] on the CPU (`output_type="pt"`) or a list of
     PIL images (`"pil"`).
     """
-    from .models import vae_scale_factor
+    from .models import check_resolution, vae_scale_factor
 
     if output_type not in ("pt", "pil"):
         raise PocketdiffError(f"output_type must be 'pt' or 'pil', got {output_type!r}")
@@ -407,8 +407,7 @@ def generate(
     ucfg = getattr(unet, "config", None) or pipe.unet.config
     factor = vae_scale_factor(pipe.vae)
     resolution = int(resolution or _cfg_get(ucfg, "sample_size") * factor)
-    if resolution % factor:
-        raise PocketdiffError(f"resolution {resolution} is not a multiple of the VAE factor {factor}")
+    check_resolution(pipe, resolution, "resolution", unet)
     channels = _cfg_get(ucfg, "in_channels", pipe.unet.config.in_channels)
     side = resolution // factor
     device = _module_device(unet, _module_device(pipe.unet, torch.device("cpu")))
