@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from safetensors.torch import save as save_safetensors
+from safetensors.torch import save_file
 
 from pocketdiff.errors import PocketdiffError
-from pocketdiff.outputs import atomic_write_bytes, atomic_write_text, read_safetensors
+from pocketdiff.outputs import atomic_path, atomic_write_text, read_safetensors
 
 FORMAT_NAME = "pocketdiff-int8"
 FORMAT_VERSION = 1
@@ -119,7 +119,8 @@ def save_quantized(state_dict: dict[str, torch.Tensor], recipe: QuantRecipe, pat
         if int(codes.abs().max()) > qmax(lr.bits):
             raise PocketdiffError(f"quantized layer {name!r}: codes exceed the {lr.bits}-bit range")
     tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
-    atomic_write_bytes(path, save_safetensors(tensors, metadata={"format": FORMAT_NAME, "component": recipe.component}))
+    with atomic_path(path) as tmp:  # written straight to disk, never a second in-memory copy
+        save_file(tensors, str(tmp), metadata={"format": FORMAT_NAME, "component": recipe.component})
     recipe_path = path.with_suffix(".json")
     atomic_write_text(recipe_path, recipe.to_json())
     return path, recipe_path

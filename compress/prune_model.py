@@ -26,7 +26,6 @@ tokenizer and scheduler folders are stock.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -36,7 +35,7 @@ from diffusers.models.modeling_utils import ModelMixin  # noqa: F401  (diffusers
 from torch import nn
 
 from pocketdiff.errors import PocketdiffError
-from pocketdiff.outputs import read_safetensors
+from pocketdiff.outputs import atomic_write_text, read_safetensors
 
 SPEC_FILE = "pruning.json"
 FORMAT = "pocketdiff-pruned-unet"
@@ -226,9 +225,7 @@ class PrunedUNet2DConditionModel(UNet2DConditionModel):
         if kwargs.get("is_main_process", True):
             spec = shape_spec(self)  # from the modules themselves, never stale
             path = Path(save_directory) / SPEC_FILE
-            tmp = path.with_suffix(".json.tmp")
-            tmp.write_text(json.dumps(spec, indent=1) + "\n", encoding="utf-8")
-            os.replace(tmp, path)
+            atomic_write_text(path, json.dumps(spec, indent=1) + "\n")
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, subfolder: Optional[str] = None, torch_dtype=None, **kwargs):
@@ -295,6 +292,4 @@ def fix_model_index(folder: Union[str, Path]) -> None:
     path = Path(folder) / "model_index.json"
     index = json.loads(path.read_text(encoding="utf-8"))
     index["unet"] = [MODULE_NAME, "PrunedUNet2DConditionModel"]
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(index, indent=2, sort_keys=True) + "\n")

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pocketdiff.errors import PocketdiffError
+from pocketdiff.outputs import atomic_path, read_safetensors
 
 INPUT_SIZE = 299
 NUM_FEATURES = 2048
@@ -249,8 +250,6 @@ def read_tensor_file(path: Path, key: str = KEY) -> dict:
     """A state dict of tensors from .safetensors, or from a torch file through
     ``torch.load(weights_only=True)`` (code-carrying pickles are refused, never run)."""
     if path.suffix == ".safetensors":
-        from pocketdiff.outputs import read_safetensors
-
         state = read_safetensors(path, key)
     else:
         try:
@@ -282,18 +281,14 @@ def default_weights_file() -> Path:
     hint = f"pass {KEY}=FILE (a local copy of {WEIGHTS_FILE}, .pth or .safetensors) for offline use"
     if _offline():
         raise PocketdiffError(f"metrics.features=inception: the Inception weights are not in {path.parent} and downloads are off (offline); {hint}")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.part")
     try:
-        _download(WEIGHTS_URL, tmp)
-        got = file_sha256(tmp)
-        if got != STANDARD_SHA256:
-            raise PocketdiffError(f"downloaded file has sha256 {got[:16]}..., expected {STANDARD_SHA256[:16]}...")
-        os.replace(tmp, path)
+        with atomic_path(path) as tmp:  # a failed or wrong download leaves nothing behind
+            _download(WEIGHTS_URL, tmp)
+            got = file_sha256(tmp)
+            if got != STANDARD_SHA256:
+                raise PocketdiffError(f"downloaded file has sha256 {got[:16]}..., expected {STANDARD_SHA256[:16]}...")
     except Exception as e:  # noqa: BLE001 - no network, proxy, corrupt download: one line
         raise PocketdiffError(f"metrics.features=inception: cannot get the Inception weights ({type(e).__name__}: {_first_line(e)}); {hint}") from None
-    finally:
-        tmp.unlink(missing_ok=True)
     return path
 
 

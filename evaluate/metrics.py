@@ -38,6 +38,7 @@ import torch
 
 from pocketdiff.config import DataConfig
 from pocketdiff.errors import PocketdiffError, require
+from pocketdiff.outputs import atomic_path
 
 from .features import (
     DEFAULT_HUB_CLIP,
@@ -275,9 +276,8 @@ class MetricSetup:
             "real_features_num_samples": fid.real_features_num_samples.detach().cpu().reshape(1).contiguous(),
         }
         meta = {"key": key, "features": str(self.fd_label), "data": describe_data(self.reference) if self.reference else ""}
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        save_file(tensors, str(tmp), metadata=meta)
-        os.replace(tmp, path)
+        with atomic_path(path) as tmp:
+            save_file(tensors, str(tmp), metadata=meta)
 
     def _load_stats(self, path: Path, expected_n: int) -> bool:
         from safetensors import safe_open

@@ -1,6 +1,7 @@
 """Output folders, reports and atomic writes shared by every verb."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -67,16 +68,17 @@ def read_safetensors(path: str | Path, where: str = "") -> dict:
         raise PocketdiffError(f"{where + ': ' if where else ''}{path}: not a readable safetensors file ({first})") from None
 
 
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    """Write through a temporary file in the same folder, fsync, then rename: a kill leaves the
-    old file or the new one, never a torn one."""
+@contextlib.contextmanager
+def atomic_path(path: str | Path):
+    """Yield a temporary path in `path`'s folder to write; on success it is fsynced and renamed
+    onto `path`, so a kill leaves the old file or the new one, never a torn one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
+        yield Path(tmp)
+        with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         umask = os.umask(0)
         os.umask(umask)
@@ -88,7 +90,8 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:
-    atomic_write_bytes(path, text.encode("utf-8"))
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
 
 
 def write_json(path: str | Path, data: Any) -> None:

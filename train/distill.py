@@ -29,7 +29,6 @@ import hashlib
 import json
 import logging
 import math
-import os
 import shutil
 import time
 from pathlib import Path
@@ -41,7 +40,7 @@ from pocketdiff.config import DataConfig
 from pocketdiff.data import ImageCaptionDataset, collate, load_captioned_dataset
 from pocketdiff.errors import PocketdiffError, require
 from pocketdiff.models import DISTILL_META, ModelConfig, check_resolution, count_params, load_or_build, save_pipeline
-from pocketdiff.outputs import commit_folder, read_json, write_json
+from pocketdiff.outputs import atomic_path, commit_folder, read_json, write_json
 from pocketdiff.report import img, plot_curves, save_grid, table, write_page
 from pocketdiff.sampling import encode_prompts, generate
 
@@ -357,11 +356,9 @@ def build_latent_dataset(cfg: Config, pipe, images: ImageCaptionDataset, out: Pa
                 m, s = _encode(vae, pix, acc.device)
                 means.append(m)
                 stds.append(s)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(".latents.safetensors.tmp")
-            save_file({"mean": torch.cat(means).contiguous(), "std": torch.cat(stds).contiguous()}, str(tmp),
-                      metadata={"fingerprint": fingerprint})
-            os.replace(tmp, path)
+            with atomic_path(path) as tmp:
+                save_file({"mean": torch.cat(means).contiguous(), "std": torch.cat(stds).contiguous()}, str(tmp),
+                          metadata={"fingerprint": fingerprint})
     acc.wait_for_everyone()
     tensors = load_file(str(path))
     return LatentDataset(tensors["mean"], tensors["std"], texts)
@@ -609,10 +606,8 @@ class RoundEvaluator:
         self.pipe.unet.to(self.device)
         sp = _student_pipe(self.pipe, self.pipe.unet, self.teacher_sched)
         images = self._images(sp, steps, self.cfg.guidance.scale)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")  # a kill mid-write must not leave a torn file that --resume loads
-        torch.save(images, tmp)
-        os.replace(tmp, path)
+        with atomic_path(path) as tmp:  # a kill mid-write must not leave a torn file that --resume loads
+            torch.save(images, tmp)
         save_grid(images, self.out / "samples" / f"teacher-{steps}steps.png", ncols=min(8, len(images)),
                   labels=self.prompts, cell=96)
         return images
