@@ -63,7 +63,7 @@ DISTILL="guided.train.max_steps=600 progressive.final_steps=2 progressive.round_
   done_ calib-openmoji-w4 || { fits 390 calib-w4 && run 2 calib-w4 calibrate --config $C/calibrate/openmoji_w4.yaml --output outputs/calib-openmoji-w4 --overwrite; }
   if [ -n "${STEP_BENCH:-}" ] && ! done_ step-bench && fits 300 step-bench; then
     mkdir -p outputs/step-bench && (cd $REPO/benchmarks && CUDA_VISIBLE_DEVICES=2 timeout $(left) python3 distill_step.py \
-      --out $RUNS/outputs/step-bench/distill_step_sd21.json --arch sd21 $STEP_BENCH) >> $L/step-bench.log 2>&1; touch outputs/step-bench/done
+      --out $RUNS/outputs/step-bench/distill_step_sd21.json --arch sd21 $STEP_BENCH) >> $L/step-bench.log 2>&1; [ -f outputs/step-bench/distill_step_sd21.json ] && touch outputs/step-bench/done
   fi
   wait_for round-4 && { done_ calib-student4-w4 || { fits 390 calib-student4-w4 && run 2 calib-student4-w4 calibrate --config $C/calibrate/openmoji_student_w4.yaml --output outputs/calib-student4-w4 --overwrite; }; }
   if ! done_ smoke && fits 150 smoke; then
