@@ -525,8 +525,6 @@ def _param(t: torch.Tensor, like: nn.Parameter) -> nn.Parameter:
 def slice_module(module: nn.Module, out_idx: Optional[torch.Tensor], in_idx: Optional[torch.Tensor], name: str) -> nn.Module:
     """A new Conv2d / Linear / GroupNorm holding the kept output / input (GroupNorm: `out_idx`)
     channels of `module` (None: all)."""
-    p = module.weight
-    dev, dtype = p.device, p.dtype
     if isinstance(module, nn.GroupNorm):
         n, G = module.num_channels, module.num_groups
         gs = n // G
@@ -537,9 +535,7 @@ def slice_module(module: nn.Module, out_idx: Optional[torch.Tensor], in_idx: Opt
         per = mask.reshape(G, gs).sum(1)
         if not bool(((per == 0) | (per == gs)).all()):
             raise PocketdiffError(f"{name}: stream pruning would split a GroupNorm group (internal error)")
-        with torch.device(dev):
-            new = nn.GroupNorm(int((per == gs).sum()), int(out_idx.numel()), eps=module.eps, affine=module.affine)
-        new = new.to(dtype)
+        new = pg._new_like(module, lambda: nn.GroupNorm(int((per == gs).sum()), int(out_idx.numel()), eps=module.eps, affine=module.affine))
         if module.affine:
             new.weight = _param(_take(module.weight, 0, out_idx), module.weight)
             new.bias = _param(_take(module.bias, 0, out_idx), module.bias)
@@ -547,17 +543,14 @@ def slice_module(module: nn.Module, out_idx: Optional[torch.Tensor], in_idx: Opt
     if isinstance(module, nn.Conv2d):
         c_out = module.out_channels if out_idx is None else out_idx.numel()
         c_in = module.in_channels if in_idx is None else in_idx.numel()
-        with torch.device(dev):
-            new = nn.Conv2d(c_in, c_out, module.kernel_size, module.stride, module.padding, module.dilation, 1,
-                            module.bias is not None, module.padding_mode)
+        new = pg._new_like(module, lambda: nn.Conv2d(c_in, c_out, module.kernel_size, module.stride, module.padding,
+                                                     module.dilation, 1, module.bias is not None, module.padding_mode))
     elif isinstance(module, nn.Linear):
         c_out = module.out_features if out_idx is None else out_idx.numel()
         c_in = module.in_features if in_idx is None else in_idx.numel()
-        with torch.device(dev):
-            new = nn.Linear(c_in, c_out, bias=module.bias is not None)
+        new = pg._new_like(module, lambda: nn.Linear(c_in, c_out, bias=module.bias is not None))
     else:
         raise PocketdiffError(f"{name}: cannot slice a {type(module).__name__}")
-    new = new.to(dtype)
     new.weight = _param(_take(_take(module.weight, 0, out_idx), 1, in_idx), module.weight)
     if module.bias is not None:
         new.bias = _param(_take(module.bias, 0, out_idx), module.bias)
@@ -727,10 +720,6 @@ def _ladders(sel: Coupled, scores: Optional[dict], mode: str, round_to: int, flo
     return out
 
 
-def _nearest(counts: list[int], target: float) -> int:
-    return min(counts, key=lambda c: (abs(c - target), -c))
-
-
 def allocate_coupled(sel: Coupled, ratio: float, mode: str, round_to: int, allocation: str = "uniform",
                      max_layer_ratio: float = 0.9, scores: Optional[dict] = None, scope: str = "all") -> dict[str, int]:
     """Kept channels per internal group and stream so that about `ratio` of the targeted conv
@@ -762,7 +751,7 @@ def allocate_coupled(sel: Coupled, ratio: float, mode: str, round_to: int, alloc
                 f"lower the ratio or exclude those blocks)")
 
         def counts_at(r):
-            return {l.name: _nearest(l.counts, l.channels * (1.0 - r)) for l in ladders}
+            return {l.name: pg.nearest_option(l.counts, l.channels * (1.0 - r)) for l in ladders}
 
         def frac(r):
             return 1.0 - _params(sel.convs, counts_at(r)) / full
