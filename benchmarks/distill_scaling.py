@@ -29,7 +29,6 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 
 import torch
 

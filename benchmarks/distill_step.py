@@ -167,6 +167,16 @@ def count_flops(fn) -> int:
     return int(counter.get_total_flops())
 
 
+def with_cudnn_attention(fn):
+    """`fn` with SDPA forced onto cuDNN's fused attention kernel."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def run():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return fn()
+    return run
+
+
 def step_flops(name, base_unet, teacher_unet, student, opt, nb: int, latent: int, steps: int, device, amp, seed: int = 0):
     """(FLOPs of one step of variant `name` per sample, FLOPs of one UNet forward per sample):
     eager fp32 modules, math attention, counted on a batch of `nb` (every op is per sample); the
@@ -211,13 +221,7 @@ def measure(name, args, base_unet, device, amp_dtype):
             student.compile(mode=None if args.student_compile_mode == "default" else args.student_compile_mode)
         step = lambda: ours_step(teacher, student, opt, b, amp, embed_dim, args.channels_last, uncond)  # noqa: E731
         if name == "ours_cudnn":
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-
-            plain_step = step
-
-            def step():
-                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                    return plain_step()
+            step = with_cudnn_attention(step)
     else:
         teacher = teacher_unet.to(device).requires_grad_(False).eval()
         step = lambda: eager_step(teacher, student, opt, b, amp, embed_dim)  # noqa: E731
