@@ -10,7 +10,7 @@ process:
   compile (diffusers' default SDPA attention, as every variant).
 - `ours_eager`: pocketdiff's step (`pocketdiff.train.distill_targets`, the code the trainer
   runs) with its switches except compile: teacher weights cast once to bf16, one fused
-  cond/uncond batch, channels_last, cudnn.benchmark.
+  cond/uncond batch, channels_last, cudnn.benchmark, fused AdamW on CUDA (as the trainer).
 - `ours`: the same plus torch.compile of student and teacher (`--teacher-compile-mode`,
   `--student-compile-mode`).
 - `ours_wcond`: the step pocketdiff actually runs in progressive rounds after guided
@@ -192,6 +192,50 @@ def step_flops(name, base_unet, teacher_unet, student, opt, nb: int, latent: int
     return per_sample, fwd
 
 
+KERNEL_KINDS = (  # (label, substrings of a kernel name), first match wins; the rest is "other"
+    ("attention", ("flash", "fmha", "attention", "sdpa")),
+    ("matmul/conv", ("gemm", "conv", "cutlass", "sm90", "xmma", "wgmma", "nhwc", "implicit")),
+    ("optimizer", ("adam", "multi_tensor")),
+    ("norm/elementwise (triton)", ("triton",)),
+    ("norm/elementwise (eager)", ("elementwise", "norm", "reduce", "vectorized", "copy", "cat")),
+)
+
+
+def profile_steps(step, n: int, device) -> dict:
+    """Where the GPU time of `n` steps goes: the 25 kernels with the most device time, and the
+    share of each kernel kind (KERNEL_KINDS) and of idle time between kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sync(device)
+    t0 = time.perf_counter()
+    cuda = torch.device(device).type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        for _ in range(n):
+            step()
+        sync(device)
+    wall = (time.perf_counter() - t0) / n
+    if cuda:
+        kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    else:  # CPU: the leaf aten ops stand in for kernels (a quick check of this code, not a measurement)
+        kernels = [e for e in prof.key_averages() if e.key.startswith("aten::") and e.self_cpu_time_total > 0]
+        for e in kernels:
+            e.self_device_time_total = e.self_cpu_time_total
+    busy = sum(e.self_device_time_total for e in kernels) / 1e6 / n
+    kinds: dict[str, float] = {}
+    for e in kernels:
+        lower = e.key.lower()
+        kind = next((label for label, keys in KERNEL_KINDS if any(k in lower for k in keys)), "other")
+        kinds[kind] = kinds.get(kind, 0.0) + e.self_device_time_total / 1e6 / n
+    top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:25]
+    return {
+        "profiled_steps": n, "step_s_under_profiler": wall, "kernel_s_per_step": busy,
+        "gpu_idle_share": max(0.0, 1.0 - busy / wall),
+        "share_by_kind": {k: v / busy for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])} if busy else {},
+        "top_kernels": [{"name": e.key[:160], "s_per_step": e.self_device_time_total / 1e6 / n, "calls_per_step": e.count / n}
+                        for e in top],
+    }
+
+
 def measure(name, args, base_unet, device, amp_dtype):
     """Build the variant's models, count FLOPs, warm up, time `args.iters` steps."""
     amp = (lambda: torch.autocast(device.type, dtype=amp_dtype)) if amp_dtype is not None else (lambda: torch.autocast(device.type, enabled=False))
@@ -199,10 +243,11 @@ def measure(name, args, base_unet, device, amp_dtype):
     student = make_student(base_unet, embed_dim, device)
     if args.grad_ckpt:
         student.enable_gradient_checkpointing()
-    opt_kwargs = {"fused": True} if (args.fused_adam and device.type == "cuda") else {}
+    ours = name != "eager"
+    # ours: fused AdamW on CUDA, as pocketdiff.train.loop builds it; eager: PyTorch's default (foreach)
+    opt_kwargs = {"fused": True} if ((ours or args.fused_adam) and device.type == "cuda") else {}
     opt = torch.optim.AdamW(student.parameters(), lr=1e-6, **opt_kwargs)
     b = Batch(base_unet, args.batch, args.latent, args.steps, device)
-    ours = name != "eager"
     compile_it = name in ("ours", "ours_cudnn", "ours_wcond", "ours_loop") and args.compile
     teacher_unet = teacher_unet_for(name, base_unet, embed_dim)
     if device.type == "cuda":
@@ -250,8 +295,10 @@ def measure(name, args, base_unet, device, amp_dtype):
         "forward_equivalents_per_sample": flops / args.batch / fwd, "first_step_s": first,
         "loss": float(loss.detach()), "teacher_passes_per_step": 2 if name == "ours_wcond" else 4,
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
-        "compiled": compile_it,
+        "compiled": compile_it, "fused_adam": bool(opt_kwargs),
     }
+    if args.profile:
+        result["profile"] = profile_steps(step, args.profile, device)
     del teacher, student, opt, step
     gc.collect()
     if device.type == "cuda":
@@ -313,7 +360,9 @@ def main(argv=None) -> int:
     p.add_argument("--student-compile-mode", default="default", choices=("default", "max-autotune-no-cudagraphs"))
     p.add_argument("--no-channels-last", dest="channels_last", action="store_false")
     p.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing in the student (every variant)")
-    p.add_argument("--fused-adam", action="store_true", help="AdamW(fused=True) in every variant (the trainer's loop uses the default)")
+    p.add_argument("--fused-adam", action="store_true", help="AdamW(fused=True) in eager too (the ours variants use it on CUDA, as the trainer's loop does)")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="after timing, profile N steps per variant: top kernels and time share by kernel kind")
     args = p.parse_args(argv)
 
     device = torch.device(args.device)

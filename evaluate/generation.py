@@ -53,6 +53,9 @@ class ModelSpec:
     guidance_mode: str = "auto"  # auto | cfg | w_conditioned | none
     guidance_scale: Optional[float] = None  # default: the run's guidance_scale (distill.json's for students)
     steps: list[int] = dataclasses.field(default_factory=list)  # default: the run's steps (distill.json's for students)
+    # scheduler config keys replaced for this evaluation, e.g. {timestep_spacing: leading, steps_offset: 1}
+    # (stock SD's DDIM grid) to compare a model under another step spacing; the folder is not changed
+    scheduler: dict = dataclasses.field(default_factory=dict)
     build: Optional[str] = None  # instead of path: build this arch (tiny | small ...) with random weights (smoke runs)
     build_resolution: int = 32  # image size of a built model
 
@@ -62,6 +65,8 @@ class ModelSpec:
         require(self.guidance_mode in GUIDANCE_MODES, "models.guidance_mode", f"must be one of {GUIDANCE_MODES}, got {self.guidance_mode!r}")
         require(all(int(s) >= 1 for s in self.steps), "models.steps", "step counts must be >= 1")
         require(self.guidance_scale is None or self.guidance_scale >= 0, "models.guidance_scale", "must be >= 0")
+        require(isinstance(self.scheduler, dict), "models.scheduler", f"must be a mapping of scheduler config keys, got {type(self.scheduler).__name__}")
+        require(not (self.scheduler and self.kind == "bundle"), "models.scheduler", "applies to pipelines only (a bundle's scheduler is in its bundle.json)")
 
 
 @dataclasses.dataclass
@@ -177,6 +182,8 @@ def resolve_model(spec_or_obj: Any, index: int = 0, device: Optional[torch.devic
         if not spec.path:
             raise PocketdiffError(f"models[{index}] ({name}): set path (a diffusers pipeline folder or hub id) or build")
         pipe = load_pipeline(spec.path, torch_dtype=dtype)
+    if spec.scheduler:
+        pipe = with_scheduler_overrides(pipe, spec.scheduler, f"models[{index}] ({name})")
     if spec.unet:
         unet = _load_unet(spec.unet, dtype)
     unet = unet if unet is not None else pipe.unet
@@ -209,6 +216,24 @@ def resolve_model(spec_or_obj: Any, index: int = 0, device: Optional[torch.devic
                        default_steps=list(spec.steps) or default_steps,
                        default_guidance=spec.guidance_scale if spec.guidance_scale is not None else default_guidance,
                        w_embedding_fn=w_fn, meta=meta)
+
+
+def with_scheduler_overrides(pipe, overrides: dict, where: str):
+    """A pipeline sharing `pipe`'s modules whose scheduler has `overrides` in its config (the
+    caller's pipeline keeps its own scheduler). Unknown keys are refused, naming them."""
+    from pocketdiff.sampling import scheduler_timesteps
+
+    sched = pipe.scheduler
+    unknown = sorted(set(overrides) - set(sched.config))
+    if unknown:
+        raise PocketdiffError(f"{where}.scheduler: {unknown} are not {type(sched).__name__} config keys "
+                              f"(known: {sorted(k for k in sched.config if not k.startswith('_'))})")
+    new = type(sched).from_config({**sched.config, **overrides})
+    try:
+        scheduler_timesteps(new, 1)  # a bad spacing or offset fails here, not mid-evaluation
+    except PocketdiffError as e:
+        raise PocketdiffError(f"{where}.scheduler: {e}") from None
+    return type(pipe)(**{**pipe.components, "scheduler": new})
 
 
 def _bundle_generate(model: LoadedModel, prompts: Sequence[str], steps: int, guidance: float, seed: int, resolution: Optional[int]) -> torch.Tensor:

@@ -13,17 +13,17 @@ T0=$SECONDS; BUDGET=${BUDGET:-540}
 left() { echo $(( BUDGET - (SECONDS - T0) )); }
 source scripts/gpu/env.sh
 NS=${NS:-1 2 4} ARCH=${ARCH:-sd21} VARIANT=${VARIANT:-ours} BATCH=${BATCH:-16} ITERS=${ITERS:-20} WARMUP=${WARMUP:-3}
-L=$RUNS/distill-scaling && rm -rf $L && mkdir -p $L $OUT/distill_scaling || exit 1
+# per-N results stay in $L while the machine is warm: a later call with NS=4 merges them with its own
+L=$RUNS/distill-scaling && mkdir -p $L $OUT/distill_scaling || exit 1
 ngpu=${NGPU:-$(python3 -c "import torch; print(torch.cuda.device_count())")}  # NGPU: local dry runs
 ncpu=$(nproc)
 RESERVE=20  # seconds kept for the merge and the copies
 ns=(); for n in $NS; do if [ "$n" -le "$ngpu" ]; then ns+=("$n"); else echo "skip N=$n: $ngpu GPUs visible"; fi; done
-files=()
 for i in "${!ns[@]}"; do
   n=${ns[$i]}; todo=$(( ${#ns[@]} - i ))
   t=$(( ($(left) - RESERVE) / todo ))  # the watchdog: this launch's share of what is left
   if [ "$t" -lt 30 ]; then echo "not starting N=$n: ${t} s would be left for it"; continue; fi
-  f=$L/distill_scaling_${ARCH}_${n}gpu.json
+  f=$L/distill_scaling_${ARCH}_${n}gpu.json; rm -f $f
   echo "[$(date +%T)] N=$n on GPUs $(seq -s, 0 $((n - 1))), watchdog ${t} s"
   # torchrun would set OMP_NUM_THREADS=1: the UNet's CPU-side construction gets a share of the cores instead
   CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) OMP_NUM_THREADS=$(( ncpu / n > 16 ? 16 : ncpu / n )) \
@@ -33,9 +33,9 @@ for i in "${!ns[@]}"; do
   rc=$?
   echo "[$(date +%T)] N=$n exit $rc$([ $rc -ge 124 ] && echo ' (watchdog)')"; grep "^\[distill_scaling" $L/n$n.log
   [ $rc -eq 0 ] || tail -5 $L/n$n.log
-  [ -f $f ] && files+=("$f")
 done
 cp $L/*.json $L/*.log $OUT/distill_scaling/ 2>/dev/null
-[ ${#files[@]} -gt 0 ] || { echo "no result"; exit 1; }
+files=($L/distill_scaling_${ARCH}_*gpu.json)  # this call's and earlier calls' N
+[ -f "${files[0]}" ] || { echo "no result"; exit 1; }
 python3 $REPO/benchmarks/distill_scaling.py --merge "${files[@]}" --out $OUT/distill_scaling_${ARCH}.json 2>&1 | grep -v Warning
 echo "[$(date +%T)] done in $((SECONDS - T0)) s"

