@@ -10,9 +10,10 @@ process:
   compile (diffusers' default SDPA attention, as every variant).
 - `ours_eager`: pocketdiff's step (`pocketdiff.train.distill_targets`, the code the trainer
   runs) with its switches except compile: teacher weights cast once to bf16, one fused
-  cond/uncond batch, channels_last, cudnn.benchmark, fused AdamW on CUDA (as the trainer).
+  cond/uncond batch, channels_last, cudnn.benchmark.
 - `ours`: the same plus torch.compile of student and teacher (`--teacher-compile-mode`,
-  `--student-compile-mode`).
+  `--student-compile-mode`); as in the trainer, the compiled student's parameters keep the
+  default layout (inductor picks conv layouts itself), so its AdamW is the fused one.
 - `ours_wcond`: the step pocketdiff actually runs in progressive rounds after guided
   distillation: the teacher is the w-conditioned student, one pass per teacher step instead of
   a cond/uncond pair (5 instead of 7 forward-equivalents per sample). Same switches as `ours`.
@@ -244,11 +245,12 @@ def measure(name, args, base_unet, device, amp_dtype):
     if args.grad_ckpt:
         student.enable_gradient_checkpointing()
     ours = name != "eager"
-    # ours: fused AdamW on CUDA, as pocketdiff.train.loop builds it; eager: PyTorch's default (foreach)
-    opt_kwargs = {"fused": True} if ((ours or args.fused_adam) and device.type == "cuda") else {}
-    opt = torch.optim.AdamW(student.parameters(), lr=1e-6, **opt_kwargs)
-    b = Batch(base_unet, args.batch, args.latent, args.steps, device)
     compile_it = name in ("ours", "ours_cudnn", "ours_wcond", "ours_loop") and args.compile
+    channels_last_params = ours and args.channels_last and not compile_it  # as the trainer (_prepare_student)
+    # ours: fused AdamW when pocketdiff.train.loop would use it; eager: PyTorch's default (foreach)
+    fused = (ours or args.fused_adam) and device.type == "cuda" and not channels_last_params
+    opt = torch.optim.AdamW(student.parameters(), lr=1e-6, **({"fused": True} if fused else {}))
+    b = Batch(base_unet, args.batch, args.latent, args.steps, device)
     teacher_unet = teacher_unet_for(name, base_unet, embed_dim)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = ours
@@ -260,7 +262,7 @@ def measure(name, args, base_unet, device, amp_dtype):
         teacher = GuidedTeacher(teacher_unet, "v_prediction", dtype=teacher_dtype, fused_cfg=True,
                                 channels_last=args.channels_last, device=device,
                                 compile_mode=args.teacher_compile_mode if compile_it else None)
-        if args.channels_last:
+        if channels_last_params:
             student.to(memory_format=torch.channels_last)
         if compile_it:
             student.compile(mode=None if args.student_compile_mode == "default" else args.student_compile_mode)
@@ -295,7 +297,7 @@ def measure(name, args, base_unet, device, amp_dtype):
         "forward_equivalents_per_sample": flops / args.batch / fwd, "first_step_s": first,
         "loss": float(loss.detach()), "teacher_passes_per_step": 2 if name == "ours_wcond" else 4,
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
-        "compiled": compile_it, "fused_adam": bool(opt_kwargs),
+        "compiled": compile_it, "fused_adam": fused, "channels_last_params": channels_last_params,
     }
     if args.profile:
         result["profile"] = profile_steps(step, args.profile, device)

@@ -423,7 +423,9 @@ def _prepare_student(student, cfg: Config):
     student.requires_grad_(True).train()
     if cfg.speed.gradient_checkpointing:
         student.enable_gradient_checkpointing()
-    if cfg.speed.channels_last:
+    # compiled, inductor chooses the conv layouts itself; channels_last parameters would get
+    # gradients of another layout from the compiled backward, which fused AdamW refuses
+    if cfg.speed.channels_last and not cfg.speed.compile_student:
         student.to(memory_format=torch.channels_last)
     if cfg.speed.compile_student:
         student.compile(mode=None if cfg.speed.student_compile_mode == "default" else cfg.speed.student_compile_mode)

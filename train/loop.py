@@ -187,6 +187,17 @@ def _load(ckpt: Path, model, optimizer, scheduler, ema):
     return state
 
 
+def use_fused_adamw(params, device) -> bool:
+    """Fused AdamW (one kernel instead of several per parameter: small models are launch-bound)
+    on CUDA, for parameters in the default layout. It needs every gradient in its parameter's
+    layout, which channels_last parameters do not always get (SD-2.1's 1x1 convs failed with
+    "must have same dtype, device, and layout"), so those keep the default implementation."""
+    def default_layout(p: torch.Tensor) -> bool:  # exact strides: a 1x1 conv's channels_last weight is_contiguous()
+        return p.stride() == torch.empty(p.shape, device="meta").stride()
+
+    return torch.device(device).type == "cuda" and all(default_layout(p) for p in params)
+
+
 def param_groups(model: torch.nn.Module, lr: float, lr_scale: dict) -> list[dict]:
     """AdamW param groups of the trainable parameters: one per `lr_scale` prefix that matches
     (lr x its multiplier), the rest at `lr`; empty groups are left out."""
@@ -236,8 +247,7 @@ def train_loop(
     params = [p for g in groups for p in g["params"]]
     if not params:
         raise PocketdiffError("the model has no trainable parameters")
-    # fused AdamW on CUDA: one kernel instead of several per parameter (small models are launch-bound)
-    optimizer = torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=acc.device.type == "cuda")
+    optimizer = torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=use_fused_adamw(params, acc.device))
     warm = max(cfg.warmup_steps, 0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
     ema = EMA(model, cfg.ema_decay) if cfg.ema_decay > 0 else None

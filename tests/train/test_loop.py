@@ -188,3 +188,14 @@ def test_lr_scale_gives_a_prefix_its_own_learning_rate(tmp_path):
                    seed=3, lr_scale={"2": scale})
         moved[scale] = float((model[2].weight.detach() - before).abs().max())
     assert 8.0 < moved[10.0] / moved[1.0] < 12.0
+
+
+def test_fused_adamw_only_on_cuda_for_parameters_in_the_default_layout():
+    from pocketdiff.train.loop import use_fused_adamw
+
+    for k in (3, 1):  # a 1x1 conv's channels_last weight still passes is_contiguous()
+        conv = torch.nn.Conv2d(4, 8, k)
+        assert use_fused_adamw(list(conv.parameters()), "cuda")
+        assert not use_fused_adamw(list(conv.parameters()), "cpu")
+        conv.to(memory_format=torch.channels_last)  # speed.channels_last without compile
+        assert not use_fused_adamw(list(conv.parameters()), "cuda")
