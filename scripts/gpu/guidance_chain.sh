@@ -62,10 +62,11 @@ lane3() {
   done_ distill-openmoji && evaluate 3 eval-guidance evaluate_openmoji_guidance.yaml
 }
 if [ "${1:-}" = lane ]; then  # a detached lane: its own budget, not the call's
+  echo $$ > $L/lane$2.pid  # its own pid: setsid forks when the caller leads a process group (the launcher's $! is gone at once)
   T0=$(date +%s); DEADLINE=${LANE_BUDGET:-1500}; lane$2; echo "[$(date +%T)] lane $2 finished" >> $L/timeline.log; exit 0
 fi
 
-T0=$(date +%s); DEADLINE=${DEADLINE:-540}
+T0=$(date +%s); DEADLINE=${DEADLINE:-500}  # the device's 600 s include env.sh's installs before T0
 restore_teacher outputs/teacher-openmoji/pipeline || exit 1
 restore_clip outputs/clip-openmoji/clip
 # the lanes run from a copy of the repo in /tmp: the call's own copy does not outlive the call
@@ -73,7 +74,9 @@ restore_clip outputs/clip-openmoji/clip
 for n in 0 1 2 3; do
   kill -0 "$(cat $L/lane$n.pid 2>/dev/null)" 2>/dev/null && continue
   grep -q "lane $n finished" $L/timeline.log 2>/dev/null && continue
-  (cd /tmp/repo-guidance && setsid nohup bash scripts/gpu/guidance_chain.sh lane $n >> $L/lane$n.out 2>&1 < /dev/null & echo $! > $L/lane$n.pid)
+  rm -f $L/lane$n.pid
+  (cd /tmp/repo-guidance && setsid nohup bash scripts/gpu/guidance_chain.sh lane $n >> $L/lane$n.out 2>&1 < /dev/null &)
+  for _ in 1 2 3 4 5 6 7 8 9 10; do [ -s $L/lane$n.pid ] && break; sleep 0.5; done  # the lane writes it
   echo "[$(date +%T)] lane $n started" >> $L/timeline.log
 done
 running() { local n c=0; for n in 0 1 2 3; do kill -0 "$(cat $L/lane$n.pid 2>/dev/null)" 2>/dev/null && c=$((c + 1)); done; echo $c; }
