@@ -28,6 +28,18 @@ random norm-perturbed tiny UNet with 256 calibration inputs (CPU, float32):
 A short schedule with a large step matches or beats a 10x longer plain one. bf16 autocast
 of the optimisation forwards hurt at W8 (0.57 against 0.24 at 500 it. lr 1e-2: the W8
 rounding signal is below bf16 noise) but not at W4 (0.311 against 0.339), hence `autocast: auto`.
+
+That lr is too large for layers with a large fan-in. Adam moves every rounding variable by
+about lr per step whatever its gradient, and a layer's output change adds up over its fan-in.
+SD-2.1's blocks with 1280-channel 3x3 convs (fan-in 11,520 to 23,040) ended 1.3-4x above RTN
+at 250-500 iterations, while blocks whose layers have fan-ins up to 5,760 improved
+(benchmarks/results/calibrate_sd21_sweep_h200.json). On one such block
+(up_blocks.0.upsamplers.0, fan-in 11,520; 256 px, CPU, 250 iterations;
+benchmarks/calibrate_block_lr.py) the hard-rounded block error relative to RTN was 3.4x at lr
+3e-2, 1.22x at 1.2e-2, 0.81x at 4.8e-3 and 0.77x at 3e-3 (calibration set; held-out 3.6x,
+1.46x, 0.87x, 0.86x). Hence `lr_fan_in_ref`: above a fan-in of 4,608 the lr falls as
+(4,608 / fan-in)^2, which gives 4.8e-3 at 11,520. SD-2.1 has 47 such layers; the tiny and small
+recipes have none (fan-in at most 2,304), so their tuned results are unchanged.
 """
 from __future__ import annotations
 
@@ -63,6 +75,10 @@ class ReconConfig:
     iters: int = 500  # optimisation steps per block
     batch_size: int = 32  # calibration samples per step
     lr: float = 3e-2  # Adam on the rounding variables (short schedule: see the module docstring)
+    # layers whose fan-in (inputs per output: in_channels/groups x kernel area) exceeds this get
+    # lr x (lr_fan_in_ref / fan_in)^2: Adam moves every rounding variable by about lr per step and
+    # the output change adds up over the fan-in (see the module docstring); None: one lr for all
+    lr_fan_in_ref: Optional[int] = 4608
     lr_schedule: str = "constant"  # constant | cosine (to lr_min_ratio x lr at the last iteration)
     lr_min_ratio: float = 0.1
     round_weight: float = 0.01  # weight of the rounding regulariser
@@ -96,6 +112,7 @@ class ReconConfig:
         require(self.method == "rtn" or self.iters > 0, "recon.iters", "must be > 0 for adaround")
         require(self.batch_size >= 1, "recon.batch_size", "must be >= 1")
         require(self.lr > 0 and self.scale_lr > 0, "recon.lr", "learning rates must be > 0")
+        require(self.lr_fan_in_ref is None or self.lr_fan_in_ref >= 1, "recon.lr_fan_in_ref", "must be >= 1 or null")
         require(self.lr_schedule in ("constant", "cosine"), "recon.lr_schedule", "must be constant or cosine")
         require(0 <= self.lr_min_ratio <= 1, "recon.lr_min_ratio", "must be in [0, 1]")
         require(self.round_weight >= 0, "recon.round_weight", "must be >= 0")
@@ -252,6 +269,15 @@ def block_mse(block: Block, caps: Sequence[Captured], targets: Sequence[torch.Te
 
 
 @torch.no_grad()
+def rounding_lr(opts: ReconConfig, weight_shape: Sequence[int]) -> float:
+    """Adam learning rate of one layer's rounding variables: `opts.lr`, scaled down by
+    (lr_fan_in_ref / fan_in)^2 for layers whose fan-in exceeds `opts.lr_fan_in_ref`."""
+    fan_in = math.prod(int(d) for d in weight_shape[1:])
+    if opts.lr_fan_in_ref is None or fan_in <= opts.lr_fan_in_ref:
+        return opts.lr
+    return opts.lr * (opts.lr_fan_in_ref / fan_in) ** 2
+
+
 def _target_power(targets: Sequence[torch.Tensor], chunk: int = 64) -> float:
     sq = sum(float((t[i:i + chunk].double() ** 2).sum()) for t in targets for i in range(0, t.shape[0], chunk))
     return sq / max(1, sum(t.numel() for t in targets))
@@ -303,7 +329,11 @@ def reconstruct_block(
 
     if opts.method == "adaround" and opts.iters > 0 and names:
         quantizers = {g: AdaRoundQuantizer(weights[g].to(device), specs[g], init_scales[g].to(device), opts.learn_scale) for g in names}
-        groups = [{"params": [q.v for q in quantizers.values()], "lr": opts.lr}]
+        by_lr: dict[float, list] = {}
+        for g, q in quantizers.items():
+            by_lr.setdefault(rounding_lr(opts, weights[g].shape), []).append(q.v)
+        groups = [{"params": vs, "lr": lr} for lr, vs in by_lr.items()]
+        stats["rounding_lr"] = sorted(by_lr)
         if opts.learn_scale:
             groups.append({"params": [q.log_scale for q in quantizers.values()], "lr": opts.scale_lr})
         optim = torch.optim.Adam(groups)

@@ -11,6 +11,7 @@ from pocketdiff.compress.int8_format import expand_scale, qmax
 from pocketdiff.compress.quant import (AdaRoundQuantizer, LayerSpec, beta_schedule, inverse_rectified_sigmoid, layer_specs,
                                        rectified_sigmoid, rtn, search_scale)
 from pocketdiff.compress.reconstruct import ReconConfig, block_mse, layer_inits, reconstruct_block
+from pocketdiff.errors import PocketdiffError
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -144,3 +145,29 @@ def test_recon_config_validation():
     with pytest.raises(ConfigError, match="recon.iters"):
         ReconConfig(iters=0)
     assert ReconConfig(method="rtn", iters=0).iters == 0
+
+
+def test_rounding_lr_falls_with_fan_in_above_the_reference():
+    from pocketdiff.compress.reconstruct import rounding_lr
+
+    opts = ReconConfig(lr=3e-2, lr_fan_in_ref=4608)
+    assert rounding_lr(opts, (320, 320, 3, 3)) == 3e-2  # fan-in 2,880: unchanged
+    assert rounding_lr(opts, (1280, 1280, 3, 3)) == pytest.approx(3e-2 * (4608 / 11520) ** 2)
+    assert rounding_lr(opts, (1280, 5120)) == pytest.approx(3e-2 * (4608 / 5120) ** 2)  # linear
+    assert rounding_lr(dataclasses.replace(opts, lr_fan_in_ref=None), (1280, 1280, 3, 3)) == 3e-2
+    with pytest.raises(PocketdiffError, match="recon.lr_fan_in_ref"):
+        ReconConfig(lr_fan_in_ref=0)
+
+
+def test_reconstruction_uses_one_adam_group_per_rounding_lr():
+    module = _toy()
+    block = _toy_block(module)  # conv 8->16 3x3 (fan-in 72) and conv 16->8 1x1 (fan-in 16)
+    x = torch.randn(32, 8, 6, 6, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        target = module(x)
+    weights = {"toy.0": module[0].weight.detach().clone(), "toy.2": module[2].weight.detach().clone()}
+    specs = {k: LayerSpec(8) for k in weights}
+    opts = ReconConfig(iters=2, batch_size=8, lr=1e-2, lr_fan_in_ref=36)  # the 3x3 conv: 1e-2 x (36 / 72)^2
+    rtn_res, init = layer_inits(weights, specs, opts, "cpu")
+    res = reconstruct_block(block, [_captured(x)], [target], weights, specs, rtn_res, init, opts, "cpu", seed=0)
+    assert res.stats["rounding_lr"] == pytest.approx([2.5e-3, 1e-2])
