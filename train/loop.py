@@ -190,8 +190,9 @@ def _load(ckpt: Path, model, optimizer, scheduler, ema):
 def use_fused_adamw(params, device) -> bool:
     """Fused AdamW (one kernel instead of several per parameter: small models are launch-bound)
     on CUDA, for parameters in the default layout. It needs every gradient in its parameter's
-    layout, which channels_last parameters do not always get (SD-2.1's 1x1 convs failed with
-    "must have same dtype, device, and layout"), so those keep the default implementation."""
+    layout, which channels_last parameters do not always get (an SD-2.1-size UNet with
+    channels_last parameters failed with "must have same dtype, device, and layout"), so those
+    keep the default implementation."""
     def default_layout(p: torch.Tensor) -> bool:  # exact strides: a 1x1 conv's channels_last weight is_contiguous()
         return p.stride() == torch.empty(p.shape, device="meta").stride()
 
