@@ -54,11 +54,13 @@ from pocketdiff.train.distill_targets import (  # noqa: E402
     GuidedTeacher,
     noisy_latents,
     round_plan,
+    set_student_layout,
     student_forward,
     two_step_x_target,
     x_space_loss,
 )
 from pocketdiff.train.guidance_embedding import add_guidance_embedding  # noqa: E402
+from pocketdiff.train.loop import use_fused_adamw  # noqa: E402
 
 VARIANTS = ("eager", "ours_eager", "ours", "ours_cudnn", "ours_wcond", "ours_loop")
 EMBED_DIM = 256  # the student's guidance-embedding width
@@ -246,9 +248,9 @@ def measure(name, args, base_unet, device, amp_dtype):
         student.enable_gradient_checkpointing()
     ours = name != "eager"
     compile_it = name in ("ours", "ours_cudnn", "ours_wcond", "ours_loop") and args.compile
-    channels_last_params = ours and args.channels_last and not compile_it  # as the trainer (_prepare_student)
-    # ours: fused AdamW when pocketdiff.train.loop would use it; eager: PyTorch's default (foreach)
-    fused = (ours or args.fused_adam) and device.type == "cuda" and not channels_last_params
+    if ours:  # the trainer's student layout and optimizer; eager: default layout, PyTorch's default AdamW (foreach)
+        set_student_layout(student, args.channels_last, compile_it)
+    fused = (ours or args.fused_adam) and use_fused_adamw(student.parameters(), device)
     opt = torch.optim.AdamW(student.parameters(), lr=1e-6, **({"fused": True} if fused else {}))
     b = Batch(base_unet, args.batch, args.latent, args.steps, device)
     teacher_unet = teacher_unet_for(name, base_unet, embed_dim)
@@ -262,8 +264,6 @@ def measure(name, args, base_unet, device, amp_dtype):
         teacher = GuidedTeacher(teacher_unet, "v_prediction", dtype=teacher_dtype, fused_cfg=True,
                                 channels_last=args.channels_last, device=device,
                                 compile_mode=args.teacher_compile_mode if compile_it else None)
-        if channels_last_params:
-            student.to(memory_format=torch.channels_last)
         if compile_it:
             student.compile(mode=None if args.student_compile_mode == "default" else args.student_compile_mode)
         step = lambda: ours_step(teacher, student, opt, b, amp, embed_dim, args.channels_last, uncond)  # noqa: E731
@@ -297,7 +297,8 @@ def measure(name, args, base_unet, device, amp_dtype):
         "forward_equivalents_per_sample": flops / args.batch / fwd, "first_step_s": first,
         "loss": float(loss.detach()), "teacher_passes_per_step": 2 if name == "ours_wcond" else 4,
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
-        "compiled": compile_it, "fused_adam": fused, "channels_last_params": channels_last_params,
+        "compiled": compile_it, "fused_adam": fused,
+        "channels_last_params": any(p.dim() == 4 and not p.is_contiguous() for p in student.parameters()),
     }
     if args.profile:
         result["profile"] = profile_steps(step, args.profile, device)

@@ -52,6 +52,7 @@ from .distill_targets import (
     guided_x_target,
     noisy_latents,
     round_plan,
+    set_student_layout,
     student_forward,
     two_step_x_target,
     x_space_loss,
@@ -423,10 +424,7 @@ def _prepare_student(student, cfg: Config):
     student.requires_grad_(True).train()
     if cfg.speed.gradient_checkpointing:
         student.enable_gradient_checkpointing()
-    # compiled, inductor chooses the conv layouts itself; channels_last parameters would get
-    # gradients of another layout from the compiled backward, which fused AdamW refuses
-    if cfg.speed.channels_last and not cfg.speed.compile_student:
-        student.to(memory_format=torch.channels_last)
+    set_student_layout(student, cfg.speed.channels_last, cfg.speed.compile_student)
     if cfg.speed.compile_student:
         student.compile(mode=None if cfg.speed.student_compile_mode == "default" else cfg.speed.student_compile_mode)
     return student

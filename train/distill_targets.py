@@ -218,6 +218,17 @@ def two_step_x_target(teacher: GuidedTeacher, z_t, t, t_mid, a_t, a_mid, a_prev,
 # Student and loss
 # --------------------------------------------------------------------------------------
 
+def set_student_layout(student, channels_last: bool, compiled: bool):
+    """channels_last parameters for an eager student only. A compiled student keeps the default
+    layout (inductor picks conv layouts itself), which also lets it use fused AdamW
+    (`train.loop.use_fused_adamw`). SD-2.1 size on one H200 (benchmarks/distill_step.py): 64.3
+    samples/s so, 60.2 in an earlier run with channels_last parameters and foreach AdamW
+    (benchmarks/results/distill_step_sd21_{fused_h200,h200}.json)."""
+    if channels_last and not compiled:
+        student.to(memory_format=torch.channels_last)
+    return student
+
+
 def student_forward(student, z_t, t, cond, w=None, channels_last: bool = False, embed_dim: Optional[int] = None) -> torch.Tensor:
     """The student's raw output (its own parameterisation); `student` may be DDP-wrapped."""
     kwargs = {}
