@@ -221,21 +221,18 @@ def profile_steps(step, n: int, device) -> dict:
         kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     else:  # CPU: the leaf aten ops stand in for kernels (a quick check of this code, not a measurement)
         kernels = [e for e in prof.key_averages() if e.key.startswith("aten::") and e.self_cpu_time_total > 0]
-        for e in kernels:
-            e.self_device_time_total = e.self_cpu_time_total
-    busy = sum(e.self_device_time_total for e in kernels) / 1e6 / n
+    secs = {e.key: (e.self_device_time_total if cuda else e.self_cpu_time_total) / 1e6 / n for e in kernels}
+    busy = sum(secs.values())
     kinds: dict[str, float] = {}
-    for e in kernels:
-        lower = e.key.lower()
-        kind = next((label for label, keys in KERNEL_KINDS if any(k in lower for k in keys)), "other")
-        kinds[kind] = kinds.get(kind, 0.0) + e.self_device_time_total / 1e6 / n
-    top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:25]
+    for key, t in secs.items():
+        kind = next((label for label, keys in KERNEL_KINDS if any(k in key.lower() for k in keys)), "other")
+        kinds[kind] = kinds.get(kind, 0.0) + t
+    top = sorted(kernels, key=lambda e: -secs[e.key])[:25]
     return {
         "profiled_steps": n, "step_s_under_profiler": wall, "kernel_s_per_step": busy,
         "gpu_idle_share": max(0.0, 1.0 - busy / wall),
         "share_by_kind": {k: v / busy for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])} if busy else {},
-        "top_kernels": [{"name": e.key[:160], "s_per_step": e.self_device_time_total / 1e6 / n, "calls_per_step": e.count / n}
-                        for e in top],
+        "top_kernels": [{"name": e.key[:160], "s_per_step": secs[e.key], "calls_per_step": e.count / n} for e in top],
     }
 
 
