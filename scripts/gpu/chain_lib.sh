@@ -9,6 +9,16 @@ run() {  # run GPU LOG VERB ARGS...: one verb on one GPU, stopped at the deadlin
   CUDA_VISIBLE_DEVICES=$gpu timeout "$t" python3 -m pocketdiff "$@" >> $L/$name.log 2>&1
   echo "[$(date +%T)] end $name exit $?" >> $L/timeline.log
 }
+# bench GPUS NAME SECONDS SCRIPT ARGS...: a benchmarks/ script into outputs/NAME/NAME.json when SECONDS
+# still fit the call; done (outputs/NAME/done) when it exits 0
+bench() {
+  local gpus=$1 name=$2 need=$3 script=$4 rc; shift 4
+  done_ $name && return 0; fits $need $name || return 1
+  mkdir -p outputs/$name && echo "[$(date +%T)] start $name on GPU$gpus" >> $L/timeline.log
+  (cd $REPO/benchmarks && CUDA_VISIBLE_DEVICES=$gpus timeout $(left) python3 $script --out $RUNS/outputs/$name/$name.json "$@") >> $L/$name.log 2>&1
+  rc=$?; echo "[$(date +%T)] end $name exit $rc" >> $L/timeline.log
+  [ $rc -eq 0 ] && touch outputs/$name/done
+}
 fits() { [ "$(left)" -gt "$1" ] || { echo "[$(date +%T)] not starting $2: needs ${1} s, $(left) s left" >> $L/timeline.log; false; }; }
 # the OpenMoji distillation schedule of the GPU chains: 600 guided steps, then 64 -> 32 -> 16 -> 8
 # -> 4 -> 2 steps; metrics by one `pocketdiff evaluate` at the end

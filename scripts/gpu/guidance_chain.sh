@@ -16,7 +16,7 @@
 # Afterwards, N=4 of the scaling figure (merged with N=1, 2): NS=4 bash scripts/gpu/distill_scaling.sh
 set -u
 source scripts/gpu/env.sh
-L=$RUNS/guidance && mkdir -p $L outputs; C=$REPO/configs; B=$REPO/benchmarks
+L=$RUNS/guidance && mkdir -p $L outputs; C=$REPO/configs
 source $REPO/scripts/gpu/chain_lib.sh
 done_() {
   case $1 in
@@ -24,14 +24,6 @@ done_() {
     round-*) [ -f outputs/distill-openmoji/$1/model_index.json ] ;;
     *) [ -f outputs/$1/report.json ] || [ -f outputs/$1/done ] ;;
   esac
-}
-bench() {  # bench GPU NAME SCRIPT ARGS...: a benchmark script into outputs/NAME/NAME.json; done when it exits 0
-  local gpu=$1 name=$2 script=$3 rc; shift 3
-  done_ $name && return 0; fits 120 $name || return 1
-  mkdir -p outputs/$name && echo "[$(date +%T)] start $name on GPU$gpu" >> $L/timeline.log
-  (cd $B && CUDA_VISIBLE_DEVICES=$gpu timeout $(left) python3 $script --out $RUNS/outputs/$name/$name.json "$@") >> $L/$name.log 2>&1
-  rc=$?; echo "[$(date +%T)] end $name exit $rc" >> $L/timeline.log
-  [ $rc -eq 0 ] && touch outputs/$name/done
 }
 evaluate() {  # evaluate GPU NAME CONFIG: one evaluate recipe, once the CLIP is there
   done_ $2 && return 0
@@ -44,16 +36,16 @@ lane0() {
       && mkdir -p outputs/scaling && touch outputs/scaling/done
     echo "[$(date +%T)] end scaling" >> $L/timeline.log
   fi
-  bench 0 step-profile distill_step.py --arch sd21 --variants eager,ours,ours_wcond --profile 3
+  bench 0 step-profile 120 distill_step.py --arch sd21 --variants eager,ours,ours_wcond --profile 3
   evaluate 0 eval-teacher-spacing evaluate_openmoji_teacher_spacing.yaml
 }
 lane1() {
   wait_for scaling
-  bench 1 step-autotune distill_step.py --arch sd21 --variants eager,ours --profile 3 \
+  bench 1 step-autotune 120 distill_step.py --arch sd21 --variants eager,ours --profile 3 \
     --teacher-compile-mode max-autotune-no-cudagraphs --student-compile-mode max-autotune-no-cudagraphs
 }
 lane2() {
-  bench 2 calib-sweep calibrate_sd21.py --no-timing --iters 0,100,250,500,1000
+  bench 2 calib-sweep 120 calibrate_sd21.py --no-timing --iters 0,100,250,500,1000
   wait_for round-0 && evaluate 2 eval-guided-stage evaluate_openmoji_guided_stage.yaml
 }
 lane3() {

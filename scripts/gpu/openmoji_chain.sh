@@ -19,13 +19,7 @@ restore_clip outputs/clip-openmoji/clip  # when it fits the 64 MiB
 (  # GPU0: the CLIP every FD needs; later calls: the measured SD-2.1 calibration (SD21_CALIB=benchmark args,
    # SD21_GPUS=0,3 for independent mode over two GPUs)
   done_ clip-openmoji || run 0 clip train-clip --config $C/clip/openmoji.yaml --output outputs/clip-openmoji --overwrite save_dtype=float16
-  if [ -n "${SD21_CALIB:-}" ] && ! done_ calib-sd21 && fits 470 calib-sd21; then
-    echo "[$(date +%T)] start calib-sd21" >> $L/timeline.log
-    mkdir -p outputs/calib-sd21 && (cd $REPO/benchmarks && CUDA_VISIBLE_DEVICES=${SD21_GPUS:-0} timeout $(left) python3 calibrate_sd21.py \
-      --out $RUNS/outputs/calib-sd21/calibrate_sd21_full.json $SD21_CALIB) >> $L/calib-sd21.log 2>&1 \
-      && touch outputs/calib-sd21/done
-    echo "[$(date +%T)] end calib-sd21" >> $L/timeline.log
-  fi
+  [ -n "${SD21_CALIB:-}" ] && bench ${SD21_GPUS:-0} calib-sd21 470 calibrate_sd21.py $SD21_CALIB
 ) &
 (  # GPU1: 30 % pruning + recovery (its FD at the end needs the CLIP); W8 of the teacher; the FD of
    # the quantized teacher; W8 of the 4-step student; the FD of the quantized student
@@ -38,10 +32,7 @@ restore_clip outputs/clip-openmoji/clip  # when it fits the 64 MiB
 (  # GPU2: W4 of the teacher, the SD-2.1 distillation-step benchmark (STEP_BENCH=its args), W4 of the student,
    # the CUDA smoke of every verb
   done_ calib-openmoji-w4 || { fits 390 calib-w4 && run 2 calib-w4 calibrate --config $C/calibrate/openmoji_w4.yaml --output outputs/calib-openmoji-w4 --overwrite; }
-  if [ -n "${STEP_BENCH:-}" ] && ! done_ step-bench && fits 300 step-bench; then
-    mkdir -p outputs/step-bench && (cd $REPO/benchmarks && CUDA_VISIBLE_DEVICES=2 timeout $(left) python3 distill_step.py \
-      --out $RUNS/outputs/step-bench/distill_step_sd21.json --arch sd21 $STEP_BENCH) >> $L/step-bench.log 2>&1; [ -f outputs/step-bench/distill_step_sd21.json ] && touch outputs/step-bench/done
-  fi
+  [ -n "${STEP_BENCH:-}" ] && bench 2 step-bench 300 distill_step.py --arch sd21 $STEP_BENCH
   wait_for round-4 && { done_ calib-student4-w4 || { fits 390 calib-student4-w4 && run 2 calib-student4-w4 calibrate --config $C/calibrate/openmoji_student_w4.yaml --output outputs/calib-student4-w4 --overwrite; }; }
   if ! done_ smoke && fits 150 smoke; then
     (cd $REPO && CUDA_VISIBLE_DEVICES=2 timeout $(left) bash scripts/gpu/smoke.sh) > $L/smoke.log 2>&1; mkdir -p outputs/smoke && touch outputs/smoke/done
