@@ -147,6 +147,10 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=16, help="DDIM steps per trajectory (all recorded, cond + uncond)")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--lr", type=float, default=None)
+    p.add_argument("--sweep-lrs", default=None,
+                   help="comma list: sweep every iteration count at each of these rounding learning rates (default: the recipe's)")
+    p.add_argument("--lr-fan-in-ref", default=None,
+                   help="recon.lr_fan_in_ref: an integer, or none (one learning rate for every layer)")
     p.add_argument("--lr-schedule", default=None, choices=["constant", "cosine"])
     p.add_argument("--round-weight", type=float, default=None)
     p.add_argument("--warmup", type=float, default=None)
@@ -210,12 +214,18 @@ def main(argv=None) -> int:
 
     overrides = {k: v for k, v in (("lr", args.lr), ("round_weight", args.round_weight), ("warmup", args.warmup),
                                                    ("lr_schedule", args.lr_schedule)) if v is not None}
+    if args.lr_fan_in_ref is not None:
+        overrides["lr_fan_in_ref"] = None if args.lr_fan_in_ref.lower() == "none" else int(args.lr_fan_in_ref)
     base = ReconConfig(iters=1, batch_size=args.batch, autocast=args.autocast, compile=args.compile,
                        compile_mode=args.compile_mode, channels_last=args.channels_last, scale_init=args.scale_init,
                        learn_scale=not args.no_learn_scale, **overrides)
     result["recon_config"] = dataclasses.asdict(base)
+    swept = [] if args.no_sweep else pick_blocks(blocks, args.blocks, per_sample)
+    if args.no_timing and args.full_iters is None:  # only the swept blocks need scales (the search is slow on a CPU)
+        names = [g for b in swept for g in b.layers]
     weights = float_weights(unet, names)
     rtn_res, init_scales = layer_inits(weights, specs, base, device)
+    sweep_lrs = [float(x) for x in args.sweep_lrs.split(",") if x.strip()] if args.sweep_lrs else [base.lr]
     tf32, cap_ac = capture_settings(base, device)
     iters_list = [int(x) for x in args.iters.split(",") if x.strip()]
 
@@ -284,26 +294,26 @@ def main(argv=None) -> int:
         from pocketdiff.compress.reconstruct import block_mse
 
         sweep = []
-        for b in pick_blocks(blocks, args.blocks, per_sample):
+        for b in swept:
             caps, _ = block_data(b)
             hcaps, _ = block_data(b, held)
             htargets = [c.output for c in hcaps]
             h_rtn = block_mse(b, hcaps, htargets, {g: dequant(*rtn_res[g], specs[g]).to(device) for g in b.layers}, device)
             rows = []
-            for n in iters_list:
-                opts = dataclasses.replace(base, iters=n, method="adaround" if n > 0 else "rtn", fallback=False)
+            for n, lr in [(n, lr) for n in iters_list for lr in (sweep_lrs if n > 0 else sweep_lrs[:1])]:
+                opts = dataclasses.replace(base, iters=n, lr=lr, method="adaround" if n > 0 else "rtn", fallback=False)
                 sync(device)
                 ts = time.time()
                 res = reconstruct_block(b, caps, [c.output for c in caps], weights, specs, rtn_res, init_scales, opts, device)
                 sync(device)
                 s = res.stats
-                row = {"iters": n, "wall_s": round(time.time() - ts, 3), "mse_rtn": s["mse_rtn_calib"], "mse_init": s["mse_init_calib"],
+                row = {"iters": n, "lr": lr, "wall_s": round(time.time() - ts, 3), "mse_rtn": s["mse_rtn_calib"], "mse_init": s["mse_init_calib"],
                        "mse_recon": s["mse_recon_calib"], "target_power": s["target_power"], "soft_fraction": s.get("soft_fraction")}
                 row["ratio_vs_rtn"] = row["mse_recon"] / max(row["mse_rtn"], 1e-30)
-                h = block_mse(b, hcaps, htargets, {g: dequant(lr.codes, lr.scale, specs[g]).to(device) for g, lr in res.layers.items()}, device)
+                h = block_mse(b, hcaps, htargets, {g: dequant(layer.codes, layer.scale, specs[g]).to(device) for g, layer in res.layers.items()}, device)
                 row.update(holdout_mse_rtn=h_rtn, holdout_mse_recon=h, holdout_ratio_vs_rtn=h / max(h_rtn, 1e-30))
                 rows.append(row)
-                print(f"sweep {b.name} iters={n}: rtn {row['mse_rtn']:.3e} init {row['mse_init']:.3e} recon {row['mse_recon']:.3e} "
+                print(f"sweep {b.name} iters={n} lr={lr:g}: rtn {row['mse_rtn']:.3e} init {row['mse_init']:.3e} recon {row['mse_recon']:.3e} "
                       f"({row['ratio_vs_rtn']:.3f}x rtn; held-out {row['holdout_ratio_vs_rtn']:.3f}x) soft {row['soft_fraction']} "
                       f"{row['wall_s']:.1f}s", file=sys.stderr, flush=True)
             sweep.append({"name": b.name, "kind": b.kind, "rows": rows})

@@ -30,7 +30,11 @@ def main(argv=None) -> int:
     for ax, key, title in ((axes[0], "ratio_vs_rtn", "calibration inputs"), (axes[1], "holdout_ratio_vs_rtn", "held-out inputs")):
         for block in sweep:
             rows = [r for r in block["rows"] if r["iters"] > 0]
-            ax.plot([r["iters"] for r in rows], [r[key] for r in rows], marker="o", label=f"{block['name']} ({block['kind']})")
+            lrs = sorted({r.get("lr") for r in rows}, key=lambda v: -1 if v is None else v)
+            for lr in lrs:  # one line per rounding lr (--sweep-lrs); older files have one, unnamed
+                pts = [r for r in rows if r.get("lr") == lr]
+                label = f"{block['name']} ({block['kind']})" + (f", lr {lr:g}" if len(lrs) > 1 else "")
+                ax.plot([r["iters"] for r in pts], [r[key] for r in pts], marker="o", label=label)
         ax.axhline(1.0, color="black", linewidth=1, linestyle="--")
         ax.set_xscale("log")
         ax.set_yscale("log")

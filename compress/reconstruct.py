@@ -35,9 +35,9 @@ SD-2.1's blocks with 1280-channel 3x3 convs (fan-in 11,520 to 23,040) ended 1.3-
 at 250-500 iterations, while blocks whose layers have fan-ins up to 5,760 improved
 (benchmarks/results/calibrate_sd21_sweep_h200.json). On one such block
 (up_blocks.0.upsamplers.0, fan-in 11,520; 256 px, CPU, 250 iterations;
-benchmarks/calibrate_block_lr.py) the hard-rounded block error relative to RTN was 3.4x at lr
-3e-2, 1.22x at 1.2e-2, 0.81x at 4.8e-3 and 0.77x at 3e-3 (calibration set; held-out 3.6x,
-1.46x, 0.87x, 0.86x). Hence `lr_fan_in_ref`: above a fan-in of 4,608 the lr falls as
+benchmarks/calibrate_sd21.py --sweep-lrs) the hard-rounded block error relative to RTN was 3.4x at lr
+3e-2, 1.22x at 1.2e-2, 0.74x at 4.8e-3 and 0.77x at 3e-3 (calibration set; held-out 3.6x,
+1.46x, 0.89x, 0.86x). Hence `lr_fan_in_ref`: above a fan-in of 4,608 the lr falls as
 (4,608 / fan-in)^2, which gives 4.8e-3 at 11,520. SD-2.1 has 47 such layers; the tiny and small
 recipes have none (fan-in at most 2,304), so their tuned results are unchanged.
 """
