@@ -133,6 +133,33 @@ def pick_blocks(blocks, spec: str, per_sample: dict):
     return found
 
 
+def sweep_variants(args, base) -> list[tuple[str, dict]]:
+    """(label, ReconConfig overrides) per swept variant: --sweep-variants, else one per --sweep-lrs
+    rate, else the recipe alone (label '')."""
+    import dataclasses
+
+    import yaml
+
+    if args.sweep_variants and args.sweep_lrs:
+        raise SystemExit("--sweep-variants and --sweep-lrs: give one (a variant can set lr=...)")
+    if args.sweep_lrs:
+        specs = [f"lr={x.strip()}" for x in args.sweep_lrs.split(",") if x.strip()]
+    else:
+        specs = [v.strip() for v in (args.sweep_variants or "").split(";")] or [""]
+    fields = {f.name for f in dataclasses.fields(base)}
+    out = []
+    for spec in specs:
+        ov = {}
+        for item in (x.strip() for x in spec.split(",") if x.strip()):
+            key, sep, value = item.partition("=")
+            if not sep or key not in fields:
+                raise SystemExit(f"--sweep-variants: {item!r} is not key=value of a recon field ({sorted(fields)})")
+            ov[key] = yaml.safe_load(value)
+        dataclasses.replace(base, **ov)  # validates now, not after the calibration data is built
+        out.append((spec, ov))
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
@@ -149,6 +176,9 @@ def main(argv=None) -> int:
     p.add_argument("--lr", type=float, default=None)
     p.add_argument("--sweep-lrs", default=None,
                    help="comma list: sweep every iteration count at each of these rounding learning rates (default: the recipe's)")
+    p.add_argument("--sweep-variants", default=None,
+                   help="';'-separated recon overrides, each a comma list of key=value (e.g. 'round_weight=0.001;warmup=0,lr=1e-2'): "
+                        "sweep every iteration count under each (an empty variant is the recipe itself)")
     p.add_argument("--lr-fan-in-ref", default=None,
                    help="recon.lr_fan_in_ref: an integer, or none (one learning rate for every layer)")
     p.add_argument("--lr-schedule", default=None, choices=["constant", "cosine"])
@@ -225,7 +255,7 @@ def main(argv=None) -> int:
         names = [g for b in swept for g in b.layers]
     weights = float_weights(unet, names)
     rtn_res, init_scales = layer_inits(weights, specs, base, device)
-    sweep_lrs = [float(x) for x in args.sweep_lrs.split(",") if x.strip()] if args.sweep_lrs else [base.lr]
+    variants = sweep_variants(args, base)
     tf32, cap_ac = capture_settings(base, device)
     iters_list = [int(x) for x in args.iters.split(",") if x.strip()]
 
@@ -300,20 +330,21 @@ def main(argv=None) -> int:
             htargets = [c.output for c in hcaps]
             h_rtn = block_mse(b, hcaps, htargets, {g: dequant(*rtn_res[g], specs[g]).to(device) for g in b.layers}, device)
             rows = []
-            for n, lr in [(n, lr) for n in iters_list for lr in (sweep_lrs if n > 0 else sweep_lrs[:1])]:
-                opts = dataclasses.replace(base, iters=n, lr=lr, method="adaround" if n > 0 else "rtn", fallback=False)
+            for n, (label, ov) in [(n, v) for n in iters_list for v in (variants if n > 0 else variants[:1])]:
+                opts = dataclasses.replace(base, iters=n, method="adaround" if n > 0 else "rtn", fallback=False, **ov)
+                lr = opts.lr
                 sync(device)
                 ts = time.time()
                 res = reconstruct_block(b, caps, [c.output for c in caps], weights, specs, rtn_res, init_scales, opts, device)
                 sync(device)
                 s = res.stats
-                row = {"iters": n, "lr": lr, "wall_s": round(time.time() - ts, 3), "mse_rtn": s["mse_rtn_calib"], "mse_init": s["mse_init_calib"],
+                row = {"iters": n, "lr": lr, "variant": label, "wall_s": round(time.time() - ts, 3), "mse_rtn": s["mse_rtn_calib"], "mse_init": s["mse_init_calib"],
                        "mse_recon": s["mse_recon_calib"], "target_power": s["target_power"], "soft_fraction": s.get("soft_fraction")}
                 row["ratio_vs_rtn"] = row["mse_recon"] / max(row["mse_rtn"], 1e-30)
                 h = block_mse(b, hcaps, htargets, {g: dequant(layer.codes, layer.scale, specs[g]).to(device) for g, layer in res.layers.items()}, device)
                 row.update(holdout_mse_rtn=h_rtn, holdout_mse_recon=h, holdout_ratio_vs_rtn=h / max(h_rtn, 1e-30))
                 rows.append(row)
-                print(f"sweep {b.name} iters={n} lr={lr:g}: rtn {row['mse_rtn']:.3e} init {row['mse_init']:.3e} recon {row['mse_recon']:.3e} "
+                print(f"sweep {b.name} iters={n} {label or 'recipe'} lr={lr:g}: rtn {row['mse_rtn']:.3e} init {row['mse_init']:.3e} recon {row['mse_recon']:.3e} "
                       f"({row['ratio_vs_rtn']:.3f}x rtn; held-out {row['holdout_ratio_vs_rtn']:.3f}x) soft {row['soft_fraction']} "
                       f"{row['wall_s']:.1f}s", file=sys.stderr, flush=True)
             sweep.append({"name": b.name, "kind": b.kind, "rows": rows})

@@ -17,6 +17,9 @@ def main(argv=None) -> int:
     p.add_argument("result", help="calibrate_sd21.py JSON with a `sweep`")
     p.add_argument("--out", default=None, help="PNG (default: the JSON's path with .png)")
     args = p.parse_args(argv)
+    def variant(row):  # files written before --sweep-variants name only the lr, or nothing
+        return row.get("variant", f"lr={row['lr']:g}" if row.get("lr") is not None else "")
+
     src = Path(args.result)
     sweep = json.loads(src.read_text()).get("sweep")
     if not sweep:
@@ -30,10 +33,11 @@ def main(argv=None) -> int:
     for ax, key, title in ((axes[0], "ratio_vs_rtn", "calibration inputs"), (axes[1], "holdout_ratio_vs_rtn", "held-out inputs")):
         for block in sweep:
             rows = [r for r in block["rows"] if r["iters"] > 0]
-            lrs = sorted({r.get("lr") for r in rows}, key=lambda v: -1 if v is None else v)
-            for lr in lrs:  # one line per rounding lr (--sweep-lrs); older files have one, unnamed
-                pts = [r for r in rows if r.get("lr") == lr]
-                label = f"{block['name']} ({block['kind']})" + (f", lr {lr:g}" if len(lrs) > 1 else "")
+            # one line per variant (--sweep-variants) or rounding lr (--sweep-lrs); older files have one
+            keys = list(dict.fromkeys(map(variant, rows)))
+            for k in keys:
+                pts = [r for r in rows if variant(r) == k]
+                label = f"{block['name']} ({block['kind']})" + (f", {k or 'recipe'}" if len(keys) > 1 else "")
                 ax.plot([r["iters"] for r in pts], [r[key] for r in pts], marker="o", label=label)
         ax.axhline(1.0, color="black", linewidth=1, linestyle="--")
         ax.set_xscale("log")
