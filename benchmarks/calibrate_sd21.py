@@ -133,12 +133,12 @@ def pick_blocks(blocks, spec: str, per_sample: dict):
     return found
 
 
-def sweep_variants(args, base) -> list[tuple[str, dict]]:
-    """(label, ReconConfig overrides) per swept variant: --sweep-variants, else one per --sweep-lrs
-    rate, else the recipe alone (label '')."""
-    import dataclasses
-
-    import yaml
+def sweep_variants(args, base) -> list[tuple[str, "ReconConfig"]]:
+    """(label, ReconConfig) per swept variant: --sweep-variants, else one per --sweep-lrs rate, else
+    the recipe alone (label ''). Overrides are typed and checked as the verbs' command lines are,
+    before any calibration data is built."""
+    from pocketdiff.config import with_overrides
+    from pocketdiff.errors import ConfigError
 
     if args.sweep_variants and args.sweep_lrs:
         raise SystemExit("--sweep-variants and --sweep-lrs: give one (a variant can set lr=...)")
@@ -146,18 +146,10 @@ def sweep_variants(args, base) -> list[tuple[str, dict]]:
         specs = [f"lr={x.strip()}" for x in args.sweep_lrs.split(",") if x.strip()]
     else:
         specs = [v.strip() for v in (args.sweep_variants or "").split(";")] or [""]
-    fields = {f.name for f in dataclasses.fields(base)}
-    out = []
-    for spec in specs:
-        ov = {}
-        for item in (x.strip() for x in spec.split(",") if x.strip()):
-            key, sep, value = item.partition("=")
-            if not sep or key not in fields:
-                raise SystemExit(f"--sweep-variants: {item!r} is not key=value of a recon field ({sorted(fields)})")
-            ov[key] = yaml.safe_load(value)
-        dataclasses.replace(base, **ov)  # validates now, not after the calibration data is built
-        out.append((spec, ov))
-    return out
+    try:
+        return [(spec, with_overrides(base, [x.strip() for x in spec.split(",") if x.strip()])) for spec in specs]
+    except ConfigError as e:
+        raise SystemExit(f"--sweep-variants: {e}") from None
 
 
 def main(argv=None) -> int:
@@ -218,6 +210,14 @@ def main(argv=None) -> int:
     resolution = args.resolution or (512 if args.arch in ("sd15", "sd21") else None)
     result: dict = {"args": vars(args), "torch": torch.__version__, "python": platform.python_version(),
                     "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"}
+    overrides = {k: v for k, v in (("lr", args.lr), ("round_weight", args.round_weight), ("warmup", args.warmup),
+                                                   ("lr_schedule", args.lr_schedule)) if v is not None}
+    if args.lr_fan_in_ref is not None:
+        overrides["lr_fan_in_ref"] = None if args.lr_fan_in_ref.lower() == "none" else int(args.lr_fan_in_ref)
+    base = ReconConfig(iters=1, batch_size=args.batch, autocast=args.autocast, compile=args.compile,
+                       compile_mode=args.compile_mode, channels_last=args.channels_last, scale_init=args.scale_init,
+                       learn_scale=not args.no_learn_scale, **overrides)
+    variants = sweep_variants(args, base)  # bad overrides fail here, before the UNet and its data are built
     t0 = time.time()
     unet, scheduler, ucfg = build_unet(args.arch, resolution, args.seed, device, args.norm_scale)
     result["unet_params"] = sum(p.numel() for p in unet.parameters())
@@ -242,20 +242,12 @@ def main(argv=None) -> int:
     result["activations_max_abs"] = max(v["max_abs"] for v in act.values())
     save()
 
-    overrides = {k: v for k, v in (("lr", args.lr), ("round_weight", args.round_weight), ("warmup", args.warmup),
-                                                   ("lr_schedule", args.lr_schedule)) if v is not None}
-    if args.lr_fan_in_ref is not None:
-        overrides["lr_fan_in_ref"] = None if args.lr_fan_in_ref.lower() == "none" else int(args.lr_fan_in_ref)
-    base = ReconConfig(iters=1, batch_size=args.batch, autocast=args.autocast, compile=args.compile,
-                       compile_mode=args.compile_mode, channels_last=args.channels_last, scale_init=args.scale_init,
-                       learn_scale=not args.no_learn_scale, **overrides)
     result["recon_config"] = dataclasses.asdict(base)
     swept = [] if args.no_sweep else pick_blocks(blocks, args.blocks, per_sample)
     if args.no_timing and args.full_iters is None:  # only the swept blocks need scales (the search is slow on a CPU)
         names = [g for b in swept for g in b.layers]
     weights = float_weights(unet, names)
     rtn_res, init_scales = layer_inits(weights, specs, base, device)
-    variants = sweep_variants(args, base)
     tf32, cap_ac = capture_settings(base, device)
     iters_list = [int(x) for x in args.iters.split(",") if x.strip()]
 
@@ -330,21 +322,20 @@ def main(argv=None) -> int:
             htargets = [c.output for c in hcaps]
             h_rtn = block_mse(b, hcaps, htargets, {g: dequant(*rtn_res[g], specs[g]).to(device) for g in b.layers}, device)
             rows = []
-            for n, (label, ov) in [(n, v) for n in iters_list for v in (variants if n > 0 else variants[:1])]:
-                opts = dataclasses.replace(base, iters=n, method="adaround" if n > 0 else "rtn", fallback=False, **ov)
-                lr = opts.lr
+            for n, (label, variant) in [(n, v) for n in iters_list for v in (variants if n > 0 else variants[:1])]:
+                opts = dataclasses.replace(variant, iters=n, method="adaround" if n > 0 else "rtn", fallback=False)
                 sync(device)
                 ts = time.time()
                 res = reconstruct_block(b, caps, [c.output for c in caps], weights, specs, rtn_res, init_scales, opts, device)
                 sync(device)
                 s = res.stats
-                row = {"iters": n, "lr": lr, "variant": label, "wall_s": round(time.time() - ts, 3), "mse_rtn": s["mse_rtn_calib"], "mse_init": s["mse_init_calib"],
+                row = {"iters": n, "lr": opts.lr, "rounding_lrs": s.get("rounding_lr"), "variant": label, "wall_s": round(time.time() - ts, 3), "mse_rtn": s["mse_rtn_calib"], "mse_init": s["mse_init_calib"],
                        "mse_recon": s["mse_recon_calib"], "target_power": s["target_power"], "soft_fraction": s.get("soft_fraction")}
                 row["ratio_vs_rtn"] = row["mse_recon"] / max(row["mse_rtn"], 1e-30)
                 h = block_mse(b, hcaps, htargets, {g: dequant(layer.codes, layer.scale, specs[g]).to(device) for g, layer in res.layers.items()}, device)
                 row.update(holdout_mse_rtn=h_rtn, holdout_mse_recon=h, holdout_ratio_vs_rtn=h / max(h_rtn, 1e-30))
                 rows.append(row)
-                print(f"sweep {b.name} iters={n} {label or 'recipe'} lr={lr:g}: rtn {row['mse_rtn']:.3e} init {row['mse_init']:.3e} recon {row['mse_recon']:.3e} "
+                print(f"sweep {b.name} iters={n} {label or 'recipe'} lr={opts.lr:g} (per layer {row['rounding_lrs']}): rtn {row['mse_rtn']:.3e} init {row['mse_init']:.3e} recon {row['mse_recon']:.3e} "
                       f"({row['ratio_vs_rtn']:.3f}x rtn; held-out {row['holdout_ratio_vs_rtn']:.3f}x) soft {row['soft_fraction']} "
                       f"{row['wall_s']:.1f}s", file=sys.stderr, flush=True)
             sweep.append({"name": b.name, "kind": b.kind, "rows": rows})

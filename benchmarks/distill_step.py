@@ -60,7 +60,7 @@ from pocketdiff.train.distill_targets import (  # noqa: E402
     x_space_loss,
 )
 from pocketdiff.train.guidance_embedding import add_guidance_embedding  # noqa: E402
-from pocketdiff.train.loop import use_fused_adamw  # noqa: E402
+from pocketdiff.train.loop import in_default_layout, use_fused_adamw  # noqa: E402
 
 VARIANTS = ("eager", "ours_eager", "ours", "ours_cudnn", "ours_wcond", "ours_loop")
 EMBED_DIM = 256  # the student's guidance-embedding width
@@ -295,7 +295,7 @@ def measure(name, args, base_unet, device, amp_dtype):
         "loss": float(loss.detach()), "teacher_passes_per_step": 2 if name == "ours_wcond" else 4,
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
         "compiled": compile_it, "fused_adam": fused,
-        "channels_last_params": any(p.dim() == 4 and not p.is_contiguous() for p in student.parameters()),
+        "channels_last_params": not all(in_default_layout(p) for p in student.parameters()),
     }
     if args.profile:
         result["profile"] = profile_steps(step, args.profile, device)

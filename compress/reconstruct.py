@@ -271,7 +271,6 @@ def block_mse(block: Block, caps: Sequence[Captured], targets: Sequence[torch.Te
     return sq / max(count, 1)
 
 
-@torch.no_grad()
 def rounding_lr(opts: ReconConfig, weight_shape: Sequence[int]) -> float:
     """Adam learning rate of one layer's rounding variables: `opts.lr`, scaled down by
     (lr_fan_in_ref / fan_in)^2 for layers whose fan-in exceeds `opts.lr_fan_in_ref`."""
@@ -281,6 +280,7 @@ def rounding_lr(opts: ReconConfig, weight_shape: Sequence[int]) -> float:
     return opts.lr * (opts.lr_fan_in_ref / fan_in) ** 2
 
 
+@torch.no_grad()
 def _target_power(targets: Sequence[torch.Tensor], chunk: int = 64) -> float:
     sq = sum(float((t[i:i + chunk].double() ** 2).sum()) for t in targets for i in range(0, t.shape[0], chunk))
     return sq / max(1, sum(t.numel() for t in targets))

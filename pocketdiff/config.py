@@ -90,6 +90,16 @@ def load_config(schema: type[T], path: Optional[str | Path] = None, overrides: O
             cfg = OmegaConf.merge(cfg, OmegaConf.create(raw))
         except OmegaConfBaseException as e:
             raise ConfigError(_format_omegaconf_error(e, str(path))) from None
+    return _finish(cfg, overrides, str(path) if path is not None else "config")
+
+
+def with_overrides(obj: T, overrides: list[str]) -> T:
+    """A validated copy of the config dataclass `obj` with dotted `key=value` overrides, typed and
+    checked as on the command line (`obj` itself is not changed)."""
+    return _finish(OmegaConf.structured(obj), overrides, "config")
+
+
+def _finish(cfg, overrides: Optional[list[str]], where: str):
     for item in overrides or []:
         if "=" not in item:
             raise ConfigError(f"command line: override {item!r} must look like key=value")
@@ -104,12 +114,10 @@ def load_config(schema: type[T], path: Optional[str | Path] = None, overrides: O
         obj = OmegaConf.to_object(cfg)
         OmegaConf.structured(obj)  # re-check element types that merge lets through (e.g. a dict in list[str])
     except OmegaConfBaseException as e:
-        where = str(path) if path is not None else "config"
         raise ConfigError(_format_omegaconf_error(e, where)) from None
     except PocketdiffError as e:
-        where = str(path) if path is not None else "config"
         raise ConfigError(f"{where}: {e}") from None
-    return obj  # type: ignore[return-value]
+    return obj
 
 
 def to_yaml(cfg: Any) -> str:

@@ -187,16 +187,18 @@ def _load(ckpt: Path, model, optimizer, scheduler, ema):
     return state
 
 
+def in_default_layout(p: torch.Tensor) -> bool:
+    """Exact default strides (a 1x1 conv's channels_last weight still passes is_contiguous())."""
+    return p.stride() == torch.empty(p.shape, device="meta").stride()
+
+
 def use_fused_adamw(params, device) -> bool:
     """Fused AdamW (one kernel instead of several per parameter: small models are launch-bound)
     on CUDA, for parameters in the default layout. It needs every gradient in its parameter's
     layout, which channels_last parameters do not always get (an SD-2.1-size UNet with
     channels_last parameters failed with "must have same dtype, device, and layout"), so those
     keep the default implementation."""
-    def default_layout(p: torch.Tensor) -> bool:  # exact strides: a 1x1 conv's channels_last weight is_contiguous()
-        return p.stride() == torch.empty(p.shape, device="meta").stride()
-
-    return torch.device(device).type == "cuda" and all(default_layout(p) for p in params)
+    return torch.device(device).type == "cuda" and all(in_default_layout(p) for p in params)
 
 
 def param_groups(model: torch.nn.Module, lr: float, lr_scale: dict) -> list[dict]:

@@ -52,6 +52,10 @@ start_lanes() {
     echo "[$(date +%T)] lane $n started" >> $L/timeline.log
   done
 }
+# pack_reports: every run's reports, logs and pictures (no weights) into $L/RUN.tgz, finished or not;
+# rounds: the distillation's round folders so far
+pack_reports() { local d; for d in $(ls outputs); do [ -d outputs/$d ] && reports outputs/$d $L/$d.tgz; done; }
+rounds() { ls outputs/distill-openmoji 2>/dev/null | grep '^round-' | tr '\n' ' '; }
 # restore_teacher DEST: the OpenMoji teacher from the carried .carry/teacher16 (a folder) or
 # .carry/teacher16.tar.xz (the same, packed to fit the 64 MiB carry beside the data and wheels)
 restore_teacher() {

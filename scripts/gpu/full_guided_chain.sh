@@ -33,9 +33,9 @@ restore_clip outputs/clip-openmoji/clip
 export LANE_BUDGET=${LANE_BUDGET:-2700}
 start_lanes scripts/gpu/full_guided_chain.sh 0
 while [ "$(running 0)" -gt 0 ] && [ "$(left)" -gt 15 ]; do sleep 5; done
-for d in $(ls outputs); do [ -d outputs/$d ] && [ $d != teacher-openmoji ] && [ $d != clip-openmoji ] && reports outputs/$d $L/$d.tgz; done
+pack_reports
 tar czf $OUT/full-guided.tgz -C $RUNS full-guided
-echo "rounds: $(ls -d outputs/distill-openmoji/round-* 2>/dev/null | xargs -n1 basename | tr '\n' ' ')"
+echo "rounds: $(rounds)"
 tail -8 $L/timeline.log
 grep -o '\[[a-z0-9 -]*\][^\r]*it/s[^\r]*' $L/distill.log 2>/dev/null | tail -2
 grep -v Warning $L/distill.log 2>/dev/null | tail -3

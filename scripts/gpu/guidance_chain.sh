@@ -57,11 +57,11 @@ restore_clip outputs/clip-openmoji/clip
 start_lanes scripts/gpu/guidance_chain.sh 0 1 2 3
 while [ "$(running 0 1 2 3)" -gt 0 ] && [ "$(left)" -gt 25 ]; do sleep 5; done
 # pack what exists now (lanes still running go on while the machine stays warm)
-for d in $(ls outputs); do [ -d outputs/$d ] && reports outputs/$d $L/$d.tgz; done
+pack_reports
 cp outputs/*/*.json $L/ 2>/dev/null; cp -r $RUNS/scaling_out $L/ 2>/dev/null
 tar czf $OUT/guidance.tgz -C $RUNS guidance
 echo "finished: $(cd outputs && for d in *; do done_ $d && printf '%s ' $d; done)"
-echo "rounds: $(ls -d outputs/distill-openmoji/round-* 2>/dev/null | xargs -n1 basename | tr '\n' ' ')"
+echo "rounds: $(rounds)"
 tail -25 $L/timeline.log
 for f in $L/step-*.log $L/calib-sweep.log $L/scaling.log; do [ -f $f ] && { echo "== $f"; grep -v Warning $f | tail -4; }; done
 echo "call done after $(( $(date +%s) - T0 )) s; lanes still running: $(running 0 1 2 3)"

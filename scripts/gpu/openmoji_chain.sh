@@ -44,9 +44,9 @@ restore_clip outputs/clip-openmoji/clip  # when it fits the 64 MiB
 ) &
 while [ -n "$(jobs -r)" ] && [ "$(left)" -gt 0 ]; do sleep 5; done
 pkill -f "python3 -m pocketdiff"; pkill -f "calibrate_sd21.py|distill_step.py"; sleep 2
-for d in $(ls outputs); do reports outputs/$d $L/$d.tgz; done  # also unfinished runs (the rounds' grids)
+pack_reports  # also unfinished runs (the rounds' grids)
 tar czf $OUT/chain.tgz -C $RUNS chain
 echo "finished: $(cd outputs && for d in *; do { [ -f $d/report.json ] || [ -f $d/done ]; } && printf '%s ' $d; done)"
-echo "rounds: $(ls -d outputs/distill-openmoji/round-* 2>/dev/null | xargs -n1 basename | tr '\n' ' ')"
+echo "rounds: $(rounds)"
 cat $L/timeline.log | tail -30
 echo "chain call done after $(( $(date +%s) - T0 )) s (run again to continue)"

@@ -2,7 +2,7 @@ import dataclasses
 
 import pytest
 
-from pocketdiff.config import DataConfig, load_config
+from pocketdiff.config import DataConfig, load_config, with_overrides
 from pocketdiff.errors import ConfigError
 
 
@@ -107,3 +107,16 @@ def test_string_overrides_keep_their_text_and_null_means_none_where_optional():
     assert cfg.name == "007" and cfg.data.caption_column == "yes"
     assert load_config(Schema, None, ["data.path=null"]).data.path is None
     assert load_config(Schema, None, ["data.path=00"]).data.path == "00"
+
+
+def test_with_overrides_starts_from_the_given_instance_and_checks_like_the_command_line():
+    base = Schema(name="kept", inner=Inner(lr=0.25, steps=3))
+    cfg = with_overrides(base, ["inner.steps=9", "data.resolution=48"])
+    assert (cfg.name, cfg.inner.lr, cfg.inner.steps, cfg.data.resolution) == ("kept", 0.25, 9, 48)
+    assert base.inner.steps == 3 and base.data.resolution == 32  # the given instance is not changed
+    with pytest.raises(ConfigError, match="inner.nope"):
+        with_overrides(base, ["inner.nope=1"])
+    with pytest.raises(ConfigError, match="inner.steps"):
+        with_overrides(base, ["inner.steps=many"])
+    with pytest.raises(ConfigError, match="data.resolution"):  # __post_init__ validation runs
+        with_overrides(base, ["data.resolution=2"])
