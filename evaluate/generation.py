@@ -18,15 +18,14 @@ Guidance (`guidance_mode`):
   folded -> none, and its ``num_inference_steps`` as the default step count), else
   ``w_conditioned`` when the UNet takes w, else ``cfg``.
 
-Bundles: `kind: bundle` calls ``generate_images(bundle_dir, prompts, steps=, guidance_scale=,
-seed=, resolution=)`` of the module registered for the ``run-bundle`` verb in
-`pocketdiff.cli.VERBS`; it must return float images [N, 3, H, W] in [0, 1], image i seeded with
-seed + i (the convention of `pocketdiff.sampling.generate`).
+Bundles: `kind: bundle` goes through the export package's declared interface,
+`pocketdiff.export.bundle_images` (`bundle_info`: the steps, resolution and guidance the
+bundle was exported for, which become the model's defaults; `generate_images`: float images
+[N, 3, H, W] in [0, 1], image i seeded with seed + i, on the LiteRT GPU delegate).
 """
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import inspect
 import time
 from pathlib import Path
@@ -165,8 +164,7 @@ def resolve_model(spec_or_obj: Any, index: int = 0, device: Optional[torch.devic
     if spec.kind == "bundle":
         if not spec.path:
             raise PocketdiffError(f"models[{index}] ({name}): kind=bundle needs path (an exported bundle folder)")
-        return LoadedModel(name=name, spec=spec, guidance_mode=spec.guidance_mode if spec.guidance_mode != "auto" else "cfg",
-                           default_steps=list(spec.steps), default_guidance=spec.guidance_scale)
+        return _bundle_model(index, name, spec)
     if pipe is None and spec.build:
         from pocketdiff.models import ModelConfig, build_pipeline
 
@@ -236,21 +234,41 @@ def with_scheduler_overrides(pipe, overrides: dict, where: str):
     return type(pipe)(**{**pipe.components, "scheduler": new})
 
 
-def _bundle_generate(model: LoadedModel, prompts: Sequence[str], steps: int, guidance: float, seed: int, resolution: Optional[int]) -> torch.Tensor:
-    """Hook for exported bundles: run-bundle's `generate_images` (see module docstring)."""
-    from pocketdiff.cli import VERBS
+BUNDLE_GUIDANCE = {"cfg": "cfg", "embedded": "w_conditioned", "none": "none"}  # bundle.json's mode -> ours
 
-    module_name = VERBS.get("run-bundle")
-    if module_name is None:
-        raise PocketdiffError(f"models ({model.name}): kind=bundle needs the run-bundle verb, which is not implemented yet")
-    module = importlib.import_module(module_name)
-    fn = getattr(module, "generate_images", None)
-    if fn is None:
-        raise PocketdiffError(f"models ({model.name}): {module_name} has no generate_images(bundle_dir, prompts, steps=, guidance_scale=, seed=, resolution=)")
-    images = fn(model.spec.path, list(prompts), steps=steps, guidance_scale=guidance, seed=seed, resolution=resolution)
-    if not isinstance(images, torch.Tensor) or images.dim() != 4 or images.shape[0] != len(prompts):
-        raise PocketdiffError(f"models ({model.name}): run-bundle's generate_images returned {type(images).__name__}, expected [N, 3, H, W] floats")
-    return images.float().clamp(0, 1).cpu()
+
+def _bundle_model(index: int, name: str, spec: ModelSpec) -> LoadedModel:
+    """A bundle folder, checked now (not mid-evaluation); its exported steps (and embedded
+    guidance) are the defaults."""
+    from pocketdiff.export.bundle_images import bundle_info
+
+    try:
+        info = bundle_info(spec.path)
+    except PocketdiffError as e:
+        raise PocketdiffError(f"models[{index}] ({name}): {e}") from None
+    mode = BUNDLE_GUIDANCE.get(info.guidance_mode)
+    if mode is None:
+        raise PocketdiffError(f"models[{index}] ({name}): bundle guidance mode {info.guidance_mode!r} is not one of {sorted(BUNDLE_GUIDANCE)}")
+    if spec.guidance_mode not in ("auto", mode):
+        raise PocketdiffError(f"models[{index}] ({name}): guidance_mode={spec.guidance_mode} but the bundle was exported with "
+                              f"guidance {info.guidance_mode!r} (use auto or {mode})")
+    wrong = [int(s) for s in spec.steps if int(s) != info.steps]
+    if wrong:
+        raise PocketdiffError(f"models[{index}] ({name}).steps: {wrong}, but the bundle was exported for {info.steps} steps")
+    guidance = spec.guidance_scale if spec.guidance_scale is not None else (info.guidance_scale if mode == "w_conditioned" else None)
+    return LoadedModel(name=name, spec=spec, guidance_mode=mode, default_steps=[info.steps], default_guidance=guidance)
+
+
+def _bundle_generate(model: LoadedModel, prompts: Sequence[str], steps: int, guidance: float, seed: int, resolution: Optional[int]) -> torch.Tensor:
+    """Images of an exported bundle through the export package's interface."""
+    from pocketdiff.export.bundle_images import generate_images as bundle_generate_images
+
+    try:
+        images = bundle_generate_images(model.spec.path, list(prompts), steps=steps, guidance_scale=guidance, seed=seed,
+                                        resolution=resolution)
+    except PocketdiffError as e:
+        raise PocketdiffError(f"models ({model.name}): {e}") from None
+    return torch.from_numpy(images).float().clamp(0, 1)
 
 
 def _generate_accepts(name: str) -> bool:

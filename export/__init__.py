@@ -3,6 +3,8 @@
 - `verb`: `pocketdiff export` (Config, run) -- rewrites, conversion, weight storage,
   delegate verification, parity, fp16 scan, bundle
 - `run_bundle`: `pocketdiff run-bundle` -- text -> PNG with the bundle and ai-edge-litert only
+- `bundle_images`: the interface other stages use (evaluate's `kind: bundle`): `bundle_info`,
+  `generate_images` -> float images [N, 3, H, W]
 - `rewrites`: the module swaps (Linear -> 1x1 conv, rank-4 GroupNorm, clipped GELU, conv
   serialization, chunked attention, residual-stream rescaling)
 - `components`: the three graphs with fixed shapes; `exporter`: one component end to end

@@ -231,3 +231,26 @@ def test_export_does_not_overwrite_a_bundle(exported, capsys):
     code = cli_main(["export", "--config", str(exported["config"]), "--output", str(exported["out"])])
     assert code == 2
     assert "--overwrite" in capsys.readouterr().err
+
+
+def test_evaluate_reads_the_bundle_through_the_export_interface(exported):
+    """evaluate's `kind: bundle` goes through pocketdiff.export.bundle_images: the bundle's
+    steps become the default, images match the runner's, a cfg bundle takes another scale,
+    and a step count the bundle was not exported for is refused before anything runs."""
+    from pocketdiff.errors import PocketdiffError
+    from pocketdiff.evaluate.generation import ModelSpec, generate_images, resolve_model
+    from pocketdiff.export.run_bundle import generate
+
+    out = exported["out"]
+    model = resolve_model(ModelSpec(name="b", kind="bundle", path=str(out)))
+    assert model.guidance_mode == "cfg" and model.default_steps == [4]
+    images, _ = generate_images(model, ["a red circle", "a blue star"], 4, 3.0, seed=7)
+    assert images.shape == (2, 3, 32, 32) and images.dtype == torch.float32
+    ref, _ = generate(out, "a blue star", seed=8)  # image i is seeded seed + i
+    assert np.abs(images[1].numpy().transpose(1, 2, 0) - ref).max() < 1e-4
+    w1, _ = generate_images(model, ["a red circle"], 4, 1.0, seed=7)
+    assert (w1[0] - images[0]).abs().max() > 1e-2  # the scale reaches the runner
+    with pytest.raises(PocketdiffError, match="exported for 4 steps"):
+        generate_images(model, ["a red circle"], 2, 3.0, seed=7)
+    with pytest.raises(PocketdiffError, match="exported for 4 steps"):
+        resolve_model(ModelSpec(name="b", kind="bundle", path=str(out), steps=[8]))

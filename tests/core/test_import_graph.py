@@ -1,0 +1,231 @@
+"""The dependency rules of the package, checked on its import graph (every `import` statement,
+lazy ones inside functions included, read with `ast`; nothing is imported).
+
+- the core (`pocketdiff/`) imports no stage and no orchestration (cli, demo);
+- a stage imports the core, itself, and another stage only through that stage's declared
+  interfaces (`INTERFACES`); never the orchestration;
+- the stages' dependency graph has no cycle;
+- code imports through the `pocketdiff.` namespace only, never a bare `train` / `export`;
+- every package folder is listed in pyproject's `packages` (a regular install has it).
+
+Stages and their folders come from pyproject's `package-dir`, so a new stage is checked
+as soon as it is mapped.
+"""
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    tomllib = pytest.importorskip("tomli")
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Orchestration: knows every stage, known by none. `pocketdiff.demo` is the demo chain: issue 20
+# moves it out of the core folder (pocketdiff/demo.py -> a top-level demo/ mapped to
+# pocketdiff.demo); in either place it orchestrates, so it is allowed to import every stage.
+ORCHESTRATION = ("pocketdiff.cli", "pocketdiff.__main__", "pocketdiff.demo")
+
+# Stage areas, most specific first: compress holds two unrelated stages.
+SUBSTAGES = ("pocketdiff.compress.quant", "pocketdiff.compress.prune")
+
+# importer area -> {module of another stage it may import: why}. A module name allows that
+# module only (not its siblings); the crossings DESIGN.md declares.
+INTERFACES: dict[str, dict[str, str]] = {
+    "pocketdiff.export": {
+        "pocketdiff.compress.quant.int8_format": "export carries compress's int8 checkpoint format bit-exact",
+    },
+    "pocketdiff.compress.prune": {
+        "pocketdiff.train.loop": "recovery distillation reuses train's loop",
+        "pocketdiff.train.losses": "recovery and Taylor importance use train's diffusion target",
+        "pocketdiff.evaluate": "prune measures FD / CLIP through evaluate's public API",
+    },
+    "pocketdiff.train": {
+        "pocketdiff.evaluate": "distill evaluates its rounds through evaluate's public API",
+    },
+    "pocketdiff.evaluate": {
+        "pocketdiff.export.bundle_images": "evaluate's kind: bundle runs exported bundles",
+    },
+}
+
+
+def package_dirs(root: Path = ROOT) -> dict[str, Path]:
+    """pyproject's package-dir: package name -> folder."""
+    pyproject = tomllib.loads((root / "pyproject.toml").read_text(encoding="utf-8"))
+    mapping = pyproject["tool"]["setuptools"]["package-dir"]
+    return {pkg: root / folder for pkg, folder in mapping.items()}
+
+
+def module_files(root: Path = ROOT) -> dict[str, Path]:
+    """Dotted module name -> file, for every .py file under the mapped folders."""
+    dirs = package_dirs(root)
+    modules: dict[str, Path] = {}
+    # deepest mapping first, so pocketdiff.train's files are not also read as pocketdiff.<...>
+    for pkg, folder in sorted(dirs.items(), key=lambda kv: -kv[0].count(".")):
+        for path in folder.rglob("*.py"):
+            if any(part.startswith(".") or part == "__pycache__" for part in path.relative_to(folder).parts):
+                continue
+            parts = list(path.relative_to(folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            name = ".".join([pkg, *parts])
+            modules.setdefault(name, path)
+    return modules
+
+
+def imports_of(name: str, path: Path, modules: dict[str, Path]) -> list[tuple[str, int]]:
+    """(imported module, line) for every import statement in the file, relative ones resolved;
+    `from pkg import a, b` counts as pkg.a / pkg.b where those are modules, else as pkg."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            submodules = [f"{target}.{alias.name}" for alias in node.names if f"{target}.{alias.name}" in modules]
+            found += [(sub, node.lineno) for sub in submodules]
+            if len(submodules) < len(node.names):  # names defined in target itself
+                found.append((target, node.lineno))
+    return found
+
+
+def area(module: str, stages: list[str]) -> str:
+    """'orchestration', 'core', a stage package name, or '' (outside pocketdiff)."""
+    if not (module == "pocketdiff" or module.startswith("pocketdiff.")):
+        return ""
+    if any(module == o or module.startswith(o + ".") for o in ORCHESTRATION):
+        return "orchestration"
+    for stage in stages:
+        if module == stage or module.startswith(stage + "."):
+            return stage
+    return "core"
+
+
+def stages_of(root: Path = ROOT) -> list[str]:
+    names = [pkg for pkg in package_dirs(root) if pkg != "pocketdiff" and pkg not in ORCHESTRATION]
+    return sorted([*names, *SUBSTAGES], key=lambda s: -s.count("."))
+
+
+def violations(root: Path = ROOT) -> tuple[list[str], dict[str, set[str]]]:
+    """(broken rules, one line each; the stage graph: area -> areas it imports)."""
+    stages = stages_of(root)
+    modules = module_files(root)
+    bare = {folder.name for pkg, folder in package_dirs(root).items() if pkg != "pocketdiff"}
+    problems: list[str] = []
+    graph: dict[str, set[str]] = {}
+    for name, path in sorted(modules.items()):
+        src = area(name, stages)
+        where = path.relative_to(root).as_posix()
+        for target, line in imports_of(name, path, modules):
+            top = target.split(".")[0]
+            if top in bare:
+                problems.append(f"{where}:{line}: imports bare '{target}'; import through pocketdiff.{top}")
+                continue
+            dst = area(target, stages)
+            if not dst or dst == src or dst == "core" or src == "orchestration":
+                continue  # outside pocketdiff, within one area, the shared core, or the CLI / demo
+            if dst == "orchestration":
+                problems.append(f"{where}:{line}: {src} imports {target}, the orchestration (cli / demo knows every stage, none knows it)")
+            elif src == "core":
+                problems.append(f"{where}:{line}: the core imports {target} (stage {dst}); the core knows no stage")
+            elif target in INTERFACES.get(src, {}):  # a declared module; not its package's other modules
+                graph.setdefault(src, set()).add(dst)
+            else:
+                problems.append(f"{where}:{line}: stage {src} imports {target} of stage {dst}, which is not a declared "
+                                f"interface (declare it in INTERFACES with its reason, or meet through files)")
+    return problems, graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str]:
+    """A cycle in the graph as a list of nodes (first == last), or []."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str]:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if not state.get(nxt):
+                cycle = visit(nxt)
+                if cycle:
+                    return cycle
+        stack.pop()
+        state[node] = 2
+        return []
+
+    for node in sorted(graph):
+        if not state.get(node):
+            cycle = visit(node)
+            if cycle:
+                return cycle
+    return []
+
+
+def test_the_package_keeps_its_dependency_rules():
+    problems, graph = violations()
+    assert not problems, "\n".join(problems)
+    cycle = find_cycle(graph)
+    assert not cycle, " -> ".join(cycle)
+
+
+def test_declared_interfaces_exist():
+    modules = module_files()
+    missing = [f"{src} -> {target}" for src, allowed in INTERFACES.items() for target in allowed if target not in modules]
+    assert not missing, f"INTERFACES names modules that do not exist: {missing}"
+
+
+def test_every_package_folder_is_installed():
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    listed = set(pyproject["tool"]["setuptools"]["packages"])
+    packages = {name for name, path in module_files().items() if path.name == "__init__.py"}
+    assert packages <= listed, f"package folders missing from pyproject's packages list: {sorted(packages - listed)}"
+
+
+def _write(root: Path, rel: str, text: str = "") -> None:
+    path = root / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def test_the_checker_catches_each_broken_rule(tmp_path):
+    """A small tree breaking every rule once: each is reported (the check can fail)."""
+    (tmp_path / "pyproject.toml").write_text(
+        '[tool.setuptools]\npackages = ["pocketdiff"]\n'
+        '[tool.setuptools.package-dir]\n"pocketdiff" = "pocketdiff"\n"pocketdiff.train" = "train"\n'
+        '"pocketdiff.export" = "export"\n"pocketdiff.evaluate" = "evaluate"\n')
+    _write(tmp_path, "pocketdiff/__init__.py")
+    _write(tmp_path, "pocketdiff/cli.py", "import pocketdiff.train.loop\n")  # fine: orchestration
+    _write(tmp_path, "pocketdiff/models.py", "def f():\n    from pocketdiff.train import loop\n")  # core -> stage
+    _write(tmp_path, "train/__init__.py")
+    _write(tmp_path, "train/loop.py", "from pocketdiff.models import f\nfrom pocketdiff.cli import main\n")  # stage -> cli
+    _write(tmp_path, "export/__init__.py")
+    _write(tmp_path, "export/bundle_images.py", "from .run import x\n")
+    _write(tmp_path, "export/run.py", "import train.loop\n")  # bare import
+    _write(tmp_path, "evaluate/__init__.py")
+    _write(tmp_path, "evaluate/generation.py",
+           "from pocketdiff.export.bundle_images import g\n"  # declared: fine
+           "from pocketdiff.export.run import main\n")  # undeclared crossing
+    problems, graph = violations(tmp_path)
+    text = "\n".join(problems)
+    assert "pocketdiff/models.py:2: the core imports pocketdiff.train" in text
+    assert "train/loop.py:2: pocketdiff.train imports pocketdiff.cli" in text
+    assert "export/run.py:1: imports bare 'train.loop'" in text
+    assert "evaluate/generation.py:2: stage pocketdiff.evaluate imports pocketdiff.export.run" in text
+    assert len(problems) == 4, text
+    assert graph == {"pocketdiff.evaluate": {"pocketdiff.export"}}
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}}) == []
