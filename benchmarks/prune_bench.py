@@ -73,7 +73,7 @@ def main(argv=None) -> int:
 
     from diffusers import DDIMScheduler, UNet2DConditionModel
 
-    from pocketdiff.compress.prune import graph as pg
+    from pocketdiff.compress.prune.targets import layer_profile
     from pocketdiff.compress.prune.verb import PruneSettings, TargetConfig, macs_table, prune_unet
     from pocketdiff.compress.prune.importance import accumulate_diffusion_gradients
     from pocketdiff.compress.prune.model import load_pruned_unet
@@ -122,7 +122,7 @@ def main(argv=None) -> int:
     pruned, plan = prune_unet(unet, settings, gradient_fn=gradient_fn)
     prune_s = time.perf_counter() - t0
 
-    prof_b, prof_a = pg.layer_profile(unet), pg.layer_profile(pruned)
+    prof_b, prof_a = layer_profile(unet), layer_profile(pruned)
     macs = macs_table(prof_b, prof_a, plan["targeted"])
     tb = sum(prof_b[n].params for n in plan["targeted"])
     ta = sum(prof_a[n].params for n in plan["targeted"])

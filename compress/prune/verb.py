@@ -43,8 +43,11 @@ from pocketdiff.device import resolve_device
 from pocketdiff.outputs import commit_folder, read_json, write_json
 from pocketdiff.train.loop import LoopConfig
 
+from . import allocation as pa
 from . import graph as pg
+from . import slicing as psl
 from . import stream as ps
+from . import targets as pt
 from .importance import (
     accumulate_diffusion_gradients,
     group_parameters,
@@ -228,7 +231,7 @@ def precheck(cfg: Config) -> None:
     plan_shapes(unet, cfg.prune)
 
 
-def _budgets(selection: pg.Selection, scores: Optional[dict[str, torch.Tensor]] = None) -> list[pg.GroupBudget]:
+def _budgets(selection: pt.Selection, scores: Optional[dict[str, torch.Tensor]] = None) -> list[pa.GroupBudget]:
     out = []
     for g in selection.groups:
         cost = 0.0
@@ -237,25 +240,25 @@ def _budgets(selection: pg.Selection, scores: Optional[dict[str, torch.Tensor]] 
             cost += g.conv1.in_channels * g.conv1.kernel_size[0] * g.conv1.kernel_size[1] + (1 if g.conv1.bias is not None else 0)
         if c2 in selection.targeted:
             cost += g.conv2.out_channels * g.conv2.kernel_size[0] * g.conv2.kernel_size[1]
-        out.append(pg.GroupBudget(g.name, g.channels, g.num_groups, cost, None if scores is None else scores[g.name]))
+        out.append(pa.GroupBudget(g.name, g.channels, g.num_groups, cost, None if scores is None else scores[g.name]))
     return out
 
 
 def plan_shapes(unet, p: PruneSettings, profile: Optional[dict] = None):
     """Target selection + (for uniform allocation) kept channels per group; raises on bad input.
-    Scope internal: (graph.Selection, keep); stream / all: (stream.Coupled, keep)."""
-    profile = profile if profile is not None else pg.layer_profile(unet)
+    Scope internal: (targets.Selection, keep); stream / all: (targets.Coupled, keep)."""
+    profile = profile if profile is not None else pt.layer_profile(unet)
     if p.scope != "internal":
         sel = _select_coupled(unet, profile, p)
-        keep = ps.allocate_coupled(sel, p.ratio, p.groupnorm, p.round_to, p.allocation, p.max_layer_ratio, scope=p.scope)
+        keep = pa.allocate_coupled(sel, p.ratio, p.groupnorm, p.round_to, p.allocation, p.max_layer_ratio, scope=p.scope)
         return sel, keep
-    sel = pg.select_targets(unet, profile, p.targets.include, p.targets.exclude, p.targets.min_weight_params, p.targets.min_activation)
+    sel = pt.select_targets(unet, profile, p.targets.include, p.targets.exclude, p.targets.min_weight_params, p.targets.min_activation)
     budgets = _budgets(sel)
     if p.allocation == "uniform":
-        keep = pg.allocate(budgets, p.ratio, p.groupnorm, p.round_to, "uniform")
+        keep = pa.allocate(budgets, p.ratio, p.groupnorm, p.round_to, "uniform")
     else:  # feasibility only: scores are needed to decide
         fake = {b.name: torch.ones(b.channels) for b in budgets}
-        keep = pg.allocate(_budgets(sel, fake), p.ratio, p.groupnorm, p.round_to, "global", p.max_layer_ratio)
+        keep = pa.allocate(_budgets(sel, fake), p.ratio, p.groupnorm, p.round_to, "global", p.max_layer_ratio)
     return sel, keep
 
 
@@ -263,9 +266,9 @@ def plan_shapes(unet, p: PruneSettings, profile: Optional[dict] = None):
 # The pruning itself (usable without the CLI)
 # --------------------------------------------------------------------------------------
 
-def _select_coupled(unet, profile, p: PruneSettings) -> ps.Coupled:
+def _select_coupled(unet, profile, p: PruneSettings) -> pt.Coupled:
     t = p.targets
-    return ps.select_coupled(unet, profile, p.scope, t.include, t.exclude, t.min_weight_params, t.min_activation)
+    return pt.select_coupled(unet, profile, p.scope, t.include, t.exclude, t.min_weight_params, t.min_activation)
 
 
 def prune_unet(unet, p: PruneSettings, *, generator: Optional[torch.Generator] = None, gradient_fn=None, scores=None):
@@ -280,14 +283,14 @@ def prune_unet(unet, p: PruneSettings, *, generator: Optional[torch.Generator] =
     """
     generator = generator or torch.Generator().manual_seed(0)
     work = copy.deepcopy(unet)
-    profile = pg.layer_profile(work)
+    profile = pt.layer_profile(work)
     if p.scope != "internal":
         return _prune_coupled(work, profile, p, generator, gradient_fn, scores)
-    sel = pg.select_targets(work, profile, p.targets.include, p.targets.exclude, p.targets.min_weight_params, p.targets.min_activation)
+    sel = pt.select_targets(work, profile, p.targets.include, p.targets.exclude, p.targets.min_weight_params, p.targets.min_activation)
     importance = resolve_importance(p.importance)
     if scores is None:
         scores = _scores(work, sel.groups, [], importance, p, generator, gradient_fn)
-    keep_counts = pg.allocate(_budgets(sel, scores), p.ratio, p.groupnorm, p.round_to, p.allocation, p.max_layer_ratio)
+    keep_counts = pa.allocate(_budgets(sel, scores), p.ratio, p.groupnorm, p.round_to, p.allocation, p.max_layer_ratio)
     plan = _prune_groups(sel, scores, keep_counts, p)
     pruned = to_pruned(work)
     return pruned, {"groups": plan, "unprunable": sel.unprunable, "targeted": sorted(sel.targeted)}
@@ -311,8 +314,8 @@ def _prune_groups(sel, scores: dict, counts: dict, p: PruneSettings) -> list[dic
     plan = []
     for g in sel.groups:
         before_c, before_g = g.channels, g.num_groups
-        keep = pg.choose_keep(scores[g.name], g.num_groups, counts[g.name], p.groupnorm)
-        pg.prune_internal(g, keep, p.groupnorm)
+        keep = pa.choose_keep(scores[g.name], g.num_groups, counts[g.name], p.groupnorm)
+        psl.prune_internal(g, keep, p.groupnorm)
         plan.append({
             "group": g.name, "channels_before": before_c, "channels_after": g.channels,
             "groupnorm_groups_before": before_g, "groupnorm_groups_after": g.num_groups,
@@ -331,15 +334,15 @@ def _prune_coupled(work, profile, p: PruneSettings, generator, gradient_fn, scor
     missing = [n for n in [g.name for g in sel.groups] + [st.name for st in sel.streams] if n not in scores]
     if missing:
         raise PocketdiffError(f"prune_unet: no scores for {missing[:3]}")
-    counts = ps.allocate_coupled(sel, p.ratio, p.groupnorm, p.round_to, p.allocation, p.max_layer_ratio,
+    counts = pa.allocate_coupled(sel, p.ratio, p.groupnorm, p.round_to, p.allocation, p.max_layer_ratio,
                                  scores=scores, scope=p.scope)
     # streams first (input / output dimensions of many modules at once), then the internal channels
     keeps, streams_plan = {}, []
     for st in sel.streams:
-        order = ps.removal_order(st, scores[st.name])
-        ladder = dict(ps.stream_ladder(st, order, p.round_to))
-        keeps[st.name] = ps.stream_keep(st, order, ladder[counts[st.name]])
-    ps.prune_streams(work, sel.graph, keeps)
+        order = pa.removal_order(st, scores[st.name])
+        ladder = dict(pa.stream_ladder(st, order, p.round_to))
+        keeps[st.name] = pa.stream_keep(st, order, ladder[counts[st.name]])
+    psl.prune_streams(work, sel.graph, keeps)
     mods = dict(work.named_modules())
     for st in sel.streams:
         norms = [m for m in st.members if m.role == "norm"]
@@ -594,8 +597,8 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
     student = student.to(device).eval()
 
     # measurements before recovery
-    prof_before = pg.layer_profile(teacher)
-    prof_after = pg.layer_profile(student)
+    prof_before = pt.layer_profile(teacher)
+    prof_after = pt.layer_profile(student)
     targeted = plan["targeted"]
     tp_before = sum(prof_before[n].params for n in targeted)
     tp_after = sum(prof_after[n].params for n in targeted)

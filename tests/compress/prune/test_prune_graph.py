@@ -7,7 +7,10 @@ import copy
 import pytest
 import torch
 
+from pocketdiff.compress.prune import allocation as pa
 from pocketdiff.compress.prune import graph as pg
+from pocketdiff.compress.prune import slicing as psl
+from pocketdiff.compress.prune import targets as pt
 from pocketdiff.compress.prune.verb import PruneSettings, TargetConfig, plan_shapes, prune_unet
 from pocketdiff.compress.prune.importance import (
     IMPORTANCE,
@@ -252,55 +255,55 @@ def test_bad_importance_output_is_refused(unet):
 
 
 def test_target_selection_by_size_and_activation(unet):
-    prof = pg.layer_profile(unet)
+    prof = pt.layer_profile(unet)
     # weight threshold: only convs with >= 30k weights (64-channel 3x3 and larger)
-    sel = pg.select_targets(unet, prof, min_weight_params=30_000)
+    sel = pt.select_targets(unet, prof, min_weight_params=30_000)
     assert sel.targeted and all(prof[n].weight_params >= 30_000 for n in sel.targeted)
     assert "down_blocks.0.resnets.0.conv1" not in sel.targeted  # 32x32x3x3 = 9216
     # activation threshold: outputs of >= 32*8*8 elements (the full-resolution level)
-    sel = pg.select_targets(unet, prof, min_activation=32 * 8 * 8)
+    sel = pt.select_targets(unet, prof, min_activation=32 * 8 * 8)
     assert "down_blocks.0.resnets.0.conv1" in sel.targeted and "mid_block.resnets.0.conv1" not in sel.targeted
-    sel = pg.select_targets(unet, prof, include=["up_blocks.*"], exclude=["*conv2"])
+    sel = pt.select_targets(unet, prof, include=["up_blocks.*"], exclude=["*conv2"])
     assert all(n.startswith("up_blocks") and n.endswith("conv1") for n in sel.targeted)
     assert "up_blocks.0.resnets.0.conv_shortcut" in sel.unprunable
     with pytest.raises(PocketdiffError, match="matches no Conv2d"):
-        pg.select_targets(unet, prof, include=["decoder.*"])
+        pt.select_targets(unet, prof, include=["decoder.*"])
     with pytest.raises(PocketdiffError, match="no prunable conv"):
-        pg.select_targets(unet, prof, include=["conv_in"])
+        pt.select_targets(unet, prof, include=["conv_in"])
     with pytest.raises(PocketdiffError, match="no prunable conv"):
-        pg.select_targets(unet, prof, min_weight_params=10**9)
+        pt.select_targets(unet, prof, min_weight_params=10**9)
 
 
 def test_uniform_allocation_hits_the_ratio_and_refuses_too_much():
-    budgets = [pg.GroupBudget("a", 32, 8, 100.0), pg.GroupBudget("b", 64, 8, 300.0), pg.GroupBudget("c", 64, 8, 50.0)]
-    keep = pg.allocate(budgets, 0.3, "whole_groups", 4, "uniform")
+    budgets = [pa.GroupBudget("a", 32, 8, 100.0), pa.GroupBudget("b", 64, 8, 300.0), pa.GroupBudget("c", 64, 8, 50.0)]
+    keep = pa.allocate(budgets, 0.3, "whole_groups", 4, "uniform")
     total = sum(b.cost * b.channels for b in budgets)
     removed = sum(b.cost * (b.channels - keep[b.name]) for b in budgets)
     assert abs(removed / total - 0.3) < 0.05
     assert all(keep[b.name] % 4 == 0 and keep[b.name] >= 8 for b in budgets)
     with pytest.raises(PocketdiffError, match="fewer than its 8 GroupNorm groups"):
-        pg.allocate(budgets, 0.9, "whole_groups", 4, "uniform")
+        pa.allocate(budgets, 0.9, "whole_groups", 4, "uniform")
 
 
 def test_global_allocation_prefers_unimportant_groups():
     s_low = torch.cat([torch.full((16,), 0.1), torch.full((16,), 1.0)])  # half the channels barely matter
     s_flat = torch.ones(32)
-    budgets = [pg.GroupBudget("low", 32, 8, 10.0, s_low), pg.GroupBudget("flat", 32, 8, 10.0, s_flat)]
-    keep = pg.allocate(budgets, 0.25, "whole_groups", 4, "global", max_layer_ratio=0.9)
+    budgets = [pa.GroupBudget("low", 32, 8, 10.0, s_low), pa.GroupBudget("flat", 32, 8, 10.0, s_flat)]
+    keep = pa.allocate(budgets, 0.25, "whole_groups", 4, "global", max_layer_ratio=0.9)
     assert keep == {"low": 16, "flat": 32}
     with pytest.raises(PocketdiffError, match="cannot be reached"):
-        pg.allocate(budgets, 0.8, "whole_groups", 4, "global", max_layer_ratio=0.5)
+        pa.allocate(budgets, 0.8, "whole_groups", 4, "global", max_layer_ratio=0.5)
 
 
 def test_surgery_refuses_inconsistent_indices(unet):
     u = copy.deepcopy(unet)
     g = pg.find_internal_groups(u)[0]  # 32 channels, 8 groups of 4
     with pytest.raises(PocketdiffError, match="whole GroupNorm groups"):
-        pg.prune_internal(g, torch.tensor([0, 1, 2, 5]), "whole_groups")
+        psl.prune_internal(g, torch.tensor([0, 1, 2, 5]), "whole_groups")
     with pytest.raises(PocketdiffError, match="same number of channels"):
-        pg.prune_internal(g, torch.tensor([0, 1, 4, 8, 12, 16, 20, 24, 28]), "per_group")
+        psl.prune_internal(g, torch.tensor([0, 1, 4, 8, 12, 16, 20, 24, 28]), "per_group")
     with pytest.raises(PocketdiffError, match="sorted"):
-        pg.prune_internal(g, torch.tensor([4, 0, 1, 2]), "whole_groups")
+        psl.prune_internal(g, torch.tensor([4, 0, 1, 2]), "whole_groups")
 
 
 # ------------------------------------------------------------------------------ SD-2.1 size, shape only

@@ -10,7 +10,9 @@ import torch
 from diffusers import UNet2DConditionModel
 
 from pocketdiff.compress.prune import graph as pg
+from pocketdiff.compress.prune import slicing as psl
 from pocketdiff.compress.prune import stream as ps
+from pocketdiff.compress.prune import targets as pt
 from pocketdiff.compress.prune.verb import Config, PruneSettings, TargetConfig, load_pruned_unet, plan_shapes, prune_unet
 from pocketdiff.compress.prune.importance import IMPORTANCE, score_stream
 from pocketdiff.compress.prune.model import PrunedUNet2DConditionModel, build_pruned_unet, shape_spec
@@ -92,7 +94,7 @@ def test_forward_shapes_after_stream_pruning(unet, inputs, scope):
             ref = dict(unet.named_modules())[name]
             assert m.num_channels // m.num_groups == ref.num_channels // ref.num_groups, name
     # the targeted fraction is near the ratio
-    prof_b, prof_a = pg.layer_profile(unet), pg.layer_profile(pruned)
+    prof_b, prof_a = pt.layer_profile(unet), pt.layer_profile(pruned)
     tb = sum(prof_b[n].params for n in plan["targeted"])
     ta = sum(prof_a[n].params for n in plan["targeted"])
     assert 0.25 < 1 - ta / tb < 0.35
@@ -250,7 +252,7 @@ def test_removing_every_zeroed_atom_is_exact(zeroed, inputs):
     u, zero = zeroed
     graph, keeps = _zero_keeps(u, zero)
     work = copy.deepcopy(u)
-    ps.prune_streams(work, graph, keeps)
+    psl.prune_streams(work, graph, keeps)
     assert _n(work) < 0.8 * _n(u)
     torch.testing.assert_close(_run(work, inputs), _run(u, inputs), rtol=0, atol=1e-5)
 
@@ -268,7 +270,7 @@ def test_equivalence_check_can_fail(zeroed, inputs, broken):
         assert (_run(pruned, inputs) - ref).abs().max() > 1e-3
         return
     graph, keeps = _zero_keeps(u, zero)
-    idx = ps.module_indices(graph, keeps)
+    idx = psl.module_indices(graph, keeps)
     if broken == "skip_segment_of_cat_conv1":
         name, role = "up_blocks.1.resnets.1.conv1", "in"  # cat[up stream (32), level-0 skip (32)]
         assert graph.layout[name][role] == ["stream@up_blocks.1.resnets.0", "stream@conv_in"]
@@ -290,7 +292,7 @@ def test_equivalence_check_can_fail(zeroed, inputs, broken):
         k = torch.sort(torch.cat([k[:-1], torch.tensor(dropped[-1:])])).values
     idx[name][role] = k
     work = copy.deepcopy(u)
-    ps.apply_indices(work, idx)
+    psl.apply_indices(work, idx)
     assert (_run(work, inputs) - ref).abs().max() > 1e-3
 
 
