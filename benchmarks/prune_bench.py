@@ -74,7 +74,8 @@ def main(argv=None) -> int:
     from diffusers import DDIMScheduler, UNet2DConditionModel
 
     from pocketdiff.compress.prune.targets import layer_profile
-    from pocketdiff.compress.prune.verb import PruneSettings, TargetConfig, macs_table, prune_unet
+    from pocketdiff.compress.prune.config import PruneSettings, TargetConfig
+    from pocketdiff.compress.prune.pruning import macs_table, prune_unet
     from pocketdiff.compress.prune.importance import accumulate_diffusion_gradients
     from pocketdiff.compress.prune.model import load_pruned_unet
     from pocketdiff.models import (count_params, default_resolution, perturb_norm_affines, scheduler_config, unet_config, vae_config,

@@ -3,14 +3,17 @@
 Public entry points (importable from here; each lives in the module named beside it):
 
 - `run(Config(...), output_dir)`: the prune verb: select, score, remove channels, recover
-  by distillation from the unpruned model, measure (`verb`)
-- `prune_unet(unet, PruneSettings(...))`: prune a UNet in memory, returns (pruned, plan) (`verb`)
+  by distillation from the unpruned model, measure (`verb`; the recipe in `config`)
+- `prune_unet(unet, PruneSettings(...))`: prune a UNet in memory, returns (pruned, plan)
+  (`pruning`)
 - `load_pruned_pipeline(folder)` / `load_pruned_unet(folder)`: load what `prune` saved
   (stock diffusers folders whose unet/ names `PrunedUNet2DConditionModel`) (`model`)
 
-Other modules: `graph` (target selection and ResNet-internal channel groups), `stream`
-(residual-stream channels shared through residuals and skip concatenations), `importance`
-(channel scoring callables), `recovery` (distillation back from the unpruned model).
+Other modules: `targets` (conv profile, target selection), `graph` (ResNet-internal channel
+groups), `stream` (residual-stream channels shared through residuals and skip
+concatenations, traced), `importance` (channel scoring callables), `allocation` (how many
+and which channels each group or stream keeps), `slicing` (the surgery), `recovery`
+(distillation back from the unpruned model), `measure` (probes, FD / CLIP, plots).
 Attributes load on first use, so loading a pruned model imports no pruning or training code.
 """
 from __future__ import annotations
@@ -18,10 +21,10 @@ from __future__ import annotations
 import importlib
 
 _ENTRY_POINTS = {
-    "Config": "verb",
+    "Config": "config",
     "run": "verb",
-    "PruneSettings": "verb",
-    "prune_unet": "verb",
+    "PruneSettings": "config",
+    "prune_unet": "pruning",
     "PrunedUNet2DConditionModel": "model",
     "is_pruned_pipeline": "model",
     "load_pruned_pipeline": "model",

@@ -11,7 +11,9 @@ from pocketdiff.compress.prune import allocation as pa
 from pocketdiff.compress.prune import graph as pg
 from pocketdiff.compress.prune import slicing as psl
 from pocketdiff.compress.prune import targets as pt
-from pocketdiff.compress.prune.verb import PruneSettings, TargetConfig, plan_shapes, prune_unet
+from pocketdiff.compress.prune import PruneSettings, prune_unet
+from pocketdiff.compress.prune.config import TargetConfig
+from pocketdiff.compress.prune.pruning import plan_shapes
 from pocketdiff.compress.prune.importance import (
     IMPORTANCE,
     ImportanceContext,

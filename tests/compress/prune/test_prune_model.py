@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pocketdiff.compress.prune.verb import PruneSettings, load_pruned_pipeline, load_pruned_unet, prune_unet
+from pocketdiff.compress.prune import PruneSettings, load_pruned_pipeline, load_pruned_unet, prune_unet
 from pocketdiff.compress.prune.model import PrunedUNet2DConditionModel, is_pruned_pipeline
 from pocketdiff.errors import PocketdiffError
 from pocketdiff.models import ModelConfig, build_pipeline, perturb_norm_affines, save_pipeline

@@ -13,7 +13,9 @@ from pocketdiff.compress.prune import graph as pg
 from pocketdiff.compress.prune import slicing as psl
 from pocketdiff.compress.prune import stream as ps
 from pocketdiff.compress.prune import targets as pt
-from pocketdiff.compress.prune.verb import Config, PruneSettings, TargetConfig, load_pruned_unet, plan_shapes, prune_unet
+from pocketdiff.compress.prune import Config, PruneSettings, load_pruned_unet, prune_unet
+from pocketdiff.compress.prune.config import TargetConfig
+from pocketdiff.compress.prune.pruning import plan_shapes
 from pocketdiff.compress.prune.importance import IMPORTANCE, score_stream
 from pocketdiff.compress.prune.model import PrunedUNet2DConditionModel, build_pruned_unet, shape_spec
 from pocketdiff.config import load_config

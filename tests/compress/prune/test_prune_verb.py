@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pocketdiff.cli import main
-from pocketdiff.compress.prune.verb import Config, load_pruned_pipeline
+from pocketdiff.compress.prune import Config, load_pruned_pipeline
 from pocketdiff.compress.prune.model import PrunedUNet2DConditionModel
 from pocketdiff.config import load_config
 from pocketdiff.errors import ConfigError
