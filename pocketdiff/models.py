@@ -2,7 +2,7 @@
 
 Two ways in, one type out (`diffusers.StableDiffusionPipeline`):
 
-- `build_pipeline`: an architecture from `ARCHS` with random weights, constructed from
+- `build_pipeline`: an architecture from `ARCHS` (`pocketdiff.archs`) with random weights, constructed from
   config dicts (nothing is downloaded), plus a CLIP-format tokenizer trained on the
   captions (`pocketdiff.tokenizer`). `tiny` trains on CPU in minutes (32 px), `small`
   is a few-MB teacher for 64 px domains, `sd15` / `sd21` are the real SD-1.5 / SD-2.1
@@ -27,16 +27,20 @@ from typing import Any, Iterable, Optional, Union
 import torch
 from torch import nn
 
+from .archs import (  # noqa: F401  (ARCHS and the config factories are also imported from here)
+    ARCHS,
+    DEFAULT_RESOLUTION,
+    PREDICTION_TYPES,
+    default_resolution,
+    scheduler_config,
+    text_encoder_config,
+    unet_config,
+    vae_config,
+)
 from .errors import PocketdiffError, require
 from .shipped import resolve_shipped
 
 log = logging.getLogger(__name__)
-
-ARCHS = ("tiny", "small", "sd15", "sd21")
-PREDICTION_TYPES = ("epsilon", "v_prediction")
-
-# Image size each architecture is built for when no resolution is given.
-DEFAULT_RESOLUTION = {"tiny": 32, "small": 64, "sd15": 512, "sd21": 768}
 
 
 @dataclasses.dataclass
@@ -64,180 +68,6 @@ class ModelConfig:
         require(self.vocab_size >= 514, "model.vocab_size", f"must be >= 514 (CLIP byte symbols + specials), got {self.vocab_size}")
         require(self.pretrained is None or bool(str(self.pretrained).strip()), "model.pretrained", "must be a folder or hub id, or null")
         require(self.vae is None or bool(str(self.vae).strip()), "model.vae", "must be a folder or hub id, or null")
-
-
-# --------------------------------------------------------------------------------------
-# Architecture configs
-# --------------------------------------------------------------------------------------
-
-def _check_arch(arch: str) -> None:
-    if arch not in ARCHS:
-        raise PocketdiffError(f"unknown model arch {arch!r}; choose one of {ARCHS}")
-
-
-def default_resolution(arch: str, prediction_type: str = "epsilon") -> int:
-    """Image size an arch is built for: SD-2.1 is 768 px (v-prediction) or 512 px (2.1-base, epsilon)."""
-    _check_arch(arch)
-    if arch == "sd21" and prediction_type != "v_prediction":
-        return 512
-    return DEFAULT_RESOLUTION[arch]
-
-
-def vae_config(arch: str, resolution: Optional[int] = None) -> dict:
-    """AutoencoderKL config dict. Factor 4 for tiny/small, 8 for the SD archs."""
-    _check_arch(arch)
-    if arch == "tiny":
-        cfg = dict(block_out_channels=(32, 64, 64), layers_per_block=1, norm_num_groups=8)
-    elif arch == "small":
-        cfg = dict(block_out_channels=(32, 64, 128), layers_per_block=1, norm_num_groups=16)
-    else:  # sd15 / sd21 share the SD VAE
-        cfg = dict(block_out_channels=(128, 256, 512, 512), layers_per_block=2, norm_num_groups=32)
-    n = len(cfg["block_out_channels"])
-    cfg.update(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * n,
-        up_block_types=("UpDecoderBlock2D",) * n,
-        latent_channels=4,
-        act_fn="silu",
-        sample_size=int(resolution or DEFAULT_RESOLUTION[arch]),
-        scaling_factor=0.18215,
-    )
-    return cfg
-
-
-def unet_config(
-    arch: str,
-    prediction_type: str = "epsilon",
-    resolution: Optional[int] = None,
-    latent_channels: int = 4,
-    vae_factor: Optional[int] = None,
-) -> dict:
-    """UNet2DConditionModel config dict; `sample_size` is the latent size for `resolution`.
-
-    `prediction_type` only picks the default resolution (SD-2.1: 768 px v-prediction,
-    512 px epsilon); it is the scheduler that carries the prediction type.
-    """
-    _check_arch(arch)
-    require(prediction_type in PREDICTION_TYPES, "model.prediction_type", f"must be one of {PREDICTION_TYPES}, got {prediction_type!r}")
-    resolution = int(resolution or default_resolution(arch, prediction_type))
-    if vae_factor is None:
-        vae_factor = 2 ** (len(vae_config(arch)["block_out_channels"]) - 1)
-    if arch == "tiny":
-        cfg = dict(
-            block_out_channels=(32, 64),
-            down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-            up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-            layers_per_block=1,
-            cross_attention_dim=64,
-            attention_head_dim=8,
-            norm_num_groups=8,
-        )
-    elif arch == "small":
-        cfg = dict(
-            block_out_channels=(64, 128, 128),
-            down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
-            up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
-            layers_per_block=2,
-            cross_attention_dim=128,
-            attention_head_dim=4,
-            norm_num_groups=16,
-        )
-    elif arch == "sd15":
-        cfg = dict(
-            block_out_channels=(320, 640, 1280, 1280),
-            down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
-            up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3,
-            layers_per_block=2,
-            cross_attention_dim=768,
-            attention_head_dim=8,
-            norm_num_groups=32,
-        )
-    else:  # sd21
-        cfg = dict(
-            block_out_channels=(320, 640, 1280, 1280),
-            down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
-            up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3,
-            layers_per_block=2,
-            cross_attention_dim=1024,
-            attention_head_dim=(5, 10, 20, 20),
-            use_linear_projection=True,
-            upcast_attention=True,
-            norm_num_groups=32,
-        )
-    n_down = len(cfg["block_out_channels"])
-    multiple = vae_factor * 2 ** (n_down - 1)
-    if resolution % multiple:
-        raise PocketdiffError(
-            f"resolution {resolution} does not fit arch {arch!r}: must be a multiple of {multiple} "
-            f"(VAE factor {vae_factor} x UNet downsampling {2 ** (n_down - 1)})"
-        )
-    cfg.update(
-        sample_size=resolution // vae_factor,
-        in_channels=latent_channels,
-        out_channels=latent_channels,
-        act_fn="silu",
-        center_input_sample=False,
-        downsample_padding=1,
-        flip_sin_to_cos=True,
-        freq_shift=0,
-        mid_block_scale_factor=1,
-        norm_eps=1e-5,
-    )
-    return cfg
-
-
-def text_encoder_config(
-    arch: str,
-    vocab_size: int = 49408,
-    bos_token_id: Optional[int] = None,
-    eos_token_id: Optional[int] = None,
-    pad_token_id: Optional[int] = None,
-    max_position_embeddings: int = 77,
-):
-    """transformers.CLIPTextConfig. Token ids default to CLIP's layout (bos, eos = last two ids).
-
-    sd15: CLIP ViT-L/14 text tower; sd21: OpenCLIP ViT-H/14 text tower (23 layers, gelu).
-    """
-    from transformers import CLIPTextConfig
-
-    _check_arch(arch)
-    if arch == "tiny":
-        dims = dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2, projection_dim=64, hidden_act="quick_gelu")
-    elif arch == "small":
-        dims = dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4, projection_dim=128, hidden_act="quick_gelu")
-    elif arch == "sd15":
-        dims = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12, projection_dim=768, hidden_act="quick_gelu")
-    else:
-        dims = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=23, num_attention_heads=16, projection_dim=512, hidden_act="gelu")
-    bos = vocab_size - 2 if bos_token_id is None else bos_token_id
-    eos = vocab_size - 1 if eos_token_id is None else eos_token_id
-    pad = eos if pad_token_id is None else pad_token_id
-    return CLIPTextConfig(
-        vocab_size=vocab_size,
-        max_position_embeddings=max_position_embeddings,
-        layer_norm_eps=1e-5,
-        bos_token_id=bos,
-        eos_token_id=eos,
-        pad_token_id=pad,
-        **dims,
-    )
-
-
-def scheduler_config(prediction_type: str = "epsilon") -> dict:
-    """DDIMScheduler config of the SD family (scaled-linear betas, leading spacing, offset 1)."""
-    require(prediction_type in PREDICTION_TYPES, "model.prediction_type", f"must be one of {PREDICTION_TYPES}, got {prediction_type!r}")
-    return dict(
-        num_train_timesteps=1000,
-        beta_start=0.00085,
-        beta_end=0.012,
-        beta_schedule="scaled_linear",
-        clip_sample=False,
-        set_alpha_to_one=False,
-        steps_offset=1,
-        timestep_spacing="leading",
-        prediction_type=prediction_type,
-    )
 
 
 # --------------------------------------------------------------------------------------
