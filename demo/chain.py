@@ -17,10 +17,10 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from .errors import PocketdiffError
-from .models import EMBEDDED_TEACHER
-from .outputs import prepare_output_dir, read_json, write_json
-from .report import img, table, write_page
+from pocketdiff.errors import PocketdiffError
+from pocketdiff.models import EMBEDDED_TEACHER
+from pocketdiff.outputs import prepare_output_dir, read_json, write_json
+from pocketdiff.report import img, table, write_page
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "demo"
 PROMPTS = [
@@ -61,7 +61,7 @@ class _Chain:
         return report
 
     def verb(self, verb: str, recipe: str, overrides: list[str]) -> dict:
-        from .cli import run_stage
+        from pocketdiff.cli import run_stage
 
         extra = SMOKE.get(recipe, []) if self.smoke else []
         return run_stage(verb, _config(recipe), self.out / recipe, overrides + extra, overwrite=True)
@@ -105,7 +105,7 @@ def run_demo(out: Path, smoke: bool) -> dict:
     def run_bundle() -> dict:
         from pocketdiff.export.run_bundle import main as run_bundle_main
 
-        from .cli import build_parser  # the verb's own options and defaults
+        from pocketdiff.cli import build_parser  # the verb's own options and defaults
 
         run_bundle_main(build_parser().parse_args(["run-bundle", bundle, "--prompt", PROMPTS[0], "--output",
                                                    str(out / "run-bundle"), "--pipelined", "--overwrite"]))
