@@ -73,20 +73,29 @@ def native_logs_to_file(path: Optional[Path] = None) -> Iterator[Path]:
         path = Path(name)
     sys.stderr.flush()
     saved = os.dup(2)
-    terminal = io.TextIOWrapper(os.fdopen(os.dup(saved), "wb", buffering=0), encoding="utf-8",
-                                errors="backslashreplace", line_buffering=True, write_through=True)
     old_stderr = sys.stderr
+    try:
+        on_fd2 = old_stderr.fileno() == 2
+    except (AttributeError, OSError, ValueError):  # already captured in Python (pytest's capsys)
+        on_fd2 = False
+    terminal = None
+    if on_fd2:  # Python's writes keep going where fd 2 went before
+        terminal = io.TextIOWrapper(os.fdopen(os.dup(saved), "wb", buffering=0), encoding="utf-8",
+                                    errors="backslashreplace", line_buffering=True, write_through=True)
     with open(path, "ab") as log:
         os.dup2(log.fileno(), 2)
-    sys.stderr = terminal
+    if terminal is not None:
+        sys.stderr = terminal
     try:
         yield path
     finally:
-        terminal.flush()
-        sys.stderr = old_stderr
+        if terminal is not None:
+            terminal.flush()
+            sys.stderr = old_stderr
         os.dup2(saved, 2)
         os.close(saved)
-        terminal.close()
+        if terminal is not None:
+            terminal.close()
 
 
 def keep_native_log(log: Path, output_dir: Optional[Path], keep_orphan: bool = False) -> Optional[Path]:
