@@ -162,18 +162,23 @@ def _summary(chain, student, steps, calib, prune, evaluation, export, ran) -> di
 
 def _print_summary(report: dict, out: Path) -> None:
     print("\npocketdiff demo summary")
-    print(f"  student: {report['student']['steps']} steps, W8 UNet cosine {report['calibrate']['unet_cosine']}")
+    print(f"  student: {report['student']['steps']} steps, W8 UNet cosine {report['calibrate']['unet_cosine']:.6f}")
     print(f"  pruned UNet params: {report['prune']['params_before']} -> {report['prune']['params_after']}")
     for m in report["metrics"]:
         fd = "n/a" if m["fd"] is None else f"{m['fd']:.4g}"
         cs = "n/a" if m["clip_score"] is None else f"{m['clip_score']:.4g}"
         print(f"  {m['model']:<24} FD {fd:>8}  CLIP {cs:>8}  ({m['features']}, {m['num_samples']} samples)")
     for k, v in report["bundle"]["components"].items():
-        print(f"  bundle {k:<13} fully on GPU delegate: {v['fully_accelerated']}  cosine {v['cosine']}")
+        cos = "n/a" if v["cosine"] is None else f"{v['cosine']:.6f}"
+        print(f"  bundle {k:<13} fully on GPU delegate: {v['fully_accelerated']}  cosine {cos}")
     rb = report["run_bundle"]
-    print(f"  run-bundle ({rb['accelerator']}, {rb['driver']}): {rb['latency_s']} s -> {rb['image']}")
-    print(f"  timings: {report['timings_s']}")
+    lat = rb.get("latency_s") or {}
+    print(f"  run-bundle ({rb['accelerator']}, {rb['driver']}): {lat.get('total', float('nan')):.2f} s, "
+          f"UNet step {1000 * lat.get('unet_step_mean', float('nan')):.1f} ms -> {rb['image']}")
+    print("  seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in report["timings_s"].items())
+          + f" (total {sum(report['timings_s'].values()):.0f})")
     print(f"  report: {out / 'index.html'}")
+    print(f"  third-party logs: {out / 'logs' / 'native.log'} (shown with --verbose)")
 
 
 def main(args: argparse.Namespace) -> int:
