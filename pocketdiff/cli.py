@@ -227,7 +227,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     finally:
         _end_distributed()
         if native_log is not None:
-            kept = keep_native_log(native_log, Path(args.output), keep_orphan=failed)
+            # a failed command writes nothing into DIR (it may be a folder the command refused)
+            kept = keep_native_log(native_log, None if failed else Path(args.output), keep_orphan=failed)
             if failed and kept is not None:
                 print(f"(native library log: {kept})", file=sys.stderr)
 
