@@ -198,7 +198,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             args.overrides = list(args.overrides) + extra
         else:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    from .logs import keep_native_log, native_logs_to_file, quiet_libraries
+    from .logs import keep_native_log, native_logs_to_file, native_logs_until_exit, quiet_libraries
 
     verbose = bool(getattr(args, "verbose", False))
     native = contextlib.nullcontext(None) if verbose else native_logs_to_file()
@@ -231,6 +231,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             kept = keep_native_log(native_log, None if failed else Path(args.output), keep_orphan=failed)
             if failed and kept is not None:
                 print(f"(native library log: {kept})", file=sys.stderr)
+            if kept is not None and argv is None:  # the process is this command: its exit logs too
+                native_logs_until_exit(kept)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
 """What a command prints: our own lines on the terminal, third-party native logs in a file.
 
 LiteRT, TensorFlow and absl write their C++ logs (`INFO: Created TensorFlow Lite delegate`,
-`WARNING: All log messages before absl::InitializeLog()`, ...) straight to file descriptor 2,
-around our own output. Unless `--verbose`, `native_logs_to_file` points fd 2 at a file while
-Python's own `sys.stderr` (our progress lines, tqdm, warnings, tracebacks) keeps the terminal;
-the CLI then moves that file into the output folder as `logs/native.log`.
+`WARNING: All log messages before absl::InitializeLog()`, ...) straight to file descriptors
+2 and 1, around our own output. Unless `--verbose`, `native_logs_to_file` points those fds at
+a file while Python's own `sys.stdout` / `sys.stderr` (our lines, tqdm, warnings, tracebacks)
+keep the terminal; the CLI then moves that file into the output folder as `logs/native.log`.
 
 `quiet_libraries` hides what a user cannot act on: the Hugging Face loading bars and the
 diffusers notice that a model with no float32-only modules was cast with `.to()`.
@@ -63,39 +63,59 @@ def quiet_libraries(huggingface: bool = True) -> None:
         pass
 
 
+_STREAMS = ((1, "stdout"), (2, "stderr"))  # native code logs to both (LiteRT: OpenCL probe on fd 1)
+
+
+def _detach_python_stream(fd: int, attr: str) -> Optional[object]:
+    """Point sys.<attr> at a copy of `fd`, so `fd` itself can be moved; returns the old stream
+    (None when Python already captured the stream elsewhere, e.g. pytest's capsys)."""
+    old = getattr(sys, attr)
+    try:
+        if old.fileno() != fd:
+            return None
+    except (AttributeError, OSError, ValueError):
+        return None
+    old.flush()
+    setattr(sys, attr, io.TextIOWrapper(os.fdopen(os.dup(fd), "wb", buffering=0), encoding="utf-8",
+                                        errors="backslashreplace", line_buffering=True, write_through=True))
+    return old
+
+
 @contextlib.contextmanager
 def native_logs_to_file(path: Optional[Path] = None) -> Iterator[Path]:
-    """Send fd 2 (what native code writes) to `path` (a temporary file when None); Python's
-    sys.stderr keeps writing to the terminal. Yields the log's path."""
+    """Send fds 1 and 2 (what native code writes) to `path` (a temporary file when None);
+    Python's sys.stdout / sys.stderr keep writing to the terminal. Yields the log's path."""
     if path is None:
         fd, name = tempfile.mkstemp(prefix="pocketdiff-native-", suffix=".log")
         os.close(fd)
         path = Path(name)
-    sys.stderr.flush()
-    saved = os.dup(2)
-    old_stderr = sys.stderr
-    try:
-        on_fd2 = old_stderr.fileno() == 2
-    except (AttributeError, OSError, ValueError):  # already captured in Python (pytest's capsys)
-        on_fd2 = False
-    terminal = None
-    if on_fd2:  # Python's writes keep going where fd 2 went before
-        terminal = io.TextIOWrapper(os.fdopen(os.dup(saved), "wb", buffering=0), encoding="utf-8",
-                                    errors="backslashreplace", line_buffering=True, write_through=True)
+    saved, olds = {}, {}
+    for fd, attr in _STREAMS:
+        olds[attr] = _detach_python_stream(fd, attr)
+        saved[fd] = os.dup(fd)
     with open(path, "ab") as log:
-        os.dup2(log.fileno(), 2)
-    if terminal is not None:
-        sys.stderr = terminal
+        for fd, _ in _STREAMS:
+            os.dup2(log.fileno(), fd)
     try:
         yield path
     finally:
-        if terminal is not None:
-            terminal.flush()
-            sys.stderr = old_stderr
-        os.dup2(saved, 2)
-        os.close(saved)
-        if terminal is not None:
-            terminal.close()
+        for fd, attr in _STREAMS:
+            if olds[attr] is not None:
+                getattr(sys, attr).flush()
+                getattr(sys, attr).close()
+                setattr(sys, attr, olds[attr])
+            os.dup2(saved[fd], fd)
+            os.close(saved[fd])
+
+
+def native_logs_until_exit(path: Path) -> None:
+    """For the rest of the process, native writes to fds 1 and 2 go to `path` (appended):
+    libraries also log while the interpreter shuts down (LiteRT: `DestroyAccelerator`). Only
+    for a process that is the command itself; Python's sys.stdout / sys.stderr keep the terminal."""
+    with open(path, "ab") as log:
+        for fd, attr in _STREAMS:
+            if _detach_python_stream(fd, attr) is not None:
+                os.dup2(log.fileno(), fd)
 
 
 def keep_native_log(log: Path, output_dir: Optional[Path], keep_orphan: bool = False) -> Optional[Path]:
