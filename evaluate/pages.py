@@ -76,10 +76,12 @@ def grid_section(out: Path, steps: int, models: list[str], prompts: list[str], s
         for m in models:
             cells.append(images[m][i : i + 1])
     grid_path = out / f"{tag}.png"
-    if len(models) == 1:  # one model: prompts across the rows of a compact grid
-        save_grid(torch.cat(cells), grid_path, ncols=min(8, len(prompts)), labels=[models[0]] * len(prompts), cell=96)
-    else:  # rows = prompts, columns = models
-        save_grid(torch.cat(cells), grid_path, ncols=len(models), labels=[m for _ in prompts for m in models], cell=96)
+    if len(models) == 1:  # one model: a compact grid, each image captioned with its prompt
+        save_grid(torch.cat(cells), grid_path, ncols=min(8, len(prompts)), cell=96,
+                  labels=[f"{p} (seed {seed + i})" for i, p in enumerate(prompts)], col_labels=[models[0]])
+    else:  # rows = prompts (written left of each row), columns = models
+        save_grid(torch.cat(cells), grid_path, ncols=len(models), cell=96, col_labels=models,
+                  row_labels=[f"{p} (seed {seed + i})" for i, p in enumerate(prompts)])
     folder = out / "images"
     folder.mkdir(parents=True, exist_ok=True)
     head = "".join(f"<th>{html.escape(m)}</th>" for m in models)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 import time
 from pathlib import Path
 from typing import Optional
@@ -39,6 +40,12 @@ from .parity import ParityConfig
 from .rewrites import RewriteConfig
 
 log = logging.getLogger(__name__)
+
+
+def _say(msg: str) -> None:
+    """A progress line per phase (stderr, like the other verbs)."""
+    print(f"export: {msg}", file=sys.stderr, flush=True)
+
 
 GUIDANCE_MODES = ("auto", "cfg", "embedded", "none")
 
@@ -222,6 +229,7 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
     scan = None
     t_scan = time.perf_counter()
     if cfg.fp16_scan.enabled:
+        _say(f"fp16 overflow scan over {len(cfg.fp16_scan.prompts)} prompt(s) ...")
         scan = scan_pipeline(pipe, cfg.fp16_scan.prompts, steps=cfg.fp16_scan.steps, guidance_scale=cfg.guidance_scale,
                              resolution=shapes.resolution, seed=cfg.seed, rewrites=cfg.rewrites)
     timings["fp16_scan_s"] = round(time.perf_counter() - t_scan, 2)
@@ -259,8 +267,14 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
     def finish(prep, info) -> None:
         name = prep.name
         t0 = time.perf_counter()
+        _say(f"{name}: converted by litert-torch in {info['convert_s']:.0f} s; "
+             + (f"checking on the GPU delegate ({'+'.join(cfg.verify.precisions)}) ..." if cfg.verify.delegate else "storing weights"))
         rep = finish_component(prep, info, cfg.verify, cfg.parity, float_storage=cfg.int8.float_storage)
         timings[f"{name}_verify_s"] = round(time.perf_counter() - t0, 2)
+        if cfg.verify.delegate:
+            cos = ", ".join(f"{p} {m['cosine']:.6f}" for p, m in rep.get("parity", {}).items())
+            _say(f"{name}: fully accelerated on the GPU delegate ({rep['delegate']['driver']}), cosine {cos}, "
+                 f"{timings[f'{name}_verify_s']:.0f} s")
         reference = rep.pop("reference")
         golden_path = out / "golden" / f"{name}.npz"
         np.savez(golden_path, **{f"input_{k}": v.detach().numpy() for k, v in prep.inputs.items()}, output_0=reference)
@@ -285,7 +299,7 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
     def prepare(name):
         t0 = time.perf_counter()
         graph, inputs = graph_for(name)
-        log.info("export %s (%s)", name, weights_of[name])
+        _say(f"{name} ({weights_of[name]}): rewrites and PyTorch reference ...")
         prep = prepare_component(name, graph, inputs, out / f"{name}.tflite", rewrites_of[name], weights_of[name], quantized.get(name))
         prep.raw_path = work / f"{name}_fp32.tflite"
         timings[f"{name}_prepare_s"] = round(time.perf_counter() - t0, 2)
@@ -294,6 +308,7 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
     if cfg.jobs == 1 or len(cfg.components) == 1:
         for name in cfg.components:  # one component in memory at a time
             prep = prepare(name)
+            _say(f"{name}: converting with litert-torch ...")
             finish(prep, convert_job(prep.rewritten, prep.inputs, prep.raw_path))
             prep.raw_path.unlink(missing_ok=True)
             del prep

@@ -8,6 +8,7 @@ resolved `config.yaml`, runs the stage and writes `report.json`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import shutil
@@ -45,12 +46,16 @@ HELP = {
 }
 
 
+VERBOSE_HELP = "show third-party native logs (LiteRT, TensorFlow, absl) and library bars; else they go to DIR/logs/native.log"
+
+
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="YAML recipe (see configs/)")
     p.add_argument("--output", required=True, help="output folder")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
     p.add_argument("--resume", default=None, metavar="CKPT", help="'latest' or a checkpoint folder inside --output")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
+    p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
 
 
@@ -69,11 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--seed", type=int, default=0)
             p.add_argument("--overwrite", action="store_true")
             p.add_argument("--debug", action="store_true")
+            p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
         elif verb == "demo":
             p.add_argument("--output", default="outputs/demo")
             p.add_argument("--smoke", action="store_true", help="smoke sizes (minutes)")
             p.add_argument("--overwrite", action="store_true")
             p.add_argument("--debug", action="store_true")
+            p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
         else:
             _add_common(p)
     return parser
@@ -191,8 +198,18 @@ def main(argv: Optional[list[str]] = None) -> int:
             args.overrides = list(args.overrides) + extra
         else:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    from .logs import keep_native_log, native_logs_to_file, native_logs_until_exit, quiet_libraries
+
+    verbose = bool(getattr(args, "verbose", False))
+    native = contextlib.nullcontext(None) if verbose else native_logs_to_file()
+    if not verbose:
+        quiet_libraries(huggingface=args.verb != "run-bundle")
+    failed, native_log = True, None
     try:
-        return run_verb(args)
+        with native as native_log:
+            code = run_verb(args)
+            failed = code != 0
+            return code
     except PocketdiffError as e:
         if args.debug:
             traceback.print_exc()
@@ -209,6 +226,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 1
     finally:
         _end_distributed()
+        if native_log is not None:
+            # a failed command writes nothing into DIR (it may be a folder the command refused)
+            kept = keep_native_log(native_log, None if failed else Path(args.output), keep_orphan=failed)
+            if failed and kept is not None:
+                print(f"(native library log: {kept})", file=sys.stderr)
+            if kept is not None and argv is None:  # the process is this command: its exit logs too
+                native_logs_until_exit(kept)
 
 
 if __name__ == "__main__":

@@ -19,29 +19,67 @@ def to_pil(images: torch.Tensor | Sequence[Image.Image]) -> list[Image.Image]:
     return [im.convert("RGB") for im in images]
 
 
-def image_grid(images, ncols: int, labels: Optional[Sequence[str]] = None, cell: Optional[int] = None) -> Image.Image:
-    """A grid of images, optionally with a caption strip under each (wrapped, small font)."""
+_LINE_H = 12  # PIL's default bitmap font: 11 px high
+
+
+def _wrap(draw: ImageDraw.ImageDraw, text: str, width: int, max_lines: int = 4) -> list[str]:
+    """Words of `text` in lines no wider than `width` pixels (long words cut; at most `max_lines`)."""
+    lines: list[str] = []
+    for word in str(text).split():
+        while draw.textlength(word) > width and len(word) > 1:  # a word wider than the cell
+            cut = max(1, int(len(word) * width / draw.textlength(word)))
+            lines.append(word[:cut])
+            word = word[cut:]
+        if lines and draw.textlength(f"{lines[-1]} {word}") <= width:
+            lines[-1] = f"{lines[-1]} {word}"
+        else:
+            lines.append(word)
+    if len(lines) > max_lines:
+        lines = lines[:max_lines]
+        lines[-1] = lines[-1][: max(1, len(lines[-1]) - 1)] + "~"
+    return lines
+
+
+def image_grid(images, ncols: int, labels: Optional[Sequence[str]] = None, cell: Optional[int] = None,
+               row_labels: Optional[Sequence[str]] = None, col_labels: Optional[Sequence[str]] = None) -> Image.Image:
+    """A grid of images. `labels`: a caption under each image; `row_labels` (e.g. the prompts):
+    a column of text left of each row; `col_labels` (e.g. the models): a header over each column.
+    Text is wrapped, never cut short, so a grid carries its prompts in full."""
     pil = to_pil(images)
     if not pil:
         raise ValueError("image_grid needs at least one image")
     size = cell or max(pil[0].width, 64)
-    label_h = 24 if labels else 0
     nrows = (len(pil) + ncols - 1) // ncols
-    grid = Image.new("RGB", (ncols * size, nrows * (size + label_h)), "white")
+    probe = ImageDraw.Draw(Image.new("RGB", (1, 1)))
+    cap = [_wrap(probe, t, size - 4) for t in labels] if labels else []
+    label_h = (max(len(c) for c in cap) * _LINE_H + 6) if cap else 0
+    left = 150 if row_labels else 0
+    rows_txt = [_wrap(probe, t, left - 8, max_lines=max(1, (size + label_h) // _LINE_H)) for t in row_labels] if row_labels else []
+    cols_txt = [_wrap(probe, t, size - 4, max_lines=3) for t in col_labels] if col_labels else []
+    top = (max(len(c) for c in cols_txt) * _LINE_H + 6) if cols_txt else 0
+    grid = Image.new("RGB", (left + ncols * size, top + nrows * (size + label_h)), "white")
     draw = ImageDraw.Draw(grid)
+    for c, lines in enumerate(cols_txt):
+        for k, line in enumerate(lines):
+            draw.text((left + c * size + 2, 3 + k * _LINE_H), line, fill="black")
+    for r, lines in enumerate(rows_txt[:nrows]):
+        y0 = top + r * (size + label_h) + max(0, (size - len(lines) * _LINE_H) // 2)
+        for k, line in enumerate(lines):
+            draw.text((4, y0 + k * _LINE_H), line, fill="black")
     for i, im in enumerate(pil):
         r, c = divmod(i, ncols)
-        grid.paste(im.resize((size, size), Image.NEAREST if im.width < size else Image.BICUBIC), (c * size, r * (size + label_h)))
-        if labels:
-            text = labels[i][: max(8, size // 6)]
-            draw.text((c * size + 2, r * (size + label_h) + size + 4), text, fill="black")
+        x, y = left + c * size, top + r * (size + label_h)
+        grid.paste(im.resize((size, size), Image.NEAREST if im.width < size else Image.BICUBIC), (x, y))
+        for k, line in enumerate(cap[i] if cap else []):
+            draw.text((x + 2, y + size + 3 + k * _LINE_H), line, fill="black")
     return grid
 
 
-def save_grid(images, path: Path, ncols: int = 4, labels: Optional[Sequence[str]] = None, cell: Optional[int] = None) -> Path:
+def save_grid(images, path: Path, ncols: int = 4, labels: Optional[Sequence[str]] = None, cell: Optional[int] = None,
+              row_labels: Optional[Sequence[str]] = None, col_labels: Optional[Sequence[str]] = None) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    image_grid(images, ncols, labels, cell).save(path)
+    image_grid(images, ncols, labels, cell, row_labels=row_labels, col_labels=col_labels).save(path)
     return path
 
 

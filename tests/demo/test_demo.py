@@ -1,5 +1,6 @@
 """`pocketdiff demo --smoke`: the whole chain on the embedded default, as the README runs it."""
 import json
+import re
 import subprocess
 import sys
 
@@ -22,3 +23,10 @@ def test_demo_smoke_runs_the_chain_end_to_end(tmp_path):
     assert report["run_bundle"]["fully_accelerated"] is True
     assert (out / "index.html").is_file() and (out / "run-bundle" / "image.png").is_file()
     assert "pocketdiff demo summary" in r.stdout
+    # a newcomer's screen: the summary fits 40 lines, and no third-party native log line is shown
+    summary = r.stdout[r.stdout.index("pocketdiff demo summary"):].strip().splitlines()
+    assert len(summary) <= 40, "\n".join(summary)
+    native = [line for line in (r.stdout + r.stderr).splitlines()
+              if re.match(r"^(INFO|WARNING|ERROR|VERBOSE): |^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+\.cc:\d+\]", line)]
+    assert not native, native[:5]
+    assert (out / "logs" / "native.log").is_file()  # they went to the log file

@@ -17,10 +17,10 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from .errors import PocketdiffError
-from .models import EMBEDDED_TEACHER
-from .outputs import prepare_output_dir, read_json, write_json
-from .report import img, table, write_page
+from pocketdiff.errors import PocketdiffError
+from pocketdiff.models import EMBEDDED_TEACHER
+from pocketdiff.outputs import prepare_output_dir, read_json, write_json
+from pocketdiff.report import img, table, write_page
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "demo"
 PROMPTS = [
@@ -61,14 +61,14 @@ class _Chain:
         return report
 
     def verb(self, verb: str, recipe: str, overrides: list[str]) -> dict:
-        from .cli import run_stage
+        from pocketdiff.cli import run_stage
 
         extra = SMOKE.get(recipe, []) if self.smoke else []
         return run_stage(verb, _config(recipe), self.out / recipe, overrides + extra, overwrite=True)
 
 
 def _evaluate(chain: _Chain, teacher: str, student: str, w8: str, pruned: str, steps: int) -> dict:
-    from pocketdiff.compress.prune.model import load_pruned_pipeline
+    from pocketdiff.compress.prune import load_pruned_pipeline
     from pocketdiff.evaluate import MetricConfig, MetricSetup, ModelSpec, evaluate_pipelines
     from pocketdiff.config import DataConfig
 
@@ -105,7 +105,7 @@ def run_demo(out: Path, smoke: bool) -> dict:
     def run_bundle() -> dict:
         from pocketdiff.export.run_bundle import main as run_bundle_main
 
-        from .cli import build_parser  # the verb's own options and defaults
+        from pocketdiff.cli import build_parser  # the verb's own options and defaults
 
         run_bundle_main(build_parser().parse_args(["run-bundle", bundle, "--prompt", PROMPTS[0], "--output",
                                                    str(out / "run-bundle"), "--pipelined", "--overwrite"]))
@@ -162,18 +162,23 @@ def _summary(chain, student, steps, calib, prune, evaluation, export, ran) -> di
 
 def _print_summary(report: dict, out: Path) -> None:
     print("\npocketdiff demo summary")
-    print(f"  student: {report['student']['steps']} steps, W8 UNet cosine {report['calibrate']['unet_cosine']}")
+    print(f"  student: {report['student']['steps']} steps, W8 UNet cosine {report['calibrate']['unet_cosine']:.6f}")
     print(f"  pruned UNet params: {report['prune']['params_before']} -> {report['prune']['params_after']}")
     for m in report["metrics"]:
         fd = "n/a" if m["fd"] is None else f"{m['fd']:.4g}"
         cs = "n/a" if m["clip_score"] is None else f"{m['clip_score']:.4g}"
         print(f"  {m['model']:<24} FD {fd:>8}  CLIP {cs:>8}  ({m['features']}, {m['num_samples']} samples)")
     for k, v in report["bundle"]["components"].items():
-        print(f"  bundle {k:<13} fully on GPU delegate: {v['fully_accelerated']}  cosine {v['cosine']}")
+        cos = "n/a" if v["cosine"] is None else f"{v['cosine']:.6f}"
+        print(f"  bundle {k:<13} fully on GPU delegate: {v['fully_accelerated']}  cosine {cos}")
     rb = report["run_bundle"]
-    print(f"  run-bundle ({rb['accelerator']}, {rb['driver']}): {rb['latency_s']} s -> {rb['image']}")
-    print(f"  timings: {report['timings_s']}")
+    lat = rb.get("latency_s") or {}
+    print(f"  run-bundle ({rb['accelerator']}, {rb['driver']}): {lat.get('total', float('nan')):.2f} s, "
+          f"UNet step {1000 * lat.get('unet_step_mean', float('nan')):.1f} ms -> {rb['image']}")
+    print("  seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in report["timings_s"].items())
+          + f" (total {sum(report['timings_s'].values()):.0f})")
     print(f"  report: {out / 'index.html'}")
+    print(f"  third-party logs: {out / 'logs' / 'native.log'} (shown with --verbose)")
 
 
 def main(args: argparse.Namespace) -> int:
