@@ -25,7 +25,7 @@ import numpy as np
 
 from pocketdiff.errors import PocketdiffError
 
-from .bundle import load_manifest
+from .manifest_check import check_bundle
 
 
 def bundle_tokenize(tokenizer_json: str | Path, prompt: str, tok: dict) -> np.ndarray:
@@ -133,7 +133,7 @@ def generate(
     """Run the bundle: (image [H, W, 3] float32 in [0, 1], stats)."""
     if accelerator not in ("cpu", "gpu"):
         raise PocketdiffError(f"accelerator must be cpu or gpu, got {accelerator!r}")
-    man = manifest or load_manifest(bundle)
+    man = manifest or check_bundle(bundle)  # fields, sizes and every .tflite's signature, before anything runs
     comps = man["components"]
     for need in ("text_encoder", "unet", "vae_decoder"):
         if need not in comps:
@@ -266,7 +266,7 @@ def main(args) -> int:
 
     from pocketdiff.outputs import prepare_output_dir, write_json
 
-    man = load_manifest(args.bundle)  # refuses bad bundles before touching --output
+    man = check_bundle(args.bundle)  # refuses bad bundles (files, fields, signatures) before touching --output
     out = prepare_output_dir(args.output, overwrite=args.overwrite)
     fully = None
     image, stats = generate(args.bundle, args.prompt, seed=args.seed, accelerator=args.accelerator, pipelined=args.pipelined, manifest=man)
