@@ -264,14 +264,22 @@ def main(args) -> int:
     """CLI entry (argparse namespace: bundle, prompt, output, accelerator, pipelined, seed, overwrite, debug)."""
     from PIL import Image
 
-    from pocketdiff.outputs import prepare_output_dir, write_json
+    from pocketdiff.outputs import finish_output_dir, prepare_output_dir, write_json
 
     man = check_bundle(args.bundle)  # refuses bad bundles (files, fields, signatures) before touching --output
-    out = prepare_output_dir(args.output, overwrite=args.overwrite)
+    fresh = not Path(args.output).exists()
+    out = prepare_output_dir(args.output, overwrite=args.overwrite, inputs=[("bundle", args.bundle)], verb="run-bundle")
     fully = None
-    image, stats = generate(args.bundle, args.prompt, seed=args.seed, accelerator=args.accelerator, pipelined=args.pipelined, manifest=man)
-    if not stats["finite"]:
-        raise PocketdiffError(f"bundle {args.bundle}: the image has NaN/Inf values ({args.accelerator})")
+    try:
+        image, stats = generate(args.bundle, args.prompt, seed=args.seed, accelerator=args.accelerator, pipelined=args.pipelined, manifest=man)
+        if not stats["finite"]:
+            raise PocketdiffError(f"bundle {args.bundle}: the image has NaN/Inf values ({args.accelerator})")
+    except PocketdiffError:
+        if fresh:  # leave no half-made folder behind (only the one this call created)
+            import shutil
+
+            shutil.rmtree(out, ignore_errors=True)
+        raise
     fully = stats["fully_accelerated"]
     path = out / "image.png"
     Image.fromarray((image * 255).round().astype(np.uint8)).save(path)
@@ -295,5 +303,6 @@ def main(args) -> int:
         "pid": os.getpid(),
     }
     write_json(out / "report.json", report)
+    finish_output_dir(out)
     print(f"wrote {path} ({args.accelerator}, {report['latency_s']['total']:.2f} s, peak RSS {report['peak_rss_mb']} MB)")
     return 0

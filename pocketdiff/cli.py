@@ -48,7 +48,8 @@ HELP = {
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="YAML recipe (see configs/)")
     p.add_argument("--output", required=True, help="output folder")
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace what an earlier pocketdiff run wrote in --output (never an input, never files it did not write)")
     p.add_argument("--resume", default=None, metavar="CKPT", help="'latest' or a checkpoint folder inside --output")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
@@ -83,7 +84,7 @@ def run_stage(verb: str, config: Optional[str], output: str | Path, overrides: O
               overwrite: bool = False, resume: Optional[str] = None) -> dict:
     """Run one config-driven verb as the CLI does: validate, prepare DIR, config.yaml, run, report.json."""
     from .config import load_config, to_yaml
-    from .outputs import atomic_write_text, prepare_output_dir, write_json
+    from .outputs import atomic_write_text, config_inputs, finish_output_dir, prepare_output_dir, write_json
 
     module = importlib.import_module(VERBS[verb])
     cfg = load_config(module.Config, config, overrides or [])
@@ -100,7 +101,8 @@ def run_stage(verb: str, config: Optional[str], output: str | Path, overrides: O
     fresh = not Path(output).exists()
     verdict = None
     try:
-        out = prepare_output_dir(output, overwrite=overwrite, resume=resume is not None)
+        inputs = ([("--config", config)] if config else []) + config_inputs(cfg)
+        out = prepare_output_dir(output, overwrite=overwrite, resume=resume is not None, inputs=inputs, verb=verb)
     except Exception as e:
         verdict = str(e)
         raise
@@ -125,10 +127,12 @@ def run_stage(verb: str, config: Optional[str], output: str | Path, overrides: O
                 cfg_file.unlink(missing_ok=True)
             else:
                 atomic_write_text(cfg_file, previous)
+        finish_output_dir(out)  # what this run wrote, for a later --overwrite
         raise
     report.setdefault("verb", verb)
     report.setdefault("wall_time_s", round(time.time() - start, 3))
     write_json(out / "report.json", report)
+    finish_output_dir(out)
     if state is not None:
         state.wait_for_everyone()
     return report

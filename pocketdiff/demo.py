@@ -19,7 +19,7 @@ from typing import Callable
 
 from .errors import PocketdiffError
 from .models import EMBEDDED_TEACHER
-from .outputs import prepare_output_dir, read_json, write_json
+from .outputs import finish_output_dir, prepare_output_dir, read_json, write_json
 from .report import img, table, write_page
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "demo"
@@ -177,8 +177,11 @@ def _print_summary(report: dict, out: Path) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    out = prepare_output_dir(args.output, overwrite=args.overwrite)
+    from .shipped import ASSETS
+
+    out = prepare_output_dir(args.output, overwrite=args.overwrite, inputs=[("demo recipes", CONFIGS), ("shipped models", ASSETS)], verb="demo")
     report = run_demo(out, smoke=args.smoke)
     write_json(out / "report.json", report)
+    finish_output_dir(out)
     _print_summary(report, out)
     return 0
