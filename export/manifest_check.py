@@ -189,7 +189,8 @@ def _check_scheduler(man: dict, found: _Found) -> None:
             wrong = np.flatnonzero(~np.isfinite(a) | (a <= 0) | (a > 1))
             if wrong.size:
                 i = int(wrong[0])
-                found.add(f"scheduler.alphas_cumprod[{i}]", "range", f"{alphas[i]!r} is not finite in (0, 1] ({wrong.size} such values)")
+                more = f" ({wrong.size} such values)" if wrong.size > 1 else ""
+                found.add(f"scheduler.alphas_cumprod[{i}]", "range", f"{alphas[i]!r} is not finite in (0, 1]{more}")
             elif np.any(np.diff(a) > 0):
                 i = int(np.flatnonzero(np.diff(a) > 0)[0]) + 1
                 found.add(f"scheduler.alphas_cumprod[{i}]", "order", f"{alphas[i]} rises above {alphas[i - 1]}: a cumulative product never increases")
