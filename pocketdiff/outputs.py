@@ -65,10 +65,19 @@ def finish_output_dir(path: str | Path) -> None:
     write_json(out / MARKER, marker)
 
 
+# Config keys whose values are paths even when written as a bare name ("teacher"); any other
+# string counts as a path only when it looks like one ("runs/teacher", "./x", "~/x"), so enum
+# words ("shapes", "cpu") never do, even where a folder of that name happens to exist.
+PATH_KEYS = ("pretrained", "path", "vae", "unet", "checkpoint", "clip", "inception_weights", "file", "cache_dir",
+             "teacher", "student", "bundle", "resume")
+PATH_SUFFIXES = ("_path", "_dir", "_file", "_checkpoint", "_weights", "_folder")
+
+
 def config_inputs(cfg: Any, prefix: str = "") -> list[tuple[str, Path]]:
-    """(dotted key, path) for every string in a config (dataclasses, lists, dicts) that names an
-    existing file or folder; `pocketdiff:NAME` resolves to the shipped folder. Hub ids, prompts
-    and enum values name no local path and are skipped."""
+    """(dotted key, path) for every path-like string in a config (dataclasses, lists, dicts)
+    that names an existing file or folder; `pocketdiff:NAME` resolves to the shipped folder.
+    Path-like: under a key in PATH_KEYS / ending in PATH_SUFFIXES, or written with a path
+    separator or a leading `~` / `.`. Hub ids and prompts name no local path and are skipped."""
     from .shipped import PREFIX, resolve_shipped
 
     found: list[tuple[str, Path]] = []
@@ -82,10 +91,12 @@ def config_inputs(cfg: Any, prefix: str = "") -> list[tuple[str, Path]]:
         for i, v in enumerate(cfg):
             found += config_inputs(v, f"{prefix.rstrip('.')}[{i}].")
     elif isinstance(cfg, (str, Path)) and str(cfg) and "\n" not in str(cfg) and len(str(cfg)) < 4096:
-        text = str(cfg)
+        text, key = str(cfg), prefix.rstrip(".").split(".")[-1].split("[")[0]
+        pathish = (text.startswith((PREFIX, "~", ".")) or "/" in text or os.sep in text
+                   or key in PATH_KEYS or key.endswith(PATH_SUFFIXES))
         try:
             path = Path(resolve_shipped(text)) if text.startswith(PREFIX) else Path(text).expanduser()
-            if path.exists() or path.is_symlink():
+            if pathish and (path.exists() or path.is_symlink()):
                 found.append((prefix.rstrip("."), path))
         except (OSError, ValueError, PocketdiffError):  # a missing shipped model: the verb names it
             pass

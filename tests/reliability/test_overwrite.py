@@ -148,7 +148,7 @@ def test_output_never_holds_an_input(case: InputCase, runs: Path, capsys):
             shutil.rmtree(out)  # never leave a folder in the checkout
 
 
-def test_config_inputs_finds_paths_not_words(tmp_path):
+def test_config_inputs_finds_paths_not_words(tmp_path, monkeypatch):
     @dataclasses.dataclass
     class Inner:
         path: Optional[str] = None
@@ -157,6 +157,8 @@ def test_config_inputs_finds_paths_not_words(tmp_path):
     @dataclasses.dataclass
     class Cfg:
         model: str = "pocketdiff:shapes-teacher"
+        pretrained: str = "teacher"  # a bare name under a path key: a folder in the working directory
+        source: str = "shapes"  # an enum word, though ./shapes exists (an earlier `--output shapes`)
         hub: str = "stabilityai/stable-diffusion-2-1"
         device: str = "cpu"
         empty: str = ""
@@ -164,12 +166,14 @@ def test_config_inputs_finds_paths_not_words(tmp_path):
         inner: list = dataclasses.field(default_factory=list)
         extra: dict = dataclasses.field(default_factory=dict)
 
-    (tmp_path / "data").mkdir()
+    monkeypatch.chdir(tmp_path)
+    for name in ("data", "teacher", "shapes", "cpu"):
+        (tmp_path / name).mkdir()
     (tmp_path / "w.safetensors").write_bytes(b"x")
     cfg = Cfg(inner=[Inner(), Inner(path=str(tmp_path / "data"), prompts=["a red circle"])],
-              extra={"ckpt": str(tmp_path / "w.safetensors")})
-    assert config_inputs(cfg) == [("model", ASSETS / "shapes-teacher"), ("inner[1].path", tmp_path / "data"),
-                                  ("extra.ckpt", tmp_path / "w.safetensors")]
+              extra={"ckpt": "./w.safetensors"})
+    assert config_inputs(cfg) == [("model", ASSETS / "shapes-teacher"), ("pretrained", Path("teacher")),
+                                  ("inner[1].path", tmp_path / "data"), ("extra.ckpt", Path("w.safetensors"))]
 
 
 # ----------------------------------------------------------------------------------- 2. the marker
