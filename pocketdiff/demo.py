@@ -19,7 +19,7 @@ from typing import Callable
 
 from .errors import PocketdiffError
 from .models import EMBEDDED_TEACHER
-from .outputs import finish_output_dir, prepare_output_dir, read_json, write_json
+from .outputs import prepare_output_dir, read_json, write_json
 from .report import img, table, write_page
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "demo"
@@ -177,7 +177,8 @@ def _print_summary(report: dict, out: Path) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from .shipped import ASSETS
+    from pocketdiff.outputs import finish_output_dir
+    from pocketdiff.shipped import ASSETS
 
     out = prepare_output_dir(args.output, overwrite=args.overwrite, inputs=[("demo recipes", CONFIGS), ("shipped models", ASSETS)], verb="demo")
     report = run_demo(out, smoke=args.smoke)
