@@ -160,7 +160,8 @@ def _read_marker(out: Path) -> Optional[dict]:
     marker = read_json(path, "output marker")
     if not isinstance(marker, dict) or marker.get("written_by") != "pocketdiff" or not all(
             isinstance(marker.get(k, []), (list, type(None))) for k in ("kept", "files")):
-        raise PocketdiffError(f"{path}: not a pocketdiff output marker; remove the folder yourself if it is yours to delete")
+        raise PocketdiffError(f"{path}: not a pocketdiff output marker, so pocketdiff cannot tell which files here it wrote; "
+                              "empty the folder yourself or choose another --output")
     return marker
 
 
