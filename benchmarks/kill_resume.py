@@ -113,9 +113,12 @@ def command(stage: str, out: Path, size: str, resume: bool) -> list[str]:
 # ------------------------------------------------------------------------------- files
 
 
+MARKER = ".pocketdiff-output.json"  # pocketdiff.outputs.MARKER: a final file, though its name starts with a dot
+
+
 def is_transient(rel: str) -> bool:
     """Temporary names (a checkpoint or folder being written): never compared, never final."""
-    return any(p.startswith(".") or p.endswith(".tmp") for p in Path(rel).parts)
+    return any((p.startswith(".") and p != MARKER) or p.endswith(".tmp") for p in Path(rel).parts)
 
 
 def walk(folder: Path) -> list[str]:

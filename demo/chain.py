@@ -182,8 +182,12 @@ def _print_summary(report: dict, out: Path) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    out = prepare_output_dir(args.output, overwrite=args.overwrite)
+    from pocketdiff.outputs import finish_output_dir
+    from pocketdiff.shipped import ASSETS
+
+    out = prepare_output_dir(args.output, overwrite=args.overwrite, inputs=[("demo recipes", CONFIGS), ("shipped models", ASSETS)], verb="demo")
     report = run_demo(out, smoke=args.smoke)
     write_json(out / "report.json", report)
+    finish_output_dir(out)
     _print_summary(report, out)
     return 0

@@ -25,7 +25,7 @@ import numpy as np
 
 from pocketdiff.errors import PocketdiffError
 
-from .bundle import load_manifest
+from .manifest_check import check_bundle
 
 
 def bundle_tokenize(tokenizer_json: str | Path, prompt: str, tok: dict) -> np.ndarray:
@@ -133,7 +133,7 @@ def generate(
     """Run the bundle: (image [H, W, 3] float32 in [0, 1], stats)."""
     if accelerator not in ("cpu", "gpu"):
         raise PocketdiffError(f"accelerator must be cpu or gpu, got {accelerator!r}")
-    man = manifest or load_manifest(bundle)
+    man = manifest or check_bundle(bundle)  # fields, sizes and every .tflite's signature, before anything runs
     comps = man["components"]
     for need in ("text_encoder", "unet", "vae_decoder"):
         if need not in comps:
@@ -264,14 +264,22 @@ def main(args) -> int:
     """CLI entry (argparse namespace: bundle, prompt, output, accelerator, pipelined, seed, overwrite, debug)."""
     from PIL import Image
 
-    from pocketdiff.outputs import prepare_output_dir, write_json
+    from pocketdiff.outputs import finish_output_dir, prepare_output_dir, write_json
 
-    man = load_manifest(args.bundle)  # refuses bad bundles before touching --output
-    out = prepare_output_dir(args.output, overwrite=args.overwrite)
+    man = check_bundle(args.bundle)  # refuses bad bundles (files, fields, signatures) before touching --output
+    fresh = not Path(args.output).exists()
+    out = prepare_output_dir(args.output, overwrite=args.overwrite, inputs=[("bundle", args.bundle)], verb="run-bundle")
     fully = None
-    image, stats = generate(args.bundle, args.prompt, seed=args.seed, accelerator=args.accelerator, pipelined=args.pipelined, manifest=man)
-    if not stats["finite"]:
-        raise PocketdiffError(f"bundle {args.bundle}: the image has NaN/Inf values ({args.accelerator})")
+    try:
+        image, stats = generate(args.bundle, args.prompt, seed=args.seed, accelerator=args.accelerator, pipelined=args.pipelined, manifest=man)
+        if not stats["finite"]:
+            raise PocketdiffError(f"bundle {args.bundle}: the image has NaN/Inf values ({args.accelerator})")
+    except PocketdiffError:
+        if fresh:  # leave no half-made folder behind (only the one this call created)
+            import shutil
+
+            shutil.rmtree(out, ignore_errors=True)
+        raise
     fully = stats["fully_accelerated"]
     path = out / "image.png"
     Image.fromarray((image * 255).round().astype(np.uint8)).save(path)
@@ -295,5 +303,6 @@ def main(args) -> int:
         "pid": os.getpid(),
     }
     write_json(out / "report.json", report)
+    finish_output_dir(out)
     print(f"wrote {path} ({args.accelerator}, {report['latency_s']['total']:.2f} s, peak RSS {report['peak_rss_mb']} MB)")
     return 0

@@ -52,7 +52,8 @@ VERBOSE_HELP = "show third-party native logs (LiteRT, TensorFlow, absl) and libr
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="YAML recipe (see configs/)")
     p.add_argument("--output", required=True, help="output folder")
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace what an earlier pocketdiff run wrote in --output (never an input, never files it did not write)")
     p.add_argument("--resume", default=None, metavar="CKPT", help="'latest' or a checkpoint folder inside --output")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
@@ -90,7 +91,7 @@ def run_stage(verb: str, config: Optional[str], output: str | Path, overrides: O
               overwrite: bool = False, resume: Optional[str] = None) -> dict:
     """Run one config-driven verb as the CLI does: validate, prepare DIR, config.yaml, run, report.json."""
     from .config import load_config, to_yaml
-    from .outputs import atomic_write_text, prepare_output_dir, write_json
+    from .outputs import MARKER, atomic_write_text, config_inputs, finish_output_dir, prepare_output_dir, write_json
 
     module = importlib.import_module(VERBS[verb])
     cfg = load_config(module.Config, config, overrides or [])
@@ -105,9 +106,12 @@ def run_stage(verb: str, config: Optional[str], output: str | Path, overrides: O
         state.wait_for_everyone()  # leave together (see _end_distributed)
         return report
     fresh = not Path(output).exists()
+    marker = Path(output) / MARKER
+    marker_before = marker.read_text(encoding="utf-8") if marker.is_file() else None
     verdict = None
     try:
-        out = prepare_output_dir(output, overwrite=overwrite, resume=resume is not None)
+        inputs = ([("--config", config)] if config else []) + config_inputs(cfg)
+        out = prepare_output_dir(output, overwrite=overwrite, resume=resume is not None, inputs=inputs, verb=verb)
     except Exception as e:
         verdict = str(e)
         raise
@@ -128,14 +132,21 @@ def run_stage(verb: str, config: Optional[str], output: str | Path, overrides: O
             shutil.rmtree(out, ignore_errors=True)
         elif not fresh and set(out.rglob("checkpoint-*")) == ckpts_before:
             # a refused --resume (e.g. a damaged checkpoint, a changed recipe): the folder keeps its own config
-            if previous is None:
-                cfg_file.unlink(missing_ok=True)
-            else:
-                atomic_write_text(cfg_file, previous)
+            restore = [(cfg_file, previous)] + ([(marker, marker_before)] if resume is not None else [])
+            for path, text in restore:  # (and, resumed, its own marker: a refused resume changes no file)
+                if text is None:
+                    path.unlink(missing_ok=True)
+                else:
+                    atomic_write_text(path, text)
+            if resume is None:
+                finish_output_dir(out)
+        else:
+            finish_output_dir(out)  # what this run wrote, for a later --overwrite
         raise
     report.setdefault("verb", verb)
     report.setdefault("wall_time_s", round(time.time() - start, 3))
     write_json(out / "report.json", report)
+    finish_output_dir(out)
     if state is not None:
         state.wait_for_everyone()
     return report

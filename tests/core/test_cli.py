@@ -115,7 +115,7 @@ def test_two_processes_share_one_output_folder_and_a_refusal(tmp_path):
     out = tmp_path / "out"
     results = _launch_two(script, out, _free_port())
     assert [code for code, _ in results] == [0, 0], results
-    assert sorted(p.name for p in out.iterdir()) == ["config.yaml", "ran-by-0-of-2", "ran-by-1-of-2", "report.json"]
+    assert sorted(p.name for p in out.iterdir()) == [".pocketdiff-output.json", "config.yaml", "ran-by-0-of-2", "ran-by-1-of-2", "report.json"]
 
     kept = tmp_path / "kept"
     kept.mkdir()
