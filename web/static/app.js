@@ -146,6 +146,11 @@ function summary(prompt, seed, out, runtimeMs) {
 async function report(result) {
   $('check').hidden = false;
   $('result').textContent = JSON.stringify(result, null, 1);
+  const c = result.components || {};
+  const gold = Object.entries(c).map(([n, v]) => `${n} cos ${v.golden?.cosine?.toFixed(6) ?? '-'}`).join(', ');
+  const img = result.image?.psnr_db !== undefined ? `; image vs run-bundle ${result.image.psnr_db.toFixed(1)} dB` : '';
+  $('check-verdict').className = result.ok ? 'yes' : 'error';
+  $('check-verdict').textContent = result.ok ? `ok: every component fully accelerated, goldens within tolerance (${gold})${img}` : `failed: ${result.failures.join('; ')}`;
   const path = params.get('report');
   if (!path) return;
   const url = new URL(path, location.origin);

@@ -41,23 +41,24 @@ export async function generate(bundle, opts) {
     golden[c.name] = { ...m, precision, tolerances: tol, pass };
   };
 
-  // text encoder: loads and runs while the UNet compiles, then is released
+  // text encoder and UNet download together; the text encoder compiles, runs and is released
+  // before the UNet compiles (one model compiling at a time on the page's thread)
+  const teFetch = Component.fetch(bundle, 'text_encoder');
+  const unetFetch = Component.fetch(bundle, 'unet');
+  unetFetch.catch(() => {}); // awaited below; an early failure must not go unhandled
   const text = {};
-  const encode = (async () => {
-    const te = await Component.load(bundle, 'text_encoder', opts.accelerator);
-    record(te);
-    try {
-      await checkGolden(te);
-      text.cond = await te.run({ input_ids: { data: enc.ids, shape: [1, enc.ids.length] } });
-      if (empty) text.uncond = await te.run({ input_ids: { data: empty.ids, shape: [1, empty.ids.length] } });
-      stages.text_encoder.run_ms = te.runMs.reduce((a, b) => a + b, 0);
-      note('text_encoder', stages.text_encoder);
-    } finally {
-      te.release();
-    }
-  })();
-  const unetP = Component.load(bundle, 'unet', opts.accelerator);
-  const [unet] = await Promise.all([unetP, encode]);
+  const te = await Component.compile(teFetch, opts.accelerator);
+  record(te);
+  try {
+    await checkGolden(te);
+    text.cond = await te.run({ input_ids: { data: enc.ids, shape: [1, enc.ids.length] } });
+    if (empty) text.uncond = await te.run({ input_ids: { data: empty.ids, shape: [1, empty.ids.length] } });
+    stages.text_encoder.run_ms = te.runMs.reduce((a, b) => a + b, 0);
+    note('text_encoder', stages.text_encoder);
+  } finally {
+    te.release();
+  }
+  const unet = await Component.compile(unetFetch, opts.accelerator);
   record(unet);
   let decoderP = null;
   try {
@@ -81,7 +82,10 @@ export async function generate(bundle, opts) {
     const table = bundle.table;
     for (let i = 0; i < ts.length; i++) {
       const t = ts[i];
-      if (i === ts.length - 1) decoderP = Component.load(bundle, 'vae_decoder', opts.accelerator); // pipelined
+      if (i === ts.length - 1) { // the decoder downloads during the last step
+        decoderP = Component.fetch(bundle, 'vae_decoder');
+        decoderP.catch(() => {});
+      }
       const sample = new Float32Array(B * n);
       for (let b = 0; b < B; b++) sample.set(x, b * n);
       const feeds = { sample: { data: sample, shape: [B, lat.channels, lat.height, lat.width] }, encoder_hidden_states: { data: ehs, shape: ehsShape } };
@@ -111,8 +115,7 @@ export async function generate(bundle, opts) {
     latency.unet_step_mean_ms = stages.unet.run_ms / Math.max(1, unet.runMs.length);
     note('unet', stages.unet);
 
-    const dec = await decoderP;
-    decoderP = null;
+    const dec = await Component.compile(decoderP, opts.accelerator);
     record(dec);
     let image;
     try {
@@ -128,6 +131,5 @@ export async function generate(bundle, opts) {
     return { image, tokens: enc, stages, golden, latency };
   } finally {
     unet.release(); // a page keeps nothing resident between prompts (phones reclaim memory)
-    if (decoderP) decoderP.then((d) => d.release(), () => {});
   }
 }

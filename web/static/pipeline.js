@@ -68,17 +68,23 @@ export class Bundle {
   }
 }
 
-/** A compiled component: fetch (sha256-checked) + compile timings, run(). */
+/** A compiled component. Loading is split in two, because in a page only the download
+ *  overlaps other work: `fetch` (network + sha256) can run beside a UNet step, while wasm
+ *  compilation holds the page's one thread. */
 export class Component {
-  static async load(bundle, name, accelerator) {
+  static fetch(bundle, name) {
+    const t0 = performance.now();
+    return bundle.fetchVerified(bundle.man.components[name], `component ${name}`).then((bytes) => ({ name, bytes, fetchMs: performance.now() - t0 }));
+  }
+
+  static async compile(fetched, accelerator) {
     const c = new Component();
+    const { name, bytes, fetchMs } = await fetched;
     c.name = name;
     c.accelerator = accelerator;
-    const t0 = performance.now();
-    const bytes = await bundle.fetchVerified(bundle.man.components[name], `component ${name}`);
     const t1 = performance.now();
     c.model = await loadAndCompile(new Uint8Array(bytes), { accelerator });
-    c.fetchMs = t1 - t0;
+    c.fetchMs = fetchMs;
     c.compileMs = performance.now() - t1;
     c.fullyAccelerated = accelerator === 'webgpu' ? Boolean(c.model.isFullyAccelerated) : false;
     c.runMs = [];
