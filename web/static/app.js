@@ -99,7 +99,7 @@ function summary(prompt, seed, out, runtimeMs) {
   const { res } = out;
   const failures = [];
   const accelerator = $('accelerator').value;
-  if (accelerator !== 'webgpu') failures.push(`ran on ${accelerator}, not WebGPU: ${webgpu.reason}`);
+  if (accelerator !== 'webgpu') failures.push(`ran on ${accelerator}, not WebGPU (${webgpu.reason || 'chosen on the page'})`);
   const components = {};
   for (const [name, s] of Object.entries(res.stages)) {
     const g = res.golden[name] || { skipped: 'not run' };
