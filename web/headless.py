@@ -38,7 +38,8 @@ def find_chromium() -> Optional[str]:
 class Chromium:
     """One headless Chromium with a DevTools session on a page target."""
 
-    def __init__(self, executable: Optional[str] = None, window: tuple[int, int] = (480, 1000)):
+    def __init__(self, executable: Optional[str] = None, window: tuple[int, int] = (480, 1000),
+                 extra_args: tuple[str, ...] = (), env: Optional[dict] = None):
         exe = executable or find_chromium()
         if exe is None:
             raise PocketdiffError("no Chromium found (apt-get install chromium, or set POCKETDIFF_CHROMIUM)")
@@ -55,7 +56,7 @@ class Chromium:
             "--headless=new", "--remote-debugging-pipe", f"--user-data-dir={self.profile}",
             "--enable-unsafe-webgpu", "--enable-features=Vulkan", "--ignore-gpu-blocklist",
             "--no-first-run", "--no-default-browser-check", "--disable-extensions", "--mute-audio",
-            f"--window-size={window[0]},{window[1]}", "about:blank",
+            f"--window-size={window[0]},{window[1]}", *extra_args, "about:blank",
         ]
         if os.geteuid() == 0:
             args.insert(0, "--no-sandbox")  # Chromium refuses to start as root with its sandbox
@@ -63,7 +64,7 @@ class Chromium:
         script = f'exec "$0" "$@" 3<&{to_chrome_r} 4>&{from_chrome_w} {to_chrome_r}<&- {from_chrome_w}>&-'
         self.log = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(["bash", "-c", script, exe, *args], pass_fds=(to_chrome_r, from_chrome_w),
-                                     stdout=self.log, stderr=self.log, start_new_session=True)
+                                     stdout=self.log, stderr=self.log, start_new_session=True, env=env)
         os.close(to_chrome_r)
         os.close(from_chrome_w)
         self._next = 0
@@ -137,8 +138,10 @@ class Chromium:
         """A phone-sized capture of the whole page."""
         import base64
 
-        height = int(self.evaluate("document.documentElement.scrollHeight") or 1000)
-        self.send("Emulation.setDeviceMetricsOverride", {"width": width, "height": height, "deviceScaleFactor": scale, "mobile": True}, session=True)
+        metrics = {"width": width, "height": 800, "deviceScaleFactor": scale, "mobile": True}
+        self.send("Emulation.setDeviceMetricsOverride", metrics, session=True)  # lay out at phone width first
+        metrics["height"] = int(self.evaluate("document.documentElement.scrollHeight") or 1000)
+        self.send("Emulation.setDeviceMetricsOverride", metrics, session=True)
         data = self.send("Page.captureScreenshot", {"format": "png", "captureBeyondViewport": True}, session=True)["data"]
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -177,7 +180,8 @@ def check_url(base: str, prompt: Optional[str], seed: Optional[int], report: str
 
 
 def check_page(bundle: str | Path, prompt: Optional[str] = None, seed: Optional[int] = None, timeout_s: float = 300.0,
-               screenshot: Optional[str | Path] = None, executable: Optional[str] = None, **extra) -> dict:
+               screenshot: Optional[str | Path] = None, executable: Optional[str] = None,
+               chromium_args: tuple[str, ...] = (), env: Optional[dict] = None, **extra) -> dict:
     """Serve BUNDLE, open its page in check mode in headless Chromium, return the POSTed JSON
     (with `chromium_console`, and `screenshot` when one was taken)."""
     import queue
@@ -185,7 +189,7 @@ def check_page(bundle: str | Path, prompt: Optional[str] = None, seed: Optional[
     from .serve import PageServer
 
     t0 = time.perf_counter()
-    with PageServer(bundle, host="127.0.0.1", port=0) as srv, Chromium(executable) as chrome:
+    with PageServer(bundle, host="127.0.0.1", port=0) as srv, Chromium(executable, extra_args=chromium_args, env=env) as chrome:
         chrome.navigate(check_url(srv.url, prompt, seed, **extra))
         deadline = time.monotonic() + timeout_s
         result = None
