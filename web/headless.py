@@ -140,7 +140,7 @@ class Chromium:
 
         metrics = {"width": width, "height": 800, "deviceScaleFactor": scale, "mobile": True}
         self.send("Emulation.setDeviceMetricsOverride", metrics, session=True)  # lay out at phone width first
-        metrics["height"] = int(self.evaluate("document.documentElement.scrollHeight") or 1000)
+        metrics["height"] = int(self.evaluate("Math.ceil(document.body.getBoundingClientRect().bottom) + 16") or 1000)
         self.send("Emulation.setDeviceMetricsOverride", metrics, session=True)
         data = self.send("Page.captureScreenshot", {"format": "png", "captureBeyondViewport": True}, session=True)["data"]
         path = Path(path)
