@@ -39,7 +39,7 @@ class Chromium:
     """One headless Chromium with a DevTools session on a page target."""
 
     def __init__(self, executable: Optional[str] = None, window: tuple[int, int] = (480, 1000),
-                 extra_args: tuple[str, ...] = (), env: Optional[dict] = None):
+                 extra_args: tuple[str, ...] = (), env: Optional[dict] = None, webgpu: bool = True):
         exe = executable or find_chromium()
         if exe is None:
             raise PocketdiffError("no Chromium found (apt-get install chromium, or set POCKETDIFF_CHROMIUM)")
@@ -54,7 +54,7 @@ class Chromium:
         os.close(w)
         args = [
             "--headless=new", "--remote-debugging-pipe", f"--user-data-dir={self.profile}",
-            "--enable-unsafe-webgpu", "--enable-features=Vulkan", "--ignore-gpu-blocklist",
+            *(("--enable-unsafe-webgpu", "--enable-features=Vulkan", "--ignore-gpu-blocklist") if webgpu else ()),
             "--no-first-run", "--no-default-browser-check", "--disable-extensions", "--mute-audio",
             f"--window-size={window[0]},{window[1]}", *extra_args, "about:blank",
         ]
@@ -181,7 +181,7 @@ def check_url(base: str, prompt: Optional[str], seed: Optional[int], report: str
 
 def check_page(bundle: str | Path, prompt: Optional[str] = None, seed: Optional[int] = None, timeout_s: float = 300.0,
                screenshot: Optional[str | Path] = None, executable: Optional[str] = None,
-               chromium_args: tuple[str, ...] = (), env: Optional[dict] = None, **extra) -> dict:
+               chromium_args: tuple[str, ...] = (), env: Optional[dict] = None, webgpu: bool = True, **extra) -> dict:
     """Serve BUNDLE, open its page in check mode in headless Chromium, return the POSTed JSON
     (with `chromium_console`, and `screenshot` when one was taken)."""
     import queue
@@ -189,7 +189,7 @@ def check_page(bundle: str | Path, prompt: Optional[str] = None, seed: Optional[
     from .serve import PageServer
 
     t0 = time.perf_counter()
-    with PageServer(bundle, host="127.0.0.1", port=0) as srv, Chromium(executable, extra_args=chromium_args, env=env) as chrome:
+    with PageServer(bundle, host="127.0.0.1", port=0) as srv, Chromium(executable, extra_args=chromium_args, env=env, webgpu=webgpu) as chrome:
         chrome.navigate(check_url(srv.url, prompt, seed, **extra))
         deadline = time.monotonic() + timeout_s
         result = None

@@ -76,3 +76,18 @@ def test_wasm_cpu_path(checked, chromium):
         assert c["accelerator"] == "wasm" and c["golden"]["precision"] == "fp32"
         assert c["golden"]["cosine"] >= 0.9999, name
     assert r["image"]["psnr_db"] >= 30.0
+
+
+def test_browser_without_webgpu_gets_the_wasm_path_and_long_prompts_are_truncated(checked, chromium):
+    prompt = " ".join(["a big purple hexagon on a gray background"] * 12)
+    r = check_page(checked["bundle"], prompt=prompt, seed=1, timeout_s=600, executable=chromium,
+                   webgpu=False)  # Chromium without --enable-unsafe-webgpu: no adapter on a machine without a GPU
+    assert r["webgpu"]["available"] is False and r["webgpu"]["reason"]
+    assert r["accelerator"] == "wasm" and r["ok"] is False
+    assert all(c["accelerator"] == "wasm" for c in r["components"].values())
+    assert r["image"]["finite"] and "skipped" in r["image"]  # no reference for this prompt / seed
+    assert r["latents"].startswith("page noise")
+    assert r["tokenizer"]["truncated"] == r["tokenizer"]["tokens"] - 75 > 0
+    notes = " ".join(r["notes"])
+    assert "No WebGPU here" in notes and "CPU (wasm)" in notes
+    assert f"the last {r['tokenizer']['truncated']} were dropped" in notes

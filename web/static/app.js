@@ -139,6 +139,7 @@ function summary(prompt, seed, out, runtimeMs) {
       runtime_ready: runtimeMs,
       ...res.latency,
     },
+    notes: ['webgpu-note', 'prompt-note'].filter((id) => !$(id).hidden).map((id) => $(id).textContent),
     user_agent: navigator.userAgent,
   };
 }
