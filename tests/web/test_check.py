@@ -91,3 +91,32 @@ def test_browser_without_webgpu_gets_the_wasm_path_and_long_prompts_are_truncate
     notes = " ".join(r["notes"])
     assert "No WebGPU here" in notes and "CPU (wasm)" in notes
     assert f"the last {r['tokenizer']['truncated']} were dropped" in notes
+
+
+def test_second_prompt_reuses_the_resident_unet(checked, chromium):
+    import time
+
+    from pocketdiff.web.headless import Chromium
+    from pocketdiff.web.serve import PageServer
+
+    with PageServer(checked["bundle"], port=0) as srv, Chromium(chromium) as chrome:
+        chrome.navigate(srv.url + "?accelerator=wasm")
+        images = []
+        for prompt in ("a red circle", "a blue square"):
+            deadline = time.monotonic() + 120
+            while chrome.evaluate("document.getElementById('generate').disabled") is not False:
+                assert time.monotonic() < deadline, chrome.console[-5:]
+                time.sleep(0.2)
+            chrome.evaluate(f"document.getElementById('status').textContent = ''; document.getElementById('prompt').value = {prompt!r}; "
+                            "document.getElementById('generate').click()")
+            while not str(chrome.evaluate("document.getElementById('status').textContent")).startswith(("done", "error")):
+                assert time.monotonic() < deadline, chrome.console[-5:]
+                time.sleep(0.2)
+            assert chrome.evaluate("document.getElementById('status').textContent").startswith("done")
+            row = chrome.evaluate("document.querySelector('tr[data-stage=unet]').textContent")
+            images.append(chrome.evaluate("document.getElementById('image').toDataURL()"))
+        assert "CPU (wasm)" in row
+        # the second prompt's UNet row shows no fetch / compile: it stayed resident
+        cells = chrome.evaluate("[...document.querySelectorAll('tr[data-stage=unet] td')].map(td => td.textContent)")
+        assert cells[3] == "" and cells[4] == "" and cells[5].endswith("ms"), cells
+        assert images[0] != images[1]

@@ -54,8 +54,14 @@ export async function generate(bundle, opts) {
   // text encoder and UNet download together; the text encoder compiles, runs and is released
   // before the UNet compiles (one model compiling at a time on the page's thread)
   const teFetch = Component.fetch(bundle, 'text_encoder');
-  const unetFetch = Component.fetch(bundle, 'unet');
-  unetFetch.catch(() => {}); // awaited below; an early failure must not go unhandled
+  // the UNet stays resident between prompts (as run-bundle --pipelined keeps it)
+  let kept = bundle.residentUnet;
+  if (kept && kept.accelerator !== opts.accelerator) {
+    kept.release();
+    kept = bundle.residentUnet = null;
+  }
+  const unetFetch = kept ? null : Component.fetch(bundle, 'unet');
+  if (unetFetch) unetFetch.catch(() => {}); // awaited below; an early failure must not go unhandled
   const text = {};
   const te = await Component.compile(teFetch, opts.accelerator);
   record(te);
@@ -68,8 +74,15 @@ export async function generate(bundle, opts) {
   } finally {
     te.release();
   }
-  const unet = await Component.compile(unetFetch, opts.accelerator);
+  const unet = kept ?? await Component.compile(unetFetch, opts.accelerator);
+  bundle.residentUnet = null; // held by this call until it ends
+  if (kept) {
+    unet.fetchMs = 0;
+    unet.compileMs = 0;
+    unet.runMs = [];
+  }
   record(unet);
+  stages.unet.resident = Boolean(kept);
   let decoderP = null;
   try {
     await checkGolden(unet);
@@ -141,6 +154,6 @@ export async function generate(bundle, opts) {
     if (opts.goldens) latency.golden_checks_ms = goldenMs;
     return { image, tokens: enc, stages, golden, latency };
   } finally {
-    unet.release(); // a page keeps nothing resident between prompts (phones reclaim memory)
+    bundle.residentUnet = unet; // the text encoder and decoder were released after use
   }
 }
