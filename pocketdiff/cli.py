@@ -31,6 +31,8 @@ VERBS: dict[str, Optional[str]] = {
     "run-bundle": "pocketdiff.export.run_bundle",
     "demo": "pocketdiff.demo",
     "train-clip": "pocketdiff.evaluate.train_clip",
+    "web": "pocketdiff.web.verb",
+    "serve": "pocketdiff.web.serve",
 }
 
 HELP = {
@@ -43,6 +45,8 @@ HELP = {
     "run-bundle": "run an exported bundle: text to PNG with ai-edge-litert",
     "demo": "the whole chain end to end on the embedded default",
     "train-clip": "train a small domain CLIP (image + text towers) for FD / CLIP score on small domains",
+    "web": "write a bundle's web page (LiteRT.js on WebGPU); --check runs it in headless Chromium",
+    "serve": "serve a bundle folder and its web page (phones: adb reverse, or --https)",
 }
 
 
@@ -76,6 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--overwrite", action="store_true")
             p.add_argument("--debug", action="store_true")
             p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
+        elif verb in ("web", "serve"):  # a bundle's page: web/verb.py defines both argument sets
+            from pocketdiff.web import verb as web_verb
+
+            (web_verb.add_arguments if verb == "web" else web_verb.add_serve_arguments)(p)
         elif verb == "demo":
             p.add_argument("--output", default="outputs/demo")
             p.add_argument("--smoke", action="store_true", help="smoke sizes (minutes)")
@@ -185,7 +193,7 @@ def run_verb(args: argparse.Namespace) -> int:
     if VERBS[args.verb] is None:
         print(f"pocketdiff {args.verb}: not implemented yet", file=sys.stderr)
         return 2
-    if args.verb in ("run-bundle", "demo"):
+    if args.verb in ("run-bundle", "demo", "web", "serve"):
         return int(importlib.import_module(VERBS[args.verb]).main(args) or 0)
     run_stage(args.verb, args.config, args.output, args.overrides, overwrite=args.overwrite, resume=args.resume)
     return 0

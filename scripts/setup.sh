@@ -7,6 +7,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 PY="${PYTHON:-python3}"
+bash scripts/setup_web.sh  # LiteRT.js (npm, pinned) + chromium for the web page; quick when present
 STAMP=".venv/.pocketdiff-installed"
 HASH="$(cat pyproject.toml scripts/setup.sh scripts/setup_vulkan.sh scripts/constraints.txt | sha256sum | cut -c1-16)"
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$HASH" ]; then

@@ -1,0 +1,90 @@
+"""The page's tokenizer, sha256 and numpy readers (web/static/*.js) under node, against the
+Python runner's tokenizer (run-bundle), hashlib and numpy."""
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pocketdiff.export.run_bundle import bundle_tokenize
+
+STATIC = Path(__file__).resolve().parents[2] / "web" / "static"
+HARNESS = Path(__file__).resolve().parent / "js_harness.mjs"
+
+PROMPTS = [
+    "a large red circle at the center",
+    "",
+    "A  Big\tRED   star!!",
+    "don't stop, it's 3 o'clock; we'll see",
+    "Crème brûlée 🍮 naïve CAFÉ",
+    "numbers 12345 and x2y3",
+    "hello.world,foo;bar...?!",
+    "日本語のテキスト",
+    "  leading and trailing  ",
+    "a small blue square on a white background",
+    " ".join(["a big purple hexagon on a gray background"] * 12),  # > 75 tokens: truncated
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    """A CLIP-format tokenizer with a few hundred merges, saved as export saves it (tokenizer.json)."""
+    from pocketdiff.tokenizer import DEFAULT_CORPUS, build_clip_tokenizer
+
+    folder = tmp_path_factory.mktemp("tok")
+    tok = build_clip_tokenizer(DEFAULT_CORPUS * 3, out_dir=folder / "src", vocab_size=1200)
+    tok.backend_tokenizer.save(str(folder / "tokenizer.json"))
+    meta = {"max_length": 77, "pad_id": int(tok.pad_token_id), "bos_id": int(tok.bos_token_id),
+            "eos_id": int(tok.eos_token_id), "pad_token": str(tok.pad_token)}
+    (folder / "meta.json").write_text(json.dumps(meta))
+    return folder
+
+
+def _run(node: str, tmp_path: Path, request: dict) -> dict:
+    req = tmp_path / "request.json"
+    req.write_text(json.dumps(request))
+    res = subprocess.run([node, str(HARNESS), str(STATIC), str(req)], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return json.loads(res.stdout)
+
+
+def test_page_tokenizer_matches_run_bundle(node, tokenizer_dir, tmp_path):
+    meta = json.loads((tokenizer_dir / "meta.json").read_text())
+    tok_json = json.loads((tokenizer_dir / "tokenizer.json").read_text())
+    assert len(tok_json["model"]["merges"]) > 100  # BPE merging is really exercised
+    out = _run(node, tmp_path, {"tokenizer_json": str(tokenizer_dir / "tokenizer.json"), "tokenizer": meta,
+                                "prompts": PROMPTS, "files": [], "npy": [], "npz": []})
+    for prompt, got in zip(PROMPTS, out["tokens"]):
+        want = bundle_tokenize(tokenizer_dir / "tokenizer.json", prompt, meta).tolist()
+        assert got["ids"] == want, prompt
+    long = out["tokens"][-1]
+    assert long["truncated"] == long["tokens"] - 75 > 0
+    assert all(t["truncated"] == 0 for t in out["tokens"][:-1])
+
+
+def test_page_sha256_and_numpy_readers(node, tmp_path):
+    files = [tmp_path / "empty.bin", tmp_path / "abc.bin", tmp_path / "big.bin"]
+    files[0].write_bytes(b"")
+    files[1].write_bytes(b"abc")
+    files[2].write_bytes(np.random.default_rng(0).bytes(200_003))
+    table = np.random.default_rng(1).standard_normal((7, 5)).astype(np.float32)
+    np.save(tmp_path / "table.npy", table)
+    ids = np.arange(77, dtype=np.int64)[None]
+    np.savez(tmp_path / "golden.npz", input_input_ids=ids, output_0=table.astype(np.float16), input_x=table.astype(np.float64))
+    out = _run(node, tmp_path, {"tokenizer_json": str(STATIC.parents[1] / "pocketdiff/assets/shapes-teacher/tokenizer/tokenizer.json"),
+                                "tokenizer": {"max_length": 77, "pad_id": 593, "bos_id": 592, "eos_id": 593}, "prompts": [],
+                                "files": [str(f) for f in files], "npy": [str(tmp_path / "table.npy")], "npz": [str(tmp_path / "golden.npz")]})
+    want = [hashlib.sha256(f.read_bytes()).hexdigest() for f in files]
+    assert out["sha256"] == want
+    assert out["sha256_subtle"] == want
+    assert out["npy"][0]["shape"] == [7, 5]
+    assert out["npy"][0]["sum"] == pytest.approx(float(table.sum()), rel=1e-5)
+    assert out["npy"][0]["first"] == pytest.approx(float(table[0, 0]))
+    z = out["npz"][0]
+    assert z["input_input_ids"] == {"shape": [1, 77], "sum": int(ids.sum())}
+    assert z["output_0"]["sum"] == pytest.approx(float(table.astype(np.float16).astype(np.float64).sum()), rel=1e-4)
+    assert z["input_x"]["sum"] == pytest.approx(float(table.astype(np.float64).sum()), rel=1e-5)

@@ -1,0 +1,150 @@
+"""`pocketdiff web BUNDLE`: write the bundle's static page folder, BUNDLE/web/.
+
+The page (web/static/: index.html, app.js and its modules) runs the bundle in a browser with
+LiteRT.js on WebGPU (wasm CPU when the browser has no WebGPU). LiteRT.js is vendored: setup
+installs the pinned npm package into web/node_modules (scripts/setup.sh), and this copies its
+ESM build and the two non-threaded wasm builds next to the page, so the page works offline
+and any static file server that serves the bundle folder serves the page with it.
+
+With a reference (the default), the folder also gets `reference/`: the initial latents of
+one prompt and seed (numpy's, as run-bundle draws them) and run-bundle's image from them, so
+the page's check mode can compare its image with the Python runner's.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from pocketdiff.errors import PocketdiffError, require
+
+PAGE_DIR = "web"
+STATIC = Path(__file__).resolve().parent / "static"
+PAGE_FILES = ("index.html", "style.css", "app.js", "generate.js", "pipeline.js", "bpe.js", "npy.js", "sha256.js")
+LITERTJS_VERSION = "2.5.3"  # pinned in web/package.json
+# what the page loads from @litertjs: the ESM build, its wasm-utils import, and the wasm
+# builds loadLiteRt() picks without threads/JSPI (relaxed SIMD or the compat one)
+LITERTJS_FILES = (
+    "core/package.json",
+    "core/dist/index.js",
+    "core/wasm/litert_wasm_internal.js",
+    "core/wasm/litert_wasm_internal.wasm",
+    "core/wasm/litert_wasm_compat_internal.js",
+    "core/wasm/litert_wasm_compat_internal.wasm",
+    "wasm-utils/package.json",
+    "wasm-utils/dist/bundle.js",
+)
+
+
+def default_litertjs_dir() -> Path:
+    """web/node_modules/@litertjs, where scripts/setup.sh installs the pinned package."""
+    return Path(__file__).resolve().parent / "node_modules" / "@litertjs"
+
+
+@dataclasses.dataclass
+class PageConfig:
+    bundle: str
+    reference: bool = True  # write reference/ (latents + run-bundle's image) for the check mode
+    prompt: Optional[str] = None  # reference prompt; default: the manifest's golden prompt
+    seed: int = 0
+    reference_accelerator: str = "cpu"  # run-bundle's accelerator for the reference image: cpu | gpu
+    litertjs: Optional[str] = None  # folder with core/ and wasm-utils/; default: web/node_modules/@litertjs
+    overwrite: bool = False
+
+    def __post_init__(self) -> None:
+        require(self.seed >= 0, "seed", f"must be >= 0, got {self.seed}")
+        require(self.reference_accelerator in ("cpu", "gpu"), "reference_accelerator", f"must be cpu or gpu, got {self.reference_accelerator!r}")
+        if not Path(self.bundle).is_dir():
+            raise PocketdiffError(f"bundle {self.bundle}: not a folder")
+
+
+def litertjs_files(folder: Optional[str | Path] = None) -> dict[str, Path]:
+    """The vendored LiteRT.js files by their path under web/litertjs/; a clear error when missing."""
+    root = Path(folder) if folder else default_litertjs_dir()
+    missing = [f for f in LITERTJS_FILES if not (root / f).is_file()]
+    if missing:
+        raise PocketdiffError(
+            f"LiteRT.js files missing under {root} ({missing[0]}{' and more' if len(missing) > 1 else ''}): "
+            f"run `bash scripts/setup.sh` (npm install of @litertjs/core@{LITERTJS_VERSION} into web/node_modules)")
+    version = json.loads((root / "core/package.json").read_text())["version"]
+    if version != LITERTJS_VERSION:
+        raise PocketdiffError(f"{root}/core: @litertjs/core {version} found, the page is tested with {LITERTJS_VERSION}: rerun `bash scripts/setup.sh`")
+    return {f: root / f for f in LITERTJS_FILES}
+
+
+def _reference(bundle: Path, man: dict, prompt: str, seed: int, accelerator: str, folder: Path) -> dict:
+    """run-bundle's image from numpy's seeded latents (exactly as `run-bundle --seed` draws them)."""
+    from PIL import Image
+
+    from pocketdiff.export.run_bundle import generate
+
+    lat = man["latent"]
+    shape = (1, int(lat["channels"]), int(lat["height"]), int(lat["width"]))
+    latents = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+    t0 = time.perf_counter()
+    image, stats = generate(bundle, prompt, seed=seed, accelerator=accelerator, init_latents=latents, manifest=man)
+    if not stats["finite"]:
+        raise PocketdiffError(f"bundle {bundle}: run-bundle's reference image has NaN/Inf values ({accelerator})")
+    folder.mkdir(parents=True)
+    latents.tofile(folder / "latents.bin")
+    image.astype(np.float32).tofile(folder / "image.bin")  # HWC in [0, 1], as run-bundle clips it
+    Image.fromarray((image * 255).round().astype(np.uint8)).save(folder / "image.png")
+    ref = {
+        "prompt": prompt,
+        "seed": seed,
+        "latents": "latents.bin",
+        "latents_shape": list(shape),
+        "image": "image.bin",
+        "image_shape": list(image.shape),
+        "png": "image.png",
+        "dtype": "float32 little-endian",
+        "made_by": {"runner": "pocketdiff run-bundle", "accelerator": accelerator, "driver": stats["driver"],
+                    "fully_accelerated": stats["fully_accelerated"], "seconds": round(time.perf_counter() - t0, 3)},
+    }
+    (folder / "reference.json").write_text(json.dumps(ref, indent=1))
+    return ref
+
+
+def write_page(cfg: PageConfig) -> dict:
+    """Write BUNDLE/web/ (replacing an earlier one only with overwrite); returns page.json's content."""
+    from pocketdiff.export.bundle import load_manifest
+
+    bundle = Path(cfg.bundle)
+    man = load_manifest(bundle)  # refuses a bad bundle (sha256, truncated files, escaping paths) first
+    vendor = litertjs_files(cfg.litertjs)
+    out = bundle / PAGE_DIR
+    if out.exists() and not cfg.overwrite and (not out.is_dir() or any(out.iterdir())):
+        raise PocketdiffError(f"{out} exists; pass --overwrite to replace it")
+    tmp = bundle / f".{PAGE_DIR}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir()
+        for name in PAGE_FILES:
+            shutil.copyfile(STATIC / name, tmp / name)
+        for rel, src in vendor.items():
+            dst = tmp / "litertjs" / rel
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src, dst)
+        ref = None
+        if cfg.reference:
+            prompt = cfg.prompt if cfg.prompt is not None else (man["tokenizer"].get("golden") or {}).get("prompt", "")
+            ref = _reference(bundle, man, prompt, cfg.seed, cfg.reference_accelerator, tmp / "reference")
+        info = {
+            "made_by": "pocketdiff web",
+            "litertjs": LITERTJS_VERSION,
+            "bundle": str(bundle.resolve()),
+            "reference": ref,
+            "open": "serve the bundle folder (pocketdiff serve BUNDLE) and open /web/index.html",
+        }
+        (tmp / "page.json").write_text(json.dumps(info, indent=1))
+        if out.exists():
+            shutil.rmtree(out) if out.is_dir() else out.unlink()
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return info

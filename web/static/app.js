@@ -1,0 +1,225 @@
+// The page: prompt -> image from the bundle this folder sits in (web/ inside the bundle).
+// index.html?check=1&prompt=P&seed=S runs on its own and writes a JSON summary into #result;
+// with report=PATH it also POSTs that JSON to PATH on the serving origin.
+import { loadLiteRt } from '@litertjs/core';
+import { Bundle, imagePsnr } from './pipeline.js';
+import { generate } from './generate.js';
+
+const $ = (id) => document.getElementById(id);
+const params = new URLSearchParams(location.search);
+const CHECK = params.get('check') === '1';
+const MIN_IMAGE_PSNR_DB = Number(params.get('min_image_psnr') ?? 30);
+const bundle = new Bundle(new URL(params.get('bundle') || '../', location.href));
+let reference = null;
+let webgpu = { available: false, adapter: null, reason: null };
+
+function status(text, cls = '') {
+  $('status').textContent = text;
+  $('status').className = cls;
+}
+
+async function probeWebGpu() {
+  if (!window.isSecureContext) return { available: false, reason: 'not a secure context (WebGPU needs https or localhost)' };
+  if (!navigator.gpu) return { available: false, reason: 'this browser has no WebGPU (navigator.gpu is missing)' };
+  try {
+    const adapter = await navigator.gpu.requestAdapter();
+    if (!adapter) return { available: false, reason: 'WebGPU found no GPU adapter' };
+    const info = adapter.info || {};
+    return { available: true, adapter: { vendor: info.vendor, architecture: info.architecture, description: info.description } };
+  } catch (e) {
+    return { available: false, reason: `WebGPU adapter request failed: ${e.message}` };
+  }
+}
+
+async function loadReference() {
+  try {
+    const res = await fetch('reference/reference.json');
+    if (!res.ok) return null;
+    const ref = await res.json();
+    const bin = async (rel) => new Float32Array(await (await fetch(`reference/${rel}`)).arrayBuffer());
+    ref.latentsData = await bin(ref.latents);
+    ref.imageData = await bin(ref.image);
+    return ref;
+  } catch {
+    return null;
+  }
+}
+
+function showStage(name, s) {
+  let row = document.querySelector(`tr[data-stage="${name}"]`);
+  if (!row) {
+    row = document.createElement('tr');
+    row.dataset.stage = name;
+    $('stage-rows').appendChild(row);
+  }
+  const ms = (v) => (v ? `${v.toFixed(0)} ms` : '');
+  const fa = s.accelerator === 'webgpu' ? (s.fully_accelerated ? '<span class="yes">yes</span>' : '<span class="no">no (fell back)</span>') : 'n/a (CPU)';
+  row.innerHTML = `<td>${name}</td><td>${s.accelerator === 'webgpu' ? 'GPU (WebGPU)' : 'CPU (wasm)'}</td><td>${fa}</td><td>${ms(s.fetch_ms)}</td><td>${ms(s.compile_ms)}</td><td>${ms(s.run_ms)}</td>`;
+}
+
+function draw(image) {
+  const cv = $('image');
+  cv.width = image.w;
+  cv.height = image.h;
+  const ctx = cv.getContext('2d');
+  const id = ctx.createImageData(image.w, image.h);
+  for (let p = 0; p < image.w * image.h; p++) {
+    for (let k = 0; k < 3; k++) id.data[4 * p + k] = Math.round(image.img[p * image.c + k] * 255);
+    id.data[4 * p + 3] = 255;
+  }
+  ctx.putImageData(id, 0, 0);
+}
+
+async function run(prompt, seed) {
+  const man = bundle.man;
+  const accelerator = $('accelerator').value;
+  const scale = Number($('guidance').value);
+  const useRef = reference && reference.seed === seed;
+  $('stage-rows').innerHTML = '';
+  const res = await generate(bundle, {
+    prompt, seed, scale, accelerator, goldens: CHECK,
+    latents: useRef ? reference.latentsData : null,
+    onStage: showStage,
+    onStep: (i, n, ms) => status(`denoising step ${i}/${n} (${ms.toFixed(0)} ms)`),
+  });
+  draw(res.image);
+  const t = res.tokens;
+  $('prompt-note').hidden = t.truncated === 0;
+  $('prompt-note').textContent = t.truncated
+    ? `The prompt has ${t.tokens} tokens; the text encoder takes ${man.tokenizer.max_length - 2}: the last ${t.truncated} were dropped (as the Python runner does).`
+    : '';
+  const L = res.latency;
+  $('latency').textContent = `total ${L.total_ms.toFixed(0)} ms, UNet ${L.unet_step_mean_ms.toFixed(1)} ms/step over ${L.unet_steps_ms.length} steps`;
+  status(`done in ${(L.total_ms / 1000).toFixed(2)} s`);
+  return { res, latentsSource: useRef ? `reference/${reference.latents}` : 'page noise (seeded; not numpy\'s)' };
+}
+
+function summary(prompt, seed, out, runtimeMs) {
+  const man = bundle.man;
+  const { res } = out;
+  const failures = [];
+  const accelerator = $('accelerator').value;
+  if (accelerator !== 'webgpu') failures.push(`ran on ${accelerator}, not WebGPU (${webgpu.reason || 'chosen on the page'})`);
+  const components = {};
+  for (const [name, s] of Object.entries(res.stages)) {
+    const g = res.golden[name] || { skipped: 'not run' };
+    components[name] = { ...s, golden: g };
+    if (accelerator === 'webgpu' && !s.fully_accelerated) failures.push(`${name}: not fully accelerated`);
+    if (!g.skipped && !g.pass) failures.push(`${name}: golden vector cosine ${g.cosine} / PSNR ${g.psnr_db} dB outside the ${g.precision} tolerances`);
+  }
+  const golden = man.tokenizer.golden;
+  const goldenIds = golden ? Array.from(bundle.tokenizer.encode(golden.prompt).ids) : null;
+  const tokenizer = { tokens: res.tokens.tokens, truncated: res.tokens.truncated, golden_ids_match: golden ? goldenIds.join(',') === golden.ids.join(',') : null };
+  if (tokenizer.golden_ids_match === false) failures.push('tokenizer: the golden prompt\'s ids differ from the manifest\'s');
+  const image = { finite: res.image.finite, height: res.image.h, width: res.image.w, min_psnr_db: MIN_IMAGE_PSNR_DB };
+  if (!res.image.finite) failures.push('image: NaN/Inf values');
+  if (reference && reference.prompt === prompt && reference.seed === seed) {
+    image.reference = `reference/${reference.image}`;
+    image.reference_made_by = reference.made_by;
+    image.psnr_db = imagePsnr(reference.imageData, res.image.img);
+    if (!(image.psnr_db >= MIN_IMAGE_PSNR_DB)) failures.push(`image: PSNR ${image.psnr_db.toFixed(2)} dB against the reference < ${MIN_IMAGE_PSNR_DB}`);
+  } else {
+    image.skipped = reference ? `the reference is for prompt ${JSON.stringify(reference.prompt)}, seed ${reference.seed}` : 'no reference/ in this page (pocketdiff web --no-reference)';
+  }
+  const nav = performance.getEntriesByType('navigation')[0];
+  return {
+    ok: failures.length === 0,
+    failures,
+    prompt, seed,
+    steps: man.scheduler.timesteps.length,
+    guidance: { mode: man.guidance.mode, scale: Number($('guidance').value) },
+    accelerator,
+    webgpu,
+    latents: out.latentsSource,
+    tokenizer,
+    components,
+    image,
+    latency_ms: {
+      page_load: nav ? nav.loadEventEnd || nav.domContentLoadedEventEnd : null,
+      runtime_ready: runtimeMs,
+      ...res.latency,
+    },
+    notes: ['webgpu-note', 'prompt-note'].filter((id) => !$(id).hidden).map((id) => $(id).textContent),
+    user_agent: navigator.userAgent,
+  };
+}
+
+async function report(result) {
+  $('check').hidden = false;
+  $('result').textContent = JSON.stringify(result, null, 1);
+  const c = result.components || {};
+  const gold = Object.entries(c).map(([n, v]) => `${n} cos ${v.golden?.cosine?.toFixed(6) ?? '-'}`).join(', ');
+  const img = result.image?.psnr_db !== undefined ? `; image vs run-bundle ${result.image.psnr_db.toFixed(1)} dB` : '';
+  $('check-verdict').className = result.ok ? 'yes' : 'error';
+  $('check-verdict').textContent = result.ok ? `ok: every component fully accelerated, goldens within tolerance (${gold})${img}` : `failed: ${result.failures.join('; ')}`;
+  const path = params.get('report');
+  if (!path) return;
+  const url = new URL(path, location.origin);
+  if (url.origin !== location.origin) {
+    $('result').textContent += '\nreport: refused (only paths on the serving origin)';
+    return;
+  }
+  await fetch(url, { method: 'POST', headers: { 'Content-Type': 'application/json' }, body: JSON.stringify(result) });
+}
+
+async function main() {
+  const t0 = performance.now();
+  let man;
+  try {
+    webgpu = await probeWebGpu();
+    if (!webgpu.available) {
+      $('webgpu-note').hidden = false;
+      $('webgpu-note').textContent = `No WebGPU here: ${webgpu.reason}. The page can still run the bundle on the CPU (wasm, slower); choose "CPU (wasm)" above.`;
+      $('accelerator').value = 'wasm';
+    }
+    if (params.get('accelerator')) $('accelerator').value = params.get('accelerator');
+    await loadLiteRt(new URL('litertjs/core/wasm/', location.href).href);
+    man = await bundle.open();
+    reference = await loadReference();
+  } catch (e) {
+    status(`error: ${e.message}`, 'error');
+    if (CHECK) await report({ ok: false, failures: [e.message], error: e.message, webgpu });
+    return;
+  }
+  const runtimeMs = performance.now() - t0;
+  const weights = Object.entries(man.components).map(([n, c]) => `${n} ${c.weights}`).join(', ');
+  $('bundle-info').textContent = `${man.provenance?.source ?? 'bundle'}: ${man.image.width}x${man.image.height} px, ${man.scheduler.timesteps.length} DDIM steps, ${weights}`;
+  $('steps').value = man.scheduler.timesteps.length;
+  $('guidance').value = man.guidance.scale;
+  if (man.guidance.mode === 'cfg') {
+    $('guidance-note').textContent = 'Classifier-free guidance: the UNet runs on the prompt and the empty prompt in one batch-2 call.';
+  } else {
+    $('guidance').readOnly = true;
+    $('guidance-note').textContent = man.guidance.mode === 'embedded'
+      ? `Guidance is embedded in the distilled student (w = ${man.guidance.scale}, fixed at export).`
+      : 'This bundle runs without guidance.';
+  }
+  if (reference) {
+    $('prompt').value = reference.prompt;
+    $('seed').value = reference.seed;
+  }
+  if (params.has('prompt')) $('prompt').value = params.get('prompt');
+  if (params.has('seed')) $('seed').value = params.get('seed');
+  if (params.has('scale') && man.guidance.mode === 'cfg') $('guidance').value = params.get('scale');
+  status(`ready (LiteRT.js loaded in ${runtimeMs.toFixed(0)} ms)`);
+  const go = async () => {
+    $('generate').disabled = true;
+    const prompt = $('prompt').value;
+    const seed = Number($('seed').value) | 0;
+    try {
+      const out = await run(prompt, seed);
+      if (CHECK) await report(summary(prompt, seed, out, runtimeMs));
+    } catch (e) {
+      status(`error: ${e.message}`, 'error');
+      console.error(e);
+      if (CHECK) await report({ ok: false, failures: [e.message], error: e.message, prompt, seed, webgpu });
+    } finally {
+      $('generate').disabled = false;
+    }
+  };
+  $('generate').disabled = false;
+  $('generate').addEventListener('click', go);
+  if (CHECK) await go();
+}
+
+main();

@@ -1,0 +1,159 @@
+// One prompt through the bundle, pipelined as `run-bundle --pipelined`.
+import { BundleError, Component, ddimStep, pageNoise, parity, toHwc } from './pipeline.js';
+
+/**
+ * opts: {prompt, seed, scale, accelerator, latents (Float32Array|null), goldens (bool),
+ *        onStage(name, info), onStep(i, n, ms)}
+ * returns {image: {img, h, w, c, finite}, tokens, stages, golden, latency}
+ */
+export async function generate(bundle, opts) {
+  const man = bundle.man;
+  const sched = man.scheduler;
+  const B = man.guidance.unet_batch;
+  const lat = man.latent;
+  const stages = {};
+  const golden = {};
+  const latency = {};
+  const note = opts.onStage || (() => {});
+  const tStart = performance.now();
+
+  const t0 = performance.now();
+  const enc = bundle.tokenizer.encode(opts.prompt);
+  const empty = B === 2 ? bundle.tokenizer.encode('') : null;
+  latency.tokenize_ms = performance.now() - t0;
+
+  const record = (c) => {
+    stages[c.name] = { accelerator: c.accelerator, fully_accelerated: c.fullyAccelerated, fetch_ms: c.fetchMs, compile_ms: c.compileMs, run_ms: 0 };
+    note(c.name, stages[c.name]);
+  };
+  let goldenMs = 0; // check mode's golden runs, kept out of the generation latency
+  const checkGolden = async (c) => {
+    if (!opts.goldens) return;
+    const tg = performance.now();
+    try {
+      await runGolden(c);
+    } finally {
+      goldenMs += performance.now() - tg;
+    }
+  };
+  const runGolden = async (c) => {
+    const g = await bundle.golden(c.name);
+    if (!g) { golden[c.name] = { skipped: 'the manifest has no golden vectors for this component' }; return; }
+    const feeds = {};
+    for (const [k, v] of Object.entries(g)) if (k.startsWith('input_')) feeds[k.slice(6)] = v;
+    const out = await c.run(feeds);
+    const firstRunMs = c.runMs.pop(); // golden runs are not part of the generation latency
+    const precision = c.accelerator === 'webgpu' ? 'fp16' : 'fp32';
+    const tol = man.components[c.name].golden.tolerances?.[precision] || {};
+    const m = parity(g.output_0.data, out.data);
+    const pass = m.finite && m.cosine >= (tol.cosine_min ?? 0.999) && m.psnr_db >= (tol.psnr_min_db ?? 30);
+    // the first run of a compiled model also builds its GPU pipelines (shader compilation)
+    golden[c.name] = { ...m, precision, tolerances: tol, pass, first_run_ms: firstRunMs };
+  };
+
+  // text encoder and UNet download together; the text encoder compiles, runs and is released
+  // before the UNet compiles (one model compiling at a time on the page's thread)
+  const teFetch = Component.fetch(bundle, 'text_encoder');
+  // the UNet stays resident between prompts (as run-bundle --pipelined keeps it)
+  let kept = bundle.residentUnet;
+  if (kept && kept.accelerator !== opts.accelerator) {
+    kept.release();
+    kept = bundle.residentUnet = null;
+  }
+  const unetFetch = kept ? null : Component.fetch(bundle, 'unet');
+  if (unetFetch) unetFetch.catch(() => {}); // awaited below; an early failure must not go unhandled
+  const text = {};
+  const te = await Component.compile(teFetch, opts.accelerator);
+  record(te);
+  try {
+    await checkGolden(te);
+    text.cond = await te.run({ input_ids: { data: enc.ids, shape: [1, enc.ids.length] } });
+    if (empty) text.uncond = await te.run({ input_ids: { data: empty.ids, shape: [1, empty.ids.length] } });
+    stages.text_encoder.run_ms = te.runMs.reduce((a, b) => a + b, 0);
+    note('text_encoder', stages.text_encoder);
+  } finally {
+    te.release();
+  }
+  const unet = kept ?? await Component.compile(unetFetch, opts.accelerator);
+  bundle.residentUnet = null; // held by this call until it ends
+  if (kept) {
+    unet.fetchMs = 0;
+    unet.compileMs = 0;
+    unet.runMs = [];
+  }
+  record(unet);
+  stages.unet.resident = Boolean(kept);
+  let decoderP = null;
+  try {
+    await checkGolden(unet);
+    const h = text.cond.shape;
+    let ehs = text.cond.data;
+    let ehsShape = h;
+    if (B === 2) {
+      ehs = new Float32Array(2 * text.cond.data.length);
+      ehs.set(text.uncond.data, 0);
+      ehs.set(text.cond.data, text.cond.data.length);
+      ehsShape = [2, ...h.slice(1)];
+    }
+
+    const n = lat.channels * lat.height * lat.width;
+    let x = opts.latents ?? pageNoise(opts.seed, n);
+    if (x.length !== n) throw new BundleError(`latents: ${x.length} values, the bundle's latent is ${n}`);
+    const T = sched.num_train_timesteps;
+    const steps = sched.steps;
+    const ts = sched.timesteps;
+    const table = bundle.table;
+    for (let i = 0; i < ts.length; i++) {
+      const t = ts[i];
+      if (i === ts.length - 1) { // the decoder downloads during the last step
+        decoderP = Component.fetch(bundle, 'vae_decoder');
+        decoderP.catch(() => {});
+      }
+      const sample = new Float32Array(B * n);
+      for (let b = 0; b < B; b++) sample.set(x, b * n);
+      const feeds = { sample: { data: sample, shape: [B, lat.channels, lat.height, lat.width] }, encoder_hidden_states: { data: ehs, shape: ehsShape } };
+      if (table) {
+        const D = table.shape[1];
+        const row = table.data.subarray(t * D, (t + 1) * D);
+        const tt = new Float32Array(B * D);
+        for (let b = 0; b < B; b++) tt.set(row, b * D);
+        feeds.timestep = { data: tt, shape: [B, D] };
+      } else {
+        feeds.timestep = { data: new Float32Array(B).fill(t), shape: [B] };
+      }
+      const res = await unet.run(feeds);
+      let out = res.data;
+      if (B === 2) {
+        out = new Float32Array(n);
+        for (let k = 0; k < n; k++) out[k] = res.data[k] + opts.scale * (res.data[n + k] - res.data[k]);
+      }
+      const prev = t - Math.floor(T / steps);
+      const aT = sched.alphas_cumprod[t];
+      const aPrev = prev >= 0 ? sched.alphas_cumprod[prev] : sched.final_alpha_cumprod;
+      x = ddimStep(x, out, aT, aPrev, sched.prediction_type);
+      if (opts.onStep) opts.onStep(i + 1, ts.length, unet.runMs[unet.runMs.length - 1]);
+    }
+    stages.unet.run_ms = unet.runMs.reduce((a, b) => a + b, 0);
+    latency.unet_steps_ms = unet.runMs.slice();
+    latency.unet_step_mean_ms = stages.unet.run_ms / Math.max(1, unet.runMs.length);
+    note('unet', stages.unet);
+
+    const dec = await Component.compile(decoderP, opts.accelerator);
+    record(dec);
+    let image;
+    try {
+      await checkGolden(dec);
+      const d = await dec.run({ latents: { data: x, shape: [1, lat.channels, lat.height, lat.width] } });
+      image = toHwc(d.data, d.shape);
+      stages.vae_decoder.run_ms = dec.runMs.reduce((a, b) => a + b, 0);
+      note('vae_decoder', stages.vae_decoder);
+    } finally {
+      dec.release();
+    }
+    latency.total_ms = performance.now() - tStart - goldenMs;
+    if (opts.goldens) latency.golden_checks_ms = goldenMs;
+    return { image, tokens: enc, stages, golden, latency };
+  } finally {
+    bundle.residentUnet = unet; // the text encoder and decoder were released after use
+  }
+}

@@ -1,0 +1,209 @@
+// The bundle in the browser: the same steps as `pocketdiff run-bundle` (export/run_bundle.py)
+// on LiteRT.js. Every file is checked against the manifest's sha256 before use; DDIM with the
+// manifest's timesteps and alphas; classifier-free guidance in one batch-2 UNet call or the
+// student's embedded guidance; the time embedding looked up in the bundle's table when it was
+// computed outside the graph. Pipelined loading as run-bundle --pipelined: the text encoder
+// loads and runs while the UNet compiles and is released after; the decoder loads during the
+// last denoising step.
+import { loadAndCompile, Tensor } from '@litertjs/core';
+import { ClipBpe } from './bpe.js';
+import { parseNpy, parseNpz } from './npy.js';
+import { sha256Hex } from './sha256.js';
+
+export class BundleError extends Error {}
+
+function safePath(rel, what) {
+  if (typeof rel !== 'string' || !rel || rel.startsWith('/') || rel.startsWith('\\') || /^[a-zA-Z]:/.test(rel)
+      || rel.split(/[\\/]/).includes('..') || /^[a-z]+:/i.test(rel)) {
+    throw new BundleError(`manifest: ${what} path ${JSON.stringify(rel)} escapes the bundle folder`);
+  }
+  return rel;
+}
+
+export class Bundle {
+  constructor(base) {
+    this.base = base; // URL of the bundle folder (ends with '/')
+  }
+
+  async fetchBytes(rel, what) {
+    const url = new URL(safePath(rel, what), this.base);
+    const res = await fetch(url);
+    if (!res.ok) throw new BundleError(`bundle: ${what} file ${rel} could not be read (HTTP ${res.status})`);
+    return res.arrayBuffer();
+  }
+
+  /** The bytes of a manifest entry, refused when their sha256 differs from the manifest's. */
+  async fetchVerified(entry, what) {
+    const bytes = await this.fetchBytes(entry.path, what);
+    const got = await sha256Hex(bytes);
+    if (got !== entry.sha256) {
+      throw new BundleError(`bundle: sha256 mismatch for ${entry.path} (${what}): manifest ${String(entry.sha256).slice(0, 12)}..., file ${got.slice(0, 12)}...; the page refuses this bundle`);
+    }
+    return bytes;
+  }
+
+  async open() {
+    const text = new TextDecoder().decode(await this.fetchBytes('manifest.json', 'manifest'));
+    const man = JSON.parse(text);
+    if (man.schema !== 'pocketdiff-bundle') throw new BundleError('manifest.json: not a pocketdiff bundle manifest');
+    if (man.schema_version !== 1) throw new BundleError(`manifest.json: schema version ${man.schema_version} is not supported (expected 1)`);
+    for (const need of ['text_encoder', 'unet', 'vae_decoder']) {
+      if (!man.components?.[need]) throw new BundleError(`bundle: has no ${need} (exported with components=${Object.keys(man.components || {})})`);
+    }
+    this.man = man;
+    const tokEntry = man.tokenizer.files['tokenizer.json'];
+    const tokJson = JSON.parse(new TextDecoder().decode(await this.fetchVerified(tokEntry, 'tokenizer file tokenizer.json')));
+    this.tokenizer = new ClipBpe(tokJson, man.tokenizer);
+    this.table = null;
+    if (man.time_embedding) {
+      this.table = parseNpy(await this.fetchVerified(man.time_embedding, 'time embedding table'), man.time_embedding.path);
+    }
+    return man;
+  }
+
+  async golden(name) {
+    const g = this.man.components[name].golden;
+    if (!g) return null;
+    return parseNpz(await this.fetchVerified(g, `golden of ${name}`), g.path);
+  }
+}
+
+/** A compiled component. Loading is split in two, because in a page only the download
+ *  overlaps other work: `fetch` (network + sha256) can run beside a UNet step, while wasm
+ *  compilation holds the page's one thread. */
+export class Component {
+  static fetch(bundle, name) {
+    const t0 = performance.now();
+    return bundle.fetchVerified(bundle.man.components[name], `component ${name}`).then((bytes) => ({ name, bytes, fetchMs: performance.now() - t0 }));
+  }
+
+  static async compile(fetched, accelerator) {
+    const c = new Component();
+    const { name, bytes, fetchMs } = await fetched;
+    c.name = name;
+    c.accelerator = accelerator;
+    const t1 = performance.now();
+    c.model = await loadAndCompile(new Uint8Array(bytes), { accelerator });
+    c.fetchMs = fetchMs;
+    c.compileMs = performance.now() - t1;
+    c.fullyAccelerated = accelerator === 'webgpu' ? Boolean(c.model.isFullyAccelerated) : false;
+    c.runMs = [];
+    return c;
+  }
+
+  /** feeds: name -> {data: TypedArray, shape}; returns {data: Float32Array, shape}. */
+  async run(feeds) {
+    const names = Object.keys(feeds);
+    const inputs = [];
+    try {
+      this.model.getInputDetails().forEach((d, i) => {
+        const f = feeds[d.name] ?? feeds[names[i]];
+        const shape = Array.from(d.shape);
+        if (!f) throw new BundleError(`${this.name}: no value for input ${d.name}`);
+        if (f.shape.join(',') !== shape.join(',')) {
+          throw new BundleError(`${this.name}: input ${d.name} has shape [${f.shape}], the model takes [${shape}]`);
+        }
+        const data = d.dtype === 'int32' ? Int32Array.from(f.data) : Float32Array.from(f.data);
+        inputs.push(new Tensor(data, shape));
+      });
+      const t0 = performance.now();
+      let dev = inputs;
+      if (this.accelerator === 'webgpu') dev = await Promise.all(inputs.map((t) => t.copyTo('webgpu')));
+      const outs = await this.model.run(dev);
+      const out = outs[0].accelerator === 'wasm' ? outs[0] : await outs[0].copyTo('wasm');
+      const data = Float32Array.from(out.toTypedArray());
+      this.runMs.push(performance.now() - t0);
+      const shape = Array.from(this.model.getOutputDetails()[0].shape);
+      for (const t of new Set([...dev, ...outs, out])) if (!t.deleted) t.delete();
+      return { data, shape };
+    } finally {
+      for (const t of inputs) if (!t.deleted) t.delete();
+    }
+  }
+
+  release() {
+    if (this.model && !this.model.deleted) this.model.delete();
+    this.model = null;
+  }
+}
+
+/** Cosine, PSNR (reference's peak-to-peak range) and max-abs, as export/parity.py. */
+export function parity(ref, out) {
+  if (ref.length !== out.length) throw new BundleError(`output has ${out.length} values, reference ${ref.length}`);
+  let nonfinite = 0;
+  for (const v of out) if (!Number.isFinite(v)) nonfinite++;
+  if (nonfinite) return { finite: false, nonfinite, cosine: null, psnr_db: null, max_abs: null };
+  let dot = 0, nr = 0, no = 0, se = 0, mx = 0, lo = Infinity, hi = -Infinity;
+  for (let i = 0; i < ref.length; i++) {
+    const r = ref[i], o = out[i], d = o - r;
+    dot += r * o; nr += r * r; no += o * o; se += d * d;
+    mx = Math.max(mx, Math.abs(d)); lo = Math.min(lo, r); hi = Math.max(hi, r);
+  }
+  const denom = Math.sqrt(nr) * Math.sqrt(no);
+  const cosine = denom > 0 ? dot / denom : (se === 0 ? 1 : 0);
+  const mse = se / ref.length;
+  const peak = hi - lo;
+  const psnr = mse === 0 ? Infinity : (peak === 0 ? -Infinity : 10 * Math.log10(peak * peak / mse));
+  return { finite: true, nonfinite: 0, cosine, psnr_db: psnr, max_abs: mx };
+}
+
+/** Image PSNR with data range 1 (images in [0, 1]). */
+export function imagePsnr(ref, out) {
+  let se = 0;
+  for (let i = 0; i < ref.length; i++) se += (out[i] - ref[i]) ** 2;
+  const mse = se / ref.length;
+  return mse === 0 ? Infinity : 10 * Math.log10(1 / mse);
+}
+
+/** Seeded standard normal noise (mulberry32 + Box-Muller). Not numpy's stream: a page and
+ *  run-bundle share noise only through a latents file (the reference's). */
+export function pageNoise(seed, n) {
+  let a = seed >>> 0;
+  const rand = () => {
+    a = (a + 0x6d2b79f5) >>> 0;
+    let t = a;
+    t = Math.imul(t ^ (t >>> 15), t | 1);
+    t ^= t + Math.imul(t ^ (t >>> 7), t | 61);
+    return ((t ^ (t >>> 14)) >>> 0) / 4294967296;
+  };
+  const out = new Float32Array(n);
+  for (let i = 0; i < n; i += 2) {
+    const u = Math.max(rand(), 1e-12), v = rand();
+    const r = Math.sqrt(-2 * Math.log(u));
+    out[i] = r * Math.cos(2 * Math.PI * v);
+    if (i + 1 < n) out[i + 1] = r * Math.sin(2 * Math.PI * v);
+  }
+  return out;
+}
+
+export function ddimStep(x, out, aT, aPrev, predictionType) {
+  const y = new Float32Array(x.length);
+  const sa = Math.sqrt(aT), sb = Math.sqrt(1 - aT), pa = Math.sqrt(aPrev), pb = Math.sqrt(1 - aPrev);
+  for (let i = 0; i < x.length; i++) {
+    let x0, eps;
+    if (predictionType === 'epsilon') {
+      eps = out[i];
+      x0 = (x[i] - sb * eps) / sa;
+    } else if (predictionType === 'v_prediction') {
+      x0 = sa * x[i] - sb * out[i];
+      eps = sa * out[i] + sb * x[i];
+    } else {
+      throw new BundleError(`bundle: prediction type ${predictionType} is not supported`);
+    }
+    y[i] = pa * x0 + pb * eps;
+  }
+  return y;
+}
+
+/** Decoder output [1, 3, H, W] -> HWC in [0, 1] (clipped, as run-bundle writes its PNG). */
+export function toHwc(data, shape) {
+  const [, c, h, w] = shape;
+  const img = new Float32Array(h * w * c);
+  let nonfinite = 0;
+  for (let y = 0; y < h; y++) for (let x = 0; x < w; x++) for (let k = 0; k < c; k++) {
+    const v = data[(k * h + y) * w + x];
+    if (!Number.isFinite(v)) nonfinite++;
+    img[(y * w + x) * c + k] = Math.min(1, Math.max(0, v));
+  }
+  return { img, h, w, c, finite: nonfinite === 0 };
+}

@@ -1,0 +1,88 @@
+"""`pocketdiff web BUNDLE`: write BUNDLE/web/ (the page), optionally check it in headless Chromium.
+
+    pocketdiff web runs/bundle                      # page + reference (run-bundle's image, seed 0)
+    pocketdiff web runs/bundle --check --screenshot shot.png
+    pocketdiff serve runs/bundle --port 8000        # then open http://localhost:8000/
+
+--check serves the bundle on a free local port, opens `index.html?check=1` in headless
+Chromium (WebGPU on SwiftShader where there is no GPU), waits for the page's POSTed JSON,
+writes it to BUNDLE/web/check.json and fails (exit 2) when any check failed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from pocketdiff.errors import ParityError, PocketdiffError
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("bundle", help="bundle folder made by `pocketdiff export`")
+    p.add_argument("--prompt", default=None, help="reference prompt (default: the manifest's golden prompt)")
+    p.add_argument("--seed", type=int, default=0, help="reference seed (numpy's latents, as run-bundle draws them)")
+    p.add_argument("--no-reference", action="store_true", help="no reference/ folder (the check mode then skips the image check)")
+    p.add_argument("--reference-accelerator", choices=["cpu", "gpu"], default="cpu", help="run-bundle's accelerator for the reference image")
+    p.add_argument("--litertjs", default=None, help="folder with @litertjs core/ and wasm-utils/ (default: web/node_modules/@litertjs from setup)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing BUNDLE/web")
+    p.add_argument("--check", action="store_true", help="run the page's check mode in headless Chromium")
+    p.add_argument("--accelerator", choices=["webgpu", "wasm"], default="webgpu", help="--check: what the page runs on")
+    p.add_argument("--screenshot", default=None, metavar="PNG", help="--check: save a screenshot of the page")
+    p.add_argument("--timeout", type=float, default=600.0, help="--check: seconds to wait for the page's report")
+    p.add_argument("--debug", action="store_true")
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("bundle", help="bundle folder with web/ (pocketdiff web BUNDLE)")
+    p.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to serve the LAN")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--https", action="store_true", help="TLS with a generated self-signed certificate (WebGPU needs a secure context off localhost)")
+    p.add_argument("--reports", default=None, metavar="DIR", help="write POSTed check reports here")
+    p.add_argument("--debug", action="store_true")
+
+
+def summarize(result: dict) -> str:
+    lines = []
+    for name, c in (result.get("components") or {}).items():
+        g = c.get("golden") or {}
+        cos = f"cos {g['cosine']:.6f} PSNR {g['psnr_db']:.1f} dB" if g.get("cosine") is not None else g.get("skipped", "")
+        lines.append(f"  {name:13s} {c['accelerator']:6s} fully accelerated: {c['fully_accelerated']}  compile {c['compile_ms']:.0f} ms  run {c['run_ms']:.0f} ms  golden {cos}")
+    img = result.get("image") or {}
+    if "psnr_db" in img:
+        lines.append(f"  image vs run-bundle: {img['psnr_db']:.1f} dB (min {img['min_psnr_db']})")
+    lat = result.get("latency_ms") or {}
+    if lat:
+        lines.append(f"  page load {lat.get('page_load') or 0:.0f} ms, LiteRT.js ready {lat.get('runtime_ready') or 0:.0f} ms, "
+                     f"UNet {lat.get('unet_step_mean_ms') or 0:.0f} ms/step, total {lat.get('total_ms') or 0:.0f} ms")
+    return "\n".join(lines)
+
+
+def main(args) -> int:
+    from .page import PageConfig, write_page
+
+    t0 = time.perf_counter()
+    cfg = PageConfig(bundle=args.bundle, reference=not args.no_reference, prompt=args.prompt, seed=args.seed,
+                     reference_accelerator=args.reference_accelerator, litertjs=args.litertjs, overwrite=args.overwrite)
+    info = write_page(cfg)
+    web = Path(args.bundle) / "web"
+    ref = info["reference"]
+    print(f"wrote {web}/index.html ({time.perf_counter() - t0:.1f} s"
+          + (f"; reference: {ref['prompt']!r} seed {ref['seed']} by run-bundle on {ref['made_by']['accelerator']})" if ref else ")"))
+    if not args.check:
+        print(f"serve it: pocketdiff serve {args.bundle}   (then open http://localhost:8000/)")
+        return 0
+    from .headless import check_page, find_chromium
+
+    if find_chromium() is None:
+        raise PocketdiffError("--check needs Chromium: apt-get install chromium (scripts/setup.sh does), or set POCKETDIFF_CHROMIUM")
+    t1 = time.perf_counter()
+    result = check_page(args.bundle, prompt=ref["prompt"] if ref else None, seed=ref["seed"] if ref else None,
+                        timeout_s=args.timeout, screenshot=args.screenshot, accelerator=args.accelerator)
+    (web / "check.json").write_text(json.dumps(result, indent=1))
+    print(f"check in headless Chromium ({time.perf_counter() - t1:.1f} s): {'ok' if result.get('ok') else 'FAILED'}\n{summarize(result)}")
+    if args.screenshot:
+        print(f"screenshot: {args.screenshot}")
+    if not result.get("ok"):
+        raise ParityError(f"web check of {args.bundle}: " + "; ".join(result.get("failures") or [result.get("error", "no result")]))
+    return 0
