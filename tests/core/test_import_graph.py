@@ -51,6 +51,10 @@ INTERFACES: dict[str, dict[str, str]] = {
     "pocketdiff.evaluate": {
         "pocketdiff.export.bundle_images": "evaluate's kind: bundle runs exported bundles",
     },
+    "pocketdiff.web": {
+        "pocketdiff.export.bundle": "the page reads the bundle's manifest as export wrote it",
+        "pocketdiff.export.run_bundle": "the page's reference image is run-bundle's, from the same latents",
+    },
 }
 
 
