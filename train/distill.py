@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import shutil
 import time
 from pathlib import Path
 from typing import Optional
@@ -41,6 +42,7 @@ from pocketdiff.errors import PocketdiffError
 from pocketdiff.models import DISTILL_META, check_resolution, count_params, load_or_build
 from pocketdiff.outputs import read_json, write_json
 from pocketdiff.sampling import encode_prompts
+from pocketdiff.shipped import resolve_shipped
 
 from .checkpoints import read_state, resolve_resume
 from .distill_config import (  # noqa: F401  (re-exported: the recipe's sections)
@@ -265,6 +267,8 @@ def _train_round(cfg: Config, spec: RoundSpec, acc, pipe, teacher_unet, t_sched,
         "skipped_steps": result.skipped_steps, "pipeline_dir": str(folder),
         "train_seconds": seconds, "processes": acc.num_processes,
         "samples_per_s": loop_cfg.batch_size * loop_cfg.grad_accum * max(result.steps - start_step, 1) / max(seconds, 1e-9),
+        # the loop's own clock: first step (compilation) apart, steady-state rate without checkpoint saves
+        "timing": result.timing,
         "transitions": rplan.rows() if rplan is not None else None,
     }
     meta = {
@@ -275,12 +279,23 @@ def _train_round(cfg: Config, spec: RoundSpec, acc, pipe, teacher_unet, t_sched,
         "report": round_report,
     }
     if acc.is_main_process:
-        _write_round_folder(pipe, student, s_sched, folder, meta)
+        _write_round_folder(pipe, student, s_sched, folder, meta, share_from=prev_folder or _teacher_folder(cfg))
+        if not cfg.keep_round_checkpoints:  # the round folder is its result: resume never reads these again
+            shutil.rmtree(out / "checkpoints" / spec.name, ignore_errors=True)
     acc.wait_for_everyone()
     del student
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return round_report
+
+
+def _teacher_folder(cfg: Config) -> Optional[Path]:
+    """The teacher's local pipeline folder, whose text encoder, tokenizer and VAE round 0 can
+    hardlink (None for a built teacher, a hub id, or a VAE replaced by model.vae)."""
+    if not cfg.model.pretrained or cfg.model.vae:
+        return None
+    path = Path(resolve_shipped(cfg.model.pretrained)).expanduser()
+    return path if (path / "model_index.json").is_file() else None
 
 
 def _copy_unet(unet):

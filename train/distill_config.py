@@ -93,7 +93,7 @@ class SpeedConfig:
     student_compile_mode: str = "default"
     compile_teacher: bool = False
     teacher_compile_mode: str = "max-autotune-no-cudagraphs"  # or "reduce-overhead" (CUDA graphs), "default"
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = False  # the student's (as train.gradient_checkpointing, for every round)
     cudnn_benchmark: bool = True
     tf32: bool = True
 
@@ -138,6 +138,9 @@ class Config:
     timestep_spacing: str = "trailing"  # students' DDIM spacing: trailing | leading | teacher
     loss_weighting: str = "truncated_snr"  # truncated_snr (x space, max(SNR, 1)) | snr_plus_one (= v space)
     cache_latents: bool = True
+    # keep DIR/checkpoints/round-K after round K's folder is written (false: deleted then; resume
+    # never needs them again, and at SD size each checkpoint is several GB)
+    keep_round_checkpoints: bool = False
     max_time_s: float = 0.0  # > 0: wall-time budget of this invocation; the round in progress stops with a checkpoint (--resume latest continues)
     guidance: GuidanceConfig = dataclasses.field(default_factory=GuidanceConfig)
     guided: GuidedStageConfig = dataclasses.field(default_factory=GuidedStageConfig)
@@ -152,5 +155,7 @@ class Config:
         require(self.loss_weighting in WEIGHTINGS, "loss_weighting", f"must be one of {WEIGHTINGS}")
         require(self.guided.train.mixed_precision == self.progressive.train.mixed_precision, "guided.train.mixed_precision",
                 f"must equal progressive.train.mixed_precision ({self.progressive.train.mixed_precision}): one Accelerator runs every round")
+        require(self.guided.train.memory_cap_gib == self.progressive.train.memory_cap_gib, "guided.train.memory_cap_gib",
+                f"must equal progressive.train.memory_cap_gib ({self.progressive.train.memory_cap_gib}): the cap is per process")
         require(self.guided.enabled or len(plan_rounds(self)) > 0, "progressive.final_steps",
                 "equals progressive.start_steps and guided.enabled is false: there is nothing to distill")

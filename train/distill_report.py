@@ -5,24 +5,29 @@ import json
 import logging
 import shutil
 from pathlib import Path
+from typing import Optional
 
 import torch
 
 from pocketdiff.errors import PocketdiffError
-from pocketdiff.models import DISTILL_META, save_pipeline
+from pocketdiff.models import DISTILL_META
 from pocketdiff.outputs import atomic_path, commit_folder, read_json, write_json
 from pocketdiff.report import img, plot_curves, save_grid, table, write_page
 from pocketdiff.sampling import generate
 
 from .distill_config import Config
+from .folders import SHAREABLE, pipeline_bytes_to_write, shareable_component, write_pipeline_folder
+from .memory import check_free_space
 from .distill_rounds import RoundSpec
 from .guidance_embedding import USAGE, is_w_conditioned
 
 log = logging.getLogger(__name__)
 
 
-def _write_round_folder(pipe, student, sched, folder: Path, meta: dict) -> Path:
-    """Save a stock pipeline folder under a temporary name, fsync, rename: atomic completion."""
+def _write_round_folder(pipe, student, sched, folder: Path, meta: dict, share_from: Optional[Path] = None) -> Path:
+    """Save a stock pipeline folder under a temporary name, fsync, rename: atomic completion.
+    The unchanged components (text encoder, tokenizer, VAE) are hardlinked (else copied) from
+    `share_from` when it holds them as safetensors, else written; the free space is checked first."""
     from diffusers import StableDiffusionPipeline
 
     tmp = folder.parent / f".{folder.name}.tmp"
@@ -31,7 +36,9 @@ def _write_round_folder(pipe, student, sched, folder: Path, meta: dict) -> Path:
     student = student.to(memory_format=torch.contiguous_format)
     sp = StableDiffusionPipeline(vae=pipe.vae, text_encoder=pipe.text_encoder, tokenizer=pipe.tokenizer, unet=student,
                                  scheduler=sched, safety_checker=None, feature_extractor=None, requires_safety_checker=False)
-    save_pipeline(sp, tmp)
+    shared = {name: share_from for name in SHAREABLE if shareable_component(share_from, name) is not None}
+    check_free_space(folder.parent, pipeline_bytes_to_write(sp, set(shared)), f"the {folder.name} pipeline folder")
+    meta["report"]["folder_files"] = write_pipeline_folder(sp, tmp, shared)
     (tmp / DISTILL_META).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
     (tmp / "README.md").write_text(_readme(meta), encoding="utf-8")
     return commit_folder(tmp, folder)
@@ -123,7 +130,10 @@ class RoundEvaluator:
 
         self.pipe.unet.to(self.device)
         sp = _student_pipe(self.pipe, self.pipe.unet, self.teacher_sched)
-        result = self._evaluate([("teacher DDIM", sp)], steps, self.out / "eval" / f"teacher-{steps}steps")[0]
+        try:
+            result = self._evaluate([("teacher DDIM", sp)], steps, self.out / "eval" / f"teacher-{steps}steps")[0]
+        finally:  # the float32 teacher must not hold GPU memory through the next round
+            self.pipe.unet.to("cpu")
         write_json(path, result)
         return result
 
@@ -148,7 +158,10 @@ class RoundEvaluator:
                 pass
         self.pipe.unet.to(self.device)
         sp = _student_pipe(self.pipe, self.pipe.unet, self.teacher_sched)
-        images = self._images(sp, steps, self.cfg.guidance.scale)
+        try:
+            images = self._images(sp, steps, self.cfg.guidance.scale)
+        finally:  # the float32 teacher must not hold GPU memory through the next round
+            self.pipe.unet.to("cpu")
         with atomic_path(path) as tmp:  # a kill mid-write must not leave a torn file that --resume loads
             torch.save(images, tmp)
         save_grid(images, self.out / "samples" / f"teacher-{steps}steps.png", ncols=min(8, len(images)),
