@@ -33,6 +33,12 @@ def _encode(vae, pixels: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tens
     return dist.mean.float().cpu(), dist.std.float().cpu()
 
 
+def encode_batch(resolution: int) -> int:
+    """Images per VAE encoder call: 64 at 128 px and below, fewer as the pixels grow (4 at 512 px),
+    so that the encoder's float32 activations stay within a 24 GB card's memory."""
+    return max(1, min(64, 64 * 128 * 128 // (resolution * resolution)))
+
+
 def build_latent_dataset(cfg: Config, pipe, images: ImageCaptionDataset, out: Path, acc) -> LatentDataset:
     """Encode every training image once (main process), save to DIR/cache, load everywhere."""
     from safetensors.torch import load_file, save_file
@@ -56,8 +62,9 @@ def build_latent_dataset(cfg: Config, pipe, images: ImageCaptionDataset, out: Pa
         if fresh:
             vae = pipe.vae.to(acc.device)
             means, stds = [], []
-            for start in range(0, len(images), 64):
-                pix = collate([images[i] for i in range(start, min(start + 64, len(images)))])["pixel_values"]
+            step = encode_batch(cfg.data.resolution)
+            for start in range(0, len(images), step):
+                pix = collate([images[i] for i in range(start, min(start + step, len(images)))])["pixel_values"]
                 m, s = _encode(vae, pix, acc.device)
                 means.append(m)
                 stds.append(s)
