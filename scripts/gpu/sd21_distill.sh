@@ -55,7 +55,7 @@ meta teacher_bytes $(du -sb $TEACHER | cut -f1)
 w1=$(watch_disk $L/distill distill); g1=$(watch_gpu distill)
 step distill 270 $PY -m pocketdiff distill --config $REPO/configs/sd21/distill_smoke.yaml --output $L/distill \
   model.pretrained=$TEACHER data.resolution=$RES guided.train.batch_size=$BATCH progressive.train.batch_size=$BATCH \
-  guided.train.memory_cap_gib=$CAP progressive.train.memory_cap_gib=$CAP $EXTRA_PRUNE_DISTILL
+  guided.train.memory_cap_gib=$CAP progressive.train.memory_cap_gib=$CAP $EXTRA_DISTILL
 kill $w1 $g1 2>/dev/null
 meta distill_peak_disk_bytes "$(sort -n $L/distill.du | tail -1 || echo 0)"; meta distill_nvidia_smi_peak_mib "$(gpu_peak distill)"
 
