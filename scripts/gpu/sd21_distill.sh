@@ -30,7 +30,7 @@ p, k, v = sys.argv[1:]
 d = json.load(open(p)); d[k] = json.loads(v); json.dump(d, open(p, "w"), indent=1)
 EOF
 }
-gpu_peak() { [ -f $L/$1.smi ] && sort -n $L/$1.smi | tail -1 || echo null; }
+gpu_peak() { local v; v=$(sort -n $L/$1.smi 2>/dev/null | tail -1); echo ${v:-null}; }
 # samplers in the background, every stream redirected (a $(...) caller would otherwise wait for them)
 watch_gpu() { ( command -v nvidia-smi >/dev/null && exec nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 500 ) \
   > $L/$1.smi 2>/dev/null < /dev/null & echo $!; }
@@ -57,7 +57,7 @@ step distill 270 $PY -m pocketdiff distill --config $REPO/configs/sd21/distill_s
   model.pretrained=$TEACHER data.resolution=$RES guided.train.batch_size=$BATCH progressive.train.batch_size=$BATCH \
   guided.train.memory_cap_gib=$CAP progressive.train.memory_cap_gib=$CAP $EXTRA_DISTILL
 kill $w1 $g1 2>/dev/null
-meta distill_peak_disk_bytes "$(sort -n $L/distill.du | tail -1 || echo 0)"; meta distill_nvidia_smi_peak_mib "$(gpu_peak distill)"
+v=$(sort -n $L/distill.du 2>/dev/null | tail -1); meta distill_peak_disk_bytes "${v:-null}"; meta distill_nvidia_smi_peak_mib "$(gpu_peak distill)"
 
 # 3. the benchmark's matching variants and the batch sweep under the same cap; then the defaults without a cap
 (cd $REPO/benchmarks && step bench 150 $PY distill_step.py --out $L/bench.json --arch $ARCH --latent $LATENT \
