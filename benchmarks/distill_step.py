@@ -17,6 +17,9 @@ process:
 - `ours_wcond`: the step pocketdiff actually runs in progressive rounds after guided
   distillation: the teacher is the w-conditioned student, one pass per teacher step instead of
   a cond/uncond pair (5 instead of 7 forward-equivalents per sample). Same switches as `ours`.
+- `ours_guided` (optional): the guided stage's step (round 0 of `pocketdiff distill`): one
+  classifier-free-guided teacher evaluation (cond + uncond, 2 passes) at any timestep, the
+  student learning its x prediction. Same switches as `ours`.
 - `ours_cudnn` (optional): `ours` with attention forced onto cuDNN's fused SDPA kernel
   (`torch.nn.attention.sdpa_kernel(SDPBackend.CUDNN_ATTENTION)`) instead of PyTorch's default
   choice (flash attention 2 on Hopper).
@@ -26,6 +29,11 @@ process:
 FLOPs are counted once per variant with torch.utils.flop_counter on the eager modules;
 TFLOP/s = counted FLOPs of a step / measured step time (`ours_wcond` counts its own smaller
 step, so compare it on samples/s).
+
+Memory: `--grad-ckpt`, `--optimizer adamw8bit` (torchao, as `train.optimizer`), `--memory-cap-gib`
+(the process's CUDA allocator capped as `train.memory_cap_gib` does) and `--batches 8,16,24`
+(every variant at each batch, ascending; a batch that runs out of memory ends the sweep: the
+largest batch per cap).
 
     python benchmarks/distill_step.py --out result.json --arch sd21 --device cuda
     python benchmarks/distill_step.py --out tiny.json --arch tiny --device cpu --iters 2   # quick check
@@ -52,6 +60,7 @@ from pocketdiff.models import default_resolution, perturb_norm_affines, schedule
 from pocketdiff.outputs import write_json  # noqa: E402
 from pocketdiff.train.distill_targets import (  # noqa: E402
     GuidedTeacher,
+    guided_x_target,
     noisy_latents,
     round_plan,
     set_student_layout,
@@ -61,8 +70,9 @@ from pocketdiff.train.distill_targets import (  # noqa: E402
 )
 from pocketdiff.train.guidance_embedding import add_guidance_embedding  # noqa: E402
 from pocketdiff.train.loop import in_default_layout, use_fused_adamw  # noqa: E402
+from pocketdiff.train.memory import apply_memory_cap, make_optimizer  # noqa: E402
 
-VARIANTS = ("eager", "ours_eager", "ours", "ours_cudnn", "ours_wcond", "ours_loop")
+VARIANTS = ("eager", "ours_eager", "ours", "ours_guided", "ours_cudnn", "ours_wcond", "ours_loop")
 EMBED_DIM = 256  # the student's guidance-embedding width
 
 
@@ -146,9 +156,12 @@ def eager_step(teacher, student, opt, b: Batch, amp, embed_dim):
     return loss
 
 
-def ours_step(teacher: GuidedTeacher, student, opt, b: Batch, amp, embed_dim, channels_last, uncond):
+def ours_step(teacher: GuidedTeacher, student, opt, b: Batch, amp, embed_dim, channels_last, uncond, guided: bool = False):
     with amp():
-        target = two_step_x_target(teacher, b.z, b.t, b.t_mid, b.a_t, b.a_mid, b.a_prev, b.cond, uncond, b.w)
+        if guided:  # round 0: one guided teacher evaluation at t
+            target = guided_x_target(teacher, b.z, b.t, b.a_t, b.cond, uncond.expand_as(b.cond), b.w)
+        else:
+            target = two_step_x_target(teacher, b.z, b.t, b.t_mid, b.a_t, b.a_mid, b.a_prev, b.cond, uncond, b.w)
         out = student_forward(student, b.z, b.t, b.cond, b.w, channels_last, embed_dim)
         loss = x_space_loss(out, b.z, b.a_t, target, "v_prediction")
     loss.backward()
@@ -187,7 +200,8 @@ def step_flops(name, base_unet, teacher_unet, student, opt, nb: int, latent: int
     small = Batch(base_unet, nb, latent, steps, device, seed)
     flop_teacher = GuidedTeacher(copy.deepcopy(teacher_unet), "v_prediction", dtype=torch.float32, device=device)
     uncond = None if name == "ours_wcond" else small.uncond
-    per_sample = count_flops(lambda: ours_step(flop_teacher, student, opt, small, amp, EMBED_DIM, False, uncond)) // nb
+    per_sample = count_flops(lambda: ours_step(flop_teacher, student, opt, small, amp, EMBED_DIM, False, uncond,
+                                               guided=name == "ours_guided")) // nb
     kw = {"timestep_cond": torch.zeros(1, EMBED_DIM, device=device)} if name == "ours_wcond" else {}
     with torch.no_grad():
         fwd = count_flops(lambda: flop_teacher.unet(small.z[:1], small.t[:1], encoder_hidden_states=small.cond[:1], **kw))
@@ -244,11 +258,15 @@ def measure(name, args, base_unet, device, amp_dtype):
     if args.grad_ckpt:
         student.enable_gradient_checkpointing()
     ours = name != "eager"
-    compile_it = name in ("ours", "ours_cudnn", "ours_wcond", "ours_loop") and args.compile
+    compile_it = name in ("ours", "ours_guided", "ours_cudnn", "ours_wcond", "ours_loop") and args.compile
     if ours:  # the trainer's student layout and optimizer; eager: default layout, PyTorch's default AdamW (foreach)
         set_student_layout(student, args.channels_last, compile_it)
     fused = (ours or args.fused_adam) and use_fused_adamw(student.parameters(), device)
-    opt = torch.optim.AdamW(student.parameters(), lr=1e-6, **({"fused": True} if fused else {}))
+    if args.optimizer == "adamw8bit":
+        opt = make_optimizer([{"params": list(student.parameters()), "lr": 1e-6}], name="adamw8bit", lib="torchao",
+                             lr=1e-6, weight_decay=0.0, fused=False)
+    else:
+        opt = torch.optim.AdamW(student.parameters(), lr=1e-6, **({"fused": True} if fused else {}))
     b = Batch(base_unet, args.batch, args.latent, args.steps, device)
     teacher_unet = teacher_unet_for(name, base_unet, embed_dim)
     if device.type == "cuda":
@@ -263,7 +281,8 @@ def measure(name, args, base_unet, device, amp_dtype):
                                 compile_mode=args.teacher_compile_mode if compile_it else None)
         if compile_it:
             student.compile(mode=None if args.student_compile_mode == "default" else args.student_compile_mode)
-        step = lambda: ours_step(teacher, student, opt, b, amp, embed_dim, args.channels_last, uncond)  # noqa: E731
+        step = lambda: ours_step(teacher, student, opt, b, amp, embed_dim, args.channels_last, uncond,  # noqa: E731
+                                 guided=name == "ours_guided")
         if name == "ours_cudnn":
             step = with_cudnn_attention(step)
     else:
@@ -294,7 +313,8 @@ def measure(name, args, base_unet, device, amp_dtype):
         "forward_equivalents_per_sample": flops / args.batch / fwd, "first_step_s": first,
         "loss": float(loss.detach()), "teacher_passes_per_step": 2 if name == "ours_wcond" else 4,
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
-        "compiled": compile_it, "fused_adam": fused,
+        "compiled": compile_it, "fused_adam": fused and args.optimizer == "adamw", "optimizer": args.optimizer,
+        "grad_ckpt": args.grad_ckpt, "batch": args.batch,
         "channels_last_params": not all(in_default_layout(p) for p in student.parameters()),
     }
     if args.profile:
@@ -343,6 +363,31 @@ def measure_loop(args, student, teacher, b: Batch, device, flops, amp_dtype, emb
             "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None, "compiled": args.compile}
 
 
+def batch_sweep(args, variants, base, device, amp_dtype, result) -> list[dict]:
+    """Every variant at each of `args.batches` (ascending) until one runs out of memory."""
+    rows = []
+    for batch in sorted(int(x) for x in args.batches.split(",") if x.strip()):
+        args.batch = batch
+        for name in variants:
+            print(f"[distill_step] {name} batch {batch} ...", flush=True)
+            try:
+                r = measure(name, args, base, device, amp_dtype)
+            except torch.OutOfMemoryError:
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                rows.append({"variant": name, "batch": batch, "oom": True})
+                print(f"[distill_step] {name} batch {batch}: out of memory (cap {args.memory_cap_gib or 'none'} GiB)", flush=True)
+                return rows
+            rows.append({"variant": name, "batch": batch, "oom": False, "samples_per_s": r["samples_per_s"],
+                         "peak_mem_gib": r["peak_mem_gib"], "first_step_s": r["first_step_s"]})
+            result["variants"][f"{name}@{batch}"] = r
+            print(f"[distill_step] {name} batch {batch}: {r['samples_per_s']:.2f} samples/s, peak {r['peak_mem_gib']} GiB", flush=True)
+            result["batch_sweep"] = rows
+            write_json(args.out, result)
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="JSON result file")
@@ -361,6 +406,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-channels-last", dest="channels_last", action="store_false")
     p.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing in the student (every variant)")
     p.add_argument("--fused-adam", action="store_true", help="AdamW(fused=True) in eager too (the ours variants use it on CUDA, as the trainer's loop does)")
+    p.add_argument("--optimizer", default="adamw", choices=("adamw", "adamw8bit"), help="adamw8bit: torchao's (train.optimizer=adamw8bit)")
+    p.add_argument("--memory-cap-gib", type=float, default=0.0, help="cap the CUDA allocator (train.memory_cap_gib)")
+    p.add_argument("--batches", default="", help="comma list: every variant at each batch, ascending, until one runs out of memory")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="after timing, profile N steps per variant: top kernels and time share by kernel kind")
     args = p.parse_args(argv)
@@ -376,6 +424,8 @@ def main(argv=None) -> int:
     if bad:
         p.error(f"unknown variants {bad}; choose from {VARIANTS}")
 
+    if args.memory_cap_gib:
+        apply_memory_cap(args.memory_cap_gib, device)
     base = build_unet(args.arch, args.latent)
     result = {
         "benchmark": "distill_step", "arch": args.arch, "latent": args.latent, "batch": args.batch,
@@ -384,6 +434,10 @@ def main(argv=None) -> int:
         "attention_processor": type(next(iter(base.attn_processors.values()))).__name__ if base.attn_processors else None,
         "settings": {k: v for k, v in vars(args).items() if k != "out"}, "variants": {},
     }
+    if args.batches:
+        result["batch_sweep"] = batch_sweep(args, variants, base, device, amp_dtype, result)
+        write_json(args.out, result)
+        return 0
     for name in variants:  # the JSON is rewritten after every variant: a run cut short keeps what it measured
         print(f"[distill_step] {name} ...", flush=True)
         r = measure(name, args, base, device, amp_dtype)

@@ -64,6 +64,11 @@ def commit_checkpoint(tmp: Path, step: int, state: dict, total_limit: int) -> Pa
     return final
 
 
+def folder_bytes(folder: Path) -> int:
+    """Bytes of the files under `folder` (hardlinked files counted once per path)."""
+    return sum(f.stat().st_size for f in Path(folder).rglob("*") if f.is_file())
+
+
 def read_state(checkpoint: Path) -> dict:
     state = read_json(checkpoint / STATE_FILE, "--resume")
     if not isinstance(state, dict) or not isinstance(state.get("step"), int):

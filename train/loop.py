@@ -13,6 +13,7 @@ import dataclasses
 import json
 import math
 import time
+from time import perf_counter  # step timing; `time.time` stays the wall clock of max_time_s
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -22,7 +23,18 @@ from tqdm.auto import tqdm
 
 from pocketdiff.errors import PocketdiffError, require
 
-from .checkpoints import begin_checkpoint, commit_checkpoint, read_state, resolve_resume
+from .checkpoints import begin_checkpoint, commit_checkpoint, folder_bytes, list_checkpoints, read_state, resolve_resume
+from .memory import (
+    EMA_DEVICES,
+    OPTIMIZER_LIBS,
+    OPTIMIZERS,
+    GpuMemory,
+    apply_memory_cap,
+    check_free_space,
+    make_optimizer,
+    oom_message,
+    tensor_bytes,
+)
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
 MIXED_PRECISION = ("fp32", "fp16", "bf16")  # "fp32" = accelerate's "no" (YAML reads a bare no as false)
@@ -48,6 +60,13 @@ class LoopConfig:
     tensorboard: bool = False
     max_time_s: float = 0.0  # > 0: stop (with a checkpoint) at the first step past this wall time
     compile_mode: Optional[str] = None  # torch.compile the trained module in place: default | reduce-overhead | max-autotune-no-cudagraphs
+    # memory (see pocketdiff.train.memory)
+    optimizer: str = "adamw"  # adamw | adamw8bit (8-bit AdamW state from train.optimizer_lib)
+    optimizer_lib: str = "torchao"  # adamw8bit's library: torchao (torchao.optim.AdamW8bit) | bitsandbytes
+    ema_device: str = "auto"  # auto: the model's device | cpu: the float32 shadow costs no GPU memory
+    ema_every: int = 1  # update the EMA every k steps (decay^k per update): a CPU shadow's copy cost / k
+    gradient_checkpointing: bool = False  # diffusers' enable_gradient_checkpointing on the trained model
+    memory_cap_gib: float = 0.0  # > 0: cap this process's CUDA allocator (set_per_process_memory_fraction)
 
     def __post_init__(self) -> None:
         require(self.max_steps > 0, "train.max_steps", f"must be positive, got {self.max_steps}")
@@ -60,6 +79,12 @@ class LoopConfig:
         require(self.nan_policy in ("stop", "skip"), "train.nan_policy", "must be 'stop' or 'skip'")
         require(self.compile_mode is None or self.compile_mode in COMPILE_MODES, "train.compile_mode",
                 f"must be null or one of {COMPILE_MODES}, got {self.compile_mode!r}")
+        require(self.optimizer in OPTIMIZERS, "train.optimizer", f"must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        require(self.optimizer_lib in OPTIMIZER_LIBS, "train.optimizer_lib", f"must be one of {OPTIMIZER_LIBS}, got {self.optimizer_lib!r}")
+        require(self.ema_device in EMA_DEVICES, "train.ema_device", f"must be one of {EMA_DEVICES}, got {self.ema_device!r}")
+        require(self.ema_every > 0, "train.ema_every", f"must be positive, got {self.ema_every}")
+        require(math.isfinite(self.memory_cap_gib) and self.memory_cap_gib >= 0, "train.memory_cap_gib",
+                f"must be >= 0 (0: no cap), got {self.memory_cap_gib}")
 
 
 def make_accelerator(cfg: LoopConfig, project_dir: Path):
@@ -67,8 +92,10 @@ def make_accelerator(cfg: LoopConfig, project_dir: Path):
     `project_dir` holds the tensorboard logs (accelerate refuses tensorboard without one)."""
     from accelerate import Accelerator
 
-    return Accelerator(mixed_precision="no" if cfg.mixed_precision == "fp32" else cfg.mixed_precision,
-                       log_with="tensorboard" if cfg.tensorboard else None, project_dir=str(project_dir))
+    acc = Accelerator(mixed_precision="no" if cfg.mixed_precision == "fp32" else cfg.mixed_precision,
+                      log_with="tensorboard" if cfg.tensorboard else None, project_dir=str(project_dir))
+    apply_memory_cap(cfg.memory_cap_gib, acc.device)  # before any model reaches the GPU
+    return acc
 
 
 def step_generator(seed: int, step: int) -> torch.Generator:
@@ -101,23 +128,31 @@ class BatchRandom:
 
 
 class EMA:
-    """Exponential moving average of a module's trainable parameters (float32 shadow)."""
+    """Exponential moving average of a module's trainable parameters (float32 shadow).
 
-    def __init__(self, module: torch.nn.Module, decay: float):
-        self.decay = decay
-        self.shadow = {n: p.detach().float().clone() for n, p in module.named_parameters() if p.requires_grad}
+    `device=None` keeps the shadow on the parameters' device; "cpu" keeps it in host memory
+    (no GPU memory; each update copies the parameters over, so `every=k` updates every k-th
+    step with decay^k)."""
+
+    def __init__(self, module: torch.nn.Module, decay: float, device: Optional[str] = None, every: int = 1):
+        self.decay, self.device, self.every = decay, device, every
+        self.shadow = {n: p.detach().to(device or p.device, torch.float32, copy=True)
+                       for n, p in module.named_parameters() if p.requires_grad}
 
     @torch.no_grad()
-    def update(self, module: torch.nn.Module) -> None:
+    def update(self, module: torch.nn.Module, step: Optional[int] = None) -> None:
+        if step is not None and step % self.every:
+            return
         shadows, params = [], []
         for n, p in module.named_parameters():
             if n in self.shadow:
-                if self.shadow[n].device != p.device:  # built or loaded before the model moved
-                    self.shadow[n] = self.shadow[n].to(p.device)
+                where = self.device or p.device
+                if self.shadow[n].device != torch.device(where):  # built or loaded before the model moved
+                    self.shadow[n] = self.shadow[n].to(where)
                 shadows.append(self.shadow[n])
-                params.append(p.detach().float())
+                params.append(p.detach().to(where, torch.float32))
         if shadows:  # one fused kernel per group of tensors, not one per parameter
-            torch._foreach_lerp_(shadows, params, 1.0 - self.decay)
+            torch._foreach_lerp_(shadows, params, 1.0 - self.decay ** (self.every if step is not None else 1))
 
     @torch.no_grad()
     def copy_to(self, module: torch.nn.Module) -> None:
@@ -152,12 +187,25 @@ class LoopResult:
     ema: Optional[EMA]
     skipped_steps: int
     stopped_early: bool = False
+    timing: dict = dataclasses.field(default_factory=dict)  # this invocation: first_step_s, samples_per_s, peak_gpu_mem_gib, ...
 
 
 LossFn = Callable[[torch.nn.Module, dict, BatchRandom], torch.Tensor]
 
 
+def checkpoint_bytes(ckpt_dir: Path, model, optimizer, ema) -> int:
+    """Bytes the next checkpoint will take: the newest one's size when there is one, else its tensors'."""
+    found = list_checkpoints(ckpt_dir)
+    if found:
+        return folder_bytes(found[-1])
+    return (tensor_bytes(model.state_dict()) + tensor_bytes(optimizer.state_dict()["state"])
+            + (tensor_bytes(ema.shadow) if ema is not None else 0) + (1 << 20))
+
+
 def _save(ckpt_dir, step, model, optimizer, scheduler, ema, losses, skipped, total_limit, extra):
+    found = list_checkpoints(ckpt_dir)
+    check_free_space(ckpt_dir, checkpoint_bytes(ckpt_dir, model, optimizer, ema), f"checkpoint-{step}",
+                     kept=found[-1] if found else None)
     tmp = begin_checkpoint(ckpt_dir, step)
     save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, str(tmp / "model.safetensors"))
     if ema is not None:
@@ -243,6 +291,13 @@ def train_loop(
     param group; the warm-up applies to every group alike).
     """
     acc = accelerator or make_accelerator(cfg, ckpt_dir.parent)
+    apply_memory_cap(cfg.memory_cap_gib, acc.device)
+    memory = GpuMemory(acc.device)
+    memory.reset()
+    if cfg.gradient_checkpointing:
+        if not hasattr(model, "enable_gradient_checkpointing"):
+            raise PocketdiffError(f"train.gradient_checkpointing: {type(model).__name__} has no enable_gradient_checkpointing")
+        model.enable_gradient_checkpointing()
     model.to(acc.device)
     if cfg.compile_mode:  # in place: parameter names and checkpoints stay those of the plain module
         model.compile(mode=None if cfg.compile_mode == "default" else cfg.compile_mode)
@@ -250,10 +305,11 @@ def train_loop(
     params = [p for g in groups for p in g["params"]]
     if not params:
         raise PocketdiffError("the model has no trainable parameters")
-    optimizer = torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=use_fused_adamw(params, acc.device))
+    optimizer = make_optimizer(groups, name=cfg.optimizer, lib=cfg.optimizer_lib, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                               fused=use_fused_adamw(params, acc.device))
     warm = max(cfg.warmup_steps, 0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
-    ema = EMA(model, cfg.ema_decay) if cfg.ema_decay > 0 else None
+    ema = EMA(model, cfg.ema_decay, device="cpu" if cfg.ema_device == "cpu" else None, every=cfg.ema_every) if cfg.ema_decay > 0 else None
 
     start, losses, skipped = 0, [], 0
     ckpt = resolve_resume(ckpt_dir, resume)
@@ -273,8 +329,13 @@ def train_loop(
     bar = tqdm(total=cfg.max_steps, initial=start, desc=desc, disable=not acc.is_main_process, dynamic_ncols=True)
     last_loss = losses[-1][1] if losses else float("nan")
     started, done, stopped_early = time.time(), start, False
+    samples_per_step = cfg.batch_size * cfg.grad_accum
+    # wall time of the optimizer steps alone (checkpoint saves apart), the first one (compilation,
+    # autotuning) apart from the steady state; `window` is the span since the last log row
+    first_step_s, steady_s, steady_steps, save_s, window_s, window_steps = None, 0.0, 0, 0.0, 0.0, 0
     try:
         for step in range(start, cfg.max_steps):
+            step_t0 = perf_counter()
             gen = step_generator(seed, step)
             total = torch.zeros((), device=acc.device)
             for k in range(cfg.grad_accum):
@@ -282,9 +343,12 @@ def train_loop(
                 batch = collate([dataset[i] for i in idx])
                 rng = BatchRandom(gen, cfg.batch_size, rank, world, acc.device)
                 ctx = acc.no_sync(wrapped) if k < cfg.grad_accum - 1 else contextlib.nullcontext()
-                with ctx, acc.autocast():
-                    loss = loss_fn(wrapped, batch, rng)
-                acc.backward(loss / cfg.grad_accum)
+                try:
+                    with ctx, acc.autocast():
+                        loss = loss_fn(wrapped, batch, rng)
+                    acc.backward(loss / cfg.grad_accum)
+                except torch.OutOfMemoryError:
+                    raise PocketdiffError(oom_message(desc, step, cfg.batch_size, cfg.memory_cap_gib, ckpt_dir)) from None
                 total += loss.detach() / cfg.grad_accum
             grads = [p.grad for p in params if p.grad is not None]
             if cfg.max_grad_norm > 0:
@@ -301,19 +365,36 @@ def train_loop(
                 skipped += 1
                 acc.print(f"[{desc}] non-finite {what} at step {step}: step skipped")
                 continue
-            optimizer.step()
+            try:
+                optimizer.step()
+            except torch.OutOfMemoryError:  # the optimizer state is allocated at the first step
+                raise PocketdiffError(oom_message(desc, step, cfg.batch_size, cfg.memory_cap_gib, ckpt_dir)) from None
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             if ema is not None:
-                ema.update(acc.unwrap_model(wrapped))
+                ema.update(acc.unwrap_model(wrapped), step + 1)
             last_loss = mean_loss
             done = step + 1
+            step_s = perf_counter() - step_t0  # mean_loss's .item() synchronised the device
+            if first_step_s is None:
+                first_step_s = step_s
+                if log_file:
+                    log_file.write(json.dumps({"phase": desc, "event": "first_step", "step": done, "first_step_s": round(step_s, 3),
+                                               "compiled": bool(cfg.compile_mode) or _is_compiled(model)}) + "\n")
+            else:  # the first step (compilation, autotuning) stays out of every rate
+                steady_s, steady_steps = steady_s + step_s, steady_steps + 1
+                window_s, window_steps = window_s + step_s, window_steps + 1
             if done % cfg.log_every == 0 or done == cfg.max_steps:
                 losses.append([done, mean_loss])
                 bar.set_postfix(loss=f"{mean_loss:.4f}")
                 if log_file:
-                    log_file.write(json.dumps({"phase": desc, "step": done, "loss": mean_loss, "lr": scheduler.get_last_lr()[0]}) + "\n")
+                    log_file.write(json.dumps({
+                        "phase": desc, "step": done, "loss": mean_loss, "lr": scheduler.get_last_lr()[0],
+                        "wall_s": round(time.time() - started, 3),
+                        "samples_per_s": round(samples_per_step * window_steps / window_s, 3) if window_steps else None,
+                        "peak_gpu_mem_gib": memory.peak_gib()}) + "\n")
                     log_file.flush()
+                window_s, window_steps = 0.0, 0
                 if cfg.tensorboard:
                     acc.log({f"{desc}/loss": mean_loss}, step=done)
             bar.update(1)
@@ -322,10 +403,12 @@ def train_loop(
                 late = torch.tensor(float(time.time() - started > cfg.max_time_s), device=acc.device)
                 out_of_time = bool(acc.reduce(late, reduction="sum").item() > 0)
             if done % cfg.checkpoint_every == 0 or done == cfg.max_steps or out_of_time:
+                save_t0 = perf_counter()
                 acc.wait_for_everyone()
                 if acc.is_main_process:
                     _save(ckpt_dir, done, acc.unwrap_model(wrapped), optimizer, scheduler, ema, losses, skipped, cfg.checkpoints_total_limit, extra_state or {})
                 acc.wait_for_everyone()
+                save_s += perf_counter() - save_t0
             if out_of_time and done < cfg.max_steps:
                 stopped_early = True
                 acc.print(f"[{desc}] train.max_time_s={cfg.max_time_s} reached: stopped at step {done} of {cfg.max_steps}")
@@ -338,4 +421,19 @@ def train_loop(
             for tracker in acc.trackers:  # which the next loop sharing `acc` (a distill round, the UNet after the VAE) needs
                 tracker.finish()
             acc.trackers.clear()
-    return LoopResult(steps=done if stopped_early else cfg.max_steps, final_loss=last_loss, losses=losses, ema=ema, skipped_steps=skipped, stopped_early=stopped_early)
+    timing = {
+        "steps_run": done - start, "first_step_s": first_step_s, "steady_steps": steady_steps,
+        "steady_samples_per_s": samples_per_step * steady_steps / steady_s if steady_steps else None,
+        "checkpoint_s": save_s, "wall_s": time.time() - started, "peak_gpu_mem_gib": memory.peak_gib(),
+        "processes": world, "memory_cap_gib": cfg.memory_cap_gib or None,
+    }
+    acc.print(f"[{desc}] {timing['steps_run']} steps in {timing['wall_s']:.1f} s (first step {first_step_s or 0:.1f} s, "
+              f"steady {timing['steady_samples_per_s'] or 0:.2f} samples/s, checkpoints {save_s:.1f} s"
+              + (f", peak GPU {timing['peak_gpu_mem_gib']} GiB)" if memory.cuda else ")"))
+    return LoopResult(steps=done if stopped_early else cfg.max_steps, final_loss=last_loss, losses=losses, ema=ema, skipped_steps=skipped,
+                      stopped_early=stopped_early, timing=timing)
+
+
+def _is_compiled(model) -> bool:
+    return getattr(model, "_compiled_call_impl", None) is not None or any(
+        getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())

@@ -189,3 +189,18 @@ def test_time_budget_stops_a_round_without_committing_it(teacher_dir, tmp_path, 
     unet_cfg = json.loads((tmp_path / "round-1" / "unet" / "config.json").read_text())
     assert unet_cfg.get("time_cond_proj_dim") is None
     assert "guidance_scale=1.0" in (tmp_path / "round-1" / "README.md").read_text()
+
+
+def test_rounds_share_the_teachers_unchanged_files_and_drop_finished_checkpoints(teacher_dir, full_run):
+    import os
+
+    out, report = full_run
+    vae = "vae/diffusion_pytorch_model.safetensors"
+    for r in report["rounds"]:
+        folder = out / f"round-{r['round']}"
+        assert os.stat(folder / vae).st_ino == os.stat(teacher_dir / vae).st_ino  # hardlinked, not copied
+        assert sorted(r["folder_files"]["linked"]) == ["text_encoder", "tokenizer", "vae"]
+        assert not (out / "checkpoints" / f"round-{r['round']}").exists()  # resume never needs them once the folder exists
+        assert r["timing"]["steps_run"] == r["train_steps"] and r["timing"]["first_step_s"] is not None
+    rows = [json.loads(line) for line in (out / "logs.jsonl").read_text().splitlines()]
+    assert {"wall_s", "samples_per_s", "peak_gpu_mem_gib"} <= set(next(r for r in rows if r.get("step") == 2 and "loss" in r))

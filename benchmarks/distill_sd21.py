@@ -1,0 +1,225 @@
+"""SD-2.1 size through `pocketdiff distill` and `pocketdiff prune`: the pieces of
+scripts/gpu/sd21_distill.sh (one GPU) and scripts/gpu/sd21_distill_2gpu.sh (two GPUs).
+
+    python benchmarks/distill_sd21.py teacher DIR [--arch sd21 --resolution 512]
+        build an SD-size pipeline with random weights (once) and save it as a diffusers folder
+    python benchmarks/distill_sd21.py summary --out A.json [--out B.json] --distill DIR --bench BENCH.json
+        [--default-bench D.json] [--prune DIR] [--meta META.json]
+        one JSON: per round the verb's steady samples/s, first step (compilation apart), peak GPU
+        memory, next to distill_step.py's matching variant at the same batch (guided stage:
+        ours_guided, progressive rounds after it: ours_wcond) and their ratio; disk (du) of the
+        run and of each round folder; the largest batch under the memory cap; prune's wall time,
+        peak memory, and whether its output loads with our loader
+    python benchmarks/distill_sd21.py scaling --out S.json --one DIR --two DIR [--resumed DIR ...]
+        weak-scaling efficiency per round (2-GPU samples/s / (2 x 1-GPU samples/s)) and the loss
+        trajectories of the resumed runs next to the uninterrupted one
+
+Every number comes from files the verbs wrote (report.json, logs.jsonl), not from this script's
+own clock; META.json carries what the shell measured (exit codes, wall times, du, nvidia-smi).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from _checkout import use_checkout  # noqa: E402
+
+use_checkout()
+
+
+def read(path) -> dict:
+    p = Path(path) if path else None
+    return json.loads(p.read_text()) if p and p.is_file() else {}
+
+
+def read_config(run: Path) -> dict:
+    """The config the CLI wrote into the output folder (config.yaml)."""
+    from omegaconf import OmegaConf
+
+    f = run / "config.yaml"
+    return OmegaConf.to_container(OmegaConf.load(f)) if f.is_file() else {}
+
+
+def du_bytes(*paths) -> int:
+    """Bytes on disk of `paths` together (du counts a file hardlinked between them once)."""
+    paths = [str(p) for p in paths if Path(p).exists()]
+    if not paths:
+        return 0
+    out = subprocess.run(["du", "-scb", *paths], capture_output=True, text=True, check=True).stdout
+    return int(out.strip().splitlines()[-1].split()[0])
+
+
+def build_teacher(args) -> int:
+    import torch
+
+    from pocketdiff.config import DataConfig
+    from pocketdiff.data import load_captions
+    from pocketdiff.models import ModelConfig, build_pipeline, count_params, save_pipeline
+
+    out = Path(args.dir)
+    if (out / "model_index.json").is_file():
+        print(f"[distill_sd21] teacher {out} exists")
+        return 0
+    torch.set_num_threads(max(torch.get_num_threads(), 1))
+    captions = load_captions(DataConfig(source="shapes", shapes_count=64, resolution=args.resolution))
+    pipe = build_pipeline(ModelConfig(arch=args.arch, prediction_type="epsilon"), captions=captions, resolution=args.resolution)
+    tmp = out.with_name(out.name + ".tmp")
+    save_pipeline(pipe, tmp)
+    tmp.rename(out)
+    print(f"[distill_sd21] teacher {out}: UNet {count_params(pipe.unet) / 1e6:.0f} M params")
+    return 0
+
+
+def _bench_variant(bench: dict, name: str, batch: int):
+    v = bench.get("variants", {})
+    return v.get(f"{name}@{batch}") or (v.get(name) if bench.get("batch") == batch else None)
+
+
+def distill_summary(run: Path, bench: dict) -> dict:
+    report = read(run / "report.json")
+    rows = [json.loads(line) for line in (run / "logs.jsonl").read_text().splitlines()] if (run / "logs.jsonl").is_file() else []
+    rounds = []
+    for r in report.get("rounds", []):
+        t = r.get("timing") or {}
+        steps_rows = [x for x in rows if x.get("phase") == f"round-{r['round']}" and "loss" in x]
+        variant = "ours_guided" if r["stage"] == "guided" else "ours_wcond"
+        entry = {"round": r["round"], "stage": r["stage"], "steps": r["steps"], "train_steps": r["train_steps"],
+                 "steady_samples_per_s": t.get("steady_samples_per_s"), "first_step_s": t.get("first_step_s"),
+                 "checkpoint_s": t.get("checkpoint_s"), "peak_gpu_mem_gib": t.get("peak_gpu_mem_gib"),
+                 "processes": t.get("processes"), "memory_cap_gib": t.get("memory_cap_gib"),
+                 "log_rows": len(steps_rows), "folder_files": r.get("folder_files"), "bench_variant": variant}
+        cfg = read_config(run)
+        stage_cfg = (cfg.get("guided") if r["stage"] == "guided" else cfg.get("progressive")) or {}
+        batch = (stage_cfg.get("train") or {}).get("batch_size")
+        entry["batch"] = batch
+        ref = _bench_variant(bench, variant, batch) if batch else None
+        if ref and entry["steady_samples_per_s"]:
+            entry["bench_samples_per_s"] = ref["samples_per_s"]
+            entry["verb_over_bench"] = entry["steady_samples_per_s"] / ref["samples_per_s"]
+            entry["bench_peak_mem_gib"] = ref.get("peak_mem_gib")
+        entry["folder_bytes_standalone"] = du_bytes(run / f"round-{r['round']}")
+        rounds.append(entry)
+    return {"complete": report.get("complete"), "rounds": rounds, "run_bytes": du_bytes(run),
+            "checkpoint_bytes": du_bytes(run / "checkpoints"),
+            "peak_gpu_mem_gib": max((x["peak_gpu_mem_gib"] or 0 for x in rounds), default=None)}
+
+
+def prune_summary(run: Path) -> dict:
+    report = read(run / "report.json")
+    rows = [json.loads(line) for line in (run / "logs.jsonl").read_text().splitlines()] if (run / "logs.jsonl").is_file() else []
+    out = {"report_keys": sorted(report), "pipeline_dir": report.get("pipeline_dir"),
+           "recovery_peak_gpu_mem_gib": max((x.get("peak_gpu_mem_gib") or 0 for x in rows), default=None),
+           "recovery_samples_per_s": [x.get("samples_per_s") for x in rows if "loss" in x][-1:] or None,
+           "run_bytes": du_bytes(run)}
+    for key in ("params", "unet_params", "params_before", "params_after", "ratio_removed", "parity", "probe"):
+        if key in report:
+            out[key] = report[key]
+    folder = report.get("pipeline_dir")
+    if folder:
+        try:
+            from pocketdiff.models import count_params, load_pipeline
+
+            pipe = load_pipeline(str(folder))
+            out["loads"] = True
+            out["loaded_unet_params"] = count_params(pipe.unet)
+        except Exception as e:  # noqa: BLE001 - the failure is the finding
+            out["loads"] = False
+            out["load_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return out
+
+
+def summary(args) -> int:
+    bench = read(args.bench)
+    result = {"benchmark": "distill_sd21", "meta": read(args.meta), "bench": {
+        "device": bench.get("device"), "settings": bench.get("settings"), "batch_sweep": bench.get("batch_sweep")}}
+    sweep = [r for r in bench.get("batch_sweep") or [] if not r.get("oom")]
+    if sweep:
+        best = max(r["batch"] for r in sweep)
+        result["largest_batch_under_cap"] = {"batch": best, "cap_gib": (bench.get("settings") or {}).get("memory_cap_gib"),
+                                             "rows": [r for r in sweep if r["batch"] == best]}
+    default = read(args.default_bench)
+    if default:
+        result["default_settings"] = {k: {"samples_per_s": v.get("samples_per_s"), "peak_mem_gib": v.get("peak_mem_gib")}
+                                      for k, v in default.get("variants", {}).items()}
+        result["default_settings_note"] = ("distill_step.py with the trainer's defaults (AdamW, no gradient checkpointing, "
+                                           "bf16 teacher), no cap: the step's peak on an 80 GB card")
+    if args.distill:
+        result["distill"] = distill_summary(Path(args.distill), bench)
+    if args.prune:
+        result["prune"] = prune_summary(Path(args.prune))
+    text = json.dumps(result, indent=2)
+    for out in args.out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(text + "\n")
+    d = result.get("distill") or {}
+    for r in d.get("rounds", []):
+        print(f"[distill_sd21] round {r['round']} ({r['stage']}): {r['steady_samples_per_s'] or 0:.2f} samples/s "
+              f"(bench {r.get('bench_samples_per_s') or 0:.2f}, ratio {r.get('verb_over_bench') or 0:.2f}), "
+              f"first step {r['first_step_s'] or 0:.1f} s, peak {r['peak_gpu_mem_gib']} GiB")
+    if d:
+        print(f"[distill_sd21] distill run on disk: {d['run_bytes'] / 2**30:.2f} GiB (checkpoints {d['checkpoint_bytes'] / 2**30:.2f} GiB)")
+    if "largest_batch_under_cap" in result:
+        print(f"[distill_sd21] largest batch under the cap: {result['largest_batch_under_cap']['batch']}")
+    if "prune" in result:
+        p = result["prune"]
+        print(f"[distill_sd21] prune: loads={p.get('loads')} recovery peak {p.get('recovery_peak_gpu_mem_gib')} GiB")
+    return 0
+
+
+def scaling(args) -> int:
+    one, two = read(Path(args.one) / "report.json"), read(Path(args.two) / "report.json")
+    rounds = []
+    for a, b in zip(one.get("rounds", []), two.get("rounds", [])):
+        s1, s2 = (a.get("timing") or {}).get("steady_samples_per_s"), (b.get("timing") or {}).get("steady_samples_per_s")
+        rounds.append({"round": a["round"], "stage": a["stage"], "one_gpu_samples_per_s": s1, "two_gpu_samples_per_s": s2,
+                       "two_gpu_processes": (b.get("timing") or {}).get("processes"),
+                       "weak_scaling_efficiency": s2 / (2 * s1) if s1 and s2 else None})
+    result = {"benchmark": "distill_sd21_scaling", "rounds": rounds, "meta": read(args.meta), "resumes": {}}
+    ref = {r["round"]: r["losses"] for r in two.get("rounds", [])}
+    for d in args.resumed or []:
+        rep = read(Path(d) / "report.json")
+        result["resumes"][Path(d).name] = {
+            "complete": rep.get("complete"),
+            "rounds": [{"round": r["round"], "losses": r["losses"], "uninterrupted_losses": ref.get(r["round"]),
+                        "processes": (r.get("timing") or {}).get("processes")} for r in rep.get("rounds", [])[-1:]]}
+    text = json.dumps(result, indent=2)
+    for out in args.out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(text + "\n")
+    for r in rounds:
+        print(f"[distill_sd21] round {r['round']}: 1 GPU {r['one_gpu_samples_per_s'] or 0:.2f}, 2 GPUs {r['two_gpu_samples_per_s'] or 0:.2f} "
+              f"samples/s, weak-scaling efficiency {r['weak_scaling_efficiency'] or 0:.2f}")
+    for name, r in result["resumes"].items():
+        print(f"[distill_sd21] resume {name}: complete={r['complete']}")
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("teacher")
+    t.add_argument("dir")
+    t.add_argument("--arch", default="sd21")
+    t.add_argument("--resolution", type=int, default=512)
+    s = sub.add_parser("summary")
+    s.add_argument("--out", action="append", required=True)
+    s.add_argument("--distill")
+    s.add_argument("--prune")
+    s.add_argument("--bench")
+    s.add_argument("--default-bench")
+    s.add_argument("--meta")
+    c = sub.add_parser("scaling")
+    c.add_argument("--out", action="append", required=True)
+    c.add_argument("--one", required=True)
+    c.add_argument("--two", required=True)
+    c.add_argument("--resumed", action="append")
+    c.add_argument("--meta")
+    args = p.parse_args(argv)
+    return {"teacher": build_teacher, "summary": summary, "scaling": scaling}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

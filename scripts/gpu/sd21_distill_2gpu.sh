@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Two GPUs (nvidia-h200-x2, <= 9 min), repo root, .whl/ carried:
+#   bash scripts/gpu/sd21_distill_2gpu.sh
+# The SD-2.1 distill smoke (configs/sd21/distill_smoke.yaml, eval off) through the verb on one GPU
+# at batch B, then under `accelerate launch --num_processes 2` at global batch 2B (weak scaling:
+# B per GPU); then resume of the 2-GPU run's last round from its checkpoint-2 on ONE GPU, and of
+# that 1-GPU run's checkpoint-4 back on TWO (hardlinked copies of the run folder, the last
+# round's folder and later checkpoints removed). -> $OUT/distill_sd21_2gpu.json (weak-scaling
+# efficiency per round, loss trajectories of the resumed rounds next to the uninterrupted one).
+# Settings by environment: BUDGET=530 ARCH=sd21 RES=512 BATCH=8 (per GPU) PY=python3 SKIP_ENV=1 EXTRA=
+set -u
+T0=$SECONDS; BUDGET=${BUDGET:-530}
+left() { echo $(( BUDGET - (SECONDS - T0) )); }
+if [ -z "${SKIP_ENV:-}" ]; then source scripts/gpu/env.sh; else REPO=$PWD; RUNS=${RUNS:-/tmp/runs}; mkdir -p $RUNS; cd $RUNS || exit 1; fi
+PY=${PY:-python3} ARCH=${ARCH:-sd21} RES=${RES:-512} BATCH=${BATCH:-8} EXTRA=${EXTRA:-} NAME=${NAME:-distill_sd21_2gpu}
+OUT=${OUT:-$RUNS/out}; mkdir -p $OUT
+L=$RUNS/sd21-2gpu && TEACHER=$RUNS/sd21-teacher-$ARCH-$RES && rm -rf $L && mkdir -p $L || exit 1
+step() {  # step NAME SECONDS CMD...: with a watchdog (at most what is left)
+  local name=$1 want=$2 t; shift 2; t=$(left); [ "$t" -gt "$want" ] && t=$want
+  if [ "$t" -lt 20 ]; then echo "[$(date +%T)] skip $name: ${t} s left"; return 1; fi
+  echo "[$(date +%T)] $name (watchdog ${t} s)"; local s=$SECONDS
+  timeout -k 10 "$t" "$@" > $L/$name.log 2>&1; local rc=$?
+  echo "[$(date +%T)] $name exit $rc in $((SECONDS - s)) s"; [ $rc -eq 0 ] || tail -4 $L/$name.log
+  return $rc
+}
+launch2() { $PY -m accelerate.commands.launch --num_machines 1 --num_processes 2 --dynamo_backend no -m pocketdiff "$@"; }
+C="--config $REPO/configs/sd21/distill_smoke.yaml model.pretrained=$TEACHER data.resolution=$RES eval.enabled=false
+  keep_round_checkpoints=true guided.train.checkpoint_every=2 progressive.train.checkpoint_every=2
+  guided.train.checkpoints_total_limit=3 progressive.train.checkpoints_total_limit=3 $EXTRA"
+b2="guided.train.batch_size=$((2 * BATCH)) progressive.train.batch_size=$((2 * BATCH))"
+b1="guided.train.batch_size=$BATCH progressive.train.batch_size=$BATCH"
+
+step teacher 150 $PY $REPO/benchmarks/distill_sd21.py teacher $TEACHER --arch $ARCH --resolution $RES || exit 1
+CUDA_VISIBLE_DEVICES=0 step one 150 $PY -m pocketdiff distill --output $L/one $C $b1
+step two 150 launch2 distill --output $L/two $C $b2
+# resume the 2-GPU run's last round on one GPU (its global batch 2B now on one process: no cap)
+last=$(ls -d $L/two/round-* 2>/dev/null | sort -V | tail -1)
+if [ -n "$last" ]; then
+  r=$(basename $last)
+  cp -al $L/two $L/two_to_one && rm -rf $L/two_to_one/$r $L/two_to_one/checkpoints/$r/checkpoint-{4,6}
+  CUDA_VISIBLE_DEVICES=0 step two_to_one 100 $PY -m pocketdiff distill --output $L/two_to_one --resume latest $C $b2 \
+    guided.train.memory_cap_gib=0 progressive.train.memory_cap_gib=0
+  cp -al $L/two_to_one $L/one_to_two && rm -rf $L/one_to_two/$r $L/one_to_two/checkpoints/$r/checkpoint-6
+  step one_to_two 100 launch2 distill --output $L/one_to_two --resume latest $C $b2 \
+    guided.train.memory_cap_gib=0 progressive.train.memory_cap_gib=0
+fi
+tag=${DEVICE_TAG:-$($PY -c 'import torch; print(torch.cuda.get_device_name().split()[1].lower() if torch.cuda.is_available() else "cpu")' 2>/dev/null)}
+$PY $REPO/benchmarks/distill_sd21.py scaling --out $OUT/$NAME.json --out $REPO/benchmarks/results/${NAME}_${tag}.json \
+  --one $L/one --two $L/two --resumed $L/two_to_one --resumed $L/one_to_two
+tar czf $OUT/${NAME}_logs.tgz -C $L --exclude='*.safetensors' --exclude='*.pt' --exclude=cache . 2>/dev/null
+rm -rf $L
+echo "[$(date +%T)] done in $((SECONDS - T0)) s"

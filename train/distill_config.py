@@ -1,0 +1,161 @@
+"""The `pocketdiff distill` recipe: one dataclass per section, each validated on construction."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+from pocketdiff.config import DataConfig
+from pocketdiff.errors import require
+from pocketdiff.models import ModelConfig
+
+from .distill_rounds import plan_rounds, round_schedule
+from .distill_targets import WEIGHTINGS
+from .guidance_embedding import DEFAULT_EMBED_DIM
+from .loop import LoopConfig
+
+STUDENT_PREDICTION = ("v_prediction", "epsilon", "teacher")
+SPACINGS = ("trailing", "leading", "teacher")
+TEACHER_DTYPES = ("auto", "fp32", "bf16", "fp16")
+
+
+@dataclasses.dataclass
+class GuidanceConfig:
+    """Classifier-free guidance folded into the student."""
+
+    conditioned: bool = True  # student takes w as input (w embedding); false: it folds the fixed w = `scale`
+    w_min: float = 1.0  # training range of w (diffusers' guidance_scale convention: 1 = no guidance)
+    w_max: float = 8.0
+    embed_dim: int = DEFAULT_EMBED_DIM  # time_cond_proj_dim of the student
+    scale: float = 4.0  # w of the sample grids and metrics (and of training when conditioned=false)
+    # learning-rate multiplier of the w embedding (time_embedding.cond_proj, zero-initialised) in
+    # the guided stage: at 1, short guided stages leave it near zero and the student ignores w
+    embed_lr_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        for key in ("w_min", "w_max", "scale"):
+            require(math.isfinite(getattr(self, key)), f"guidance.{key}", f"must be finite, got {getattr(self, key)}")
+        require(self.w_min <= self.w_max, "guidance.w_min",
+                f"guidance range is empty: w_min={self.w_min} > w_max={self.w_max}")
+        require(self.w_min >= 0, "guidance.w_min", f"must be >= 0, got {self.w_min}")
+        require(self.embed_dim >= 2 and self.embed_dim % 2 == 0, "guidance.embed_dim", f"must be even and >= 2, got {self.embed_dim}")
+        require(self.scale >= 0, "guidance.scale", f"must be >= 0, got {self.scale}")
+        require(math.isfinite(self.embed_lr_scale) and self.embed_lr_scale > 0, "guidance.embed_lr_scale",
+                f"must be a finite number > 0, got {self.embed_lr_scale}")
+
+
+def embed_lr_scale(cfg, spec) -> dict:
+    """The guided stage's learning-rate multiplier for the w embedding (train_loop's `lr_scale`)."""
+    if spec.stage == "guided" and cfg.guidance.conditioned and cfg.guidance.embed_lr_scale != 1.0:
+        return {"time_embedding.cond_proj": cfg.guidance.embed_lr_scale}
+    return {}
+
+
+def _loop(**kw) -> LoopConfig:
+    return dataclasses.field(default_factory=lambda: LoopConfig(**kw))
+
+
+@dataclasses.dataclass
+class GuidedStageConfig:
+    """Stage A (round 0). Disabled: round 1's teacher is the original model with classifier-free guidance."""
+
+    enabled: bool = True
+    train: LoopConfig = _loop(max_steps=2000, lr=1e-5, checkpoint_every=500)
+
+
+@dataclasses.dataclass
+class ProgressiveConfig:
+    """Stage B: rounds start_steps -> start_steps/2 -> ... -> final_steps."""
+
+    start_steps: int = 64  # the step count of round 0's student (the teacher grid of round 1)
+    final_steps: int = 4
+    train: LoopConfig = _loop(max_steps=2000, lr=1e-5, checkpoint_every=500)
+    round_max_steps: list[int] = dataclasses.field(default_factory=list)  # optional, one per round: overrides train.max_steps
+
+    def __post_init__(self) -> None:
+        require(self.start_steps >= 1, "progressive.start_steps", f"must be >= 1, got {self.start_steps}")
+        require(self.final_steps >= 1, "progressive.final_steps", f"must be >= 1, got {self.final_steps}")
+        round_schedule(self.start_steps, self.final_steps)  # raises on an unreachable count
+        n = len(round_schedule(self.start_steps, self.final_steps))
+        require(not self.round_max_steps or len(self.round_max_steps) == n, "progressive.round_max_steps",
+                f"has {len(self.round_max_steps)} entries for {n} rounds")
+        require(all(s > 0 for s in self.round_max_steps), "progressive.round_max_steps", "entries must be positive")
+
+
+@dataclasses.dataclass
+class SpeedConfig:
+    """Throughput switches (see benchmarks/distill_step.py for what each buys)."""
+
+    teacher_dtype: str = "auto"  # auto: bf16 on CUDA, fp32 elsewhere; weights cast once, no autocast copies
+    fused_cfg: bool = True  # teacher's unconditional and conditional passes as one batch
+    channels_last: bool = False
+    compile_student: bool = False
+    student_compile_mode: str = "default"
+    compile_teacher: bool = False
+    teacher_compile_mode: str = "max-autotune-no-cudagraphs"  # or "reduce-overhead" (CUDA graphs), "default"
+    gradient_checkpointing: bool = False  # the student's (as train.gradient_checkpointing, for every round)
+    cudnn_benchmark: bool = True
+    tf32: bool = True
+
+    def __post_init__(self) -> None:
+        require(self.teacher_dtype in TEACHER_DTYPES, "speed.teacher_dtype", f"must be one of {TEACHER_DTYPES}")
+        modes = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+        require(self.student_compile_mode in modes, "speed.student_compile_mode", f"must be one of {modes}")
+        require(self.teacher_compile_mode in modes, "speed.teacher_compile_mode", f"must be one of {modes}")
+
+
+@dataclasses.dataclass
+class EvalConfig:
+    """Sample grids (and metrics through pocketdiff.evaluate) after each round."""
+
+    enabled: bool = True
+    prompts: list[str] = dataclasses.field(default_factory=list)  # default: the first 8 distinct captions
+    seed: int = 0
+    reference_steps: int = 0  # the teacher's reference DDIM count (0: progressive.start_steps)
+    batch_size: int = 16
+    # FD and CLIP score per round (student at N vs teacher DDIM at N and at reference_steps),
+    # through pocketdiff.evaluate.evaluate_pipelines; FD against the training data's images.
+    metrics: bool = False
+    features: str = "clip"  # clip: FD on a (domain) CLIP's image embeddings | inception: FID
+    clip: Optional[str] = None  # CLIP folder or hub id (null: pocketdiff.evaluate's shipped shapes CLIP)
+    num_images: int = 256  # images per model and seed: the first num_images captions of the data
+    metric_seeds: list[int] = dataclasses.field(default_factory=lambda: [0])
+
+    def __post_init__(self) -> None:
+        require(self.reference_steps >= 0, "eval.reference_steps", "must be >= 0")
+        require(self.num_images >= 2, "eval.num_images", "must be >= 2 (FD needs two images)")
+        require(self.batch_size > 0, "eval.batch_size", "must be positive")
+        require(self.features in ("clip", "inception"), "eval.features", "must be clip or inception")
+        require(len(self.metric_seeds) > 0, "eval.metric_seeds", "must not be empty")
+
+
+@dataclasses.dataclass
+class Config:
+    seed: int = 0
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)  # the teacher
+    student_prediction_type: str = "v_prediction"  # v_prediction | epsilon | teacher
+    timestep_spacing: str = "trailing"  # students' DDIM spacing: trailing | leading | teacher
+    loss_weighting: str = "truncated_snr"  # truncated_snr (x space, max(SNR, 1)) | snr_plus_one (= v space)
+    cache_latents: bool = True
+    # keep DIR/checkpoints/round-K after round K's folder is written (false: deleted then; resume
+    # never needs them again, and at SD size each checkpoint is several GB)
+    keep_round_checkpoints: bool = False
+    max_time_s: float = 0.0  # > 0: wall-time budget of this invocation; the round in progress stops with a checkpoint (--resume latest continues)
+    guidance: GuidanceConfig = dataclasses.field(default_factory=GuidanceConfig)
+    guided: GuidedStageConfig = dataclasses.field(default_factory=GuidedStageConfig)
+    progressive: ProgressiveConfig = dataclasses.field(default_factory=ProgressiveConfig)
+    speed: SpeedConfig = dataclasses.field(default_factory=SpeedConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+
+    def __post_init__(self) -> None:
+        require(self.student_prediction_type in STUDENT_PREDICTION, "student_prediction_type", f"must be one of {STUDENT_PREDICTION}")
+        require(self.timestep_spacing in SPACINGS, "timestep_spacing", f"must be one of {SPACINGS}")
+        require(self.max_time_s >= 0, "max_time_s", f"must be >= 0, got {self.max_time_s}")
+        require(self.loss_weighting in WEIGHTINGS, "loss_weighting", f"must be one of {WEIGHTINGS}")
+        require(self.guided.train.mixed_precision == self.progressive.train.mixed_precision, "guided.train.mixed_precision",
+                f"must equal progressive.train.mixed_precision ({self.progressive.train.mixed_precision}): one Accelerator runs every round")
+        require(self.guided.train.memory_cap_gib == self.progressive.train.memory_cap_gib, "guided.train.memory_cap_gib",
+                f"must equal progressive.train.memory_cap_gib ({self.progressive.train.memory_cap_gib}): the cap is per process")
+        require(self.guided.enabled or len(plan_rounds(self)) > 0, "progressive.final_steps",
+                "equals progressive.start_steps and guided.enabled is false: there is nothing to distill")
