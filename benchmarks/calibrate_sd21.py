@@ -14,7 +14,7 @@ What it measures (JSON):
   AdaRound after N iterations (hard rounding), plus wall time and the fraction of weights
   still soft;
 - `full` (with `--full-iters N`): a real whole-UNet calibration through
-  `pocketdiff.compress.reconstruct.reconstruct_unet` (sequential mode by default): measured
+  `pocketdiff.compress.quant.reconstruct.reconstruct_unet` (sequential mode by default): measured
   wall time, peak GPU memory and held-out UNet cosine of RTN and of the reconstruction.
 
 Calibration inputs come from the production path: DDIM trajectories of the (random) UNet
@@ -55,7 +55,7 @@ def build_unet(arch: str, resolution: int, seed: int, device, norm_scale: float)
 
 
 def calib_set(unet, scheduler, cfg, trajectories: int, steps: int, seed: int, device, guidance: float = 3.0):
-    from pocketdiff.compress.calib_data import collect_unet_inputs
+    from pocketdiff.compress.quant.calib_data import collect_unet_inputs
 
     g = torch.Generator("cpu").manual_seed(seed)
     dim = cfg["cross_attention_dim"]
@@ -68,7 +68,7 @@ def calib_set(unet, scheduler, cfg, trajectories: int, steps: int, seed: int, de
 
 @torch.no_grad()
 def activation_stats(unet, blocks, calib, device, batch):
-    from pocketdiff.compress.blocks import first_tensor, unet_forward
+    from pocketdiff.compress.quant.blocks import first_tensor, unet_forward
 
     stats = {b.name: {"std": 0.0, "max_abs": 0.0} for b in blocks if b.kind != "rest"}
     unit_block = {u.name: b.name for b in blocks if b.kind != "rest" for u in b.units}
@@ -195,9 +195,9 @@ def main(argv=None) -> int:
 
     import dataclasses
 
-    from pocketdiff.compress.blocks import Request, build_blocks, capture, order_blocks
-    from pocketdiff.compress.quant import layer_specs
-    from pocketdiff.compress.reconstruct import (ReconConfig, capture_settings, float_weights, layer_inits, precision,
+    from pocketdiff.compress.quant.blocks import Request, build_blocks, capture, order_blocks
+    from pocketdiff.compress.quant.quantizer import layer_specs
+    from pocketdiff.compress.quant.reconstruct import (ReconConfig, capture_settings, float_weights, layer_inits, precision,
                                                  reconstruct_block, reconstruct_unet)
     from pocketdiff.outputs import write_json
 
@@ -312,8 +312,8 @@ def main(argv=None) -> int:
 
     # ---- error vs iterations on selected blocks
     if not args.no_sweep:
-        from pocketdiff.compress.quant import dequant
-        from pocketdiff.compress.reconstruct import block_mse
+        from pocketdiff.compress.quant.quantizer import dequant
+        from pocketdiff.compress.quant.reconstruct import block_mse
 
         sweep = []
         for b in swept:
@@ -346,8 +346,8 @@ def main(argv=None) -> int:
 
     # ---- whole-UNet run
     if args.full_iters is not None:
-        from pocketdiff.compress.metrics import compare_unets
-        from pocketdiff.compress.reconstruct import write_weights
+        from pocketdiff.compress.quant.metrics import compare_unets
+        from pocketdiff.compress.quant.reconstruct import write_weights
 
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -364,7 +364,7 @@ def main(argv=None) -> int:
         q = copy.deepcopy(unet)
         write_weights(q, {g: lr for r in results for g, lr in r.layers.items()}, specs)
         r = copy.deepcopy(unet)
-        from pocketdiff.compress.reconstruct import LayerResult
+        from pocketdiff.compress.quant.reconstruct import LayerResult
 
         write_weights(r, {g: LayerResult(c, s, "rtn") for g, (c, s) in info["rtn"].items()}, specs)
         cmp = compare_unets(unet, {"rtn": r, "recon": q}, build_blocks(unet), held, device, batch=8)

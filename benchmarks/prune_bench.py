@@ -73,10 +73,10 @@ def main(argv=None) -> int:
 
     from diffusers import DDIMScheduler, UNet2DConditionModel
 
-    from pocketdiff.compress import prune_graph as pg
-    from pocketdiff.compress.prune import PruneSettings, TargetConfig, macs_table, prune_unet
-    from pocketdiff.compress.prune_importance import accumulate_diffusion_gradients
-    from pocketdiff.compress.prune_model import load_pruned_unet
+    from pocketdiff.compress.prune import graph as pg
+    from pocketdiff.compress.prune.verb import PruneSettings, TargetConfig, macs_table, prune_unet
+    from pocketdiff.compress.prune.importance import accumulate_diffusion_gradients
+    from pocketdiff.compress.prune.model import load_pruned_unet
     from pocketdiff.models import (count_params, default_resolution, perturb_norm_affines, scheduler_config, unet_config, vae_config,
                                    vae_scale_factor)
     from pocketdiff.outputs import write_json

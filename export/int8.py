@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from pocketdiff.compress.int8_format import (
+from pocketdiff.compress.quant.int8_format import (
     SCALE_SUFFIX,
     QuantRecipe,
     dequantized_state_dict,
@@ -64,7 +64,7 @@ def load_component_checkpoints(source: str | Path) -> dict[str, QuantizedCompone
 
 def rtn_checkpoint(module: nn.Module, component: str, bits: int = 8, skip: tuple[str, ...] = ()) -> QuantizedComponent:
     """Round-to-nearest per-output-channel int8 of every Conv2d / Linear weight (benchmarks, smoke)."""
-    from pocketdiff.compress.int8_format import LayerRecipe
+    from pocketdiff.compress.quant.int8_format import LayerRecipe
 
     state = {k: v.detach().clone() for k, v in module.state_dict().items()}
     recipe = QuantRecipe(component=component, extra={"method": "rtn", "made_by": "pocketdiff export"})

@@ -23,8 +23,8 @@ from .errors import PocketdiffError
 VERBS: dict[str, Optional[str]] = {
     "train-teacher": "pocketdiff.train.teacher",
     "distill": "pocketdiff.train.distill",
-    "calibrate": "pocketdiff.compress.calibrate",
-    "prune": "pocketdiff.compress.prune",
+    "calibrate": "pocketdiff.compress.quant.calibrate",
+    "prune": "pocketdiff.compress.prune.verb",
     "evaluate": "pocketdiff.evaluate.run",
     "export": "pocketdiff.export.verb",
     "run-bundle": "pocketdiff.export.run_bundle",

@@ -68,7 +68,7 @@ class _Chain:
 
 
 def _evaluate(chain: _Chain, teacher: str, student: str, w8: str, pruned: str, steps: int) -> dict:
-    from pocketdiff.compress.prune_model import load_pruned_pipeline
+    from pocketdiff.compress.prune.model import load_pruned_pipeline
     from pocketdiff.evaluate import MetricConfig, MetricSetup, ModelSpec, evaluate_pipelines
     from pocketdiff.config import DataConfig
 

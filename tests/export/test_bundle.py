@@ -18,7 +18,7 @@ TEACHER = "pocketdiff:shapes-teacher"
 
 @pytest.fixture(scope="module")
 def int8_checkpoint(tmp_path_factory):
-    from pocketdiff.compress.int8_format import LayerRecipe, QuantRecipe, quantize_codes, rtn_scale, save_quantized
+    from pocketdiff.compress.quant.int8_format import LayerRecipe, QuantRecipe, quantize_codes, rtn_scale, save_quantized
     from pocketdiff.models import ModelConfig, load_or_build
 
     pipe = load_or_build(ModelConfig(pretrained=TEACHER))
@@ -86,7 +86,7 @@ def test_report_has_every_component_fully_accelerated_with_parity(exported):
 
 
 def test_int8_codes_in_the_tflite_equal_the_checkpoint_bit_for_bit(exported, int8_checkpoint):
-    from pocketdiff.compress.int8_format import load_quantized
+    from pocketdiff.compress.quant.int8_format import load_quantized
     from pocketdiff.export.tflite_file import TfliteModel
 
     state, recipe = load_quantized(int8_checkpoint)
@@ -162,7 +162,7 @@ def test_run_bundle_gpu_and_pipelined_cpu(exported, tmp_path):
 
 def test_bundle_image_matches_the_torch_pipeline(exported):
     """Same initial noise: run-bundle's DDIM + models (CPU) against pocketdiff.sampling in torch."""
-    from pocketdiff.compress.int8_format import dequantized_state_dict, load_quantized
+    from pocketdiff.compress.quant.int8_format import dequantized_state_dict, load_quantized
     from pocketdiff.export.bundle import load_manifest
     from pocketdiff.export.parity import metrics
     from pocketdiff.export.run_bundle import generate

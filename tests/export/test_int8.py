@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from pocketdiff.compress.int8_format import SCALE_SUFFIX, LayerRecipe, QuantRecipe, quantize_codes, rtn_scale
+from pocketdiff.compress.quant.int8_format import SCALE_SUFFIX, LayerRecipe, QuantRecipe, quantize_codes, rtn_scale
 from pocketdiff.export.exporter import VerifyConfig, export_component
 from pocketdiff.export.int8 import QuantizedComponent, apply_to_module
 from pocketdiff.export.parity import ParityConfig

@@ -162,7 +162,7 @@ class Work:
     def _int8(folder: Path) -> Path:
         """An int8 checkpoint in compress's format whose .safetensors is then overwritten with garbage
         (its recipe .json stays valid)."""
-        from pocketdiff.compress.int8_format import QuantRecipe, save_quantized
+        from pocketdiff.compress.quant.int8_format import QuantRecipe, save_quantized
 
         folder.mkdir()
         path, _ = save_quantized({"conv_in.bias": torch.zeros(4)}, QuantRecipe(component="unet"), folder / "unet_int8.safetensors")

@@ -3,7 +3,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pocketdiff.compress.int8_format import dequantize, qmax, quantize_codes, rtn_scale
+from pocketdiff.compress.quant.int8_format import dequantize, qmax, quantize_codes, rtn_scale
 
 
 @st.composite

@@ -51,7 +51,7 @@ def _meta_output_shape(unet) -> tuple:
 
 def _targeted_removed(before, after, targeted) -> float:
     """Fraction of the targeted convs' parameters that pruning removed."""
-    from pocketdiff.compress import prune_graph as pg
+    from pocketdiff.compress.prune import graph as pg
 
     prof_b, prof_a = pg.layer_profile(before), pg.layer_profile(after)
     return 1 - sum(prof_a[n].params for n in targeted) / sum(prof_b[n].params for n in targeted)

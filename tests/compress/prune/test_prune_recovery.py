@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pocketdiff.compress.prune import Probe, PruneSettings, prune_unet
-from pocketdiff.compress.prune_recovery import FeatureTap, RecoveryConfig, block_names, recover
+from pocketdiff.compress.prune.verb import Probe, PruneSettings, prune_unet
+from pocketdiff.compress.prune.recovery import FeatureTap, RecoveryConfig, block_names, recover
 from pocketdiff.config import DataConfig
 from pocketdiff.data import ImageCaptionDataset, collate, load_captioned_dataset
 from pocketdiff.errors import ConfigError

@@ -24,7 +24,7 @@ from torch.utils import _pytree as pytree
 
 from pocketdiff.errors import PocketdiffError
 
-from .quant import QUANTIZABLE, quantizable_layers
+from .quantizer import QUANTIZABLE, quantizable_layers
 
 BLOCK_TYPES = {
     "ResnetBlock2D": "resnet",

@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pocketdiff.compress.prune import PruneSettings, load_pruned_pipeline, load_pruned_unet, prune_unet
-from pocketdiff.compress.prune_model import PrunedUNet2DConditionModel, is_pruned_pipeline
+from pocketdiff.compress.prune.verb import PruneSettings, load_pruned_pipeline, load_pruned_unet, prune_unet
+from pocketdiff.compress.prune.model import PrunedUNet2DConditionModel, is_pruned_pipeline
 from pocketdiff.errors import PocketdiffError
 from pocketdiff.models import ModelConfig, build_pipeline, perturb_norm_affines, save_pipeline
 
@@ -49,7 +49,7 @@ def test_folder_layout_no_pickles(pruned_pipeline):
     config = json.loads((unet_dir / "config.json").read_text())
     assert list(config["block_out_channels"]) == [32, 64]  # the stock architecture
     index = json.loads((folder / "model_index.json").read_text())
-    assert index["unet"] == ["pocketdiff.compress.prune_model", "PrunedUNet2DConditionModel"]
+    assert index["unet"] == ["pocketdiff.compress.prune.model", "PrunedUNet2DConditionModel"]
     assert is_pruned_pipeline(folder)
 
 

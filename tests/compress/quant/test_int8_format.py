@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from pocketdiff.compress.int8_format import (LayerRecipe, QuantRecipe, dequantize, dequantized_state_dict, expand_scale,
+from pocketdiff.compress.quant.int8_format import (LayerRecipe, QuantRecipe, dequantize, dequantized_state_dict, expand_scale,
                                              load_quantized, qmax, quantize_codes, rtn_scale, save_quantized)
 from pocketdiff.errors import PocketdiffError
 

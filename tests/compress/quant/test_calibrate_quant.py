@@ -6,11 +6,11 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from pocketdiff.compress.blocks import Block, Captured, Unit
-from pocketdiff.compress.int8_format import expand_scale, qmax
-from pocketdiff.compress.quant import (AdaRoundQuantizer, LayerSpec, beta_schedule, inverse_rectified_sigmoid, layer_specs,
+from pocketdiff.compress.quant.blocks import Block, Captured, Unit
+from pocketdiff.compress.quant.int8_format import expand_scale, qmax
+from pocketdiff.compress.quant.quantizer import (AdaRoundQuantizer, LayerSpec, beta_schedule, inverse_rectified_sigmoid, layer_specs,
                                        rectified_sigmoid, rtn, search_scale)
-from pocketdiff.compress.reconstruct import ReconConfig, block_mse, layer_inits, reconstruct_block
+from pocketdiff.compress.quant.reconstruct import ReconConfig, block_mse, layer_inits, reconstruct_block
 from pocketdiff.errors import PocketdiffError
 
 
@@ -110,7 +110,7 @@ def test_reconstruction_beats_rtn_on_a_toy_block(bits):
     x2 = torch.randn(64, 8, 6, 6, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         t2 = module(x2)
-    from pocketdiff.compress.quant import dequant
+    from pocketdiff.compress.quant.quantizer import dequant
 
     rtn_w = {k: dequant(*rtn_res[k], specs[k]) for k in weights}
     rec_w = {k: dequant(v.codes, v.scale, specs[k]) for k, v in res.layers.items()}
@@ -148,7 +148,7 @@ def test_recon_config_validation():
 
 
 def test_rounding_lr_falls_with_fan_in_above_the_reference():
-    from pocketdiff.compress.reconstruct import rounding_lr
+    from pocketdiff.compress.quant.reconstruct import rounding_lr
 
     opts = ReconConfig(lr=3e-2, lr_fan_in_ref=4608)
     assert rounding_lr(opts, (320, 320, 3, 3)) == 3e-2  # fan-in 2,880: unchanged

@@ -19,7 +19,7 @@ Built in (names usable in ``prune.importance``):
 
 A custom importance is named ``"package.module:function"``.
 
-Streams (``prune.scope: stream / all``, `prune_stream`): a stream's channels are the output
+Streams (``prune.scope: stream / all``, `stream`): a stream's channels are the output
 channels of several producers (conv_in, ResNet conv2 / conv_shortcut, transformer proj_out,
 sampler convs; a Conv2d or a Linear) and the input channels of several consumers. Its score
 is the sum over members of the callable's scores, sliced to the stream's channels:
@@ -28,7 +28,7 @@ callables marked ``scores_inputs = True`` (l1, l2, taylor), ``channel_dim = 1`` 
 consumer conv / linear too (the skip-concatenation consumers of the up path included).
 Taylor also adds ``|w * dL/dw|`` of the GroupNorm affines over the stream. A custom callable
 gets a producer's Linear as well as Conv2d modules; ``context.group`` is then a
-`prune_stream.Stream`.
+`stream.Stream`.
 """
 from __future__ import annotations
 
@@ -42,13 +42,13 @@ from torch import nn
 
 from pocketdiff.errors import PocketdiffError
 
-from .prune_graph import InternalGroup
+from .graph import InternalGroup
 
 
 @dataclasses.dataclass
 class ImportanceContext:
     name: str  # module path of the group's block (streams: the stream's name)
-    group: InternalGroup  # or a prune_stream.Stream
+    group: InternalGroup  # or a stream.Stream
     unet: nn.Module
     generator: torch.Generator
     channel_dim: int = 0  # weight dimension the scores are over: 0 = output channels, 1 = input channels

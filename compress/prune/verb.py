@@ -3,21 +3,21 @@ then recovery distillation from the unpruned model.
 
 1. load data and the teacher pipeline (`model.pretrained`, or a built `model.arch`)
 2. select target convs (name patterns + weight-size / activation-volume thresholds) and
-   map them to their dependency groups: ResNet-block internal channels (`prune_graph`) and,
+   map them to their dependency groups: ResNet-block internal channels (`graph`) and,
    with ``prune.scope: stream`` or ``all``, the residual-stream (block-output) channels
-   shared through identity residuals and skip concatenations (`prune_stream`)
-3. score channels with the importance callable (`prune_importance`; Taylor accumulates
+   shared through identity residuals and skip concatenations (`stream`)
+3. score channels with the importance callable (`importance`; Taylor accumulates
    denoising-loss gradients over stratified timesteps first)
 4. allocate kept channels per group (uniform or global), remove them physically, save the
    pruned UNet (`pruned_unet/`, pocketdiff format: stock config + pruning.json + safetensors)
 5. recovery: knowledge distillation from the unpruned UNet through the shared training
-   loop (`prune_recovery`, `--resume latest`)
+   loop (`recovery`, `--resume latest`)
 6. measure: params and MACs per conv and in total, teacher-relative error on fixed probes,
    FD / CLIP (through `pocketdiff.evaluate` when available), sample grids; save the
    pipeline folder (`pipeline/`, stock components + pruned unet) and report.json + index.html
 
 Loading the result: `pocketdiff.compress.prune.load_pruned_pipeline(dir)` (or
-`load_pruned_unet(dir/unet)`); see `prune_model`.
+`load_pruned_unet(dir/unet)`); see `model`.
 
 Bad input is refused while the config is validated, before the output folder is touched:
 a ratio outside (0, 1), a target pattern matching no conv, targets with nothing prunable,
@@ -43,9 +43,9 @@ from pocketdiff.device import resolve_device
 from pocketdiff.outputs import commit_folder, read_json, write_json
 from pocketdiff.train.loop import LoopConfig
 
-from . import prune_graph as pg
-from . import prune_stream as ps
-from .prune_importance import (
+from . import graph as pg
+from . import stream as ps
+from .importance import (
     accumulate_diffusion_gradients,
     group_parameters,
     needs_gradients,
@@ -53,14 +53,14 @@ from .prune_importance import (
     score_group,
     score_stream,
 )
-from .prune_model import (  # noqa: F401  (re-exported: the loader hooks other stages call)
+from .model import (  # noqa: F401  (re-exported: the loader hooks other stages call)
     PrunedUNet2DConditionModel,
     is_pruned_pipeline,
     load_pruned_pipeline,
     load_pruned_unet,
     to_pruned,
 )
-from .prune_recovery import RecoveryConfig, recover
+from .recovery import RecoveryConfig, recover
 
 log = logging.getLogger(__name__)
 
@@ -221,7 +221,7 @@ def precheck(cfg: Config) -> None:
     found = _unet_config_for(cfg)
     if found is None:
         return
-    from .prune_model import build_pruned_unet
+    from .model import build_pruned_unet
 
     conf, spec = found
     unet = build_pruned_unet(conf, spec or {"format": "pocketdiff-pruned-unet", "version": 1, "modules": {}})
@@ -243,7 +243,7 @@ def _budgets(selection: pg.Selection, scores: Optional[dict[str, torch.Tensor]] 
 
 def plan_shapes(unet, p: PruneSettings, profile: Optional[dict] = None):
     """Target selection + (for uniform allocation) kept channels per group; raises on bad input.
-    Scope internal: (prune_graph.Selection, keep); stream / all: (prune_stream.Coupled, keep)."""
+    Scope internal: (graph.Selection, keep); stream / all: (stream.Coupled, keep)."""
     profile = profile if profile is not None else pg.layer_profile(unet)
     if p.scope != "internal":
         sel = _select_coupled(unet, profile, p)

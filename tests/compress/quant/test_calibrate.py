@@ -8,8 +8,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pocketdiff.cli import VERBS, main
-from pocketdiff.compress.calibrate import Config, load_quantized_pipeline, run
-from pocketdiff.compress.int8_format import dequantized_state_dict, load_quantized, qmax
+from pocketdiff.compress.quant.calibrate import Config, load_quantized_pipeline, run
+from pocketdiff.compress.quant.int8_format import dequantized_state_dict, load_quantized, qmax
 from pocketdiff.config import load_config
 from pocketdiff.errors import ConfigError, ParityError, PocketdiffError
 from pocketdiff.models import ModelConfig, build_pipeline, perturb_norm_affines, save_pipeline
@@ -52,7 +52,7 @@ def w8(teacher, tmp_path_factory):
 
 
 def test_verb_registered():
-    assert VERBS["calibrate"] == "pocketdiff.compress.calibrate"
+    assert VERBS["calibrate"] == "pocketdiff.compress.quant.calibrate"
 
 
 def test_w8_report(w8):
@@ -138,8 +138,8 @@ output: {rtn_pipeline: false, samples: 0}
 
 
 def _unet_and_calib(teacher):
-    from pocketdiff.compress.calibrate import CalibDataConfig, _collect, _prompts
-    from pocketdiff.compress.quant import layer_specs, quantizable_layers
+    from pocketdiff.compress.quant.calibrate import CalibDataConfig, _collect, _prompts
+    from pocketdiff.compress.quant.quantizer import layer_specs, quantizable_layers
     from pocketdiff.models import load_pipeline
 
     pipe = load_pipeline(str(teacher))
@@ -152,7 +152,7 @@ def _unet_and_calib(teacher):
 
 
 def test_sequential_with_qdrop_fisher_learned_scales_and_bf16_cache(teacher):
-    from pocketdiff.compress.reconstruct import ReconConfig, reconstruct_unet
+    from pocketdiff.compress.quant.reconstruct import ReconConfig, reconstruct_unet
 
     unet, calib, specs = _unet_and_calib(teacher)
     before = {k: v.clone() for k, v in unet.state_dict().items()}
@@ -165,7 +165,7 @@ def test_sequential_with_qdrop_fisher_learned_scales_and_bf16_cache(teacher):
 
 
 def test_independent_mode_on_two_worker_processes(teacher, tmp_path):
-    from pocketdiff.compress.reconstruct import ReconConfig, reconstruct_unet
+    from pocketdiff.compress.quant.reconstruct import ReconConfig, reconstruct_unet
 
     unet, calib, specs = _unet_and_calib(teacher)
     pipe = type("P", (), {"unet": unet})
@@ -222,7 +222,7 @@ def test_bad_config_values(override, key, tmp_path):
 
 def test_zero_prompts_is_an_error(monkeypatch):
     import pocketdiff.data
-    from pocketdiff.compress.calibrate import CalibDataConfig, _prompts
+    from pocketdiff.compress.quant.calibrate import CalibDataConfig, _prompts
 
     monkeypatch.setattr(pocketdiff.data, "load_captions", lambda cfg: [])
     with pytest.raises(PocketdiffError, match="zero prompts"):
@@ -250,9 +250,9 @@ def test_nan_weights(teacher, tmp_path):
 def test_w_conditioned_student_inputs_are_recorded_and_reconstructed():
     from diffusers import DDIMScheduler, UNet2DConditionModel
 
-    from pocketdiff.compress.calib_data import collect_unet_inputs, trajectory_indices
-    from pocketdiff.compress.quant import layer_specs, quantizable_layers
-    from pocketdiff.compress.reconstruct import ReconConfig, reconstruct_unet
+    from pocketdiff.compress.quant.calib_data import collect_unet_inputs, trajectory_indices
+    from pocketdiff.compress.quant.quantizer import layer_specs, quantizable_layers
+    from pocketdiff.compress.quant.reconstruct import ReconConfig, reconstruct_unet
     from pocketdiff.models import scheduler_config, unet_config
 
     torch.manual_seed(0)

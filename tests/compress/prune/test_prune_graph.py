@@ -7,9 +7,9 @@ import copy
 import pytest
 import torch
 
-from pocketdiff.compress import prune_graph as pg
-from pocketdiff.compress.prune import PruneSettings, TargetConfig, plan_shapes, prune_unet
-from pocketdiff.compress.prune_importance import (
+from pocketdiff.compress.prune import graph as pg
+from pocketdiff.compress.prune.verb import PruneSettings, TargetConfig, plan_shapes, prune_unet
+from pocketdiff.compress.prune.importance import (
     IMPORTANCE,
     ImportanceContext,
     accumulate_diffusion_gradients,
@@ -17,7 +17,7 @@ from pocketdiff.compress.prune_importance import (
     resolve_importance,
     score_group,
 )
-from pocketdiff.compress.prune_model import PrunedUNet2DConditionModel, build_pruned_unet, shape_spec
+from pocketdiff.compress.prune.model import PrunedUNet2DConditionModel, build_pruned_unet, shape_spec
 from pocketdiff.errors import PocketdiffError
 
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 from diffusers import UNet2DConditionModel
 
-from pocketdiff.compress.prune import PruneSettings, prune_unet
+from pocketdiff.compress.prune.verb import PruneSettings, prune_unet
 from pocketdiff.export.components import UNetGraph, time_embedding_table
 from pocketdiff.export.convert import to_tflite
 from pocketdiff.export.delegate import delegate_available, run_on_delegate

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from pocketdiff.cli import main
-from pocketdiff.compress.prune import Config, load_pruned_pipeline
-from pocketdiff.compress.prune_model import PrunedUNet2DConditionModel
+from pocketdiff.compress.prune.verb import Config, load_pruned_pipeline
+from pocketdiff.compress.prune.model import PrunedUNet2DConditionModel
 from pocketdiff.config import load_config
 from pocketdiff.errors import ConfigError
 
@@ -126,7 +126,7 @@ def test_global_allocation_config_checks_capacity():
 def test_smoke_recipe_is_valid():
     from pathlib import Path
 
-    cfg = load_config(Config, Path(__file__).resolve().parents[2] / "configs" / "smoke" / "prune.yaml")
+    cfg = load_config(Config, Path(__file__).resolve().parents[3] / "configs" / "smoke" / "prune.yaml")
     assert cfg.prune.importance == "taylor" and cfg.train.max_steps <= 20
 
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 from diffusers import UNet2DConditionModel
 
-from pocketdiff.compress import prune_graph as pg
-from pocketdiff.compress import prune_stream as ps
-from pocketdiff.compress.prune import Config, PruneSettings, TargetConfig, load_pruned_unet, plan_shapes, prune_unet
-from pocketdiff.compress.prune_importance import IMPORTANCE, score_stream
-from pocketdiff.compress.prune_model import PrunedUNet2DConditionModel, build_pruned_unet, shape_spec
+from pocketdiff.compress.prune import graph as pg
+from pocketdiff.compress.prune import stream as ps
+from pocketdiff.compress.prune.verb import Config, PruneSettings, TargetConfig, load_pruned_unet, plan_shapes, prune_unet
+from pocketdiff.compress.prune.importance import IMPORTANCE, score_stream
+from pocketdiff.compress.prune.model import PrunedUNet2DConditionModel, build_pruned_unet, shape_spec
 from pocketdiff.config import load_config
 from pocketdiff.errors import ConfigError, PocketdiffError
 from pocketdiff.models import unet_config
@@ -216,7 +216,7 @@ def test_zero_stream_equivalence_also_with_taylor(zeroed, inputs):
     exactly-zero parameters is zero, so it removes zeroed atoms only."""
     from diffusers import DDIMScheduler
 
-    from pocketdiff.compress.prune_importance import accumulate_diffusion_gradients
+    from pocketdiff.compress.prune.importance import accumulate_diffusion_gradients
     from pocketdiff.models import scheduler_config
 
     u, zero = zeroed

@@ -18,7 +18,7 @@ conv2, e.g. the 3x3 up-block conv1 over 1920 input channels of SD).
 Block-output channels (coupled with the residual stream, the shortcut, the next blocks and
 the skip concatenation) are not pruned here: with ``prune.scope: internal`` (the default)
 those convs are reported as "not prunable"; ``prune.scope: stream / all`` prunes them
-through `prune_stream`, which traces the streams and slices every producer and consumer.
+through `stream`, which traces the streams and slices every producer and consumer.
 
 GroupNorm semantics
 -------------------

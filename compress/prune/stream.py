@@ -39,7 +39,7 @@ The result is not a stock-config diffusers model: diffusers gives every GroupNor
 group count (``norm_num_groups``) and ties the transformers' inner width to the block width,
 while whole-group pruning changes group counts per norm and keeps the attention width. The
 pruned UNet is saved like every pruned UNet here (stock config + ``pruning.json`` +
-safetensors, `prune_model`).
+safetensors, `model`).
 """
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ from torch.overrides import TorchFunctionMode
 
 from pocketdiff.errors import PocketdiffError
 
-from . import prune_graph as pg
+from . import graph as pg
 
 SCOPES = ("internal", "stream", "all")
 PREFIX = "stream@"  # stream names: "stream@" + the module path of its first producer
@@ -370,7 +370,7 @@ class _Tracer(TorchFunctionMode):
 def trace_streams(unet: nn.Module) -> StreamGraph:
     """The streams of `unet` (any device: the trace runs on a meta twin), with their members,
     removable GroupNorm atoms and the fixed ones (and why)."""
-    from .prune_recovery import block_names
+    from .recovery import block_names
 
     model = pg._meta_twin(unet)
     cfg = model.config
@@ -576,8 +576,8 @@ def module_indices(graph: StreamGraph, keeps: dict[str, torch.Tensor]) -> dict[s
 @torch.no_grad()
 def apply_indices(unet: nn.Module, indices: dict[str, dict[str, torch.Tensor]]) -> None:
     """Replace every module named in `indices` by its sliced copy, then fix the blocks'
-    recorded channel counts (`prune_model.sync_channel_attributes`)."""
-    from .prune_model import sync_channel_attributes
+    recorded channel counts (`model.sync_channel_attributes`)."""
+    from .model import sync_channel_attributes
 
     mods = dict(unet.named_modules())
     for module, roles in indices.items():
@@ -618,7 +618,7 @@ class Coupled:
 
 def select_coupled(unet: nn.Module, profile: dict, scope: str, include=("*",), exclude=(), min_weight_params=None,
                    min_activation=None, graph: Optional[StreamGraph] = None) -> Coupled:
-    """Targets (as `prune_graph.select_targets`) mapped to internal groups (scope internal /
+    """Targets (as `graph.select_targets`) mapped to internal groups (scope internal /
     all) and streams (scope stream / all): a group or stream is selected when it owns a
     channel dimension of a targeted conv."""
     if scope not in SCOPES:
@@ -728,7 +728,7 @@ def allocate_coupled(sel: Coupled, ratio: float, mode: str, round_to: int, alloc
 
     uniform: every group and stream keeps the allowed count nearest to ``channels * (1 - r)``,
     with one per-channel fraction `r` found by bisection. global: units leave in order of
-    increasing normalised importance (as `prune_graph.allocate`) until the ratio is reached.
+    increasing normalised importance (as `graph.allocate`) until the ratio is reached.
     """
     if not 0.0 < ratio < 1.0:
         raise PocketdiffError(f"prune.ratio must be in (0, 1), got {ratio}")

@@ -5,7 +5,7 @@
    recorded at steps spread over each trajectory (cond + uncond under guidance); a held-out
    set from other prompts and seeds
 3. per-layer specs (bits, group size), then BRECQ-style block reconstruction with AdaRound
-   (`pocketdiff.compress.reconstruct`); the RTN baseline comes for free
+   (`pocketdiff.compress.quant.reconstruct`); the RTN baseline comes for free
 4. optional text encoder / VAE decoder: round to nearest at searched scales
 5. held-out comparison (UNet cosine, per-block MSE, sample grid); named parity thresholds
 6. outputs: `unet_int8.safetensors` + `.json` recipe, `rtn/unet_int8.*`, stock diffusers
@@ -35,7 +35,7 @@ from .blocks import build_blocks
 from .calib_data import collect_unet_inputs, subsample
 from .int8_format import LayerRecipe, QuantRecipe, dequantized_state_dict, load_quantized, save_quantized
 from .metrics import compare_unets
-from .quant import LayerSpec, dequant, layer_specs, quantizable_layers, quantized_state_dict, rtn, search_scale
+from .quantizer import LayerSpec, dequant, layer_specs, quantizable_layers, quantized_state_dict, rtn, search_scale
 from .reconstruct import ReconConfig, reconstruct_unet, write_weights
 
 UNET_FILE = "unet_int8.safetensors"
@@ -383,7 +383,7 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
     qmeta = {"pocketdiff_calibrate": 1, "variant": "recon", "bits": cfg.quant.bits, "group_size": cfg.quant.group_size,
              "checkpoint": f"../{UNET_FILE}", "source_pipeline": report["source"],
              "note": "weights are the dequantized int8/int4 codes x scales of the checkpoint; load it with "
-                     "pocketdiff.compress.calibrate.load_quantized_pipeline to rebuild them from the codes"}
+                     "pocketdiff.compress.quant.calibrate.load_quantized_pipeline to rebuild them from the codes"}
     pipeline_dir = _save_pipeline_folder(pipe, out / "pipeline", src_folder, qmeta)
     report_paths = {"checkpoint": str(ckpt), "recipe": str(ckpt.with_suffix(".json")), "rtn_checkpoint": str(rtn_ckpt),
                     "pipeline_dir": str(pipeline_dir)}

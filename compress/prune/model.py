@@ -17,7 +17,7 @@ recorded shapes, and assigns the safetensors weights (strict: every tensor must 
 
 Pipelines: the UNet class is `PrunedUNet2DConditionModel` (a `UNet2DConditionModel`
 subclass whose `from_pretrained` is that loader), and a saved pipeline's
-``model_index.json`` names it as ``["pocketdiff.compress.prune_model",
+``model_index.json`` names it as ``["pocketdiff.compress.prune.model",
 "PrunedUNet2DConditionModel"]``. Diffusers resolves that entry from already-imported
 modules only, so a stock ``StableDiffusionPipeline.from_pretrained(dir)`` works once this
 module is imported; `load_pruned_pipeline(dir)` does exactly that. The text encoder, VAE,
@@ -41,7 +41,7 @@ SPEC_FILE = "pruning.json"
 FORMAT = "pocketdiff-pruned-unet"
 VERSION = 1
 WEIGHTS = "diffusion_pytorch_model.safetensors"
-MODULE_NAME = __name__  # "pocketdiff.compress.prune_model": what model_index.json records
+MODULE_NAME = __name__  # "pocketdiff.compress.prune.model": what model_index.json records
 
 
 # --------------------------------------------------------------------------------------
@@ -274,7 +274,7 @@ def load_pruned_pipeline(folder: Union[str, Path], torch_dtype=None):
 
     Goes through the shared `pocketdiff.models.load_pipeline` (stock
     `StableDiffusionPipeline.from_pretrained`); importing this module is what lets diffusers
-    resolve the ``["pocketdiff.compress.prune_model", "PrunedUNet2DConditionModel"]`` entry
+    resolve the ``["pocketdiff.compress.prune.model", "PrunedUNet2DConditionModel"]`` entry
     of model_index.json. A stock (unpruned) pipeline folder loads too.
     """
     from pocketdiff.models import load_pipeline

@@ -64,7 +64,7 @@ from torch import nn
 from pocketdiff.errors import PocketdiffError, require
 
 from .blocks import Block, CalibSet, Captured, Request, _autocast, build_blocks, capture, first_tensor, group_by_budget, order_blocks, unet_forward
-from .quant import AdaRoundQuantizer, LayerSpec, beta_schedule, dequant, rtn, search_scale
+from .quantizer import AdaRoundQuantizer, LayerSpec, beta_schedule, dequant, rtn, search_scale
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -1,0 +1,45 @@
+"""pocketdiff.compress.quant: int8 / int4 weight quantization (`pocketdiff calibrate`).
+
+Public entry points (importable from here; each lives in the module named beside it):
+
+- `run(Config(...), output_dir)`: the calibrate verb, block-wise reconstruction PTQ
+  (BRECQ + AdaRound) of a diffusers pipeline (`calibrate`)
+- `load_quantized_pipeline(folder)`: a calibrate output back as a pipeline (`calibrate`)
+- `reconstruct_unet(unet, specs, calib, ReconConfig(...))`: the whole-UNet reconstruction
+  walk on its own (`reconstruct`)
+- `save_quantized` / `load_quantized` / `dequantized_state_dict`, `QuantRecipe`,
+  `LayerRecipe`: the quantized checkpoint format (int8 codes + per-channel scales +
+  JSON recipe) that export reads (`int8_format`)
+
+Other modules: `quantizer` (layer selection, RTN, scale search, AdaRound), `blocks`
+(reconstruction blocks and their captured inputs), `calib_data` (calibration inputs from
+the model's own sampling trajectories), `metrics` (float-vs-quantized comparisons).
+Attributes load on first use, so reading the checkpoint format imports no optimiser code.
+"""
+from __future__ import annotations
+
+import importlib
+
+_ENTRY_POINTS = {
+    "Config": "calibrate",
+    "run": "calibrate",
+    "load_quantized_pipeline": "calibrate",
+    "ReconConfig": "reconstruct",
+    "reconstruct_unet": "reconstruct",
+    "LayerRecipe": "int8_format",
+    "QuantRecipe": "int8_format",
+    "save_quantized": "int8_format",
+    "load_quantized": "int8_format",
+    "dequantized_state_dict": "int8_format",
+}
+__all__ = sorted(_ENTRY_POINTS)
+
+
+def __getattr__(name: str):
+    if name not in _ENTRY_POINTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_ENTRY_POINTS[name]}"), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
