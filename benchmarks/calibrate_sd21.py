@@ -197,8 +197,9 @@ def main(argv=None) -> int:
 
     from pocketdiff.compress.quant.blocks import Request, build_blocks, capture, order_blocks
     from pocketdiff.compress.quant.quantizer import layer_specs
-    from pocketdiff.compress.quant.reconstruct import (ReconConfig, capture_settings, float_weights, layer_inits, precision,
-                                                 reconstruct_block, reconstruct_unet)
+    from pocketdiff.compress.quant.block_recon import (ReconConfig, capture_settings, layer_inits, precision,
+                                                       reconstruct_block)
+    from pocketdiff.compress.quant.reconstruct import float_weights, reconstruct_unet
     from pocketdiff.outputs import write_json
 
     out = Path(args.out)
@@ -313,7 +314,7 @@ def main(argv=None) -> int:
     # ---- error vs iterations on selected blocks
     if not args.no_sweep:
         from pocketdiff.compress.quant.quantizer import dequant
-        from pocketdiff.compress.quant.reconstruct import block_mse
+        from pocketdiff.compress.quant.block_recon import block_mse
 
         sweep = []
         for b in swept:
@@ -364,7 +365,7 @@ def main(argv=None) -> int:
         q = copy.deepcopy(unet)
         write_weights(q, {g: lr for r in results for g, lr in r.layers.items()}, specs)
         r = copy.deepcopy(unet)
-        from pocketdiff.compress.quant.reconstruct import LayerResult
+        from pocketdiff.compress.quant.block_recon import LayerResult
 
         write_weights(r, {g: LayerResult(c, s, "rtn") for g, (c, s) in info["rtn"].items()}, specs)
         cmp = compare_unets(unet, {"rtn": r, "recon": q}, build_blocks(unet), held, device, batch=8)

@@ -11,7 +11,8 @@ Public entry points (importable from here; each lives in the module named beside
   `LayerRecipe`: the quantized checkpoint format (int8 codes + per-channel scales +
   JSON recipe) that export reads (`int8_format`)
 
-Other modules: `quantizer` (layer selection, RTN, scale search, AdaRound), `blocks`
+Other modules: `block_recon` (one block's reconstruction: `ReconConfig`, the per-block
+optimiser), `quantizer` (layer selection, RTN, scale search, AdaRound), `blocks`
 (reconstruction blocks and their captured inputs), `calib_data` (calibration inputs from
 the model's own sampling trajectories), `metrics` (float-vs-quantized comparisons).
 Attributes load on first use, so reading the checkpoint format imports no optimiser code.
@@ -24,7 +25,7 @@ _ENTRY_POINTS = {
     "Config": "calibrate",
     "run": "calibrate",
     "load_quantized_pipeline": "calibrate",
-    "ReconConfig": "reconstruct",
+    "ReconConfig": "block_recon",
     "reconstruct_unet": "reconstruct",
     "LayerRecipe": "int8_format",
     "QuantRecipe": "int8_format",

@@ -36,7 +36,8 @@ from .calib_data import collect_unet_inputs, subsample
 from .int8_format import LayerRecipe, QuantRecipe, dequantized_state_dict, load_quantized, save_quantized
 from .metrics import compare_unets
 from .quantizer import LayerSpec, dequant, layer_specs, quantizable_layers, quantized_state_dict, rtn, search_scale
-from .reconstruct import ReconConfig, reconstruct_unet, write_weights
+from .block_recon import ReconConfig
+from .reconstruct import reconstruct_unet, write_weights
 
 UNET_FILE = "unet_int8.safetensors"
 TEXT_ENCODER_FILE = "text_encoder_int8.safetensors"
