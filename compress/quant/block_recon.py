@@ -22,6 +22,11 @@ random norm-perturbed tiny UNet with 256 calibration inputs (CPU, float32):
 A short schedule with a large step matches or beats a 10x longer plain one. bf16 autocast
 of the optimisation forwards hurt at W8 (0.57 against 0.24 at 500 it. lr 1e-2: the W8
 rounding signal is below bf16 noise) but not at W4 (0.311 against 0.339), hence `autocast: auto`.
+bf16 keeps 7 mantissa bits, so it rounds the weights themselves about as coarsely as the W8
+grid (a step of 1/127 of the largest weight); fp16 keeps 10, as many as TF32 (the default for
+CUDA matmuls here) keeps of their inputs, and runs attention in flash kernels. `autocast: fp16`
+scales the loss (torch.amp.GradScaler, unscaled before Adam's step) so that the small
+block-output gradients do not underflow.
 
 That lr is too large for layers with a large fan-in. Adam moves every rounding variable by
 about lr per step whatever its gradient, and a layer's output change adds up over its fan-in.
@@ -43,7 +48,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -84,6 +89,9 @@ class ReconConfig:
     cache_dtype: str = "float32"  # float32 | bfloat16 | float16: cached block inputs / targets
     cache_budget_gb: Optional[float] = None  # per capture group; None: 40 % of free device memory (CPU: 4 GB)
     forward_batch: int = 16  # UNet batch of the capture passes
+    # stream: cache block inputs / targets in pinned host memory; the UNet is on the device only for the
+    # capture passes, and each block (with its cached data, when that fits) only while it is reconstructed
+    stream: bool = False
     compile: bool = False  # torch.compile the block loss
     compile_mode: Optional[str] = None  # e.g. max-autotune-no-cudagraphs, reduce-overhead (CUDA graphs)
     channels_last: bool = False  # channels_last convs (CUDA, with bf16)
@@ -279,9 +287,10 @@ def reconstruct_block(
     fp_caps: Optional[Sequence[Captured]] = None,
     fisher: Optional[Sequence[Optional[torch.Tensor]]] = None,
     seed: int = 0,
+    progress: Optional[Callable[[int, float], None]] = None,
 ) -> BlockResult:
     """Quantize one block; `caps` are its (possibly quantized-prefix) inputs, `targets` the
-    float outputs, per unit."""
+    float outputs, per unit. `progress(iteration, loss)` is called at every loss-curve point."""
     device = torch.device(device)
     t0 = time.time()
     names = block.layers
@@ -323,6 +332,7 @@ def reconstruct_block(
         gen = torch.Generator("cpu").manual_seed(seed)
         drop_gen = torch.Generator(device).manual_seed(seed + 1)
         ac = optimisation_autocast(opts, device, min(specs[g].bits for g in names))
+        scaler = torch.amp.GradScaler(device.type) if ac == torch.float16 else None  # fp16: keep small gradients
         n = caps[0].n()
         bs = min(opts.batch_size, n)
         every = max(1, opts.iters // (opts.log_every or 20))
@@ -363,12 +373,19 @@ def reconstruct_block(
                     reg = opts.round_weight * sum(q.round_loss(beta) for q in quantizers.values())
                     loss = loss + reg
                 optim.zero_grad(set_to_none=True)
-                loss.backward()
-                optim.step()
+                if scaler is not None:
+                    scaler.scale(loss).backward()
+                    scaler.step(optim)
+                    scaler.update()
+                else:
+                    loss.backward()
+                    optim.step()
                 if sched is not None:
                     sched.step()
                 if it % every == 0 or it == opts.iters - 1:
                     curve.append([it, float(rec.detach()), float(reg.detach()) if reg is not None else 0.0])
+                    if progress is not None:
+                        progress(it, curve[-1][1])
         hard = {g: q.hard_weight() for g, q in quantizers.items()}
         stats["mse_adaround_calib"] = evaluate(hard)
         stats["soft_fraction"] = float(sum(q.soft_fraction() * q.v.numel() for q in quantizers.values()) / max(1, sum(q.v.numel() for q in quantizers.values())))

@@ -113,6 +113,10 @@ class Config:
     perturb_norms: float = 0.0  # built (random) models only: perturb_norm_affines(scale) on every component
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     cpu_threads: Optional[int] = None  # torch CPU threads (None: torch's default); 1 is much faster on a busy small box
+    # GiB of device memory this process may take (CUDA: torch.cuda.set_per_process_memory_fraction); on
+    # every device each block's need is checked against it before reconstruction (a clear error naming
+    # the block). With recon.stream, SD-2.1 calibrates in 24.
+    memory_cap_gib: Optional[float] = None
     calib: CalibDataConfig = dataclasses.field(default_factory=CalibDataConfig)
     quant: QuantConfig = dataclasses.field(default_factory=QuantConfig)
     recon: ReconConfig = dataclasses.field(default_factory=ReconConfig)
@@ -122,6 +126,7 @@ class Config:
     def __post_init__(self) -> None:
         require(self.perturb_norms >= 0, "perturb_norms", "must be >= 0")
         require(self.cpu_threads is None or self.cpu_threads >= 1, "cpu_threads", "must be >= 1 or null")
+        require(self.memory_cap_gib is None or self.memory_cap_gib > 0, "memory_cap_gib", "must be > 0 or null")
         require(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"), "device",
                 f"must be auto, cpu or cuda[:N], got {self.device!r}")
         if self.model.pretrained:
@@ -145,6 +150,25 @@ def _check_pretrained_folder(source: str) -> None:
 
 def _log(msg: str) -> None:
     print(f"calibrate: {msg}", file=sys.stderr, flush=True)
+
+
+def _memory_cap(cfg: Config, device: torch.device) -> Optional[int]:
+    """The cap in bytes; on CUDA also set as this process's memory fraction."""
+    if cfg.memory_cap_gib is None:
+        return None
+    cap = int(cfg.memory_cap_gib * 2 ** 30)
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
+        if cap > total:
+            _log(f"memory_cap_gib={cfg.memory_cap_gib:g} is above {device}'s {total / 2 ** 30:.1f} GiB: the device is the cap")
+    return cap
+
+
+def _peak_bytes(device: torch.device, info: dict) -> tuple[int, int]:
+    """(allocated, reserved) peaks of the whole run: the reconstruction meters its blocks one by one."""
+    return (max(info.get("peak_gpu_bytes", 0), torch.cuda.max_memory_allocated(device)),
+            max(info.get("peak_gpu_reserved_bytes", 0), torch.cuda.max_memory_reserved(device)))
 
 
 def _worker_devices(cfg: Config, device: torch.device) -> list[str]:
@@ -247,6 +271,7 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
         torch.set_num_threads(cfg.cpu_threads)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    cap = _memory_cap(cfg, device)
     timings: dict[str, float] = {}
 
     # 1. model
@@ -284,8 +309,15 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
         raise PocketdiffError("the UNet has no Conv2d / Linear layer left to quantize (check quant.skip)")
     shapes = {g: unet.get_submodule(g).weight.shape for g in names}
     specs = layer_specs(names, shapes, cfg.quant.bits, cfg.quant.group_size, cfg.quant.layer_bits)
+    if cfg.recon.stream:  # the text encoder and VAE wait on the host
+        pipe.text_encoder.to("cpu")
+        pipe.vae.to("cpu")
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     results, info = reconstruct_unet(unet, calib, specs, cfg.recon, device=device, skip=cfg.quant.skip, seed=cfg.seed,
-                                     log=_log, devices=_worker_devices(cfg, device))
+                                     log=_log, devices=_worker_devices(cfg, device), memory_cap_bytes=cap)
+    pipe.text_encoder.to(device)
+    pipe.vae.to(device)
     timings["reconstruct_s"] = round(time.time() - t, 3)
     recon_layers = {g: lr for r in results for g, lr in r.layers.items()}
     rtn_layers = info["rtn"]
@@ -313,7 +345,8 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
             row.update(mse_rtn=held["rtn"]["mse"], mse_recon=held["recon"]["mse"],
                        mse_rtn_local=held["rtn"]["mse_local"], mse_recon_local=held["recon"]["mse_local"],
                        output_power=held["power"])
-        for k in ("mse_rtn_calib", "mse_init_calib", "mse_adaround_calib", "mse_recon_calib", "soft_fraction", "time_s", "iters"):
+        for k in ("mse_rtn_calib", "mse_init_calib", "mse_adaround_calib", "mse_recon_calib", "soft_fraction", "time_s", "iters",
+                  "peak_gpu_gib", "cache_on_device"):
             if k in r.stats:
                 row[k] = r.stats[k]
         if "curve" in r.stats:
@@ -351,7 +384,13 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
     report.update(extras.get("report", {}))
     parity = _parity(cfg, min_bits, unet_cos, rtn_cos, extras)
     report["parity"] = parity
-    report["peak_gpu_memory_gb"] = (round(torch.cuda.max_memory_allocated(device) / 2 ** 30, 3) if device.type == "cuda" else None)
+    report["peak_gpu_memory_gb"] = None  # GiB
+    if device.type == "cuda":
+        peak, reserved = _peak_bytes(device, info)
+        report["peak_gpu_memory_gb"] = round(peak / 2 ** 30, 3)
+        report["memory"] = {"cap_gib": cfg.memory_cap_gib, "stream": cfg.recon.stream, "peak_allocated_gib": round(peak / 2 ** 30, 3),
+                            "peak_reserved_gib": round(reserved / 2 ** 30, 3),
+                            "reconstruct_peak_gib": round(info.get("peak_gpu_bytes", 0) / 2 ** 30, 3)}
     if not parity["passed"]:
         report["wall_time_s"] = round(time.time() - t_start, 3)
         write_json(out / "report.json", report)
@@ -550,9 +589,9 @@ def _page(out: Path, report: dict, samples: Optional[dict]) -> None:
                     f"W{report['bits']} per-block error", logy=True)
         sections.append(("Per-block error", img("block_mse.png")))
         sections.append(("Blocks", table(
-            ["#", "block", "kind", "chosen", "MSE RTN", "MSE recon", "MSE RTN (alone)", "MSE recon (alone)", "time s"],
+            ["#", "block", "kind", "chosen", "MSE RTN", "MSE recon", "MSE RTN (alone)", "MSE recon (alone)", "time s", "peak GiB"],
             [(i, b["name"], b["kind"], b.get("chosen", ""), b["mse_rtn"], b["mse_recon"], b["mse_rtn_local"],
-              b["mse_recon_local"], b.get("time_s", 0.0)) for i, b in enumerate(rows)])))
+              b["mse_recon_local"], b.get("time_s", 0.0), b.get("peak_gpu_gib", "")) for i, b in enumerate(rows)])))
     summary = [("UNet cosine (held-out)", report["unet_cosine"]), ("UNet cosine RTN", report["unet_cosine_rtn"]),
                ("blocks below RTN", f"{report['blocks_improved']}/{report['blocks_evaluated']}"),
                ("parity", "passed" if report["parity"]["passed"] else "FAILED")]

@@ -27,7 +27,8 @@ from pocketdiff.errors import PocketdiffError
 
 from .block_recon import (DTYPES, BlockResult, LayerResult, ReconConfig, capture_settings, layer_inits, precision,
                           reconstruct_block, rest_block_result)
-from .blocks import Block, CalibSet, Request, build_blocks, capture, first_tensor, group_by_budget, order_blocks, unet_forward
+from .blocks import (Block, CalibSet, Request, build_blocks, capture, first_tensor, group_by_budget, human_bytes, order_blocks,
+                     unet_forward)
 from .quantizer import LayerSpec, dequant
 
 
@@ -92,6 +93,168 @@ def fisher_weights(unet: nn.Module, blocks: Sequence[Block], calib: CalibSet, de
     return result
 
 
+# ----------------------------------------------------------------------- memory
+
+
+def host_budget(opts: ReconConfig) -> float:
+    """Bytes of host memory for one capture group's cache when streaming: `cache_budget_gb`, else
+    40 % of the memory the OS reports available (4 GiB when it does not say)."""
+    if opts.cache_budget_gb is not None:
+        return opts.cache_budget_gb * 2 ** 30
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            return 0.4 * next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return 4 * 2 ** 30
+
+
+def module_bytes(module: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
+
+
+def block_need_bytes(block: Block, per_sample: dict, opts: ReconConfig) -> int:
+    """A lower bound on the device memory that reconstructing `block` takes, its cached data
+    aside: its modules, 11 float32 copies of every quantized weight (the float, RTN and initial
+    weights; AdaRound's base, rounding variables, their gradient and Adam's two moments; the soft
+    weight and its gradient; the hard-rounded weight) and one minibatch of inputs, targets,
+    outputs and output gradients."""
+    if block.kind == "rest":
+        return 0
+    modules = sum(module_bytes(u.module) for u in block.units)
+    quantized = sum(u.module.get_submodule(local).weight.numel() for u in block.units for local in u.layers)
+    ps = per_sample[block.name]
+    return modules + 44 * quantized + opts.batch_size * (ps["in"] + 3 * ps["out"])
+
+
+def check_memory_cap(blocks: Sequence[Block], per_sample: dict, opts: ReconConfig, cap: int, resident: int,
+                     unet_bytes: int) -> dict[str, int]:
+    """Per block, the bytes it needs at least (plus `resident`, what stays on the device meanwhile);
+    a PocketdiffError naming the first block, or the capture passes, that `cap` cannot hold."""
+    what = f"memory_cap_gib={cap / 2 ** 30:g} ({cap:,} bytes)"
+    if unet_bytes > cap:
+        raise PocketdiffError(f"{what} cannot hold the UNet for the capture passes: its weights take {unet_bytes:,} bytes "
+                              f"({human_bytes(unet_bytes)}); raise memory_cap_gib")
+    needs = {}
+    for b in blocks:
+        need = block_need_bytes(b, per_sample, opts) + resident
+        needs[b.name] = need
+        if need > cap:
+            raise PocketdiffError(f"{what} cannot hold block {b.name}: reconstructing it needs at least {need:,} bytes "
+                                  f"({human_bytes(need)}: its weights, rounding variables and Adam state, a minibatch of "
+                                  f"{opts.batch_size}{', and the UNet kept on the device' if resident else ''}); "
+                                  f"raise memory_cap_gib or lower recon.batch_size")
+    return needs
+
+
+class _Walk:
+    """What every block's reconstruction shares: device, options, memory cap, progress bar (one
+    over the blocks, with the current block's loss), peak-memory meter and log."""
+
+    def __init__(self, device: torch.device, opts: ReconConfig, cap: Optional[int], needs: dict, total: int,
+                 log: Optional[Callable[[str], None]], bar: bool = True):
+        from tqdm.auto import tqdm
+
+        self.device, self.opts, self.cap, self.needs, self.total, self.log = device, opts, cap, needs, total, log
+        self.cuda = device.type == "cuda"
+        self.peak = torch.cuda.max_memory_allocated(device) if self.cuda else 0
+        self.peak_reserved = torch.cuda.max_memory_reserved(device) if self.cuda else 0
+        self.done = 0
+        self.bar = tqdm(total=total, desc="calibrate", unit="block", disable=log is None or not bar, file=sys.stderr, dynamic_ncols=True)
+
+    def emit(self, msg: str) -> None:
+        if self.log is not None:
+            with self.bar.external_write_mode(file=sys.stderr):
+                self.log(msg)
+
+    def _fold(self) -> None:
+        if self.cuda:
+            self.peak = max(self.peak, torch.cuda.max_memory_allocated(self.device))
+            self.peak_reserved = max(self.peak_reserved, torch.cuda.max_memory_reserved(self.device))
+
+    def _oom(self, what: str, e: BaseException) -> PocketdiffError:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        cap = f"memory_cap_gib={self.cap / 2 ** 30:g}" if self.cap else "the device's memory"
+        return PocketdiffError(f"{what} ran out of device memory under {cap} ({first}); raise memory_cap_gib or lower "
+                               f"recon.batch_size / recon.forward_batch")
+
+    def capture(self, unet, calib, reqs, store, store_dtype, autocast, pin: bool, what: str):
+        try:
+            return capture(unet, calib, reqs, device=self.device, batch_size=self.opts.forward_batch, store_device=store,
+                           store_dtype=store_dtype, autocast=autocast, pin_memory=pin)
+        except torch.OutOfMemoryError as e:
+            raise self._oom(f"the capture pass for {what}", e) from None
+
+    def _fits(self, block: Block, data: int) -> bool:
+        """Whether a block's cached data may live on the device while it is reconstructed: half of
+        what is left under the cap (or of the cache budget) after its own need is kept for activations."""
+        if not self.cuda:
+            return False
+        if self.cap:
+            room = self.cap - torch.cuda.memory_allocated(self.device) - self.needs.get(block.name, 0)
+        else:
+            room = cache_budget(self.opts, self.device)
+        return data <= 0.5 * room
+
+    def block(self, b: Block, caps, targets, *, weights, specs, rtn_res, init_scales, fp_caps=None, fisher=None, seed=0,
+              move_module: bool = False) -> BlockResult:
+        """Reconstruct one block: its modules on the device (`move_module`: moved there and back), its
+        cached data on the device when it fits (else minibatches are gathered from the host cache)."""
+        self._fold()
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        opts = self.opts
+
+        def progress(it: int, loss: float) -> None:
+            self.bar.set_postfix_str(f"{b.name} it {it + 1}/{opts.iters} loss {loss:.3e}", refresh=False)
+            self.bar.update(0)
+
+        host = (list(caps), list(targets), None if fp_caps is None else list(fp_caps))
+        data = (sum(c.nbytes(output=False) for c in caps) + sum(t.numel() * t.element_size() for t in targets)
+                + sum(c.nbytes(output=False) for c in fp_caps or []))
+        on_device = all(t.device == self.device for t in targets) or self._fits(b, data)
+        if move_module:
+            for u in b.units:
+                u.module.to(self.device)
+        try:
+            while True:
+                c = t = f = None
+                try:
+                    if on_device:
+                        c, t = [x.to(self.device, output=False) for x in host[0]], [x.to(self.device) for x in host[1]]
+                        f = None if host[2] is None else [x.to(self.device, output=False) for x in host[2]]
+                    else:
+                        c, t, f = host
+                    res = reconstruct_block(b, c, t, weights, specs, rtn_res, init_scales, opts, self.device, fp_caps=f,
+                                            fisher=fisher, seed=seed, progress=progress)
+                    break
+                except torch.OutOfMemoryError as e:
+                    if not (on_device and any(x.device != self.device for x in host[1])):
+                        raise self._oom(f"block {b.name} (needs at least {self.needs.get(b.name, 0):,} bytes)", e) from None
+                c = t = f = None  # the device copies of its data go; minibatches come from the host cache
+                _empty_cache(self.device)
+                self.emit(f"{b.name}: its cached data does not fit next to the optimisation; gathering minibatches "
+                          f"from host memory instead")
+                on_device = False
+        finally:
+            if move_module:
+                for u in b.units:
+                    u.module.to("cpu")
+        del c, t, f
+        res.stats["cache_on_device"] = bool(on_device)
+        if self.cuda:
+            res.stats["peak_gpu_gib"] = round(torch.cuda.max_memory_allocated(self.device) / 2 ** 30, 3)
+            self._fold()
+            _empty_cache(self.device)
+        self.done += 1
+        self.emit(_fmt(self.done, self.total, res))
+        self.bar.update(1)
+        return res
+
+    def close(self) -> None:
+        self._fold()
+        self.bar.close()
+
+
 # ----------------------------------------------------------------------- drivers
 
 
@@ -104,8 +267,9 @@ def _fmt(block_idx: int, total: int, res: BlockResult) -> str:
     s = res.stats
     if "mse_rtn_calib" not in s:
         return f"[{block_idx}/{total}] {res.name} ({res.kind}): {s.get('layers', 0)} layers, rtn_mse (no reconstruction)"
+    peak = f", peak {s['peak_gpu_gib']:.2f} GiB" if "peak_gpu_gib" in s else ""
     return (f"[{block_idx}/{total}] {res.name} ({res.kind}, {s['layers']} layers): mse rtn {s['mse_rtn_calib']:.3e} "
-            f"init {s['mse_init_calib']:.3e} -> {s['mse_recon_calib']:.3e} ({s['chosen']}) {s['time_s']:.1f}s")
+            f"init {s['mse_init_calib']:.3e} -> {s['mse_recon_calib']:.3e} ({s['chosen']}) {s['time_s']:.1f}s{peak}")
 
 
 def float_weights(unet: nn.Module, names: Sequence[str]) -> dict[str, torch.Tensor]:
@@ -131,35 +295,60 @@ def reconstruct_unet(
     seed: int = 0,
     log: Optional[Callable[[str], None]] = print,
     devices: Optional[Sequence[str]] = None,
+    memory_cap_bytes: Optional[int] = None,
 ) -> tuple[list[BlockResult], dict]:
-    """Quantize every block of `unet` (float, on `device`). Returns the block results in
-    execution order (layer codes + scales + stats) and run info. `unet` is not modified."""
+    """Quantize every block of `unet` (float). Returns the block results in execution order
+    (layer codes + scales + stats) and run info. `unet`'s weights are not modified; it ends on
+    the device it started on (`opts.stream` moves it to the host between capture passes).
+
+    `memory_cap_bytes`: every block's need (`block_need_bytes`) is checked against it before any
+    reconstruction, and running out of device memory raises a PocketdiffError naming the block
+    (the cap itself is the caller's: torch.cuda.set_per_process_memory_fraction)."""
     device = torch.device(device)
     t0 = time.time()
+    home = next(unet.parameters()).device
+    unet.to(device)
     blocks = build_blocks(unet, skip)
     per_sample = order_blocks(unet, blocks, calib, device)
     names = [g for b in blocks for g in b.layers]
     missing = set(specs) ^ set(names)
     if missing:
         raise PocketdiffError(f"layer specs and blocks disagree on {sorted(missing)[:5]}")
+    devices = list(devices or [])
+    parallel = opts.mode == "independent" and len(devices) > 1 and opts.method == "adaround"
+    sequential = opts.mode == "sequential" and opts.method == "adaround"
+    unet_bytes = module_bytes(unet)
+    needs: dict = {}
+    if memory_cap_bytes is not None and not parallel:
+        resident = unet_bytes * ((1 if sequential else 0) if opts.stream else (2 if sequential else 1))
+        needs = check_memory_cap([b for b in blocks if b.kind != "rest"], per_sample, opts, int(memory_cap_bytes), resident,
+                                 unet_bytes * (2 if sequential else 1))
     weights = float_weights(unet, names)
     rtn_res, init_scales = layer_inits(weights, specs, opts, device)
-    info: dict = {"blocks": len(blocks), "samples": len(calib), "mode": opts.mode, "method": opts.method}
+    info: dict = {"blocks": len(blocks), "samples": len(calib), "mode": opts.mode, "method": opts.method, "stream": opts.stream}
     fisher = None
     if opts.loss == "fisher" and opts.method == "adaround":
         tf = time.time()
         with precision(False):
             fisher = fisher_weights(unet, blocks, calib, device, max(1, opts.forward_batch // 4), seed=seed)
         info["fisher_s"] = round(time.time() - tf, 3)
-    devices = list(devices or [])
-    if opts.mode == "independent" and len(devices) > 1 and opts.method == "adaround":
-        results = _run_parallel(unet, calib, blocks, specs, opts, devices, skip, seed, fisher, log)
-    elif opts.mode == "sequential" and opts.method == "adaround":
-        results = _run_sequential(unet, calib, blocks, per_sample, weights, specs, rtn_res, init_scales, opts, device, seed, fisher, log)
-    else:
-        results = _run_independent(unet, calib, blocks, per_sample, weights, specs, rtn_res, init_scales, opts, device, seed, fisher, log)
+    walk = _Walk(device, opts, memory_cap_bytes, needs, sum(1 for b in blocks if b.kind != "rest"), None if parallel else log)
+    try:
+        if parallel:
+            results = _run_parallel(unet, calib, blocks, specs, opts, devices, skip, seed, fisher, log)
+        elif sequential:
+            results = _run_sequential(unet, calib, blocks, per_sample, weights, specs, rtn_res, init_scales, opts, device, seed,
+                                      fisher, walk)
+        else:
+            results = _run_independent(unet, calib, blocks, per_sample, weights, specs, rtn_res, init_scales, opts, device,
+                                       seed, fisher, walk)
+    finally:
+        walk.close()
+        unet.to(home)
     info["reconstruct_s"] = round(time.time() - t0, 3)
     info["rtn"] = {g: rtn_res[g] for g in names}
+    if walk.cuda:
+        info["peak_gpu_bytes"], info["peak_gpu_reserved_bytes"] = walk.peak, walk.peak_reserved
     return results, info
 
 
@@ -169,8 +358,22 @@ def _fisher_for(block: Block, fisher):
     return [fisher.get(u.name) for u in block.units]
 
 
-def _run_sequential(unet, calib, blocks, per_sample, weights, specs, rtn_res, init_scales, opts, device, seed, fisher, log):
-    q_unet = copy.deepcopy(unet)
+def _stores(opts: ReconConfig, per_sample, blocks, n, device, input_copies: int = 1):
+    """(cache budget, cache device, pinned): the host (pinned on CUDA) when streaming, else the
+    compute device when the largest block's data fits in the budget, else the host."""
+    if opts.stream:
+        return host_budget(opts), torch.device("cpu"), torch.device(device).type == "cuda"
+    budget = cache_budget(opts, device)
+    largest = max((n * (v["in"] * input_copies + v["out"]) for v in per_sample.values()), default=0)
+    return budget, (torch.device(device) if largest <= budget else torch.device("cpu")), False
+
+
+def _span(group: Sequence[Block]) -> str:
+    return group[0].name if len(group) == 1 else f"blocks {group[0].name} .. {group[-1].name}"
+
+
+def _run_sequential(unet, calib, blocks, per_sample, weights, specs, rtn_res, init_scales, opts, device, seed, fisher, walk):
+    q_unet = copy.deepcopy(unet)  # stays on the device: block k's inputs come from its quantized prefix
     q_blocks = {b.name: b for b in build_blocks(q_unet, [])}
     # units of q_unet share paths with `blocks`; keep the ordered list but q_unet's modules
     ordered = []
@@ -183,33 +386,33 @@ def _run_sequential(unet, calib, blocks, per_sample, weights, specs, rtn_res, in
         ordered.append(Block(b.name, b.kind, [dataclasses.replace(units[u.name], layers=u.layers) for u in b.units], b.order))
     store_dtype = DTYPES[opts.cache_dtype]
     tf32, cap_ac = capture_settings(opts, device)
-    budget = cache_budget(opts, device)
     n = len(calib)
+    budget, store, pin = _stores(opts, per_sample, ordered, n, device, 2 if opts.qdrop > 0 else 1)
     keys = ("in", "out") if opts.qdrop > 0 else ("out",)
     groups = group_by_budget([b for b in ordered if b.kind != "rest"], per_sample, n, budget / 2, keys)
-    store = _store_device(per_sample, ordered, n, budget, device, 2 if opts.qdrop > 0 else 1)
     results = []
-    total = len(ordered)
-    done = 0
     for group in groups:
         reqs = [Request(u, inputs=opts.qdrop > 0, output=True) for b in group for u in b.units]
+        if opts.stream:
+            unet.to(device)
         with precision(tf32):
-            fcaps = capture(unet, calib, reqs, device=device, batch_size=opts.forward_batch, store_device=store,
-                            store_dtype=store_dtype, autocast=cap_ac)
+            fcaps = walk.capture(unet, calib, reqs, store, store_dtype, cap_ac, pin, f"the float targets of {_span(group)}")
+        if opts.stream:
+            unet.to("cpu")
+            _empty_cache(device)
         k = 0
         for b in group:
             nu = len(b.units)
             mine = fcaps[k:k + nu]
             k += nu
             with precision(tf32):
-                qcaps = capture(q_unet, calib, [Request(u, inputs=True) for u in b.units], device=device,
-                                batch_size=opts.forward_batch, store_device=store, store_dtype=store_dtype, autocast=cap_ac)
-            res = reconstruct_block(b, qcaps, [c.output for c in mine], weights, specs, rtn_res, init_scales, opts, device,
-                                    fp_caps=mine if opts.qdrop > 0 else None, fisher=_fisher_for(b, fisher), seed=seed + b.order)
+                qcaps = walk.capture(q_unet, calib, [Request(u, inputs=True) for u in b.units], store, store_dtype, cap_ac, pin,
+                                     f"the inputs of {b.name}")
+            res = walk.block(b, qcaps, [c.output for c in mine], weights=weights, specs=specs, rtn_res=rtn_res,
+                             init_scales=init_scales, fp_caps=mine if opts.qdrop > 0 else None, fisher=_fisher_for(b, fisher),
+                             seed=seed + b.order)
             write_weights(q_unet, res.layers, specs)
             results.append(res)
-            done += 1
-            _log(_fmt(done, total, res), log)
             del qcaps
         del fcaps
         _empty_cache(device)
@@ -220,37 +423,31 @@ def _run_sequential(unet, calib, blocks, per_sample, weights, specs, rtn_res, in
     return results
 
 
-def _store_device(per_sample, blocks, n, budget, device, input_copies: int = 1):
-    """Cache on the compute device when the largest block's data fits in the budget, else CPU."""
-    largest = max((n * (v["in"] * input_copies + v["out"]) for v in per_sample.values()), default=0)
-    return device if largest <= budget else torch.device("cpu")
-
-
-def _run_independent(unet, calib, blocks, per_sample, weights, specs, rtn_res, init_scales, opts, device, seed, fisher, log):
+def _run_independent(unet, calib, blocks, per_sample, weights, specs, rtn_res, init_scales, opts, device, seed, fisher, walk):
     store_dtype = DTYPES[opts.cache_dtype]
     tf32, cap_ac = capture_settings(opts, device)
-    budget = cache_budget(opts, device)
     n = len(calib)
-    store = _store_device(per_sample, blocks, n, budget, device)
+    budget, store, pin = _stores(opts, per_sample, blocks, n, device)
     results = []
     real = [b for b in blocks if b.kind != "rest"]
-    total = len(blocks)
-    done = 0
     for group in group_by_budget(real, per_sample, n, budget, ("in", "out")):
         reqs = [Request(u, inputs=True, output=True) for b in group for u in b.units]
+        if opts.stream:
+            unet.to(device)
         with precision(tf32):
-            caps = capture(unet, calib, reqs, device=device, batch_size=opts.forward_batch, store_device=store,
-                           store_dtype=store_dtype, autocast=cap_ac)
+            caps = walk.capture(unet, calib, reqs, store, store_dtype, cap_ac, pin, _span(group))
+        if opts.stream:  # only the block being reconstructed comes back to the device
+            unet.to("cpu")
+            _empty_cache(device)
         k = 0
         for b in group:
             nu = len(b.units)
             mine = caps[k:k + nu]
             k += nu
-            res = reconstruct_block(b, mine, [c.output for c in mine], weights, specs, rtn_res, init_scales, opts, device,
-                                    fisher=_fisher_for(b, fisher), seed=seed + b.order)
+            res = walk.block(b, mine, [c.output for c in mine], weights=weights, specs=specs, rtn_res=rtn_res,
+                             init_scales=init_scales, fisher=_fisher_for(b, fisher), seed=seed + b.order,
+                             move_module=opts.stream)
             results.append(res)
-            done += 1
-            _log(_fmt(done, total, res), log)
         del caps
         _empty_cache(device)
     for b in blocks:
@@ -316,7 +513,10 @@ def _worker(rank: int, device: str, unet_cls: str, unet_config: dict, state: dic
         def log(msg):
             print(f"[{device}] {msg}", file=sys.stderr, flush=True)
 
-        results = _run_independent(unet, calib, mine, per_sample, weights, my_specs, rtn_res, init_scales, opts, device, seed, fisher, log)
+        walk = _Walk(torch.device(device), opts, None, {}, len(mine), log, bar=False)  # no bars from several processes
+        results = _run_independent(unet, calib, mine, per_sample, weights, my_specs, rtn_res, init_scales, opts, device, seed,
+                                   fisher, walk)
+        walk.close()
         torch.save({"results": [dataclasses.asdict(r) for r in results]}, out_path)
     except BaseException as e:  # noqa: BLE001 - reported to the parent
         Path(out_path + ".err").write_text(f"{type(e).__name__}: {e}\n{traceback.format_exc()}", encoding="utf-8")

@@ -17,14 +17,15 @@ T0=$(date +%s)
 case $MODE in
   verb-w8|verb-w4)
     BITS=${MODE#verb-w}
+    EXTRA=""; [ "$BITS" = 4 ] && EXTRA="recon.autocast=auto"  # W4: bf16 (auto), measured harmless at 4 bits
     timeout 510 python3 -m pocketdiff calibrate --config $REPO/configs/sd21/calibrate_smoke.yaml --output run \
-      quant.bits=$BITS > calibrate.log 2>&1
+      quant.bits=$BITS $EXTRA > calibrate.log 2>&1
     RC=$?
     WALL=$(( $(date +%s) - T0 ))
-    python3 - "$RC" "$WALL" "$NAME" "$BITS" <<'PY'
+    python3 - "$RC" "$WALL" "$NAME" "$BITS" "$EXTRA" <<'PY'
 import json, os, sys, torch
-rc, wall, name, bits = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
-out = {"command": f"pocketdiff calibrate --config configs/sd21/calibrate_smoke.yaml --output run quant.bits={bits}",
+rc, wall, name, bits, extra = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5]
+out = {"command": f"pocketdiff calibrate --config configs/sd21/calibrate_smoke.yaml --output run quant.bits={bits} {extra}".strip(),
        "exit_code": rc, "process_wall_s": wall, "device_name": torch.cuda.get_device_name(0), "torch": torch.__version__,
        "gpu_total_gib": round(torch.cuda.get_device_properties(0).total_memory / 2 ** 30, 2)}
 if os.path.isfile("run/report.json"):
@@ -46,7 +47,7 @@ PY
     ;;
   bench-w8)
     timeout 510 python3 $REPO/benchmarks/calibrate_sd21.py --out $OUT/$NAME.json --no-sweep --no-timing --full-iters 500 \
-      --full-mode independent --stream --memory-cap-gib 24 \
+      --full-mode independent --stream --memory-cap-gib 24 --autocast fp16 \
       --reference $REPO/benchmarks/results/calibrate_sd21_full_w8_500it_lrfan_2xh200.json > calibrate.log 2>&1
     RC=$?
     python3 - "$OUT/$NAME.json" <<'PY'

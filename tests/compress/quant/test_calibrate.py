@@ -213,7 +213,8 @@ def test_checkpoint_without_unet(tmp_path):
 @pytest.mark.parametrize("override,key", [("quant.bits=3", "quant.bits"), ("quant.bits=16", "quant.bits"),
                                           ("calib.num_prompts=0", "calib.num_prompts"),
                                           ("calib.max_samples=0", "calib.max_samples"),
-                                          ("quant.layer_bits.conv_in=2", "quant.layer_bits")])
+                                          ("quant.layer_bits.conv_in=2", "quant.layer_bits"),
+                                          ("memory_cap_gib=0", "memory_cap_gib")])
 def test_bad_config_values(override, key, tmp_path):
     with pytest.raises(ConfigError, match=key):
         load_config(Config, None, [override])

@@ -1,0 +1,98 @@
+"""Streamed calibration (recon.stream), the memory cap and the per-block progress (tiny UNet, CPU)."""
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from pocketdiff.cli import main
+from pocketdiff.compress.quant.block_recon import ReconConfig
+from pocketdiff.compress.quant.calibrate import CalibDataConfig, Config, _collect, _prompts
+from pocketdiff.compress.quant.quantizer import layer_specs, quantizable_layers
+from pocketdiff.compress.quant.reconstruct import block_need_bytes, module_bytes, reconstruct_unet
+from pocketdiff.config import load_config
+from pocketdiff.errors import PocketdiffError
+from pocketdiff.models import ModelConfig, build_pipeline, perturb_norm_affines
+
+PROMPTS = ["a red circle", "a blue square", "a green triangle"]
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    pipe = build_pipeline(ModelConfig(arch="tiny", vocab_size=600), captions=PROMPTS, resolution=32)
+    perturb_norm_affines(pipe.unet, 0, scale=0.3)
+    pipe.unet.eval().requires_grad_(False)
+    ccfg = CalibDataConfig(prompts=PROMPTS, num_prompts=2, holdout_prompts=1, steps=2)
+    calib = _collect(pipe, _prompts(ccfg)[0], ccfg, 0, "cpu")
+    names = list(quantizable_layers(pipe.unet))
+    specs = layer_specs(names, {g: pipe.unet.get_submodule(g).weight.shape for g in names}, 8, None)
+    return pipe, calib, specs
+
+
+@pytest.mark.parametrize("mode", ["independent", "sequential"])
+def test_streamed_run_equals_the_cached_one(tiny, mode):
+    pipe, calib, specs = tiny
+    before = {k: v.clone() for k, v in pipe.unet.state_dict().items()}
+    opts = ReconConfig(mode=mode, iters=3, batch_size=4)
+    cached, _ = reconstruct_unet(pipe.unet, calib, specs, opts, device="cpu", log=None)
+    streamed, info = reconstruct_unet(pipe.unet, calib, specs, dataclasses.replace(opts, stream=True), device="cpu", log=None)
+    assert info["stream"] and [r.name for r in cached] == [r.name for r in streamed]
+    for a, b in zip(cached, streamed):
+        assert all(torch.equal(a.layers[g].codes, b.layers[g].codes) and torch.equal(a.layers[g].scale, b.layers[g].scale)
+                   for g in a.layers), a.name
+    assert all(torch.equal(before[k], v) for k, v in pipe.unet.state_dict().items())  # the float UNet is untouched
+
+
+def test_a_cap_too_small_for_a_block_names_it_and_its_bytes(tiny):
+    pipe, calib, specs = tiny
+    unet_bytes = module_bytes(pipe.unet)
+    opts = ReconConfig(mode="independent", iters=2, batch_size=4)
+    # not streamed, the UNet stays on the device: a cap just above it holds no block
+    with pytest.raises(PocketdiffError, match=r"memory_cap_gib=\S+ \([\d,]+ bytes\) cannot hold block stem: reconstructing it "
+                                              r"needs at least [\d,]+ bytes"):
+        reconstruct_unet(pipe.unet, calib, specs, opts, device="cpu", log=None, memory_cap_bytes=unet_bytes + 1)
+    with pytest.raises(PocketdiffError, match="cannot hold the UNet for the capture passes"):
+        reconstruct_unet(pipe.unet, calib, specs, opts, device="cpu", log=None, memory_cap_bytes=unet_bytes // 2)
+    # streamed, a cap above the UNet and every block's need runs
+    results, _ = reconstruct_unet(pipe.unet, calib, specs, dataclasses.replace(opts, stream=True), device="cpu", log=None,
+                                  memory_cap_bytes=unet_bytes + 2 ** 30)
+    assert {g for r in results for g in r.layers} == set(specs)
+
+
+def test_block_need_grows_with_the_minibatch(tiny):
+    from pocketdiff.compress.quant.blocks import build_blocks, order_blocks
+
+    pipe, calib, _ = tiny
+    blocks = build_blocks(pipe.unet)
+    per_sample = order_blocks(pipe.unet, blocks, calib, "cpu")
+    b = next(b for b in blocks if b.kind == "transformer")
+    small, large = (block_need_bytes(b, per_sample, ReconConfig(batch_size=n)) for n in (4, 64))
+    params = sum(p.numel() for u in b.units for p in u.module.parameters())
+    assert 4 * params < small < large and large - small == 60 * (per_sample[b.name]["in"] + 3 * per_sample[b.name]["out"])
+
+
+def test_verb_exits_2_naming_the_block_when_the_cap_is_too_small(tmp_path, capsys):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"""
+device: cpu
+perturb_norms: 0.3
+memory_cap_gib: 0.01   # above the UNet (6 MiB), below a block at batch 512
+model: {{arch: tiny, vocab_size: 600}}
+calib: {{prompts: {json.dumps(PROMPTS)}, num_prompts: 2, holdout_prompts: 1, steps: 2}}
+recon: {{iters: 2, batch_size: 512, stream: true}}
+output: {{samples: 0}}
+""")
+    load_config(Config, cfg)  # valid
+    assert main(["calibrate", "--config", str(cfg), "--output", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "cannot hold block" in err and "bytes" in err and not (tmp_path / "out" / "unet_int8.safetensors").exists()
+
+
+@pytest.mark.parametrize("name", ["calibrate_w8", "calibrate_w4", "calibrate_smoke"])
+def test_sd21_recipes_load(name):
+    from pathlib import Path
+
+    cfg = load_config(Config, Path(__file__).parents[3] / "configs" / "sd21" / f"{name}.yaml")
+    assert cfg.memory_cap_gib == 24 and cfg.recon.stream and cfg.recon.mode == "independent" and cfg.recon.iters >= 500
