@@ -181,7 +181,7 @@ class _Walk:
         try:
             return capture(unet, calib, reqs, device=self.device, batch_size=self.opts.forward_batch, store_device=store,
                            store_dtype=store_dtype, autocast=autocast, pin_memory=pin)
-        except torch.OutOfMemoryError as e:
+        except torch.cuda.OutOfMemoryError as e:
             raise self._oom(f"the capture pass for {what}", e) from None
 
     def _fits(self, block: Block, data: int) -> bool:
@@ -227,7 +227,7 @@ class _Walk:
                     res = reconstruct_block(b, c, t, weights, specs, rtn_res, init_scales, opts, self.device, fp_caps=f,
                                             fisher=fisher, seed=seed, progress=progress)
                     break
-                except torch.OutOfMemoryError as e:
+                except torch.cuda.OutOfMemoryError as e:
                     if not (on_device and any(x.device != self.device for x in host[1])):
                         raise self._oom(f"block {b.name} (needs at least {self.needs.get(b.name, 0):,} bytes)", e) from None
                 c = t = f = None  # the device copies of its data go; minibatches come from the host cache
@@ -360,9 +360,12 @@ def _fisher_for(block: Block, fisher):
 
 def _stores(opts: ReconConfig, per_sample, blocks, n, device, input_copies: int = 1):
     """(cache budget, cache device, pinned): the host (pinned on CUDA) when streaming, else the
-    compute device when the largest block's data fits in the budget, else the host."""
+    compute device when the largest block's data fits in the budget, else the host. torch's
+    pinned-memory allocator rounds every buffer up to a power of two, so a pinned cache gets half
+    the host budget."""
     if opts.stream:
-        return host_budget(opts), torch.device("cpu"), torch.device(device).type == "cuda"
+        pinned = torch.device(device).type == "cuda"
+        return host_budget(opts) / (2 if pinned else 1), torch.device("cpu"), pinned
     budget = cache_budget(opts, device)
     largest = max((n * (v["in"] * input_copies + v["out"]) for v in per_sample.values()), default=0)
     return budget, (torch.device(device) if largest <= budget else torch.device("cpu")), False
