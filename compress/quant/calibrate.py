@@ -5,7 +5,9 @@
    recorded at steps spread over each trajectory (cond + uncond under guidance); a held-out
    set from other prompts and seeds
 3. per-layer specs (bits, group size), then BRECQ-style block reconstruction with AdaRound
-   (`pocketdiff.compress.quant.reconstruct`); the RTN baseline comes for free
+   (`pocketdiff.compress.quant.reconstruct`); the RTN baseline comes for free. `memory_cap_gib`
+   caps the process's device memory, `recon.stream` streams the reconstruction per block (the
+   text encoder and VAE wait on the host meanwhile)
 4. optional text encoder / VAE decoder: round to nearest at searched scales
 5. held-out comparison (UNet cosine, per-block MSE, sample grid); named parity thresholds
 6. outputs: `unet_int8.safetensors` + `.json` recipe, `rtn/unet_int8.*`, stock diffusers
@@ -442,7 +444,8 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
     report["wall_time_s"] = round(time.time() - t_start, 3)
     _page(out, report, samples)
     _log(f"UNet cosine {unet_cos:.6f} (RTN {rtn_cos:.6f}); {report['blocks_improved']}/{report['blocks_evaluated']} blocks "
-         f"below RTN; {report['wall_time_s']:.1f}s")
+         f"below RTN; {report['wall_time_s']:.1f}s"
+         + (f", peak GPU memory {report['peak_gpu_memory_gb']:.2f} GiB" if report.get("peak_gpu_memory_gb") is not None else ""))
     return report
 
 
@@ -593,8 +596,14 @@ def _page(out: Path, report: dict, samples: Optional[dict]) -> None:
             [(i, b["name"], b["kind"], b.get("chosen", ""), b["mse_rtn"], b["mse_recon"], b["mse_rtn_local"],
               b["mse_recon_local"], b.get("time_s", 0.0), b.get("peak_gpu_gib", "")) for i, b in enumerate(rows)])))
     summary = [("UNet cosine (held-out)", report["unet_cosine"]), ("UNet cosine RTN", report["unet_cosine_rtn"]),
+               ("UNet NMSE (held-out)", report["unet_nmse"]), ("UNet NMSE RTN", report["unet_nmse_rtn"]),
                ("blocks below RTN", f"{report['blocks_improved']}/{report['blocks_evaluated']}"),
                ("parity", "passed" if report["parity"]["passed"] else "FAILED")]
+    if report.get("memory"):
+        m = report["memory"]
+        summary.append(("peak GPU memory GiB (cap)", f"{m['peak_allocated_gib']} ({m['cap_gib'] if m['cap_gib'] else 'none'})"))
+    if report.get("wall_time_s") is not None:
+        summary.append(("wall time s", report["wall_time_s"]))
     sections.insert(0, ("Summary", table(["", "value"], summary)))
     if samples:
         sections.append((f"Samples: float / RTN / reconstruction (rows), DDIM {samples['steps']} steps; PSNR vs float: "

@@ -7,6 +7,18 @@ Modes:
   the float ones (probability `qdrop` of taking the float value).
 - independent: float inputs and targets; blocks are independent, so with several devices
   they are spread over one worker process per device.
+
+Memory. Captured block inputs and targets are cached per group of consecutive blocks that
+fits the cache budget. Without `stream` the cache is on the device when the largest block's
+data fits, and the UNet stays there. With `stream` the cache is in pinned host memory, the
+float UNet is on the device only for the capture passes (sequential mode keeps its quantized
+copy there, to capture each block's inputs), and each block comes to the device with its
+cached data (when that takes at most half of what is left under the cap; else minibatches
+are gathered from the host, and an out-of-memory on the device copy falls back to that) only
+while it is reconstructed. `memory_cap_bytes` is checked per block before anything runs
+(`block_need_bytes`, a lower bound) and names the block that cannot fit; the report gets each
+block's seconds and peak device memory. One progress bar runs over the blocks, with the
+current block's loss.
 """
 from __future__ import annotations
 
