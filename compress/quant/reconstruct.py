@@ -211,6 +211,7 @@ class _Walk:
               move_module: bool = False) -> BlockResult:
         """Reconstruct one block: its modules on the device (`move_module`: moved there and back), its
         cached data on the device when it fits (else minibatches are gathered from the host cache)."""
+        t0 = time.time()
         self._fold()
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -253,6 +254,7 @@ class _Walk:
                     u.module.to("cpu")
         del c, t, f
         res.stats["cache_on_device"] = bool(on_device)
+        res.stats["time_s"] = round(time.time() - t0, 3)  # with the moves of its module and data
         if self.cuda:
             res.stats["peak_gpu_gib"] = round(torch.cuda.max_memory_allocated(self.device) / 2 ** 30, 3)
             self._fold()
