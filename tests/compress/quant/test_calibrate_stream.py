@@ -7,12 +7,12 @@ import torch
 
 from pocketdiff.cli import main
 from pocketdiff.compress.quant.block_recon import ReconConfig
-from pocketdiff.compress.quant.calibrate import CalibDataConfig, Config, _collect, _prompts
+from pocketdiff.compress.quant.calibrate import Config
 from pocketdiff.compress.quant.quantizer import layer_specs, quantizable_layers
 from pocketdiff.compress.quant.reconstruct import block_need_bytes, module_bytes, reconstruct_unet
 from pocketdiff.config import load_config
 from pocketdiff.errors import PocketdiffError
-from pocketdiff.models import ModelConfig, build_pipeline, perturb_norm_affines
+from pocketdiff.models import perturb_norm_affines
 
 PROMPTS = ["a red circle", "a blue square", "a green triangle"]
 
@@ -21,42 +21,51 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 @pytest.fixture(scope="module")
 def tiny():
-    pipe = build_pipeline(ModelConfig(arch="tiny", vocab_size=600), captions=PROMPTS, resolution=32)
-    perturb_norm_affines(pipe.unet, 0, scale=0.3)
-    pipe.unet.eval().requires_grad_(False)
-    ccfg = CalibDataConfig(prompts=PROMPTS, num_prompts=2, holdout_prompts=1, steps=2)
-    calib = _collect(pipe, _prompts(ccfg)[0], ccfg, 0, "cpu")
-    names = list(quantizable_layers(pipe.unet))
-    specs = layer_specs(names, {g: pipe.unet.get_submodule(g).weight.shape for g in names}, 8, None)
-    return pipe, calib, specs
+    """A tiny UNet with trained-like norms and 8 random calibration inputs (no pipeline, no sampling)."""
+    from diffusers import UNet2DConditionModel
+
+    from pocketdiff.compress.quant.blocks import CalibSet
+    from pocketdiff.models import unet_config
+
+    torch.manual_seed(0)
+    unet = UNet2DConditionModel(**unet_config("tiny", resolution=32)).eval().requires_grad_(False)
+    perturb_norm_affines(unet, 0, scale=0.3)
+    g = torch.Generator().manual_seed(1)
+    side = unet.config.sample_size
+    calib = CalibSet(sample=torch.randn(8, unet.config.in_channels, side, side, generator=g),
+                     timestep=torch.randint(0, 1000, (8,), generator=g),
+                     encoder_hidden_states=torch.randn(8, 77, unet.config.cross_attention_dim, generator=g))
+    names = list(quantizable_layers(unet))
+    specs = layer_specs(names, {n: unet.get_submodule(n).weight.shape for n in names}, 8, None)
+    return unet, calib, specs
 
 
 @pytest.mark.parametrize("mode", ["independent", "sequential"])
 def test_streamed_run_equals_the_cached_one(tiny, mode):
-    pipe, calib, specs = tiny
-    before = {k: v.clone() for k, v in pipe.unet.state_dict().items()}
+    unet, calib, specs = tiny
+    before = {k: v.clone() for k, v in unet.state_dict().items()}
     opts = ReconConfig(mode=mode, iters=3, batch_size=4)
-    cached, _ = reconstruct_unet(pipe.unet, calib, specs, opts, device="cpu", log=None)
-    streamed, info = reconstruct_unet(pipe.unet, calib, specs, dataclasses.replace(opts, stream=True), device="cpu", log=None)
+    cached, _ = reconstruct_unet(unet, calib, specs, opts, device="cpu", log=None)
+    streamed, info = reconstruct_unet(unet, calib, specs, dataclasses.replace(opts, stream=True), device="cpu", log=None)
     assert info["stream"] and [r.name for r in cached] == [r.name for r in streamed]
     for a, b in zip(cached, streamed):
         assert all(torch.equal(a.layers[g].codes, b.layers[g].codes) and torch.equal(a.layers[g].scale, b.layers[g].scale)
                    for g in a.layers), a.name
-    assert all(torch.equal(before[k], v) for k, v in pipe.unet.state_dict().items())  # the float UNet is untouched
+    assert all(torch.equal(before[k], v) for k, v in unet.state_dict().items())  # the float UNet is untouched
 
 
 def test_a_cap_too_small_for_a_block_names_it_and_its_bytes(tiny):
-    pipe, calib, specs = tiny
-    unet_bytes = module_bytes(pipe.unet)
+    unet, calib, specs = tiny
+    unet_bytes = module_bytes(unet)
     opts = ReconConfig(mode="independent", iters=2, batch_size=4)
     # not streamed, the UNet stays on the device: a cap just above it holds no block
     with pytest.raises(PocketdiffError, match=r"memory_cap_gib=\S+ \([\d,]+ bytes\) cannot hold block stem: reconstructing it "
                                               r"needs at least [\d,]+ bytes"):
-        reconstruct_unet(pipe.unet, calib, specs, opts, device="cpu", log=None, memory_cap_bytes=unet_bytes + 1)
+        reconstruct_unet(unet, calib, specs, opts, device="cpu", log=None, memory_cap_bytes=unet_bytes + 1)
     with pytest.raises(PocketdiffError, match="cannot hold the UNet for the capture passes"):
-        reconstruct_unet(pipe.unet, calib, specs, opts, device="cpu", log=None, memory_cap_bytes=unet_bytes // 2)
+        reconstruct_unet(unet, calib, specs, opts, device="cpu", log=None, memory_cap_bytes=unet_bytes // 2)
     # streamed, a cap above the UNet and every block's need runs
-    results, _ = reconstruct_unet(pipe.unet, calib, specs, dataclasses.replace(opts, stream=True), device="cpu", log=None,
+    results, _ = reconstruct_unet(unet, calib, specs, dataclasses.replace(opts, stream=True), device="cpu", log=None,
                                   memory_cap_bytes=unet_bytes + 2 ** 30)
     assert {g for r in results for g in r.layers} == set(specs)
 
@@ -64,9 +73,9 @@ def test_a_cap_too_small_for_a_block_names_it_and_its_bytes(tiny):
 def test_block_need_grows_with_the_minibatch(tiny):
     from pocketdiff.compress.quant.blocks import build_blocks, order_blocks
 
-    pipe, calib, _ = tiny
-    blocks = build_blocks(pipe.unet)
-    per_sample = order_blocks(pipe.unet, blocks, calib, "cpu")
+    unet, calib, _ = tiny
+    blocks = build_blocks(unet)
+    per_sample = order_blocks(unet, blocks, calib, "cpu")
     b = next(b for b in blocks if b.kind == "transformer")
     small, large = (block_need_bytes(b, per_sample, ReconConfig(batch_size=n)) for n in (4, 64))
     params = sum(p.numel() for u in b.units for p in u.module.parameters())
