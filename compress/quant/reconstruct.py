@@ -333,7 +333,7 @@ def reconstruct_unet(
     sequential = opts.mode == "sequential" and opts.method == "adaround"
     unet_bytes = module_bytes(unet)
     needs: dict = {}
-    if memory_cap_bytes is not None and not parallel:
+    if memory_cap_bytes is not None:
         resident = unet_bytes * ((1 if sequential else 0) if opts.stream else (2 if sequential else 1))
         needs = check_memory_cap([b for b in blocks if b.kind != "rest"], per_sample, opts, int(memory_cap_bytes), resident,
                                  unet_bytes * (2 if sequential else 1))
@@ -349,7 +349,7 @@ def reconstruct_unet(
     walk = _Walk(device, opts, memory_cap_bytes, needs, sum(1 for b in blocks if b.kind != "rest"), None if parallel else log)
     try:
         if parallel:
-            results = _run_parallel(unet, calib, blocks, specs, opts, devices, skip, seed, fisher, log)
+            results = _run_parallel(unet, calib, blocks, specs, opts, devices, skip, seed, fisher, log, memory_cap_bytes, needs)
         elif sequential:
             results = _run_sequential(unet, calib, blocks, per_sample, weights, specs, rtn_res, init_scales, opts, device, seed,
                                       fisher, walk)
@@ -506,7 +506,7 @@ def split_blocks(blocks: Sequence[Block], per_sample: dict, k: int) -> list[list
 
 def _worker(rank: int, device: str, unet_cls: str, unet_config: dict, state: dict, calib_tensors: dict, meta: dict,
             block_names: list, specs: dict, opts: ReconConfig, skip: list, seed: int, fisher, out_path: str,
-            threads: int = 0) -> None:
+            threads: int = 0, cap: Optional[int] = None, needs: Optional[dict] = None) -> None:
     try:
         import importlib
 
@@ -517,6 +517,9 @@ def _worker(rank: int, device: str, unet_cls: str, unet_config: dict, state: dic
         cls = getattr(importlib.import_module(mod_name), cls_name)
         unet = cls.from_config(unet_config)
         unet.load_state_dict(state)
+        if cap is not None and torch.device(device).type == "cuda":  # each worker holds to the cap on its own device
+            torch.cuda.set_per_process_memory_fraction(min(1.0, cap / torch.cuda.get_device_properties(device).total_memory),
+                                                       device)
         unet.to(device).eval().requires_grad_(False)
         calib = CalibSet(meta=meta, **calib_tensors)
         blocks = build_blocks(unet, skip)
@@ -530,7 +533,7 @@ def _worker(rank: int, device: str, unet_cls: str, unet_config: dict, state: dic
         def log(msg):
             print(f"[{device}] {msg}", file=sys.stderr, flush=True)
 
-        walk = _Walk(torch.device(device), opts, None, {}, len(mine), log, bar=False)  # no bars from several processes
+        walk = _Walk(torch.device(device), opts, cap, needs or {}, len(mine), log, bar=False)  # no bars from several processes
         results = _run_independent(unet, calib, mine, per_sample, weights, my_specs, rtn_res, init_scales, opts, device, seed,
                                    fisher, walk)
         walk.close()
@@ -540,7 +543,7 @@ def _worker(rank: int, device: str, unet_cls: str, unet_config: dict, state: dic
         raise SystemExit(1)
 
 
-def _run_parallel(unet, calib, blocks, specs, opts, devices, skip, seed, fisher, log) -> list[BlockResult]:
+def _run_parallel(unet, calib, blocks, specs, opts, devices, skip, seed, fisher, log, cap=None, needs=None) -> list[BlockResult]:
     import torch.multiprocessing as mp
 
     per_sample = order_blocks(unet, blocks, calib, next(unet.parameters()).device)
@@ -561,7 +564,8 @@ def _run_parallel(unet, calib, blocks, specs, opts, devices, skip, seed, fisher,
             out_path = os.path.join(tmp, f"worker{rank}.pt")
             my_fisher = None if fisher is None else {k: v.cpu() for k, v in fisher.items()}
             p = ctx.Process(target=_worker, args=(rank, dev, cls, config, state, calib_tensors, dict(calib.meta), part, specs,
-                                                  opts, list(skip), seed, my_fisher, out_path, torch.get_num_threads()))
+                                                  opts, list(skip), seed, my_fisher, out_path, torch.get_num_threads(), cap,
+                                                  needs))
             p.start()
             procs.append((p, out_path, dev))
         results: list[BlockResult] = []
