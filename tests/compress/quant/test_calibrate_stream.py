@@ -105,3 +105,31 @@ def test_sd21_recipes_load(name):
 
     cfg = load_config(Config, Path(__file__).parents[3] / "configs" / "sd21" / f"{name}.yaml")
     assert cfg.memory_cap_gib == 24 and cfg.recon.stream and cfg.recon.mode == "independent" and cfg.recon.iters >= 500
+
+
+def test_fp16_optimisation_reports_its_loss_to_the_progress_callback():
+    """autocast fp16 runs through the GradScaler; the bar's callback gets every loss-curve point."""
+    from torch import nn
+    from torch.utils import _pytree as pytree
+
+    from pocketdiff.compress.quant.block_recon import layer_inits, reconstruct_block
+    from pocketdiff.compress.quant.blocks import Block, Captured, Unit
+    from pocketdiff.compress.quant.quantizer import LayerSpec
+
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.SiLU(), nn.Conv2d(16, 8, 1)).eval().requires_grad_(False)
+    block = Block("toy", "resnet", [Unit("toy", "toy", "toy", module, {"0": "toy.0", "2": "toy.2"})])
+    x = torch.randn(64, 8, 6, 6, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        target = module(x)
+    leaves, spec = pytree.tree_flatten(([x], {}))
+    weights = {"toy.0": module[0].weight.detach().clone(), "toy.2": module[2].weight.detach().clone()}
+    specs = {k: LayerSpec(8) for k in weights}
+    opts = ReconConfig(iters=40, batch_size=16, autocast="fp16", fallback=False)
+    rtn_res, init = layer_inits(weights, specs, opts, "cpu")
+    points = []
+    res = reconstruct_block(block, [Captured(spec=spec, leaves=leaves, batched=[True])], [target], weights, specs, rtn_res, init,
+                            opts, "cpu", progress=lambda it, loss: points.append((it, loss)))
+    assert [it for it, _ in points] == [p[0] for p in res.stats["curve"]] and points[-1][0] == 39
+    assert all(0 < loss < float("inf") for _, loss in points)
+    assert res.stats["chosen"] == "adaround" and res.stats["mse_adaround_calib"] < res.stats["mse_rtn_calib"]
