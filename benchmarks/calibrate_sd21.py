@@ -15,7 +15,10 @@ What it measures (JSON):
   still soft;
 - `full` (with `--full-iters N`): a real whole-UNet calibration through
   `pocketdiff.compress.quant.reconstruct.reconstruct_unet` (sequential mode by default): measured
-  wall time, peak GPU memory and held-out UNet cosine of RTN and of the reconstruction.
+  wall time, peak GPU memory (whole and per block) and held-out UNet cosine and NMSE of RTN and
+  of the reconstruction; `--stream` streams it per block, `--memory-cap-gib` caps the process
+  (torch.cuda.set_per_process_memory_fraction), `--reference RESULT.json` compares its error with
+  an earlier run's `full` section (same model, data and seeds: the defaults of this script).
 
 Calibration inputs come from the production path: DDIM trajectories of the (random) UNet
 recorded by `collect_unet_inputs`, with random text embeddings (cond + uncond).
@@ -152,6 +155,24 @@ def sweep_variants(args, base) -> list[tuple[str, "ReconConfig"]]:
         raise SystemExit(f"--sweep-variants: {e}") from None
 
 
+def compare_with_reference(full: dict, path: str) -> dict:
+    """The full run's error next to an earlier run's (same model, data and seeds): the ratios of
+    NMSE and of 1 - cosine (reconstruction and RTN); `within_5_percent` when the reconstruction's
+    are at most 1.05x the reference's."""
+    import json
+
+    ref = json.loads(Path(path).read_text(encoding="utf-8"))["full"]
+    ratios = {"nmse_recon": full["unet_nmse_recon"] / ref["unet_nmse_recon"],
+              "cosine_gap_recon": (1 - full["unet_cosine_recon"]) / (1 - ref["unet_cosine_recon"]),
+              "nmse_rtn": full["unet_nmse_rtn"] / ref["unet_nmse_rtn"],
+              "cosine_gap_rtn": (1 - full["unet_cosine_rtn"]) / (1 - ref["unet_cosine_rtn"])}
+    return {"reference": {"file": Path(path).name, **{k: ref.get(k) for k in ("devices", "mode", "wall_s", "peak_gpu_memory_gb",
+                                                                           "unet_cosine_recon", "unet_nmse_recon",
+                                                                           "unet_cosine_rtn", "unet_nmse_rtn")}},
+            "vs_reference": {**{k: round(v, 4) for k, v in ratios.items()},
+                             "within_5_percent": ratios["nmse_recon"] <= 1.05 and ratios["cosine_gap_recon"] <= 1.05}}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
@@ -188,6 +209,9 @@ def main(argv=None) -> int:
     p.add_argument("--full-iters", type=int, default=None, help="also run a whole-UNet calibration at this many iterations")
     p.add_argument("--full-mode", default="sequential", choices=["sequential", "independent"])
     p.add_argument("--devices", default="", help="comma list (e.g. cuda:0,cuda:1): independent mode runs one worker per device")
+    p.add_argument("--stream", action="store_true", help="recon.stream: pinned host cache, only the block being reconstructed on the GPU")
+    p.add_argument("--memory-cap-gib", type=float, default=None, help="cap this process's CUDA memory (set before anything is built)")
+    p.add_argument("--reference", default=None, help="an earlier result JSON whose `full` section the full run is compared with")
     p.add_argument("--holdout", type=int, default=64, help="held-out inputs (whole trajectories) for the sweep and the full run")
     p.add_argument("--norm-scale", type=float, default=0.1, help="perturb_norm_affines scale")
     p.add_argument("--seed", type=int, default=0)
@@ -197,8 +221,9 @@ def main(argv=None) -> int:
 
     from pocketdiff.compress.quant.blocks import Request, build_blocks, capture, order_blocks
     from pocketdiff.compress.quant.quantizer import layer_specs
-    from pocketdiff.compress.quant.reconstruct import (ReconConfig, capture_settings, float_weights, layer_inits, precision,
-                                                 reconstruct_block, reconstruct_unet)
+    from pocketdiff.compress.quant.block_recon import (ReconConfig, capture_settings, layer_inits, precision,
+                                                       reconstruct_block)
+    from pocketdiff.compress.quant.reconstruct import float_weights, reconstruct_unet
     from pocketdiff.outputs import write_json
 
     out = Path(args.out)
@@ -207,6 +232,9 @@ def main(argv=None) -> int:
         write_json(out, result)
 
     device = torch.device(args.device)
+    cap = int(args.memory_cap_gib * 2 ** 30) if args.memory_cap_gib else None
+    if cap and device.type == "cuda":
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / torch.cuda.get_device_properties(device).total_memory), device)
     resolution = args.resolution or (512 if args.arch in ("sd15", "sd21") else None)
     result: dict = {"args": vars(args), "torch": torch.__version__, "python": platform.python_version(),
                     "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"}
@@ -216,7 +244,7 @@ def main(argv=None) -> int:
         overrides["lr_fan_in_ref"] = None if args.lr_fan_in_ref.lower() == "none" else int(args.lr_fan_in_ref)
     base = ReconConfig(iters=1, batch_size=args.batch, autocast=args.autocast, compile=args.compile,
                        compile_mode=args.compile_mode, channels_last=args.channels_last, scale_init=args.scale_init,
-                       learn_scale=not args.no_learn_scale, **overrides)
+                       learn_scale=not args.no_learn_scale, stream=args.stream, **overrides)
     variants = sweep_variants(args, base)  # bad overrides fail here, before the UNet and its data are built
     t0 = time.time()
     unet, scheduler, ucfg = build_unet(args.arch, resolution, args.seed, device, args.norm_scale)
@@ -313,7 +341,7 @@ def main(argv=None) -> int:
     # ---- error vs iterations on selected blocks
     if not args.no_sweep:
         from pocketdiff.compress.quant.quantizer import dequant
-        from pocketdiff.compress.quant.reconstruct import block_mse
+        from pocketdiff.compress.quant.block_recon import block_mse
 
         sweep = []
         for b in swept:
@@ -356,30 +384,36 @@ def main(argv=None) -> int:
         ts = time.time()
         results, info = reconstruct_unet(unet, calib, specs, opts, device=device, seed=args.seed,
                                          devices=[d for d in args.devices.split(",") if d] or None,
-                                         log=lambda m: print(m, file=sys.stderr, flush=True))
+                                         log=lambda m: print(m, file=sys.stderr, flush=True), memory_cap_bytes=cap)
         sync(device)
         wall = time.time() - ts
+        recon_peak = max(info.get("peak_gpu_bytes", 0), torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
         import copy
 
         q = copy.deepcopy(unet)
         write_weights(q, {g: lr for r in results for g, lr in r.layers.items()}, specs)
         r = copy.deepcopy(unet)
-        from pocketdiff.compress.quant.reconstruct import LayerResult
+        from pocketdiff.compress.quant.block_recon import LayerResult
 
         write_weights(r, {g: LayerResult(c, s, "rtn") for g, (c, s) in info["rtn"].items()}, specs)
         cmp = compare_unets(unet, {"rtn": r, "recon": q}, build_blocks(unet), held, device, batch=8)
         result["full"] = {
             "iters": args.full_iters, "mode": args.full_mode, "devices": args.devices or str(device), "wall_s": round(wall, 2),
             "wall_s_including_collect": round(wall + result["calibration"]["collect_s"], 2),
-            "peak_gpu_memory_gb": round(torch.cuda.max_memory_allocated(device) / 2 ** 30, 2) if device.type == "cuda" else None,
+            "peak_gpu_memory_gb": round(max(recon_peak, torch.cuda.max_memory_allocated(device)) / 2 ** 30, 2) if recon_peak else None,
+            "reconstruct_peak_gpu_gib": round(recon_peak / 2 ** 30, 2) if recon_peak else None,
+            "memory_cap_gib": args.memory_cap_gib, "stream": args.stream, "autocast": args.autocast,
             "unet_cosine_rtn": cmp["unets"]["rtn"]["cosine_mean"], "unet_cosine_recon": cmp["unets"]["recon"]["cosine_mean"],
             "unet_nmse_rtn": cmp["unets"]["rtn"]["nmse"], "unet_nmse_recon": cmp["unets"]["recon"]["nmse"],
             "blocks_improved": sum(1 for v in cmp["blocks"].values() if v["recon"]["mse"] < v["rtn"]["mse"]),
             "blocks": [{"name": res.name, "chosen": res.stats.get("chosen"), "time_s": res.stats.get("time_s"),
+                        "peak_gpu_gib": res.stats.get("peak_gpu_gib"), "cache_on_device": res.stats.get("cache_on_device"),
                         "mse_rtn_calib": res.stats.get("mse_rtn_calib"), "mse_recon_calib": res.stats.get("mse_recon_calib"),
                         "mse_rtn": cmp["blocks"].get(res.name, {}).get("rtn", {}).get("mse"),
                         "mse_recon": cmp["blocks"].get(res.name, {}).get("recon", {}).get("mse")} for res in results],
         }
+        if args.reference:
+            result["full"].update(compare_with_reference(result["full"], args.reference))
         print(f"full: {wall:.1f} s, cosine rtn {result['full']['unet_cosine_rtn']:.6f} recon {result['full']['unet_cosine_recon']:.6f}",
               file=sys.stderr, flush=True)
 

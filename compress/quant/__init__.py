@@ -11,9 +11,11 @@ Public entry points (importable from here; each lives in the module named beside
   `LayerRecipe`: the quantized checkpoint format (int8 codes + per-channel scales +
   JSON recipe) that export reads (`int8_format`)
 
-Other modules: `quantizer` (layer selection, RTN, scale search, AdaRound), `blocks`
-(reconstruction blocks and their captured inputs), `calib_data` (calibration inputs from
-the model's own sampling trajectories), `metrics` (float-vs-quantized comparisons).
+Other modules: `calibrate_config` (the verb's `Config`), `block_recon` (one block's
+reconstruction: `ReconConfig`, the per-block optimiser), `quantizer` (layer selection, RTN,
+scale search, AdaRound), `blocks` (reconstruction blocks and their captured inputs),
+`calib_data` (calibration inputs from the model's own sampling trajectories), `metrics`
+(float-vs-quantized comparisons).
 Attributes load on first use, so reading the checkpoint format imports no optimiser code.
 """
 from __future__ import annotations
@@ -21,10 +23,10 @@ from __future__ import annotations
 import importlib
 
 _ENTRY_POINTS = {
-    "Config": "calibrate",
+    "Config": "calibrate_config",
     "run": "calibrate",
     "load_quantized_pipeline": "calibrate",
-    "ReconConfig": "reconstruct",
+    "ReconConfig": "block_recon",
     "reconstruct_unet": "reconstruct",
     "LayerRecipe": "int8_format",
     "QuantRecipe": "int8_format",

@@ -5,7 +5,9 @@
    recorded at steps spread over each trajectory (cond + uncond under guidance); a held-out
    set from other prompts and seeds
 3. per-layer specs (bits, group size), then BRECQ-style block reconstruction with AdaRound
-   (`pocketdiff.compress.quant.reconstruct`); the RTN baseline comes for free
+   (`pocketdiff.compress.quant.reconstruct`); the RTN baseline comes for free. `memory_cap_gib`
+   caps the process's device memory, `recon.stream` streams the reconstruction per block (the
+   text encoder and VAE wait on the host meanwhile)
 4. optional text encoder / VAE decoder: round to nearest at searched scales
 5. held-out comparison (UNet cosine, per-block MSE, sample grid); named parity thresholds
 6. outputs: `unet_int8.safetensors` + `.json` recipe, `rtn/unet_int8.*`, stock diffusers
@@ -24,9 +26,8 @@ from typing import Optional
 
 import torch
 
-from pocketdiff.config import DataConfig
-from pocketdiff.errors import ParityError, PocketdiffError, require
-from pocketdiff.models import ModelConfig, load_or_build, load_pipeline, perturb_norm_affines, save_pipeline
+from pocketdiff.errors import ParityError, PocketdiffError
+from pocketdiff.models import load_or_build, load_pipeline, perturb_norm_affines, save_pipeline
 from pocketdiff.outputs import commit_folder, write_json
 from pocketdiff.sampling import encode_prompts
 from pocketdiff.device import resolve_device
@@ -36,107 +37,12 @@ from .calib_data import collect_unet_inputs, subsample
 from .int8_format import LayerRecipe, QuantRecipe, dequantized_state_dict, load_quantized, save_quantized
 from .metrics import compare_unets
 from .quantizer import LayerSpec, dequant, layer_specs, quantizable_layers, quantized_state_dict, rtn, search_scale
-from .reconstruct import ReconConfig, reconstruct_unet, write_weights
+from .calibrate_config import DEFAULT_MIN_COSINE, CalibDataConfig, Config  # Config: the verb's config, found here by the CLI
+from .reconstruct import reconstruct_unet, write_weights
 
 UNET_FILE = "unet_int8.safetensors"
 TEXT_ENCODER_FILE = "text_encoder_int8.safetensors"
 VAE_DECODER_FILE = "vae_decoder_int8.safetensors"
-DEFAULT_MIN_COSINE = {8: 0.99, 4: 0.9}
-
-
-@dataclasses.dataclass
-class CalibDataConfig:
-    """Where calibration inputs come from: prompts (explicit, else captions of `data`) sampled
-    by the model's own DDIM sampler."""
-
-    prompts: list[str] = dataclasses.field(default_factory=list)  # cycled when fewer than needed
-    data: DataConfig = dataclasses.field(default_factory=lambda: DataConfig(source="shapes", shapes_count=512))
-    num_prompts: int = 32  # calibration trajectories
-    holdout_prompts: int = 4  # held-out trajectories (other prompts and seeds) for the report
-    steps: int = 25  # sampler steps (a distilled student: its step count)
-    timesteps_per_trajectory: int = 0  # recorded steps per trajectory, spread evenly; 0: all
-    guidance_scale: float = 3.0
-    negative_prompt: str = ""
-    seed: int = 1000  # trajectory i starts from noise seeded seed + i
-    batch_size: int = 16  # trajectories per sampler call
-    class_label: Optional[int] = None  # UNets with a class embedding: the label fed while sampling
-    max_samples: Optional[int] = None  # cap on recorded calibration inputs (evenly subsampled)
-
-    def __post_init__(self) -> None:
-        require(self.num_prompts >= 1, "calib.num_prompts", f"must be >= 1 (zero calibration samples), got {self.num_prompts}")
-        require(self.holdout_prompts >= 1, "calib.holdout_prompts", "must be >= 1")
-        require(self.steps >= 1, "calib.steps", f"must be >= 1, got {self.steps}")
-        require(self.timesteps_per_trajectory >= 0, "calib.timesteps_per_trajectory", "must be >= 0")
-        require(self.batch_size >= 1, "calib.batch_size", "must be >= 1")
-        require(self.max_samples is None or self.max_samples >= 1, "calib.max_samples", "must be >= 1 (zero calibration samples)")
-        require(all(isinstance(p, str) for p in self.prompts), "calib.prompts", "must be strings")
-
-
-@dataclasses.dataclass
-class QuantConfig:
-    bits: int = 8  # 8 or 4
-    group_size: Optional[int] = None  # None: per output channel; else group-wise over the flattened input
-    layer_bits: dict[str, int] = dataclasses.field(default_factory=dict)  # fnmatch pattern -> bits (e.g. conv_in: 8)
-    skip: list[str] = dataclasses.field(default_factory=list)  # fnmatch patterns of UNet layers kept float
-    text_encoder: bool = False  # also quantize the text encoder (RTN at searched scales)
-    vae_decoder: bool = False  # also quantize the VAE decoder (RTN at searched scales)
-
-    def __post_init__(self) -> None:
-        require(self.bits in (4, 8), "quant.bits", f"must be 4 or 8, got {self.bits}")
-        require(self.group_size is None or self.group_size >= 2, "quant.group_size", "must be >= 2 or null")
-        for k, v in self.layer_bits.items():
-            require(v in (4, 8), f"quant.layer_bits.{k}", f"must be 4 or 8, got {v}")
-
-
-@dataclasses.dataclass
-class ParityConfig:
-    """Named thresholds; a miss raises ParityError (no checkpoint is written)."""
-
-    min_unet_cosine: Optional[float] = None  # held-out UNet-output cosine; None: 0.99 at W8, 0.9 at W4
-    min_text_encoder_cosine: Optional[float] = None  # same defaults
-    min_vae_decoder_cosine: Optional[float] = None  # same defaults
-    recon_not_worse_than_rtn: bool = True  # held-out UNet cosine of reconstruction >= RTN's - 1e-4
-
-
-@dataclasses.dataclass
-class OutputConfig:
-    rtn_pipeline: bool = True  # also write rtn/pipeline/ (a diffusers folder of the RTN baseline)
-    samples: int = 4  # held-out prompts in the float / RTN / reconstruction grid (0: none)
-    sample_steps: Optional[int] = None  # default: calib.steps
-
-
-@dataclasses.dataclass
-class Config:
-    seed: int = 0
-    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
-    perturb_norms: float = 0.0  # built (random) models only: perturb_norm_affines(scale) on every component
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    cpu_threads: Optional[int] = None  # torch CPU threads (None: torch's default); 1 is much faster on a busy small box
-    calib: CalibDataConfig = dataclasses.field(default_factory=CalibDataConfig)
-    quant: QuantConfig = dataclasses.field(default_factory=QuantConfig)
-    recon: ReconConfig = dataclasses.field(default_factory=ReconConfig)
-    parity: ParityConfig = dataclasses.field(default_factory=ParityConfig)
-    output: OutputConfig = dataclasses.field(default_factory=OutputConfig)
-
-    def __post_init__(self) -> None:
-        require(self.perturb_norms >= 0, "perturb_norms", "must be >= 0")
-        require(self.cpu_threads is None or self.cpu_threads >= 1, "cpu_threads", "must be >= 1 or null")
-        require(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"), "device",
-                f"must be auto, cpu or cuda[:N], got {self.device!r}")
-        if self.model.pretrained:
-            _check_pretrained_folder(self.model.pretrained)
-
-
-def _check_pretrained_folder(source: str) -> None:
-    """A local checkpoint folder must hold a diffusers UNet (checked before anything is written)."""
-    path = Path(source).expanduser()
-    if not path.exists():
-        return  # a hub id, or a missing folder: load_pipeline reports it
-    unet = path / "unet"
-    require(unet.is_dir() and (unet / "config.json").is_file(), "model.pretrained",
-            f"{path} has no unet/ with a config.json (not a diffusers pipeline folder with a UNet)")
-    require(any(unet.glob("*.safetensors")) or any(unet.glob("*.safetensors.index.json")), "model.pretrained",
-            f"{path}/unet has no *.safetensors weights")
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -144,6 +50,25 @@ def _check_pretrained_folder(source: str) -> None:
 
 def _log(msg: str) -> None:
     print(f"calibrate: {msg}", file=sys.stderr, flush=True)
+
+
+def _memory_cap(cfg: Config, device: torch.device) -> Optional[int]:
+    """The cap in bytes; on CUDA also set as this process's memory fraction."""
+    if cfg.memory_cap_gib is None:
+        return None
+    cap = int(cfg.memory_cap_gib * 2 ** 30)
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
+        if cap > total:
+            _log(f"memory_cap_gib={cfg.memory_cap_gib:g} is above {device}'s {total / 2 ** 30:.1f} GiB: the device is the cap")
+    return cap
+
+
+def _peak_bytes(device: torch.device, info: dict) -> tuple[int, int]:
+    """(allocated, reserved) peaks of the whole run: the reconstruction meters its blocks one by one."""
+    return (max(info.get("peak_gpu_bytes", 0), torch.cuda.max_memory_allocated(device)),
+            max(info.get("peak_gpu_reserved_bytes", 0), torch.cuda.max_memory_reserved(device)))
 
 
 def _worker_devices(cfg: Config, device: torch.device) -> list[str]:
@@ -246,6 +171,7 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
         torch.set_num_threads(cfg.cpu_threads)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    cap = _memory_cap(cfg, device)
     timings: dict[str, float] = {}
 
     # 1. model
@@ -283,8 +209,15 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
         raise PocketdiffError("the UNet has no Conv2d / Linear layer left to quantize (check quant.skip)")
     shapes = {g: unet.get_submodule(g).weight.shape for g in names}
     specs = layer_specs(names, shapes, cfg.quant.bits, cfg.quant.group_size, cfg.quant.layer_bits)
+    if cfg.recon.stream:  # the text encoder and VAE wait on the host
+        pipe.text_encoder.to("cpu")
+        pipe.vae.to("cpu")
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     results, info = reconstruct_unet(unet, calib, specs, cfg.recon, device=device, skip=cfg.quant.skip, seed=cfg.seed,
-                                     log=_log, devices=_worker_devices(cfg, device))
+                                     log=_log, devices=_worker_devices(cfg, device), memory_cap_bytes=cap)
+    pipe.text_encoder.to(device)
+    pipe.vae.to(device)
     timings["reconstruct_s"] = round(time.time() - t, 3)
     recon_layers = {g: lr for r in results for g, lr in r.layers.items()}
     rtn_layers = info["rtn"]
@@ -312,7 +245,8 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
             row.update(mse_rtn=held["rtn"]["mse"], mse_recon=held["recon"]["mse"],
                        mse_rtn_local=held["rtn"]["mse_local"], mse_recon_local=held["recon"]["mse_local"],
                        output_power=held["power"])
-        for k in ("mse_rtn_calib", "mse_init_calib", "mse_adaround_calib", "mse_recon_calib", "soft_fraction", "time_s", "iters"):
+        for k in ("mse_rtn_calib", "mse_init_calib", "mse_adaround_calib", "mse_recon_calib", "soft_fraction", "time_s", "iters",
+                  "peak_gpu_gib", "cache_on_device"):
             if k in r.stats:
                 row[k] = r.stats[k]
         if "curve" in r.stats:
@@ -350,7 +284,13 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
     report.update(extras.get("report", {}))
     parity = _parity(cfg, min_bits, unet_cos, rtn_cos, extras)
     report["parity"] = parity
-    report["peak_gpu_memory_gb"] = (round(torch.cuda.max_memory_allocated(device) / 2 ** 30, 3) if device.type == "cuda" else None)
+    report["peak_gpu_memory_gb"] = None  # GiB
+    if device.type == "cuda":
+        peak, reserved = _peak_bytes(device, info)
+        report["peak_gpu_memory_gb"] = round(peak / 2 ** 30, 3)
+        report["memory"] = {"cap_gib": cfg.memory_cap_gib, "stream": cfg.recon.stream, "peak_allocated_gib": round(peak / 2 ** 30, 3),
+                            "peak_reserved_gib": round(reserved / 2 ** 30, 3),
+                            "reconstruct_peak_gib": round(info.get("peak_gpu_bytes", 0) / 2 ** 30, 3)}
     if not parity["passed"]:
         report["wall_time_s"] = round(time.time() - t_start, 3)
         write_json(out / "report.json", report)
@@ -402,7 +342,8 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
     report["wall_time_s"] = round(time.time() - t_start, 3)
     _page(out, report, samples)
     _log(f"UNet cosine {unet_cos:.6f} (RTN {rtn_cos:.6f}); {report['blocks_improved']}/{report['blocks_evaluated']} blocks "
-         f"below RTN; {report['wall_time_s']:.1f}s")
+         f"below RTN; {report['wall_time_s']:.1f}s"
+         + (f", peak GPU memory {report['peak_gpu_memory_gb']:.2f} GiB" if report.get("peak_gpu_memory_gb") is not None else ""))
     return report
 
 
@@ -549,12 +490,18 @@ def _page(out: Path, report: dict, samples: Optional[dict]) -> None:
                     f"W{report['bits']} per-block error", logy=True)
         sections.append(("Per-block error", img("block_mse.png")))
         sections.append(("Blocks", table(
-            ["#", "block", "kind", "chosen", "MSE RTN", "MSE recon", "MSE RTN (alone)", "MSE recon (alone)", "time s"],
+            ["#", "block", "kind", "chosen", "MSE RTN", "MSE recon", "MSE RTN (alone)", "MSE recon (alone)", "time s", "peak GiB"],
             [(i, b["name"], b["kind"], b.get("chosen", ""), b["mse_rtn"], b["mse_recon"], b["mse_rtn_local"],
-              b["mse_recon_local"], b.get("time_s", 0.0)) for i, b in enumerate(rows)])))
+              b["mse_recon_local"], b.get("time_s", 0.0), b.get("peak_gpu_gib", "")) for i, b in enumerate(rows)])))
     summary = [("UNet cosine (held-out)", report["unet_cosine"]), ("UNet cosine RTN", report["unet_cosine_rtn"]),
+               ("UNet NMSE (held-out)", report["unet_nmse"]), ("UNet NMSE RTN", report["unet_nmse_rtn"]),
                ("blocks below RTN", f"{report['blocks_improved']}/{report['blocks_evaluated']}"),
                ("parity", "passed" if report["parity"]["passed"] else "FAILED")]
+    if report.get("memory"):
+        m = report["memory"]
+        summary.append(("peak GPU memory GiB (cap)", f"{m['peak_allocated_gib']} ({m['cap_gib'] if m['cap_gib'] else 'none'})"))
+    if report.get("wall_time_s") is not None:
+        summary.append(("wall time s", report["wall_time_s"]))
     sections.insert(0, ("Summary", table(["", "value"], summary)))
     if samples:
         sections.append((f"Samples: float / RTN / reconstruction (rows), DDIM {samples['steps']} steps; PSNR vs float: "

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from .blocks import Block, CalibSet, build_blocks, first_tensor, unet_forward
-from .reconstruct import precision
+from .block_recon import precision
 
 
 @torch.no_grad()

@@ -1,12 +1,5 @@
-"""Block reconstruction (BRECQ-style AdaRound) over a UNet's blocks.
-
-Per block: AdaRound quantizers for its layers (scales from `scale_init`, optionally
-learned), Adam on the rounding variables for `iters` minibatches of cached block inputs,
-minimising the block-output error against the float block (sum over channels, mean over
-batch and positions, as BRECQ; optionally Fisher-weighted) plus the annealed rounding
-regulariser. The hard-rounded result is then compared, in float32 on all calibration
-inputs, with plain RTN (max-abs scale) and with RTN at the searched scale; unless
-`fallback` is off the best of the three is kept, so no block ends worse than RTN.
+"""Block reconstruction over a UNet's blocks: the walk (which inputs and targets each block gets, in
+which order, on which devices). One block's optimiser is `block_recon`.
 
 Modes:
 - sequential: block k's inputs come from the UNet whose blocks 0..k-1 are already
@@ -15,177 +8,40 @@ Modes:
 - independent: float inputs and targets; blocks are independent, so with several devices
   they are spread over one worker process per device.
 
-Defaults (500 iterations, Adam lr 3e-2, learned scales, scales initialised by the per-channel
-MSE search) come from held-out block-output error, as a fraction of RTN's, on blocks of a
-random norm-perturbed tiny UNet with 256 calibration inputs (CPU, float32):
-
-    block / bits            5000 it. lr 1e-3   500 it. lr 1e-2   500 it. lr 3e-2   + learned scales
-    transformer W8          0.203              0.236             0.171             0.141
-    resnet W8               0.310              0.319             0.337             0.296
-    resnet W4               0.310              0.315             0.339             0.277
-    transformer W4          -                  0.231             -                 0.136
-
-A short schedule with a large step matches or beats a 10x longer plain one. bf16 autocast
-of the optimisation forwards hurt at W8 (0.57 against 0.24 at 500 it. lr 1e-2: the W8
-rounding signal is below bf16 noise) but not at W4 (0.311 against 0.339), hence `autocast: auto`.
-
-That lr is too large for layers with a large fan-in. Adam moves every rounding variable by
-about lr per step whatever its gradient, and a layer's output change adds up over its fan-in.
-SD-2.1's blocks with 1280-channel 3x3 convs (fan-in 11,520 to 23,040) ended 1.3-4x above RTN
-at 250-500 iterations, while blocks whose layers have fan-ins up to 5,760 improved
-(benchmarks/results/calibrate_sd21_sweep_h200.json). On one such block
-(up_blocks.0.upsamplers.0, fan-in 11,520; 256 px, CPU, 250 iterations;
-benchmarks/calibrate_sd21.py --sweep-lrs) the hard-rounded block error relative to RTN was 3.4x at lr
-3e-2, 1.22x at 1.2e-2, 0.74x at 4.8e-3 and 0.77x at 3e-3 (calibration set; held-out 3.6x,
-1.46x, 0.89x, 0.86x). Hence `lr_fan_in_ref`: above a fan-in of 4,608 the lr falls as
-(4,608 / fan-in)^2, which gives 4.8e-3 at 11,520. SD-2.1 has 47 such layers; the tiny and small
-recipes have none (fan-in at most 2,304), so their tuned results are unchanged. On the GPU
-over the whole SD-2.1 UNet (W8, 500 iterations) this raised the blocks that keep AdaRound from
-33 to 38 of 46; in the other 8 the error still rises as the rounding hardens, and the fallback
-keeps RTN or the searched-scale RTN (benchmarks/results/calibrate_sd21_*_lrfan_*.json).
+Memory. Captured block inputs and targets are cached per group of consecutive blocks that
+fits the cache budget. Without `stream` the cache is on the device when the largest block's
+data fits, and the UNet stays there. With `stream` the cache is in pinned host memory, the
+float UNet is on the device only for the capture passes (sequential mode keeps its quantized
+copy there, to capture each block's inputs), and each block comes to the device with its
+cached data (when that takes at most half of what is left under the cap; else minibatches
+are gathered from the host, and an out-of-memory on the device copy falls back to that) only
+while it is reconstructed. `memory_cap_bytes` is checked per block before anything runs
+(`block_need_bytes`, a lower bound) and names the block that cannot fit; the report gets each
+block's seconds and peak device memory. One progress bar runs over the blocks, with the
+current block's loss.
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 import os
 import sys
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
 
-from pocketdiff.errors import PocketdiffError, require
+from pocketdiff.errors import PocketdiffError
 
-from .blocks import Block, CalibSet, Captured, Request, _autocast, build_blocks, capture, first_tensor, group_by_budget, order_blocks, unet_forward
-from .quantizer import AdaRoundQuantizer, LayerSpec, beta_schedule, dequant, rtn, search_scale
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class ReconConfig:
-    """The `recon:` section: how blocks are reconstructed."""
-
-    method: str = "adaround"  # adaround | rtn (searched scale, round to nearest: no optimisation)
-    mode: str = "sequential"  # sequential | independent
-    iters: int = 500  # optimisation steps per block
-    batch_size: int = 32  # calibration samples per step
-    lr: float = 3e-2  # Adam on the rounding variables (short schedule: see the module docstring)
-    # layers whose fan-in (inputs per output: in_channels/groups x kernel area) exceeds this get
-    # lr x (lr_fan_in_ref / fan_in)^2: Adam moves every rounding variable by about lr per step and
-    # the output change adds up over the fan-in (see the module docstring); None: one lr for all
-    lr_fan_in_ref: Optional[int] = 4608
-    lr_schedule: str = "constant"  # constant | cosine (to lr_min_ratio x lr at the last iteration)
-    lr_min_ratio: float = 0.1
-    round_weight: float = 0.01  # weight of the rounding regulariser
-    warmup: float = 0.2  # fraction of iterations without the regulariser
-    beta_start: float = 20.0
-    beta_end: float = 2.0
-    learn_scale: bool = True  # learn per-channel (per-group) scales jointly: s = s0 * exp(delta), codes stay floor/ceil of W / s0
-    scale_lr: float = 1e-3
-    loss: str = "mse"  # mse | fisher (diagonal Gauss-Newton weights from random output projections)
-    qdrop: float = 0.0  # sequential mode: probability of a float input element instead of the quantized one
-    autocast: str = "auto"  # auto | bf16 | fp16 | off: precision of the optimisation forwards (auto: bf16 for
-    #   blocks quantized to <= 4 bits on CUDA, else float32/TF32: at W8 the rounding signal is below bf16 noise)
-    capture_precision: str = "auto"  # auto (tf32 on CUDA) | fp32 | tf32 | bf16: precision of the capture passes
-    cache_dtype: str = "float32"  # float32 | bfloat16 | float16: cached block inputs / targets
-    cache_budget_gb: Optional[float] = None  # per capture group; None: 40 % of free device memory (CPU: 4 GB)
-    forward_batch: int = 16  # UNet batch of the capture passes
-    compile: bool = False  # torch.compile the block loss
-    compile_mode: Optional[str] = None  # e.g. max-autotune-no-cudagraphs, reduce-overhead (CUDA graphs)
-    channels_last: bool = False  # channels_last convs (CUDA, with bf16)
-    fallback: bool = True  # keep the best of adaround / rtn / searched-scale rtn per block
-    eval_samples: int = 256  # calibration inputs (evenly spaced) on which the candidates are compared
-    scale_init: str = "mse"  # mse (clipping-ratio search per channel) | maxabs
-    scale_grid: int = 50
-    devices: list[str] = field(default_factory=list)  # [] auto; independent mode: one worker per device when > 1
-    log_every: int = 0  # loss-curve points per block (0: 20 points)
-
-    def __post_init__(self) -> None:
-        require(self.method in ("adaround", "rtn"), "recon.method", f"must be adaround or rtn, got {self.method!r}")
-        require(self.mode in ("sequential", "independent"), "recon.mode", f"must be sequential or independent, got {self.mode!r}")
-        require(self.iters >= 0, "recon.iters", "must be >= 0")
-        require(self.method == "rtn" or self.iters > 0, "recon.iters", "must be > 0 for adaround")
-        require(self.batch_size >= 1, "recon.batch_size", "must be >= 1")
-        require(self.lr > 0 and self.scale_lr > 0, "recon.lr", "learning rates must be > 0")
-        require(self.lr_fan_in_ref is None or self.lr_fan_in_ref >= 1, "recon.lr_fan_in_ref", "must be >= 1 or null")
-        require(self.lr_schedule in ("constant", "cosine"), "recon.lr_schedule", "must be constant or cosine")
-        require(0 <= self.lr_min_ratio <= 1, "recon.lr_min_ratio", "must be in [0, 1]")
-        require(self.round_weight >= 0, "recon.round_weight", "must be >= 0")
-        require(0 <= self.warmup < 1, "recon.warmup", "must be in [0, 1)")
-        require(self.beta_start >= self.beta_end > 0, "recon.beta_start", "need beta_start >= beta_end > 0")
-        require(self.loss in ("mse", "fisher"), "recon.loss", f"must be mse or fisher, got {self.loss!r}")
-        require(0 <= self.qdrop < 1, "recon.qdrop", "must be in [0, 1)")
-        require(self.qdrop == 0 or self.mode == "sequential", "recon.qdrop", "needs mode=sequential (independent mode has float inputs only)")
-        require(self.autocast in ("auto", "bf16", "fp16", "off"), "recon.autocast", "must be auto, bf16, fp16 or off")
-        require(self.capture_precision in ("auto", "fp32", "tf32", "bf16"), "recon.capture_precision", "must be auto, fp32, tf32 or bf16")
-        require(self.cache_dtype in DTYPES, "recon.cache_dtype", f"must be one of {list(DTYPES)}")
-        require(self.cache_budget_gb is None or self.cache_budget_gb > 0, "recon.cache_budget_gb", "must be > 0")
-        require(self.forward_batch >= 1, "recon.forward_batch", "must be >= 1")
-        require(self.scale_init in ("mse", "maxabs"), "recon.scale_init", "must be mse or maxabs")
-        require(self.scale_grid >= 1, "recon.scale_grid", "must be >= 1")
-        require(self.eval_samples >= 1, "recon.eval_samples", "must be >= 1")
-
-
-@dataclass
-class LayerResult:
-    codes: torch.Tensor
-    scale: torch.Tensor
-    method: str  # adaround | rtn | rtn_mse
-
-
-@dataclass
-class BlockResult:
-    name: str
-    kind: str
-    layers: dict[str, LayerResult]
-    stats: dict
-
-
-# ----------------------------------------------------------------------- precision helpers
-
-
-def optimisation_autocast(opts: ReconConfig, device, bits: int = 8) -> Optional[torch.dtype]:
-    """Autocast dtype of the optimisation forwards. Measured (tiny UNet transformer block, W8,
-    500 iterations): bf16 autocast left 0.57x the RTN block error against 0.24x in float32, so
-    `auto` uses bf16 only for blocks at <= 4 bits (on CUDA)."""
-    dev = torch.device(device)
-    if opts.autocast == "off" or (opts.autocast == "auto" and (dev.type != "cuda" or bits > 4)):
-        return None
-    if opts.autocast == "fp16":
-        return torch.float16
-    return torch.bfloat16
-
-
-class precision:
-    """Context: TF32 on / off for CUDA matmuls and convs (restored on exit)."""
-
-    def __init__(self, tf32: bool):
-        self.tf32 = tf32
-
-    def __enter__(self):
-        self.saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
-        torch.backends.cuda.matmul.allow_tf32 = self.tf32
-        torch.backends.cudnn.allow_tf32 = self.tf32
-
-    def __exit__(self, *exc):
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = self.saved
-
-
-def capture_settings(opts: ReconConfig, device) -> tuple[bool, Optional[torch.dtype]]:
-    """(tf32, autocast dtype) of the capture passes."""
-    cuda = torch.device(device).type == "cuda"
-    p = opts.capture_precision
-    if p == "auto":
-        p = "tf32" if cuda else "fp32"
-    return (p == "tf32"), (torch.bfloat16 if p == "bf16" else None)
+from .block_recon import (DTYPES, BlockResult, LayerResult, ReconConfig, capture_settings, layer_inits, precision,
+                          reconstruct_block, rest_block_result)
+from .blocks import (Block, CalibSet, Request, build_blocks, capture, first_tensor, group_by_budget, human_bytes, order_blocks,
+                     unet_forward)
+from .quantizer import LayerSpec, dequant
 
 
 def cache_budget(opts: ReconConfig, device) -> float:
@@ -196,239 +52,6 @@ def cache_budget(opts: ReconConfig, device) -> float:
         free, _ = torch.cuda.mem_get_info(dev)
         return 0.4 * free
     return 4 * 2 ** 30
-
-
-# ----------------------------------------------------------------------- per-layer inits
-
-
-def layer_inits(weights: dict[str, torch.Tensor], specs: dict[str, LayerSpec], opts: ReconConfig, device) -> tuple[dict, dict]:
-    """(rtn: name -> (codes, scale) at max-abs scale, init: name -> searched (or max-abs) scale)."""
-    rtn_res, init = {}, {}
-    for name, w in weights.items():
-        w = w.to(device)
-        spec = specs[name]
-        codes, scale = rtn(w, spec)
-        rtn_res[name] = (codes.cpu(), scale.cpu())
-        init[name] = (search_scale(w, spec, grid=opts.scale_grid) if opts.scale_init == "mse" else scale).cpu()
-    return rtn_res, init
-
-
-# ----------------------------------------------------------------------- block functions
-
-
-def _key(local: str) -> str:
-    return f"{local}.weight" if local else "weight"
-
-
-def unit_output(unit, wmap: dict[str, torch.Tensor], args, kwargs) -> torch.Tensor:
-    overrides = {_key(local): wmap[g] for local, g in unit.layers.items() if g in wmap}
-    return first_tensor(torch.func.functional_call(unit.module, overrides, args, kwargs, strict=False))
-
-
-def _mix(q_args, fp_args, p: float, gen: torch.Generator):
-    """QDrop: each floating input element is the float one with probability p, else the quantized one."""
-    from torch.utils import _pytree as pytree
-
-    ql, spec = pytree.tree_flatten(q_args)
-    fl, _ = pytree.tree_flatten(fp_args)
-    out = []
-    for a, b in zip(ql, fl):
-        if isinstance(a, torch.Tensor) and a.is_floating_point() and a.shape == b.shape and a.dim() >= 1:
-            mask = torch.rand(a.shape, generator=gen, device=gen.device) < p
-            out.append(torch.where(mask, b, a))
-        else:
-            out.append(a)
-    return pytree.tree_unflatten(out, spec)
-
-
-def _rec_loss(out: torch.Tensor, tgt: torch.Tensor, fisher: Optional[torch.Tensor]) -> torch.Tensor:
-    d = (out.float() - tgt.float()) ** 2
-    if fisher is not None:
-        w = fisher.to(d.dtype)
-        d = d * w.reshape(*w.shape, *([1] * (d.dim() - w.dim())))
-    if d.dim() == 1:
-        return d.mean()
-    return d.sum(dim=1).mean()
-
-
-@torch.no_grad()
-def block_mse(block: Block, caps: Sequence[Captured], targets: Sequence[torch.Tensor], wmap: dict, device, batch: int = 32,
-              rows: Optional[torch.Tensor] = None, tf32: bool = False) -> float:
-    """Mean squared error per element of the block's outputs vs `targets` (float32; TF32 only
-    when asked), over all calibration rows or the given `rows`."""
-    sq, count = 0.0, 0
-    with precision(tf32):
-        for u, cap, tgt in zip(block.units, caps, targets):
-            all_rows = torch.arange(cap.n()) if rows is None else rows
-            n = len(all_rows)
-            for s in range(0, n, batch):
-                idx = all_rows[s:s + batch]
-                args, kwargs = cap.inputs(idx, device, torch.float32)
-                out = unit_output(u, wmap, args, kwargs).float()
-                t = tgt[idx.to(tgt.device)].to(device).float()
-                sq += float(((out - t) ** 2).double().sum())
-                count += t.numel()
-    return sq / max(count, 1)
-
-
-def rounding_lr(opts: ReconConfig, weight_shape: Sequence[int]) -> float:
-    """Adam learning rate of one layer's rounding variables: `opts.lr`, scaled down by
-    (lr_fan_in_ref / fan_in)^2 for layers whose fan-in exceeds `opts.lr_fan_in_ref`."""
-    fan_in = math.prod(int(d) for d in weight_shape[1:])
-    if opts.lr_fan_in_ref is None or fan_in <= opts.lr_fan_in_ref:
-        return opts.lr
-    return opts.lr * (opts.lr_fan_in_ref / fan_in) ** 2
-
-
-@torch.no_grad()
-def _target_power(targets: Sequence[torch.Tensor], chunk: int = 64) -> float:
-    sq = sum(float((t[i:i + chunk].double() ** 2).sum()) for t in targets for i in range(0, t.shape[0], chunk))
-    return sq / max(1, sum(t.numel() for t in targets))
-
-
-# ----------------------------------------------------------------------- one block
-
-
-def reconstruct_block(
-    block: Block,
-    caps: Sequence[Captured],
-    targets: Sequence[torch.Tensor],
-    weights: dict[str, torch.Tensor],
-    specs: dict[str, LayerSpec],
-    rtn_res: dict,
-    init_scales: dict,
-    opts: ReconConfig,
-    device,
-    *,
-    fp_caps: Optional[Sequence[Captured]] = None,
-    fisher: Optional[Sequence[Optional[torch.Tensor]]] = None,
-    seed: int = 0,
-) -> BlockResult:
-    """Quantize one block; `caps` are its (possibly quantized-prefix) inputs, `targets` the
-    float outputs, per unit."""
-    device = torch.device(device)
-    t0 = time.time()
-    names = block.layers
-    for u in block.units:
-        u.module.requires_grad_(False)
-    rtn_w = {g: dequant(*rtn_res[g], specs[g]).to(device) for g in names}
-    init_codes = {g: rtn(weights[g].to(device), specs[g], init_scales[g].to(device)) for g in names}
-    init_w = {g: dequant(c, s, specs[g]).to(device) for g, (c, s) in init_codes.items()}
-    stats: dict = {"layers": len(names), "params": int(sum(weights[g].numel() for g in names)), "samples": caps[0].n() if caps else 0}
-    stats["target_power"] = _target_power(targets)
-    n_all = caps[0].n() if caps else 0
-    rows = None
-    if n_all > opts.eval_samples:
-        rows = torch.linspace(0, n_all - 1, opts.eval_samples).round().long()
-    tf32 = capture_settings(opts, device)[0]
-
-    def evaluate(wmap):
-        return block_mse(block, caps, targets, wmap, device, rows=rows, tf32=tf32)
-
-    stats["mse_rtn_calib"] = evaluate(rtn_w)
-    stats["mse_init_calib"] = evaluate(init_w)
-    candidates = {"rtn": stats["mse_rtn_calib"], "rtn_mse": stats["mse_init_calib"]}
-    quantizers: dict[str, AdaRoundQuantizer] = {}
-
-    if opts.method == "adaround" and opts.iters > 0 and names:
-        quantizers = {g: AdaRoundQuantizer(weights[g].to(device), specs[g], init_scales[g].to(device), opts.learn_scale) for g in names}
-        by_lr: dict[float, list] = {}
-        for g, q in quantizers.items():
-            by_lr.setdefault(rounding_lr(opts, weights[g].shape), []).append(q.v)
-        groups = [{"params": vs, "lr": lr} for lr, vs in by_lr.items()]
-        stats["rounding_lr"] = sorted(by_lr)
-        if opts.learn_scale:
-            groups.append({"params": [q.log_scale for q in quantizers.values()], "lr": opts.scale_lr})
-        optim = torch.optim.Adam(groups)
-        sched = None
-        if opts.lr_schedule == "cosine":
-            lo, total = opts.lr_min_ratio, max(1, opts.iters - 1)
-            sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda i: lo + (1 - lo) * 0.5 * (1 + math.cos(math.pi * min(i, total) / total)))
-        gen = torch.Generator("cpu").manual_seed(seed)
-        drop_gen = torch.Generator(device).manual_seed(seed + 1)
-        ac = optimisation_autocast(opts, device, min(specs[g].bits for g in names))
-        n = caps[0].n()
-        bs = min(opts.batch_size, n)
-        every = max(1, opts.iters // (opts.log_every or 20))
-        curve = []
-        fisher = list(fisher) if fisher is not None else [None] * len(block.units)
-
-        def loss_fn(wmap, inputs, tgts, fws):
-            rec = 0.0
-            for u, (args, kwargs), tgt, fw in zip(block.units, inputs, tgts, fws):
-                rec = rec + _rec_loss(unit_output(u, wmap, args, kwargs), tgt, fw)
-            return rec
-
-        step_fn = loss_fn
-        if opts.compile:
-            torch._dynamo.reset()  # one compilation per block; keeps dynamo's recompile limit out of the way
-            step_fn = torch.compile(loss_fn, mode=opts.compile_mode, dynamic=False)
-        cl = opts.channels_last and device.type == "cuda"
-        with precision(device.type == "cuda"):
-            for it in range(opts.iters):
-                idx = torch.randint(0, n, (bs,), generator=gen)
-                inputs = []
-                for ui, cap in enumerate(caps):
-                    args, kwargs = cap.inputs(idx, device, torch.float32)
-                    if fp_caps is not None and opts.qdrop > 0:
-                        args, kwargs = _mix((args, kwargs), fp_caps[ui].inputs(idx, device, torch.float32), opts.qdrop, drop_gen)
-                    if cl:
-                        args = tuple(a.contiguous(memory_format=torch.channels_last) if isinstance(a, torch.Tensor) and a.dim() == 4 else a for a in args)
-                    inputs.append((args, kwargs))
-                tgts = [t[idx.to(t.device)].to(device, non_blocking=True) for t in targets]
-                fws = [None if f is None else f[idx.to(f.device)].to(device) for f in fisher]
-                wmap = {g: q.soft_weight() for g, q in quantizers.items()}
-                with _autocast(device, ac):
-                    rec = step_fn(wmap, inputs, tgts, fws)
-                beta = beta_schedule(it, opts.iters, opts.warmup, opts.beta_start, opts.beta_end)
-                loss = rec
-                reg = None
-                if beta is not None and opts.round_weight > 0:
-                    reg = opts.round_weight * sum(q.round_loss(beta) for q in quantizers.values())
-                    loss = loss + reg
-                optim.zero_grad(set_to_none=True)
-                loss.backward()
-                optim.step()
-                if sched is not None:
-                    sched.step()
-                if it % every == 0 or it == opts.iters - 1:
-                    curve.append([it, float(rec.detach()), float(reg.detach()) if reg is not None else 0.0])
-        hard = {g: q.hard_weight() for g, q in quantizers.items()}
-        stats["mse_adaround_calib"] = evaluate(hard)
-        stats["soft_fraction"] = float(sum(q.soft_fraction() * q.v.numel() for q in quantizers.values()) / max(1, sum(q.v.numel() for q in quantizers.values())))
-        stats["curve"] = curve
-        candidates["adaround"] = stats["mse_adaround_calib"]
-        del optim
-
-    if opts.method == "adaround" and quantizers and not opts.fallback:
-        chosen = "adaround"
-    else:
-        chosen = min(candidates, key=lambda k: (candidates[k], k != "adaround"))
-    layers = {}
-    for g in names:
-        if chosen == "adaround":
-            q = quantizers[g]
-            layers[g] = LayerResult(q.codes().cpu(), q.scale().detach().float().cpu(), "adaround")
-        elif chosen == "rtn_mse":
-            c, s = init_codes[g]
-            layers[g] = LayerResult(c.cpu(), s.cpu(), "rtn_mse")
-        else:
-            c, s = rtn_res[g]
-            layers[g] = LayerResult(c.cpu(), s.cpu(), "rtn")
-    stats["chosen"] = chosen
-    stats["mse_recon_calib"] = candidates[chosen]
-    stats["time_s"] = round(time.time() - t0, 3)
-    stats["iters"] = opts.iters if quantizers else 0
-    return BlockResult(block.name, block.kind, layers, stats)
-
-
-def rest_block_result(block: Block, weights, specs, rtn_res, init_scales) -> BlockResult:
-    """Layers outside every block: RTN at the searched scale, no reconstruction."""
-    layers = {}
-    for g in block.layers:
-        c, s = rtn(weights[g], specs[g], init_scales[g])
-        layers[g] = LayerResult(c, s, "rtn_mse")
-    return BlockResult(block.name, block.kind, layers, {"chosen": "rtn_mse", "layers": len(layers), "time_s": 0.0, "iters": 0})
 
 
 # ----------------------------------------------------------------------- Fisher weights
@@ -482,6 +105,170 @@ def fisher_weights(unet: nn.Module, blocks: Sequence[Block], calib: CalibSet, de
     return result
 
 
+# ----------------------------------------------------------------------- memory
+
+
+def host_budget(opts: ReconConfig) -> float:
+    """Bytes of host memory for one capture group's cache when streaming: `cache_budget_gb`, else
+    40 % of the memory the OS reports available (4 GiB when it does not say)."""
+    if opts.cache_budget_gb is not None:
+        return opts.cache_budget_gb * 2 ** 30
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            return 0.4 * next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return 4 * 2 ** 30
+
+
+def module_bytes(module: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
+
+
+def block_need_bytes(block: Block, per_sample: dict, opts: ReconConfig) -> int:
+    """A lower bound on the device memory that reconstructing `block` takes, its cached data
+    aside: its modules, 11 float32 copies of every quantized weight (the float, RTN and initial
+    weights; AdaRound's base, rounding variables, their gradient and Adam's two moments; the soft
+    weight and its gradient; the hard-rounded weight) and one minibatch of inputs, targets,
+    outputs and output gradients."""
+    if block.kind == "rest":
+        return 0
+    modules = sum(module_bytes(u.module) for u in block.units)
+    quantized = sum(u.module.get_submodule(local).weight.numel() for u in block.units for local in u.layers)
+    ps = per_sample[block.name]
+    return modules + 44 * quantized + opts.batch_size * (ps["in"] + 3 * ps["out"])
+
+
+def check_memory_cap(blocks: Sequence[Block], per_sample: dict, opts: ReconConfig, cap: int, resident: int,
+                     unet_bytes: int) -> dict[str, int]:
+    """Per block, the bytes it needs at least (plus `resident`, what stays on the device meanwhile);
+    a PocketdiffError naming the first block, or the capture passes, that `cap` cannot hold."""
+    what = f"memory_cap_gib={cap / 2 ** 30:g} ({cap:,} bytes)"
+    if unet_bytes > cap:
+        raise PocketdiffError(f"{what} cannot hold the UNet for the capture passes: its weights take {unet_bytes:,} bytes "
+                              f"({human_bytes(unet_bytes)}); raise memory_cap_gib")
+    needs = {}
+    for b in blocks:
+        need = block_need_bytes(b, per_sample, opts) + resident
+        needs[b.name] = need
+        if need > cap:
+            raise PocketdiffError(f"{what} cannot hold block {b.name}: reconstructing it needs at least {need:,} bytes "
+                                  f"({human_bytes(need)}: its weights, rounding variables and Adam state, a minibatch of "
+                                  f"{opts.batch_size}{', and the UNet kept on the device' if resident else ''}); "
+                                  f"raise memory_cap_gib or lower recon.batch_size")
+    return needs
+
+
+class _Walk:
+    """What every block's reconstruction shares: device, options, memory cap, progress bar (one
+    over the blocks, with the current block's loss), peak-memory meter and log."""
+
+    def __init__(self, device: torch.device, opts: ReconConfig, cap: Optional[int], needs: dict, total: int,
+                 log: Optional[Callable[[str], None]], bar: bool = True):
+        from tqdm.auto import tqdm
+
+        self.device, self.opts, self.cap, self.needs, self.total, self.log = device, opts, cap, needs, total, log
+        self.cuda = device.type == "cuda"
+        self.peak = torch.cuda.max_memory_allocated(device) if self.cuda else 0
+        self.peak_reserved = torch.cuda.max_memory_reserved(device) if self.cuda else 0
+        self.done = 0
+        self.bar = tqdm(total=total, desc="calibrate", unit="block", disable=log is None or not bar, file=sys.stderr, dynamic_ncols=True)
+
+    def emit(self, msg: str) -> None:
+        if self.log is not None:
+            with self.bar.external_write_mode(file=sys.stderr):
+                self.log(msg)
+
+    def _fold(self) -> None:
+        if self.cuda:
+            self.peak = max(self.peak, torch.cuda.max_memory_allocated(self.device))
+            self.peak_reserved = max(self.peak_reserved, torch.cuda.max_memory_reserved(self.device))
+
+    def _oom(self, what: str, e: BaseException) -> PocketdiffError:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        cap = f"memory_cap_gib={self.cap / 2 ** 30:g}" if self.cap else "the device's memory"
+        return PocketdiffError(f"{what} ran out of device memory under {cap} ({first}); raise memory_cap_gib or lower "
+                               f"recon.batch_size / recon.forward_batch")
+
+    def capture(self, unet, calib, reqs, store, store_dtype, autocast, pin: bool, what: str):
+        try:
+            return capture(unet, calib, reqs, device=self.device, batch_size=self.opts.forward_batch, store_device=store,
+                           store_dtype=store_dtype, autocast=autocast, pin_memory=pin)
+        except torch.cuda.OutOfMemoryError as e:
+            raise self._oom(f"the capture pass for {what}", e) from None
+
+    def _fits(self, block: Block, data: int) -> bool:
+        """Whether a block's cached data may live on the device while it is reconstructed: half of
+        what is left under the cap (or of the cache budget) after its own need is kept for activations."""
+        if not self.cuda:
+            return False
+        if self.cap:
+            room = self.cap - torch.cuda.memory_allocated(self.device) - self.needs.get(block.name, 0)
+        else:
+            room = cache_budget(self.opts, self.device)
+        return data <= 0.5 * room
+
+    def block(self, b: Block, caps, targets, *, weights, specs, rtn_res, init_scales, fp_caps=None, fisher=None, seed=0,
+              move_module: bool = False) -> BlockResult:
+        """Reconstruct one block: its modules on the device (`move_module`: moved there and back), its
+        cached data on the device when it fits (else minibatches are gathered from the host cache)."""
+        t0 = time.time()
+        self._fold()
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        opts = self.opts
+
+        def progress(it: int, loss: float) -> None:
+            self.bar.set_postfix_str(f"{b.name} it {it + 1}/{opts.iters} loss {loss:.3e}", refresh=False)
+            self.bar.update(0)
+
+        host = (list(caps), list(targets), None if fp_caps is None else list(fp_caps))
+        data = (sum(c.nbytes(output=False) for c in caps) + sum(t.numel() * t.element_size() for t in targets)
+                + sum(c.nbytes(output=False) for c in fp_caps or []))
+        on_device = all(t.device == self.device for t in targets) or self._fits(b, data)
+        if move_module:
+            for u in b.units:
+                u.module.to(self.device)
+        try:
+            while True:
+                c = t = f = None
+                try:
+                    if on_device:
+                        c, t = [x.to(self.device, output=False) for x in host[0]], [x.to(self.device) for x in host[1]]
+                        f = None if host[2] is None else [x.to(self.device, output=False) for x in host[2]]
+                    else:
+                        c, t, f = host
+                    res = reconstruct_block(b, c, t, weights, specs, rtn_res, init_scales, opts, self.device, fp_caps=f,
+                                            fisher=fisher, seed=seed, progress=progress)
+                    break
+                except torch.cuda.OutOfMemoryError as e:
+                    if not (on_device and any(x.device != self.device for x in host[1])):
+                        raise self._oom(f"block {b.name} (needs at least {self.needs.get(b.name, 0):,} bytes)", e) from None
+                c = t = f = None  # the device copies of its data go; minibatches come from the host cache
+                _empty_cache(self.device)
+                self.emit(f"{b.name}: its cached data does not fit next to the optimisation; gathering minibatches "
+                          f"from host memory instead")
+                on_device = False
+        finally:
+            if move_module:
+                for u in b.units:
+                    u.module.to("cpu")
+        del c, t, f
+        res.stats["cache_on_device"] = bool(on_device)
+        res.stats["time_s"] = round(time.time() - t0, 3)  # with the moves of its module and data
+        if self.cuda:
+            res.stats["peak_gpu_gib"] = round(torch.cuda.max_memory_allocated(self.device) / 2 ** 30, 3)
+            self._fold()
+            _empty_cache(self.device)
+        self.done += 1
+        self.emit(_fmt(self.done, self.total, res))
+        self.bar.update(1)
+        return res
+
+    def close(self) -> None:
+        self._fold()
+        self.bar.close()
+
+
 # ----------------------------------------------------------------------- drivers
 
 
@@ -494,8 +281,9 @@ def _fmt(block_idx: int, total: int, res: BlockResult) -> str:
     s = res.stats
     if "mse_rtn_calib" not in s:
         return f"[{block_idx}/{total}] {res.name} ({res.kind}): {s.get('layers', 0)} layers, rtn_mse (no reconstruction)"
+    peak = f", peak {s['peak_gpu_gib']:.2f} GiB" if "peak_gpu_gib" in s else ""
     return (f"[{block_idx}/{total}] {res.name} ({res.kind}, {s['layers']} layers): mse rtn {s['mse_rtn_calib']:.3e} "
-            f"init {s['mse_init_calib']:.3e} -> {s['mse_recon_calib']:.3e} ({s['chosen']}) {s['time_s']:.1f}s")
+            f"init {s['mse_init_calib']:.3e} -> {s['mse_recon_calib']:.3e} ({s['chosen']}) {s['time_s']:.1f}s{peak}")
 
 
 def float_weights(unet: nn.Module, names: Sequence[str]) -> dict[str, torch.Tensor]:
@@ -521,35 +309,60 @@ def reconstruct_unet(
     seed: int = 0,
     log: Optional[Callable[[str], None]] = print,
     devices: Optional[Sequence[str]] = None,
+    memory_cap_bytes: Optional[int] = None,
 ) -> tuple[list[BlockResult], dict]:
-    """Quantize every block of `unet` (float, on `device`). Returns the block results in
-    execution order (layer codes + scales + stats) and run info. `unet` is not modified."""
+    """Quantize every block of `unet` (float). Returns the block results in execution order
+    (layer codes + scales + stats) and run info. `unet`'s weights are not modified; it ends on
+    the device it started on (`opts.stream` moves it to the host between capture passes).
+
+    `memory_cap_bytes`: every block's need (`block_need_bytes`) is checked against it before any
+    reconstruction, and running out of device memory raises a PocketdiffError naming the block
+    (the cap itself is the caller's: torch.cuda.set_per_process_memory_fraction)."""
     device = torch.device(device)
     t0 = time.time()
+    home = next(unet.parameters()).device
+    unet.to(device)
     blocks = build_blocks(unet, skip)
     per_sample = order_blocks(unet, blocks, calib, device)
     names = [g for b in blocks for g in b.layers]
     missing = set(specs) ^ set(names)
     if missing:
         raise PocketdiffError(f"layer specs and blocks disagree on {sorted(missing)[:5]}")
+    devices = list(devices or [])
+    parallel = opts.mode == "independent" and len(devices) > 1 and opts.method == "adaround"
+    sequential = opts.mode == "sequential" and opts.method == "adaround"
+    unet_bytes = module_bytes(unet)
+    needs: dict = {}
+    if memory_cap_bytes is not None:
+        resident = unet_bytes * ((1 if sequential else 0) if opts.stream else (2 if sequential else 1))
+        needs = check_memory_cap([b for b in blocks if b.kind != "rest"], per_sample, opts, int(memory_cap_bytes), resident,
+                                 unet_bytes * (2 if sequential else 1))
     weights = float_weights(unet, names)
     rtn_res, init_scales = layer_inits(weights, specs, opts, device)
-    info: dict = {"blocks": len(blocks), "samples": len(calib), "mode": opts.mode, "method": opts.method}
+    info: dict = {"blocks": len(blocks), "samples": len(calib), "mode": opts.mode, "method": opts.method, "stream": opts.stream}
     fisher = None
     if opts.loss == "fisher" and opts.method == "adaround":
         tf = time.time()
         with precision(False):
             fisher = fisher_weights(unet, blocks, calib, device, max(1, opts.forward_batch // 4), seed=seed)
         info["fisher_s"] = round(time.time() - tf, 3)
-    devices = list(devices or [])
-    if opts.mode == "independent" and len(devices) > 1 and opts.method == "adaround":
-        results = _run_parallel(unet, calib, blocks, specs, opts, devices, skip, seed, fisher, log)
-    elif opts.mode == "sequential" and opts.method == "adaround":
-        results = _run_sequential(unet, calib, blocks, per_sample, weights, specs, rtn_res, init_scales, opts, device, seed, fisher, log)
-    else:
-        results = _run_independent(unet, calib, blocks, per_sample, weights, specs, rtn_res, init_scales, opts, device, seed, fisher, log)
+    walk = _Walk(device, opts, memory_cap_bytes, needs, sum(1 for b in blocks if b.kind != "rest"), None if parallel else log)
+    try:
+        if parallel:
+            results = _run_parallel(unet, calib, blocks, specs, opts, devices, skip, seed, fisher, log, memory_cap_bytes, needs)
+        elif sequential:
+            results = _run_sequential(unet, calib, blocks, per_sample, weights, specs, rtn_res, init_scales, opts, device, seed,
+                                      fisher, walk)
+        else:
+            results = _run_independent(unet, calib, blocks, per_sample, weights, specs, rtn_res, init_scales, opts, device,
+                                       seed, fisher, walk)
+    finally:
+        walk.close()
+        unet.to(home)
     info["reconstruct_s"] = round(time.time() - t0, 3)
     info["rtn"] = {g: rtn_res[g] for g in names}
+    if walk.cuda:
+        info["peak_gpu_bytes"], info["peak_gpu_reserved_bytes"] = walk.peak, walk.peak_reserved
     return results, info
 
 
@@ -559,8 +372,25 @@ def _fisher_for(block: Block, fisher):
     return [fisher.get(u.name) for u in block.units]
 
 
-def _run_sequential(unet, calib, blocks, per_sample, weights, specs, rtn_res, init_scales, opts, device, seed, fisher, log):
-    q_unet = copy.deepcopy(unet)
+def _stores(opts: ReconConfig, per_sample, blocks, n, device, input_copies: int = 1):
+    """(cache budget, cache device, pinned): the host (pinned on CUDA) when streaming, else the
+    compute device when the largest block's data fits in the budget, else the host. torch's
+    pinned-memory allocator rounds every buffer up to a power of two, so a pinned cache gets half
+    the host budget."""
+    if opts.stream:
+        pinned = torch.device(device).type == "cuda"
+        return host_budget(opts) / (2 if pinned else 1), torch.device("cpu"), pinned
+    budget = cache_budget(opts, device)
+    largest = max((n * (v["in"] * input_copies + v["out"]) for v in per_sample.values()), default=0)
+    return budget, (torch.device(device) if largest <= budget else torch.device("cpu")), False
+
+
+def _span(group: Sequence[Block]) -> str:
+    return group[0].name if len(group) == 1 else f"blocks {group[0].name} .. {group[-1].name}"
+
+
+def _run_sequential(unet, calib, blocks, per_sample, weights, specs, rtn_res, init_scales, opts, device, seed, fisher, walk):
+    q_unet = copy.deepcopy(unet)  # stays on the device: block k's inputs come from its quantized prefix
     q_blocks = {b.name: b for b in build_blocks(q_unet, [])}
     # units of q_unet share paths with `blocks`; keep the ordered list but q_unet's modules
     ordered = []
@@ -573,33 +403,33 @@ def _run_sequential(unet, calib, blocks, per_sample, weights, specs, rtn_res, in
         ordered.append(Block(b.name, b.kind, [dataclasses.replace(units[u.name], layers=u.layers) for u in b.units], b.order))
     store_dtype = DTYPES[opts.cache_dtype]
     tf32, cap_ac = capture_settings(opts, device)
-    budget = cache_budget(opts, device)
     n = len(calib)
+    budget, store, pin = _stores(opts, per_sample, ordered, n, device, 2 if opts.qdrop > 0 else 1)
     keys = ("in", "out") if opts.qdrop > 0 else ("out",)
     groups = group_by_budget([b for b in ordered if b.kind != "rest"], per_sample, n, budget / 2, keys)
-    store = _store_device(per_sample, ordered, n, budget, device, 2 if opts.qdrop > 0 else 1)
     results = []
-    total = len(ordered)
-    done = 0
     for group in groups:
         reqs = [Request(u, inputs=opts.qdrop > 0, output=True) for b in group for u in b.units]
+        if opts.stream:
+            unet.to(device)
         with precision(tf32):
-            fcaps = capture(unet, calib, reqs, device=device, batch_size=opts.forward_batch, store_device=store,
-                            store_dtype=store_dtype, autocast=cap_ac)
+            fcaps = walk.capture(unet, calib, reqs, store, store_dtype, cap_ac, pin, f"the float targets of {_span(group)}")
+        if opts.stream:
+            unet.to("cpu")
+            _empty_cache(device)
         k = 0
         for b in group:
             nu = len(b.units)
             mine = fcaps[k:k + nu]
             k += nu
             with precision(tf32):
-                qcaps = capture(q_unet, calib, [Request(u, inputs=True) for u in b.units], device=device,
-                                batch_size=opts.forward_batch, store_device=store, store_dtype=store_dtype, autocast=cap_ac)
-            res = reconstruct_block(b, qcaps, [c.output for c in mine], weights, specs, rtn_res, init_scales, opts, device,
-                                    fp_caps=mine if opts.qdrop > 0 else None, fisher=_fisher_for(b, fisher), seed=seed + b.order)
+                qcaps = walk.capture(q_unet, calib, [Request(u, inputs=True) for u in b.units], store, store_dtype, cap_ac, pin,
+                                     f"the inputs of {b.name}")
+            res = walk.block(b, qcaps, [c.output for c in mine], weights=weights, specs=specs, rtn_res=rtn_res,
+                             init_scales=init_scales, fp_caps=mine if opts.qdrop > 0 else None, fisher=_fisher_for(b, fisher),
+                             seed=seed + b.order)
             write_weights(q_unet, res.layers, specs)
             results.append(res)
-            done += 1
-            _log(_fmt(done, total, res), log)
             del qcaps
         del fcaps
         _empty_cache(device)
@@ -610,37 +440,31 @@ def _run_sequential(unet, calib, blocks, per_sample, weights, specs, rtn_res, in
     return results
 
 
-def _store_device(per_sample, blocks, n, budget, device, input_copies: int = 1):
-    """Cache on the compute device when the largest block's data fits in the budget, else CPU."""
-    largest = max((n * (v["in"] * input_copies + v["out"]) for v in per_sample.values()), default=0)
-    return device if largest <= budget else torch.device("cpu")
-
-
-def _run_independent(unet, calib, blocks, per_sample, weights, specs, rtn_res, init_scales, opts, device, seed, fisher, log):
+def _run_independent(unet, calib, blocks, per_sample, weights, specs, rtn_res, init_scales, opts, device, seed, fisher, walk):
     store_dtype = DTYPES[opts.cache_dtype]
     tf32, cap_ac = capture_settings(opts, device)
-    budget = cache_budget(opts, device)
     n = len(calib)
-    store = _store_device(per_sample, blocks, n, budget, device)
+    budget, store, pin = _stores(opts, per_sample, blocks, n, device)
     results = []
     real = [b for b in blocks if b.kind != "rest"]
-    total = len(blocks)
-    done = 0
     for group in group_by_budget(real, per_sample, n, budget, ("in", "out")):
         reqs = [Request(u, inputs=True, output=True) for b in group for u in b.units]
+        if opts.stream:
+            unet.to(device)
         with precision(tf32):
-            caps = capture(unet, calib, reqs, device=device, batch_size=opts.forward_batch, store_device=store,
-                           store_dtype=store_dtype, autocast=cap_ac)
+            caps = walk.capture(unet, calib, reqs, store, store_dtype, cap_ac, pin, _span(group))
+        if opts.stream:  # only the block being reconstructed comes back to the device
+            unet.to("cpu")
+            _empty_cache(device)
         k = 0
         for b in group:
             nu = len(b.units)
             mine = caps[k:k + nu]
             k += nu
-            res = reconstruct_block(b, mine, [c.output for c in mine], weights, specs, rtn_res, init_scales, opts, device,
-                                    fisher=_fisher_for(b, fisher), seed=seed + b.order)
+            res = walk.block(b, mine, [c.output for c in mine], weights=weights, specs=specs, rtn_res=rtn_res,
+                             init_scales=init_scales, fisher=_fisher_for(b, fisher), seed=seed + b.order,
+                             move_module=opts.stream)
             results.append(res)
-            done += 1
-            _log(_fmt(done, total, res), log)
         del caps
         _empty_cache(device)
     for b in blocks:
@@ -682,7 +506,7 @@ def split_blocks(blocks: Sequence[Block], per_sample: dict, k: int) -> list[list
 
 def _worker(rank: int, device: str, unet_cls: str, unet_config: dict, state: dict, calib_tensors: dict, meta: dict,
             block_names: list, specs: dict, opts: ReconConfig, skip: list, seed: int, fisher, out_path: str,
-            threads: int = 0) -> None:
+            threads: int = 0, cap: Optional[int] = None, needs: Optional[dict] = None) -> None:
     try:
         import importlib
 
@@ -693,6 +517,9 @@ def _worker(rank: int, device: str, unet_cls: str, unet_config: dict, state: dic
         cls = getattr(importlib.import_module(mod_name), cls_name)
         unet = cls.from_config(unet_config)
         unet.load_state_dict(state)
+        if cap is not None and torch.device(device).type == "cuda":  # each worker holds to the cap on its own device
+            torch.cuda.set_per_process_memory_fraction(min(1.0, cap / torch.cuda.get_device_properties(device).total_memory),
+                                                       device)
         unet.to(device).eval().requires_grad_(False)
         calib = CalibSet(meta=meta, **calib_tensors)
         blocks = build_blocks(unet, skip)
@@ -706,14 +533,17 @@ def _worker(rank: int, device: str, unet_cls: str, unet_config: dict, state: dic
         def log(msg):
             print(f"[{device}] {msg}", file=sys.stderr, flush=True)
 
-        results = _run_independent(unet, calib, mine, per_sample, weights, my_specs, rtn_res, init_scales, opts, device, seed, fisher, log)
+        walk = _Walk(torch.device(device), opts, cap, needs or {}, len(mine), log, bar=False)  # no bars from several processes
+        results = _run_independent(unet, calib, mine, per_sample, weights, my_specs, rtn_res, init_scales, opts, device, seed,
+                                   fisher, walk)
+        walk.close()
         torch.save({"results": [dataclasses.asdict(r) for r in results]}, out_path)
     except BaseException as e:  # noqa: BLE001 - reported to the parent
         Path(out_path + ".err").write_text(f"{type(e).__name__}: {e}\n{traceback.format_exc()}", encoding="utf-8")
         raise SystemExit(1)
 
 
-def _run_parallel(unet, calib, blocks, specs, opts, devices, skip, seed, fisher, log) -> list[BlockResult]:
+def _run_parallel(unet, calib, blocks, specs, opts, devices, skip, seed, fisher, log, cap=None, needs=None) -> list[BlockResult]:
     import torch.multiprocessing as mp
 
     per_sample = order_blocks(unet, blocks, calib, next(unet.parameters()).device)
@@ -734,7 +564,8 @@ def _run_parallel(unet, calib, blocks, specs, opts, devices, skip, seed, fisher,
             out_path = os.path.join(tmp, f"worker{rank}.pt")
             my_fisher = None if fisher is None else {k: v.cpu() for k, v in fisher.items()}
             p = ctx.Process(target=_worker, args=(rank, dev, cls, config, state, calib_tensors, dict(calib.meta), part, specs,
-                                                  opts, list(skip), seed, my_fisher, out_path, torch.get_num_threads()))
+                                                  opts, list(skip), seed, my_fisher, out_path, torch.get_num_threads(), cap,
+                                                  needs))
             p.start()
             procs.append((p, out_path, dev))
         results: list[BlockResult] = []

@@ -152,7 +152,8 @@ def _unet_and_calib(teacher):
 
 
 def test_sequential_with_qdrop_fisher_learned_scales_and_bf16_cache(teacher):
-    from pocketdiff.compress.quant.reconstruct import ReconConfig, reconstruct_unet
+    from pocketdiff.compress.quant.block_recon import ReconConfig
+    from pocketdiff.compress.quant.reconstruct import reconstruct_unet
 
     unet, calib, specs = _unet_and_calib(teacher)
     before = {k: v.clone() for k, v in unet.state_dict().items()}
@@ -165,7 +166,8 @@ def test_sequential_with_qdrop_fisher_learned_scales_and_bf16_cache(teacher):
 
 
 def test_independent_mode_on_two_worker_processes(teacher, tmp_path):
-    from pocketdiff.compress.quant.reconstruct import ReconConfig, reconstruct_unet
+    from pocketdiff.compress.quant.block_recon import ReconConfig
+    from pocketdiff.compress.quant.reconstruct import reconstruct_unet
 
     unet, calib, specs = _unet_and_calib(teacher)
     pipe = type("P", (), {"unet": unet})
@@ -211,7 +213,8 @@ def test_checkpoint_without_unet(tmp_path):
 @pytest.mark.parametrize("override,key", [("quant.bits=3", "quant.bits"), ("quant.bits=16", "quant.bits"),
                                           ("calib.num_prompts=0", "calib.num_prompts"),
                                           ("calib.max_samples=0", "calib.max_samples"),
-                                          ("quant.layer_bits.conv_in=2", "quant.layer_bits")])
+                                          ("quant.layer_bits.conv_in=2", "quant.layer_bits"),
+                                          ("memory_cap_gib=0", "memory_cap_gib")])
 def test_bad_config_values(override, key, tmp_path):
     with pytest.raises(ConfigError, match=key):
         load_config(Config, None, [override])
@@ -252,7 +255,8 @@ def test_w_conditioned_student_inputs_are_recorded_and_reconstructed():
 
     from pocketdiff.compress.quant.calib_data import collect_unet_inputs, trajectory_indices
     from pocketdiff.compress.quant.quantizer import layer_specs, quantizable_layers
-    from pocketdiff.compress.quant.reconstruct import ReconConfig, reconstruct_unet
+    from pocketdiff.compress.quant.block_recon import ReconConfig
+    from pocketdiff.compress.quant.reconstruct import reconstruct_unet
     from pocketdiff.models import scheduler_config, unet_config
 
     torch.manual_seed(0)

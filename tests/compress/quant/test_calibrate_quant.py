@@ -10,7 +10,7 @@ from pocketdiff.compress.quant.blocks import Block, Captured, Unit
 from pocketdiff.compress.quant.int8_format import expand_scale, qmax
 from pocketdiff.compress.quant.quantizer import (AdaRoundQuantizer, LayerSpec, beta_schedule, inverse_rectified_sigmoid, layer_specs,
                                        rectified_sigmoid, rtn, search_scale)
-from pocketdiff.compress.quant.reconstruct import ReconConfig, block_mse, layer_inits, reconstruct_block
+from pocketdiff.compress.quant.block_recon import ReconConfig, block_mse, layer_inits, reconstruct_block
 from pocketdiff.errors import PocketdiffError
 
 
@@ -148,7 +148,7 @@ def test_recon_config_validation():
 
 
 def test_rounding_lr_falls_with_fan_in_above_the_reference():
-    from pocketdiff.compress.quant.reconstruct import rounding_lr
+    from pocketdiff.compress.quant.block_recon import rounding_lr
 
     opts = ReconConfig(lr=3e-2, lr_fan_in_ref=4608)
     assert rounding_lr(opts, (320, 320, 3, 3)) == 3e-2  # fan-in 2,880: unchanged
