@@ -364,6 +364,9 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
     }
     bundle_lib.write_manifest(out, manifest)
     bundle_lib.load_manifest(out)  # the bundle we wrote must pass the runner's checks
+    from .verify_bundle import verify_bundle
+
+    verify_bundle(out, run=False)  # and verify-bundle's checks that need no model run (manifest, files, io, goldens)
 
     summary = {
         name: {k: r.get(k) for k in ("file", "weights", "fully_accelerated", "cosine", "psnr_db", "max_abs", "bytes", "ops", "op_count", "transposes")}
