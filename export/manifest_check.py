@@ -1,179 +1,457 @@
-"""Checks of a bundle's manifest that need no model run: shared by `pocketdiff verify-bundle`,
-`pocketdiff run-bundle` and the end of `pocketdiff export`.
+"""Checks of a bundle's manifest against itself and against its files, before anything runs.
 
-Each check raises `BundleCheckError` naming the component (or "manifest" / "tokenizer") and the
-check that failed, so the CLI prints one line such as
+`load_manifest` (bundle.py) checks the files exist inside the bundle, their sha256 and that
+each .tflite is a whole flatbuffer. This module checks what the runner relies on:
 
-    verify-bundle: unet: io: input 'sample' has shape [1, 4, 64, 64] in the .tflite, manifest says [2, 4, 64, 64]
+- fields: image / latent sizes (latent x vae_factor = image), guidance mode and UNet batch,
+  the DDIM schedule (timesteps non-empty integers strictly inside [0, num_train_timesteps),
+  `steps` of them, exactly as `timestep_spacing` + `steps_offset` give them; alphas_cumprod
+  finite, in (0, 1], non-increasing, one per train timestep), tokenizer lengths and ids;
+- the components' declared inputs and outputs against each other (latent shape, text length
+  and width, UNet batch, time input vs the time-embedding table);
+- files: every declared `bytes` equals the file's size; every .tflite's signature (input
+  and output names, shapes, dtypes) equals the manifest's; the time-embedding .npy header
+  (shape, dtype) equals the manifest's.
 
-Imports only numpy and the flatbuffer schema of ai-edge-litert (no torch).
+`manifest_problems` lists every problem found (a `verify-bundle` report); `check_bundle`
+raises the first as one line naming the field or file and the check. numpy and the LiteRT
+flatbuffer schema only: no torch, the runner's footprint.
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
 
 from pocketdiff.errors import PocketdiffError
 
-REQUIRED_SECTIONS = ("image", "latent", "guidance", "scheduler", "tokenizer", "components")
-GUIDANCE_MODES = ("cfg", "embedded", "none")
-PRECISIONS = ("fp16", "fp32")
+RUNNER_COMPONENTS = ("text_encoder", "unet", "vae_decoder")
+SPACINGS = ("leading", "trailing", "linspace")
+PREDICTION_TYPES = ("epsilon", "v_prediction")
+GUIDANCE_BATCH = {"cfg": 2, "embedded": 1, "none": 1}
 
 
-class BundleCheckError(PocketdiffError):
-    """A bundle failed one named check of one component."""
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    where: str  # manifest field (scheduler.timesteps[3]) or file (unet.tflite)
+    check: str  # short name of the check (range, order, signature, size, ...)
+    message: str
 
-    def __init__(self, component: str, check: str, detail: str):
-        self.component, self.check, self.detail = component, check, detail
-        super().__init__(f"{component}: {check}: {detail}")
+    def line(self, bundle: str | Path) -> str:
+        return f"bundle {bundle}: {self.where}: {self.message} ({self.check} check)"
 
 
-def _io_list(entry: Any, component: str, key: str) -> list[dict]:
+class _Found:
+    def __init__(self):
+        self.items: list[Problem] = []
+
+    def add(self, where: str, check: str, message: str) -> None:
+        self.items.append(Problem(where, check, message))
+
+
+# ------------------------------------------------------------------------------- helpers
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float, np.number)) and not isinstance(v, bool)
+
+
+def _section(man: dict, key: str, found: _Found) -> Optional[dict]:
+    sec = man.get(key)
+    if not isinstance(sec, dict):
+        found.add(key, "present", "missing or not an object")
+        return None
+    return sec
+
+
+def _positive_ints(sec: dict, prefix: str, keys: Iterable[str], found: _Found) -> bool:
+    ok = True
+    for k in keys:
+        v = sec.get(k)
+        if not _is_int(v) or v <= 0:
+            found.add(f"{prefix}.{k}", "type", f"must be a positive integer, got {v!r}")
+            ok = False
+    return ok
+
+
+def spacing_timesteps(num_train_timesteps: int, steps: int, spacing: str, steps_offset: int = 0) -> list[int]:
+    """Descending DDIM timesteps as `DDIMScheduler.set_timesteps` gives them (numpy only; the
+    same rule as pocketdiff.sampling.ddim_timesteps)."""
+    T = int(num_train_timesteps)
+    if spacing == "leading":
+        ts = (np.arange(0, steps) * (T // steps)).round()[::-1].astype(np.int64) + int(steps_offset)
+    elif spacing == "trailing":
+        ts = np.round(np.arange(T, 0, -T / steps)).astype(np.int64) - 1
+    elif spacing == "linspace":
+        ts = np.linspace(0, T - 1, steps).round()[::-1].astype(np.int64)
+    else:
+        raise ValueError(f"unknown timestep spacing {spacing!r}")
+    return [int(t) for t in ts]
+
+
+# ------------------------------------------------------------------------------- field checks
+
+
+def _check_sizes(man: dict, found: _Found) -> None:
+    image, latent = _section(man, "image", found), _section(man, "latent", found)
+    if image is None or latent is None:
+        return
+    img_ok = _positive_ints(image, "image", ("height", "width", "channels"), found)
+    lat_ok = _positive_ints(latent, "latent", ("channels", "height", "width", "vae_factor"), found)
+    if img_ok and image["channels"] != 3:
+        found.add("image.channels", "value", f"must be 3 (RGB), got {image['channels']}")
+    if img_ok and lat_ok:
+        for k in ("height", "width"):
+            if latent[k] * latent["vae_factor"] != image[k]:
+                found.add(f"latent.{k}", "consistency", f"{latent[k]} x vae_factor {latent['vae_factor']} != image.{k} {image[k]}")
+
+
+def _check_guidance(man: dict, found: _Found) -> None:
+    g = _section(man, "guidance", found)
+    if g is None:
+        return
+    mode = g.get("mode")
+    if mode not in GUIDANCE_BATCH:
+        found.add("guidance.mode", "value", f"must be one of {', '.join(GUIDANCE_BATCH)}, got {mode!r}")
+    elif g.get("unet_batch") != GUIDANCE_BATCH[mode]:
+        found.add("guidance.unet_batch", "consistency", f"must be {GUIDANCE_BATCH[mode]} with mode {mode}, got {g.get('unet_batch')!r}")
+    scale = g.get("scale")
+    if not _is_num(scale) or not math.isfinite(scale):
+        found.add("guidance.scale", "value", f"must be a finite number, got {scale!r}")
+
+
+def _check_scheduler(man: dict, found: _Found) -> None:
+    s = _section(man, "scheduler", found)
+    if s is None:
+        return
+    if s.get("type", "ddim") != "ddim":
+        found.add("scheduler.type", "value", f"only ddim is supported, got {s.get('type')!r}")
+    if s.get("prediction_type") not in PREDICTION_TYPES:
+        found.add("scheduler.prediction_type", "value", f"must be epsilon or v_prediction, got {s.get('prediction_type')!r}")
+    if s.get("eta", 0.0) != 0:
+        found.add("scheduler.eta", "value", f"the runner is deterministic DDIM (eta 0), got {s.get('eta')!r}")
+    T, steps = s.get("num_train_timesteps"), s.get("steps")
+    if not _is_int(T) or T <= 0:
+        found.add("scheduler.num_train_timesteps", "type", f"must be a positive integer, got {T!r}")
+        T = None
+    if not _is_int(steps) or steps <= 0:
+        found.add("scheduler.steps", "type", f"must be a positive integer, got {steps!r}")
+        steps = None
+
+    ts = s.get("timesteps")
+    ts_ok = False
+    if not isinstance(ts, list) or not ts:
+        found.add("scheduler.timesteps", "present", f"must be a non-empty list, got {ts!r}")
+    else:
+        ts_ok = True
+        for i, t in enumerate(ts):
+            if not _is_int(t):
+                found.add(f"scheduler.timesteps[{i}]", "type", f"must be an integer, got {t!r}")
+                ts_ok = False
+            elif T is not None and not 0 <= t < T:
+                found.add(f"scheduler.timesteps[{i}]", "range", f"{t} is outside [0, {T}) (num_train_timesteps)")
+                ts_ok = False
+        if ts_ok and any(a <= b for a, b in zip(ts, ts[1:])):
+            i = next(i for i, (a, b) in enumerate(zip(ts, ts[1:])) if a <= b)
+            found.add(f"scheduler.timesteps[{i + 1}]", "order", f"{ts[i + 1]} after {ts[i]}: timesteps must strictly decrease")
+            ts_ok = False
+        if ts_ok and steps is not None and len(ts) != steps:
+            found.add("scheduler.timesteps", "consistency", f"{len(ts)} timesteps but scheduler.steps is {steps}")
+            ts_ok = False
+    spacing, offset = s.get("timestep_spacing", "leading"), s.get("steps_offset", 0)
+    if spacing not in SPACINGS:
+        found.add("scheduler.timestep_spacing", "value", f"must be one of {', '.join(SPACINGS)}, got {spacing!r}")
+    elif not _is_int(offset) or offset < 0:
+        found.add("scheduler.steps_offset", "type", f"must be a non-negative integer, got {offset!r}")
+    elif ts_ok and T is not None and steps is not None and steps <= T:
+        want = spacing_timesteps(T, steps, spacing, offset)
+        if list(ts) != want:
+            i = next(i for i, (a, b) in enumerate(zip(ts, want)) if a != b)
+            found.add(f"scheduler.timesteps[{i}]", "spacing", f"{ts[i]}, but {spacing} spacing over {T} with steps_offset {offset} "
+                      f"gives {want[i]} ({want[:8]}{' ...' if len(want) > 8 else ''})")
+
+    alphas = s.get("alphas_cumprod")
+    if not isinstance(alphas, list) or not alphas:
+        found.add("scheduler.alphas_cumprod", "present", "must be a non-empty list")
+    else:
+        bad = next((i for i, a in enumerate(alphas) if not _is_num(a)), None)
+        if bad is not None:
+            found.add(f"scheduler.alphas_cumprod[{bad}]", "type", f"must be a number, got {alphas[bad]!r}")
+        else:
+            a = np.asarray(alphas, dtype=np.float64)
+            wrong = np.flatnonzero(~np.isfinite(a) | (a <= 0) | (a > 1))
+            if wrong.size:
+                i = int(wrong[0])
+                more = f" ({wrong.size} such values)" if wrong.size > 1 else ""
+                found.add(f"scheduler.alphas_cumprod[{i}]", "range", f"{alphas[i]!r} is not finite in (0, 1]{more}")
+            elif np.any(np.diff(a) > 0):
+                i = int(np.flatnonzero(np.diff(a) > 0)[0]) + 1
+                found.add(f"scheduler.alphas_cumprod[{i}]", "order", f"{alphas[i]} rises above {alphas[i - 1]}: a cumulative product never increases")
+            if T is not None and len(alphas) != T:
+                found.add("scheduler.alphas_cumprod", "consistency", f"{len(alphas)} values, num_train_timesteps is {T}")
+    final = s.get("final_alpha_cumprod")
+    if not _is_num(final) or not math.isfinite(final) or not 0 < final <= 1:
+        found.add("scheduler.final_alpha_cumprod", "range", f"must be finite in (0, 1], got {final!r}")
+
+
+def _check_tokenizer(man: dict, found: _Found) -> None:
+    tok = _section(man, "tokenizer", found)
+    if tok is None:
+        return
+    _positive_ints(tok, "tokenizer", ("max_length",), found)
+    for k in ("pad_id", "bos_id", "eos_id"):
+        if k in tok or k == "pad_id":
+            v = tok.get(k)
+            if not _is_int(v) or v < 0:
+                found.add(f"tokenizer.{k}", "type", f"must be a non-negative integer, got {v!r}")
+    files = tok.get("files")
+    if not isinstance(files, dict) or "tokenizer.json" not in files:
+        found.add("tokenizer.files", "present", "must list tokenizer.json")
+
+
+def _io(entry: dict, key: str, name: str, found: _Found) -> Optional[dict[str, dict]]:
+    """name -> {shape, dtype} of a component's declared inputs or outputs (None when malformed)."""
     items = entry.get(key)
+    where = f"components.{name}.{key}"
     if not isinstance(items, list) or not items:
-        raise BundleCheckError(component, "manifest", f"'{key}' must be a non-empty list of {{name, shape, dtype}}")
+        found.add(where, "present", "must be a non-empty list of {name, shape, dtype}")
+        return None
+    io: dict[str, dict] = {}
     for i, it in enumerate(items):
         if not isinstance(it, dict) or not isinstance(it.get("name"), str):
-            raise BundleCheckError(component, "manifest", f"{key}[{i}] has no name")
-        shape = it.get("shape")
-        if not isinstance(shape, list) or not all(isinstance(s, int) and s > 0 for s in shape):
-            raise BundleCheckError(component, "manifest", f"{key}[{i}] ({it['name']}): shape must be a list of positive ints, got {shape!r}")
+            found.add(f"{where}[{i}]", "type", "must be an object with a name")
+            return None
+        shape, dtype = it.get("shape"), it.get("dtype")
+        if not isinstance(shape, list) or not all(_is_int(d) and d > 0 for d in shape):
+            found.add(f"{where}[{i}].shape", "type", f"must be a list of positive integers, got {shape!r}")
+            return None
         try:
-            np.dtype(it.get("dtype"))
+            np.dtype(dtype)
         except TypeError:
-            raise BundleCheckError(component, "manifest", f"{key}[{i}] ({it['name']}): unknown dtype {it.get('dtype')!r}") from None
-    return items
-
-
-def check_manifest_fields(manifest: dict) -> None:
-    """The sections and fields a runner reads, with their types (no file access)."""
-    for sec in REQUIRED_SECTIONS:
-        if sec not in manifest:
-            raise BundleCheckError("manifest", "fields", f"missing section '{sec}'")
-    g = manifest["guidance"]
-    if not isinstance(g, dict) or g.get("mode") not in GUIDANCE_MODES:
-        raise BundleCheckError("manifest", "fields", f"guidance.mode must be one of {GUIDANCE_MODES}, got {g.get('mode') if isinstance(g, dict) else g!r}")
-    if g.get("unet_batch") not in (1, 2) or (g["mode"] == "cfg") != (g["unet_batch"] == 2):
-        raise BundleCheckError("manifest", "fields", f"guidance.unet_batch {g.get('unet_batch')!r} does not fit mode {g['mode']!r} (cfg: 2, else 1)")
-    s = manifest["scheduler"]
-    ts = s.get("timesteps") if isinstance(s, dict) else None
-    if not isinstance(ts, list) or not ts or not all(isinstance(t, int) for t in ts):
-        raise BundleCheckError("manifest", "fields", "scheduler.timesteps must be a non-empty list of ints")
-    n_train = s.get("num_train_timesteps")
-    alphas = s.get("alphas_cumprod")
-    if not isinstance(n_train, int) or not isinstance(alphas, list) or len(alphas) != n_train:
-        raise BundleCheckError("manifest", "fields", f"scheduler.alphas_cumprod must hold num_train_timesteps={n_train!r} values")
-    if any(t < 0 or t >= n_train for t in ts):
-        raise BundleCheckError("manifest", "fields", f"scheduler.timesteps must lie in [0, {n_train})")
-    lat = manifest["latent"]
-    for k in ("channels", "height", "width"):
-        if not isinstance(lat, dict) or not isinstance(lat.get(k), int) or lat[k] <= 0:
-            raise BundleCheckError("manifest", "fields", f"latent.{k} must be a positive int")
-    tok = manifest["tokenizer"]
-    if not isinstance(tok, dict) or "tokenizer.json" not in (tok.get("files") or {}):
-        raise BundleCheckError("tokenizer", "fields", "tokenizer.files must list tokenizer.json")
-    for k in ("max_length", "pad_id"):
-        if not isinstance(tok.get(k), int):
-            raise BundleCheckError("tokenizer", "fields", f"tokenizer.{k} must be an int")
-    comps = manifest["components"]
-    if not isinstance(comps, dict) or not comps:
-        raise BundleCheckError("manifest", "fields", "components must name at least one component")
-    for name, entry in comps.items():
-        if not isinstance(entry, dict):
-            raise BundleCheckError(name, "manifest", "entry must be an object")
-        _io_list(entry, name, "inputs")
-        _io_list(entry, name, "outputs")
-        golden = entry.get("golden")
-        if golden is not None:
-            tol = golden.get("tolerances") if isinstance(golden, dict) else None
-            if not isinstance(tol, dict):
-                raise BundleCheckError(name, "manifest", "golden.tolerances missing")
-            for p, th in tol.items():
-                if p not in PRECISIONS or not isinstance(th, dict) or not {"cosine_min", "psnr_min_db"} <= set(th):
-                    raise BundleCheckError(name, "manifest", f"golden.tolerances.{p} must be fp16/fp32 with cosine_min and psnr_min_db")
-    if "unet" in comps:  # the UNet's inputs must fit the latent and guidance sections
-        ins = {i["name"]: i for i in comps["unet"]["inputs"]}
-        want = [g["unet_batch"], lat["channels"], lat["height"], lat["width"]]
-        if "sample" in ins and ins["sample"]["shape"] != want:
-            raise BundleCheckError("unet", "manifest", f"input 'sample' shape {ins['sample']['shape']} does not fit latent/guidance {want}")
-
-
-def tflite_io(path: str | Path) -> dict[str, list[dict]]:
-    """{"inputs": [...], "outputs": [...]} of a .tflite's first signature: name, shape, dtype."""
-    from .tflite_file import NP_TYPES, TfliteModel
-
-    m = TfliteModel(path)
-    sigs = m.model.signatureDefs or []
-    out: dict[str, list[dict]] = {"inputs": [], "outputs": []}
-    sg_index = sigs[0].subgraphIndex if sigs else 0
-    graph = m.model.subgraphs[sg_index]
-
-    def describe(name: str, tensor_index: int) -> dict:
-        t = graph.tensors[tensor_index]
-        return {"name": name, "shape": [int(s) for s in (t.shape if t.shape is not None else [])],
-                "dtype": np.dtype(NP_TYPES.get(t.type, np.float32)).name}
-
-    if sigs:
-        for key, items in (("inputs", sigs[0].inputs), ("outputs", sigs[0].outputs)):
-            for it in items or []:
-                name = it.name.decode() if isinstance(it.name, bytes) else str(it.name)
-                out[key].append(describe(name, int(it.tensorIndex)))
-    else:
-        for key, idx in (("inputs", graph.inputs), ("outputs", graph.outputs)):
-            for j, ti in enumerate(idx if idx is not None else []):
-                out[key].append(describe(f"{key[:-1]}_{j}", int(ti)))
-    return out
-
-
-def check_component_io(name: str, entry: dict, path: Optional[str | Path] = None) -> dict:
-    """The manifest's inputs/outputs against the .tflite's signature (names, shapes, dtypes).
-    Returns the .tflite's io."""
-    io = tflite_io(path or entry["_path"])
-    for key in ("inputs", "outputs"):
-        want = {i["name"]: i for i in _io_list(entry, name, key)}
-        got = {i["name"]: i for i in io[key]}
-        if key == "outputs" and len(want) == len(got) == 1:  # output names are the converter's
-            want = {"_": next(iter(want.values()))}
-            got = {"_": next(iter(got.values()))}
-        if set(want) != set(got):
-            raise BundleCheckError(name, "io", f"{key} {sorted(got)} in the .tflite, manifest says {sorted(want)}")
-        for n, w in want.items():
-            g = got[n]
-            label = f"{key[:-1]} '{w['name']}'"
-            if list(g["shape"]) != list(w["shape"]):
-                raise BundleCheckError(name, "io", f"{label} has shape {g['shape']} in the .tflite, manifest says {w['shape']}")
-            if np.dtype(g["dtype"]) != np.dtype(w["dtype"]):
-                raise BundleCheckError(name, "io", f"{label} has dtype {g['dtype']} in the .tflite, manifest says {w['dtype']}")
+            found.add(f"{where}[{i}].dtype", "type", f"{dtype!r} is not a dtype")
+            return None
+        io[it["name"]] = {"shape": list(shape), "dtype": str(np.dtype(dtype))}
     return io
 
 
-def load_golden(name: str, entry: dict) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """(inputs by manifest name, reference output) of a component's golden file, checked
-    against the manifest's io."""
-    golden = entry.get("golden")
-    if not golden or "_path" not in golden:
-        raise BundleCheckError(name, "golden", "the manifest lists no golden file")
+def _expect(found: _Found, where: str, got: list, want: list, what: str) -> None:
+    if got != want:
+        found.add(where, "consistency", f"shape {got}, but {what} gives {want}")
+
+
+def _check_components(man: dict, need: Iterable[str], found: _Found) -> None:
+    comps = man.get("components")
+    if not isinstance(comps, dict) or not comps:
+        found.add("components", "present", "missing or empty")
+        return
+    for name in need:
+        if name not in comps:
+            found.add(f"components.{name}", "present", f"missing (the bundle has {', '.join(comps)})")
+    ios: dict[str, tuple] = {}
+    for name, entry in comps.items():
+        if not isinstance(entry, dict):
+            found.add(f"components.{name}", "type", "must be an object")
+            continue
+        if "bytes" in entry and (not _is_int(entry["bytes"]) or entry["bytes"] <= 0):
+            found.add(f"components.{name}.bytes", "type", f"must be a positive integer, got {entry['bytes']!r}")
+        ins, outs = _io(entry, "inputs", name, found), _io(entry, "outputs", name, found)
+        if ins is not None and outs is not None:
+            ios[name] = (ins, outs)
+    _check_contract(man, ios, found)
+
+
+def _check_contract(man: dict, ios: dict, found: _Found) -> None:
+    """The shapes the runner feeds and reads, from the manifest's sizes, against each component."""
+    lat, g, tok, s = (man.get(k) if isinstance(man.get(k), dict) else {} for k in ("latent", "guidance", "tokenizer", "scheduler"))
+    image = man.get("image") if isinstance(man.get("image"), dict) else {}
+    B = g.get("unet_batch")
+    latent = [lat.get("channels"), lat.get("height"), lat.get("width")]
+    L = tok.get("max_length")
+    text_out = None
+    if "text_encoder" in ios:
+        ins, outs = ios["text_encoder"]
+        if "input_ids" not in ins:
+            found.add("components.text_encoder.inputs", "consistency", f"has no input_ids (has {', '.join(ins)})")
+        else:
+            _expect(found, "components.text_encoder.inputs.input_ids", ins["input_ids"]["shape"], [1, L], "tokenizer.max_length")
+        text_out = next(iter(outs.values()))["shape"]
+        if len(text_out) != 3 or text_out[:2] != [1, L]:
+            found.add("components.text_encoder.outputs", "consistency", f"shape {text_out}, expected [1, {L}, width] (tokenizer.max_length)")
+            text_out = None
+    if "unet" in ios:
+        ins, outs = ios["unet"]
+        missing = [k for k in ("sample", "timestep", "encoder_hidden_states") if k not in ins]
+        if missing:
+            found.add("components.unet.inputs", "consistency", f"has no {', '.join(missing)} (has {', '.join(ins)})")
+        else:
+            _expect(found, "components.unet.inputs.sample", ins["sample"]["shape"], [B, *latent], "guidance.unet_batch x latent")
+            if text_out is not None:
+                _expect(found, "components.unet.inputs.encoder_hidden_states", ins["encoder_hidden_states"]["shape"],
+                        [B, *text_out[1:]], "guidance.unet_batch x the text encoder's output")
+            te = man.get("time_embedding")
+            if te:
+                shape = te.get("shape") if isinstance(te, dict) else None
+                if not isinstance(shape, list) or len(shape) != 2 or not all(_is_int(d) and d > 0 for d in shape):
+                    found.add("time_embedding.shape", "type", f"must be [num_train_timesteps, width], got {shape!r}")
+                else:
+                    if shape[0] != s.get("num_train_timesteps"):
+                        found.add("time_embedding.shape", "consistency", f"{shape[0]} rows, num_train_timesteps is {s.get('num_train_timesteps')}")
+                    _expect(found, "components.unet.inputs.timestep", ins["timestep"]["shape"], [B, shape[1]],
+                            "guidance.unet_batch x the time-embedding width")
+            else:
+                _expect(found, "components.unet.inputs.timestep", ins["timestep"]["shape"], [B], "guidance.unet_batch (no time-embedding table)")
+        _expect(found, "components.unet.outputs", next(iter(outs.values()))["shape"], [B, *latent], "guidance.unet_batch x latent")
+    if "vae_decoder" in ios:
+        ins, outs = ios["vae_decoder"]
+        if "latents" not in ins:
+            found.add("components.vae_decoder.inputs", "consistency", f"has no latents (has {', '.join(ins)})")
+        else:
+            _expect(found, "components.vae_decoder.inputs.latents", ins["latents"]["shape"], [1, *latent], "latent")
+        _expect(found, "components.vae_decoder.outputs", next(iter(outs.values()))["shape"],
+                [1, image.get("channels"), image.get("height"), image.get("width")], "image")
+
+
+FIELD_CHECKS: tuple[Callable[[dict, _Found], None], ...] = (_check_sizes, _check_guidance, _check_scheduler, _check_tokenizer)
+
+
+# ------------------------------------------------------------------------------- file checks
+
+
+def tflite_signature(path: str | Path) -> tuple[dict[str, dict], dict[str, dict]]:
+    """(inputs, outputs) of a .tflite's first signature (or its first subgraph's inputs and
+    outputs when it has none): name -> {shape, dtype}. Reads the flatbuffer in place."""
+    import mmap
+
+    from ai_edge_litert import schema_py_generated as schema
+
+    from .tflite_file import NP_TYPES
+
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as raw:
+        model = schema.Model.GetRootAsModel(raw, 0)
+
+        def describe(graph, index: int) -> dict:
+            t = graph.Tensors(index)
+            dtype = NP_TYPES.get(t.Type())
+            return {"shape": [int(d) for d in t.ShapeAsNumpy()] if t.ShapeLength() else [],
+                    "dtype": str(np.dtype(dtype)) if dtype is not None else f"tflite type {t.Type()}"}
+
+        def name_of(graph, index: int) -> str:
+            return graph.Tensors(index).Name().decode(errors="replace")
+
+        if model.SignatureDefsLength():
+            sig = model.SignatureDefs(0)
+            graph = model.Subgraphs(sig.SubgraphIndex())
+            ins = {sig.Inputs(i).Name().decode(): describe(graph, sig.Inputs(i).TensorIndex()) for i in range(sig.InputsLength())}
+            outs = {sig.Outputs(i).Name().decode(): describe(graph, sig.Outputs(i).TensorIndex()) for i in range(sig.OutputsLength())}
+        else:
+            graph = model.Subgraphs(0)
+            ins = {name_of(graph, graph.Inputs(i)): describe(graph, graph.Inputs(i)) for i in range(graph.InputsLength())}
+            outs = {name_of(graph, graph.Outputs(i)): describe(graph, graph.Outputs(i)) for i in range(graph.OutputsLength())}
+    return ins, outs
+
+
+def _check_files(bundle: Path, man: dict, found: _Found) -> None:
+    from .bundle import resolve_in_bundle
+
+    entries = []
+    for name, entry in (man.get("components") or {}).items():
+        if isinstance(entry, dict):
+            entries.append((name, entry, True))
+            if isinstance(entry.get("golden"), dict):
+                entries.append((f"golden of {name}", entry["golden"], False))
+    for fname, entry in ((man.get("tokenizer") or {}).get("files") or {}).items():
+        entries.append((f"tokenizer file {fname}", entry, False))
+    if isinstance(man.get("time_embedding"), dict):
+        entries.append(("time embedding table", man["time_embedding"], False))
+    for what, entry, is_model in entries:
+        try:
+            path = Path(entry["_path"]) if "_path" in entry else resolve_in_bundle(bundle, entry.get("path"), what)
+        except PocketdiffError as e:
+            found.add(str(entry.get("path")), "path", str(e))
+            continue
+        if not path.is_file():
+            found.add(str(entry.get("path")), "present", f"{what} file is missing")
+            continue
+        size = path.stat().st_size
+        if _is_int(entry.get("bytes")) and entry["bytes"] != size:
+            found.add(str(entry.get("path")), "size", f"{size} bytes, the manifest says {entry['bytes']} ({what})")
+        if is_model:
+            _check_signature(path, entry, what.split()[-1], found)
+    te = man.get("time_embedding")
+    if isinstance(te, dict) and isinstance(te.get("shape"), list):
+        _check_npy(bundle, te, found)
+
+
+def _check_signature(path: Path, entry: dict, name: str, found: _Found) -> None:
+    rel = str(entry.get("path"))
     try:
-        data = np.load(golden["_path"], allow_pickle=False)
-    except (OSError, ValueError) as e:
-        raise BundleCheckError(name, "golden", f"{golden.get('path')} does not load ({type(e).__name__}: {e})") from None
-    with data:
-        inputs = {}
-        for i in entry["inputs"]:
-            key = f"input_{i['name']}"
-            if key not in data.files:
-                raise BundleCheckError(name, "golden", f"{golden.get('path')} has no {key}")
-            a = data[key]
-            if list(a.shape) != list(i["shape"]):
-                raise BundleCheckError(name, "golden", f"{key} has shape {list(a.shape)}, manifest says {i['shape']}")
-            inputs[i["name"]] = a
-        if "output_0" not in data.files:
-            raise BundleCheckError(name, "golden", f"{golden.get('path')} has no output_0")
-        ref = data["output_0"]
-    if list(ref.shape) != list(entry["outputs"][0]["shape"]):
-        raise BundleCheckError(name, "golden", f"output_0 has shape {list(ref.shape)}, manifest says {entry['outputs'][0]['shape']}")
-    if not np.isfinite(ref).all():
-        raise BundleCheckError(name, "golden", "the reference output holds NaN/Inf")
-    return inputs, ref
+        ins, outs = tflite_signature(path)
+    except Exception as e:  # noqa: BLE001 - flatbuffers raises plain errors on damaged files
+        found.add(rel, "signature", f"cannot read the model's inputs and outputs ({type(e).__name__}: {e})")
+        return
+    for key, got in (("inputs", ins), ("outputs", outs)):
+        want_io = _io(entry, key, name, _Found())
+        if want_io is None:
+            continue  # reported by the field checks
+        if set(got) != set(want_io):
+            found.add(rel, "signature", f"{key} {sorted(got)} differ from the manifest's components.{name}.{key} {sorted(want_io)}")
+            continue
+        for io_name, want in want_io.items():
+            if got[io_name] != want:
+                found.add(rel, "signature", f"{key[:-1]} {io_name} is {got[io_name]['shape']} {got[io_name]['dtype']}, "
+                                            f"the manifest's components.{name} says {want['shape']} {want['dtype']}")
+
+
+def _check_npy(bundle: Path, te: dict, found: _Found) -> None:
+    from .bundle import resolve_in_bundle
+
+    rel = str(te.get("path"))
+    try:
+        path = Path(te["_path"]) if "_path" in te else resolve_in_bundle(bundle, te.get("path"), "time embedding table")
+        with open(path, "rb") as f:
+            version = np.lib.format.read_magic(f)
+            read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            shape, _, dtype = read(f)  # the header only: nothing is loaded or unpickled
+    except (OSError, ValueError, PocketdiffError) as e:
+        found.add(rel, "file", f"not a readable .npy ({e})")
+        return
+    if list(shape) != te["shape"]:
+        found.add(rel, "shape", f"holds {list(shape)}, the manifest's time_embedding.shape says {te['shape']}")
+    if dtype.hasobject or str(dtype) != str(te.get("dtype", "float32")):
+        found.add(rel, "dtype", f"holds {dtype}, the manifest's time_embedding.dtype says {te.get('dtype', 'float32')}")
+
+
+# ------------------------------------------------------------------------------- entry points
+
+
+def manifest_problems(bundle: str | Path, manifest: dict, need: Iterable[str] = RUNNER_COMPONENTS,
+                      files: bool = True) -> list[Problem]:
+    """Every problem of `manifest` (as `load_manifest` returns it, or the raw JSON) and, with
+    `files`, of the files it names. `need`: components that must be present."""
+    found = _Found()
+    for check in FIELD_CHECKS:
+        check(manifest, found)
+    _check_components(manifest, need, found)
+    if files:
+        _check_files(Path(bundle), manifest, found)
+    return found.items
+
+
+def check_bundle(bundle: str | Path, manifest: Optional[dict] = None, need: Iterable[str] = RUNNER_COMPONENTS) -> dict:
+    """`load_manifest` + `manifest_problems`; raises the first problem as one line naming the
+    field or file and the check. Returns the manifest."""
+    from .bundle import load_manifest
+
+    man = manifest if manifest is not None else load_manifest(bundle)
+    problems = manifest_problems(bundle, man, need)
+    if problems:
+        more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
+        raise PocketdiffError(problems[0].line(bundle) + more)
+    return man
