@@ -13,9 +13,11 @@ each .tflite is a whole flatbuffer. This module checks what the runner relies on
   and output names, shapes, dtypes) equals the manifest's; the time-embedding .npy header
   (shape, dtype) equals the manifest's.
 
-`manifest_problems` lists every problem found (a `verify-bundle` report); `check_bundle`
-raises the first as one line naming the field or file and the check. numpy and the LiteRT
-flatbuffer schema only: no torch, the runner's footprint.
+`manifest_problems` lists every problem found; `check_bundle` (run-bundle) raises the first
+as one line naming the field or file and the check. `verify-bundle` (issue 18) goes component
+by component through `check_manifest_fields`, `check_component_io` and `load_golden`, which
+raise `BundleCheckError(component, check, detail)`. numpy and the LiteRT flatbuffer schema
+only: no torch, the runner's footprint.
 """
 from __future__ import annotations
 
@@ -29,9 +31,19 @@ import numpy as np
 from pocketdiff.errors import PocketdiffError
 
 RUNNER_COMPONENTS = ("text_encoder", "unet", "vae_decoder")
+REQUIRED_SECTIONS = ("image", "latent", "guidance", "scheduler", "tokenizer", "components")
+PRECISIONS = ("fp16", "fp32")
 SPACINGS = ("leading", "trailing", "linspace")
 PREDICTION_TYPES = ("epsilon", "v_prediction")
 GUIDANCE_BATCH = {"cfg": 2, "embedded": 1, "none": 1}
+
+
+class BundleCheckError(PocketdiffError):
+    """A bundle failed one named check of one component ("manifest" / "tokenizer" for fields)."""
+
+    def __init__(self, component: str, check: str, detail: str):
+        self.component, self.check, self.detail = component, check, detail
+        super().__init__(f"{component}: {check}: {detail}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -326,7 +338,8 @@ FIELD_CHECKS: tuple[Callable[[dict, _Found], None], ...] = (_check_sizes, _check
 
 def tflite_signature(path: str | Path) -> tuple[dict[str, dict], dict[str, dict]]:
     """(inputs, outputs) of a .tflite's first signature (or its first subgraph's inputs and
-    outputs when it has none): name -> {shape, dtype}. Reads the flatbuffer in place."""
+    outputs, named input_J / output_J, when it has none): name -> {shape, dtype}, in order.
+    Reads the flatbuffer in place (no unpacking of weights)."""
     import mmap
 
     from ai_edge_litert import schema_py_generated as schema
@@ -342,9 +355,6 @@ def tflite_signature(path: str | Path) -> tuple[dict[str, dict], dict[str, dict]
             return {"shape": [int(d) for d in t.ShapeAsNumpy()] if t.ShapeLength() else [],
                     "dtype": str(np.dtype(dtype)) if dtype is not None else f"tflite type {t.Type()}"}
 
-        def name_of(graph, index: int) -> str:
-            return graph.Tensors(index).Name().decode(errors="replace")
-
         if model.SignatureDefsLength():
             sig = model.SignatureDefs(0)
             graph = model.Subgraphs(sig.SubgraphIndex())
@@ -352,8 +362,8 @@ def tflite_signature(path: str | Path) -> tuple[dict[str, dict], dict[str, dict]
             outs = {sig.Outputs(i).Name().decode(): describe(graph, sig.Outputs(i).TensorIndex()) for i in range(sig.OutputsLength())}
         else:
             graph = model.Subgraphs(0)
-            ins = {name_of(graph, graph.Inputs(i)): describe(graph, graph.Inputs(i)) for i in range(graph.InputsLength())}
-            outs = {name_of(graph, graph.Outputs(i)): describe(graph, graph.Outputs(i)) for i in range(graph.OutputsLength())}
+            ins = {f"input_{i}": describe(graph, graph.Inputs(i)) for i in range(graph.InputsLength())}
+            outs = {f"output_{i}": describe(graph, graph.Outputs(i)) for i in range(graph.OutputsLength())}
     return ins, outs
 
 
@@ -390,23 +400,13 @@ def _check_files(bundle: Path, man: dict, found: _Found) -> None:
 
 
 def _check_signature(path: Path, entry: dict, name: str, found: _Found) -> None:
-    rel = str(entry.get("path"))
     try:
-        ins, outs = tflite_signature(path)
+        check_component_io(name, entry, path)
+    except BundleCheckError as e:
+        if e.check != "manifest":  # a malformed io list is reported by the field checks
+            found.add(str(entry.get("path")), "signature", f"components.{name}: {e.detail}")
     except Exception as e:  # noqa: BLE001 - flatbuffers raises plain errors on damaged files
-        found.add(rel, "signature", f"cannot read the model's inputs and outputs ({type(e).__name__}: {e})")
-        return
-    for key, got in (("inputs", ins), ("outputs", outs)):
-        want_io = _io(entry, key, name, _Found())
-        if want_io is None:
-            continue  # reported by the field checks
-        if set(got) != set(want_io):
-            found.add(rel, "signature", f"{key} {sorted(got)} differ from the manifest's components.{name}.{key} {sorted(want_io)}")
-            continue
-        for io_name, want in want_io.items():
-            if got[io_name] != want:
-                found.add(rel, "signature", f"{key[:-1]} {io_name} is {got[io_name]['shape']} {got[io_name]['dtype']}, "
-                                            f"the manifest's components.{name} says {want['shape']} {want['dtype']}")
+        found.add(str(entry.get("path")), "signature", f"cannot read the model's inputs and outputs ({type(e).__name__}: {e})")
 
 
 def _check_npy(bundle: Path, te: dict, found: _Found) -> None:
@@ -455,3 +455,112 @@ def check_bundle(bundle: str | Path, manifest: Optional[dict] = None, need: Iter
         more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
         raise PocketdiffError(problems[0].line(bundle) + more)
     return man
+
+
+# ------------------------------------------------------------------------------- verify-bundle's API (issue 18)
+
+
+def _io_list(entry: Any, component: str, key: str) -> list[dict]:
+    items = entry.get(key)
+    if not isinstance(items, list) or not items:
+        raise BundleCheckError(component, "manifest", f"'{key}' must be a non-empty list of {{name, shape, dtype}}")
+    for i, it in enumerate(items):
+        if not isinstance(it, dict) or not isinstance(it.get("name"), str):
+            raise BundleCheckError(component, "manifest", f"{key}[{i}] has no name")
+        shape = it.get("shape")
+        if not isinstance(shape, list) or not all(_is_int(d) and d > 0 for d in shape):
+            raise BundleCheckError(component, "manifest", f"{key}[{i}] ({it['name']}): shape must be a list of positive ints, got {shape!r}")
+        try:
+            np.dtype(it.get("dtype"))
+        except TypeError:
+            raise BundleCheckError(component, "manifest", f"{key}[{i}] ({it['name']}): unknown dtype {it.get('dtype')!r}") from None
+    return items
+
+
+def check_manifest_fields(manifest: dict) -> None:
+    """The sections and fields a runner reads (no file access): every field check above, then
+    each component's io lists and golden tolerances. Raises BundleCheckError on the first."""
+    for sec in REQUIRED_SECTIONS:
+        if sec not in manifest:
+            raise BundleCheckError("manifest", "fields", f"missing section '{sec}'")
+    found = _Found()
+    for check in FIELD_CHECKS:
+        check(manifest, found)
+    if found.items:
+        p = found.items[0]
+        raise BundleCheckError("tokenizer" if p.where.startswith("tokenizer") else "manifest", "fields",
+                               f"{p.where}: {p.message} ({p.check} check)")
+    comps = manifest["components"]
+    if not isinstance(comps, dict) or not comps:
+        raise BundleCheckError("manifest", "fields", "components must name at least one component")
+    for name, entry in comps.items():
+        if not isinstance(entry, dict):
+            raise BundleCheckError(name, "manifest", "entry must be an object")
+        _io_list(entry, name, "inputs")
+        _io_list(entry, name, "outputs")
+        golden = entry.get("golden")
+        if golden is not None:
+            tol = golden.get("tolerances") if isinstance(golden, dict) else None
+            if not isinstance(tol, dict):
+                raise BundleCheckError(name, "manifest", "golden.tolerances missing")
+            for p, th in tol.items():
+                if p not in PRECISIONS or not isinstance(th, dict) or not {"cosine_min", "psnr_min_db"} <= set(th):
+                    raise BundleCheckError(name, "manifest", f"golden.tolerances.{p} must be fp16/fp32 with cosine_min and psnr_min_db")
+
+
+def tflite_io(path: str | Path) -> dict[str, list[dict]]:
+    """{"inputs": [...], "outputs": [...]} of a .tflite's first signature: name, shape, dtype."""
+    ins, outs = tflite_signature(path)
+    return {key: [{"name": n, **d} for n, d in io.items()] for key, io in (("inputs", ins), ("outputs", outs))}
+
+
+def check_component_io(name: str, entry: dict, path: Optional[str | Path] = None) -> dict:
+    """The manifest's inputs/outputs against the .tflite's signature (names, shapes, dtypes).
+    Returns the .tflite's io. A single output is matched whatever its name (the converter's)."""
+    io = tflite_io(path or entry["_path"])
+    for key in ("inputs", "outputs"):
+        want = {i["name"]: i for i in _io_list(entry, name, key)}
+        got = {i["name"]: i for i in io[key]}
+        if key == "outputs" and len(want) == len(got) == 1:  # output names are the converter's
+            want = {"_": next(iter(want.values()))}
+            got = {"_": next(iter(got.values()))}
+        if set(want) != set(got):
+            raise BundleCheckError(name, "io", f"{key} {sorted(got)} in the .tflite, manifest says {sorted(want)}")
+        for n, w in want.items():
+            g = got[n]
+            label = f"{key[:-1]} '{w['name']}'"
+            if list(g["shape"]) != list(w["shape"]):
+                raise BundleCheckError(name, "io", f"{label} has shape {g['shape']} in the .tflite, manifest says {w['shape']}")
+            if np.dtype(g["dtype"]) != np.dtype(w["dtype"]):
+                raise BundleCheckError(name, "io", f"{label} has dtype {g['dtype']} in the .tflite, manifest says {w['dtype']}")
+    return io
+
+
+def load_golden(name: str, entry: dict) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """(inputs by manifest name, reference output) of a component's golden file, checked
+    against the manifest's io."""
+    golden = entry.get("golden")
+    if not golden or "_path" not in golden:
+        raise BundleCheckError(name, "golden", "the manifest lists no golden file")
+    try:
+        data = np.load(golden["_path"], allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise BundleCheckError(name, "golden", f"{golden.get('path')} does not load ({type(e).__name__}: {e})") from None
+    with data:
+        inputs = {}
+        for i in entry["inputs"]:
+            key = f"input_{i['name']}"
+            if key not in data.files:
+                raise BundleCheckError(name, "golden", f"{golden.get('path')} has no {key}")
+            a = data[key]
+            if list(a.shape) != list(i["shape"]):
+                raise BundleCheckError(name, "golden", f"{key} has shape {list(a.shape)}, manifest says {i['shape']}")
+            inputs[i["name"]] = a
+        if "output_0" not in data.files:
+            raise BundleCheckError(name, "golden", f"{golden.get('path')} has no output_0")
+        ref = data["output_0"]
+    if list(ref.shape) != list(entry["outputs"][0]["shape"]):
+        raise BundleCheckError(name, "golden", f"output_0 has shape {list(ref.shape)}, manifest says {entry['outputs'][0]['shape']}")
+    if not np.isfinite(ref).all():
+        raise BundleCheckError(name, "golden", "the reference output holds NaN/Inf")
+    return inputs, ref
