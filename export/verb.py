@@ -34,6 +34,7 @@ from .components import (
     tokenize,
 )
 from .convert import WEIGHT_FORMATS
+from .device_profile import DeviceProfile, check_component
 from .exporter import VerifyConfig, convert_job, finish_component, peak_rss_mb, prepare_component
 from .parity import ParityConfig
 from .rewrites import RewriteConfig
@@ -85,6 +86,7 @@ class Config:
     verify: VerifyConfig = dataclasses.field(default_factory=VerifyConfig)
     parity: ParityConfig = dataclasses.field(default_factory=ParityConfig)
     fp16_scan: ScanConfig = dataclasses.field(default_factory=ScanConfig)
+    device_profile: DeviceProfile = dataclasses.field(default_factory=DeviceProfile)  # phone budgets, checked per component
     jobs: int = 1  # conversions in parallel worker processes (each holds a copy of its component)
 
     def __post_init__(self) -> None:
@@ -307,6 +309,7 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
         int8_map = rep.pop("int8_map", {})
         if int8_map:
             write_json(work / f"{name}_int8_map.json", int8_map)
+        rep["device_profile"] = check_component(name, out / f"{name}.tflite", cfg.device_profile)
         rep["params"] = int(sum(p.numel() for p in prep.rewritten.parameters()))
         if rep.get("bytes"):
             rep["bytes_per_param"] = round(rep["bytes"] / max(1, rep["params"]), 4)
@@ -422,7 +425,7 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
 
     summary = {
         name: {k: r.get(k) for k in ("file", "weights", "fully_accelerated", "cosine", "psnr_db", "max_abs", "bytes", "ops", "op_count", "transposes",
-                                     "peak_rss_mb", "params", "bytes_per_param")}
+                                     "peak_rss_mb", "params", "bytes_per_param", "device_profile")}
         for name, r in comp_reports.items()
     }
     for name, r in comp_reports.items():

@@ -123,3 +123,19 @@ def test_parity_failure_names_the_threshold(bundle, tmp_path, capsys):
     (b / "manifest.json").write_text(json.dumps(man))
     err = _fails(b, capsys)
     assert "verify-bundle: text_encoder: parity: fp32 cosine" in err and "parity.fp32.cosine_min" in err
+
+
+def test_device_profile_reports_and_enforces_budgets(bundle):
+    from pocketdiff.errors import ConfigError, PocketdiffError
+    from pocketdiff.export.device_profile import DeviceProfile, check_component
+
+    path = bundle / "text_encoder.tflite"
+    phone = check_component("text_encoder", path, DeviceProfile("phone"))
+    assert phone["over_budget"] == [] and phone["budgets"] == {"max_tensor_mb": 64.0, "op_activation_mb": 3.5}
+    assert phone["largest_tensor_mb"] > 0 and phone["largest_tensor_shape"]
+    tight = DeviceProfile("phone", max_tensor_mb=phone["largest_tensor_mb"] / 2)
+    assert "device_profile.max_tensor_mb" in check_component("text_encoder", path, tight)["over_budget"][0]
+    with pytest.raises(PocketdiffError, match="text_encoder: over the 'phone' device profile: largest tensor"):
+        check_component("text_encoder", path, DeviceProfile("phone", max_tensor_mb=phone["largest_tensor_mb"] / 2, enforce=True))
+    with pytest.raises(ConfigError, match="device_profile.name"):
+        DeviceProfile("watch")
