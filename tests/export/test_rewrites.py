@@ -6,12 +6,11 @@ import dataclasses
 import math
 
 import pytest
-
-from pocketdiff.errors import PocketdiffError
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pocketdiff.errors import PocketdiffError
 from pocketdiff.export.components import UNetGraph, time_embedding_table
 from pocketdiff.export.rewrites import (
     ClippedGEGLU,
