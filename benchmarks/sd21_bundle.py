@@ -8,6 +8,9 @@
            synthetic weights (export.synthetic) make an SD-2.1 bundle of ~1.7 GB a few MB.
   unpack   (there): DEST/LAYOUT/ -> a bundle folder per layout, sha256 checked against the
            manifest by verify-bundle afterwards.
+  summarize (here): an exported bundle's report.json (per component peak RSS, convert time,
+           bytes, bytes/param, the phone profile's largest tensor / heaviest op) + the packed
+           size -> benchmarks/results JSON.
   collect  (there): verify-bundle / run-bundle JSON files of scripts/gpu/sd21_bundle.sh -> one
            summary JSON (per component: fully accelerated, finite at fp16, compile, latency;
            end to end per layout, plain vs pipelined peak RSS; XNNPACK beside).
@@ -133,6 +136,33 @@ def collect(out: Path) -> dict:
     return res
 
 
+def summarize(bundle: Path, packed: Path | None) -> dict:
+    from pocketdiff.export.device_profile import DeviceProfile, check_component
+
+    rep = json.loads((bundle / "report.json").read_text())
+    cfg = (bundle / "config.yaml").read_text() if (bundle / "config.yaml").is_file() else ""
+    comps = {}
+    for n, c in rep["components"].items():
+        d = c.get("details") or {}
+        comps[n] = {
+            "weights": c.get("weights"), "params": c.get("params"), "bytes": c.get("bytes"), "bytes_per_param": c.get("bytes_per_param"),
+            "peak_rss_gb": round((c.get("peak_rss_mb") or 0) / 1024, 2), "convert_s": d.get("convert_s"), "op_count": c.get("op_count"),
+            "transposes": c.get("transposes"), "rewrite_parity_cosine": (d.get("rewrite_parity") or {}).get("cosine"),
+            "phone_profile": check_component(n, bundle / f"{n}.tflite", DeviceProfile("phone")),
+        }
+    out = {
+        "what": "pocketdiff export of an SD-2.1-size bundle (random tiled weights, norm affines perturbed) on a 2-core / 24 GB machine",
+        "command": "flock /work/signals/bigmem.lock pocketdiff export --config <config> --output <bundle>",
+        "config": cfg, "host": os.uname().nodename, "cpu_count": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "guidance": rep.get("guidance"), "resolution": rep.get("resolution"), "weights": rep.get("weights"),
+        "export_s": rep.get("export_s"), "timings": rep.get("timings"), "bundle_bytes": rep.get("bundle_bytes"),
+        "peak_rss_gb_max": max(c["peak_rss_gb"] for c in comps.values()), "components": comps,
+    }
+    if packed is not None and (packed / "index.json").is_file():
+        out["packed_bytes"] = json.loads((packed / "index.json").read_text()).get("bytes_packed")
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -142,6 +172,10 @@ def main(argv=None) -> int:
     b = sub.add_parser("unpack")
     b.add_argument("src")
     b.add_argument("dest")
+    s = sub.add_parser("summarize")
+    s.add_argument("bundle")
+    s.add_argument("--packed", default=None)
+    s.add_argument("--out", required=True)
     c = sub.add_parser("collect")
     c.add_argument("dir")
     c.add_argument("--out", required=True)
@@ -154,6 +188,10 @@ def main(argv=None) -> int:
                 p.error(f"{item}: give BUNDLE_FOLDER:LAYOUT of an exported bundle")
             pairs.append((Path(folder), layout))
         pack(pairs, Path(args.dest))
+    elif args.cmd == "summarize":
+        res = summarize(Path(args.bundle), Path(args.packed) if args.packed else None)
+        Path(args.out).write_text(json.dumps(res, indent=2))
+        print(json.dumps({k: v for k, v in res.items() if k not in ("config", "components")}, indent=1))
     elif args.cmd == "unpack":
         unpack(Path(args.src), Path(args.dest))
     else:
