@@ -122,8 +122,10 @@ def _check_files(name: str, entry: dict, verify_sha: bool) -> None:
 
 def verify_component(name: str, entry: dict, accelerator: str = "gpu", precisions: Sequence[str] = ("fp16", "fp32"),
                      run: bool = True, verify_sha: bool = True, timeout_s: float = 1800.0, repeats: int = 3,
-                     driver: Optional[str] = None) -> dict:
-    """Every check of one component (see the module docstring); returns its report."""
+                     driver: Optional[str] = None, cpu_int8_as_fp16: bool = True) -> dict:
+    """Every check of one component (see the module docstring); returns its report. On the CPU
+    an int8 component runs as its fp16-storage variant (export/cpu_variant.py) unless
+    `cpu_int8_as_fp16` is false."""
     from . import parity as parity_lib
     from .delegate import run_on_delegate
 
@@ -138,8 +140,23 @@ def verify_component(name: str, entry: dict, accelerator: str = "gpu", precision
     tol = entry["golden"].get("tolerances", {})
     precs = list(precisions) if accelerator == "gpu" else ["fp32"]
     t0 = time.perf_counter()
-    r = run_on_delegate(entry["_path"], inputs, precisions=precs, accelerator=accelerator, repeats=repeats, warmup=1,
-                        timeout_s=timeout_s, driver=driver)
+    model_path = entry["_path"]
+    tmp = None
+    if accelerator == "cpu" and cpu_int8_as_fp16 and entry.get("weights") == "int8":
+        import tempfile
+
+        from .cpu_variant import fp16_variant
+
+        tmp = tempfile.TemporaryDirectory(prefix="pocketdiff-cpu-")
+        model_path = str(Path(tmp.name) / Path(model_path).name)
+        rep["cpu_variant"] = {"weights": "fp16 (from int8)", "tensors": fp16_variant(entry["_path"], model_path),
+                              "build_s": round(time.perf_counter() - t0, 2)}
+    try:
+        r = run_on_delegate(model_path, inputs, precisions=precs, accelerator=accelerator, repeats=repeats, warmup=1,
+                            timeout_s=timeout_s, driver=driver)
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
     rep.update(accelerator=accelerator, driver=r.driver, adapter=r.adapter, wall_s=round(time.perf_counter() - t0, 2),
                compile_s={k: round(v, 3) for k, v in r.compile_s.items()},
                latency_ms={k: round(1000 * v, 3) for k, v in r.latency_s.items()})
@@ -173,7 +190,8 @@ def verify_component(name: str, entry: dict, accelerator: str = "gpu", precision
 
 def verify_bundle(bundle: str | Path, accelerator: str = "gpu", precisions: Sequence[str] = ("fp16", "fp32"),
                   components: Optional[Sequence[str]] = None, run: bool = True, verify_sha: bool = True,
-                  keep_going: bool = False, timeout_s: float = 1800.0, repeats: int = 3, driver: Optional[str] = None) -> dict:
+                  keep_going: bool = False, timeout_s: float = 1800.0, repeats: int = 3, driver: Optional[str] = None,
+                  cpu_int8_as_fp16: bool = True) -> dict:
     """Check a bundle; raises BundleCheckError on the first failure (keep_going: returns the
     report with `ok` false and every failure listed)."""
     if accelerator not in ACCELERATORS:
@@ -203,7 +221,8 @@ def verify_bundle(bundle: str | Path, accelerator: str = "gpu", precisions: Sequ
         try:
             if by_comp.get(n):
                 raise by_comp[n][0]
-            report["components"][n] = verify_component(n, comps[n], accelerator, precisions, run, verify_sha, timeout_s, repeats, driver)
+            report["components"][n] = verify_component(n, comps[n], accelerator, precisions, run, verify_sha, timeout_s, repeats, driver,
+                                                          cpu_int8_as_fp16)
             report["components"][n]["ok"] = True
         except BundleCheckError as e:
             report["components"][n] = {"ok": False, "failed_check": e.check, "error": e.detail}
@@ -222,7 +241,7 @@ def main(args) -> int:
     components = [c for c in args.components.split(",") if c] if args.components else None
     try:
         report = verify_bundle(args.bundle, args.accelerator, precisions, components, run=not args.no_run,
-                               keep_going=args.keep_going, timeout_s=args.timeout)
+                               keep_going=args.keep_going, timeout_s=args.timeout, cpu_int8_as_fp16=not args.cpu_int8_as_is)
     except BundleCheckError as e:
         raise PocketdiffError(f"verify-bundle: {e}") from None
     if args.json:

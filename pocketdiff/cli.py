@@ -80,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--no-run", action="store_true", help="only the checks that need no model run (manifest, files, io, golden)")
             p.add_argument("--keep-going", action="store_true", help="check every component, then fail naming all failures")
             p.add_argument("--timeout", type=float, default=1800.0, help="seconds per component run")
+            p.add_argument("--cpu-int8-as-is", action="store_true", help="cpu: run int8 files as they are (default: their fp16-storage variant)")
             p.add_argument("--debug", action="store_true")
         elif verb == "demo":
             p.add_argument("--output", default="outputs/demo")
