@@ -19,13 +19,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory):
-    """The shipped tiny teacher's text encoder alone (the quickest real component to convert)."""
+    """The shipped tiny teacher's text encoder alone (the quickest real component to convert), int8."""
     root = tmp_path_factory.mktemp("verify")
     cfg = {
         "seed": 0,
         "model": {"pretrained": "pocketdiff:shapes-teacher"},
         "components": ["text_encoder"],
-        "weights": "fp16",
+        "weights": "int8",  # RTN int8 weights: the CPU variant (export/cpu_variant.py) is tested on it too
+        "int8": {"rtn": True, "components": ["text_encoder"]},
         "guidance": "cfg",
         "steps": 4,
         "verify": {"delegate": False},
@@ -139,3 +140,20 @@ def test_device_profile_reports_and_enforces_budgets(bundle):
         check_component("text_encoder", path, DeviceProfile("phone", max_tensor_mb=phone["largest_tensor_mb"] / 2, enforce=True))
     with pytest.raises(ConfigError, match="device_profile.name"):
         DeviceProfile("watch")
+
+
+def test_cpu_runs_int8_as_its_fp16_variant(bundle, tmp_path):
+    from pocketdiff.export.cpu_variant import fp16_variant
+    from pocketdiff.export.tflite_file import TfliteModel
+
+    src = bundle / "text_encoder.tflite"
+    assert any(t.type == 9 for t in TfliteModel(src).graph.tensors)  # INT8 constants in the bundle's file
+    n = fp16_variant(src, tmp_path / "te.tflite")
+    assert n > 0 and not any(t.type == 9 for t in TfliteModel(tmp_path / "te.tflite").graph.tensors)
+    reports = {}
+    for flag in ([], ["--cpu-int8-as-is"]):
+        out = tmp_path / f"v{len(flag)}.json"
+        assert cli_main(["verify-bundle", str(bundle), "--accelerator", "cpu", "--json", str(out), *flag]) == 0
+        reports[bool(flag)] = json.loads(out.read_text())["components"]["text_encoder"]
+    assert reports[False]["cpu_variant"]["tensors"] == n and "cpu_variant" not in reports[True]
+    assert reports[False]["parity"]["fp32"]["cosine"] > 0.99999 and reports[True]["parity"]["fp32"]["cosine"] > 0.99999
