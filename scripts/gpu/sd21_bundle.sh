@@ -11,7 +11,7 @@
 # finite and within the manifest's tolerances at fp16 and fp32; compile time, latency), then
 # `pocketdiff run-bundle` end to end (tokenize + text encoder + all UNet steps + decode) plain and
 # --pipelined (peak RSS of each), and XNNPACK beside it (verify-bundle --accelerator cpu: the text
-# encoder and decoder; the int8 UNet on the CPU under a time limit).
+# encoder and decoder; the int8 UNet on the CPU as its fp16-storage variant and as it is, under a time limit).
 # Writes $OUT/verify_*.json, $OUT/run_*/report.json, $OUT/sd21_bundle.json (summary), $OUT/sd21_bundle.log.
 #   bash scripts/gpu/sd21_bundle.sh            # ~6-8 min on one H100 (nvidia-h100-x1)
 # Local dry run (lavapipe; tiny bundles): SKIP_GL=1 OUT=/tmp/o CPU_UNET_S=60 bash scripts/gpu/sd21_bundle.sh
@@ -89,12 +89,14 @@ if [ "$(left)" -gt 60 ]; then
     --json "$OUT/verify_${L}_cpu.json" --timeout 200
   echo "$?" > "$OUT/verify_${L}_cpu.status"
 fi
-if [ "$(left)" -gt 40 ]; then
+for variant in fp16 int8; do  # the int8 UNet on XNNPACK: its fp16-storage variant (default), then as it is
+  [ "$(left)" -gt 40 ] || { echo skipped > "$OUT/verify_${L}_cpu_unet_${variant}.status"; continue; }
   lim=$(( $(left) - 20 )); [ $lim -gt $CPU_UNET_S ] && lim=$CPU_UNET_S
-  say "== $L: verify-bundle cpu unet (int8, limit ${lim} s)"
-  $PD verify-bundle "$BUNDLES/$L" --accelerator cpu --components unet --keep-going --json "$OUT/verify_${L}_cpu_unet.json" --timeout "$lim"
-  echo "$?" > "$OUT/verify_${L}_cpu_unet.status"
-fi
+  flag=""; [ $variant = int8 ] && flag=--cpu-int8-as-is
+  say "== $L: verify-bundle cpu unet ($variant, limit ${lim} s)"
+  $PD verify-bundle "$BUNDLES/$L" --accelerator cpu --components unet --keep-going $flag --json "$OUT/verify_${L}_cpu_unet_${variant}.json" --timeout "$lim"
+  echo "$?" > "$OUT/verify_${L}_cpu_unet_${variant}.status"
+done
 
 # 6. summary; disk cleaned
 $PY "$REPO/benchmarks/sd21_bundle.py" collect "$OUT" --out "$OUT/sd21_bundle.json"
