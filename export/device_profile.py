@@ -63,9 +63,11 @@ def graph_memory(path: str | Path, activation_bytes: int = 2) -> dict:
 
     m = TfliteModel(path)
     g = m.graph
+    # weights stored as int8 / fp16 are DEQUANTIZE outputs: constants too, not activations
+    dequantized = {int(op.outputs[0]) for op in g.operators or [] if m.op_name(op) == "DEQUANTIZE" and m.is_constant(int(op.inputs[0]))}
     sizes = {}
     for i, t in enumerate(g.tensors):
-        if t.shape is None or m.is_constant(i):
+        if t.shape is None or m.is_constant(i) or i in dequantized:
             continue
         sizes[i] = int(np.prod([int(s) for s in t.shape])) if len(t.shape) else 1
     big = max(sizes, key=sizes.get) if sizes else None
