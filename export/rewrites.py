@@ -542,8 +542,10 @@ def apply_rewrites(module: nn.Module, cfg: RewriteConfig, sample_inputs=None) ->
                 continue
             split = choose_conv_split(in_elems, out_elems, ishape[1], oshape[1], budget_elems, cfg.conv_split)
             if split is None:
+                smallest = max(in_elems // max(1, ishape[1]), out_elems // max(1, oshape[1])) * cfg.activation_bytes / 2**20
                 raise PocketdiffError(
-                    f"conv {name}: activations {ishape} -> {oshape} cannot be split under rewrites.conv_budget_mb={cfg.conv_budget_mb}"
+                    f"conv {name}: activations {ishape} -> {oshape} cannot be split under rewrites.conv_budget_mb={cfg.conv_budget_mb} "
+                    f"(the smallest reachable piece, one channel, is {smallest:.3g} MB)"
                 )
             plan[name] = split
         swap_modules(module, lambda n, m: n in plan, lambda n, m: SerializedConv2d(m, *plan[n], name=n))

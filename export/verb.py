@@ -35,6 +35,7 @@ from .components import (
     tokenize,
 )
 from .convert import WEIGHT_FORMATS
+from .device_profile import DeviceProfile, check_component
 from .exporter import VerifyConfig, convert_job, finish_component, peak_rss_mb, prepare_component
 from .parity import ParityConfig
 from .rewrites import RewriteConfig
@@ -78,6 +79,8 @@ class Config:
     seed: int = 0
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     perturb_norms: bool = False  # random-weight builds: trained-like norm affines (DESIGN.md)
+    synthetic_weights: Optional[str] = None  # built models only: "tiled" (export.synthetic: .tflite files that compress ~1000x)
+    guidance_embed_dim: Optional[int] = None  # built models only: a w-conditioned UNet (time_cond_proj_dim), a student's layout
     components: list[str] = dataclasses.field(default_factory=lambda: list(COMPONENTS))
     weights: str = "fp16"  # fp32 | fp16 | int8 (int8 where a checkpoint exists, fp16 elsewhere)
     int8: Int8Config = dataclasses.field(default_factory=Int8Config)
@@ -90,10 +93,15 @@ class Config:
     verify: VerifyConfig = dataclasses.field(default_factory=VerifyConfig)
     parity: ParityConfig = dataclasses.field(default_factory=ParityConfig)
     fp16_scan: ScanConfig = dataclasses.field(default_factory=ScanConfig)
+    device_profile: DeviceProfile = dataclasses.field(default_factory=DeviceProfile)  # phone budgets, checked per component
     jobs: int = 1  # conversions in parallel worker processes (each holds a copy of its component)
 
     def __post_init__(self) -> None:
         require(self.jobs >= 1, "jobs", f"must be >= 1, got {self.jobs}")
+        require(self.synthetic_weights in (None, "tiled"), "synthetic_weights", f"must be null or tiled, got {self.synthetic_weights!r}")
+        require(self.synthetic_weights is None or self.model.pretrained is None, "synthetic_weights", "applies to built models only (model.pretrained is set)")
+        require(self.guidance_embed_dim is None or (self.guidance_embed_dim > 0 and self.model.pretrained is None), "guidance_embed_dim",
+                "must be a positive int, for built models only (a pretrained student carries its own time_cond_proj_dim)")
         require(self.weights in WEIGHT_FORMATS, "weights", f"must be one of {WEIGHT_FORMATS}, got {self.weights!r}")
         require(self.guidance in GUIDANCE_MODES, "guidance", f"must be one of {GUIDANCE_MODES}, got {self.guidance!r}")
         require(len(self.components) > 0, "components", "must name at least one component")
@@ -120,6 +128,25 @@ def _versions() -> dict:
         except md.PackageNotFoundError:
             pass
     return out
+
+
+def _reset_peak_rss() -> bool:
+    """Reset this process's peak RSS (Linux: VmHWM via /proc/self/clear_refs); False elsewhere."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def _vm_hwm_mb() -> Optional[float]:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return round(int(line.split()[1]) / 1024.0, 1)
+    except OSError:
+        pass
+    return None
 
 
 def _guidance_mode(cfg: Config, unet) -> str:
@@ -170,12 +197,23 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
     if model_cfg.pretrained is None and cfg.int8.checkpoint and (Path(cfg.int8.checkpoint) / "pipeline").is_dir():
         model_cfg = dataclasses.replace(model_cfg, pretrained=str(Path(cfg.int8.checkpoint) / "pipeline"))
     pipe = load_or_build(model_cfg, resolution=cfg.resolution)
+    if cfg.guidance_embed_dim:  # a random-weight stand-in for a guidance-distilled student
+        from diffusers import UNet2DConditionModel
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.seed + 1)
+            pipe.unet = UNet2DConditionModel(**{**dict(pipe.unet.config), "time_cond_proj_dim": int(cfg.guidance_embed_dim)})
     for comp in (pipe.text_encoder, pipe.unet, pipe.vae):
         comp.to(torch.float32).eval().requires_grad_(False)
     if cfg.perturb_norms:
         perturb_norm_affines(pipe.unet, cfg.seed)
         perturb_norm_affines(pipe.vae, cfg.seed + 1)
         perturb_norm_affines(pipe.text_encoder, cfg.seed + 2)
+    synthetic = None
+    if cfg.synthetic_weights == "tiled":
+        from .synthetic import tile_pipeline
+
+        synthetic = tile_pipeline(pipe, cfg.seed)
     quantized: dict = {}
     if cfg.weights == "int8":
         if cfg.int8.checkpoint:
@@ -248,14 +286,18 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
         if cfg.fp16_scan.fail and scan["overflowing_ops"]:
             raise PocketdiffError(f"fp16 scan: {scan['overflowing_ops']} ops leave the fp16 range (first: {scan['first_overflow']})")
 
-    # 4. components
+    # 4. components (sequential: one at a time, the UNet last and unwrapped in place, each
+    # released from the pipeline when done, so an SD-2.1-size export fits a 24 GB machine)
+    sequential = cfg.jobs == 1 or len(cfg.components) == 1
+    module_attr = {"text_encoder": "text_encoder", "unet": "unet", "vae_decoder": "vae"}
+
     def graph_for(name: str):
         if name == "text_encoder":
             return TextEncoderGraph(pipe.text_encoder), {"input_ids": torch.from_numpy(ids_prompt)}
         if name == "unet":
             import copy
 
-            unet = copy.deepcopy(pipe.unet) if cfg.rewrites.time_embedding_outside else pipe.unet
+            unet = copy.deepcopy(pipe.unet) if cfg.rewrites.time_embedding_outside and not sequential else pipe.unet
             return UNetGraph(unet, external_time_embedding=cfg.rewrites.time_embedding_outside, timestep_cond=takes_cond), unet_inputs
         return VaeDecoderGraph(pipe.vae), {"latents": vae_latents}
 
@@ -281,6 +323,10 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
         int8_map = rep.pop("int8_map", {})
         if int8_map:
             write_json(work / f"{name}_int8_map.json", int8_map)
+        rep["device_profile"] = check_component(name, out / f"{name}.tflite", cfg.device_profile)
+        rep["params"] = int(sum(p.numel() for p in prep.rewritten.parameters()))
+        if rep.get("bytes"):
+            rep["bytes_per_param"] = round(rep["bytes"] / max(1, rep["params"]), 4)
         comp_reports[name] = rep
         entry = bundle_lib.file_entry(out, out / f"{name}.tflite")
         entry.update(
@@ -305,13 +351,21 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
         timings[f"{name}_prepare_s"] = round(time.perf_counter() - t0, 2)
         return prep
 
-    if cfg.jobs == 1 or len(cfg.components) == 1:
-        for name in cfg.components:  # one component in memory at a time
+    if sequential:
+        import gc
+
+        for name in sorted(cfg.components, key=lambda n: n == "unet"):  # one component in memory at a time
+            reset = _reset_peak_rss()
             prep = prepare(name)
             _say(f"{name}: converting with litert-torch ...")
             finish(prep, convert_job(prep.rewritten, prep.inputs, prep.raw_path))
             prep.raw_path.unlink(missing_ok=True)
             del prep
+            setattr(pipe, module_attr[name], None)
+            gc.collect()
+            if reset:  # the process's peak while this component was prepared, converted and checked
+                comp_reports[name]["peak_rss_mb"] = _vm_hwm_mb()
+            log.info("export %s: done (peak RSS %.1f GB)", name, (comp_reports[name].get("peak_rss_mb") or peak_rss_mb()) / 1024)
     else:
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor
@@ -371,6 +425,7 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
             "source": model_cfg.pretrained or f"built:{model_cfg.arch}",
             "arch": None if model_cfg.pretrained else model_cfg.arch,
             "perturb_norms": cfg.perturb_norms,
+            "synthetic_weights": cfg.synthetic_weights,
             "int8_checkpoint": cfg.int8.checkpoint,
             "int8_rtn": bool(cfg.weights == "int8" and not cfg.int8.checkpoint),
             "rewrites": dataclasses.asdict(cfg.rewrites),
@@ -379,9 +434,13 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
     }
     bundle_lib.write_manifest(out, manifest)
     bundle_lib.load_manifest(out)  # the bundle we wrote must pass the runner's checks
+    from .verify_bundle import verify_bundle
+
+    verify_bundle(out, run=False)  # and verify-bundle's checks that need no model run (manifest, files, io, goldens)
 
     summary = {
-        name: {k: r.get(k) for k in ("file", "weights", "fully_accelerated", "cosine", "psnr_db", "max_abs", "bytes", "ops", "op_count", "transposes")}
+        name: {k: r.get(k) for k in ("file", "weights", "fully_accelerated", "cosine", "psnr_db", "max_abs", "bytes", "ops", "op_count", "transposes",
+                                     "peak_rss_mb", "params", "bytes_per_param", "device_profile")}
         for name, r in comp_reports.items()
     }
     for name, r in comp_reports.items():
@@ -396,6 +455,7 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
         "bundle_bytes": int(sum(p.stat().st_size for p in out.rglob("*") if p.is_file() and "_export" not in p.parts)),
         "fp16_scan": None if scan is None else {k: scan.get(k) for k in ("overflowing_ops", "unmitigated", "first_overflow", "max_abs", "peaks", "residual_scale_auto")},
         "peak_rss_mb": round(peak_rss_mb(), 1),
+        "synthetic_weights": synthetic,
         "timings": {**timings, "bundle_s": round(time.perf_counter() - t_bundle, 2),
                     **{f"{n}_convert_s": r.get("convert_s") for n, r in comp_reports.items()}},
         "export_s": round(time.perf_counter() - t_start, 2),

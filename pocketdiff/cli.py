@@ -29,6 +29,7 @@ VERBS: dict[str, Optional[str]] = {
     "evaluate": "pocketdiff.evaluate.run",
     "export": "pocketdiff.export.verb",
     "run-bundle": "pocketdiff.export.run_bundle",
+    "verify-bundle": "pocketdiff.export.verify_bundle",
     "demo": "pocketdiff.demo",
     "train-clip": "pocketdiff.evaluate.train_clip",
     "web": "pocketdiff.web.verb",
@@ -43,6 +44,7 @@ HELP = {
     "evaluate": "FD / FID and CLIP score, sample grids, reports",
     "export": "mobile bundle of .tflite files for the LiteRT GPU delegate",
     "run-bundle": "run an exported bundle: text to PNG with ai-edge-litert",
+    "verify-bundle": "check a bundle on this machine: files, io, full delegation, golden parity (no torch)",
     "demo": "the whole chain end to end on the embedded default",
     "train-clip": "train a small domain CLIP (image + text towers) for FD / CLIP score on small domains",
     "web": "write a bundle's web page (LiteRT.js on WebGPU); --check runs it in headless Chromium",
@@ -84,6 +86,17 @@ def build_parser() -> argparse.ArgumentParser:
             from pocketdiff.web import verb as web_verb
 
             (web_verb.add_arguments if verb == "web" else web_verb.add_serve_arguments)(p)
+        elif verb == "verify-bundle":
+            p.add_argument("bundle", help="bundle folder made by `pocketdiff export`")
+            p.add_argument("--accelerator", choices=["gpu", "cpu"], default="gpu")
+            p.add_argument("--precisions", default="fp16,fp32", help="gpu: fp16 (the delegate's default) and/or fp32 (enforce_f32)")
+            p.add_argument("--components", default=None, help="comma separated (default: all in the manifest)")
+            p.add_argument("--json", default=None, help="write the report here")
+            p.add_argument("--no-run", action="store_true", help="only the checks that need no model run (manifest, files, io, golden)")
+            p.add_argument("--keep-going", action="store_true", help="check every component, then fail naming all failures")
+            p.add_argument("--timeout", type=float, default=1800.0, help="seconds per component run")
+            p.add_argument("--cpu-int8-as-is", action="store_true", help="cpu: run int8 files as they are (default: their fp16-storage variant)")
+            p.add_argument("--debug", action="store_true")
         elif verb == "demo":
             p.add_argument("--output", default="outputs/demo")
             p.add_argument("--smoke", action="store_true", help="smoke sizes (minutes)")
@@ -183,6 +196,8 @@ def _share_verdict(verdict: Optional[str]) -> Optional[str]:
 def _end_distributed() -> None:
     """Tear the process group down before exit: a gloo peer that outlives the other process's
     exit can abort ('terminate called without an active exception'), failing the launch."""
+    if "torch.distributed" not in sys.modules:  # never started (and verify-bundle / run-bundle must not import torch)
+        return
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
@@ -193,7 +208,7 @@ def run_verb(args: argparse.Namespace) -> int:
     if VERBS[args.verb] is None:
         print(f"pocketdiff {args.verb}: not implemented yet", file=sys.stderr)
         return 2
-    if args.verb in ("run-bundle", "demo", "web", "serve"):
+    if args.verb in ("run-bundle", "verify-bundle", "demo", "web", "serve"):
         return int(importlib.import_module(VERBS[args.verb]).main(args) or 0)
     run_stage(args.verb, args.config, args.output, args.overrides, overwrite=args.overwrite, resume=args.resume)
     return 0

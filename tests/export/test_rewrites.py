@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pocketdiff.errors import PocketdiffError
 from pocketdiff.export.components import UNetGraph, time_embedding_table
 from pocketdiff.export.rewrites import (
     ClippedGEGLU,
@@ -261,3 +262,11 @@ def test_residual_scale_auto_needs_the_fp16_scan():
     with pytest.raises(ConfigError, match="rewrites.residual_scale_auto"):
         Config(rewrites=RewriteConfig(residual_scale_auto=True), fp16_scan=ScanConfig(enabled=False))
     Config(rewrites=RewriteConfig(residual_scale_auto=True))  # the scan is on by default
+
+
+def test_conv_budget_no_split_can_meet_names_the_module_and_the_smallest_size():
+    model = nn.Sequential(nn.Conv2d(16, 8, 3, padding=1))
+    x = torch.randn(1, 16, 16, 16, generator=_gen())
+    cfg = dataclasses.replace(RewriteConfig.none(), conv_budget_mb=(16 * 16 * 2 / 2) / 2**20)  # half a channel at fp16
+    with pytest.raises(PocketdiffError, match=r"conv 0: .* smallest reachable piece, one channel, is 0.000488 MB"):
+        apply_rewrites(model, cfg, sample_inputs=(x,))
