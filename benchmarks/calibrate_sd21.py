@@ -234,7 +234,9 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     cap = int(args.memory_cap_gib * 2 ** 30) if args.memory_cap_gib else None
     if cap and device.type == "cuda":
-        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / torch.cuda.get_device_properties(device).total_memory), device)
+        from pocketdiff.device import cap_cuda_memory
+
+        cap_cuda_memory(cap, device)
     resolution = args.resolution or (512 if args.arch in ("sd15", "sd21") else None)
     result: dict = {"args": vars(args), "torch": torch.__version__, "python": platform.python_version(),
                     "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"}

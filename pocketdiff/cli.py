@@ -262,7 +262,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         _end_distributed()
         if native_log is not None:
             # a failed command writes nothing into DIR (it may be a folder the command refused)
-            kept = keep_native_log(native_log, None if failed else Path(args.output), keep_orphan=failed)
+            output = getattr(args, "output", None)  # verify-bundle, serve ... write no folder
+            kept = keep_native_log(native_log, None if failed or output is None else Path(output), keep_orphan=failed)
             if failed and kept is not None:
                 print(f"(native library log: {kept})", file=sys.stderr)
             if kept is not None and argv is None:  # the process is this command: its exit logs too

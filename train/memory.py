@@ -17,6 +17,7 @@ from typing import Optional
 
 import torch
 
+from pocketdiff.device import cap_cuda_memory
 from pocketdiff.errors import PocketdiffError
 
 OPTIMIZERS = ("adamw", "adamw8bit")
@@ -52,9 +53,7 @@ def apply_memory_cap(cap_gib: float, device) -> Optional[float]:
     total = torch.cuda.get_device_properties(device).total_memory
     if cap_gib * 2**30 > total:
         raise PocketdiffError(f"train.memory_cap_gib={cap_gib} is above this GPU's {total / 2**30:.1f} GiB")
-    fraction = cap_gib * 2**30 / total
-    torch.cuda.set_per_process_memory_fraction(fraction, device)
-    return fraction
+    return cap_cuda_memory(int(cap_gib * 2**30), device)
 
 
 class GpuMemory:

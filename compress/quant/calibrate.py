@@ -30,7 +30,7 @@ from pocketdiff.errors import ParityError, PocketdiffError
 from pocketdiff.models import load_or_build, load_pipeline, perturb_norm_affines, save_pipeline
 from pocketdiff.outputs import commit_folder, write_json
 from pocketdiff.sampling import encode_prompts
-from pocketdiff.device import resolve_device
+from pocketdiff.device import cap_cuda_memory, resolve_device
 
 from .blocks import build_blocks
 from .calib_data import collect_unet_inputs, subsample
@@ -59,7 +59,7 @@ def _memory_cap(cfg: Config, device: torch.device) -> Optional[int]:
     cap = int(cfg.memory_cap_gib * 2 ** 30)
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
+        cap_cuda_memory(cap, device)
         if cap > total:
             _log(f"memory_cap_gib={cfg.memory_cap_gib:g} is above {device}'s {total / 2 ** 30:.1f} GiB: the device is the cap")
     return cap

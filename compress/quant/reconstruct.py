@@ -35,6 +35,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import nn
 
+from pocketdiff.device import cap_cuda_memory
 from pocketdiff.errors import PocketdiffError
 
 from .block_recon import (DTYPES, BlockResult, LayerResult, ReconConfig, capture_settings, layer_inits, precision,
@@ -518,8 +519,7 @@ def _worker(rank: int, device: str, unet_cls: str, unet_config: dict, state: dic
         unet = cls.from_config(unet_config)
         unet.load_state_dict(state)
         if cap is not None and torch.device(device).type == "cuda":  # each worker holds to the cap on its own device
-            torch.cuda.set_per_process_memory_fraction(min(1.0, cap / torch.cuda.get_device_properties(device).total_memory),
-                                                       device)
+            cap_cuda_memory(cap, device)
         unet.to(device).eval().requires_grad_(False)
         calib = CalibSet(meta=meta, **calib_tensors)
         blocks = build_blocks(unet, skip)
