@@ -30,7 +30,7 @@ FLOPs are counted once per variant with torch.utils.flop_counter on the eager mo
 TFLOP/s = counted FLOPs of a step / measured step time (`ours_wcond` counts its own smaller
 step, so compare it on samples/s).
 
-Memory: `--grad-ckpt`, `--optimizer adamw8bit` (torchao, as `train.optimizer`), `--memory-cap-gib`
+Memory: `--grad-ckpt`, `--optimizer adamw8bit` (`--optimizer-lib`, as `train.optimizer` / `train.optimizer_lib`), `--memory-cap-gib`
 (the process's CUDA allocator capped as `train.memory_cap_gib` does) and `--batches 8,16,24`
 (every variant at each batch, ascending; a batch that runs out of memory ends the sweep: the
 largest batch per cap).
@@ -263,7 +263,7 @@ def measure(name, args, base_unet, device, amp_dtype):
         set_student_layout(student, args.channels_last, compile_it)
     fused = (ours or args.fused_adam) and use_fused_adamw(student.parameters(), device)
     if args.optimizer == "adamw8bit":
-        opt = make_optimizer([{"params": list(student.parameters()), "lr": 1e-6}], name="adamw8bit", lib="torchao",
+        opt = make_optimizer([{"params": list(student.parameters()), "lr": 1e-6}], name="adamw8bit", lib=args.optimizer_lib,
                              lr=1e-6, weight_decay=0.0, fused=False)
     else:
         opt = torch.optim.AdamW(student.parameters(), lr=1e-6, **({"fused": True} if fused else {}))
@@ -406,7 +406,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-channels-last", dest="channels_last", action="store_false")
     p.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing in the student (every variant)")
     p.add_argument("--fused-adam", action="store_true", help="AdamW(fused=True) in eager too (the ours variants use it on CUDA, as the trainer's loop does)")
-    p.add_argument("--optimizer", default="adamw", choices=("adamw", "adamw8bit"), help="adamw8bit: torchao's (train.optimizer=adamw8bit)")
+    p.add_argument("--optimizer", default="adamw", choices=("adamw", "adamw8bit"), help="adamw8bit: as train.optimizer=adamw8bit")
+    p.add_argument("--optimizer-lib", default="bitsandbytes", choices=("bitsandbytes", "torchao"),
+                   help="adamw8bit's library (train.optimizer_lib); torchao compiles a kernel per parameter shape on the first step")
     p.add_argument("--memory-cap-gib", type=float, default=0.0, help="cap the CUDA allocator (train.memory_cap_gib)")
     p.add_argument("--batches", default="", help="comma list: every variant at each batch, ascending, until one runs out of memory")
     p.add_argument("--profile", type=int, default=0, metavar="N",

@@ -30,7 +30,6 @@ import math
 from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pocketdiff.errors import PocketdiffError, require

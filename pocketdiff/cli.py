@@ -36,6 +36,9 @@ VERBS: dict[str, Optional[str]] = {
     "serve": "pocketdiff.web.serve",
 }
 
+# verbs that run a bundle with the LiteRT runtime alone: they must not import torch or diffusers
+RUNTIME_ONLY_VERBS = ("run-bundle", "verify-bundle", "web", "serve")
+
 HELP = {
     "train-teacher": "train a text-to-image latent diffusion teacher (Accelerate)",
     "distill": "guided + progressive distillation to few sampling steps",
@@ -237,7 +240,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     verbose = bool(getattr(args, "verbose", False))
     native = contextlib.nullcontext(None) if verbose else native_logs_to_file()
     if not verbose:
-        quiet_libraries(huggingface=args.verb != "run-bundle")
+        quiet_libraries(huggingface=args.verb not in RUNTIME_ONLY_VERBS)
     failed, native_log = True, None
     try:
         with native as native_log:

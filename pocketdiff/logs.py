@@ -42,7 +42,7 @@ class _DropUnactionable(logging.Filter):
 
 def quiet_libraries(huggingface: bool = True) -> None:
     """Native log levels (environment) and, with `huggingface`, the Hugging Face libraries' bars
-    and notices (run-bundle passes False: it imports neither torch nor diffusers)."""
+    and notices (the runtime-only verbs pass False: they import neither torch nor diffusers)."""
     for key, value in QUIET_NATIVE_ENV.items():
         os.environ.setdefault(key, value)
     if not huggingface:

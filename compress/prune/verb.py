@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import shutil
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -112,7 +112,7 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
     else:
         gen = torch.Generator().manual_seed(cfg.seed)
         importance = resolve_importance(cfg.prune.importance)
-        gradient_fn = None
+        gradient_fn: Optional[Callable] = None
         if needs_gradients(importance):
             tc = cfg.prune.taylor
 
@@ -120,10 +120,12 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
                 w = w_range[0] + torch.rand(b, generator=gen) * (w_range[1] - w_range[0])
                 return w_fn(w)
 
-            def gradient_fn(work, params):
+            def taylor_gradients(work, params):
                 batches = _calibration_batches(pipe, dataset, tc.samples, tc.batch_size, gen, device)
                 report["taylor"] = accumulate_diffusion_gradients(work, pipe.scheduler, batches, tc.samples, params, gen,
                                                                   (tc.t_min, tc.t_max), cond_fn if w_fn is not None else None)
+
+            gradient_fn = taylor_gradients
 
         student, plan = prune_unet(teacher, cfg.prune, generator=gen, gradient_fn=gradient_fn)
         _save_unet_atomic(student, pruned_dir)

@@ -12,14 +12,14 @@
 # 5. benchmarks/distill_sd21.py summary -> $OUT/distill_sd21.json (+ benchmarks/results/), logs in
 #    $OUT/sd21_distill_logs.tgz; the runs are deleted at the end (the teacher stays for a warm rerun)
 # Settings by environment: BUDGET=530 ARCH=sd21 RES=512 LATENT=RES/8 BATCH=8 CAP=24 SWEEP=8,16,24,32
-#   NAME=distill_sd21 BENCH_OPT=adamw8bit PY=python3 EXTRA_DISTILL= EXTRA_PRUNE= (key=value overrides)
+#   NAME=distill_sd21 BENCH_OPT=adamw8bit BENCH_LIB=bitsandbytes PY=python3 EXTRA_DISTILL= EXTRA_PRUNE= (key=value overrides)
 #   SKIP_ENV=1: no env.sh (a CPU dry run of the logic with tiny settings, see README "SD-2.1 size")
 set -u
 T0=$SECONDS; BUDGET=${BUDGET:-530}
 left() { echo $(( BUDGET - (SECONDS - T0) )); }
 if [ -z "${SKIP_ENV:-}" ]; then source scripts/gpu/env.sh; else REPO=$PWD; RUNS=${RUNS:-/tmp/runs}; mkdir -p $RUNS; cd $RUNS || exit 1; fi
 PY=${PY:-python3} ARCH=${ARCH:-sd21} RES=${RES:-512} BATCH=${BATCH:-8} CAP=${CAP:-24} SWEEP=${SWEEP:-8,16,24,32}
-NAME=${NAME:-distill_sd21} LATENT=${LATENT:-$((RES / 8))} BENCH_OPT=${BENCH_OPT:-adamw8bit}
+NAME=${NAME:-distill_sd21} LATENT=${LATENT:-$((RES / 8))} BENCH_OPT=${BENCH_OPT:-adamw8bit} BENCH_LIB=${BENCH_LIB:-bitsandbytes}
 EXTRA_DISTILL=${EXTRA_DISTILL:-} EXTRA_PRUNE=${EXTRA_PRUNE:-}  # more key=value overrides per verb (CPU dry runs)
 OUT=${OUT:-$RUNS/out}; mkdir -p $OUT
 L=$RUNS/sd21 && TEACHER=$RUNS/sd21-teacher-$ARCH-$RES && rm -rf $L && mkdir -p $L || exit 1
@@ -61,7 +61,7 @@ v=$(sort -n $L/distill.du 2>/dev/null | tail -1); meta distill_peak_disk_bytes "
 
 # 3. the benchmark's matching variants and the batch sweep under the same cap; then the defaults without a cap
 (cd $REPO/benchmarks && step bench 150 $PY distill_step.py --out $L/bench.json --arch $ARCH --latent $LATENT \
-  --variants ours_guided,ours_wcond --compile off --grad-ckpt --optimizer $BENCH_OPT --memory-cap-gib $CAP \
+  --variants ours_guided,ours_wcond --compile off --grad-ckpt --optimizer $BENCH_OPT --optimizer-lib $BENCH_LIB --memory-cap-gib $CAP \
   --batches $SWEEP --iters 4 --warmup 2)
 (cd $REPO/benchmarks && step bench_default 60 $PY distill_step.py --out $L/bench_default.json --arch $ARCH --latent $LATENT \
   --variants ours_wcond --compile off --no-channels-last --batch 16 --iters 2 --warmup 1)

@@ -6,7 +6,8 @@ import pytest
 
 from pocketdiff.cli import VERBS, main
 
-EXPECTED = ["train-teacher", "distill", "calibrate", "prune", "evaluate", "export", "run-bundle", "demo", "train-clip"]
+EXPECTED = ["train-teacher", "distill", "calibrate", "prune", "evaluate", "export", "run-bundle", "verify-bundle", "demo",
+            "train-clip"]
 
 
 def test_help_lists_every_verb():

@@ -15,15 +15,13 @@ from typing import Callable
 
 import numpy as np
 import pytest
-from conftest import IO, T, signature_tflite
+from bundle_builders import IO, T, sha256, signature_tflite
 
 from pocketdiff.cli import main
 from pocketdiff.export.manifest_check import check_bundle, manifest_problems, spacing_timesteps
 
 
 def _rehash(b: Path, entry: dict) -> None:
-    from conftest import sha256
-
     p = b / entry["path"]
     entry["sha256"], entry["bytes"] = sha256(p), p.stat().st_size
 

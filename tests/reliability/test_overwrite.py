@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import pytest
-from conftest import make_bundle
+from bundle_builders import make_bundle
 
 from pocketdiff.cli import main, run_stage
 from pocketdiff.errors import PocketdiffError
