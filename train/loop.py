@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 from pocketdiff.errors import PocketdiffError, require
 
 from .checkpoints import begin_checkpoint, commit_checkpoint, folder_bytes, list_checkpoints, read_state, resolve_resume
+from .ema import EMA
 from .memory import (
     EMA_DEVICES,
     OPTIMIZER_LIBS,
@@ -125,40 +126,6 @@ class BatchRandom:
 
     def randint(self, low: int, high: int) -> torch.Tensor:
         return self._local(torch.randint(low, high, (self.n,), generator=self.generator))
-
-
-class EMA:
-    """Exponential moving average of a module's trainable parameters (float32 shadow).
-
-    `device=None` keeps the shadow on the parameters' device; "cpu" keeps it in host memory
-    (no GPU memory; each update copies the parameters over, so `every=k` updates every k-th
-    step with decay^k)."""
-
-    def __init__(self, module: torch.nn.Module, decay: float, device: Optional[str] = None, every: int = 1):
-        self.decay, self.device, self.every = decay, device, every
-        self.shadow = {n: p.detach().to(device or p.device, torch.float32, copy=True)
-                       for n, p in module.named_parameters() if p.requires_grad}
-
-    @torch.no_grad()
-    def update(self, module: torch.nn.Module, step: Optional[int] = None) -> None:
-        if step is not None and step % self.every:
-            return
-        shadows, params = [], []
-        for n, p in module.named_parameters():
-            if n in self.shadow:
-                where = self.device or p.device
-                if self.shadow[n].device != torch.device(where):  # built or loaded before the model moved
-                    self.shadow[n] = self.shadow[n].to(where)
-                shadows.append(self.shadow[n])
-                params.append(p.detach().to(where, torch.float32))
-        if shadows:  # one fused kernel per group of tensors, not one per parameter
-            torch._foreach_lerp_(shadows, params, 1.0 - self.decay ** (self.every if step is not None else 1))
-
-    @torch.no_grad()
-    def copy_to(self, module: torch.nn.Module) -> None:
-        for n, p in module.named_parameters():
-            if n in self.shadow:
-                p.copy_(self.shadow[n].to(p.dtype))
 
 
 class BatchPlan:
