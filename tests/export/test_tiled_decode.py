@@ -72,7 +72,8 @@ def test_blending_beats_hard_seams_on_a_trained_vae(tiny_vae):
 
 
 @pytest.mark.xfail(strict=True, reason="measured 17.6 dB (tile 16, overlap 8 of 32x32 latents): each tile's GroupNorm "
-                   "statistics and mid-block attention see only the tile; needs whole-image norm statistics fed to the tiles")
+                   "statistics and mid-block attention see only the tile; benchmarks/tiled_decode_bounds.py: a whole-latent "
+                   "head plus whole-image norm statistics reach 48 dB (not built yet)")
 def test_tiled_decode_psnr_35db_vs_whole_decode(tiny_vae):
     lat, decode, factor = tiny_vae
     whole = np.clip(decode(lat), 0, 1)
