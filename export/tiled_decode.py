@@ -73,3 +73,55 @@ def tiled_decode(latents: np.ndarray, decode: Callable[[np.ndarray], np.ndarray]
 def psnr_db(reference: np.ndarray, image: np.ndarray, peak: float = 1.0) -> float:
     mse = float(np.mean((np.asarray(reference, np.float64) - np.asarray(image, np.float64)) ** 2))
     return float("inf") if mse == 0 else 10.0 * np.log10(peak**2 / mse)
+
+
+def _blend_ramps(starts: list[int], i: int, tile: int, factor: int) -> tuple[np.ndarray, np.ndarray]:
+    """Tile i's blend ramp along one axis at latent resolution, and at pixel resolution."""
+    s = starts[i]
+    lo = (starts[i - 1] + tile - s) if i else 0
+    hi = (s + tile - starts[i + 1]) if i + 1 < len(starts) else 0
+    latent = _ramp(tile, lo, hi)
+    return latent, np.repeat(latent, factor)
+
+
+def tiled_decode_with_stats(latents: np.ndarray, head: Callable[[np.ndarray], np.ndarray], up_tile: Callable,
+                            tile: int, overlap: int, factor: int, norms: tuple[int, int], passes: int) -> np.ndarray:
+    """[1, C, H, W] latents -> [1, 3, H * factor, W * factor] pixels that match the whole decode.
+
+    `head(latents)` -> features [1, F, H, W] (the whole latent, once); `up_tile(features_tile,
+    weight [t, t], stats [K, 2, G], own [1])` -> (pixels [1, 3, t*f, t*f], sums [K, 3, G]), as
+    `export.tiled_vae.VaeUpPathTile` (`norms` = (K, G)). Pass 1 normalises with each tile's own
+    statistics; each later pass with the totals of the previous pass's blend-weighted sums, which
+    converge to the whole image's statistics (tiny VAE, tile 16 / overlap 8: 22.9 dB after one
+    pass, 44.5 dB after 5, 49.4 dB after 6). The blend weights are the same ramps at every resolution
+    (where three tiles meet at an image edge, both the image and the statistics divide by the
+    weights' total)."""
+    if passes < 1:
+        raise PocketdiffError(f"tiled decode: passes must be at least 1, got {passes}")
+    feats = np.asarray(head(np.asarray(latents, dtype=np.float32)), dtype=np.float32)
+    if feats.ndim != 4 or feats.shape[0] != 1 or feats.shape[-2:] != np.asarray(latents).shape[-2:]:
+        raise PocketdiffError(f"tiled decode: the head returned {list(feats.shape)} for latents {list(np.shape(latents))}")
+    _, _, H, W = feats.shape
+    ys, xs = tile_starts(H, tile, overlap), tile_starts(W, tile, overlap)
+    stats = np.zeros((norms[0], 2, norms[1]), dtype=np.float32)
+    own = np.ones((1,), dtype=np.float32)
+    for _ in range(passes):
+        image, wsum = None, np.zeros((H * factor, W * factor), dtype=np.float64)
+        totals = np.zeros((norms[0], 3, norms[1]), dtype=np.float64)
+        for iy, y in enumerate(ys):
+            wy, py = _blend_ramps(ys, iy, tile, factor)
+            for ix, x in enumerate(xs):
+                wx, px = _blend_ramps(xs, ix, tile, factor)
+                weight = np.outer(wy, wx).astype(np.float32)
+                pixels, sums = up_tile(np.ascontiguousarray(feats[:, :, y:y + tile, x:x + tile]), weight, stats, own)
+                pixels, sums = np.asarray(pixels, dtype=np.float64), np.asarray(sums, dtype=np.float64)
+                if image is None:
+                    image = np.zeros((1, pixels.shape[1], H * factor, W * factor), dtype=np.float64)
+                blend = np.outer(py, px)
+                image[:, :, y * factor:(y + tile) * factor, x * factor:(x + tile) * factor] += pixels * blend
+                wsum[y * factor:(y + tile) * factor, x * factor:(x + tile) * factor] += blend
+                totals += sums  # weighted: the weight totals in totals[:, 2] divide them
+        mean = totals[:, 0] / totals[:, 2]
+        stats = np.stack([mean, totals[:, 1] / totals[:, 2] - mean * mean], axis=1).astype(np.float32)
+        own = np.zeros((1,), dtype=np.float32)
+    return (image / wsum).astype(np.float32)

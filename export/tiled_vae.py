@@ -1,0 +1,122 @@
+"""The VAE decoder split for tiled decoding that matches the whole decode: two torch graphs.
+
+Independent tiles (each a whole decoder run) differ from the whole decode in two ways: every
+GroupNorm normalises with its tile's statistics, and the mid block's attention sees only the
+tile (17.6 dB PSNR on the tiny VAE; `benchmarks/tiled_decode_bounds.py`). So:
+
+- `VaeDecoderHead`: latents [1, C, h, w] -> features [1, F, h, w]: post_quant_conv, conv_in and
+  the mid block (its attention included), once on the whole latent. It runs at latent
+  resolution, where activations are small (64 x 64 x 512 at 512 px).
+- `VaeUpPathTile`: a features tile [1, F, t, t], its blend weights [t, t], the up path's norm
+  statistics [K, 2, G] (mean, variance per group) and `own` [1] -> pixels [1, 3, t*f, t*f] and
+  sums [K, 3, G] (blend-weighted sum, sum of squares and weight of every norm's input). Every
+  GroupNorm of the up path (and conv_norm_out) normalises with
+  `own * tile statistics + (1 - own) * given statistics`: elementwise ops, no graph switch.
+
+`export.tiled_decode.tiled_decode_with_stats` drives them: pass 1 with `own = 1`, then the
+totals of the sums as the statistics of the next pass. Only tensors of one tile's size are
+alive in the up path, however large the image.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Optional
+
+import torch
+from torch import nn
+
+from pocketdiff.errors import PocketdiffError
+
+
+class VaeDecoderHead(nn.Module):
+    def __init__(self, vae: nn.Module):
+        super().__init__()
+        self.post_quant_conv = getattr(vae, "post_quant_conv", None)
+        self.conv_in = vae.decoder.conv_in
+        self.mid_block = vae.decoder.mid_block
+        self.scaling_factor = float(vae.config.scaling_factor)
+        shift = getattr(vae.config, "shift_factor", None)
+        self.shift_factor = float(shift) if shift is not None else 0.0
+
+    def forward(self, latents: torch.Tensor) -> torch.Tensor:
+        z = latents * (1.0 / self.scaling_factor)
+        if self.shift_factor:
+            z = z + self.shift_factor
+        if self.post_quant_conv is not None:
+            z = self.post_quant_conv(z)
+        return self.mid_block(self.conv_in(z), None)
+
+
+class _Inputs:
+    """What the norms of one forward read: set by VaeUpPathTile.forward, cleared after."""
+
+    def __init__(self):
+        self.tile: Optional[int] = None
+        self.weight = self.stats = self.own = None
+        self.sums: list[torch.Tensor] = []
+
+
+class _StatsGroupNorm(nn.Module):
+    def __init__(self, norm: nn.GroupNorm, index: int, inputs: _Inputs):
+        super().__init__()
+        self.groups, self.eps, self.index = norm.num_groups, float(norm.eps), index
+        self.weight, self.bias = norm.weight, norm.bias
+        self._inputs = [inputs]  # a list: not a submodule, not a parameter
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        inp = self._inputs[0]
+        b, c, h, w = x.shape
+        per_group = c // self.groups
+        g = x.reshape(b, self.groups, per_group * h * w)
+        r = h // inp.tile  # this layer's resolution over the latent tile's
+        wmap = inp.weight.repeat_interleave(r, 0).repeat_interleave(r, 1).reshape(1, 1, h * w)
+        wmap = wmap.repeat(1, 1, per_group)  # the order of g's last axis: channel in group, then pixel
+        inp.sums.append(torch.stack([(g * wmap).sum(-1)[0], (g * g * wmap).sum(-1)[0],
+                                     wmap.sum(-1).expand(b, self.groups)[0]]))
+        mean_own = g.mean(-1)
+        var_own = (g * g).mean(-1) - mean_own * mean_own
+        stats = inp.stats[self.index]
+        mean = inp.own * mean_own + (1.0 - inp.own) * stats[0][None]
+        var = inp.own * var_own + (1.0 - inp.own) * stats[1][None]
+        y = ((g - mean[..., None]) * torch.rsqrt(var[..., None] + self.eps)).reshape(b, c, h, w)
+        return y * self.weight.view(1, c, 1, 1) + self.bias.view(1, c, 1, 1)
+
+
+class VaeUpPathTile(nn.Module):
+    """Up blocks, conv_norm_out, conv_act, conv_out of a VAE decoder, norms fed from outside."""
+
+    def __init__(self, vae: nn.Module, tile: int):
+        super().__init__()
+        dec = vae.decoder
+        if getattr(dec, "up_blocks", None) is None or getattr(dec, "conv_norm_out", None) is None:
+            raise PocketdiffError(f"tiled VAE: {type(dec).__name__} has no up_blocks / conv_norm_out to tile")
+        self.tile = tile
+        self._inputs = _Inputs()
+        # copies: the norms inside are swapped, and the VAE itself must stay as it was
+        self.up_blocks = copy.deepcopy(dec.up_blocks)
+        self.conv_act, self.conv_out = dec.conv_act, dec.conv_out
+        norms = [(name, m) for name, m in self.up_blocks.named_modules() if isinstance(m, nn.GroupNorm)]
+        if any(type(m).__name__ == "Attention" for m in self.up_blocks.modules()):
+            raise PocketdiffError("tiled VAE: attention in the decoder's up blocks is not supported (its view would be the tile)")
+        groups = {m.num_groups for _, m in norms} | {dec.conv_norm_out.num_groups}
+        if len(groups) != 1:
+            raise PocketdiffError(f"tiled VAE: the up path's GroupNorms use different group counts {sorted(groups)}")
+        self.groups = groups.pop()
+        for i, (name, norm) in enumerate(norms):
+            parent = self.up_blocks.get_submodule(name.rsplit(".", 1)[0]) if "." in name else self.up_blocks
+            setattr(parent, name.rsplit(".", 1)[-1], _StatsGroupNorm(norm, i, self._inputs))
+        self.conv_norm_out = _StatsGroupNorm(dec.conv_norm_out, len(norms), self._inputs)
+        self.num_norms = len(norms) + 1
+
+    def forward(self, features: torch.Tensor, weight: torch.Tensor, stats: torch.Tensor, own: torch.Tensor):
+        inp = self._inputs
+        inp.tile, inp.weight, inp.stats, inp.own, inp.sums = self.tile, weight, stats, own, []
+        try:
+            h = features
+            for block in self.up_blocks:
+                h = block(h, None)
+            image = self.conv_out(self.conv_act(self.conv_norm_out(h))) * 0.5 + 0.5
+            return image, torch.stack(inp.sums)
+        finally:
+            inp.weight = inp.stats = inp.own = None
+            inp.sums = []
