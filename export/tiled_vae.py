@@ -9,7 +9,8 @@ tile (17.6 dB PSNR on the tiny VAE; `benchmarks/tiled_decode_bounds.py`). So:
   resolution, where activations are small (64 x 64 x 512 at 512 px).
 - `VaeUpPathTile`: a features tile [1, F, t, t], its blend weights [t, t], the up path's norm
   statistics [K, 2, G] (mean, variance per group) and `own` [1] -> pixels [1, 3, t*f, t*f] and
-  sums [K, 3, G] (blend-weighted sum, sum of squares and weight of every norm's input). Every
+  sums [K, 3, G] (blend-weighted sum, sum of squares and weight of every norm's input, each
+  divided by the group's element count in the tile, which cancels in the totals' ratios). Every
   GroupNorm of the up path (and conv_norm_out) normalises with
   `own * tile statistics + (1 - own) * given statistics`: elementwise ops, no graph switch.
 
@@ -57,29 +58,42 @@ class _Inputs:
 
 
 class _StatsGroupNorm(nn.Module):
+    """Group statistics through per-channel sums and constant group matrices (channel -> group
+    and back as matmuls): no 3-D group reshapes or broadcasts, which the GPU delegate rejects."""
+
     def __init__(self, norm: nn.GroupNorm, index: int, inputs: _Inputs):
         super().__init__()
         self.groups, self.eps, self.index = norm.num_groups, float(norm.eps), index
         self.weight, self.bias = norm.weight, norm.bias
+        c = norm.num_channels
+        onehot = torch.zeros(self.groups, c)
+        onehot[torch.arange(c) // (c // self.groups), torch.arange(c)] = 1.0
+        self.register_buffer("group_to_channel", onehot, persistent=False)  # [G, C]
+        self.register_buffer("channel_to_group", onehot.t().contiguous() / (c // self.groups), persistent=False)  # [C, G], means
+        self.register_buffer("ones", torch.ones(1, self.groups), persistent=False)
         self._inputs = [inputs]  # a list: not a submodule, not a parameter
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         inp = self._inputs[0]
-        b, c, h, w = x.shape
-        per_group = c // self.groups
-        g = x.reshape(b, self.groups, per_group * h * w)
+        _, c, h, w = x.shape
         r = h // inp.tile  # this layer's resolution over the latent tile's
-        wmap = inp.weight.repeat_interleave(r, 0).repeat_interleave(r, 1).reshape(1, 1, h * w)
-        wmap = wmap.repeat(1, 1, per_group)  # the order of g's last axis: channel in group, then pixel
-        inp.sums.append(torch.stack([(g * wmap).sum(-1)[0], (g * g * wmap).sum(-1)[0],
-                                     wmap.sum(-1).expand(b, self.groups)[0]]))
-        mean_own = g.mean(-1)
-        var_own = (g * g).mean(-1) - mean_own * mean_own
-        stats = inp.stats[self.index]
-        mean = inp.own * mean_own + (1.0 - inp.own) * stats[0][None]
-        var = inp.own * var_own + (1.0 - inp.own) * stats[1][None]
-        y = ((g - mean[..., None]) * torch.rsqrt(var[..., None] + self.eps)).reshape(b, c, h, w)
-        return y * self.weight.view(1, c, 1, 1) + self.bias.view(1, c, 1, 1)
+        wmap = inp.weight.reshape(1, 1, inp.tile, inp.tile)
+        if r > 1:
+            wmap = nn.functional.interpolate(wmap, scale_factor=float(r), mode="nearest")
+        to_group = self.channel_to_group
+        # blend-weighted sums per group, each divided by the group's element count in this tile (the
+        # same for every tile, so it cancels in the totals' ratios; it keeps the outputs in fp16's range)
+        inp.sums.append(torch.cat([(x * wmap).mean((2, 3)) @ to_group,
+                                   (x * x * wmap).mean((2, 3)) @ to_group,
+                                   wmap.mean((2, 3)) @ self.ones], 0))  # [1, 1] @ [1, G]: no scalar broadcast
+        mean_own = x.mean((2, 3)) @ to_group  # [1, G]
+        var_own = (x * x).mean((2, 3)) @ to_group - mean_own * mean_own
+        stats = inp.stats[self.index]  # [2, G]
+        mean = inp.own * mean_own + (1.0 - inp.own) * stats[0:1]
+        var = inp.own * var_own + (1.0 - inp.own) * stats[1:2]
+        mean_c = (mean @ self.group_to_channel).reshape(1, c, 1, 1)
+        rstd_c = (torch.rsqrt(var + self.eps) @ self.group_to_channel).reshape(1, c, 1, 1)
+        return (x - mean_c) * rstd_c * self.weight.view(1, c, 1, 1) + self.bias.view(1, c, 1, 1)
 
 
 class VaeUpPathTile(nn.Module):

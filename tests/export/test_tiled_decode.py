@@ -125,3 +125,31 @@ def test_uneven_tiles_still_match(tiny_vae, split_vae):
     lat = np.ascontiguousarray(lat[:, :, :30, :30])
     whole = np.clip(decode(lat), 0, 1)
     assert psnr_db(whole, split_vae(lat, 12, 4, factor, passes=5)) >= 35.0
+
+
+def test_split_graphs_run_whole_on_the_gpu_delegate(gpu_delegate, tmp_path):
+    """Both graphs convert with litert-torch and every op runs on the delegate (lavapipe here):
+    the group statistics use per-channel means and constant group matrices, no 3-D reshapes or
+    BROADCAST_TO (which the delegate rejects)."""
+    from pocketdiff.export.convert import to_tflite
+    from pocketdiff.export.delegate import run_on_delegate
+    from pocketdiff.export.tiled_vae import VaeDecoderHead, VaeUpPathTile
+    from pocketdiff.models import ModelConfig, load_or_build
+
+    vae = load_or_build(ModelConfig(pretrained="pocketdiff:shapes-teacher")).vae.to(torch.float32).eval()
+    head, up = VaeDecoderHead(vae).eval(), VaeUpPathTile(vae, 8).eval()
+    g = torch.Generator().manual_seed(0)
+    lat = torch.randn(1, 4, 16, 16, generator=g)
+    with torch.no_grad():
+        feats = head(lat)
+    args = {"head": (lat,), "up_tile": (feats[:, :, :8, :8].contiguous(), torch.rand(8, 8, generator=g),
+                                        torch.rand(up.num_norms, 2, up.groups, generator=g) + 0.5, torch.zeros(1))}
+    for name, module in (("head", head), ("up_tile", up)):
+        path = tmp_path / f"{name}.tflite"
+        to_tflite(module, args[name], path)
+        run = run_on_delegate(path, [a.numpy() for a in args[name]], precisions=("fp32",))
+        assert run.fully_accelerated and not run.rejected, (name, run.rejected, run.error)
+        with torch.no_grad():
+            ref = module(*args[name])
+        for out, want in zip(run.outputs["fp32"], ref if isinstance(ref, tuple) else (ref,)):
+            np.testing.assert_allclose(np.asarray(out).reshape(want.shape), want.numpy(), rtol=1e-4, atol=1e-4)
