@@ -103,18 +103,10 @@ class NormControl:
         self.sums = None
 
 
-def blend_weights(starts: list[int], tile: int, i: int) -> np.ndarray:
-    from pocketdiff.export.tiled_decode import _ramp
-
-    s = starts[i]
-    lo = (starts[i - 1] + tile - s) if i else 0
-    hi = (s + tile - starts[i + 1]) if i + 1 < len(starts) else 0
-    return _ramp(tile, lo, hi)
-
-
 def run(args) -> dict:
     from pocketdiff.export.components import VaeDecoderGraph
-    from pocketdiff.export.tiled_decode import psnr_db, tile_starts, tiled_decode
+    from pocketdiff.export.tiled_decode import _blend_ramps, psnr_db, tile_starts, tiled_decode
+    from pocketdiff.export.tiled_vae import VaeDecoderHead
     from pocketdiff.models import ModelConfig, load_or_build
 
     torch.manual_seed(0)
@@ -129,10 +121,7 @@ def run(args) -> dict:
         whole = graph(lat).clamp(0, 1).numpy()
         control.mode = "own"
         dec = graph.decoder
-        z = lat / graph.scaling_factor
-        if graph.post_quant_conv is not None:
-            z = graph.post_quant_conv(z)
-        mid = dec.mid_block(dec.conv_in(z), None)  # whole-latent head
+        mid = VaeDecoderHead(vae)(lat)  # whole-latent head
         oracle = dict(control.stats)
     H = lat.shape[-1]
     result = {"model": args.model, "image": args.size, "latent": H, "factor": factor, "variants": []}
@@ -151,7 +140,8 @@ def run(args) -> dict:
 
             def one(lat_tile):
                 iy, ix = next(it)
-                control.weight = torch.from_numpy(np.outer(blend_weights(starts, tile, iy), blend_weights(starts, tile, ix))).float()
+                wy, wx = _blend_ramps(starts, iy, tile, 1)[0], _blend_ramps(starts, ix, tile, 1)[0]
+                control.weight = torch.from_numpy(np.outer(wy, wx)).float()
                 with torch.no_grad():
                     return fn(torch.from_numpy(lat_tile), starts[iy], starts[ix]).numpy()
 

@@ -86,13 +86,17 @@ class VaeDecoderGraph(nn.Module):
         shift = getattr(vae.config, "shift_factor", None)
         self.shift_factor = float(shift) if shift is not None else 0.0
 
-    def forward(self, latents: torch.Tensor) -> torch.Tensor:
+    def decoder_input(self, latents: torch.Tensor) -> torch.Tensor:
+        """The sampler's latents as the decoder takes them: unscaled, unshifted, post_quant_conv."""
         z = latents * (1.0 / self.scaling_factor)
         if self.shift_factor:
             z = z + self.shift_factor
         if self.post_quant_conv is not None:
             z = self.post_quant_conv(z)
-        image = self.decoder(z)
+        return z
+
+    def forward(self, latents: torch.Tensor) -> torch.Tensor:
+        image = self.decoder(self.decoder_input(latents))
         # [0, 1] up to the clamp, which the runner applies (clamp(0, 1) lowers to
         # RELU_0_TO_1, which the GPU delegate rejects)
         return image * 0.5 + 0.5

@@ -42,6 +42,13 @@ def _ramp(n: int, lo_fade: int, hi_fade: int) -> np.ndarray:
     return w
 
 
+def _fades(starts: list[int], i: int, tile: int) -> tuple[int, int]:
+    """Latents tile i shares with its previous and its next neighbour along one axis (0: none)."""
+    lo = starts[i - 1] + tile - starts[i] if i else 0
+    hi = starts[i] + tile - starts[i + 1] if i + 1 < len(starts) else 0
+    return lo, hi
+
+
 def tiled_decode(latents: np.ndarray, decode: Callable[[np.ndarray], np.ndarray], tile: int, overlap: int, factor: int) -> np.ndarray:
     """[1, C, H, W] latents -> [1, 3, H * factor, W * factor] pixels, tile by tile."""
     lat = np.asarray(latents, dtype=np.float32)
@@ -62,8 +69,8 @@ def tiled_decode(latents: np.ndarray, decode: Callable[[np.ndarray], np.ndarray]
             if acc is None:
                 acc = np.zeros((1, img.shape[1], H * factor, W * factor), dtype=np.float64)
             # fade only towards a neighbour, over the pixels both tiles cover
-            fy = (_ramp(T, (ys[iy - 1] + tile - y) * factor if iy else 0, (y + tile - ys[iy + 1]) * factor if iy + 1 < len(ys) else 0))
-            fx = (_ramp(T, (xs[ix - 1] + tile - x) * factor if ix else 0, (x + tile - xs[ix + 1]) * factor if ix + 1 < len(xs) else 0))
+            fy = _ramp(T, *(f * factor for f in _fades(ys, iy, tile)))
+            fx = _ramp(T, *(f * factor for f in _fades(xs, ix, tile)))
             w = fy[:, None] * fx[None, :]
             acc[:, :, y * factor:y * factor + T, x * factor:x * factor + T] += img * w
             wsum[y * factor:y * factor + T, x * factor:x * factor + T] += w
@@ -77,10 +84,7 @@ def psnr_db(reference: np.ndarray, image: np.ndarray, peak: float = 1.0) -> floa
 
 def _blend_ramps(starts: list[int], i: int, tile: int, factor: int) -> tuple[np.ndarray, np.ndarray]:
     """Tile i's blend ramp along one axis at latent resolution, and at pixel resolution."""
-    s = starts[i]
-    lo = (starts[i - 1] + tile - s) if i else 0
-    hi = (s + tile - starts[i + 1]) if i + 1 < len(starts) else 0
-    latent = _ramp(tile, lo, hi)
+    latent = _ramp(tile, *_fades(starts, i, tile))
     return latent, np.repeat(latent, factor)
 
 
@@ -122,6 +126,7 @@ def tiled_decode_with_stats(latents: np.ndarray, head: Callable[[np.ndarray], np
                 wsum[y * factor:(y + tile) * factor, x * factor:(x + tile) * factor] += blend
                 totals += sums  # weighted: the weight totals in totals[:, 2] divide them
         mean = totals[:, 0] / totals[:, 2]
-        stats = np.stack([mean, totals[:, 1] / totals[:, 2] - mean * mean], axis=1).astype(np.float32)
+        var = np.maximum(totals[:, 1] / totals[:, 2] - mean * mean, 0.0)  # E[x^2] - mean^2 may round below 0
+        stats = np.stack([mean, var], axis=1).astype(np.float32)
         own = np.zeros((1,), dtype=np.float32)
     return (image / wsum).astype(np.float32)

@@ -28,24 +28,15 @@ from torch import nn
 
 from pocketdiff.errors import PocketdiffError
 
+from .components import VaeDecoderGraph
 
-class VaeDecoderHead(nn.Module):
-    def __init__(self, vae: nn.Module):
-        super().__init__()
-        self.post_quant_conv = getattr(vae, "post_quant_conv", None)
-        self.conv_in = vae.decoder.conv_in
-        self.mid_block = vae.decoder.mid_block
-        self.scaling_factor = float(vae.config.scaling_factor)
-        shift = getattr(vae.config, "shift_factor", None)
-        self.shift_factor = float(shift) if shift is not None else 0.0
+
+class VaeDecoderHead(VaeDecoderGraph):
+    """The decoder up to the end of its mid block, on the whole latent (VaeDecoderGraph's input
+    handling: scaling, shift, post_quant_conv)."""
 
     def forward(self, latents: torch.Tensor) -> torch.Tensor:
-        z = latents * (1.0 / self.scaling_factor)
-        if self.shift_factor:
-            z = z + self.shift_factor
-        if self.post_quant_conv is not None:
-            z = self.post_quant_conv(z)
-        return self.mid_block(self.conv_in(z), None)
+        return self.decoder.mid_block(self.decoder.conv_in(self.decoder_input(latents)), None)
 
 
 class _Inputs:

@@ -63,15 +63,15 @@ class EMA:
                 torch._foreach_lerp_(shadows, params, weight)
             return
         self.wait()  # the staging buffers are free again
-        shadows, copies, event = [], [], None
+        shadows, copies, event, host = [], [], None, torch.device(self.device)
         for n, p in module.named_parameters():
             if n not in self._shadow:
                 continue
-            if self._shadow[n].device != torch.device(self.device):  # loaded onto another device
-                self._shadow[n] = self._shadow[n].to(self.device)
+            if self._shadow[n].device != host:  # loaded onto another device
+                self._shadow[n] = self._shadow[n].to(host)
             buf = self._staging.get(n)
             if buf is None or buf.shape != p.shape:
-                buf = self._staging[n] = torch.empty(p.shape, dtype=torch.float32, device=self.device, pin_memory=p.is_cuda)
+                buf = self._staging[n] = torch.empty(p.shape, dtype=torch.float32, device=host, pin_memory=p.is_cuda)
             buf.copy_(p.detach(), non_blocking=p.is_cuda)  # in stream order: before the next step changes p
             shadows.append(self._shadow[n])
             copies.append(buf)

@@ -1,5 +1,7 @@
 """train/ema.py: the host shadow's asynchronous update gives the same numbers as an in-line one,
 and nothing reads the shadow before the update in flight has landed."""
+import time
+
 import pytest
 import torch
 
@@ -37,16 +39,27 @@ def test_host_update_sees_the_parameters_of_its_step():
         torch.testing.assert_close(v, ref[n])
 
 
-def test_staging_buffers_are_reused_and_copy_to_waits():
+def test_staging_buffers_are_reused_and_copy_to_waits(monkeypatch):
     m = _model()
     ema = EMA(m, 0.5, device="cpu")
     ema.update(m, None)
     ptrs = {n: t.data_ptr() for n, t in ema._staging.items()}
     _drift(m, 1)
+    before = {n: v.clone() for n, v in ema.shadow.items()}
+    lerp = torch._foreach_lerp_
+
+    def slow_lerp(*args):  # the host update is still running when copy_to is called
+        time.sleep(0.3)
+        lerp(*args)
+
+    monkeypatch.setattr(torch, "_foreach_lerp_", slow_lerp)
     ema.update(m, None)
     assert {n: t.data_ptr() for n, t in ema._staging.items()} == ptrs
     target = _model(seed=1)
-    ema.copy_to(target)
+    ema.copy_to(target)  # must wait for the lerp, not copy the shadow of the step before
+    params = dict(m.named_parameters())
+    for n, p in target.named_parameters():
+        torch.testing.assert_close(p, before[n] + 0.5 * (params[n].detach() - before[n]))
     for (n, p), (_, q) in zip(target.named_parameters(), m.named_parameters()):
         assert not torch.equal(p, q) and torch.equal(p, ema.shadow[n])
 
