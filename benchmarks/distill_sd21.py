@@ -87,7 +87,7 @@ def distill_summary(run: Path, bench: dict) -> dict:
         steps_rows = [x for x in rows if x.get("phase") == f"round-{r['round']}" and "loss" in x]
         variant = "ours_guided" if r["stage"] == "guided" else "ours_wcond"
         entry = {"round": r["round"], "stage": r["stage"], "steps": r["steps"], "train_steps": r["train_steps"],
-                 "steady_samples_per_s": t.get("steady_samples_per_s"), "first_step_s": t.get("first_step_s"),
+                 "steady_samples_per_s": t.get("steady_samples_per_s"), "first_step_s": t.get("first_step_s"), "ema_setup_s": t.get("ema_setup_s"),
                  "checkpoint_s": t.get("checkpoint_s"), "peak_gpu_mem_gib": t.get("peak_gpu_mem_gib"),
                  "processes": t.get("processes"), "memory_cap_gib": t.get("memory_cap_gib"),
                  "log_rows": len(steps_rows), "folder_files": r.get("folder_files"), "bench_variant": variant}
@@ -150,6 +150,22 @@ def summary(args) -> int:
         result["distill"] = distill_summary(Path(args.distill), bench)
     if args.prune:
         result["prune"] = prune_summary(Path(args.prune))
+    if args.vsweep:  # larger batches through the verb: one progressive round each under the same cap
+        rows = []
+        for run in map(Path, args.vsweep):
+            if not run.exists():
+                continue
+            rounds = read(run / "report.json").get("rounds") or []
+            t = (rounds[0].get("timing") or {}) if rounds else {}
+            batch = int(run.name.rsplit("_", 1)[-1])
+            rows.append({"batch": batch, "completed": bool(rounds), "exit": (result["meta"] or {}).get(f"vsweep_{batch}_exit"),
+                         "steady_samples_per_s": t.get("steady_samples_per_s"), "peak_gpu_mem_gib": t.get("peak_gpu_mem_gib")})
+        result["verb_batch_sweep"] = rows
+        ok = [r for r in rows if r["completed"]] + [{"batch": r["batch"], "steady_samples_per_s": r["steady_samples_per_s"],
+                                                      "peak_gpu_mem_gib": r["peak_gpu_mem_gib"]}
+                                                     for r in (result.get("distill") or {}).get("rounds", []) if r["stage"] == "progressive"][:1]
+        if ok:
+            result["largest_verb_batch_under_cap"] = max(ok, key=lambda r: r["batch"] or 0)
     text = json.dumps(result, indent=2)
     for out in args.out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
@@ -163,6 +179,9 @@ def summary(args) -> int:
         print(f"[distill_sd21] distill run on disk: {d['run_bytes'] / 2**30:.2f} GiB (checkpoints {d['checkpoint_bytes'] / 2**30:.2f} GiB)")
     if "largest_batch_under_cap" in result:
         print(f"[distill_sd21] largest batch under the cap: {result['largest_batch_under_cap']['batch']}")
+    for r in result.get("verb_batch_sweep", []):
+        print(f"[distill_sd21] verb at batch {r['batch']}: exit {r['exit']}, {r['steady_samples_per_s'] or 0:.2f} samples/s, "
+              f"peak {r['peak_gpu_mem_gib']} GiB")
     if "prune" in result:
         p = result["prune"]
         print(f"[distill_sd21] prune: loads={p.get('loads')} recovery peak {p.get('recovery_peak_gpu_mem_gib')} GiB")
@@ -211,6 +230,7 @@ def main(argv=None) -> int:
     s.add_argument("--bench")
     s.add_argument("--default-bench")
     s.add_argument("--meta")
+    s.add_argument("--vsweep", action="append", help="run folders of the verb batch sweep (NAME_<batch>)")
     c = sub.add_parser("scaling")
     c.add_argument("--out", action="append", required=True)
     c.add_argument("--one", required=True)

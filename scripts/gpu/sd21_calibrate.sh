@@ -5,6 +5,7 @@
 #   bash scripts/gpu/sd21_calibrate.sh verb-w4   # the same at W4 (conv_in / conv_out at 8 bits)
 #   bash scripts/gpu/sd21_calibrate.sh bench-w8  # benchmarks/calibrate_sd21.py --full-iters 500: the harness, model, data and
 #                                                # seeds of the two-GPU reference run, on one GPU, compared with it
+# TIMEOUT=510: the watchdog of the run in seconds.
 # Writes $OUT/calibrate_sd21_<mode>_<gpu>.json (wall time, peak memory, per-block seconds and peak, UNet cosine and
 # NMSE of the reconstruction and of RTN), the run's log and reports; prints a summary.
 set -u
@@ -18,7 +19,7 @@ case $MODE in
   verb-w8|verb-w4)
     BITS=${MODE#verb-w}
     EXTRA=""; [ "$BITS" = 4 ] && EXTRA="recon.autocast=auto"  # W4: bf16 (auto), measured harmless at 4 bits
-    timeout 510 python3 -m pocketdiff calibrate --config $REPO/configs/sd21/calibrate_smoke.yaml --output run \
+    timeout ${TIMEOUT:-510} python3 -m pocketdiff calibrate --config $REPO/configs/sd21/calibrate_smoke.yaml --output run \
       quant.bits=$BITS $EXTRA > calibrate.log 2>&1
     RC=$?
     WALL=$(( $(date +%s) - T0 ))
@@ -46,7 +47,7 @@ for b in out.get("blocks", []):
 PY
     ;;
   bench-w8)
-    timeout 510 python3 $REPO/benchmarks/calibrate_sd21.py --out $OUT/$NAME.json --no-sweep --no-timing --full-iters 500 \
+    timeout ${TIMEOUT:-510} python3 $REPO/benchmarks/calibrate_sd21.py --out $OUT/$NAME.json --no-sweep --no-timing --full-iters 500 \
       --full-mode independent --stream --memory-cap-gib 24 --autocast fp16 \
       --reference $REPO/benchmarks/results/calibrate_sd21_full_w8_500it_lrfan_2xh200.json > calibrate.log 2>&1
     RC=$?

@@ -13,14 +13,16 @@
 #    $OUT/sd21_distill_logs.tgz; the runs are deleted at the end (the teacher stays for a warm rerun)
 # Settings by environment: BUDGET=530 ARCH=sd21 RES=512 LATENT=RES/8 BATCH=8 CAP=24 SWEEP=8,16,24,32
 #   NAME=distill_sd21 BENCH_OPT=adamw8bit BENCH_LIB=bitsandbytes PY=python3 EXTRA_DISTILL= EXTRA_PRUNE= (key=value overrides)
+#   VSWEEP=16,24 (batches tried through the verb, ascending, until one fails)
+#   PARTS=distill,bench,prune,vsweep,default (which of steps 2-4 run; e.g. PARTS=prune on a second GPU call)
 #   SKIP_ENV=1: no env.sh (a CPU dry run of the logic with tiny settings, see README "SD-2.1 size")
 set -u
 T0=$SECONDS; BUDGET=${BUDGET:-530}
 left() { echo $(( BUDGET - (SECONDS - T0) )); }
 if [ -z "${SKIP_ENV:-}" ]; then source scripts/gpu/env.sh; else REPO=$PWD; RUNS=${RUNS:-/tmp/runs}; mkdir -p $RUNS; cd $RUNS || exit 1; fi
-PY=${PY:-python3} ARCH=${ARCH:-sd21} RES=${RES:-512} BATCH=${BATCH:-8} CAP=${CAP:-24} SWEEP=${SWEEP:-8,16,24,32}
+PY=${PY:-python3} ARCH=${ARCH:-sd21} RES=${RES:-512} BATCH=${BATCH:-8} CAP=${CAP:-24} SWEEP=${SWEEP:-8,16,24,32} VSWEEP=${VSWEEP:-16,24}
 NAME=${NAME:-distill_sd21} LATENT=${LATENT:-$((RES / 8))} BENCH_OPT=${BENCH_OPT:-adamw8bit} BENCH_LIB=${BENCH_LIB:-bitsandbytes}
-EXTRA_DISTILL=${EXTRA_DISTILL:-} EXTRA_PRUNE=${EXTRA_PRUNE:-}  # more key=value overrides per verb (CPU dry runs)
+EXTRA_DISTILL=${EXTRA_DISTILL:-} EXTRA_PRUNE=${EXTRA_PRUNE:-} PARTS=${PARTS:-distill,bench,prune,vsweep,default}  # more key=value overrides per verb (CPU dry runs)
 OUT=${OUT:-$RUNS/out}; mkdir -p $OUT
 L=$RUNS/sd21 && TEACHER=$RUNS/sd21-teacher-$ARCH-$RES && rm -rf $L && mkdir -p $L || exit 1
 META=$L/meta.json; echo "{}" > $META
@@ -35,6 +37,7 @@ gpu_peak() { local v; v=$(sort -n $L/$1.smi 2>/dev/null | tail -1); echo ${v:-nu
 watch_gpu() { ( command -v nvidia-smi >/dev/null && exec nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 500 ) \
   > $L/$1.smi 2>/dev/null < /dev/null & echo $!; }
 watch_disk() { ( while true; do du -sb $1 2>/dev/null | cut -f1; sleep 2; done ) > $L/$2.du 2>/dev/null < /dev/null & echo $!; }
+want() { [[ ",$PARTS," == *",$1,"* ]]; }
 step() {  # step NAME SECONDS CMD...: run with a watchdog (at most what is left), log, wall time and exit code into META
   local name=$1 want=$2 t; shift 2; t=$(left); [ "$t" -gt "$want" ] && t=$want
   if [ "$t" -lt 20 ]; then echo "[$(date +%T)] skip $name: ${t} s left"; meta "${name}_skipped" true; return 1; fi
@@ -52,30 +55,47 @@ step teacher 150 $PY $REPO/benchmarks/distill_sd21.py teacher $TEACHER --arch $A
 meta teacher_bytes $(du -sb $TEACHER | cut -f1)
 
 # 2. distill through the verb, disk and GPU memory sampled
+if want distill; then
 w1=$(watch_disk $L/distill distill); g1=$(watch_gpu distill)
 step distill 270 $PY -m pocketdiff distill --config $REPO/configs/sd21/distill_smoke.yaml --output $L/distill \
   model.pretrained=$TEACHER data.resolution=$RES guided.train.batch_size=$BATCH progressive.train.batch_size=$BATCH \
   guided.train.memory_cap_gib=$CAP progressive.train.memory_cap_gib=$CAP $EXTRA_DISTILL
 kill $w1 $g1 2>/dev/null
 v=$(sort -n $L/distill.du 2>/dev/null | tail -1); meta distill_peak_disk_bytes "${v:-null}"; meta distill_nvidia_smi_peak_mib "$(gpu_peak distill)"
+fi
 
 # 3. the benchmark's matching variants and the batch sweep under the same cap; then the defaults without a cap
+if want bench; then
 (cd $REPO/benchmarks && step bench 150 $PY distill_step.py --out $L/bench.json --arch $ARCH --latent $LATENT \
   --variants ours_guided,ours_wcond --compile off --grad-ckpt --optimizer $BENCH_OPT --optimizer-lib $BENCH_LIB --memory-cap-gib $CAP \
   --batches $SWEEP --iters 4 --warmup 2)
-(cd $REPO/benchmarks && step bench_default 60 $PY distill_step.py --out $L/bench_default.json --arch $ARCH --latent $LATENT \
-  --variants ours_wcond --compile off --no-channels-last --batch 16 --iters 2 --warmup 1)
-
-# 4. prune through the verb on the same teacher
+fi
+# 3a. prune through the verb on the same teacher
+if want prune; then
 g2=$(watch_gpu prune)
 step prune 150 $PY -m pocketdiff prune --config $REPO/configs/sd21/prune_smoke.yaml --output $L/prune \
   model.pretrained=$TEACHER data.resolution=$RES train.memory_cap_gib=$CAP $EXTRA_PRUNE
 kill $g2 2>/dev/null; meta prune_nvidia_smi_peak_mib "$(gpu_peak prune)"
+fi
+
+# 3b. larger batches through the verb under the same cap: one progressive round (8 -> 4), 4 steps, no checkpoint
+if want vsweep; then
+for b in ${VSWEEP//,/ }; do
+  step vsweep_$b 120 $PY -m pocketdiff distill --config $REPO/configs/sd21/distill_smoke.yaml --output $L/vsweep_$b \
+    model.pretrained=$TEACHER data.resolution=$RES guided.enabled=false progressive.final_steps=4 progressive.train.max_steps=4 \
+    progressive.train.checkpoint_every=100 progressive.train.batch_size=$b progressive.train.memory_cap_gib=$CAP eval.enabled=false \
+    || break
+done
+fi
+if want default; then
+(cd $REPO/benchmarks && step bench_default 60 $PY distill_step.py --out $L/bench_default.json --arch $ARCH --latent $LATENT \
+  --variants ours_wcond --compile off --no-channels-last --batch 16 --iters 2 --warmup 1)
+fi
 
 # 5. one JSON, logs, clean-up
 tag=$(echo "${DEVICE_TAG:-$($PY -c 'import torch; print(torch.cuda.get_device_name().split()[1].lower() if torch.cuda.is_available() else "cpu")' 2>/dev/null)}")
 $PY $REPO/benchmarks/distill_sd21.py summary --out $OUT/$NAME.json --out $REPO/benchmarks/results/${NAME}_${tag}.json \
-  --distill $L/distill --prune $L/prune --bench $L/bench.json --default-bench $L/bench_default.json --meta $META
+  $(want distill && echo --distill $L/distill) $(want prune && echo --prune $L/prune) --bench $L/bench.json --default-bench $L/bench_default.json --meta $META $(want vsweep && for b in ${VSWEEP//,/ }; do echo --vsweep $L/vsweep_$b; done)
 tar czf $OUT/${NAME}_logs.tgz -C $L --exclude='*.safetensors' --exclude='*.pt' --exclude=cache . 2>/dev/null
 rm -rf $L
 echo "[$(date +%T)] done in $((SECONDS - T0)) s"
