@@ -3,8 +3,8 @@
 #   bash scripts/gpu/sd21_distill_2gpu.sh
 # The SD-2.1 distill smoke (configs/sd21/distill_smoke.yaml, eval off) through the verb on one GPU
 # at batch B, then under `accelerate launch --num_processes 2` at global batch 2B (weak scaling:
-# B per GPU); then resume of the 2-GPU run's last round from its checkpoint-2 on ONE GPU, and of
-# that 1-GPU run's checkpoint-4 back on TWO (hardlinked copies of the run folder, the last
+# B per GPU); then resume of the 2-GPU run's last round from its checkpoint-3 on ONE GPU, and of
+# that 1-GPU run's checkpoint-3 back on TWO (hardlinked copies of the run folder, the last
 # round's folder and later checkpoints removed). -> $OUT/distill_sd21_2gpu.json (weak-scaling
 # efficiency per round, loss trajectories of the resumed rounds next to the uninterrupted one).
 # Settings by environment: BUDGET=530 ARCH=sd21 RES=512 BATCH=8 (per GPU) PY=python3 SKIP_ENV=1 EXTRA=
@@ -23,25 +23,26 @@ step() {  # step NAME SECONDS CMD...: with a watchdog (at most what is left)
   echo "[$(date +%T)] $name exit $rc in $((SECONDS - s)) s"; [ $rc -eq 0 ] || tail -4 $L/$name.log
   return $rc
 }
-launch2() { $PY -m accelerate.commands.launch --num_machines 1 --num_processes 2 --dynamo_backend no -m pocketdiff "$@"; }
+# an array, not a shell function: `timeout` (in step) runs programs only
+LAUNCH2=($PY -m accelerate.commands.launch --num_machines 1 --num_processes 2 --dynamo_backend no -m pocketdiff)
 C="--config $REPO/configs/sd21/distill_smoke.yaml model.pretrained=$TEACHER data.resolution=$RES eval.enabled=false
-  keep_round_checkpoints=true guided.train.checkpoint_every=2 progressive.train.checkpoint_every=2
+  keep_round_checkpoints=true guided.train.checkpoint_every=3 progressive.train.checkpoint_every=3
   guided.train.checkpoints_total_limit=3 progressive.train.checkpoints_total_limit=3 $EXTRA"
 b2="guided.train.batch_size=$((2 * BATCH)) progressive.train.batch_size=$((2 * BATCH))"
 b1="guided.train.batch_size=$BATCH progressive.train.batch_size=$BATCH"
 
 step teacher 150 $PY $REPO/benchmarks/distill_sd21.py teacher $TEACHER --arch $ARCH --resolution $RES || exit 1
-CUDA_VISIBLE_DEVICES=0 step one 150 $PY -m pocketdiff distill --output $L/one $C $b1
-step two 150 launch2 distill --output $L/two $C $b2
+CUDA_VISIBLE_DEVICES=0 step one 200 $PY -m pocketdiff distill --output $L/one $C $b1
+step two 200 "${LAUNCH2[@]}" distill --output $L/two $C $b2
 # resume the 2-GPU run's last round on one GPU (its global batch 2B now on one process: no cap)
 last=$(ls -d $L/two/round-* 2>/dev/null | sort -V | tail -1)
 if [ -n "$last" ]; then
   r=$(basename $last)
-  cp -al $L/two $L/two_to_one && rm -rf $L/two_to_one/$r $L/two_to_one/checkpoints/$r/checkpoint-{4,6}
+  cp -al $L/two $L/two_to_one && rm -rf $L/two_to_one/$r $L/two_to_one/checkpoints/$r/checkpoint-6
   CUDA_VISIBLE_DEVICES=0 step two_to_one 100 $PY -m pocketdiff distill --output $L/two_to_one --resume latest $C $b2 \
     guided.train.memory_cap_gib=0 progressive.train.memory_cap_gib=0
   cp -al $L/two_to_one $L/one_to_two && rm -rf $L/one_to_two/$r $L/one_to_two/checkpoints/$r/checkpoint-6
-  step one_to_two 100 launch2 distill --output $L/one_to_two --resume latest $C $b2 \
+  step one_to_two 100 "${LAUNCH2[@]}" distill --output $L/one_to_two --resume latest $C $b2 \
     guided.train.memory_cap_gib=0 progressive.train.memory_cap_gib=0
 fi
 tag=${DEVICE_TAG:-$($PY -c 'import torch; print(torch.cuda.get_device_name().split()[1].lower() if torch.cuda.is_available() else "cpu")' 2>/dev/null)}
