@@ -15,6 +15,7 @@ import logging
 import os
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -59,7 +60,9 @@ def to_tflite(module: nn.Module, sample_inputs: Sequence[torch.Tensor], path: Pa
 
     module = module.eval()
     t0 = time.perf_counter()
-    with torch.no_grad(), _quiet_native_stderr(quiet), contextlib.redirect_stdout(io.StringIO()):
+    with torch.no_grad(), _quiet_native_stderr(quiet), contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+        # torch's own deprecation inside the converter's export (nothing a user can act on)
+        warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*", category=FutureWarning)
         edge = litert_torch.convert(module, tuple(sample_inputs))
         edge.export(str(path))
     return time.perf_counter() - t0

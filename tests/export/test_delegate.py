@@ -156,3 +156,17 @@ def test_linear_to_conv_adds_no_transposes_to_a_transformer_block(tmp_path):
     assert raw["ops"].get("FULLY_CONNECTED", 0) >= 8
     assert rew["ops"].get("FULLY_CONNECTED", 0) == 0 and rew["ops"]["CONV_2D"] >= 8
     assert rew["transposes"] <= raw["transposes"]
+
+
+def test_conversion_hides_torch_deprecations_a_user_cannot_act_on(tmp_path):
+    """torch's pytree deprecation fires inside litert-torch's export (10 lines in the demo)."""
+    import warnings
+
+    from pocketdiff.export.convert import to_tflite
+
+    module = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.SiLU())
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        to_tflite(module, (torch.randn(1, 3, 8, 8),), tmp_path / "m.tflite")
+    assert (tmp_path / "m.tflite").stat().st_size > 0
+    assert not [w for w in seen if "LeafSpec" in str(w.message)]
