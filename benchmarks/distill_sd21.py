@@ -90,7 +90,8 @@ def distill_summary(run: Path, bench: dict) -> dict:
                  "steady_samples_per_s": t.get("steady_samples_per_s"), "first_step_s": t.get("first_step_s"), "ema_setup_s": t.get("ema_setup_s"),
                  "checkpoint_s": t.get("checkpoint_s"), "peak_gpu_mem_gib": t.get("peak_gpu_mem_gib"),
                  "processes": t.get("processes"), "memory_cap_gib": t.get("memory_cap_gib"),
-                 "log_rows": len(steps_rows), "folder_files": r.get("folder_files"), "bench_variant": variant}
+                 "log_rows": len(steps_rows), "folder_files": r.get("folder_files"), "bench_variant": variant,
+                 "step_phases": [x for x in rows if x.get("phase") == f"round-{r['round']}" and x.get("event") == "step_phases"]}
         cfg = read_config(run)
         stage_cfg = (cfg.get("guided") if r["stage"] == "guided" else cfg.get("progressive")) or {}
         batch = (stage_cfg.get("train") or {}).get("batch_size")

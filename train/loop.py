@@ -169,6 +169,19 @@ def checkpoint_bytes(ckpt_dir: Path, model, optimizer, ema) -> int:
             + (tensor_bytes(ema.shadow) if ema is not None else 0) + (1 << 20))
 
 
+class PhaseClock:
+    """Seconds per phase of one step, the device synchronised at every mark."""
+
+    def __init__(self, t0: float):
+        self.last, self.seconds = t0, {}
+
+    def mark(self, name: str) -> None:
+        torch.cuda.synchronize()
+        now = perf_counter()
+        self.seconds[name] = round(now - self.last, 3)
+        self.last = now
+
+
 def _save(ckpt_dir, step, model, optimizer, scheduler, ema, losses, skipped, total_limit, extra):
     found = list_checkpoints(ckpt_dir)
     check_free_space(ckpt_dir, checkpoint_bytes(ckpt_dir, model, optimizer, ema), f"checkpoint-{step}",
@@ -303,6 +316,9 @@ def train_loop(
     try:
         for step in range(start, cfg.max_steps):
             step_t0 = perf_counter()
+            # the first steps of an invocation, phase by phase (each synchronised; a one-off in
+            # them, such as the 13 s second step of the SD-2.1 guided stage, shows its phase)
+            phases = PhaseClock(step_t0) if memory.cuda and step - start < 3 else None
             gen = step_generator(seed, step)
             total = torch.zeros((), device=acc.device)
             for k in range(cfg.grad_accum):
@@ -317,6 +333,8 @@ def train_loop(
                 except torch.OutOfMemoryError:
                     raise PocketdiffError(oom_message(desc, step, cfg.batch_size, cfg.memory_cap_gib, ckpt_dir)) from None
                 total += loss.detach() / cfg.grad_accum
+            if phases:
+                phases.mark("forward_backward_s")
             grads = [p.grad for p in params if p.grad is not None]
             if cfg.max_grad_norm > 0:
                 grad_norm = acc.clip_grad_norm_(params, cfg.max_grad_norm)
@@ -338,11 +356,18 @@ def train_loop(
                 raise PocketdiffError(oom_message(desc, step, cfg.batch_size, cfg.memory_cap_gib, ckpt_dir)) from None
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
+            if phases:
+                phases.mark("optimizer_s")  # with the gradient clip and the loss reduction
             if ema is not None:
                 ema.update(acc.unwrap_model(wrapped), step + 1)
+                if phases:
+                    phases.mark("ema_s")
             last_loss = mean_loss
             done = step + 1
             step_s = perf_counter() - step_t0  # mean_loss's .item() synchronised the device
+            if phases and log_file:
+                log_file.write(json.dumps({"phase": desc, "event": "step_phases", "step": done, "step_s": round(step_s, 3),
+                                           **phases.seconds}) + "\n")
             if first_step_s is None:
                 first_step_s = step_s
                 if log_file:

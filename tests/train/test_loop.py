@@ -199,3 +199,18 @@ def test_fused_adamw_only_on_cuda_for_parameters_in_the_default_layout():
         assert not use_fused_adamw(list(conv.parameters()), "cpu")
         conv.to(memory_format=torch.channels_last)  # speed.channels_last without compile
         assert not use_fused_adamw(list(conv.parameters()), "cuda")
+
+
+def test_phase_clock_synchronises_at_every_mark(monkeypatch):
+    """The first steps' phase breakdown (logged on GPUs) waits for the device at each mark."""
+    from time import perf_counter
+
+    from pocketdiff.train.loop import PhaseClock
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: calls.append(1))
+    clock = PhaseClock(perf_counter())
+    for name in ("forward_backward_s", "optimizer_s", "ema_s"):
+        clock.mark(name)
+    assert list(clock.seconds) == ["forward_backward_s", "optimizer_s", "ema_s"] and len(calls) == 3
+    assert all(v >= 0 for v in clock.seconds.values())
