@@ -88,6 +88,7 @@ def distill_summary(run: Path, bench: dict) -> dict:
         variant = "ours_guided" if r["stage"] == "guided" else "ours_wcond"
         entry = {"round": r["round"], "stage": r["stage"], "steps": r["steps"], "train_steps": r["train_steps"],
                  "steady_samples_per_s": t.get("steady_samples_per_s"), "first_step_s": t.get("first_step_s"), "ema_setup_s": t.get("ema_setup_s"),
+                 "warmup_steps": t.get("warmup_steps"), "warmup_s": t.get("warmup_s"),
                  "checkpoint_s": t.get("checkpoint_s"), "peak_gpu_mem_gib": t.get("peak_gpu_mem_gib"),
                  "processes": t.get("processes"), "memory_cap_gib": t.get("memory_cap_gib"),
                  "log_rows": len(steps_rows), "folder_files": r.get("folder_files"), "bench_variant": variant,

@@ -169,6 +169,12 @@ def checkpoint_bytes(ckpt_dir: Path, model, optimizer, ema) -> int:
             + (tensor_bytes(ema.shadow) if ema is not None else 0) + (1 << 20))
 
 
+# steps of each invocation outside the steady rate: the first (compilation, autotuning, optimizer
+# state) and the second (first EMA update, allocator growth), as benchmarks/distill_step.py's
+# `--warmup 2` leaves them out of its rate
+RATE_WARMUP_STEPS = 2
+
+
 class PhaseClock:
     """Seconds per phase of one step, the device synchronised at every mark."""
 
@@ -310,9 +316,10 @@ def train_loop(
     last_loss = losses[-1][1] if losses else float("nan")
     started, done, stopped_early = time.time(), start, False
     samples_per_step = cfg.batch_size * cfg.grad_accum
-    # wall time of the optimizer steps alone (checkpoint saves apart), the first one (compilation,
-    # autotuning) apart from the steady state; `window` is the span since the last log row
-    first_step_s, steady_s, steady_steps, save_s, window_s, window_steps = None, 0.0, 0, 0.0, 0.0, 0
+    # wall time of the optimizer steps alone (checkpoint saves apart); the first RATE_WARMUP_STEPS
+    # (compilation, autotuning, first allocations) apart from the steady state; `window` is the
+    # span since the last log row
+    first_step_s, warmup_s, steady_s, steady_steps, save_s, window_s, window_steps = None, 0.0, 0.0, 0, 0.0, 0.0, 0
     try:
         for step in range(start, cfg.max_steps):
             step_t0 = perf_counter()
@@ -373,7 +380,9 @@ def train_loop(
                 if log_file:
                     log_file.write(json.dumps({"phase": desc, "event": "first_step", "step": done, "first_step_s": round(step_s, 3),
                                                "compiled": bool(cfg.compile_mode) or _is_compiled(model)}) + "\n")
-            else:  # the first step (compilation, autotuning) stays out of every rate
+            if done - start <= RATE_WARMUP_STEPS:  # warm-up stays out of every rate
+                warmup_s += step_s
+            else:
                 steady_s, steady_steps = steady_s + step_s, steady_steps + 1
                 window_s, window_steps = window_s + step_s, window_steps + 1
             if done % cfg.log_every == 0 or done == cfg.max_steps:
@@ -414,13 +423,15 @@ def train_loop(
                 tracker.finish()
             acc.trackers.clear()
     timing = {
-        "steps_run": done - start, "first_step_s": first_step_s, "steady_steps": steady_steps,
+        "steps_run": done - start, "first_step_s": first_step_s, "warmup_steps": min(done - start, RATE_WARMUP_STEPS),
+        "warmup_s": warmup_s, "steady_steps": steady_steps,
         "steady_samples_per_s": samples_per_step * steady_steps / steady_s if steady_steps else None,
         "checkpoint_s": save_s, "wall_s": time.time() - started, "peak_gpu_mem_gib": memory.peak_gib(),
         "processes": world, "memory_cap_gib": cfg.memory_cap_gib or None,
         "ema_setup_s": round(ema.setup_s, 3) if ema is not None else None,  # pinning the host EMA's staging, before step 1
     }
     acc.print(f"[{desc}] {timing['steps_run']} steps in {timing['wall_s']:.1f} s (first step {first_step_s or 0:.1f} s, "
+              f"warm-up {timing['warmup_steps']} steps {warmup_s:.1f} s, "
               f"steady {timing['steady_samples_per_s'] or 0:.2f} samples/s, checkpoints {save_s:.1f} s"
               + (f", EMA staging {ema.setup_s:.1f} s" if ema is not None and ema.setup_s else "")
               + (f", peak GPU {timing['peak_gpu_mem_gib']} GiB)" if memory.cuda else ")"))

@@ -87,17 +87,18 @@ def test_cpu_ema_every_k_steps_matches_decay_power():
 
 
 def test_log_rows_carry_time_throughput_and_memory(tmp_path):
-    cfg = LoopConfig(max_steps=4, batch_size=4, lr=1e-2, checkpoint_every=2, log_every=2, ema_decay=0.5, ema_device="cpu")
+    cfg = LoopConfig(max_steps=6, batch_size=4, lr=1e-2, checkpoint_every=3, log_every=3, ema_decay=0.5, ema_device="cpu")
     res = train_loop(cfg, model=make_model(), loss_fn=loss_fn, dataset=Toy(), collate=collate, ckpt_dir=tmp_path / "ckpt",
                      seed=0, log_path=tmp_path / "logs.jsonl")
     rows = [json.loads(line) for line in (tmp_path / "logs.jsonl").read_text().splitlines()]
     assert rows[0]["event"] == "first_step" and rows[0]["first_step_s"] >= 0 and rows[0]["compiled"] is False
     steps = [r for r in rows if "loss" in r]
-    assert [r["step"] for r in steps] == [2, 4]
+    assert [r["step"] for r in steps] == [3, 6]
     for r in steps:
         assert r["wall_s"] > 0 and r["samples_per_s"] > 0 and "peak_gpu_mem_gib" in r
     t = res.timing
-    assert t["steps_run"] == 4 and t["steady_steps"] == 3 and t["steady_samples_per_s"] > 0 and t["first_step_s"] is not None
+    assert t["steps_run"] == 6 and t["warmup_steps"] == 2 and t["steady_steps"] == 4 and t["steady_samples_per_s"] > 0
+    assert t["first_step_s"] is not None and t["warmup_s"] >= t["first_step_s"]
 
 
 def test_gradient_checkpointing_needs_a_model_that_has_it(tmp_path):
