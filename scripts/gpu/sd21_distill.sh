@@ -13,14 +13,14 @@
 #    $OUT/sd21_distill_logs.tgz; the runs are deleted at the end (the teacher stays for a warm rerun)
 # Settings by environment: BUDGET=530 ARCH=sd21 RES=512 LATENT=RES/8 BATCH=8 CAP=24 SWEEP=8,16,24,32
 #   NAME=distill_sd21 BENCH_OPT=adamw8bit BENCH_LIB=bitsandbytes PY=python3 EXTRA_DISTILL= EXTRA_PRUNE= (key=value overrides)
-#   VSWEEP=16,24 (batches tried through the verb, ascending, until one fails)
+#   VSWEEP=16,24,32 (batches tried through the verb, ascending, until one fails)
 #   PARTS=distill,bench,prune,vsweep,default (which of steps 2-4 run; e.g. PARTS=prune on a second GPU call)
 #   SKIP_ENV=1: no env.sh (a CPU dry run of the logic with tiny settings, see README "SD-2.1 size")
 set -u
 T0=$SECONDS; BUDGET=${BUDGET:-530}
 left() { echo $(( BUDGET - (SECONDS - T0) )); }
 if [ -z "${SKIP_ENV:-}" ]; then source scripts/gpu/env.sh; else REPO=$PWD; RUNS=${RUNS:-/tmp/runs}; mkdir -p $RUNS; cd $RUNS || exit 1; fi
-PY=${PY:-python3} ARCH=${ARCH:-sd21} RES=${RES:-512} BATCH=${BATCH:-8} CAP=${CAP:-24} SWEEP=${SWEEP:-8,16,24,32} VSWEEP=${VSWEEP:-16,24}
+PY=${PY:-python3} ARCH=${ARCH:-sd21} RES=${RES:-512} BATCH=${BATCH:-8} CAP=${CAP:-24} SWEEP=${SWEEP:-8,16,24,32} VSWEEP=${VSWEEP:-16,24,32}
 NAME=${NAME:-distill_sd21} LATENT=${LATENT:-$((RES / 8))} BENCH_OPT=${BENCH_OPT:-adamw8bit} BENCH_LIB=${BENCH_LIB:-bitsandbytes}
 EXTRA_DISTILL=${EXTRA_DISTILL:-} EXTRA_PRUNE=${EXTRA_PRUNE:-} PARTS=${PARTS:-distill,bench,prune,vsweep,default}  # more key=value overrides per verb (CPU dry runs)
 OUT=${OUT:-$RUNS/out}; mkdir -p $OUT
@@ -88,7 +88,7 @@ for b in ${VSWEEP//,/ }; do
 done
 fi
 if want default; then
-(cd $REPO/benchmarks && step bench_default 60 $PY distill_step.py --out $L/bench_default.json --arch $ARCH --latent $LATENT \
+(cd $REPO/benchmarks && step bench_default 120 $PY distill_step.py --out $L/bench_default.json --arch $ARCH --latent $LATENT \
   --variants ours_wcond --compile off --no-channels-last --batch 16 --iters 2 --warmup 1)
 fi
 
