@@ -7,6 +7,9 @@
    storage, the GPU delegate must accelerate every op, parity at fp16 and fp32
 4. fp16 overflow scan on calibration prompts (PyTorch hooks with fp16 emulation)
 5. bundle: manifest.json, tokenizer files, golden vectors, time-embedding table, sha256
+
+With `vae_tiling.enabled` the decoder is two components, `vae_decoder_head` and `vae_up_tile`
+(export/tiled_export.py), checked by a tiled-decode PSNR against the whole torch decode.
 """
 from __future__ import annotations
 

@@ -186,3 +186,19 @@ def test_verify_bundle_accepts_the_tiled_components(tiled, gpu_delegate, tmp_pat
         c = rep["components"][name]
         assert c["ok"] and c["fully_accelerated"] is True, (name, c)
         assert set(c["parity"]) == {"fp16", "fp32"} and all(m["finite"] for m in c["parity"].values())
+
+
+def test_tiled_run_bundle_imports_no_torch(tiled, tmp_path):
+    """run-bundle on a tiled bundle needs only numpy + ai-edge-litert (+ tokenizers, PIL)."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    code = ("import sys; from pocketdiff.cli import main; "
+            f"rc = main(['run-bundle', {str(tiled['out'])!r}, '--prompt', 'a red circle', '--output', {str(out)!r}, '--accelerator', 'cpu']); "
+            "assert 'torch' not in sys.modules, 'torch was imported'; sys.exit(rc)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rep = json.loads((out / "report.json").read_text())
+    assert (out / "image.png").is_file() and rep["vae_tiling"]["up_tile_calls"] == 20
+    assert rep["latency_s"]["vae_up_tiles_run"] > 0
