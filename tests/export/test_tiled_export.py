@@ -52,6 +52,38 @@ def test_tile_larger_than_the_latent_is_refused():
         split_decoder(vae, VaeTilingConfig(enabled=True, tile=12, overlap=2), torch.zeros(1, 4, 8, 8), 4)
 
 
+def test_residual_scale_is_applied_once_for_both_graphs():
+    """rewrites.residual_scale (the SD-2.1 configs' fp16 range fix) scales the decoder before the
+    split: the features between the graphs shrink by it, the tiled image stays the same."""
+    import torch
+
+    from pocketdiff.export.tiled_decode import psnr_db, tiled_decode_with_stats
+    from pocketdiff.export.tiled_export import HEAD, UP_TILE, parity_latents, split_decoder
+    from pocketdiff.export.verb import VaeTilingConfig
+    from pocketdiff.models import ModelConfig, load_or_build
+
+    vae = load_or_build(ModelConfig(pretrained=TEACHER)).vae.float().eval()
+    lat = parity_latents(vae, 8, 4)
+    tiling = VaeTilingConfig(enabled=True, tile=6, overlap=2)
+    images, feats = [], []
+    for scale in (None, 0.25):
+        sd = split_decoder(vae, tiling, lat, 4, scale)
+        head, up = sd.graphs[HEAD][0], sd.graphs[UP_TILE][0]
+
+        def h(z):
+            with torch.no_grad():
+                return head(torch.from_numpy(z)).numpy()
+
+        def u(*arrays):
+            with torch.no_grad():
+                return tuple(t.numpy() for t in up(*(torch.from_numpy(a) for a in arrays)))
+
+        feats.append(h(lat.numpy()))
+        images.append(tiled_decode_with_stats(lat.numpy(), h, u, 6, 2, 4, tuple(sd.block["norms"]), 5))
+    np.testing.assert_allclose(feats[1], 0.25 * feats[0], rtol=1e-4, atol=1e-5)
+    assert psnr_db(np.clip(images[0], 0, 1), np.clip(images[1], 0, 1)) > 60
+
+
 @pytest.fixture(scope="module")
 def tiled(tmp_path_factory):
     """The whole tiny teacher at 32 px (8 x 8 latents), decoder tiled 6 / overlap 2 (2 x 2 tiles),
