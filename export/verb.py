@@ -334,7 +334,7 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
             unet = copy.deepcopy(pipe.unet) if cfg.rewrites.time_embedding_outside and not sequential else pipe.unet
             return UNetGraph(unet, external_time_embedding=cfg.rewrites.time_embedding_outside, timestep_cond=takes_cond), unet_inputs
         if split is not None:
-            return split.graphs[name]
+            return split.graphs.pop(name)  # held only while this component is prepared
         return VaeDecoderGraph(pipe.vae), {"latents": vae_latents}
 
     comp_reports: dict = {}
