@@ -12,6 +12,8 @@ manifest.json (schema `pocketdiff-bundle`, version 1):
     time_embedding: null | {path, sha256, shape, dtype}  (table [num_train_timesteps, T])
     components: {name: {path, sha256, bytes, weights, inputs: [{name, shape, dtype}],
                         outputs: [...], fully_accelerated, golden: {path, sha256, tolerances}}}
+    vae_tiling: absent | {tile, overlap, passes, factor, norms: [K, G], features, components,
+                          parity_psnr_db}  (the decoder as vae_decoder_head + vae_up_tile)
     provenance: {source, arch, versions, config}
 
 Every path is relative to the bundle folder; `load_manifest` refuses paths that escape it

@@ -109,6 +109,7 @@ class Prepared:
     weights: str
     quantized: Optional[QuantizedComponent]
     raw_path: Optional[Path] = None
+    references: Optional[list[np.ndarray]] = None  # every output of the reference (golden output_J), output_0 first
 
 
 def prepare_component(
@@ -129,8 +130,10 @@ def prepare_component(
     graph = graph.eval()
     with torch.no_grad():
         reference = graph(*args)
-    ref_np = _np(reference)
-    report["outputs"]["output_0"] = {"shape": list(ref_np.shape), "dtype": "float32"}
+    references = [_np(r) for r in (reference if isinstance(reference, tuple) else (reference,))]  # output_0 is checked for parity
+    ref_np = references[0]
+    for i, r in enumerate(references):
+        report["outputs"][f"output_{i}"] = {"shape": list(r.shape), "dtype": "float32"}
     rewritten = copy.deepcopy(graph)
     t0 = time.perf_counter()
     rw = apply_rewrites(rewritten, rewrites, sample_inputs=args)
@@ -138,13 +141,15 @@ def prepare_component(
         rw["groupwise_split"] = len(split_groupwise(rewritten, quantized))
     with torch.no_grad():
         rewritten_out = rewritten(*args)
+    if isinstance(rewritten_out, tuple):
+        rewritten_out = rewritten_out[0]
     rw["attention_chunks"] = attention_chunk_report(rewritten)
     report["rewrites"] = rw
     report["rewrite_s"] = round(time.perf_counter() - t0, 3)
     report["rewrite_parity"] = parity_lib.metrics(ref_np, _np(rewritten_out))
     if not report["rewrite_parity"]["cosine"] >= 0.9999:
         raise ParityError(f"{name}: the rewritten PyTorch module drifted from the original (cosine {report['rewrite_parity']['cosine']:.6f})")
-    return Prepared(name, rewritten.eval(), dict(inputs), ref_np, report, out_path, weights, quantized)
+    return Prepared(name, rewritten.eval(), dict(inputs), ref_np, report, out_path, weights, quantized, references=references)
 
 
 def convert_job(module: nn.Module, inputs: dict[str, torch.Tensor], raw_path: str | Path, num_threads: Optional[int] = None) -> dict:

@@ -9,6 +9,8 @@ each .tflite is a whole flatbuffer. This module checks what the runner relies on
   finite, in (0, 1], non-increasing, one per train timestep), tokenizer lengths and ids;
 - the components' declared inputs and outputs against each other (latent shape, text length
   and width, UNet batch, time input vs the time-embedding table);
+- a tiled decoder (`vae_tiling`: tile, overlap, passes, factor, norms [K, G], features F):
+  both of its components present, the block's values against the latent, their io against it;
 - files: every declared `bytes` equals the file's size; every .tflite's signature (input
   and output names, shapes, dtypes) equals the manifest's; the time-embedding .npy header
   (shape, dtype) equals the manifest's.
@@ -31,6 +33,7 @@ import numpy as np
 from pocketdiff.errors import PocketdiffError
 
 RUNNER_COMPONENTS = ("text_encoder", "unet", "vae_decoder")
+TILED_DECODER = ("vae_decoder_head", "vae_up_tile")
 REQUIRED_SECTIONS = ("image", "latent", "guidance", "scheduler", "tokenizer", "components")
 PRECISIONS = ("fp16", "fp32")
 SPACINGS = ("leading", "trailing", "linspace")
@@ -328,6 +331,61 @@ def _check_contract(man: dict, ios: dict, found: _Found) -> None:
             _expect(found, "components.vae_decoder.inputs.latents", ins["latents"]["shape"], [1, *latent], "latent")
         _expect(found, "components.vae_decoder.outputs", next(iter(outs.values()))["shape"],
                 [1, image.get("channels"), image.get("height"), image.get("width")], "image")
+    _check_tiling(man, ios, latent, found)
+
+
+def runner_components(man: dict) -> tuple[str, ...]:
+    """The components run-bundle needs: the decoder as two tiled graphs when the manifest says so."""
+    return ("text_encoder", "unet", *TILED_DECODER) if isinstance(man.get("vae_tiling"), dict) else RUNNER_COMPONENTS
+
+
+def _check_tiling(man: dict, ios: dict, latent: list, found: _Found) -> None:
+    """The vae_tiling block (tile, overlap, passes, factor, norms [K, G], features F) against the
+    latent and the two tiled components' io; a tiled component without the block is refused."""
+    block = man.get("vae_tiling")
+    comps = man.get("components") if isinstance(man.get("components"), dict) else {}
+    if block is None:
+        for name in TILED_DECODER:
+            if name in comps:
+                found.add(f"components.{name}", "consistency", "a tiled decoder component needs the manifest's vae_tiling block")
+        return
+    if not isinstance(block, dict):
+        found.add("vae_tiling", "type", "must be an object")
+        return
+    for name in TILED_DECODER:
+        if name not in comps:
+            found.add(f"components.{name}", "present", f"missing: vae_tiling needs {' and '.join(TILED_DECODER)} (the bundle has {', '.join(comps)})")
+    if "vae_decoder" in comps:
+        found.add("components.vae_decoder", "consistency", "a tiled bundle decodes with vae_decoder_head + vae_up_tile, not vae_decoder")
+    if not _positive_ints(block, "vae_tiling", ("tile", "passes", "factor", "features"), found):
+        return
+    t, o, f = block["tile"], block.get("overlap"), block["factor"]
+    if not _is_int(o) or not 0 <= o < t:
+        found.add("vae_tiling.overlap", "range", f"must be an integer in [0, tile={t}), got {o!r}")
+    norms = block.get("norms")
+    if not isinstance(norms, list) or len(norms) != 2 or not all(_is_int(v) and v > 0 for v in norms):
+        found.add("vae_tiling.norms", "type", f"must be [norm count K, groups G] (positive integers), got {norms!r}")
+        return
+    lat = man.get("latent") if isinstance(man.get("latent"), dict) else {}
+    if f != lat.get("vae_factor"):
+        found.add("vae_tiling.factor", "consistency", f"{f}, but latent.vae_factor is {lat.get('vae_factor')!r}")
+    if all(_is_int(d) for d in latent[1:]) and t > min(latent[1:]):
+        found.add("vae_tiling.tile", "range", f"{t} latents is larger than the latent {latent[1]}x{latent[2]}")
+    K, G, F = norms[0], norms[1], block["features"]
+    want = {"vae_decoder_head": ({"latents": [1, *latent]}, [[1, F, *latent[1:]]]),
+            "vae_up_tile": ({"features": [1, F, t, t], "weight": [t, t], "stats": [K, 2, G], "own": [1]}, [[1, 3, t * f, t * f], [K, 3, G]])}
+    for name, (want_in, want_out) in want.items():
+        if name not in ios:
+            continue
+        ins, outs = ios[name]
+        if set(ins) != set(want_in):
+            found.add(f"components.{name}.inputs", "consistency", f"names {sorted(ins)}, the tiled decoder feeds {sorted(want_in)}")
+            continue
+        for k, shape in want_in.items():
+            _expect(found, f"components.{name}.inputs.{k}", ins[k]["shape"], shape, "vae_tiling and latent")
+        got_out = [o["shape"] for o in outs.values()]
+        if got_out != want_out:
+            found.add(f"components.{name}.outputs", "consistency", f"shapes {got_out}, but vae_tiling and latent give {want_out}")
 
 
 FIELD_CHECKS: tuple[Callable[[dict, _Found], None], ...] = (_check_sizes, _check_guidance, _check_scheduler, _check_tokenizer)
@@ -431,20 +489,21 @@ def _check_npy(bundle: Path, te: dict, found: _Found) -> None:
 # ------------------------------------------------------------------------------- entry points
 
 
-def manifest_problems(bundle: str | Path, manifest: dict, need: Iterable[str] = RUNNER_COMPONENTS,
+def manifest_problems(bundle: str | Path, manifest: dict, need: Optional[Iterable[str]] = None,
                       files: bool = True) -> list[Problem]:
     """Every problem of `manifest` (as `load_manifest` returns it, or the raw JSON) and, with
-    `files`, of the files it names. `need`: components that must be present."""
+    `files`, of the files it names. `need`: components that must be present (default: what the
+    runner needs, `runner_components`)."""
     found = _Found()
     for check in FIELD_CHECKS:
         check(manifest, found)
-    _check_components(manifest, need, found)
+    _check_components(manifest, runner_components(manifest) if need is None else need, found)
     if files:
         _check_files(Path(bundle), manifest, found)
     return found.items
 
 
-def check_bundle(bundle: str | Path, manifest: Optional[dict] = None, need: Iterable[str] = RUNNER_COMPONENTS) -> dict:
+def check_bundle(bundle: str | Path, manifest: Optional[dict] = None, need: Optional[Iterable[str]] = None) -> dict:
     """`load_manifest` + `manifest_problems`; raises the first problem as one line naming the
     field or file and the check. Returns the manifest."""
     from .bundle import load_manifest

@@ -9,6 +9,9 @@ bundle's table when it was computed outside the graph.
 `--pipelined` keeps the UNet resident, loads + runs the text encoder in a background thread
 while the UNet compiles, releases it, and loads the decoder in a background thread during
 the last denoising step. Without it the three models are loaded up front (the naive app).
+A bundle with a `vae_tiling` block decodes with its two decoder graphs (`vae_decoder_head` on the
+whole latent, `vae_up_tile` per tile and pass: export/tiled_decode.tiled_decode_with_stats); they
+load and release together where the decoder does, and the stats time the head, the tiles and a pass.
 The report has per-stage latency, the process's peak RSS and the peak of model bytes held at
 once.
 """
@@ -81,6 +84,10 @@ class _Loaded:
         self.run_s: list[float] = []
 
     def __call__(self, feeds: dict[str, np.ndarray]) -> np.ndarray:
+        return self.run_all(feeds)[0]
+
+    def run_all(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        """Every output, in the signature's order."""
         names = list(feeds)
         for i, (buf, name) in enumerate(zip(self.in_bufs, self.in_names)):
             key = name if name in feeds else names[i]
@@ -92,9 +99,11 @@ class _Loaded:
         t0 = time.perf_counter()
         self.model.run_by_index(0, self.in_bufs, self.out_bufs)
         self.run_s.append(time.perf_counter() - t0)
-        det = self.out_details[self.out_names[0]]
-        shape = [int(s) for s in det["shape"]]
-        return np.asarray(self.out_bufs[0].read(int(np.prod(shape)), _np_dtype(det["dtype"]))).reshape(shape)
+        outs = []
+        for buf, name in zip(self.out_bufs, self.out_names):
+            shape = [int(s) for s in self.out_details[name]["shape"]]
+            outs.append(np.asarray(buf.read(int(np.prod(shape)), _np_dtype(self.out_details[name]["dtype"]))).reshape(shape))
+        return outs
 
     def close(self) -> None:
         self.in_bufs = self.out_bufs = None
@@ -120,6 +129,53 @@ class _Residency:
     def sub(self, n: int) -> None:
         with self.lock:
             self.now -= n
+
+
+TILED_DECODER = ("vae_decoder_head", "vae_up_tile")
+
+
+def decoder_components(man: dict) -> tuple[str, ...]:
+    """The decoder's components: the two tiled graphs when the manifest has a vae_tiling block."""
+    return TILED_DECODER if man.get("vae_tiling") else ("vae_decoder",)
+
+
+def load_tiled_decoder(entries: dict, accelerator: str) -> tuple[_Loaded, _Loaded]:
+    return tuple(_Loaded(n, entries[n], accelerator) for n in TILED_DECODER)
+
+
+def tiled_decode_bundle(head: _Loaded, up: _Loaded, block: dict, latents: np.ndarray) -> tuple[np.ndarray, dict]:
+    """[1, C, h, w] latents -> ([1, 3, H, W] pixels, {latency_s, up_tile_calls}) through the two tiled models, with
+    the manifest's vae_tiling block (tile, overlap, passes, factor, norms [K, G])."""
+    from .tiled_decode import tiled_decode_with_stats
+
+    up_sizes = {int(np.prod(up.out_details[n]["shape"])): i for i, n in enumerate(up.out_names)}
+    K, G = (int(v) for v in block["norms"])
+    sums_at = up_sizes.get(K * 3 * G)
+    if len(up.out_names) != 2 or sums_at is None:
+        raise PocketdiffError(f"vae_up_tile: outputs {up.out_names} are not (pixels, sums [{K}, 3, {G}])")
+    calls = {"head": 0.0, "up": 0.0, "up_calls": 0}
+
+    def run_head(z):
+        t0 = time.perf_counter()
+        feats = head({"latents": z})
+        calls["head"] += time.perf_counter() - t0
+        return feats
+
+    def run_up(features, weight, stats, own):
+        t0 = time.perf_counter()
+        outs = up.run_all({"features": features, "weight": weight, "stats": stats, "own": own})
+        calls["up"] += time.perf_counter() - t0
+        calls["up_calls"] += 1
+        return outs[1 - sums_at], outs[sums_at]
+
+    t0 = time.perf_counter()
+    image = tiled_decode_with_stats(latents, run_head, run_up, int(block["tile"]), int(block["overlap"]), int(block["factor"]),
+                                    (K, G), int(block["passes"]))
+    total = time.perf_counter() - t0
+    latency = {"vae_decoder_head_run": calls["head"], "vae_up_tiles_run": calls["up"],
+               "vae_up_tile_mean": calls["up"] / max(1, calls["up_calls"]), "vae_tiled_decode": total,
+               "vae_tiled_pass_mean": (total - calls["head"]) / int(block["passes"])}
+    return image, {"latency_s": latency, "up_tile_calls": calls["up_calls"]}
 
 
 def ddim_step(x: np.ndarray, out: np.ndarray, a_t: float, a_prev: float, prediction_type: str) -> np.ndarray:
@@ -148,7 +204,8 @@ def generate(
         raise PocketdiffError(f"accelerator must be cpu or gpu, got {accelerator!r}")
     man = manifest or check_bundle(bundle)  # fields, sizes and every .tflite's signature, before anything runs
     comps = man["components"]
-    for need in ("text_encoder", "unet", "vae_decoder"):
+    decoder = decoder_components(man)
+    for need in ("text_encoder", "unet", *decoder):
         if need not in comps:
             raise PocketdiffError(f"bundle {bundle}: has no {need} (exported with components={list(comps)})")
     driver = "n/a"
@@ -210,7 +267,8 @@ def generate(
     else:
         load("text_encoder")
         unet = load("unet")
-        load("vae_decoder")
+        for name in decoder:
+            load(name)
         encode()
     if errors:
         raise errors[0]
@@ -228,8 +286,8 @@ def generate(
     dec_thread = None
     n = len(sched["timesteps"])
     for i, t in enumerate(sched["timesteps"]):
-        if pipelined and i == n - 1 and "vae_decoder" not in loaded:
-            dec_thread = threading.Thread(target=lambda: _safe(load, "vae_decoder", errors), name="decoder")
+        if pipelined and i == n - 1 and decoder[0] not in loaded:
+            dec_thread = threading.Thread(target=lambda: [_safe(load, d, errors) for d in decoder], name="decoder")
             dec_thread.start()
         x_in = np.concatenate([x] * B) if B > 1 else x
         feeds = {"sample": x_in}
@@ -251,13 +309,20 @@ def generate(
         dec_thread.join()
     if errors:
         raise errors[0]
-    dec = loaded["vae_decoder"]
-    image = dec({"latents": x})[0].transpose(1, 2, 0)
-    stats["latency_s"]["vae_decoder_run"] = float(sum(dec.run_s))
+    if man.get("vae_tiling"):
+        pixels, timing = tiled_decode_bundle(loaded[decoder[0]], loaded[decoder[1]], man["vae_tiling"], x)
+        image = pixels[0].transpose(1, 2, 0)
+        stats["latency_s"].update(timing["latency_s"])
+        stats["vae_up_tile_calls"] = timing["up_tile_calls"]
+    else:
+        dec = loaded["vae_decoder"]
+        image = dec({"latents": x})[0].transpose(1, 2, 0)
+        stats["latency_s"]["vae_decoder_run"] = float(sum(dec.run_s))
     stats["fully_accelerated"] = accelerator == "gpu" and all(m.fully_accelerated for m in loaded.values()) and bool(text)
     stats["fully_accelerated_by_component"] = {k: m.fully_accelerated for k, m in loaded.items()}
     if pipelined:
-        release("vae_decoder")  # the UNet stays resident for the next prompt
+        for name in decoder:
+            release(name)  # the UNet stays resident for the next prompt
     stats["latency_s"]["total"] = time.perf_counter() - t_total
     stats["peak_model_mb"] = res.peak / 2**20
     stats["finite"] = bool(np.isfinite(image).all())
@@ -312,6 +377,7 @@ def main(args) -> int:
         # what a non-pipelined run holds at once (all three models), for comparison
         "peak_model_mb_all_resident": round(sum(int(e.get("bytes", 0)) for e in man["components"].values()) / 2**20, 2),
         "steps": len(man["scheduler"]["timesteps"]),
+        "vae_tiling": ({**man["vae_tiling"], "up_tile_calls": stats.get("vae_up_tile_calls")} if man.get("vae_tiling") else None),
         "guidance": man["guidance"],
         "pid": os.getpid(),
     }

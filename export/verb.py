@@ -7,11 +7,15 @@
    storage, the GPU delegate must accelerate every op, parity at fp16 and fp32
 4. fp16 overflow scan on calibration prompts (PyTorch hooks with fp16 emulation)
 5. bundle: manifest.json, tokenizer files, golden vectors, time-embedding table, sha256
+
+With `vae_tiling.enabled` the decoder is two components, `vae_decoder_head` and `vae_up_tile`
+(export/tiled_export.py), checked by a tiled-decode PSNR against the whole torch decode.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import sys
 import time
 from pathlib import Path
@@ -39,6 +43,7 @@ from .device_profile import DeviceProfile, check_component
 from .exporter import VerifyConfig, convert_job, finish_component, peak_rss_mb, prepare_component
 from .parity import ParityConfig
 from .rewrites import RewriteConfig
+from .tiled_export import TILED_COMPONENTS, UP_TILE, expand_components, parity_latents, split_decoder, tiled_parity
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +80,25 @@ class ScanConfig:
 
 
 @dataclasses.dataclass
+class VaeTilingConfig:
+    """The VAE decoder as two graphs (export/tiled_vae.py): `vae_decoder_head` on the whole latent,
+    `vae_up_tile` on tile x tile latents, driven by export/tiled_decode.tiled_decode_with_stats."""
+
+    enabled: bool = False
+    tile: int = 32  # latents per tile side (pixels: tile x the VAE factor)
+    overlap: int = 8  # latents shared by neighbouring tiles
+    passes: int = 5  # passes over the tiles (norm statistics iterated towards the whole image's)
+    min_psnr_db: float = 35.0  # tiled decode through the .tflite files vs the whole torch decode
+
+    def __post_init__(self) -> None:
+        require(isinstance(self.tile, int) and self.tile >= 1, "vae_tiling.tile", f"must be a positive int, got {self.tile!r}")
+        require(isinstance(self.overlap, int) and 0 <= self.overlap < self.tile, "vae_tiling.overlap",
+                f"must be an int in [0, tile={self.tile}), got {self.overlap!r}")
+        require(isinstance(self.passes, int) and self.passes >= 1, "vae_tiling.passes", f"must be an int >= 1, got {self.passes!r}")
+        require(math.isfinite(self.min_psnr_db), "vae_tiling.min_psnr_db", f"must be a finite number, got {self.min_psnr_db!r}")
+
+
+@dataclasses.dataclass
 class Config:
     seed: int = 0
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
@@ -95,6 +119,7 @@ class Config:
     fp16_scan: ScanConfig = dataclasses.field(default_factory=ScanConfig)
     device_profile: DeviceProfile = dataclasses.field(default_factory=DeviceProfile)  # phone budgets, checked per component
     jobs: int = 1  # conversions in parallel worker processes (each holds a copy of its component)
+    vae_tiling: VaeTilingConfig = dataclasses.field(default_factory=VaeTilingConfig)  # enabled: head + up-path tile instead of vae_decoder
 
     def __post_init__(self) -> None:
         require(self.jobs >= 1, "jobs", f"must be >= 1, got {self.jobs}")
@@ -114,6 +139,8 @@ class Config:
             require(p in ("fp16", "fp32"), "verify.precisions", f"must be fp16 and/or fp32, got {p!r}")
         if self.weights == "int8":
             require(self.int8.checkpoint is not None or self.int8.rtn, "int8.checkpoint", "weights=int8 needs a checkpoint (or int8.rtn: true)")
+        require(not self.vae_tiling.enabled or "vae_decoder" in self.components, "vae_tiling.enabled",
+                "tiles the vae_decoder component, which components does not list")
         require(not self.rewrites.residual_scale_auto or self.fp16_scan.enabled, "rewrites.residual_scale_auto",
                 "needs fp16_scan.enabled: true (the scan measures the residual stream)")
 
@@ -281,6 +308,13 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
                 s = residual_scale_for(peaks.get(n, 0.0))
                 rewrites_of[n] = dataclasses.replace(cfg.rewrites, residual_scale=None if s == 1.0 else s)
         scan["residual_scale_auto"] = {n: rewrites_of[n].residual_scale for n in rewrites_of}
+    split = None
+    if cfg.vae_tiling.enabled:  # the decoder as head + up-path tile; its residual stream scaled once for both
+        vae_rw = rewrites_of.pop("vae_decoder")
+        split = split_decoder(pipe.vae, cfg.vae_tiling, vae_latents, shapes.vae_factor, vae_rw.residual_scale)
+        for n in TILED_COMPONENTS:
+            rewrites_of[n] = dataclasses.replace(vae_rw, residual_scale=None)
+    names = expand_components(cfg.components, split is not None)
     if scan is not None:
         write_json(work / "fp16_scan.json", scan)
         if cfg.fp16_scan.fail and scan["overflowing_ops"]:
@@ -288,8 +322,8 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
 
     # 4. components (sequential: one at a time, the UNet last and unwrapped in place, each
     # released from the pipeline when done, so an SD-2.1-size export fits a 24 GB machine)
-    sequential = cfg.jobs == 1 or len(cfg.components) == 1
-    module_attr = {"text_encoder": "text_encoder", "unet": "unet", "vae_decoder": "vae"}
+    sequential = cfg.jobs == 1 or len(names) == 1
+    module_attr = {"text_encoder": "text_encoder", "unet": "unet", "vae_decoder": "vae", UP_TILE: "vae"}  # the head: the VAE stays
 
     def graph_for(name: str):
         if name == "text_encoder":
@@ -299,12 +333,25 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
 
             unet = copy.deepcopy(pipe.unet) if cfg.rewrites.time_embedding_outside and not sequential else pipe.unet
             return UNetGraph(unet, external_time_embedding=cfg.rewrites.time_embedding_outside, timestep_cond=takes_cond), unet_inputs
+        if split is not None:
+            return split.graphs.pop(name)  # held only while this component is prepared
         return VaeDecoderGraph(pipe.vae), {"latents": vae_latents}
 
     comp_reports: dict = {}
     manifest_components: dict = {}
     (out / "golden").mkdir(exist_ok=True)
-    weights_of = {n: (cfg.weights if (cfg.weights != "int8" or quantized.get(n) is not None) else "fp16") for n in cfg.components}
+    weights_of = {n: (cfg.weights if (cfg.weights != "int8" or quantized.get(n) is not None) else "fp16") for n in names}
+    tiling_report: dict = {}
+
+    def check_tiling() -> None:
+        """The tiled-decode parity, once both tiled components are in the bundle (the VAE still loaded)."""
+        if split is not None and not tiling_report and all(n in manifest_components for n in TILED_COMPONENTS):
+            _say(f"vae_tiling: tiled decode through the .tflite files (cpu, {cfg.vae_tiling.passes} passes) vs the whole decode ...")
+            t0 = time.perf_counter()
+            lat = parity_latents(pipe.vae, shapes.latent_size, shapes.vae_factor)
+            tiling_report.update(tiled_parity(out, manifest_components, pipe.vae, lat, split.block, cfg.vae_tiling.min_psnr_db))
+            timings["vae_tiling_parity_s"] = round(time.perf_counter() - t0, 2)
+            _say(f"vae_tiling: PSNR {tiling_report['psnr_db']:.2f} dB (vae_tiling.min_psnr_db {cfg.vae_tiling.min_psnr_db})")
 
     def finish(prep, info) -> None:
         name = prep.name
@@ -319,7 +366,8 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
                  f"{timings[f'{name}_verify_s']:.0f} s")
         reference = rep.pop("reference")
         golden_path = out / "golden" / f"{name}.npz"
-        np.savez(golden_path, **{f"input_{k}": v.detach().numpy() for k, v in prep.inputs.items()}, output_0=reference)
+        np.savez(golden_path, **{f"input_{k}": v.detach().numpy() for k, v in prep.inputs.items()},
+                 **{f"output_{i}": r for i, r in enumerate(prep.references or [reference])})
         int8_map = rep.pop("int8_map", {})
         if int8_map:
             write_json(work / f"{name}_int8_map.json", int8_map)
@@ -354,14 +402,16 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
     if sequential:
         import gc
 
-        for name in sorted(cfg.components, key=lambda n: n == "unet"):  # one component in memory at a time
+        for name in sorted(names, key=lambda n: n == "unet"):  # one component in memory at a time
             reset = _reset_peak_rss()
             prep = prepare(name)
             _say(f"{name}: converting with litert-torch ...")
             finish(prep, convert_job(prep.rewritten, prep.inputs, prep.raw_path))
             prep.raw_path.unlink(missing_ok=True)
             del prep
-            setattr(pipe, module_attr[name], None)
+            check_tiling()
+            if name in module_attr:
+                setattr(pipe, module_attr[name], None)
             gc.collect()
             if reset:  # the process's peak while this component was prepared, converted and checked
                 comp_reports[name]["peak_rss_mb"] = _vm_hwm_mb()
@@ -370,7 +420,7 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor
 
-        preps = [prepare(name) for name in cfg.components]
+        preps = [prepare(name) for name in names]
         # the largest first: with 2 workers the UNet runs beside the other two
         order = sorted(preps, key=lambda p: -sum(t.numel() for t in p.rewritten.parameters()))
         with ProcessPoolExecutor(max_workers=min(cfg.jobs, len(preps)), mp_context=mp.get_context("spawn")) as pool:
@@ -378,6 +428,7 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
             for prep in preps:
                 finish(prep, futures[prep.name].result())
                 prep.raw_path.unlink(missing_ok=True)
+        check_tiling()
 
     t_bundle = time.perf_counter()
     # 5. bundle: tokenizer, time embedding, manifest
@@ -421,6 +472,7 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
         "tokenizer": tokenizer_entry,
         "time_embedding": te_entry,
         "components": manifest_components,
+        **({"vae_tiling": {**split.block, "parity_psnr_db": tiling_report["psnr_db"]}} if split is not None else {}),
         "provenance": {
             "source": model_cfg.pretrained or f"built:{model_cfg.arch}",
             "arch": None if model_cfg.pretrained else model_cfg.arch,
@@ -453,6 +505,7 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
         "weights": cfg.weights,
         "components": summary,
         "bundle_bytes": int(sum(p.stat().st_size for p in out.rglob("*") if p.is_file() and "_export" not in p.parts)),
+        "vae_tiling": {**split.block, **tiling_report, "residual_scale": split.residual_scale} if split is not None else None,
         "fp16_scan": None if scan is None else {k: scan.get(k) for k in ("overflowing_ops", "unmitigated", "first_overflow", "max_abs", "peaks", "residual_scale_auto")},
         "peak_rss_mb": round(peak_rss_mb(), 1),
         "synthetic_weights": synthetic,

@@ -85,7 +85,8 @@ done
 L=$(echo $LAYOUTS | awk '{print $1}')
 if [ "$(left)" -gt 60 ]; then
   say "== $L: verify-bundle cpu (XNNPACK, $(nproc) cores): text encoder, decoder"
-  timeout $(( $(left) - 20 )) $PD verify-bundle "$BUNDLES/$L" --accelerator cpu --components text_encoder,vae_decoder --keep-going \
+  DEC=$($PY -c "import json, sys; m = json.load(open(sys.argv[1])); print(','.join((m.get('vae_tiling') or {}).get('components', ['vae_decoder'])))" "$BUNDLES/$L/manifest.json")
+  timeout $(( $(left) - 20 )) $PD verify-bundle "$BUNDLES/$L" --accelerator cpu --components "text_encoder,$DEC" --keep-going \
     --json "$OUT/verify_${L}_cpu.json" --timeout 200
   echo "$?" > "$OUT/verify_${L}_cpu.status"
 fi

@@ -47,6 +47,7 @@ export class Bundle {
     const man = JSON.parse(text);
     if (man.schema !== 'pocketdiff-bundle') throw new BundleError('manifest.json: not a pocketdiff bundle manifest');
     if (man.schema_version !== 1) throw new BundleError(`manifest.json: schema version ${man.schema_version} is not supported (expected 1)`);
+    if (man.vae_tiling) throw new BundleError('bundle: a tiled VAE decoder (vae_tiling: vae_decoder_head + vae_up_tile) is not supported in the browser yet; export with vae_tiling.enabled: false');
     for (const need of ['text_encoder', 'unet', 'vae_decoder']) {
       if (!man.components?.[need]) throw new BundleError(`bundle: has no ${need} (exported with components=${Object.keys(man.components || {})})`);
     }

@@ -1,0 +1,138 @@
+"""The tiled VAE decoder in `pocketdiff export` (config `vae_tiling`): two components instead of
+`vae_decoder`, their fixed inputs, the manifest's `vae_tiling` block and the tiled-decode parity.
+
+- `vae_decoder_head`: latents [1, C, h, w] -> features [1, F, h, w] (export/tiled_vae.py)
+- `vae_up_tile`: features [1, F, t, t], weight [t, t], stats [K, 2, G], own [1] ->
+  pixels [1, 3, t*f, t*f] (output_0), sums [K, 3, G] (output_1)
+
+Both go through the same rewrites / litert-torch / weight storage / delegate path as the other
+components. After conversion, `tiled_parity` decodes the golden latents through the two .tflite
+files on the CPU (the runner's code, export/run_bundle.py) and compares the image with the whole
+torch decode: PSNR >= `vae_tiling.min_psnr_db`, else ParityError.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+from pocketdiff.errors import ParityError, PocketdiffError
+
+from .components import VaeDecoderGraph
+from .tiled_decode import _blend_ramps, psnr_db, tile_starts
+
+HEAD, UP_TILE = "vae_decoder_head", "vae_up_tile"
+TILED_COMPONENTS = (HEAD, UP_TILE)
+
+
+def expand_components(components: list[str], tiled: bool) -> list[str]:
+    """The components the export converts: vae_decoder replaced by the two tiled graphs."""
+    if not tiled:
+        return list(components)
+    out: list[str] = []
+    for c in components:
+        out += list(TILED_COMPONENTS) if c == "vae_decoder" else [c]
+    return out
+
+
+@dataclasses.dataclass
+class SplitDecoder:
+    """The two graphs of a tiled export with their fixed inputs, and what the runtime needs."""
+
+    graphs: dict  # name -> (module, {input name: tensor})
+    block: dict  # the manifest's vae_tiling block (without the parity result)
+    residual_scale: Optional[float] = None  # applied to the decoder before the split (rewrites.residual_scale)
+
+
+def _stats_from_sums(sums: np.ndarray) -> np.ndarray:
+    """[K, 3, G] blend-weighted sums -> [K, 2, G] (mean, variance), as tiled_decode_with_stats."""
+    s = np.asarray(sums, dtype=np.float64)
+    mean = s[:, 0] / s[:, 2]
+    var = np.maximum(s[:, 1] / s[:, 2] - mean * mean, 0.0)
+    return np.stack([mean, var], axis=1).astype(np.float32)
+
+
+@torch.no_grad()
+def split_decoder(vae: torch.nn.Module, tiling, latents: torch.Tensor, factor: int, residual_scale=None) -> SplitDecoder:
+    """Head and up-path tile of `vae` (a copy; with `residual_scale`, its residual stream scaled
+    once for both graphs, so the features between them agree). The tile's golden inputs: the
+    first tile of the head's features on `latents`, its blend weights, and statistics from a
+    first own-statistics pass over that tile (own = 0: the path a later pass takes)."""
+    from .rewrites import rescale_residual_stream
+    from .tiled_vae import VaeDecoderHead, VaeUpPathTile
+
+    _, _, h, w = latents.shape
+    t = tiling.tile
+    if t > min(h, w):
+        raise PocketdiffError(f"vae_tiling.tile: {t} latents is larger than the latent {h}x{w}")
+    if residual_scale is not None and residual_scale != 1.0:
+        vae = copy.deepcopy(vae)
+        rescale_residual_stream(vae.decoder, residual_scale)
+    head = VaeDecoderHead(vae).eval()
+    up = VaeUpPathTile(vae, t).eval()
+    feats = head(latents)
+    ys, xs = tile_starts(h, t, tiling.overlap), tile_starts(w, t, tiling.overlap)
+    weight = torch.from_numpy(np.outer(_blend_ramps(ys, 0, t, factor)[0], _blend_ramps(xs, 0, t, factor)[0]).astype(np.float32))
+    tile = feats[:, :, :t, :t].contiguous()
+    _, sums = up(tile, weight, torch.zeros(up.num_norms, 2, up.groups), torch.ones(1))
+    stats = torch.from_numpy(_stats_from_sums(sums.numpy()))
+    graphs = {
+        HEAD: (head, {"latents": latents}),
+        UP_TILE: (up, {"features": tile, "weight": weight, "stats": stats, "own": torch.zeros(1)}),
+    }
+    block = {"tile": t, "overlap": tiling.overlap, "passes": tiling.passes, "factor": int(factor),
+             "norms": [int(up.num_norms), int(up.groups)], "features": int(feats.shape[1]),
+             "components": list(TILED_COMPONENTS)}
+    return SplitDecoder(graphs, block, residual_scale)
+
+
+def _scene(size: int) -> np.ndarray:
+    """A deterministic picture [3, size, size] in [-1, 1]: a gradient sky, a disc, a bar (numpy only)."""
+    y, x = np.mgrid[0:size, 0:size] / max(1, size - 1)
+    img = np.stack([0.3 + 0.5 * y, 0.5 + 0.3 * x, 0.9 - 0.4 * y])
+    disc = (x - 0.35) ** 2 + (y - 0.4) ** 2 < 0.06
+    img[:, disc] = np.array([0.9, 0.15, 0.1])[:, None]
+    bar = (np.abs(x - 0.7) < 0.12) & (y > 0.45) & (y < 0.9)
+    img[:, bar] = np.array([0.1, 0.25, 0.8])[:, None]
+    return (img * 2.0 - 1.0).astype(np.float32)
+
+
+@torch.no_grad()
+def parity_latents(vae: torch.nn.Module, latent_size: int, factor: int) -> torch.Tensor:
+    """Latents of a picture, as the sampler would hand them to the decoder (the VAE's own encoder,
+    scaled): the tiled parity's input. Random normal latents have no image's structure."""
+    x = torch.from_numpy(_scene(latent_size * factor))[None]
+    mean = vae.encode(x).latent_dist.mean
+    shift = getattr(vae.config, "shift_factor", None) or 0.0
+    return ((mean - shift) * float(vae.config.scaling_factor)).contiguous()
+
+
+def tiled_parity(out: Path, entries: dict, vae: torch.nn.Module, latents: torch.Tensor, block: dict, min_psnr_db: float) -> dict:
+    """Decode `latents` through the bundle's two .tflite files on the CPU (LiteRT, the runner's
+    code) and compare with the whole torch decode: PSNR of the [0, 1] images. Raises ParityError
+    naming `vae_tiling.min_psnr_db` when below."""
+    from .run_bundle import load_tiled_decoder, tiled_decode_bundle
+
+    with torch.no_grad():
+        whole = np.clip(VaeDecoderGraph(vae).eval()(latents).numpy(), 0.0, 1.0)
+    paths = {n: {**entries[n], "_path": str(out / entries[n]["path"])} for n in TILED_COMPONENTS}
+    head, up = load_tiled_decoder(paths, "cpu")
+    try:
+        image, timing = tiled_decode_bundle(head, up, block, latents.numpy())
+    finally:
+        head.close()
+        up.close()
+    if not np.isfinite(image).all():
+        raise ParityError("vae_tiling: the tiled decode through the .tflite files has NaN/Inf values")
+    psnr = psnr_db(whole, np.clip(image, 0.0, 1.0))
+    rep = {"psnr_db": round(psnr, 3), "min_psnr_db": min_psnr_db, "passes": block["passes"], "accelerator": "cpu",
+           "latency_s": {k: round(v, 4) for k, v in timing["latency_s"].items()},
+           "up_tile_calls": timing["up_tile_calls"]}
+    if not psnr >= min_psnr_db:
+        raise ParityError(f"vae_tiling: tiled decode (.tflite, cpu, {block['passes']} passes) vs the whole torch decode: "
+                          f"PSNR {psnr:.2f} dB < vae_tiling.min_psnr_db={min_psnr_db}")
+    return rep
