@@ -88,6 +88,14 @@ def _blend_ramps(starts: list[int], i: int, tile: int, factor: int) -> tuple[np.
     return latent, np.repeat(latent, factor)
 
 
+def stats_from_sums(sums: np.ndarray) -> np.ndarray:
+    """[K, 3, G] blend-weighted sums (sum, sum of squares, weight) -> [K, 2, G] (mean, variance)."""
+    s = np.asarray(sums, dtype=np.float64)
+    mean = s[:, 0] / s[:, 2]
+    var = np.maximum(s[:, 1] / s[:, 2] - mean * mean, 0.0)  # E[x^2] - mean^2 may round below 0
+    return np.stack([mean, var], axis=1).astype(np.float32)
+
+
 def tiled_decode_with_stats(latents: np.ndarray, head: Callable[[np.ndarray], np.ndarray], up_tile: Callable,
                             tile: int, overlap: int, factor: int, norms: tuple[int, int], passes: int) -> np.ndarray:
     """[1, C, H, W] latents -> [1, 3, H * factor, W * factor] pixels that match the whole decode.
@@ -125,8 +133,6 @@ def tiled_decode_with_stats(latents: np.ndarray, head: Callable[[np.ndarray], np
                 image[:, :, y * factor:(y + tile) * factor, x * factor:(x + tile) * factor] += pixels * blend
                 wsum[y * factor:(y + tile) * factor, x * factor:(x + tile) * factor] += blend
                 totals += sums  # weighted: the weight totals in totals[:, 2] divide them
-        mean = totals[:, 0] / totals[:, 2]
-        var = np.maximum(totals[:, 1] / totals[:, 2] - mean * mean, 0.0)  # E[x^2] - mean^2 may round below 0
-        stats = np.stack([mean, var], axis=1).astype(np.float32)
+        stats = stats_from_sums(totals)
         own = np.zeros((1,), dtype=np.float32)
     return (image / wsum).astype(np.float32)

@@ -23,7 +23,7 @@ import torch
 from pocketdiff.errors import ParityError, PocketdiffError
 
 from .components import VaeDecoderGraph
-from .tiled_decode import _blend_ramps, psnr_db, tile_starts
+from .tiled_decode import _blend_ramps, psnr_db, stats_from_sums, tile_starts
 
 HEAD, UP_TILE = "vae_decoder_head", "vae_up_tile"
 TILED_COMPONENTS = (HEAD, UP_TILE)
@@ -46,14 +46,6 @@ class SplitDecoder:
     graphs: dict  # name -> (module, {input name: tensor})
     block: dict  # the manifest's vae_tiling block (without the parity result)
     residual_scale: Optional[float] = None  # applied to the decoder before the split (rewrites.residual_scale)
-
-
-def _stats_from_sums(sums: np.ndarray) -> np.ndarray:
-    """[K, 3, G] blend-weighted sums -> [K, 2, G] (mean, variance), as tiled_decode_with_stats."""
-    s = np.asarray(sums, dtype=np.float64)
-    mean = s[:, 0] / s[:, 2]
-    var = np.maximum(s[:, 1] / s[:, 2] - mean * mean, 0.0)
-    return np.stack([mean, var], axis=1).astype(np.float32)
 
 
 @torch.no_grad()
@@ -79,7 +71,7 @@ def split_decoder(vae: torch.nn.Module, tiling, latents: torch.Tensor, factor: i
     weight = torch.from_numpy(np.outer(_blend_ramps(ys, 0, t, factor)[0], _blend_ramps(xs, 0, t, factor)[0]).astype(np.float32))
     tile = feats[:, :, :t, :t].contiguous()
     _, sums = up(tile, weight, torch.zeros(up.num_norms, 2, up.groups), torch.ones(1))
-    stats = torch.from_numpy(_stats_from_sums(sums.numpy()))
+    stats = torch.from_numpy(stats_from_sums(sums.numpy()))
     graphs = {
         HEAD: (head, {"latents": latents}),
         UP_TILE: (up, {"features": tile, "weight": weight, "stats": stats, "own": torch.zeros(1)}),
