@@ -54,15 +54,23 @@ def _quiet_native_stderr(enabled: bool = True):
                 log.error("converter output:\n%s", tail)
 
 
+@contextlib.contextmanager
+def converter_quiet(quiet: bool = True):
+    """Around a litert-torch conversion: no autograd, its native logs and stdout chatter held back
+    (kept when it fails), and torch's own deprecation inside its export (nothing a user can act
+    on) not shown."""
+    with torch.no_grad(), _quiet_native_stderr(quiet), contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*", category=FutureWarning)
+        yield
+
+
 def to_tflite(module: nn.Module, sample_inputs: Sequence[torch.Tensor], path: Path, quiet: bool = True) -> float:
     """Convert with litert-torch (fp32 weights). Returns the wall time in seconds."""
     import litert_torch
 
     module = module.eval()
     t0 = time.perf_counter()
-    with torch.no_grad(), _quiet_native_stderr(quiet), contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
-        # torch's own deprecation inside the converter's export (nothing a user can act on)
-        warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*", category=FutureWarning)
+    with converter_quiet(quiet):
         edge = litert_torch.convert(module, tuple(sample_inputs))
         edge.export(str(path))
     return time.perf_counter() - t0

@@ -265,15 +265,12 @@ def export_component(
 
 def _convert(module: nn.Module, inputs: dict[str, torch.Tensor], path: Path) -> float:
     """litert-torch with keyword sample inputs, so the signature's inputs carry our names."""
-    import contextlib
-    import io
-
     import litert_torch
 
-    from .convert import _quiet_native_stderr
+    from .convert import converter_quiet
 
     t0 = time.perf_counter()
-    with torch.no_grad(), _quiet_native_stderr(True), contextlib.redirect_stdout(io.StringIO()):
+    with converter_quiet():
         edge = litert_torch.convert(_Keyworded(module, list(inputs)).eval(), sample_kwargs=dict(inputs))
         edge.export(str(path))
     return time.perf_counter() - t0

@@ -158,15 +158,21 @@ def test_linear_to_conv_adds_no_transposes_to_a_transformer_block(tmp_path):
     assert rew["transposes"] <= raw["transposes"]
 
 
-def test_conversion_hides_torch_deprecations_a_user_cannot_act_on(tmp_path):
+@pytest.mark.parametrize("path", ["to_tflite", "export_component"])
+def test_conversion_hides_torch_deprecations_a_user_cannot_act_on(path, tmp_path):
     """torch's pytree deprecation fires inside litert-torch's export (10 lines in the demo)."""
     import warnings
 
+    from pocketdiff.export import exporter
     from pocketdiff.export.convert import to_tflite
 
     module = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.SiLU())
+    x = torch.randn(1, 3, 8, 8)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        to_tflite(module, (torch.randn(1, 3, 8, 8),), tmp_path / "m.tflite")
+        if path == "to_tflite":
+            to_tflite(module, (x,), tmp_path / "m.tflite")
+        else:  # the export verb's converter call (named inputs)
+            exporter._convert(module, {"x": x}, tmp_path / "m.tflite")
     assert (tmp_path / "m.tflite").stat().st_size > 0
     assert not [w for w in seen if "LeafSpec" in str(w.message)]
