@@ -334,9 +334,14 @@ def _check_contract(man: dict, ios: dict, found: _Found) -> None:
     _check_tiling(man, ios, latent, found)
 
 
+def decoder_components(man: dict) -> tuple[str, ...]:
+    """The decoder's components: the two tiled graphs when the manifest has a vae_tiling block."""
+    return TILED_DECODER if isinstance(man.get("vae_tiling"), dict) else ("vae_decoder",)
+
+
 def runner_components(man: dict) -> tuple[str, ...]:
-    """The components run-bundle needs: the decoder as two tiled graphs when the manifest says so."""
-    return ("text_encoder", "unet", *TILED_DECODER) if isinstance(man.get("vae_tiling"), dict) else RUNNER_COMPONENTS
+    """The components run-bundle needs."""
+    return ("text_encoder", "unet", *decoder_components(man))
 
 
 def _check_tiling(man: dict, ios: dict, latent: list, found: _Found) -> None:

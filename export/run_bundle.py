@@ -28,7 +28,7 @@ import numpy as np
 
 from pocketdiff.errors import PocketdiffError
 
-from .manifest_check import check_bundle
+from .manifest_check import TILED_DECODER, check_bundle, decoder_components
 
 
 def bundle_tokenize(tokenizer_json: str | Path, prompt: str, tok: dict) -> np.ndarray:
@@ -129,14 +129,6 @@ class _Residency:
     def sub(self, n: int) -> None:
         with self.lock:
             self.now -= n
-
-
-TILED_DECODER = ("vae_decoder_head", "vae_up_tile")
-
-
-def decoder_components(man: dict) -> tuple[str, ...]:
-    """The decoder's components: the two tiled graphs when the manifest has a vae_tiling block."""
-    return TILED_DECODER if man.get("vae_tiling") else ("vae_decoder",)
 
 
 def load_tiled_decoder(entries: dict, accelerator: str) -> tuple[_Loaded, _Loaded]:
@@ -309,7 +301,7 @@ def generate(
         dec_thread.join()
     if errors:
         raise errors[0]
-    if man.get("vae_tiling"):
+    if decoder == TILED_DECODER:
         pixels, timing = tiled_decode_bundle(loaded[decoder[0]], loaded[decoder[1]], man["vae_tiling"], x)
         image = pixels[0].transpose(1, 2, 0)
         stats["latency_s"].update(timing["latency_s"])

@@ -23,10 +23,10 @@ import torch
 from pocketdiff.errors import ParityError, PocketdiffError
 
 from .components import VaeDecoderGraph
+from .manifest_check import TILED_DECODER
 from .tiled_decode import _blend_ramps, psnr_db, stats_from_sums, tile_starts
 
-HEAD, UP_TILE = "vae_decoder_head", "vae_up_tile"
-TILED_COMPONENTS = (HEAD, UP_TILE)
+HEAD, UP_TILE = TILED_DECODER
 
 
 def expand_components(components: list[str], tiled: bool) -> list[str]:
@@ -35,7 +35,7 @@ def expand_components(components: list[str], tiled: bool) -> list[str]:
         return list(components)
     out: list[str] = []
     for c in components:
-        out += list(TILED_COMPONENTS) if c == "vae_decoder" else [c]
+        out += list(TILED_DECODER) if c == "vae_decoder" else [c]
     return out
 
 
@@ -78,7 +78,7 @@ def split_decoder(vae: torch.nn.Module, tiling, latents: torch.Tensor, factor: i
     }
     block = {"tile": t, "overlap": tiling.overlap, "passes": tiling.passes, "factor": int(factor),
              "norms": [int(up.num_norms), int(up.groups)], "features": int(feats.shape[1]),
-             "components": list(TILED_COMPONENTS)}
+             "components": list(TILED_DECODER)}
     return SplitDecoder(graphs, block, residual_scale)
 
 
@@ -111,7 +111,7 @@ def tiled_parity(out: Path, entries: dict, vae: torch.nn.Module, latents: torch.
 
     with torch.no_grad():
         whole = np.clip(VaeDecoderGraph(vae).eval()(latents).numpy(), 0.0, 1.0)
-    paths = {n: {**entries[n], "_path": str(out / entries[n]["path"])} for n in TILED_COMPONENTS}
+    paths = {n: {**entries[n], "_path": str(out / entries[n]["path"])} for n in TILED_DECODER}
     head, up = load_tiled_decoder(paths, "cpu")
     try:
         image, timing = tiled_decode_bundle(head, up, block, latents.numpy())

@@ -41,9 +41,10 @@ from .components import (
 from .convert import WEIGHT_FORMATS
 from .device_profile import DeviceProfile, check_component
 from .exporter import VerifyConfig, convert_job, finish_component, peak_rss_mb, prepare_component
+from .manifest_check import TILED_DECODER
 from .parity import ParityConfig
 from .rewrites import RewriteConfig
-from .tiled_export import TILED_COMPONENTS, UP_TILE, expand_components, parity_latents, split_decoder, tiled_parity
+from .tiled_export import UP_TILE, expand_components, parity_latents, split_decoder, tiled_parity
 
 log = logging.getLogger(__name__)
 
@@ -312,7 +313,7 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
     if cfg.vae_tiling.enabled:  # the decoder as head + up-path tile; its residual stream scaled once for both
         vae_rw = rewrites_of.pop("vae_decoder")
         split = split_decoder(pipe.vae, cfg.vae_tiling, vae_latents, shapes.vae_factor, vae_rw.residual_scale)
-        for n in TILED_COMPONENTS:
+        for n in TILED_DECODER:
             rewrites_of[n] = dataclasses.replace(vae_rw, residual_scale=None)
     names = expand_components(cfg.components, split is not None)
     if scan is not None:
@@ -345,7 +346,7 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
 
     def check_tiling() -> None:
         """The tiled-decode parity, once both tiled components are in the bundle (the VAE still loaded)."""
-        if split is not None and not tiling_report and all(n in manifest_components for n in TILED_COMPONENTS):
+        if split is not None and not tiling_report and all(n in manifest_components for n in TILED_DECODER):
             _say(f"vae_tiling: tiled decode through the .tflite files (cpu, {cfg.vae_tiling.passes} passes) vs the whole decode ...")
             t0 = time.perf_counter()
             lat = parity_latents(pipe.vae, shapes.latent_size, shapes.vae_factor)
