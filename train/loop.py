@@ -176,13 +176,14 @@ RATE_WARMUP_STEPS = 2
 
 
 class PhaseClock:
-    """Seconds per phase of one step, the device synchronised at every mark."""
+    """Seconds per phase of one step; `sync`: the CUDA device synchronised at every mark."""
 
-    def __init__(self, t0: float):
-        self.last, self.seconds = t0, {}
+    def __init__(self, t0: float, sync: bool = True):
+        self.last, self.sync, self.seconds = t0, sync, {}
 
     def mark(self, name: str) -> None:
-        torch.cuda.synchronize()
+        if self.sync:
+            torch.cuda.synchronize()
         now = perf_counter()
         self.seconds[name] = round(now - self.last, 3)
         self.last = now
@@ -323,9 +324,9 @@ def train_loop(
     try:
         for step in range(start, cfg.max_steps):
             step_t0 = perf_counter()
-            # the first steps of an invocation, phase by phase (each synchronised; a one-off in
+            # the first steps of an invocation, phase by phase (synchronised on a GPU; a one-off in
             # them, such as the 13 s second step of the SD-2.1 guided stage, shows its phase)
-            phases = PhaseClock(step_t0) if memory.cuda and step - start < 3 else None
+            phases = PhaseClock(step_t0, sync=memory.cuda) if step - start <= RATE_WARMUP_STEPS else None  # + the first steady one
             gen = step_generator(seed, step)
             total = torch.zeros((), device=acc.device)
             for k in range(cfg.grad_accum):
@@ -372,14 +373,14 @@ def train_loop(
             last_loss = mean_loss
             done = step + 1
             step_s = perf_counter() - step_t0  # mean_loss's .item() synchronised the device
-            if phases and log_file:
-                log_file.write(json.dumps({"phase": desc, "event": "step_phases", "step": done, "step_s": round(step_s, 3),
-                                           **phases.seconds}) + "\n")
             if first_step_s is None:
                 first_step_s = step_s
                 if log_file:
                     log_file.write(json.dumps({"phase": desc, "event": "first_step", "step": done, "first_step_s": round(step_s, 3),
                                                "compiled": bool(cfg.compile_mode) or _is_compiled(model)}) + "\n")
+            if phases and log_file:
+                log_file.write(json.dumps({"phase": desc, "event": "step_phases", "step": done, "step_s": round(step_s, 3),
+                                           **phases.seconds}) + "\n")
             if done - start <= RATE_WARMUP_STEPS:  # warm-up stays out of every rate
                 warmup_s += step_s
             else:

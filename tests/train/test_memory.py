@@ -99,6 +99,11 @@ def test_log_rows_carry_time_throughput_and_memory(tmp_path):
     t = res.timing
     assert t["steps_run"] == 6 and t["warmup_steps"] == 2 and t["steady_steps"] == 4 and t["steady_samples_per_s"] > 0
     assert t["first_step_s"] is not None and t["warmup_s"] >= t["first_step_s"]
+    phases = [r for r in rows if r.get("event") == "step_phases"]  # the first three steps, phase by phase
+    assert [r["step"] for r in phases] == [1, 2, 3]
+    for r in phases:
+        assert set(r) >= {"forward_backward_s", "optimizer_s", "ema_s", "step_s"}
+        assert r["forward_backward_s"] + r["optimizer_s"] + r["ema_s"] <= r["step_s"] + 2e-3  # rounded to ms each
 
 
 def test_gradient_checkpointing_needs_a_model_that_has_it(tmp_path):
