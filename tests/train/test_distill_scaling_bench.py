@@ -4,34 +4,19 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from cpu_launch import accelerate_cpu
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "distill_scaling.py"
 TINY = ["--arch", "tiny", "--batch", "2", "--iters", "2", "--warmup", "1", "--no-sync-iters", "1"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(n: int, out: Path, *extra: str) -> None:
-    """`accelerate launch` on the CPU: --cpu runs one process; two need --multi_gpu (torchrun) with
-    ACCELERATE_USE_CPU set, which makes accelerate's state MULTI_CPU on gloo."""
-    env = dict(os.environ, ACCELERATE_USE_CPU="True", OMP_NUM_THREADS="1")
-    mode = ["--cpu"] if n == 1 else ["--multi_gpu", "--main_process_port", str(_free_port())]
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", *mode, "--num_machines", "1", "--num_processes", str(n),
-           "--dynamo_backend", "no", "--mixed_precision", "no", str(SCRIPT), "--out", str(out), *TINY, *extra]
-    proc = subprocess.run(cmd, env=env, cwd=out.parent, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = accelerate_cpu(n, str(SCRIPT), "--out", str(out), *TINY, *extra, cwd=out.parent, timeout=300)
     assert f"[distill_scaling N={n}]" in proc.stdout
 
 

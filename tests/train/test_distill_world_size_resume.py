@@ -7,15 +7,12 @@ runs must match to that order's rounding, not bit for bit."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from cpu_launch import accelerate_cpu
 
 OVERRIDES = [
     "data.source=shapes", "data.shapes_count=16", "data.resolution=32",
@@ -29,21 +26,9 @@ OVERRIDES = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _distill(n: int, out: Path, teacher: Path, *extra: str) -> str:
-    """`accelerate launch` of the verb on the CPU: one process (--cpu) or two (torchrun, gloo)."""
-    env = dict(os.environ, ACCELERATE_USE_CPU="True", OMP_NUM_THREADS="1")
-    mode = ["--cpu"] if n == 1 else ["--multi_gpu", "--main_process_port", str(_free_port())]
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", *mode, "--num_machines", "1", "--num_processes", str(n),
-           "--dynamo_backend", "no", "--mixed_precision", "no", "-m", "pocketdiff", "distill", "--output", str(out),
-           f"model.pretrained={teacher}", *OVERRIDES, *extra]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    """The verb under `accelerate launch` on the CPU: one process or two (gloo)."""
+    proc = accelerate_cpu(n, "-m", "pocketdiff", "distill", "--output", str(out), f"model.pretrained={teacher}", *OVERRIDES, *extra)
     return proc.stdout + proc.stderr
 
 
