@@ -163,11 +163,12 @@ def summary(args) -> int:
             rows.append({"batch": batch, "completed": bool(rounds), "exit": (result["meta"] or {}).get(f"vsweep_{batch}_exit"),
                          "steady_samples_per_s": t.get("steady_samples_per_s"), "peak_gpu_mem_gib": t.get("peak_gpu_mem_gib")})
         result["verb_batch_sweep"] = rows
-        ok = [r for r in rows if r["completed"]] + [{"batch": r["batch"], "steady_samples_per_s": r["steady_samples_per_s"],
-                                                      "peak_gpu_mem_gib": r["peak_gpu_mem_gib"]}
-                                                     for r in (result.get("distill") or {}).get("rounds", []) if r["stage"] == "progressive"][:1]
-        if ok:
-            result["largest_verb_batch_under_cap"] = max(ok, key=lambda r: r["batch"] or 0)
+        ran = [r for r in rows if r["completed"]]
+        prog = next((r for r in (result.get("distill") or {}).get("rounds", []) if r["stage"] == "progressive"), None)
+        if prog:  # the distill run's own batch ran under the same cap
+            ran.append({k: prog[k] for k in ("batch", "steady_samples_per_s", "peak_gpu_mem_gib")})
+        if ran:
+            result["largest_verb_batch_under_cap"] = max(ran, key=lambda r: r["batch"] or 0)
     text = json.dumps(result, indent=2)
     for out in args.out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)

@@ -39,7 +39,7 @@ watch_gpu() { ( command -v nvidia-smi >/dev/null && exec nvidia-smi --query-gpu=
 watch_disk() { ( while true; do du -sb $1 2>/dev/null | cut -f1; sleep 2; done ) > $L/$2.du 2>/dev/null < /dev/null & echo $!; }
 want() { [[ ",$PARTS," == *",$1,"* ]]; }
 step() {  # step NAME SECONDS CMD...: run with a watchdog (at most what is left), log, wall time and exit code into META
-  local name=$1 want=$2 t; shift 2; t=$(left); [ "$t" -gt "$want" ] && t=$want
+  local name=$1 most=$2 t; shift 2; t=$(left); [ "$t" -gt "$most" ] && t=$most
   if [ "$t" -lt 20 ]; then echo "[$(date +%T)] skip $name: ${t} s left"; meta "${name}_skipped" true; return 1; fi
   echo "[$(date +%T)] $name (watchdog ${t} s)"; local s=$SECONDS
   timeout -k 10 "$t" "$@" > $L/$name.log 2>&1; local rc=$?
