@@ -133,6 +133,18 @@ def prune_summary(run: Path) -> dict:
     return out
 
 
+def ablation_row(spec: str, bench: dict, meta: dict) -> dict:
+    """`DIR=overrides` of one ablation run -> its steady rate, phases and ratio to the bench's ours_wcond."""
+    folder, _, overrides = spec.partition("=")
+    run = Path(folder)
+    name = run.name.removeprefix("ablate_")
+    d = distill_summary(run, bench) if (run / "report.json").is_file() else {"rounds": []}
+    r = d["rounds"][0] if d["rounds"] else {}
+    return {"name": name, "overrides": overrides.replace(";", " "), "exit": meta.get(f"ablate_{name}_exit"),
+            **{k: r.get(k) for k in ("batch", "steady_samples_per_s", "bench_samples_per_s", "verb_over_bench",
+                                     "peak_gpu_mem_gib", "first_step_s", "warmup_s", "step_phases")}}
+
+
 def summary(args) -> int:
     bench = read(args.bench)
     result = {"benchmark": "distill_sd21", "meta": read(args.meta), "bench": {
@@ -169,6 +181,8 @@ def summary(args) -> int:
             ran.append({k: prog[k] for k in ("batch", "steady_samples_per_s", "peak_gpu_mem_gib")})
         if ran:
             result["largest_verb_batch_under_cap"] = max(ran, key=lambda r: r["batch"] or 0)
+    if args.ablate:  # one progressive round per setting, at the distill run's batch, against the bench's ours_wcond
+        result["verb_ablations"] = [ablation_row(spec, bench, result["meta"] or {}) for spec in args.ablate]
     text = json.dumps(result, indent=2)
     for out in args.out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
@@ -185,6 +199,9 @@ def summary(args) -> int:
     for r in result.get("verb_batch_sweep", []):
         print(f"[distill_sd21] verb at batch {r['batch']}: exit {r['exit']}, {r['steady_samples_per_s'] or 0:.2f} samples/s, "
               f"peak {r['peak_gpu_mem_gib']} GiB")
+    for r in result.get("verb_ablations", []):
+        print(f"[distill_sd21] ablation {r['name']} ({r['overrides'] or 'smoke settings'}): {r['steady_samples_per_s'] or 0:.2f} samples/s, "
+              f"ratio {r.get('verb_over_bench') or 0:.2f}, peak {r['peak_gpu_mem_gib']} GiB")
     if "prune" in result:
         p = result["prune"]
         print(f"[distill_sd21] prune: loads={p.get('loads')} recovery peak {p.get('recovery_peak_gpu_mem_gib')} GiB")
@@ -207,6 +224,8 @@ def scaling(args) -> int:
             "complete": rep.get("complete"),
             "rounds": [{"round": r["round"], "losses": r["losses"], "uninterrupted_losses": ref.get(r["round"]),
                         "processes": (r.get("timing") or {}).get("processes")} for r in rep.get("rounds", [])[-1:]]}
+    if args.ablate:  # one progressive round per setting, at the distill run's batch, against the bench's ours_wcond
+        result["verb_ablations"] = [ablation_row(spec, bench, result["meta"] or {}) for spec in args.ablate]
     text = json.dumps(result, indent=2)
     for out in args.out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
@@ -234,6 +253,7 @@ def main(argv=None) -> int:
     s.add_argument("--default-bench")
     s.add_argument("--meta")
     s.add_argument("--vsweep", action="append", help="run folders of the verb batch sweep (NAME_<batch>)")
+    s.add_argument("--ablate", action="append", help="DIR=overrides of an ablation run (ablate_<name>)")
     c = sub.add_parser("scaling")
     c.add_argument("--out", action="append", required=True)
     c.add_argument("--one", required=True)

@@ -12,9 +12,11 @@
 # 5. benchmarks/distill_sd21.py summary -> $OUT/distill_sd21.json (+ benchmarks/results/), logs in
 #    $OUT/sd21_distill_logs.tgz; the runs are deleted at the end (the teacher stays for a warm rerun)
 # Settings by environment: BUDGET=530 ARCH=sd21 RES=512 LATENT=RES/8 BATCH=8 CAP=24 SWEEP=8,16,24,32
-#   NAME=distill_sd21 BENCH_OPT=adamw8bit BENCH_LIB=bitsandbytes PY=python3 EXTRA_DISTILL= EXTRA_PRUNE= (key=value overrides)
+#   NAME=distill_sd21 (also names the run folder: two copies may run side by side) BENCH_S=150 (bench watchdog) BENCH_VARIANTS=ours_guided,ours_wcond BENCH_OPT=adamw8bit BENCH_LIB=bitsandbytes PY=python3 EXTRA_DISTILL= EXTRA_PRUNE= (key=value overrides)
 #   VSWEEP=16,24,32 (batches tried through the verb, ascending, until one fails)
-#   PARTS=distill,bench,prune,vsweep,default (which of steps 2-4 run; e.g. PARTS=prune on a second GPU call)
+#   PARTS=distill,bench,prune,vsweep,default (which of steps 2-4 run; e.g. PARTS=prune on a second GPU call; also: ablate)
+#   ABLATE=smoke:,noema:progressive.train.ema_decay=0 (PARTS=ablate: NAME:overrides, overrides joined by ';'; one progressive
+#     round 8 -> 4 each at batch $BATCH, 8 steps, no checkpoint: which setting costs the verb its speed against the bench)
 #   SKIP_ENV=1: no env.sh (a CPU dry run of the logic with tiny settings, see README "SD-2.1 size")
 set -u
 T0=$SECONDS; BUDGET=${BUDGET:-530}
@@ -24,7 +26,7 @@ PY=${PY:-python3} ARCH=${ARCH:-sd21} RES=${RES:-512} BATCH=${BATCH:-8} CAP=${CAP
 NAME=${NAME:-distill_sd21} LATENT=${LATENT:-$((RES / 8))} BENCH_OPT=${BENCH_OPT:-adamw8bit} BENCH_LIB=${BENCH_LIB:-bitsandbytes}
 EXTRA_DISTILL=${EXTRA_DISTILL:-} EXTRA_PRUNE=${EXTRA_PRUNE:-} PARTS=${PARTS:-distill,bench,prune,vsweep,default}  # more key=value overrides per verb (CPU dry runs)
 OUT=${OUT:-$RUNS/out}; mkdir -p $OUT
-L=$RUNS/sd21 && TEACHER=$RUNS/sd21-teacher-$ARCH-$RES && rm -rf $L && mkdir -p $L || exit 1
+L=$RUNS/sd21-$NAME && TEACHER=$RUNS/sd21-teacher-$ARCH-$RES && rm -rf $L && mkdir -p $L || exit 1
 META=$L/meta.json; echo "{}" > $META
 meta() { $PY - "$META" "$1" "$2" <<'EOF'
 import json, sys
@@ -66,11 +68,21 @@ fi
 
 # 3. the benchmark's matching variants and the batch sweep under the same cap; then the defaults without a cap
 if want bench; then
-(cd $REPO/benchmarks && step bench 150 $PY distill_step.py --out $L/bench.json --arch $ARCH --latent $LATENT \
-  --variants ours_guided,ours_wcond --compile off --grad-ckpt --optimizer $BENCH_OPT --optimizer-lib $BENCH_LIB --memory-cap-gib $CAP \
+(cd $REPO/benchmarks && step bench ${BENCH_S:-150} $PY distill_step.py --out $L/bench.json --arch $ARCH --latent $LATENT \
+  --variants ${BENCH_VARIANTS:-ours_guided,ours_wcond} --compile off --grad-ckpt --optimizer $BENCH_OPT --optimizer-lib $BENCH_LIB --memory-cap-gib $CAP \
   --batches $SWEEP --iters 4 --warmup 2)
 fi
-# 3a. prune through the verb on the same teacher
+# 3a. ablations through the verb at the distill run's batch
+if want ablate; then
+ABLATE=${ABLATE:-smoke:,noema:progressive.train.ema_decay=0,gpuema:progressive.train.ema_device=auto}
+for spec in ${ABLATE//,/ }; do
+  n=${spec%%:*}; o=${spec#*:}
+  step ablate_$n 120 $PY -m pocketdiff distill --config $REPO/configs/sd21/distill_smoke.yaml --output $L/ablate_$n \
+    model.pretrained=$TEACHER data.resolution=$RES guided.enabled=false progressive.final_steps=4 progressive.train.max_steps=8 \
+    progressive.train.checkpoint_every=100 progressive.train.batch_size=$BATCH guided.train.memory_cap_gib=$CAP progressive.train.memory_cap_gib=$CAP eval.enabled=false $EXTRA_DISTILL ${o//;/ }
+done
+fi
+# 3b. prune through the verb on the same teacher
 if want prune; then
 g2=$(watch_gpu prune)
 step prune 150 $PY -m pocketdiff prune --config $REPO/configs/sd21/prune_smoke.yaml --output $L/prune \
@@ -78,24 +90,26 @@ step prune 150 $PY -m pocketdiff prune --config $REPO/configs/sd21/prune_smoke.y
 kill $g2 2>/dev/null; meta prune_nvidia_smi_peak_mib "$(gpu_peak prune)"
 fi
 
-# 3b. larger batches through the verb under the same cap: one progressive round (8 -> 4), 4 steps, no checkpoint
-if want vsweep; then
-for b in ${VSWEEP//,/ }; do
-  step vsweep_$b 120 $PY -m pocketdiff distill --config $REPO/configs/sd21/distill_smoke.yaml --output $L/vsweep_$b \
-    model.pretrained=$TEACHER data.resolution=$RES guided.enabled=false progressive.final_steps=4 progressive.train.max_steps=4 \
-    progressive.train.checkpoint_every=100 progressive.train.batch_size=$b progressive.train.memory_cap_gib=$CAP eval.enabled=false \
-    || break
-done
-fi
+# 3c. the trainer's default settings (AdamW, no checkpointing), no cap: the peak on an 80 GB card
 if want default; then
 (cd $REPO/benchmarks && step bench_default 120 $PY distill_step.py --out $L/bench_default.json --arch $ARCH --latent $LATENT \
   --variants ours_wcond --compile off --no-channels-last --batch 16 --iters 2 --warmup 1)
 fi
 
+# 3d. larger batches through the verb under the same cap: one progressive round (8 -> 4), 6 steps, no checkpoint
+if want vsweep; then
+for b in ${VSWEEP//,/ }; do
+  step vsweep_$b 120 $PY -m pocketdiff distill --config $REPO/configs/sd21/distill_smoke.yaml --output $L/vsweep_$b \
+    model.pretrained=$TEACHER data.resolution=$RES guided.enabled=false progressive.final_steps=4 progressive.train.max_steps=6 \
+    progressive.train.checkpoint_every=100 progressive.train.batch_size=$b guided.train.memory_cap_gib=$CAP progressive.train.memory_cap_gib=$CAP eval.enabled=false \
+    || break
+done
+fi
 # 5. one JSON, logs, clean-up
 tag=$(echo "${DEVICE_TAG:-$($PY -c 'import torch; print(torch.cuda.get_device_name().split()[1].lower() if torch.cuda.is_available() else "cpu")' 2>/dev/null)}")
 $PY $REPO/benchmarks/distill_sd21.py summary --out $OUT/$NAME.json --out $REPO/benchmarks/results/${NAME}_${tag}.json \
-  $(want distill && echo --distill $L/distill) $(want prune && echo --prune $L/prune) --bench $L/bench.json --default-bench $L/bench_default.json --meta $META $(want vsweep && for b in ${VSWEEP//,/ }; do echo --vsweep $L/vsweep_$b; done)
+  $(want distill && echo --distill $L/distill) $(want prune && echo --prune $L/prune) --bench $L/bench.json --default-bench $L/bench_default.json --meta $META $(want vsweep && for b in ${VSWEEP//,/ }; do echo --vsweep $L/vsweep_$b; done) \
+  $(want ablate && for spec in ${ABLATE//,/ }; do echo --ablate "$L/ablate_${spec%%:*}=${spec#*:}"; done)
 tar czf $OUT/${NAME}_logs.tgz -C $L --exclude='*.safetensors' --exclude='*.pt' --exclude=cache . 2>/dev/null
 rm -rf $L
 echo "[$(date +%T)] done in $((SECONDS - T0)) s"
