@@ -224,15 +224,22 @@ def scaling(args) -> int:
             "complete": rep.get("complete"),
             "rounds": [{"round": r["round"], "losses": r["losses"], "uninterrupted_losses": ref.get(r["round"]),
                         "processes": (r.get("timing") or {}).get("processes")} for r in rep.get("rounds", [])[-1:]]}
-    if args.ablate:  # one progressive round per setting, at the distill run's batch, against the bench's ours_wcond
-        result["verb_ablations"] = [ablation_row(spec, bench, result["meta"] or {}) for spec in args.ablate]
+    bench = read(args.bench)
+    if bench:  # the 1-GPU run's rounds against the benchmark's matching variant, measured before it on the same GPU
+        result["bench"] = {"settings": bench.get("settings"), "batch_sweep": bench.get("batch_sweep")}
+        for r, a in zip(rounds, one.get("rounds", [])):
+            ref = _bench_variant(bench, "ours_guided" if a["stage"] == "guided" else "ours_wcond", args.batch)
+            if ref and r["one_gpu_samples_per_s"]:
+                r["bench_samples_per_s"] = ref["samples_per_s"]
+                r["one_gpu_verb_over_bench"] = r["one_gpu_samples_per_s"] / ref["samples_per_s"]
     text = json.dumps(result, indent=2)
     for out in args.out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(text + "\n")
     for r in rounds:
         print(f"[distill_sd21] round {r['round']}: 1 GPU {r['one_gpu_samples_per_s'] or 0:.2f}, 2 GPUs {r['two_gpu_samples_per_s'] or 0:.2f} "
-              f"samples/s, weak-scaling efficiency {r['weak_scaling_efficiency'] or 0:.2f}")
+              f"samples/s, weak-scaling efficiency {r['weak_scaling_efficiency'] or 0:.2f}"
+              + (f", 1 GPU verb/bench {r['one_gpu_verb_over_bench']:.2f}" if r.get("one_gpu_verb_over_bench") else ""))
     for name, r in result["resumes"].items():
         print(f"[distill_sd21] resume {name}: complete={r['complete']}")
     return 0
@@ -259,6 +266,8 @@ def main(argv=None) -> int:
     c.add_argument("--one", required=True)
     c.add_argument("--two", required=True)
     c.add_argument("--resumed", action="append")
+    c.add_argument("--bench", help="distill_step.py JSON measured on the 1-GPU run's device")
+    c.add_argument("--batch", type=int, help="the 1-GPU run's batch (the bench row it is compared with)")
     c.add_argument("--meta")
     args = p.parse_args(argv)
     return {"teacher": build_teacher, "summary": summary, "scaling": scaling}[args.cmd](args)

@@ -14,6 +14,7 @@
 # encoder and decoder; the int8 UNet on the CPU as its fp16-storage variant and as it is, under a time limit).
 # Writes $OUT/verify_*.json, $OUT/run_*/report.json, $OUT/sd21_bundle.json (summary), $OUT/sd21_bundle.log.
 #   bash scripts/gpu/sd21_bundle.sh            # ~6-8 min on one H100 (nvidia-h100-x1)
+# CPU_FIRST=1 runs step 5 (XNNPACK) before step 4 (the GPU delegate).
 # Local dry run (lavapipe; tiny bundles): SKIP_GL=1 OUT=/tmp/o CPU_UNET_S=60 bash scripts/gpu/sd21_bundle.sh
 set -u
 REPO=$PWD
@@ -66,6 +67,7 @@ say "layouts: $LAYOUTS (unpacked in $((SECONDS - T0)) s)"
 left() { echo $((BUDGET - (SECONDS - T0))); }
 
 # 4. per layout: verify-bundle on the GPU delegate, then run-bundle plain and pipelined
+gpu_part() {
 for L in $LAYOUTS; do
   B=$BUNDLES/$L
   say "== $L: verify-bundle gpu (fp16, fp32)"
@@ -80,8 +82,10 @@ for L in $LAYOUTS; do
     echo "$?" > "$OUT/run_${L}_${mode}.status"
   done
 done
+}
 
 # 5. XNNPACK beside it: text encoder + decoder of the first layout, then its int8 UNet under a time limit
+cpu_part() {
 L=$(echo $LAYOUTS | awk '{print $1}')
 if [ "$(left)" -gt 60 ]; then
   say "== $L: verify-bundle cpu (XNNPACK, $(nproc) cores): text encoder, decoder"
@@ -98,6 +102,10 @@ for variant in fp16 int8; do  # the int8 UNet on XNNPACK: its fp16-storage varia
   $PD verify-bundle "$BUNDLES/$L" --accelerator cpu --components unet --keep-going $flag --json "$OUT/verify_${L}_cpu_unet_${variant}.json" --timeout "$lim"
   echo "$?" > "$OUT/verify_${L}_cpu_unet_${variant}.status"
 done
+}
+
+# CPU_FIRST=1: XNNPACK before the GPU delegate (when the budget may not reach both)
+if [ -n "${CPU_FIRST:-}" ]; then cpu_part; gpu_part; else gpu_part; cpu_part; fi
 
 # 6. summary; disk cleaned
 $PY "$REPO/benchmarks/sd21_bundle.py" collect "$OUT" --out "$OUT/sd21_bundle.json"

@@ -32,22 +32,31 @@ b2="guided.train.batch_size=$((2 * BATCH)) progressive.train.batch_size=$((2 * B
 b1="guided.train.batch_size=$BATCH progressive.train.batch_size=$BATCH"
 
 step teacher 150 $PY $REPO/benchmarks/distill_sd21.py teacher $TEACHER --arch $ARCH --resolution $RES || exit 1
+# the benchmark's matching variants at batch B on GPU 0 alone, right before the 1-GPU run (BENCH_VARIANTS= skips it)
+BENCH_VARIANTS=${BENCH_VARIANTS-ours_guided,ours_wcond}
+if [ -n "$BENCH_VARIANTS" ]; then
+  (cd $REPO/benchmarks && CUDA_VISIBLE_DEVICES=0 step bench 150 $PY distill_step.py --out $L/bench.json --arch $ARCH --latent $((RES / 8)) \
+    --variants $BENCH_VARIANTS --compile off --grad-ckpt --optimizer adamw8bit --optimizer-lib bitsandbytes --memory-cap-gib 24 \
+    --batches $BATCH --iters 6 --warmup 2)
+fi
 CUDA_VISIBLE_DEVICES=0 step one 200 $PY -m pocketdiff distill --output $L/one $C $b1
 step two 200 "${LAUNCH2[@]}" distill --output $L/two $C $b2
 # resume the 2-GPU run's last round on one GPU (its global batch 2B now on one process: no cap)
 last=$(ls -d $L/two/round-* 2>/dev/null | sort -V | tail -1)
 if [ -n "$last" ]; then
   r=$(basename $last)
-  cp -al $L/two $L/two_to_one && rm -rf $L/two_to_one/$r $L/two_to_one/checkpoints/$r/checkpoint-6
+  # keep only the round's first checkpoint (and the earlier rounds'): --resume latest then restarts mid-round
+  keep_first() { ls -d $1/checkpoints/$r/checkpoint-* 2>/dev/null | sort -V | tail -n +2 | xargs -r rm -rf; rm -rf $1/$r; }
+  cp -al $L/two $L/two_to_one && keep_first $L/two_to_one
   CUDA_VISIBLE_DEVICES=0 step two_to_one 100 $PY -m pocketdiff distill --output $L/two_to_one --resume latest $C $b2 \
     guided.train.memory_cap_gib=0 progressive.train.memory_cap_gib=0
-  cp -al $L/two_to_one $L/one_to_two && rm -rf $L/one_to_two/$r $L/one_to_two/checkpoints/$r/checkpoint-6
+  cp -al $L/two_to_one $L/one_to_two && keep_first $L/one_to_two
   step one_to_two 100 "${LAUNCH2[@]}" distill --output $L/one_to_two --resume latest $C $b2 \
     guided.train.memory_cap_gib=0 progressive.train.memory_cap_gib=0
 fi
 tag=${DEVICE_TAG:-$($PY -c 'import torch; print(torch.cuda.get_device_name().split()[1].lower() if torch.cuda.is_available() else "cpu")' 2>/dev/null)}
 $PY $REPO/benchmarks/distill_sd21.py scaling --out $OUT/$NAME.json --out $REPO/benchmarks/results/${NAME}_${tag}.json \
-  --one $L/one --two $L/two --resumed $L/two_to_one --resumed $L/one_to_two
+  --one $L/one --two $L/two --resumed $L/two_to_one --resumed $L/one_to_two --bench $L/bench.json --batch $BATCH
 tar czf $OUT/${NAME}_logs.tgz -C $L --exclude='*.safetensors' --exclude='*.pt' --exclude=cache . 2>/dev/null
 rm -rf $L
 echo "[$(date +%T)] done in $((SECONDS - T0)) s"
