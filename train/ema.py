@@ -5,11 +5,15 @@ On the parameters' device (`device=None`) an update is one fused lerp. In host m
 and a lerp over all of them on the CPU: at SD-2.1 size (865M parameters) that took 3-4 s
 per update on an H100 machine when done in line. So the host update is asynchronous: the
 parameters are copied into reused host buffers (one pinned block, reserved before training
-when they live on a GPU), queued behind the step that produced them, and a background
-thread waits for that copy and does the lerp while the next steps run. Anything that reads `shadow` waits for it first.
+when they live on a GPU) on a side stream that starts once the step that produced them is done,
+so the copy engine works while the next step computes; a background thread waits for that copy
+and does the lerp. The next optimizer step must not change the parameters before the copy has
+read them: the training loop calls `fence()` before it (a wait on the device, not on the host).
+Anything that reads `shadow` waits for the whole update first.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from typing import Optional
@@ -26,6 +30,8 @@ class EMA:
                         for n, p in module.named_parameters() if p.requires_grad}
         self._staging: dict[str, torch.Tensor] = {}  # host copies of the parameters, reused
         self._pending: Optional[threading.Thread] = None
+        self._copied = None  # (event, device): the side stream's copies of the last host update have landed
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._error: Optional[BaseException] = None
         self.setup_s = 0.0  # seconds spent pinning the staging memory (once, here, not inside a step)
         if device is not None and torch.device(device).type == "cpu":
@@ -68,6 +74,19 @@ class EMA:
             error, self._error = self._error, None
             raise error
 
+    def fence(self) -> None:
+        """Make the current CUDA stream wait until the last host update's copies have read the
+        parameters: call it before anything changes them in place (the optimizer step)."""
+        copied, self._copied = self._copied, None
+        if copied is not None:
+            event, device = copied
+            torch.cuda.current_stream(device).wait_event(event)
+
+    def _side_stream(self, device: torch.device) -> "torch.cuda.Stream":
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device=device)
+        return self._streams[device]
+
     @torch.no_grad()
     def update(self, module: torch.nn.Module, step: Optional[int] = None) -> None:
         if step is not None and step % self.every:
@@ -85,24 +104,32 @@ class EMA:
                 torch._foreach_lerp_(shadows, params, weight)
             return
         self.wait()  # the staging buffers are free again
-        shadows, copies, event, host = [], [], None, torch.device(self.device)
-        for n, p in module.named_parameters():
-            if n not in self._shadow:
-                continue
-            if self._shadow[n].device != host:  # loaded onto another device
-                self._shadow[n] = self._shadow[n].to(host)
-            buf = self._staging.get(n)
-            if buf is None or buf.shape != p.shape:
-                buf = self._staging[n] = torch.empty(p.shape, dtype=torch.float32, device=host, pin_memory=p.is_cuda)
-            buf.copy_(p.detach(), non_blocking=p.is_cuda)  # in stream order: before the next step changes p
-            shadows.append(self._shadow[n])
-            copies.append(buf)
-            if p.is_cuda and event is None:
-                event = torch.cuda.Event()
-        if not shadows:
+        named = [(n, p) for n, p in module.named_parameters() if n in self._shadow]
+        if not named:
             return
-        if event is not None:
-            event.record()
+        host = torch.device(self.device)
+        cuda = next((p.device for _, p in named if p.is_cuda), None)
+        event = None
+        if cuda is not None:  # the copies start once the current stream has produced the parameters
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(cuda))
+            stream = self._side_stream(cuda)
+            stream.wait_event(ready)
+        shadows, copies = [], []
+        with torch.cuda.stream(stream) if cuda is not None else contextlib.nullcontext():
+            for n, p in named:
+                if self._shadow[n].device != host:  # loaded onto another device
+                    self._shadow[n] = self._shadow[n].to(host)
+                buf = self._staging.get(n)
+                if buf is None or buf.shape != p.shape:
+                    buf = self._staging[n] = torch.empty(p.shape, dtype=torch.float32, device=host, pin_memory=p.is_cuda)
+                buf.copy_(p.detach(), non_blocking=p.is_cuda)
+                shadows.append(self._shadow[n])
+                copies.append(buf)
+            if cuda is not None:
+                event = torch.cuda.Event()
+                event.record(stream)
+        self._copied = (event, cuda) if event is not None else None
         self._pending = threading.Thread(target=self._host_lerp, args=(shadows, copies, weight, event),
                                          name="ema-host-update", daemon=True)
         self._pending.start()

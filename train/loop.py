@@ -189,6 +189,14 @@ class PhaseClock:
         self.last = now
 
 
+def read_step(mean_loss: torch.Tensor, grad_norm: Optional[torch.Tensor]) -> tuple[float, bool]:
+    """The step's mean loss and whether its gradient norm is finite: one host sync for both."""
+    if grad_norm is None:
+        return float(mean_loss.item()), True
+    loss, norm = torch.stack([mean_loss.detach().float().reshape(()), grad_norm.detach().float().reshape(()).to(mean_loss.device)]).tolist()
+    return loss, math.isfinite(norm)
+
+
 def _save(ckpt_dir, step, model, optimizer, scheduler, ema, losses, skipped, total_limit, extra):
     found = list_checkpoints(ckpt_dir)
     check_free_space(ckpt_dir, checkpoint_bytes(ckpt_dir, model, optimizer, ema), f"checkpoint-{step}",
@@ -347,17 +355,17 @@ def train_loop(
             if cfg.max_grad_norm > 0:
                 grad_norm = acc.clip_grad_norm_(params, cfg.max_grad_norm)
             else:
-                grad_norm = torch.nn.utils.get_total_norm(grads)
-            grads_ok = bool(torch.isfinite(grad_norm).item()) if grads else True  # one sync, not one per tensor
-            mean_loss = acc.reduce(total, reduction="mean").item()
-            if not (math.isfinite(mean_loss) and grads_ok):
-                what = "loss" if not math.isfinite(mean_loss) else "gradients"
-                if cfg.nan_policy == "stop":
-                    raise PocketdiffError(f"[{desc}] non-finite {what} at step {step}; stopped, last good checkpoint kept in {ckpt_dir}")
-                optimizer.zero_grad(set_to_none=True)
-                skipped += 1
-                acc.print(f"[{desc}] non-finite {what} at step {step}: step skipped")
-                continue
+                grad_norm = torch.nn.utils.get_total_norm(grads) if grads else None
+            mean = acc.reduce(total, reduction="mean")
+            if cfg.nan_policy == "skip":  # decided before the update: the device is synchronised here
+                mean_loss, grads_ok = read_step(mean, grad_norm)
+                if not (math.isfinite(mean_loss) and grads_ok):
+                    optimizer.zero_grad(set_to_none=True)
+                    skipped += 1
+                    acc.print(f"[{desc}] non-finite {'loss' if not math.isfinite(mean_loss) else 'gradients'} at step {step}: step skipped")
+                    continue
+            if ema is not None:
+                ema.fence()  # the EMA's copies of the previous update have read the parameters
             try:
                 optimizer.step()
             except torch.OutOfMemoryError:  # the optimizer state is allocated at the first step
@@ -370,9 +378,16 @@ def train_loop(
                 ema.update(acc.unwrap_model(wrapped), step + 1)
                 if phases:
                     phases.mark("ema_s")
+            if cfg.nan_policy == "stop":
+                # read once the whole step is queued, so the optimizer's host-side work overlaps the backward
+                # on the device; a non-finite step stops before any checkpoint or log row holds it
+                mean_loss, grads_ok = read_step(mean, grad_norm)
+                if not (math.isfinite(mean_loss) and grads_ok):
+                    what = "loss" if not math.isfinite(mean_loss) else "gradients"
+                    raise PocketdiffError(f"[{desc}] non-finite {what} at step {step}; stopped, last good checkpoint kept in {ckpt_dir}")
             last_loss = mean_loss
             done = step + 1
-            step_s = perf_counter() - step_t0  # mean_loss's .item() synchronised the device
+            step_s = perf_counter() - step_t0  # read_step synchronised the device
             if first_step_s is None:
                 first_step_s = step_s
                 if log_file:

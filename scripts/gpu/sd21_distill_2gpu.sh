@@ -8,6 +8,8 @@
 # round's folder and later checkpoints removed). -> $OUT/distill_sd21_2gpu.json (weak-scaling
 # efficiency per round, loss trajectories of the resumed rounds next to the uninterrupted one).
 # Settings by environment: BUDGET=530 ARCH=sd21 RES=512 BATCH=8 (per GPU) PY=python3 SKIP_ENV=1 EXTRA=
+#   BENCH_VARIANTS=ours_guided,ours_wcond (benchmarks/distill_step.py at batch B on GPU 0 alone first: the
+#   1-GPU run's verb/bench ratio; empty: none)
 set -u
 T0=$SECONDS; BUDGET=${BUDGET:-530}
 left() { echo $(( BUDGET - (SECONDS - T0) )); }

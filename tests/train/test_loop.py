@@ -1,5 +1,6 @@
 """The shared training loop: determinism, resume bit-exactness, checkpoint rotation, NaN stop."""
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -7,7 +8,7 @@ from safetensors.torch import load_file
 
 from pocketdiff.errors import PocketdiffError
 from pocketdiff.train.checkpoints import list_checkpoints, resolve_resume
-from pocketdiff.train.loop import BatchPlan, BatchRandom, LoopConfig, train_loop
+from pocketdiff.train.loop import BatchPlan, BatchRandom, LoopConfig, read_step, train_loop
 
 
 class Toy(torch.utils.data.Dataset):
@@ -107,6 +108,46 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
     latest = resolve_resume(tmp_path / "ckpt", "latest")
     assert latest.name == "checkpoint-2"
     assert all(torch.isfinite(v).all() for v in load_file(str(latest / "model.safetensors")).values())
+
+
+class _NanGradient(torch.autograd.Function):
+    """Identity forward, NaN gradient: a finite loss whose update would poison the weights."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * float("nan")
+
+
+def test_nan_gradients_stop_before_the_step_is_saved_or_logged(tmp_path):
+    # the stop policy reads the loss and the gradient norm once the step is queued (after the
+    # optimizer): the poisoned step must still never reach a checkpoint or a log row
+    model, calls = make_model(), {"n": 0}
+
+    def loss(m, batch, rng):
+        calls["n"] += 1
+        value = loss_fn(m, batch, rng)
+        return _NanGradient.apply(value) if calls["n"] == 4 else value
+
+    cfg = LoopConfig(max_steps=6, batch_size=4, lr=1e-2, checkpoint_every=1, log_every=1)
+    with pytest.raises(PocketdiffError, match="non-finite gradients at step 3"):
+        train_loop(cfg, model=model, loss_fn=loss, dataset=Toy(), collate=collate, ckpt_dir=tmp_path / "ckpt", seed=0,
+                   log_path=tmp_path / "logs.jsonl")
+    latest = resolve_resume(tmp_path / "ckpt", "latest")
+    assert latest.name == "checkpoint-3"
+    assert all(torch.isfinite(v).all() for v in load_file(str(latest / "model.safetensors")).values())
+    logged = [json.loads(line)["step"] for line in (tmp_path / "logs.jsonl").read_text().splitlines() if "loss" in json.loads(line)]
+    assert logged == [1, 2, 3]
+
+
+def test_read_step_reads_loss_and_gradient_finiteness_together():
+    assert read_step(torch.tensor(1.5), torch.tensor(2.0)) == (1.5, True)
+    assert read_step(torch.tensor(1.5), torch.tensor(float("inf"))) == (1.5, False)
+    loss, ok = read_step(torch.tensor(float("nan")), None)
+    assert ok and loss != loss
 
 
 def test_nan_skip_policy_skips(tmp_path):
