@@ -18,6 +18,13 @@ attention sees only the tile. This script measures each fix on its own and toget
   input, whose totals give the next pass's statistics (k passes in all).
 
     python benchmarks/tiled_decode_bounds.py --out benchmarks/results/tiled_decode_bounds_cpu.json
+
+With `--arch sd21` (the SD VAE, random weights with trained-like norm affines: 24 up-path norms
+and conv_norm_out) it measures the split decoder's variants instead (benchmarks/_tiled_split.py:
+edge_profile, oracle / jacobi / cv per blend margin), e.g.
+
+    python benchmarks/tiled_decode_bounds.py --arch sd21 --image 256 --tile 16 --overlap 8 --margins 0,4 \
+        --passes 6 --out benchmarks/results/tiled_decode_bounds_sd21_cpu.json
 """
 from __future__ import annotations
 
@@ -25,6 +32,7 @@ import argparse
 import contextlib
 import json
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -178,20 +186,68 @@ def run(args) -> dict:
     return result
 
 
+def run_sd21(args) -> dict:
+    """The split decoder's variants on the SD VAE (or --model's), at one image size and tile."""
+    from _tiled_split import Split, build_vae, edge_profile, run_split_variants
+
+    from pocketdiff.export.tiled_decode import psnr_db
+
+    vae = build_vae(args.arch, args.size, args.model)
+    x = torch.from_numpy(scene(args.size)).permute(2, 0, 1)[None] * 2 - 1
+    with torch.no_grad():
+        lat = vae.encode(x).latent_dist.mean * vae.config.scaling_factor
+    tile, overlap = args.tiles[0]
+    split = Split(vae, lat, tile, overlap)
+    result = {"model": args.arch if args.arch in ("sd21", "sd15") else args.model, "image": args.size, "latent": split.H,
+              "factor": split.factor, "tile": tile, "overlap": overlap, "starts": split.starts,
+              "norms": list(split.norms), "variants": []}
+
+    def record(name, img, seconds, **extra):
+        row = {"tile": tile, "overlap": overlap, "variant": name, "psnr_db": round(psnr_db(split.whole, img), 2),
+               "tiles": len(split.starts) ** 2, "seconds": round(seconds, 2), **extra}
+        result["variants"].append(row)
+        print(f"image {args.size} tile {tile} overlap {overlap} {name:16s} {row['psnr_db']:6.2f} dB  ({row['seconds']:.0f} s)", flush=True)
+
+    if "edge" in args.variants:
+        result["edge_profile"] = edge_profile(split)
+        print("edge profile (oracle statistics, one interior tile):", result["edge_profile"], flush=True)
+    run_split_variants(split, args.variants, args.margins, args.passes, record)
+    return result
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
+    p.add_argument("--arch", default=None, help="sd21 / sd15: the split decoder's variants on the SD VAE (random weights)")
     p.add_argument("--model", default="pocketdiff:shapes-teacher", help="a pipeline folder, hub id or pocketdiff:NAME")
-    p.add_argument("--size", type=int, default=128, help="image size of the test scene (px)")
+    p.add_argument("--size", "--image", dest="size", type=int, default=128, help="image size of the test scene (px)")
     p.add_argument("--tiles", default="16:8,24:12,16:4", help="tile:overlap pairs in latents")
+    p.add_argument("--tile", type=int, default=None, help="one tile size in latents (with --overlap; replaces --tiles)")
+    p.add_argument("--overlap", type=int, default=None)
+    p.add_argument("--margins", default="0", help="--arch: blend margins in latents, comma-separated")
+    p.add_argument("--variants", default="edge,oracle,jacobi,cv", help="--arch: edge, oracle, jacobi, cv")
     p.add_argument("--passes", type=int, default=4)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = p.parse_args()
     args.tiles = [tuple(int(v) for v in pair.split(":")) for pair in args.tiles.split(",")]
-    result = run(args)
+    if args.tile is not None:
+        args.tiles = [(args.tile, args.overlap if args.overlap is not None else args.tile // 2)]
+    args.margins = [int(v) for v in args.margins.split(",")]
+    args.variants = args.variants.split(",")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    result = run_sd21(args) if args.arch else run(args)
     result.update({"torch": torch.__version__, "machine": platform.processor() or platform.machine(),
-                   "date": time.strftime("%Y-%m-%d")})
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+                   "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d"),
+                   "command": "python benchmarks/tiled_decode_bounds.py " + " ".join(sys.argv[1:])})
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if args.arch:  # one file holds the runs of several sizes: replace this size's, keep the others
+        runs = json.loads(out.read_text()).get("runs", []) if out.is_file() else []
+        key = (result["image"], result["tile"], result["overlap"])
+        runs = [r for r in runs if (r["image"], r["tile"], r["overlap"]) != key] + [result]
+        result = {"runs": sorted(runs, key=lambda r: (r["image"], r["tile"], r["overlap"]))}
+    out.write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

@@ -32,6 +32,8 @@ import numpy as np
 
 from pocketdiff.errors import PocketdiffError
 
+from .tiled_decode import SCHEMES as TILING_SCHEMES
+
 RUNNER_COMPONENTS = ("text_encoder", "unet", "vae_decoder")
 TILED_DECODER = ("vae_decoder_head", "vae_up_tile")
 REQUIRED_SECTIONS = ("image", "latent", "guidance", "scheduler", "tokenizer", "components")
@@ -345,8 +347,9 @@ def runner_components(man: dict) -> tuple[str, ...]:
 
 
 def _check_tiling(man: dict, ios: dict, latent: list, found: _Found) -> None:
-    """The vae_tiling block (tile, overlap, passes, factor, norms [K, G], features F) against the
-    latent and the two tiled components' io; a tiled component without the block is refused."""
+    """The vae_tiling block (tile, overlap, passes, factor, norms [K, G], features F; margin and scheme
+    optional) against the latent and the two tiled components' io; a tiled component without the
+    block is refused."""
     block = man.get("vae_tiling")
     comps = man.get("components") if isinstance(man.get("components"), dict) else {}
     if block is None:
@@ -367,6 +370,11 @@ def _check_tiling(man: dict, ios: dict, latent: list, found: _Found) -> None:
     t, o, f = block["tile"], block.get("overlap"), block["factor"]
     if not _is_int(o) or not 0 <= o < t:
         found.add("vae_tiling.overlap", "range", f"must be an integer in [0, tile={t}), got {o!r}")
+    m = block.get("margin", 0)  # bundles from before the margin decode with none
+    if not _is_int(m) or m < 0 or (_is_int(o) and 2 * m > o):
+        found.add("vae_tiling.margin", "range", f"must be an integer with 0 <= 2 * margin <= overlap={o!r}, got {m!r}")
+    if block.get("scheme", "plain") not in TILING_SCHEMES:
+        found.add("vae_tiling.scheme", "value", f"must be one of {', '.join(TILING_SCHEMES)}, got {block.get('scheme')!r}")
     norms = block.get("norms")
     if not isinstance(norms, list) or len(norms) != 2 or not all(_is_int(v) and v > 0 for v in norms):
         found.add("vae_tiling.norms", "type", f"must be [norm count K, groups G] (positive integers), got {norms!r}")
@@ -378,7 +386,7 @@ def _check_tiling(man: dict, ios: dict, latent: list, found: _Found) -> None:
         found.add("vae_tiling.tile", "range", f"{t} latents is larger than the latent {latent[1]}x{latent[2]}")
     K, G, F = norms[0], norms[1], block["features"]
     want = {"vae_decoder_head": ({"latents": [1, *latent]}, [[1, F, *latent[1:]]]),
-            "vae_up_tile": ({"features": [1, F, t, t], "weight": [t, t], "stats": [K, 2, G], "own": [1]}, [[1, 3, t * f, t * f], [K, 3, G]])}
+            "vae_up_tile": ({"features": [1, F, t, t], "weight": [t, t], "stats": [K, 2, G], "own": [1]}, [[1, 3, t * f, t * f], [K, 5, G]])}
     for name, (want_in, want_out) in want.items():
         if name not in ios:
             continue

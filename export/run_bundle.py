@@ -137,14 +137,14 @@ def load_tiled_decoder(entries: dict, accelerator: str) -> tuple[_Loaded, _Loade
 
 def tiled_decode_bundle(head: _Loaded, up: _Loaded, block: dict, latents: np.ndarray) -> tuple[np.ndarray, dict]:
     """[1, C, h, w] latents -> ([1, 3, H, W] pixels, {latency_s, up_tile_calls}) through the two tiled models, with
-    the manifest's vae_tiling block (tile, overlap, passes, factor, norms [K, G])."""
+    the manifest's vae_tiling block (tile, overlap, passes, factor, norms [K, G], margin, scheme)."""
     from .tiled_decode import tiled_decode_with_stats
 
     up_sizes = {int(np.prod(up.out_details[n]["shape"])): i for i, n in enumerate(up.out_names)}
     K, G = (int(v) for v in block["norms"])
-    sums_at = up_sizes.get(K * 3 * G)
+    sums_at = up_sizes.get(K * 5 * G)
     if len(up.out_names) != 2 or sums_at is None:
-        raise PocketdiffError(f"vae_up_tile: outputs {up.out_names} are not (pixels, sums [{K}, 3, {G}])")
+        raise PocketdiffError(f"vae_up_tile: outputs {up.out_names} are not (pixels, sums [{K}, 5, {G}])")
     calls = {"head": 0.0, "up": 0.0, "up_calls": 0}
 
     def run_head(z):
@@ -162,7 +162,8 @@ def tiled_decode_bundle(head: _Loaded, up: _Loaded, block: dict, latents: np.nda
 
     t0 = time.perf_counter()
     image = tiled_decode_with_stats(latents, run_head, run_up, int(block["tile"]), int(block["overlap"]), int(block["factor"]),
-                                    (K, G), int(block["passes"]))
+                                    (K, G), int(block["passes"]), margin=int(block.get("margin", 0)),
+                                    scheme=str(block.get("scheme", "plain")))
     total = time.perf_counter() - t0
     latency = {"vae_decoder_head_run": calls["head"], "vae_up_tiles_run": calls["up"],
                "vae_up_tile_mean": calls["up"] / max(1, calls["up_calls"]), "vae_tiled_decode": total,

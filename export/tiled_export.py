@@ -3,7 +3,7 @@
 
 - `vae_decoder_head`: latents [1, C, h, w] -> features [1, F, h, w] (export/tiled_vae.py)
 - `vae_up_tile`: features [1, F, t, t], weight [t, t], stats [K, 2, G], own [1] ->
-  pixels [1, 3, t*f, t*f] (output_0), sums [K, 3, G] (output_1)
+  pixels [1, 3, t*f, t*f] (output_0), sums [K, 5, G] (output_1)
 
 Both go through the same rewrites / litert-torch / weight storage / delegate path as the other
 components. After conversion, `tiled_parity` decodes the golden latents through the two .tflite
@@ -24,7 +24,7 @@ from pocketdiff.errors import ParityError, PocketdiffError
 
 from .components import VaeDecoderGraph
 from .manifest_check import TILED_DECODER
-from .tiled_decode import _blend_ramps, psnr_db, stats_from_sums, tile_starts
+from .tiled_decode import axis_weights, control_variate, first_pass_corrections, psnr_db, stats_from_sums, tile_starts
 
 HEAD, UP_TILE = TILED_DECODER
 
@@ -52,8 +52,10 @@ class SplitDecoder:
 def split_decoder(vae: torch.nn.Module, tiling, latents: torch.Tensor, factor: int, residual_scale=None) -> SplitDecoder:
     """Head and up-path tile of `vae` (a copy; with `residual_scale`, its residual stream scaled
     once for both graphs, so the features between them agree). The tile's golden inputs: the
-    first tile of the head's features on `latents`, its blend weights, and statistics from a
-    first own-statistics pass over that tile (own = 0: the path a later pass takes)."""
+    first tile of the head's features on `latents`, its blend weights (with `tiling.margin`), and
+    what a later pass of `tiling.scheme` feeds it, from a first own-statistics pass over that tile:
+    the statistics themselves with own = 0 ("plain"), or the control variate of those statistics
+    against the tile's own with own = 1 ("control_variate")."""
     from .rewrites import rescale_residual_stream
     from .tiled_vae import VaeDecoderHead, VaeUpPathTile
 
@@ -68,17 +70,21 @@ def split_decoder(vae: torch.nn.Module, tiling, latents: torch.Tensor, factor: i
     up = VaeUpPathTile(vae, t).eval()
     feats = head(latents)
     ys, xs = tile_starts(h, t, tiling.overlap), tile_starts(w, t, tiling.overlap)
-    weight = torch.from_numpy(np.outer(_blend_ramps(ys, 0, t, factor)[0], _blend_ramps(xs, 0, t, factor)[0]).astype(np.float32))
+    weight = torch.from_numpy(np.outer(axis_weights(ys, t, tiling.margin)[0], axis_weights(xs, t, tiling.margin)[0]).astype(np.float32))
     tile = feats[:, :, :t, :t].contiguous()
-    _, sums = up(tile, weight, torch.zeros(up.num_norms, 2, up.groups), torch.ones(1))
-    stats = torch.from_numpy(stats_from_sums(sums.numpy()))
+    norms = (int(up.num_norms), int(up.groups))
+    _, sums = up(tile, weight, torch.from_numpy(first_pass_corrections(norms)), torch.ones(1))
+    stats = stats_from_sums(sums.numpy())
+    if tiling.scheme == "plain":
+        later, own = stats, torch.zeros(1)
+    else:  # a perturbed copy of the statistics, so the golden correction is not the identity
+        later, own = control_variate(stats * np.float32(1.05), sums.numpy()[:, 3:5]), torch.ones(1)
     graphs = {
         HEAD: (head, {"latents": latents}),
-        UP_TILE: (up, {"features": tile, "weight": weight, "stats": stats, "own": torch.zeros(1)}),
+        UP_TILE: (up, {"features": tile, "weight": weight, "stats": torch.from_numpy(later), "own": own}),
     }
-    block = {"tile": t, "overlap": tiling.overlap, "passes": tiling.passes, "factor": int(factor),
-             "norms": [int(up.num_norms), int(up.groups)], "features": int(feats.shape[1]),
-             "components": list(TILED_DECODER)}
+    block = {"tile": t, "overlap": tiling.overlap, "margin": tiling.margin, "scheme": tiling.scheme, "passes": tiling.passes,
+             "factor": int(factor), "norms": list(norms), "features": int(feats.shape[1]), "components": list(TILED_DECODER)}
     return SplitDecoder(graphs, block, residual_scale)
 
 

@@ -7,16 +7,19 @@ tile (17.6 dB PSNR on the tiny VAE; `benchmarks/tiled_decode_bounds.py`). So:
 - `VaeDecoderHead`: latents [1, C, h, w] -> features [1, F, h, w]: post_quant_conv, conv_in and
   the mid block (its attention included), once on the whole latent. It runs at latent
   resolution, where activations are small (64 x 64 x 512 at 512 px).
-- `VaeUpPathTile`: a features tile [1, F, t, t], its blend weights [t, t], the up path's norm
-  statistics [K, 2, G] (mean, variance per group) and `own` [1] -> pixels [1, 3, t*f, t*f] and
-  sums [K, 3, G] (blend-weighted sum, sum of squares and weight of every norm's input, each
-  divided by the group's element count in the tile, which cancels in the totals' ratios). Every
-  GroupNorm of the up path (and conv_norm_out) normalises with
-  `own * tile statistics + (1 - own) * given statistics`: elementwise ops, no graph switch.
+- `VaeUpPathTile`: a features tile [1, F, t, t], its blend weights [t, t], per-norm statistics
+  `stats` [K, 2, G] and `own` [1] -> pixels [1, 3, t*f, t*f] and sums [K, 5, G]: per group the
+  blend-weighted sum, sum of squares and weight of every norm's input (each divided by the group's
+  element count in the tile, which cancels in the totals' ratios), then the tile's own mean and
+  variance. Every GroupNorm of the up path (and conv_norm_out) normalises with
+      mean = own * tile mean + stats[0],  variance = (own * tile variance + 1 - own) * stats[1]
+  so own = 0 takes `stats` as the statistics, and own = 1 corrects the tile's own ones by a mean
+  shift and a variance ratio (zeros and ones: the tile's own): elementwise ops, no graph switch.
 
-`export.tiled_decode.tiled_decode_with_stats` drives them: pass 1 with `own = 1`, then the
-totals of the sums as the statistics of the next pass. Only tensors of one tile's size are
-alive in the up path, however large the image.
+`export.tiled_decode.tiled_decode_with_stats` drives them: pass 1 with the tile's own statistics,
+then, from the totals of the sums, either those statistics (scheme "plain") or per-tile corrections
+of the tile's own (scheme "control_variate"). Only tensors of one tile's size are alive in the up
+path, however large the image.
 """
 from __future__ import annotations
 
@@ -72,16 +75,19 @@ class _StatsGroupNorm(nn.Module):
         if r > 1:
             wmap = nn.functional.interpolate(wmap, scale_factor=float(r), mode="nearest")
         to_group = self.channel_to_group
-        # blend-weighted sums per group, each divided by the group's element count in this tile (the
-        # same for every tile, so it cancels in the totals' ratios; it keeps the outputs in fp16's range)
-        inp.sums.append(torch.cat([(x * wmap).mean((2, 3)) @ to_group,
-                                   (x * x * wmap).mean((2, 3)) @ to_group,
-                                   wmap.mean((2, 3)) @ self.ones], 0))  # [1, 1] @ [1, G]: no scalar broadcast
         mean_own = x.mean((2, 3)) @ to_group  # [1, G]
         var_own = (x * x).mean((2, 3)) @ to_group - mean_own * mean_own
+        # blend-weighted sums per group, each divided by the group's element count in this tile (the
+        # same for every tile, so it cancels in the totals' ratios; it keeps the outputs in fp16's range),
+        # then the tile's own mean and variance (the runner's control variate for the next pass)
+        inp.sums.append(torch.cat([(x * wmap).mean((2, 3)) @ to_group,
+                                   (x * x * wmap).mean((2, 3)) @ to_group,
+                                   wmap.mean((2, 3)) @ self.ones,  # [1, 1] @ [1, G]: no scalar broadcast
+                                   mean_own, var_own], 0))
         stats = inp.stats[self.index]  # [2, G]
-        mean = inp.own * mean_own + (1.0 - inp.own) * stats[0:1]
-        var = inp.own * var_own + (1.0 - inp.own) * stats[1:2]
+        # own = 1: the tile's statistics corrected (mean + shift, variance * ratio); own = 0: the given ones
+        mean = inp.own * mean_own + stats[0:1]
+        var = (inp.own * var_own + (1.0 - inp.own)) * stats[1:2]
         mean_c = (mean @ self.group_to_channel).reshape(1, c, 1, 1)
         rstd_c = (torch.rsqrt(var + self.eps) @ self.group_to_channel).reshape(1, c, 1, 1)
         return (x - mean_c) * rstd_c * self.weight.view(1, c, 1, 1) + self.bias.view(1, c, 1, 1)

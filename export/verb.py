@@ -42,6 +42,7 @@ from .convert import WEIGHT_FORMATS
 from .device_profile import DeviceProfile, check_component
 from .exporter import VerifyConfig, convert_job, finish_component, peak_rss_mb, prepare_component
 from .manifest_check import TILED_DECODER
+from .tiled_decode import SCHEMES as TILING_SCHEMES
 from .parity import ParityConfig
 from .rewrites import RewriteConfig
 from .tiled_export import UP_TILE, expand_components, parity_latents, split_decoder, tiled_parity
@@ -89,6 +90,8 @@ class VaeTilingConfig:
     tile: int = 32  # latents per tile side (pixels: tile x the VAE factor)
     overlap: int = 8  # latents shared by neighbouring tiles
     passes: int = 5  # passes over the tiles (norm statistics iterated towards the whole image's)
+    margin: int = 0  # latents at tile edges facing a neighbour that blend with weight 0 (the up path's cut receptive field)
+    scheme: str = "plain"  # plain | control_variate: how later passes use the previous totals (export/tiled_decode.py)
     min_psnr_db: float = 35.0  # tiled decode through the .tflite files vs the whole torch decode
 
     def __post_init__(self) -> None:
@@ -96,6 +99,9 @@ class VaeTilingConfig:
         require(isinstance(self.overlap, int) and 0 <= self.overlap < self.tile, "vae_tiling.overlap",
                 f"must be an int in [0, tile={self.tile}), got {self.overlap!r}")
         require(isinstance(self.passes, int) and self.passes >= 1, "vae_tiling.passes", f"must be an int >= 1, got {self.passes!r}")
+        require(isinstance(self.margin, int) and 0 <= 2 * self.margin <= self.overlap, "vae_tiling.margin",
+                f"must be an int with 0 <= 2 * margin <= overlap={self.overlap} (neighbouring tiles' weighted parts must meet), got {self.margin!r}")
+        require(self.scheme in TILING_SCHEMES, "vae_tiling.scheme", f"must be one of {', '.join(TILING_SCHEMES)}, got {self.scheme!r}")
         require(math.isfinite(self.min_psnr_db), "vae_tiling.min_psnr_db", f"must be a finite number, got {self.min_psnr_db!r}")
 
 
