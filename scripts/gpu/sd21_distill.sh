@@ -9,7 +9,7 @@
 #    optimizer, checkpointing, no compile) at batch 8, then 16, 24, 32 until one runs out of the
 #    cap (the largest batch per 24 GiB); then the trainer's default settings without a cap
 # 4. `pocketdiff prune` with configs/sd21/prune_smoke.yaml on the same teacher (30 %, internal)
-# 5. benchmarks/distill_sd21.py summary -> $OUT/distill_sd21.json (+ benchmarks/results/), logs in
+# 5. benchmarks/distill_sd21.py summary -> $OUT/$NAME.json (copy it into benchmarks/results/ here), logs in
 #    $OUT/sd21_distill_logs.tgz; the runs are deleted at the end (the teacher stays for a warm rerun)
 # Settings by environment: BUDGET=530 ARCH=sd21 RES=512 LATENT=RES/8 BATCH=8 CAP=24 SWEEP=8,16,24,32
 #   NAME=distill_sd21 (also names the run folder: two copies may run side by side) BENCH_S=150 (bench watchdog) BENCH_VARIANTS=ours_guided,ours_wcond BENCH_OPT=adamw8bit BENCH_LIB=bitsandbytes PY=python3 EXTRA_DISTILL= EXTRA_PRUNE= (key=value overrides)
@@ -106,8 +106,7 @@ for b in ${VSWEEP//,/ }; do
 done
 fi
 # 5. one JSON, logs, clean-up
-tag=$(echo "${DEVICE_TAG:-$($PY -c 'import torch; print(torch.cuda.get_device_name().split()[1].lower() if torch.cuda.is_available() else "cpu")' 2>/dev/null)}")
-$PY $REPO/benchmarks/distill_sd21.py summary --out $OUT/$NAME.json --out $REPO/benchmarks/results/${NAME}_${tag}.json \
+$PY $REPO/benchmarks/distill_sd21.py summary --out $OUT/$NAME.json \
   $(want distill && echo --distill $L/distill) $(want prune && echo --prune $L/prune) --bench $L/bench.json --default-bench $L/bench_default.json --meta $META $(want vsweep && for b in ${VSWEEP//,/ }; do echo --vsweep $L/vsweep_$b; done) \
   $(want ablate && for spec in ${ABLATE//,/ }; do echo --ablate "$L/ablate_${spec%%:*}=${spec#*:}"; done)
 tar czf $OUT/${NAME}_logs.tgz -C $L --exclude='*.safetensors' --exclude='*.pt' --exclude=cache . 2>/dev/null

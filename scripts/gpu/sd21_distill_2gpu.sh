@@ -56,8 +56,7 @@ if [ -n "$last" ]; then
   step one_to_two 100 "${LAUNCH2[@]}" distill --output $L/one_to_two --resume latest $C $b2 \
     guided.train.memory_cap_gib=0 progressive.train.memory_cap_gib=0
 fi
-tag=${DEVICE_TAG:-$($PY -c 'import torch; print(torch.cuda.get_device_name().split()[1].lower() if torch.cuda.is_available() else "cpu")' 2>/dev/null)}
-$PY $REPO/benchmarks/distill_sd21.py scaling --out $OUT/$NAME.json --out $REPO/benchmarks/results/${NAME}_${tag}.json \
+$PY $REPO/benchmarks/distill_sd21.py scaling --out $OUT/$NAME.json \
   --one $L/one --two $L/two --resumed $L/two_to_one --resumed $L/one_to_two --bench $L/bench.json --batch $BATCH
 tar czf $OUT/${NAME}_logs.tgz -C $L --exclude='*.safetensors' --exclude='*.pt' --exclude=cache . 2>/dev/null
 rm -rf $L
