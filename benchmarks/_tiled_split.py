@@ -8,7 +8,7 @@
   edges facing a neighbour (`export.tiled_decode.axis_weights`): the ceiling of any statistics
   scheme at that margin.
 - `jacobi_m{M}`: pass 1 own statistics, each later pass the previous pass's totals (own = 0), as
-  the first tiled decoder did (margin 0 there).
+  the first tiled decoder did (margin 0 there): the driver with scheme "plain".
 - `cv_m{M}`: `export.tiled_decode.tiled_decode_with_stats` itself: each later pass corrects every
   tile's own statistics by the previous totals against that tile's own statistics then (a
   control variate: mean shift, variance ratio).
@@ -69,7 +69,7 @@ class Split:
         return pixels.numpy().astype(np.float64), sums.numpy().astype(np.float64)
 
     def one_pass(self, margin: int, stats: np.ndarray, own: float) -> tuple[np.ndarray, np.ndarray]:
-        """Every tile with the same `stats` and `own`: the [0, 1] image and the next statistics."""
+        """Every tile with the same `stats` and `own` (the oracle): the [0, 1] image and the next statistics."""
         from pocketdiff.export.tiled_decode import axis_weights, stats_from_sums
 
         f, t, H = self.factor, self.tile, self.H
@@ -107,38 +107,34 @@ def edge_profile(split: Split) -> list[dict]:
 
 
 def run_split_variants(split: Split, variants: list[str], margins: list[int], passes: int, record) -> None:
-    """`record(name, image, seconds, **extra)` for each variant, margin and pass."""
-    from pocketdiff.export.tiled_decode import first_pass_corrections, tiled_decode_with_stats
+    """`record(name, image, seconds, **extra)` for each variant, margin and pass. `jacobi` and `cv` are
+    `export.tiled_decode.tiled_decode_with_stats` itself, with scheme "plain" and "control_variate"."""
+    from pocketdiff.export.tiled_decode import tiled_decode_with_stats
 
     tiles = len(split.starts) ** 2
+
+    def head(z):
+        return split.feats.numpy()
+
+    def up_tile(features, weight, stats, own):
+        with torch.no_grad():
+            pixels, sums = split.up(*(torch.from_numpy(np.asarray(a, np.float32)) for a in (features, weight, stats, own)))
+        return pixels.numpy(), sums.numpy()
+
+    lat = np.zeros((1, 4, split.H, split.H), np.float32)  # the head above ignores it
     for m in margins:
         if "oracle" in variants:
             t0 = time.perf_counter()
             img, nxt = split.one_pass(m, split.oracle, 0.0)
             record(f"oracle_m{m}", img, time.perf_counter() - t0, margin=m, passes=1, tile_runs=tiles,
                    next_stats_max_error=split.stats_error(nxt))
-        if "jacobi" in variants:
-            t0 = time.perf_counter()
-            stats, own = first_pass_corrections(split.norms), 1.0
-            for p in range(1, passes + 1):
-                img, stats = split.one_pass(m, stats, own)
-                own = 0.0
-                record(f"jacobi_m{m}_{p}", img, time.perf_counter() - t0, margin=m, passes=p, tile_runs=p * tiles,
-                       next_stats_max_error=split.stats_error(stats))
-        if "cv" in variants:
+        for variant, scheme in (("jacobi", "plain"), ("cv", "control_variate")):
+            if variant not in variants:
+                continue
             t0 = time.perf_counter()
 
-            def head(z):
-                return split.feats.numpy()
+            def on_pass(p, image, variant=variant):
+                record(f"{variant}_m{m}_{p}", np.clip(image, 0, 1), time.perf_counter() - t0, margin=m, passes=p, tile_runs=p * tiles)
 
-            def up_tile(features, weight, stats, own):
-                with torch.no_grad():
-                    pixels, sums = split.up(*(torch.from_numpy(np.asarray(a, np.float32)) for a in (features, weight, stats, own)))
-                return pixels.numpy(), sums.numpy()
-
-            def on_pass(p, image):
-                record(f"cv_m{m}_{p}", np.clip(image, 0, 1), time.perf_counter() - t0, margin=m, passes=p, tile_runs=p * tiles)
-
-            lat = np.zeros((1, 4, split.H, split.H), np.float32)  # the head above ignores it
             tiled_decode_with_stats(lat, head, up_tile, split.tile, split.overlap, split.factor, split.norms, passes, margin=m,
-                                    scheme="control_variate", on_pass=on_pass)
+                                    scheme=scheme, on_pass=on_pass)

@@ -113,7 +113,7 @@ class NormControl:
 
 def run(args) -> dict:
     from pocketdiff.export.components import VaeDecoderGraph
-    from pocketdiff.export.tiled_decode import _blend_ramps, psnr_db, tile_starts, tiled_decode
+    from pocketdiff.export.tiled_decode import axis_weights, psnr_db, tile_starts, tiled_decode
     from pocketdiff.export.tiled_vae import VaeDecoderHead
     from pocketdiff.models import ModelConfig, load_or_build
 
@@ -141,6 +141,7 @@ def run(args) -> dict:
 
     for tile, overlap in args.tiles:
         starts = tile_starts(H, tile, overlap)
+        axis = axis_weights(starts, tile)
         offsets = [(y, xx) for y in range(len(starts)) for xx in range(len(starts))]
 
         def decode_with(fn, accumulate=False):
@@ -148,8 +149,7 @@ def run(args) -> dict:
 
             def one(lat_tile):
                 iy, ix = next(it)
-                wy, wx = _blend_ramps(starts, iy, tile, 1)[0], _blend_ramps(starts, ix, tile, 1)[0]
-                control.weight = torch.from_numpy(np.outer(wy, wx)).float()
+                control.weight = torch.from_numpy(np.outer(axis[iy], axis[ix])).float()
                 with torch.no_grad():
                     return fn(torch.from_numpy(lat_tile), starts[iy], starts[ix]).numpy()
 

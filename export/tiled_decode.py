@@ -115,12 +115,6 @@ def axis_weights(starts: list[int], tile: int, margin: int = 0) -> np.ndarray:
     return np.stack([raw[i] / np.where(raw[i] > 0, total[s:s + tile], 1.0) for i, s in enumerate(starts)])
 
 
-def _blend_ramps(starts: list[int], i: int, tile: int, factor: int, margin: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Tile i's blend weights along one axis at latent resolution, and at pixel resolution."""
-    latent = axis_weights(starts, tile, margin)[i]
-    return latent, np.repeat(latent, factor)
-
-
 def stats_from_sums(sums: np.ndarray) -> np.ndarray:
     """[K, 3 or 5, G] sums (blend-weighted sum, sum of squares, weight; rows past 3 are ignored) ->
     [K, 2, G] (mean, variance)."""
@@ -182,20 +176,22 @@ def tiled_decode_with_stats(latents: np.ndarray, head: Callable[[np.ndarray], np
         raise PocketdiffError(f"tiled decode: scheme must be one of {', '.join(SCHEMES)}, got {scheme!r}")
     own = np.ones((1,), dtype=np.float32)
     corrections = {(iy, ix): first_pass_corrections(norms) for iy in range(len(ys)) for ix in range(len(xs))}
+    # each tile's blend weights, at latent resolution (a graph input) and at pixel resolution: the same every pass
+    weights = {key: np.outer(wys[key[0]], wxs[key[1]]).astype(np.float32) for key in corrections}
+    blends = {key: np.kron(w.astype(np.float64), np.ones((factor, factor))) for key, w in weights.items()}
     for p in range(1, passes + 1):
         image, wsum = None, np.zeros((H * factor, W * factor), dtype=np.float64)
         totals = np.zeros((norms[0], 3, norms[1]), dtype=np.float64)
         owns = {}
         for (iy, ix), correction in corrections.items():
             y, x = ys[iy], xs[ix]
-            weight = np.outer(wys[iy], wxs[ix]).astype(np.float32)
+            weight, blend = weights[(iy, ix)], blends[(iy, ix)]
             pixels, sums = up_tile(np.ascontiguousarray(feats[:, :, y:y + tile, x:x + tile]), weight, correction, own)
             pixels, sums = np.asarray(pixels, dtype=np.float64), np.asarray(sums, dtype=np.float64)
             if sums.shape != (norms[0], 5, norms[1]):
                 raise PocketdiffError(f"tiled decode: the up-path tile returned sums {list(sums.shape)}, expected {[norms[0], 5, norms[1]]}")
             if image is None:
                 image = np.zeros((1, pixels.shape[1], H * factor, W * factor), dtype=np.float64)
-            blend = np.kron(weight, np.ones((factor, factor)))
             image[:, :, y * factor:(y + tile) * factor, x * factor:(x + tile) * factor] += pixels * blend
             wsum[y * factor:(y + tile) * factor, x * factor:(x + tile) * factor] += blend
             totals += sums[:, :3]  # weighted: the weight totals in totals[:, 2] divide them

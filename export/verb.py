@@ -42,9 +42,9 @@ from .convert import WEIGHT_FORMATS
 from .device_profile import DeviceProfile, check_component
 from .exporter import VerifyConfig, convert_job, finish_component, peak_rss_mb, prepare_component
 from .manifest_check import TILED_DECODER
-from .tiled_decode import SCHEMES as TILING_SCHEMES
 from .parity import ParityConfig
 from .rewrites import RewriteConfig
+from .tiled_decode import SCHEMES as TILING_SCHEMES
 from .tiled_export import UP_TILE, expand_components, parity_latents, split_decoder, tiled_parity
 
 log = logging.getLogger(__name__)
