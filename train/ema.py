@@ -129,7 +129,7 @@ class EMA:
             if cuda is not None:
                 event = torch.cuda.Event()
                 event.record(stream)
-        self._copied = (event, cuda) if event is not None else None
+        self._copied = (event, cuda) if cuda is not None else None
         self._pending = threading.Thread(target=self._host_lerp, args=(shadows, copies, weight, event),
                                          name="ema-host-update", daemon=True)
         self._pending.start()

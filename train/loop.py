@@ -189,12 +189,13 @@ class PhaseClock:
         self.last = now
 
 
-def read_step(mean_loss: torch.Tensor, grad_norm: Optional[torch.Tensor]) -> tuple[float, bool]:
-    """The step's mean loss and whether its gradient norm is finite: one host sync for both."""
+def read_step(mean_loss: torch.Tensor, grad_norm: Optional[torch.Tensor]) -> tuple[float, Optional[str]]:
+    """The step's mean loss and what of it is non-finite ("loss", "gradients" or None): one host sync for both."""
     if grad_norm is None:
-        return float(mean_loss.item()), True
-    loss, norm = torch.stack([mean_loss.detach().float().reshape(()), grad_norm.detach().float().reshape(()).to(mean_loss.device)]).tolist()
-    return loss, math.isfinite(norm)
+        loss, norm = float(mean_loss.item()), 0.0
+    else:
+        loss, norm = torch.stack([mean_loss.detach().float().reshape(()), grad_norm.detach().float().reshape(())]).tolist()
+    return loss, ("loss" if not math.isfinite(loss) else "gradients" if not math.isfinite(norm) else None)
 
 
 def _save(ckpt_dir, step, model, optimizer, scheduler, ema, losses, skipped, total_limit, extra):
@@ -358,11 +359,11 @@ def train_loop(
                 grad_norm = torch.nn.utils.get_total_norm(grads) if grads else None
             mean = acc.reduce(total, reduction="mean")
             if cfg.nan_policy == "skip":  # decided before the update: the device is synchronised here
-                mean_loss, grads_ok = read_step(mean, grad_norm)
-                if not (math.isfinite(mean_loss) and grads_ok):
+                mean_loss, bad = read_step(mean, grad_norm)
+                if bad:
                     optimizer.zero_grad(set_to_none=True)
                     skipped += 1
-                    acc.print(f"[{desc}] non-finite {'loss' if not math.isfinite(mean_loss) else 'gradients'} at step {step}: step skipped")
+                    acc.print(f"[{desc}] non-finite {bad} at step {step}: step skipped")
                     continue
             if ema is not None:
                 ema.fence()  # the EMA's copies of the previous update have read the parameters
@@ -381,10 +382,9 @@ def train_loop(
             if cfg.nan_policy == "stop":
                 # read once the whole step is queued, so the optimizer's host-side work overlaps the backward
                 # on the device; a non-finite step stops before any checkpoint or log row holds it
-                mean_loss, grads_ok = read_step(mean, grad_norm)
-                if not (math.isfinite(mean_loss) and grads_ok):
-                    what = "loss" if not math.isfinite(mean_loss) else "gradients"
-                    raise PocketdiffError(f"[{desc}] non-finite {what} at step {step}; stopped, last good checkpoint kept in {ckpt_dir}")
+                mean_loss, bad = read_step(mean, grad_norm)
+                if bad:
+                    raise PocketdiffError(f"[{desc}] non-finite {bad} at step {step}; stopped, last good checkpoint kept in {ckpt_dir}")
             last_loss = mean_loss
             done = step + 1
             step_s = perf_counter() - step_t0  # read_step synchronised the device

@@ -144,10 +144,10 @@ def test_nan_gradients_stop_before_the_step_is_saved_or_logged(tmp_path):
 
 
 def test_read_step_reads_loss_and_gradient_finiteness_together():
-    assert read_step(torch.tensor(1.5), torch.tensor(2.0)) == (1.5, True)
-    assert read_step(torch.tensor(1.5), torch.tensor(float("inf"))) == (1.5, False)
-    loss, ok = read_step(torch.tensor(float("nan")), None)
-    assert ok and loss != loss
+    assert read_step(torch.tensor(1.5), torch.tensor(2.0)) == (1.5, None)
+    assert read_step(torch.tensor(1.5), torch.tensor(float("inf"))) == (1.5, "gradients")
+    loss, bad = read_step(torch.tensor(float("nan")), None)
+    assert bad == "loss" and loss != loss
 
 
 def test_nan_skip_policy_skips(tmp_path):
