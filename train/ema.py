@@ -1,58 +1,81 @@
 """Exponential moving average of a model's trainable parameters (a float32 shadow).
 
 On the parameters' device (`device=None`) an update is one fused lerp. In host memory
-(`device="cpu"`: no GPU memory) an update costs a device-to-host copy of every parameter
-and a lerp over all of them on the CPU: at SD-2.1 size (865M parameters) that took 3-4 s
-per update on an H100 machine when done in line. So the host update is asynchronous: the
-parameters are copied into reused host buffers (one pinned block, reserved before training
-when they live on a GPU) on a side stream that starts once the step that produced them is done,
-so the copy engine works while the next step computes; a background thread waits for that copy
-and does the lerp. The next optimizer step must not change the parameters before the copy has
-read them: the training loop calls `fence()` before it (a wait on the device, not on the host).
+(`device="cpu"`: the shadow costs no GPU memory) the shadow of parameters that live on a GPU is
+one pinned host block, and an update streams it through the GPU in chunks on a side stream:
+copy a chunk of the shadow in, lerp it towards the parameters there, copy it back. No host
+thread touches the numbers, so the update neither competes with the training loop for the CPU
+(at SD-2.1 size, 865M parameters, a host lerp took 3-4 s in line, and as a background thread it
+slowed the following steps; under `accelerate launch`, which sets OMP_NUM_THREADS=1, a single
+thread could not finish it between updates) nor needs more than one chunk of GPU memory
+(`chunk_mb`, 64 MB by default). The side stream starts once the step that produced the
+parameters is done; the next optimizer step must not change them before the lerp has read
+them: the training loop calls `fence()` before it (a wait on the device, not on the host).
 Anything that reads `shadow` waits for the whole update first.
 """
 from __future__ import annotations
 
-import contextlib
-import threading
 import time
 from typing import Optional
 
 import torch
 
 
+def plan_chunks(sizes: list[int], chunk: int) -> list[tuple[int, int, list[int]]]:
+    """Consecutive tensors of `sizes` (elements, laid end to end) grouped into (start, end, indices)
+    spans of at most `chunk` elements; a tensor larger than `chunk` is a span of its own."""
+    spans, start, offset, members = [], 0, 0, []
+    for i, size in enumerate(sizes):
+        if members and offset + size - start > chunk:
+            spans.append((start, offset, members))
+            start, members = offset, []
+        members.append(i)
+        offset += size
+    if members:
+        spans.append((start, offset, members))
+    return spans
+
+
 class EMA:
-    """`every=k` updates every k-th step with decay^k (a host shadow's copy cost / k)."""
+    """`every=k` updates every k-th step with decay^k (a host shadow's transfer cost / k)."""
 
-    def __init__(self, module: torch.nn.Module, decay: float, device: Optional[str] = None, every: int = 1):
+    def __init__(self, module: torch.nn.Module, decay: float, device: Optional[str] = None, every: int = 1,
+                 chunk_mb: float = 64.0):
         self.decay, self.device, self.every = decay, device, every
-        self._shadow = {n: p.detach().to(device or p.device, torch.float32, copy=True)
-                        for n, p in module.named_parameters() if p.requires_grad}
-        self._staging: dict[str, torch.Tensor] = {}  # host copies of the parameters, reused
-        self._pending: Optional[threading.Thread] = None
-        self._copied = None  # (event, device): the side stream's copies of the last host update have landed
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self._flat: Optional[torch.Tensor] = None  # the pinned host block behind the shadows of GPU parameters
+        self._chunks: list[tuple[int, int, list[str]]] = []  # (start, end, names) of the flat block, in order
+        self._scratch: Optional[torch.Tensor] = None  # one chunk on the GPU, allocated at the first update
+        self._done: Optional[torch.cuda.Event] = None  # the last update's copies back to the host have landed
+        self._copied = None  # (event, device): the last update's lerps have read the parameters
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
-        self._error: Optional[BaseException] = None
-        self.setup_s = 0.0  # seconds spent pinning the staging memory (once, here, not inside a step)
-        if device is not None and torch.device(device).type == "cpu":
-            self._reserve_staging(module)
+        self.setup_s = 0.0  # seconds spent pinning the host block (once, here, not inside a step)
+        host = device is not None and torch.device(device).type == "cpu"
+        cuda = [(n, p) for n, p in named if p.is_cuda] if host else []
+        self._shadow: dict[str, torch.Tensor] = {}
+        if cuda:
+            self._pin(cuda, max(1, int(chunk_mb * 2**20 / 4)))
+        for n, p in named:
+            if n not in self._shadow:
+                self._shadow[n] = p.detach().to(device or p.device, torch.float32, copy=True)
 
-    def _reserve_staging(self, module: torch.nn.Module) -> None:
-        """One pinned host block for every parameter on a GPU, carved into per-parameter views.
+    def _pin(self, cuda: list, chunk: int) -> None:
+        """One pinned host block for every GPU parameter's shadow, carved into views, and its chunks.
 
         Pinning is paid per byte and per call (an H100 machine took 22 s for 865M parameters
-        pinned tensor by tensor inside the first EMA step); one call, before training starts,
-        keeps that cost out of the steps and shows it as `setup_s`.
+        pinned tensor by tensor); one call, before training starts, keeps that cost out of the
+        steps and shows it as `setup_s`.
         """
-        cuda = [(n, p) for n, p in module.named_parameters() if n in self._shadow and p.is_cuda]
-        if not cuda:
-            return
         t0 = time.perf_counter()
-        flat = torch.empty(sum(p.numel() for _, p in cuda), dtype=torch.float32, pin_memory=True)
+        self._flat = torch.empty(sum(p.numel() for _, p in cuda), dtype=torch.float32, pin_memory=True)
         offset = 0
         for n, p in cuda:
-            self._staging[n] = flat[offset:offset + p.numel()].view(p.shape)
+            view = self._flat[offset:offset + p.numel()].view(p.shape)
+            view.copy_(p.detach())
+            self._shadow[n] = view
             offset += p.numel()
+        self._chunks = [(start, end, [cuda[i][0] for i in members])
+                        for start, end, members in plan_chunks([p.numel() for _, p in cuda], chunk)]
         self.setup_s = time.perf_counter() - t0
 
     @property
@@ -63,20 +86,21 @@ class EMA:
     @shadow.setter
     def shadow(self, value: dict[str, torch.Tensor]) -> None:
         self.wait()
-        self._shadow = value
+        for n, v in value.items():  # into the pinned block where there is one, so the chunks stay valid
+            if self._flat is not None and n in self._shadow and self._shadow[n].shape == v.shape:
+                self._shadow[n].copy_(v)
+            else:
+                self._shadow[n] = v.float()
 
     def wait(self) -> None:
-        """Block until a host update in flight has finished (raising what it raised)."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.join()
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
+        """Block until the update in flight has written the shadow back to the host."""
+        done, self._done = self._done, None
+        if done is not None:
+            done.synchronize()
 
     def fence(self) -> None:
-        """Make the current CUDA stream wait until the last host update's copies have read the
-        parameters: call it before anything changes them in place (the optimizer step)."""
+        """Make the current CUDA stream wait until the last update has read the parameters: call it
+        before anything changes them in place (the optimizer step)."""
         copied, self._copied = self._copied, None
         if copied is not None:
             event, device = copied
@@ -92,55 +116,48 @@ class EMA:
         if step is not None and step % self.every:
             return
         weight = 1.0 - self.decay ** (self.every if step is not None else 1)
-        if self.device is None:  # on the parameters' device: one fused kernel per group of tensors
-            shadows, params = [], []
-            for n, p in module.named_parameters():
-                if n in self._shadow:
-                    if self._shadow[n].device != p.device:  # built or loaded before the model moved
-                        self._shadow[n] = self._shadow[n].to(p.device)
-                    shadows.append(self._shadow[n])
-                    params.append(p.detach().to(torch.float32))
-            if shadows:
-                torch._foreach_lerp_(shadows, params, weight)
-            return
-        self.wait()  # the staging buffers are free again
-        named = [(n, p) for n, p in module.named_parameters() if n in self._shadow]
-        if not named:
-            return
-        host = torch.device(self.device)
-        cuda = next((p.device for _, p in named if p.is_cuda), None)
-        event = None
-        if cuda is not None:  # the copies start once the current stream has produced the parameters
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(cuda))
-            stream = self._side_stream(cuda)
-            stream.wait_event(ready)
-        shadows, copies = [], []
-        with torch.cuda.stream(stream) if cuda is not None else contextlib.nullcontext():
-            for n, p in named:
-                if self._shadow[n].device != host:  # loaded onto another device
-                    self._shadow[n] = self._shadow[n].to(host)
-                buf = self._staging.get(n)
-                if buf is None or buf.shape != p.shape:
-                    buf = self._staging[n] = torch.empty(p.shape, dtype=torch.float32, device=host, pin_memory=p.is_cuda)
-                buf.copy_(p.detach(), non_blocking=p.is_cuda)
-                shadows.append(self._shadow[n])
-                copies.append(buf)
-            if cuda is not None:
-                event = torch.cuda.Event()
-                event.record(stream)
-        self._copied = (event, cuda) if cuda is not None else None
-        self._pending = threading.Thread(target=self._host_lerp, args=(shadows, copies, weight, event),
-                                         name="ema-host-update", daemon=True)
-        self._pending.start()
+        params = {n: p for n, p in module.named_parameters() if n in self._shadow}
+        self.wait()  # the previous update has landed (the chunks reuse one scratch buffer)
+        streamed = self._flat is not None and all(params[n].is_cuda for _, _, names in self._chunks for n in names if n in params)
+        shadows, values = [], []
+        for n, p in params.items():
+            s = self._shadow[n]
+            if streamed and p.is_cuda and s.is_pinned():
+                continue  # streamed below
+            if s.device != p.device and self.device is None:  # built or loaded before the model moved
+                s = self._shadow[n] = s.to(p.device)
+            shadows.append(s)
+            values.append(p.detach().to(s.device, torch.float32))
+        if shadows:  # on the parameters' device, or host shadows of host parameters: one fused lerp in line
+            torch._foreach_lerp_(shadows, values, weight)
+        if streamed:
+            self._stream_update(params, weight)
 
-    def _host_lerp(self, shadows, copies, weight: float, event) -> None:
-        try:
-            if event is not None:
-                event.synchronize()  # the copies have landed
-            torch._foreach_lerp_(shadows, copies, weight)
-        except BaseException as e:  # noqa: BLE001 - handed to the thread that waits
-            self._error = e
+    def _stream_update(self, params: dict, weight: float) -> None:
+        """Lerp the pinned shadow towards the GPU parameters chunk by chunk on a side stream."""
+        cuda = next(p.device for n, p in params.items() if p.is_cuda)
+        if self._scratch is None:
+            size = max(end - start for start, end, _ in self._chunks)
+            self._scratch = torch.empty(size, dtype=torch.float32, device=cuda)
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(cuda))
+        stream = self._side_stream(cuda)
+        stream.wait_event(ready)  # the parameters of this step are final
+        with torch.cuda.stream(stream):
+            for start, end, names in self._chunks:
+                part = self._scratch[: end - start]
+                part.copy_(self._flat[start:end], non_blocking=True)
+                views, offset = [], 0
+                for n in names:
+                    numel = self._shadow[n].numel()
+                    views.append(part[offset:offset + numel].view(self._shadow[n].shape))
+                    offset += numel
+                torch._foreach_lerp_(views, [params[n].detach().float() for n in names], weight)
+                self._flat[start:end].copy_(part, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        self._copied = (done, cuda)
+        self._done = done
 
     @torch.no_grad()
     def copy_to(self, module: torch.nn.Module) -> None:

@@ -189,13 +189,57 @@ class PhaseClock:
         self.last = now
 
 
+def _loss_and_norm(mean_loss: torch.Tensor, grad_norm: Optional[torch.Tensor]) -> torch.Tensor:
+    norm = grad_norm.detach().float().reshape(()) if grad_norm is not None else torch.zeros((), device=mean_loss.device)
+    return torch.stack([mean_loss.detach().float().reshape(()), norm])
+
+
+def _classify(loss: float, norm: float) -> Optional[str]:
+    return "loss" if not math.isfinite(loss) else "gradients" if not math.isfinite(norm) else None
+
+
 def read_step(mean_loss: torch.Tensor, grad_norm: Optional[torch.Tensor]) -> tuple[float, Optional[str]]:
     """The step's mean loss and what of it is non-finite ("loss", "gradients" or None): one host sync for both."""
-    if grad_norm is None:
-        loss, norm = float(mean_loss.item()), 0.0
-    else:
-        loss, norm = torch.stack([mean_loss.detach().float().reshape(()), grad_norm.detach().float().reshape(())]).tolist()
-    return loss, ("loss" if not math.isfinite(loss) else "gradients" if not math.isfinite(norm) else None)
+    loss, norm = _loss_and_norm(mean_loss, grad_norm).tolist()
+    return loss, _classify(loss, norm)
+
+
+class StepReads:
+    """Each step's mean loss and gradient norm, brought to the host without stalling the device.
+
+    `push` queues a copy of the two numbers into pinned host memory behind the step's kernels;
+    `settle(keep)` reads every pushed step but the newest `keep`, waiting for the device only as
+    far as those steps. With `keep=1` the host queues step s+1 while the device still runs step s,
+    so the device never idles while the host prepares a step (tokenizing, drawing noise, the
+    optimizer's per-parameter launches). The loop settles everything before anything records a
+    step (a log row, a checkpoint, the time check, the end), so a non-finite step is still never
+    saved or logged.
+    """
+
+    def __init__(self, cuda: bool):
+        self.cuda, self._queue = cuda, []  # (step, host tensor [2], event or None)
+
+    def push(self, step: int, mean_loss: torch.Tensor, grad_norm: Optional[torch.Tensor]) -> None:
+        values = _loss_and_norm(mean_loss, grad_norm)
+        if not (self.cuda and values.is_cuda):
+            self._queue.append((step, values.cpu(), None))
+            return
+        host = torch.empty(2, dtype=torch.float32, pin_memory=True)
+        host.copy_(values, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._queue.append((step, host, event))
+
+    def settle(self, keep: int = 0) -> list[tuple[int, float, Optional[str]]]:
+        """(step, loss, what is non-finite or None) of every pushed step but the newest `keep`, oldest first."""
+        out = []
+        while len(self._queue) > keep:
+            step, host, event = self._queue.pop(0)
+            if event is not None:
+                event.synchronize()
+            loss, norm = host.tolist()
+            out.append((step, loss, _classify(loss, norm)))
+        return out
 
 
 def _save(ckpt_dir, step, model, optimizer, scheduler, ema, losses, skipped, total_limit, extra):
@@ -330,6 +374,7 @@ def train_loop(
     # (compilation, autotuning, first allocations) apart from the steady state; `window` is the
     # span since the last log row
     first_step_s, warmup_s, steady_s, steady_steps, save_s, window_s, window_steps = None, 0.0, 0.0, 0, 0.0, 0.0, 0
+    reads = StepReads(memory.cuda)
     try:
         for step in range(start, cfg.max_steps):
             step_t0 = perf_counter()
@@ -359,7 +404,7 @@ def train_loop(
                 grad_norm = torch.nn.utils.get_total_norm(grads) if grads else None
             mean = acc.reduce(total, reduction="mean")
             if cfg.nan_policy == "skip":  # decided before the update: the device is synchronised here
-                mean_loss, bad = read_step(mean, grad_norm)
+                last_loss, bad = read_step(mean, grad_norm)
                 if bad:
                     optimizer.zero_grad(set_to_none=True)
                     skipped += 1
@@ -379,15 +424,17 @@ def train_loop(
                 ema.update(acc.unwrap_model(wrapped), step + 1)
                 if phases:
                     phases.mark("ema_s")
-            if cfg.nan_policy == "stop":
-                # read once the whole step is queued, so the optimizer's host-side work overlaps the backward
-                # on the device; a non-finite step stops before any checkpoint or log row holds it
-                mean_loss, bad = read_step(mean, grad_norm)
-                if bad:
-                    raise PocketdiffError(f"[{desc}] non-finite {bad} at step {step}; stopped, last good checkpoint kept in {ckpt_dir}")
-            last_loss = mean_loss
             done = step + 1
-            step_s = perf_counter() - step_t0  # read_step synchronised the device
+            if cfg.nan_policy == "stop":
+                # read once the whole step is queued (the optimizer's host-side work overlaps the backward on
+                # the device), and one step late unless this step is recorded or timed phase by phase
+                reads.push(step, mean, grad_norm)
+                records = (phases is not None or done % cfg.log_every == 0 or done == cfg.max_steps
+                           or done % cfg.checkpoint_every == 0 or cfg.max_time_s > 0)
+                for at, last_loss, bad in reads.settle(keep=0 if records else 1):
+                    if bad:  # no checkpoint or log row holds it: they settle first
+                        raise PocketdiffError(f"[{desc}] non-finite {bad} at step {at}; stopped, last good checkpoint kept in {ckpt_dir}")
+            step_s = perf_counter() - step_t0  # to the end of the host's work on it (a recorded step: of the device's)
             if first_step_s is None:
                 first_step_s = step_s
                 if log_file:
@@ -402,18 +449,18 @@ def train_loop(
                 steady_s, steady_steps = steady_s + step_s, steady_steps + 1
                 window_s, window_steps = window_s + step_s, window_steps + 1
             if done % cfg.log_every == 0 or done == cfg.max_steps:
-                losses.append([done, mean_loss])
-                bar.set_postfix(loss=f"{mean_loss:.4f}")
+                losses.append([done, last_loss])  # settled: this step's
+                bar.set_postfix(loss=f"{last_loss:.4f}")
                 if log_file:
                     log_file.write(json.dumps({
-                        "phase": desc, "step": done, "loss": mean_loss, "lr": scheduler.get_last_lr()[0],
+                        "phase": desc, "step": done, "loss": last_loss, "lr": scheduler.get_last_lr()[0],
                         "wall_s": round(time.time() - started, 3),
                         "samples_per_s": round(samples_per_step * window_steps / window_s, 3) if window_steps else None,
                         "peak_gpu_mem_gib": memory.peak_gib()}) + "\n")
                     log_file.flush()
                 window_s, window_steps = 0.0, 0
                 if cfg.tensorboard:
-                    acc.log({f"{desc}/loss": mean_loss}, step=done)
+                    acc.log({f"{desc}/loss": last_loss}, step=done)
             bar.update(1)
             out_of_time = False
             if cfg.max_time_s > 0:  # every process must agree on where to stop

@@ -1,16 +1,16 @@
-"""train/ema.py: the host shadow's asynchronous update gives the same numbers as an in-line one,
-and nothing reads the shadow before the update in flight has landed."""
-import time
-
+"""train/ema.py: a host shadow matches the in-line lerp; on a GPU it is streamed through in chunks
+on a side stream, sees the parameters of its own step, and nothing reads it before it has landed."""
 import pytest
 import torch
 
-from pocketdiff.train.ema import EMA
+from pocketdiff.train.ema import EMA, plan_chunks
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the streamed host update needs a CUDA device")
 
 
-def _model(seed=0):
+def _model(seed=0, device="cpu"):
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)).to(device)
 
 
 def _drift(model, k):
@@ -19,60 +19,69 @@ def _drift(model, k):
             p.add_(0.1 * (k + 1) * (i + 1))
 
 
-def test_host_update_sees_the_parameters_of_its_step():
-    """The lerp may run after the next optimizer step has changed the parameters: it must still
-    use the values of the step it was asked about (compare with an in-line recomputation)."""
-    model = _model()
-    ema = EMA(model, 0.8, device="cpu", every=2)
-    ref_model = _model()
-    ref = {n: p.detach().clone().float() for n, p in ref_model.named_parameters()}
-    for step in range(1, 9):
+def test_chunks_cover_every_tensor_once_in_order():
+    sizes = [5, 3, 9, 1, 1, 20, 2]
+    spans = plan_chunks(sizes, chunk=8)
+    assert [m for _, _, ms in spans for m in ms] == list(range(len(sizes)))
+    assert spans[0][0] == 0 and spans[-1][1] == sum(sizes)
+    for (s0, e0, ms), (s1, _, _) in zip(spans, spans[1:]):
+        assert e0 == s1 and e0 - s0 == sum(sizes[i] for i in ms)
+    assert all(e - s <= 8 or len(ms) == 1 for s, e, ms in spans)  # only a tensor over the limit stands alone
+    assert [ms for _, _, ms in spans] == [[0, 1], [2], [3, 4], [5], [6]]
+    assert plan_chunks([], 8) == []
+
+
+def _run_steps(model, ref_model, ema, steps=8, every=2, decay=0.8):
+    """Drift both models per step; after each step the "optimizer" changes the parameters again
+    (after the fence), so an update must use the values of the step it was asked about."""
+    ref = {n: p.detach().clone().float().cpu() for n, p in ref_model.named_parameters()}
+    for step in range(1, steps + 1):
         _drift(model, step)
         _drift(ref_model, step)
-        ema.update(model, step)  # returns at once; the lerp runs in a thread
-        if step % 2 == 0:
+        ema.update(model, step)
+        if step % every == 0:
             for n, p in ref_model.named_parameters():
-                ref[n].lerp_(p.detach(), 1 - 0.8 ** 2)
-        _drift(model, 100)  # the next "optimizer step"
+                ref[n].lerp_(p.detach().cpu(), 1 - decay ** every)
+        ema.fence()
+        _drift(model, 100)  # the next optimizer step
         _drift(ref_model, 100)
+    return ref
+
+
+def test_host_shadow_of_host_parameters_matches_the_reference():
+    model = _model()
+    ema = EMA(model, 0.8, device="cpu", every=2)
+    ref = _run_steps(model, _model(), ema)
     for n, v in ema.shadow.items():
         torch.testing.assert_close(v, ref[n])
 
 
-def test_staging_buffers_are_reused_and_copy_to_waits(monkeypatch):
-    m = _model()
+@cuda
+def test_streamed_update_matches_the_reference_and_stays_in_pinned_host_memory():
+    model = _model(device="cuda")
+    ema = EMA(model, 0.8, device="cpu", every=2, chunk_mb=64 * 4 / 2**20)  # 64 floats a chunk: several chunks
+    assert len(ema._chunks) > 1
+    ref = _run_steps(model, _model(device="cuda"), ema)
+    for n, v in ema.shadow.items():
+        assert v.device.type == "cpu" and v.is_pinned()
+        torch.testing.assert_close(v, ref[n])
+    assert ema._scratch.numel() <= max(64, max(p.numel() for p in model.parameters()))
+
+
+@cuda
+def test_copy_to_and_loading_wait_for_the_streamed_update():
+    m = _model(device="cuda")
     ema = EMA(m, 0.5, device="cpu")
-    ema.update(m, None)
-    ptrs = {n: t.data_ptr() for n, t in ema._staging.items()}
-    _drift(m, 1)
     before = {n: v.clone() for n, v in ema.shadow.items()}
-    lerp = torch._foreach_lerp_
-
-    def slow_lerp(*args):  # the host update is still running when copy_to is called
-        time.sleep(0.3)
-        lerp(*args)
-
-    monkeypatch.setattr(torch, "_foreach_lerp_", slow_lerp)
+    _drift(m, 1)
     ema.update(m, None)
-    assert {n: t.data_ptr() for n, t in ema._staging.items()} == ptrs
-    target = _model(seed=1)
-    ema.copy_to(target)  # must wait for the lerp, not copy the shadow of the step before
-    params = dict(m.named_parameters())
+    target = _model(seed=1, device="cuda")
+    ema.copy_to(target)  # waits for the update in flight
     for n, p in target.named_parameters():
-        torch.testing.assert_close(p, before[n] + 0.5 * (params[n].detach() - before[n]))
-    for (n, p), (_, q) in zip(target.named_parameters(), m.named_parameters()):
-        assert not torch.equal(p, q) and torch.equal(p, ema.shadow[n])
-
-
-def test_an_error_in_the_host_update_reaches_the_training_thread(monkeypatch):
-    m = _model()
-    ema = EMA(m, 0.5, device="cpu")
-
-    def boom(*a, **k):
-        raise RuntimeError("lerp failed")
-
-    monkeypatch.setattr(torch, "_foreach_lerp_", boom)
+        torch.testing.assert_close(p.cpu(), before[n] + 0.5 * (dict(m.named_parameters())[n].detach().cpu() - before[n]))
+    flat = ema._flat.data_ptr()
+    ema.shadow = {n: torch.zeros_like(v) for n, v in ema.shadow.items()}  # a checkpoint's shadow: into the pinned block
+    assert ema._flat.data_ptr() == flat and all(v.is_pinned() and not v.any() for v in ema.shadow.values())
     ema.update(m, None)
-    with pytest.raises(RuntimeError, match="lerp failed"):
-        ema.wait()
-    ema.wait()  # raised once, then clear
+    for n, p in m.named_parameters():
+        torch.testing.assert_close(ema.shadow[n], 0.5 * p.detach().cpu())

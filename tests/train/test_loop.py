@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 
 from pocketdiff.errors import PocketdiffError
 from pocketdiff.train.checkpoints import list_checkpoints, resolve_resume
-from pocketdiff.train.loop import BatchPlan, BatchRandom, LoopConfig, read_step, train_loop
+from pocketdiff.train.loop import BatchPlan, BatchRandom, LoopConfig, StepReads, read_step, train_loop
 
 
 class Toy(torch.utils.data.Dataset):
@@ -148,6 +148,36 @@ def test_read_step_reads_loss_and_gradient_finiteness_together():
     assert read_step(torch.tensor(1.5), torch.tensor(float("inf"))) == (1.5, "gradients")
     loss, bad = read_step(torch.tensor(float("nan")), None)
     assert bad == "loss" and loss != loss
+
+
+def test_a_step_read_one_step_late_still_never_reaches_a_checkpoint_or_log_row(tmp_path):
+    # between recorded steps the loop reads step s while step s+1 is queued: a NaN at an unrecorded
+    # step stops the run one step later, before the next checkpoint or log row
+    model, calls = make_model(), {"n": 0}
+
+    def loss(m, batch, rng):
+        calls["n"] += 1
+        value = loss_fn(m, batch, rng)
+        return value * float("nan") if calls["n"] == 5 else value  # step 4: neither logged nor saved
+
+    cfg = LoopConfig(max_steps=12, batch_size=4, lr=1e-2, checkpoint_every=4, log_every=4)
+    with pytest.raises(PocketdiffError, match="non-finite loss at step 4"):
+        train_loop(cfg, model=model, loss_fn=loss, dataset=Toy(), collate=collate, ckpt_dir=tmp_path / "ckpt", seed=0,
+                   log_path=tmp_path / "logs.jsonl")
+    assert calls["n"] == 6  # found while step 5 was queued, not later
+    assert resolve_resume(tmp_path / "ckpt", "latest").name == "checkpoint-4"
+    logged = [json.loads(line)["step"] for line in (tmp_path / "logs.jsonl").read_text().splitlines() if "loss" in json.loads(line)]
+    assert logged == [4]
+
+
+def test_step_reads_keep_the_newest_in_flight():
+    reads = StepReads(cuda=False)
+    reads.push(0, torch.tensor(1.0), torch.tensor(2.0))
+    reads.push(1, torch.tensor(float("nan")), None)
+    assert reads.settle(keep=1) == [(0, 1.0, None)]
+    ((step, loss, bad),) = reads.settle(keep=0)
+    assert (step, bad) == (1, "loss") and loss != loss
+    assert reads.settle() == []
 
 
 def test_nan_skip_policy_skips(tmp_path):
