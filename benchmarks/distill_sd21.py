@@ -216,6 +216,14 @@ def scaling(args) -> int:
         rounds.append({"round": a["round"], "stage": a["stage"], "one_gpu_samples_per_s": s1, "two_gpu_samples_per_s": s2,
                        "two_gpu_processes": (b.get("timing") or {}).get("processes"),
                        "weak_scaling_efficiency": s2 / (2 * s1) if s1 and s2 else None})
+    for spec in args.alt or []:  # more 2-GPU runs (other settings) against the same 1-GPU run
+        name, _, folder = spec.partition("=")
+        alt = read(Path(folder) / "report.json")
+        for r, b in zip(rounds, alt.get("rounds", [])):
+            s2 = (b.get("timing") or {}).get("steady_samples_per_s")
+            s1 = r["one_gpu_samples_per_s"]
+            r[f"two_gpu_{name}_samples_per_s"] = s2
+            r[f"weak_scaling_efficiency_{name}"] = s2 / (2 * s1) if s1 and s2 else None
     result = {"benchmark": "distill_sd21_scaling", "rounds": rounds, "meta": read(args.meta), "resumes": {}}
     ref = {r["round"]: r["losses"] for r in two.get("rounds", [])}
     for d in args.resumed or []:
@@ -239,7 +247,9 @@ def scaling(args) -> int:
     for r in rounds:
         print(f"[distill_sd21] round {r['round']}: 1 GPU {r['one_gpu_samples_per_s'] or 0:.2f}, 2 GPUs {r['two_gpu_samples_per_s'] or 0:.2f} "
               f"samples/s, weak-scaling efficiency {r['weak_scaling_efficiency'] or 0:.2f}"
-              + (f", 1 GPU verb/bench {r['one_gpu_verb_over_bench']:.2f}" if r.get("one_gpu_verb_over_bench") else ""))
+              + (f", 1 GPU verb/bench {r['one_gpu_verb_over_bench']:.2f}" if r.get("one_gpu_verb_over_bench") else "")
+              + "".join(f", {k.removeprefix('weak_scaling_efficiency_')} {v:.2f}" for k, v in r.items()
+                        if k.startswith("weak_scaling_efficiency_") and v))
     for name, r in result["resumes"].items():
         print(f"[distill_sd21] resume {name}: complete={r['complete']}")
     return 0
@@ -268,6 +278,7 @@ def main(argv=None) -> int:
     c.add_argument("--resumed", action="append")
     c.add_argument("--bench", help="distill_step.py JSON measured on the 1-GPU run's device")
     c.add_argument("--batch", type=int, help="the 1-GPU run's batch (the bench row it is compared with)")
+    c.add_argument("--alt", action="append", help="NAME=DIR: another 2-GPU run (other settings) against the same 1-GPU run")
     c.add_argument("--meta")
     args = p.parse_args(argv)
     return {"teacher": build_teacher, "summary": summary, "scaling": scaling}[args.cmd](args)

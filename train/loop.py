@@ -39,6 +39,7 @@ from .memory import (
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
 MIXED_PRECISION = ("fp32", "fp16", "bf16")  # "fp32" = accelerate's "no" (YAML reads a bare no as false)
+DDP_COMM_HOOKS = ("none", "bf16", "fp16")  # gradients all-reduced as they are, or compressed to 16 bits (accelerate's comm hooks)
 
 
 @dataclasses.dataclass
@@ -68,6 +69,9 @@ class LoopConfig:
     ema_every: int = 1  # update the EMA every k steps (decay^k per update): a CPU shadow's copy cost / k
     gradient_checkpointing: bool = False  # diffusers' enable_gradient_checkpointing on the trained model
     memory_cap_gib: float = 0.0  # > 0: cap this process's CUDA allocator (set_per_process_memory_fraction)
+    # several processes: bf16 / fp16 halve the bytes of the gradient all-reduce (DDP communication hook); the
+    # accelerator a recipe shares between its stages takes it from the section it is made from (distill: progressive)
+    ddp_comm_hook: str = "none"
 
     def __post_init__(self) -> None:
         require(self.max_steps > 0, "train.max_steps", f"must be positive, got {self.max_steps}")
@@ -86,15 +90,19 @@ class LoopConfig:
         require(self.ema_every > 0, "train.ema_every", f"must be positive, got {self.ema_every}")
         require(math.isfinite(self.memory_cap_gib) and self.memory_cap_gib >= 0, "train.memory_cap_gib",
                 f"must be >= 0 (0: no cap), got {self.memory_cap_gib}")
+        require(self.ddp_comm_hook in DDP_COMM_HOOKS, "train.ddp_comm_hook", f"must be one of {DDP_COMM_HOOKS}, got {self.ddp_comm_hook!r}")
 
 
 def make_accelerator(cfg: LoopConfig, project_dir: Path):
     """The Accelerator for `cfg` ("fp32" is accelerate's "no"); shared by every recipe.
     `project_dir` holds the tensorboard logs (accelerate refuses tensorboard without one)."""
     from accelerate import Accelerator
+    from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs
 
+    hooks = [] if cfg.ddp_comm_hook == "none" else [
+        DistributedDataParallelKwargs(comm_hook=DDPCommunicationHookType(cfg.ddp_comm_hook))]
     acc = Accelerator(mixed_precision="no" if cfg.mixed_precision == "fp32" else cfg.mixed_precision,
-                      log_with="tensorboard" if cfg.tensorboard else None, project_dir=str(project_dir))
+                      log_with="tensorboard" if cfg.tensorboard else None, project_dir=str(project_dir), kwargs_handlers=hooks)
     apply_memory_cap(cfg.memory_cap_gib, acc.device)  # before any model reaches the GPU
     return acc
 

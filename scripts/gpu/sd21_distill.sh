@@ -17,6 +17,8 @@
 #   PARTS=distill,bench,prune,vsweep,default (which of steps 2-4 run; e.g. PARTS=prune on a second GPU call; also: ablate)
 #   ABLATE=smoke:,noema:progressive.train.ema_decay=0 (PARTS=ablate: NAME:overrides, overrides joined by ';'; one progressive
 #     round 8 -> 4 each at batch $BATCH, 8 steps, no checkpoint: which setting costs the verb its speed against the bench)
+#   DISTILL_CONFIG=configs/sd21/distill_smoke.yaml (step 2's recipe; configs/sd21/distill.yaml with EXTRA_DISTILL="data.source=shapes
+#     guided.train.max_steps=4 ..." runs the whole recipe's rounds and checkpoint rotation in a few steps each: its peak disk)
 #   SKIP_ENV=1: no env.sh (a CPU dry run of the logic with tiny settings, see README "SD-2.1 size")
 set -u
 T0=$SECONDS; BUDGET=${BUDGET:-530}
@@ -59,7 +61,7 @@ meta teacher_bytes $(du -sb $TEACHER | cut -f1)
 # 2. distill through the verb, disk and GPU memory sampled
 if want distill; then
 w1=$(watch_disk $L/distill distill); g1=$(watch_gpu distill)
-step distill 270 $PY -m pocketdiff distill --config $REPO/configs/sd21/distill_smoke.yaml --output $L/distill \
+step distill ${DISTILL_S:-270} $PY -m pocketdiff distill --config $REPO/${DISTILL_CONFIG:-configs/sd21/distill_smoke.yaml} --output $L/distill \
   model.pretrained=$TEACHER data.resolution=$RES guided.train.batch_size=$BATCH progressive.train.batch_size=$BATCH \
   guided.train.memory_cap_gib=$CAP progressive.train.memory_cap_gib=$CAP $EXTRA_DISTILL
 kill $w1 $g1 2>/dev/null

@@ -9,7 +9,9 @@
 # efficiency per round, loss trajectories of the resumed rounds next to the uninterrupted one).
 # Settings by environment: BUDGET=530 ARCH=sd21 RES=512 BATCH=8 (per GPU) PY=python3 SKIP_ENV=1 EXTRA=
 #   BENCH_VARIANTS=ours_guided,ours_wcond (benchmarks/distill_step.py at batch B on GPU 0 alone first: the
-#   1-GPU run's verb/bench ratio; empty: none)
+#   1-GPU run's verb/bench ratio; empty: none) RESUMES=1 (0: no resume runs, the speed figures only)
+#   ALT_TWO=NAME:overrides,... (more 2-GPU runs with overrides joined by ';', e.g. bf16:progressive.train.ddp_comm_hook=bf16:
+#   each one's weak-scaling efficiency against the same 1-GPU run)
 set -u
 T0=$SECONDS; BUDGET=${BUDGET:-530}
 left() { echo $(( BUDGET - (SECONDS - T0) )); }
@@ -43,9 +45,15 @@ if [ -n "$BENCH_VARIANTS" ]; then
 fi
 CUDA_VISIBLE_DEVICES=0 step one 200 $PY -m pocketdiff distill --output $L/one $C $b1
 step two 200 "${LAUNCH2[@]}" distill --output $L/two $C $b2
+ALT_TWO=${ALT_TWO:-}
+ALT=()
+for spec in ${ALT_TWO//,/ }; do
+  n=${spec%%:*}; o=${spec#*:}
+  step two_$n 200 "${LAUNCH2[@]}" distill --output $L/two_$n $C $b2 ${o//;/ } && ALT+=(--alt "$n=$L/two_$n")
+done
 # resume the 2-GPU run's last round on one GPU (its global batch 2B now on one process: no cap)
 last=$(ls -d $L/two/round-* 2>/dev/null | sort -V | tail -1)
-if [ -n "$last" ]; then
+if [ -n "$last" ] && [ "${RESUMES:-1}" != 0 ]; then
   r=$(basename $last)
   # keep only the round's first checkpoint (and the earlier rounds'): --resume latest then restarts mid-round
   keep_first() { ls -d $1/checkpoints/$r/checkpoint-* 2>/dev/null | sort -V | tail -n +2 | xargs -r rm -rf; rm -rf $1/$r; }
@@ -57,7 +65,7 @@ if [ -n "$last" ]; then
     guided.train.memory_cap_gib=0 progressive.train.memory_cap_gib=0
 fi
 $PY $REPO/benchmarks/distill_sd21.py scaling --out $OUT/$NAME.json \
-  --one $L/one --two $L/two --resumed $L/two_to_one --resumed $L/one_to_two --bench $L/bench.json --batch $BATCH
+  --one $L/one --two $L/two --resumed $L/two_to_one --resumed $L/one_to_two --bench $L/bench.json --batch $BATCH "${ALT[@]}"
 tar czf $OUT/${NAME}_logs.tgz -C $L --exclude='*.safetensors' --exclude='*.pt' --exclude=cache . 2>/dev/null
 rm -rf $L
 echo "[$(date +%T)] done in $((SECONDS - T0)) s"

@@ -203,18 +203,20 @@ from test_loop import Toy, collate, loss_fn, make_model
 from pocketdiff.train.loop import LoopConfig, make_accelerator, train_loop
 
 out = Path(sys.argv[1]) / os.environ["RANK"]
-cfg = LoopConfig(max_steps=2, batch_size=4, lr=1e-2, checkpoint_every=1, tensorboard=True)
+cfg = LoopConfig(max_steps=2, batch_size=4, lr=1e-2, checkpoint_every=1, tensorboard=True, ddp_comm_hook="fp16")
 acc = make_accelerator(cfg, out)
 for phase in ("first", "second"):  # as train-teacher (VAE, then UNet) and distill (rounds) share one
     train_loop(cfg, model=make_model(), loss_fn=loss_fn, dataset=Toy(), collate=collate,
                ckpt_dir=out / phase, seed=0, accelerator=acc, desc=phase)
-print("world", acc.num_processes, torch.distributed.is_initialized())
+ddp = acc.prepare(make_model())
+print("world", acc.num_processes, torch.distributed.is_initialized(), type(ddp).__name__, ddp._get_ddp_logging_data().get("comm_hook"))
 '''
 
 
 def test_loops_sharing_an_accelerator_keep_the_process_group(tmp_path):
     """With tensorboard on, a loop ends only its own trackers: the process group that the next
-    loop of the same run (and its DDP) needs stays up."""
+    loop of the same run (and its DDP) needs stays up. `train.ddp_comm_hook` reaches DDP (fp16
+    here: accelerate's bf16 hook needs NCCL)."""
     import os
     import socket
     import subprocess
@@ -234,7 +236,7 @@ def test_loops_sharing_an_accelerator_keep_the_process_group(tmp_path):
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     results = [(p.wait(timeout=300), p.stdout.read(), p.stderr.read()[-3000:]) for p in procs]
     assert [code for code, _, _ in results] == [0, 0], results
-    assert all("world 2 True" in stdout for _, stdout, _ in results), results
+    assert all("world 2 True DistributedDataParallel fp16_compress_hook" in stdout for _, stdout, _ in results), results
 
 
 def test_lr_scale_gives_a_prefix_its_own_learning_rate(tmp_path):
