@@ -208,6 +208,23 @@ def summary(args) -> int:
     return 0
 
 
+def window_rate(run: Path, round_index: int, after_step: int):
+    """Samples/s of the log windows of round `round_index` that end after `after_step` (checkpoint saves
+    left out, as the loop leaves them out of each row's rate): the rate once later warm-up is over."""
+    path = Path(run) / "logs.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    rows = [r for r in rows if r.get("phase") == f"round-{round_index}" and "loss" in r]
+    cfg = read_config(Path(run))
+    samples = seconds = 0.0
+    for prev, row in zip(rows, rows[1:]):
+        stage = cfg.get("guided" if round_index == 0 else "progressive") or {}
+        batch = (stage.get("train") or {}).get("batch_size")
+        if row["step"] > after_step and row.get("samples_per_s") and batch:
+            n = (row["step"] - prev["step"]) * batch
+            samples, seconds = samples + n, seconds + n / row["samples_per_s"]
+    return samples / seconds if seconds else None
+
+
 def scaling(args) -> int:
     one, two = read(Path(args.one) / "report.json"), read(Path(args.two) / "report.json")
     rounds = []
@@ -216,6 +233,10 @@ def scaling(args) -> int:
         rounds.append({"round": a["round"], "stage": a["stage"], "one_gpu_samples_per_s": s1, "two_gpu_samples_per_s": s2,
                        "two_gpu_processes": (b.get("timing") or {}).get("processes"),
                        "weak_scaling_efficiency": s2 / (2 * s1) if s1 and s2 else None})
+        for after in args.late or []:  # the same ratio over the log windows past a later step (the loop's rate starts at step 3)
+            l1, l2 = window_rate(Path(args.one), a["round"], after), window_rate(Path(args.two), a["round"], after)
+            rounds[-1][f"after_step_{after}"] = {"one_gpu_samples_per_s": l1, "two_gpu_samples_per_s": l2,
+                                                 "weak_scaling_efficiency": l2 / (2 * l1) if l1 and l2 else None}
     for spec in args.alt or []:  # more 2-GPU runs (other settings) against the same 1-GPU run
         name, _, folder = spec.partition("=")
         alt = read(Path(folder) / "report.json")
@@ -249,7 +270,9 @@ def scaling(args) -> int:
               f"samples/s, weak-scaling efficiency {r['weak_scaling_efficiency'] or 0:.2f}"
               + (f", 1 GPU verb/bench {r['one_gpu_verb_over_bench']:.2f}" if r.get("one_gpu_verb_over_bench") else "")
               + "".join(f", {k.removeprefix('weak_scaling_efficiency_')} {v:.2f}" for k, v in r.items()
-                        if k.startswith("weak_scaling_efficiency_") and v))
+                        if k.startswith("weak_scaling_efficiency_") and v)
+              + "".join(f", {k} {v['weak_scaling_efficiency']:.2f}" for k, v in r.items()
+                        if k.startswith("after_step_") and v["weak_scaling_efficiency"]))
     for name, r in result["resumes"].items():
         print(f"[distill_sd21] resume {name}: complete={r['complete']}")
     return 0
@@ -278,6 +301,7 @@ def main(argv=None) -> int:
     c.add_argument("--resumed", action="append")
     c.add_argument("--bench", help="distill_step.py JSON measured on the 1-GPU run's device")
     c.add_argument("--batch", type=int, help="the 1-GPU run's batch (the bench row it is compared with)")
+    c.add_argument("--late", type=int, action="append", help="also the rates over the log windows ending after this step")
     c.add_argument("--alt", action="append", help="NAME=DIR: another 2-GPU run (other settings) against the same 1-GPU run")
     c.add_argument("--meta")
     args = p.parse_args(argv)

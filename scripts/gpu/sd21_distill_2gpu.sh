@@ -11,7 +11,8 @@
 #   BENCH_VARIANTS=ours_guided,ours_wcond (benchmarks/distill_step.py at batch B on GPU 0 alone first: the
 #   1-GPU run's verb/bench ratio; empty: none) RESUMES=1 (0: no resume runs, the speed figures only)
 #   ALT_TWO=NAME:overrides,... (more 2-GPU runs with overrides joined by ';', e.g. bf16:progressive.train.ddp_comm_hook=bf16:
-#   each one's weak-scaling efficiency against the same 1-GPU run)
+#   each one's weak-scaling efficiency against the same 1-GPU run) LATE=5,10 (the rates over the log windows past these
+#   steps too: the 2-GPU run's steps 3-5 are still warming up)
 set -u
 T0=$SECONDS; BUDGET=${BUDGET:-530}
 left() { echo $(( BUDGET - (SECONDS - T0) )); }
@@ -45,7 +46,7 @@ if [ -n "$BENCH_VARIANTS" ]; then
 fi
 CUDA_VISIBLE_DEVICES=0 step one 200 $PY -m pocketdiff distill --output $L/one $C $b1
 step two 200 "${LAUNCH2[@]}" distill --output $L/two $C $b2
-ALT_TWO=${ALT_TWO:-}
+ALT_TWO=${ALT_TWO:-} LATE=${LATE:-5,10}
 ALT=()
 for spec in ${ALT_TWO//,/ }; do
   n=${spec%%:*}; o=${spec#*:}
@@ -65,7 +66,7 @@ if [ -n "$last" ] && [ "${RESUMES:-1}" != 0 ]; then
     guided.train.memory_cap_gib=0 progressive.train.memory_cap_gib=0
 fi
 $PY $REPO/benchmarks/distill_sd21.py scaling --out $OUT/$NAME.json \
-  --one $L/one --two $L/two --resumed $L/two_to_one --resumed $L/one_to_two --bench $L/bench.json --batch $BATCH "${ALT[@]}"
+  --one $L/one --two $L/two --resumed $L/two_to_one --resumed $L/one_to_two --bench $L/bench.json --batch $BATCH "${ALT[@]}" $(for a in ${LATE//,/ }; do echo --late $a; done)
 tar czf $OUT/${NAME}_logs.tgz -C $L --exclude='*.safetensors' --exclude='*.pt' --exclude=cache . 2>/dev/null
 rm -rf $L
 echo "[$(date +%T)] done in $((SECONDS - T0)) s"
