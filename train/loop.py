@@ -72,6 +72,9 @@ class LoopConfig:
     # several processes: bf16 / fp16 halve the bytes of the gradient all-reduce (DDP communication hook); the
     # accelerator a recipe shares between its stages takes it from the section it is made from (distill: progressive)
     ddp_comm_hook: str = "none"
+    # > 0: a torch.profiler trace of this many steady steps (after the warm-up and the phase-timed step) of each
+    # invocation, per process: OUTPUT/profile/<phase>-rank<r>.json (chrome://tracing, Perfetto) + a .txt table
+    profile_steps: int = 0
 
     def __post_init__(self) -> None:
         require(self.max_steps > 0, "train.max_steps", f"must be positive, got {self.max_steps}")
@@ -90,6 +93,7 @@ class LoopConfig:
         require(self.ema_every > 0, "train.ema_every", f"must be positive, got {self.ema_every}")
         require(math.isfinite(self.memory_cap_gib) and self.memory_cap_gib >= 0, "train.memory_cap_gib",
                 f"must be >= 0 (0: no cap), got {self.memory_cap_gib}")
+        require(self.profile_steps >= 0, "train.profile_steps", f"must be >= 0 (0: off), got {self.profile_steps}")
         require(self.ddp_comm_hook in DDP_COMM_HOOKS, "train.ddp_comm_hook", f"must be one of {DDP_COMM_HOOKS}, got {self.ddp_comm_hook!r}")
 
 
@@ -204,6 +208,25 @@ def _loss_and_norm(mean_loss: torch.Tensor, grad_norm: Optional[torch.Tensor]) -
 
 def _classify(loss: float, norm: float) -> Optional[str]:
     return "loss" if not math.isfinite(loss) else "gradients" if not math.isfinite(norm) else None
+
+
+def step_profiler(steps: int, skip: int, out: Path, cuda: bool):
+    """A started torch.profiler that records `steps` steps after `skip` (one more as its own warm-up);
+    call `.step()` after every step and `.stop()` at the end. Writes OUT.json (a chrome trace) and
+    OUT.txt (operators by device time, or host time without a GPU)."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    def write(prof) -> None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(out.with_suffix(".json")))
+        key = "self_device_time_total" if cuda else "self_cpu_time_total"
+        out.with_suffix(".txt").write_text(prof.key_averages().table(sort_by=key, row_limit=40) + "\n")
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    prof = profile(activities=activities, schedule=schedule(wait=max(skip - 1, 0), warmup=1, active=steps, repeat=1),
+                   on_trace_ready=write)
+    prof.start()
+    return prof
 
 
 def read_step(mean_loss: torch.Tensor, grad_norm: Optional[torch.Tensor]) -> tuple[float, Optional[str]]:
@@ -383,6 +406,8 @@ def train_loop(
     # span since the last log row
     first_step_s, warmup_s, steady_s, steady_steps, save_s, window_s, window_steps = None, 0.0, 0.0, 0, 0.0, 0.0, 0
     reads = StepReads(memory.cuda)
+    profiler = (step_profiler(cfg.profile_steps, RATE_WARMUP_STEPS + 1, ckpt_dir.parent / "profile" / f"{desc}-rank{rank}", memory.cuda)
+                if cfg.profile_steps and cfg.max_steps - start > RATE_WARMUP_STEPS + 1 else None)
     try:
         for step in range(start, cfg.max_steps):
             step_t0 = perf_counter()
@@ -470,6 +495,8 @@ def train_loop(
                 if cfg.tensorboard:
                     acc.log({f"{desc}/loss": last_loss}, step=done)
             bar.update(1)
+            if profiler is not None:
+                profiler.step()
             out_of_time = False
             if cfg.max_time_s > 0:  # every process must agree on where to stop
                 late = torch.tensor(float(time.time() - started > cfg.max_time_s), device=acc.device)
@@ -486,6 +513,8 @@ def train_loop(
                 acc.print(f"[{desc}] train.max_time_s={cfg.max_time_s} reached: stopped at step {done} of {cfg.max_steps}")
                 break
     finally:
+        if profiler is not None:
+            profiler.stop()
         bar.close()
         if log_file:
             log_file.close()

@@ -180,6 +180,17 @@ def test_step_reads_keep_the_newest_in_flight():
     assert reads.settle() == []
 
 
+def test_profile_steps_write_a_trace_of_steady_steps(tmp_path):
+    cfg = LoopConfig(max_steps=7, batch_size=4, lr=1e-2, checkpoint_every=100, profile_steps=2)
+    train_loop(cfg, model=make_model(), loss_fn=loss_fn, dataset=Toy(), collate=collate, ckpt_dir=tmp_path / "ckpt", seed=0, desc="p")
+    trace = json.loads((tmp_path / "profile" / "p-rank0.json").read_text())
+    steps = {e["name"] for e in trace["traceEvents"] if e.get("name", "").startswith("ProfilerStep#")}
+    assert steps == {"ProfilerStep#3", "ProfilerStep#4"}  # after 2 warm-up steps and the phase-timed one
+    assert "Self CPU" in (tmp_path / "profile" / "p-rank0.txt").read_text()
+    with pytest.raises(PocketdiffError, match="train.profile_steps"):
+        LoopConfig(profile_steps=-1)
+
+
 def test_nan_skip_policy_skips(tmp_path):
     cfg = LoopConfig(max_steps=3, batch_size=4, lr=1e-2, nan_policy="skip", log_every=1)
     res = train_loop(cfg, model=make_model(), loss_fn=lambda m, b, r: loss_fn(m, b, r) * float("nan"), dataset=Toy(),
