@@ -406,7 +406,8 @@ def train_loop(
     # span since the last log row
     first_step_s, warmup_s, steady_s, steady_steps, save_s, window_s, window_steps = None, 0.0, 0.0, 0, 0.0, 0.0, 0
     reads = StepReads(memory.cuda)
-    profiler = (step_profiler(cfg.profile_steps, RATE_WARMUP_STEPS + 1, ckpt_dir.parent / "profile" / f"{desc}-rank{rank}", memory.cuda)
+    profile_dir = (log_path.parent if log_path else ckpt_dir.parent) / "profile"  # OUTPUT/profile beside logs.jsonl
+    profiler = (step_profiler(cfg.profile_steps, RATE_WARMUP_STEPS + 1, profile_dir / f"{desc}-rank{rank}", memory.cuda)
                 if cfg.profile_steps and cfg.max_steps - start > RATE_WARMUP_STEPS + 1 else None)
     try:
         for step in range(start, cfg.max_steps):
@@ -437,12 +438,13 @@ def train_loop(
                 grad_norm = torch.nn.utils.get_total_norm(grads) if grads else None
             mean = acc.reduce(total, reduction="mean")
             if cfg.nan_policy == "skip":  # decided before the update: the device is synchronised here
-                last_loss, bad = read_step(mean, grad_norm)
+                loss_now, bad = read_step(mean, grad_norm)
                 if bad:
                     optimizer.zero_grad(set_to_none=True)
                     skipped += 1
                     acc.print(f"[{desc}] non-finite {bad} at step {step}: step skipped")
                     continue
+                last_loss = loss_now
             if ema is not None:
                 ema.fence()  # the EMA's copies of the previous update have read the parameters
             try:

@@ -1,6 +1,7 @@
 """The shared training loop: determinism, resume bit-exactness, checkpoint rotation, NaN stop."""
 import dataclasses
 import json
+import math
 
 import pytest
 import torch
@@ -196,6 +197,18 @@ def test_nan_skip_policy_skips(tmp_path):
     res = train_loop(cfg, model=make_model(), loss_fn=lambda m, b, r: loss_fn(m, b, r) * float("nan"), dataset=Toy(),
                      collate=collate, ckpt_dir=tmp_path / "c", seed=0)
     assert res.skipped_steps == 3
+
+
+def test_a_skipped_last_step_keeps_the_last_finite_loss(tmp_path):
+    calls = {"n": 0}
+
+    def loss(m, b, r):
+        calls["n"] += 1
+        return loss_fn(m, b, r) * (float("nan") if calls["n"] == 3 else 1.0)
+
+    cfg = LoopConfig(max_steps=3, batch_size=4, lr=1e-2, nan_policy="skip", log_every=1)
+    res = train_loop(cfg, model=make_model(), loss_fn=loss, dataset=Toy(), collate=collate, ckpt_dir=tmp_path / "c", seed=0)
+    assert res.skipped_steps == 1 and math.isfinite(res.final_loss)
 
 
 def test_config_validation_names_field():
