@@ -530,12 +530,12 @@ def train_loop(
         "steady_samples_per_s": samples_per_step * steady_steps / steady_s if steady_steps else None,
         "checkpoint_s": save_s, "wall_s": time.time() - started, "peak_gpu_mem_gib": memory.peak_gib(),
         "processes": world, "memory_cap_gib": cfg.memory_cap_gib or None,
-        "ema_setup_s": round(ema.setup_s, 3) if ema is not None else None,  # pinning the host EMA's staging, before step 1
+        "ema_setup_s": round(ema.setup_s, 3) if ema is not None else None,  # pinning the host EMA's block, before step 1
     }
     acc.print(f"[{desc}] {timing['steps_run']} steps in {timing['wall_s']:.1f} s (first step {first_step_s or 0:.1f} s, "
               f"warm-up {timing['warmup_steps']} steps {warmup_s:.1f} s, "
               f"steady {timing['steady_samples_per_s'] or 0:.2f} samples/s, checkpoints {save_s:.1f} s"
-              + (f", EMA staging {ema.setup_s:.1f} s" if ema is not None and ema.setup_s else "")
+              + (f", EMA pinning {ema.setup_s:.1f} s" if ema is not None and ema.setup_s else "")
               + (f", peak GPU {timing['peak_gpu_mem_gib']} GiB)" if memory.cuda else ")"))
     return LoopResult(steps=done if stopped_early else cfg.max_steps, final_loss=last_loss, losses=losses, ema=ema, skipped_steps=skipped,
                       stopped_early=stopped_early, timing=timing)
