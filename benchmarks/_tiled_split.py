@@ -24,16 +24,10 @@ import torch
 def build_vae(arch: str, image: int, model: str):
     """The VAE under test: arch sd21/sd15 builds the SD VAE with random weights and trained-like norm
     affines (DESIGN.md: identity affines measure an artefact); otherwise `model`'s VAE."""
-    from pocketdiff.models import ModelConfig, load_or_build, perturb_norm_affines
+    from pocketdiff.models import ModelConfig, build_vae, load_or_build, perturb_norm_affines
 
     if arch in ("sd21", "sd15"):
-        from diffusers import AutoencoderKL
-
-        from pocketdiff.archs import vae_config
-        from pocketdiff.models import _seeded
-
-        with _seeded(2):  # the seed build_pipeline gives the VAE
-            vae = AutoencoderKL(**vae_config(arch, image))
+        vae = build_vae(arch, image)
         perturb_norm_affines(vae, 1)
     else:
         vae = load_or_build(ModelConfig(pretrained=model)).vae

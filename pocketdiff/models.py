@@ -147,6 +147,15 @@ def _seeded(seed: int):
     return ctx
 
 
+def build_vae(arch: str, resolution: int, seed: int = 0):
+    """The `AutoencoderKL` of architecture `arch` with random weights, as `build_pipeline` builds it
+    for the same `seed` (independent of global RNG state)."""
+    from diffusers import AutoencoderKL
+
+    with _seeded(seed + 2):
+        return AutoencoderKL(**vae_config(arch, resolution))
+
+
 def build_pipeline(
     cfg: ModelConfig,
     captions: Optional[list[str]] = None,
@@ -163,7 +172,7 @@ def build_pipeline(
     `cfg.vae` set, that pretrained VAE replaces the built one (latent channels and factor
     follow it). Weights depend only on (`cfg`, `resolution`, `seed`), not on global RNG.
     """
-    from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    from diffusers import DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
     from transformers import CLIPTextModel
 
     from .tokenizer import build_clip_tokenizer
@@ -173,11 +182,7 @@ def build_pipeline(
     if len(tokenizer) > cfg.vocab_size:  # cannot happen: the builder respects vocab_size
         raise PocketdiffError(f"tokenizer has {len(tokenizer)} tokens, more than model.vocab_size={cfg.vocab_size}")
 
-    if cfg.vae:
-        vae = load_vae(cfg.vae)
-    else:
-        with _seeded(seed + 2):
-            vae = AutoencoderKL(**vae_config(cfg.arch, resolution))
+    vae = load_vae(cfg.vae) if cfg.vae else build_vae(cfg.arch, resolution, seed)
     factor = vae_scale_factor(vae)
 
     with _seeded(seed):

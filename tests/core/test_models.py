@@ -16,6 +16,7 @@ from pocketdiff.models import (
     ARCHS,
     ModelConfig,
     build_pipeline,
+    build_vae,
     count_params,
     iter_norm_modules,
     load_or_build,
@@ -151,6 +152,13 @@ def test_build_is_deterministic_and_leaves_global_rng_alone(tiny):
         _assert_same_weights(getattr(tiny, name), getattr(again, name))
     other = build_pipeline(ModelConfig(), captions=CAPTIONS, seed=1)
     assert not torch.equal(other.unet.conv_in.weight, tiny.unet.conv_in.weight)
+
+
+def test_build_vae_is_the_pipelines_vae(tiny):
+    state = torch.random.get_rng_state()
+    _assert_same_weights(build_vae("tiny", tiny.vae.config.sample_size), tiny.vae)
+    assert torch.equal(state, torch.random.get_rng_state())
+    assert not torch.equal(build_vae("tiny", tiny.vae.config.sample_size, seed=1).decoder.conv_in.weight, tiny.vae.decoder.conv_in.weight)
 
 
 def test_build_small_v_prediction_and_resolution():
