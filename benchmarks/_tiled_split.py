@@ -4,9 +4,9 @@
 - `edge_profile`: one interior tile with the whole image's norm statistics (an oracle): PSNR of
   the pixels at least m latents from the tile's edge, and of the ring at exactly m latents. It
   measures how deep the up path's receptive field, cut by the tile edge, reaches into the tile.
-- `oracle_m{M}`: every tile with the oracle statistics, blend weights zero over M latents at
-  edges facing a neighbour (`export.tiled_decode.axis_weights`): the ceiling of any statistics
-  scheme at that margin.
+- `oracle_m{M}`: one pass of `export.tiled_decode.tiled_decode_with_stats` with every tile given the
+  oracle statistics, blend weights zero over M latents at edges facing a neighbour
+  (`export.tiled_decode.axis_weights`): the ceiling of any statistics scheme at that margin.
 - `jacobi_m{M}`: pass 1 own statistics, each later pass the previous pass's totals (own = 0), as
   the first tiled decoder did (margin 0 there): the driver with scheme "plain".
 - `cv_m{M}`: `export.tiled_decode.tiled_decode_with_stats` itself: each later pass corrects every
@@ -62,22 +62,6 @@ class Split:
                                    torch.from_numpy(stats).float(), torch.full((1,), float(own)))
         return pixels.numpy().astype(np.float64), sums.numpy().astype(np.float64)
 
-    def one_pass(self, margin: int, stats: np.ndarray, own: float) -> tuple[np.ndarray, np.ndarray]:
-        """Every tile with the same `stats` and `own` (the oracle): the [0, 1] image and the next statistics."""
-        from pocketdiff.export.tiled_decode import axis_weights, stats_from_sums
-
-        f, t, H = self.factor, self.tile, self.H
-        w = axis_weights(self.starts, t, margin)
-        image = np.zeros((1, 3, H * f, H * f))
-        totals = np.zeros((self.norms[0], 3, self.norms[1]))
-        for iy, y in enumerate(self.starts):
-            for ix, x in enumerate(self.starts):
-                weight = np.outer(w[iy], w[ix])
-                pixels, sums = self.run_tile(y, x, weight, stats, own)
-                image[:, :, y * f:(y + t) * f, x * f:(x + t) * f] += pixels * np.kron(weight, np.ones((f, f)))
-                totals += sums[:, :3]
-        return np.clip(image, 0, 1), stats_from_sums(totals)  # the weights sum to one everywhere
-
     def stats_error(self, stats: np.ndarray) -> float:
         return round(float(np.abs(stats - self.oracle).max()), 4)
 
@@ -103,7 +87,7 @@ def edge_profile(split: Split) -> list[dict]:
 def run_split_variants(split: Split, variants: list[str], margins: list[int], passes: int, record) -> None:
     """`record(name, image, seconds, **extra)` for each variant, margin and pass. `jacobi` and `cv` are
     `export.tiled_decode.tiled_decode_with_stats` itself, with scheme "plain" and "control_variate"."""
-    from pocketdiff.export.tiled_decode import tiled_decode_with_stats
+    from pocketdiff.export.tiled_decode import stats_from_sums, tiled_decode_with_stats
 
     tiles = len(split.starts) ** 2
 
@@ -117,11 +101,18 @@ def run_split_variants(split: Split, variants: list[str], margins: list[int], pa
 
     lat = np.zeros((1, 4, split.H, split.H), np.float32)  # the head above ignores it
     for m in margins:
-        if "oracle" in variants:
+        if "oracle" in variants:  # one pass of the driver, every tile given the oracle statistics (own = 0)
+            totals = []
+
+            def oracle_tile(features, weight, stats, own):
+                pixels, sums = up_tile(features, weight, split.oracle, np.zeros(1, np.float32))
+                totals.append(sums[:, :3])
+                return pixels, sums
+
             t0 = time.perf_counter()
-            img, nxt = split.one_pass(m, split.oracle, 0.0)
-            record(f"oracle_m{m}", img, time.perf_counter() - t0, margin=m, passes=1, tile_runs=tiles,
-                   next_stats_max_error=split.stats_error(nxt))
+            img = tiled_decode_with_stats(lat, head, oracle_tile, split.tile, split.overlap, split.factor, split.norms, 1, margin=m)
+            record(f"oracle_m{m}", np.clip(img, 0, 1), time.perf_counter() - t0, margin=m, passes=1, tile_runs=tiles,
+                   next_stats_max_error=split.stats_error(stats_from_sums(np.sum(totals, axis=0))))
         for variant, scheme in (("jacobi", "plain"), ("cv", "control_variate")):
             if variant not in variants:
                 continue

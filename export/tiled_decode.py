@@ -166,14 +166,14 @@ def tiled_decode_with_stats(latents: np.ndarray, head: Callable[[np.ndarray], np
     statistics come from tile interiors. `on_pass(p, image)` sees each pass's image (benchmarks)."""
     if passes < 1:
         raise PocketdiffError(f"tiled decode: passes must be at least 1, got {passes}")
+    if scheme not in SCHEMES:
+        raise PocketdiffError(f"tiled decode: scheme must be one of {', '.join(SCHEMES)}, got {scheme!r}")
+    H, W = np.shape(latents)[-2:]  # the head keeps the latent's size (checked below)
+    ys, xs = tile_starts(H, tile, overlap), tile_starts(W, tile, overlap)
+    wys, wxs = axis_weights(ys, tile, margin), axis_weights(xs, tile, margin)  # refuses a margin that leaves gaps
     feats = np.asarray(head(np.asarray(latents, dtype=np.float32)), dtype=np.float32)
     if feats.ndim != 4 or feats.shape[0] != 1 or feats.shape[-2:] != np.asarray(latents).shape[-2:]:
         raise PocketdiffError(f"tiled decode: the head returned {list(feats.shape)} for latents {list(np.shape(latents))}")
-    _, _, H, W = feats.shape
-    ys, xs = tile_starts(H, tile, overlap), tile_starts(W, tile, overlap)
-    wys, wxs = axis_weights(ys, tile, margin), axis_weights(xs, tile, margin)
-    if scheme not in SCHEMES:
-        raise PocketdiffError(f"tiled decode: scheme must be one of {', '.join(SCHEMES)}, got {scheme!r}")
     own = np.ones((1,), dtype=np.float32)
     corrections = {(iy, ix): first_pass_corrections(norms) for iy in range(len(ys)) for ix in range(len(xs))}
     # each tile's blend weights, at latent resolution (a graph input) and at pixel resolution: the same every pass

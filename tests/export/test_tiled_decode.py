@@ -42,6 +42,21 @@ def test_a_margin_that_leaves_latents_to_no_tile_is_refused():
         axis_weights(tile_starts(32, 16, 8), 16, 5)
 
 
+def test_the_driver_refuses_a_bad_scheme_or_margin_before_running_the_head():
+    ran = []
+
+    def head(z):
+        ran.append(1)
+        return np.zeros((1, 4, 32, 32), np.float32)
+
+    lat = np.zeros((1, 4, 32, 32), np.float32)
+    with pytest.raises(PocketdiffError, match="scheme"):
+        tiled_decode_with_stats(lat, head, None, 16, 8, 8, (2, 2), 2, scheme="jacobi")
+    with pytest.raises(PocketdiffError, match="margin 5"):
+        tiled_decode_with_stats(lat, head, None, 16, 8, 8, (2, 2), 2, margin=5)
+    assert not ran
+
+
 def test_identity_decoder_is_reproduced_exactly():
     """Weights sum to one everywhere: a decoder that upsamples is blended back exactly."""
     rng = np.random.default_rng(0)
