@@ -247,12 +247,12 @@ class StepReads:
     saved or logged.
     """
 
-    def __init__(self, cuda: bool):
-        self.cuda, self._queue = cuda, []  # (step, host tensor [2], event or None)
+    def __init__(self):
+        self._queue = []  # (step, host tensor [2], event or None)
 
     def push(self, step: int, mean_loss: torch.Tensor, grad_norm: Optional[torch.Tensor]) -> None:
         values = _loss_and_norm(mean_loss, grad_norm)
-        if not (self.cuda and values.is_cuda):
+        if not values.is_cuda:
             self._queue.append((step, values.cpu(), None))
             return
         host = torch.empty(2, dtype=torch.float32, pin_memory=True)
@@ -405,7 +405,7 @@ def train_loop(
     # (compilation, autotuning, first allocations) apart from the steady state; `window` is the
     # span since the last log row
     first_step_s, warmup_s, steady_s, steady_steps, save_s, window_s, window_steps = None, 0.0, 0.0, 0, 0.0, 0.0, 0
-    reads = StepReads(memory.cuda)
+    reads = StepReads()
     profile_dir = (log_path.parent if log_path else ckpt_dir.parent) / "profile"  # OUTPUT/profile beside logs.jsonl
     profiler = (step_profiler(cfg.profile_steps, RATE_WARMUP_STEPS + 1, profile_dir / f"{desc}-rank{rank}", memory.cuda)
                 if cfg.profile_steps and cfg.max_steps - start > RATE_WARMUP_STEPS + 1 else None)
@@ -460,12 +460,13 @@ def train_loop(
                 if phases:
                     phases.mark("ema_s")
             done = step + 1
+            log_due = done % cfg.log_every == 0 or done == cfg.max_steps
+            save_due = done % cfg.checkpoint_every == 0 or done == cfg.max_steps  # or out of time (below)
             if cfg.nan_policy == "stop":
                 # read once the whole step is queued (the optimizer's host-side work overlaps the backward on
                 # the device), and one step late unless this step is recorded or timed phase by phase
                 reads.push(step, mean, grad_norm)
-                records = (phases is not None or done % cfg.log_every == 0 or done == cfg.max_steps
-                           or done % cfg.checkpoint_every == 0 or cfg.max_time_s > 0)
+                records = phases is not None or log_due or save_due or cfg.max_time_s > 0
                 for at, last_loss, bad in reads.settle(keep=0 if records else 1):
                     if bad:  # no checkpoint or log row holds it: they settle first
                         raise PocketdiffError(f"[{desc}] non-finite {bad} at step {at}; stopped, last good checkpoint kept in {ckpt_dir}")
@@ -483,7 +484,7 @@ def train_loop(
             else:
                 steady_s, steady_steps = steady_s + step_s, steady_steps + 1
                 window_s, window_steps = window_s + step_s, window_steps + 1
-            if done % cfg.log_every == 0 or done == cfg.max_steps:
+            if log_due:
                 losses.append([done, last_loss])  # settled: this step's
                 bar.set_postfix(loss=f"{last_loss:.4f}")
                 if log_file:
@@ -503,7 +504,7 @@ def train_loop(
             if cfg.max_time_s > 0:  # every process must agree on where to stop
                 late = torch.tensor(float(time.time() - started > cfg.max_time_s), device=acc.device)
                 out_of_time = bool(acc.reduce(late, reduction="sum").item() > 0)
-            if done % cfg.checkpoint_every == 0 or done == cfg.max_steps or out_of_time:
+            if save_due or out_of_time:
                 save_t0 = perf_counter()
                 acc.wait_for_everyone()
                 if acc.is_main_process:

@@ -172,7 +172,7 @@ def test_a_step_read_one_step_late_still_never_reaches_a_checkpoint_or_log_row(t
 
 
 def test_step_reads_keep_the_newest_in_flight():
-    reads = StepReads(cuda=False)
+    reads = StepReads()
     reads.push(0, torch.tensor(1.0), torch.tensor(2.0))
     reads.push(1, torch.tensor(float("nan")), None)
     assert reads.settle(keep=1) == [(0, 1.0, None)]
