@@ -43,6 +43,17 @@ def read_config(run: Path) -> dict:
     return OmegaConf.to_container(OmegaConf.load(f)) if f.is_file() else {}
 
 
+def log_rows(run: Path) -> list[dict]:
+    """The rows of a run's logs.jsonl (none when there is no file)."""
+    path = Path(run) / "logs.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def stage_batch(cfg: dict, stage: str):
+    """The global batch of a distill stage ("guided" or "progressive") in a run's config."""
+    return (((cfg.get("guided") if stage == "guided" else cfg.get("progressive")) or {}).get("train") or {}).get("batch_size")
+
+
 def du_bytes(*paths) -> int:
     """Bytes on disk of `paths` together (du counts a file hardlinked between them once)."""
     paths = [str(p) for p in paths if Path(p).exists()]
@@ -79,8 +90,7 @@ def _bench_variant(bench: dict, name: str, batch: int):
 
 
 def distill_summary(run: Path, bench: dict) -> dict:
-    report = read(run / "report.json")
-    rows = [json.loads(line) for line in (run / "logs.jsonl").read_text().splitlines()] if (run / "logs.jsonl").is_file() else []
+    report, rows, cfg = read(run / "report.json"), log_rows(run), read_config(run)
     rounds = []
     for r in report.get("rounds", []):
         t = r.get("timing") or {}
@@ -93,9 +103,7 @@ def distill_summary(run: Path, bench: dict) -> dict:
                  "processes": t.get("processes"), "memory_cap_gib": t.get("memory_cap_gib"),
                  "log_rows": len(steps_rows), "folder_files": r.get("folder_files"), "bench_variant": variant,
                  "step_phases": [x for x in rows if x.get("phase") == f"round-{r['round']}" and x.get("event") == "step_phases"]}
-        cfg = read_config(run)
-        stage_cfg = (cfg.get("guided") if r["stage"] == "guided" else cfg.get("progressive")) or {}
-        batch = (stage_cfg.get("train") or {}).get("batch_size")
+        batch = stage_batch(cfg, r["stage"])
         entry["batch"] = batch
         ref = _bench_variant(bench, variant, batch) if batch else None
         if ref and entry["steady_samples_per_s"]:
@@ -110,8 +118,7 @@ def distill_summary(run: Path, bench: dict) -> dict:
 
 
 def prune_summary(run: Path) -> dict:
-    report = read(run / "report.json")
-    rows = [json.loads(line) for line in (run / "logs.jsonl").read_text().splitlines()] if (run / "logs.jsonl").is_file() else []
+    report, rows = read(run / "report.json"), log_rows(run)
     out = {"report_keys": sorted(report), "pipeline_dir": report.get("pipeline_dir"),
            "recovery_peak_gpu_mem_gib": max((x.get("peak_gpu_mem_gib") or 0 for x in rows), default=None),
            "recovery_samples_per_s": [x.get("samples_per_s") for x in rows if "loss" in x][-1:] or None,
@@ -208,17 +215,12 @@ def summary(args) -> int:
     return 0
 
 
-def window_rate(run: Path, round_index: int, after_step: int):
-    """Samples/s of the log windows of round `round_index` that end after `after_step` (checkpoint saves
-    left out, as the loop leaves them out of each row's rate): the rate once later warm-up is over."""
-    path = Path(run) / "logs.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+def window_rate(rows: list[dict], round_index: int, batch, after_step: int):
+    """Samples/s of a run's log windows of round `round_index` that end after `after_step` (checkpoint
+    saves left out, as the loop leaves them out of each row's rate): the rate once later warm-up is over."""
     rows = [r for r in rows if r.get("phase") == f"round-{round_index}" and "loss" in r]
-    cfg = read_config(Path(run))
     samples = seconds = 0.0
     for prev, row in zip(rows, rows[1:]):
-        stage = cfg.get("guided" if round_index == 0 else "progressive") or {}
-        batch = (stage.get("train") or {}).get("batch_size")
         if row["step"] > after_step and row.get("samples_per_s") and batch:
             n = (row["step"] - prev["step"]) * batch
             samples, seconds = samples + n, seconds + n / row["samples_per_s"]
@@ -227,6 +229,7 @@ def window_rate(run: Path, round_index: int, after_step: int):
 
 def scaling(args) -> int:
     one, two = read(Path(args.one) / "report.json"), read(Path(args.two) / "report.json")
+    logs = {k: (log_rows(Path(d)), read_config(Path(d))) for k, d in (("one", args.one), ("two", args.two))} if args.late else {}
     rounds = []
     for a, b in zip(one.get("rounds", []), two.get("rounds", [])):
         s1, s2 = (a.get("timing") or {}).get("steady_samples_per_s"), (b.get("timing") or {}).get("steady_samples_per_s")
@@ -234,7 +237,7 @@ def scaling(args) -> int:
                        "two_gpu_processes": (b.get("timing") or {}).get("processes"),
                        "weak_scaling_efficiency": s2 / (2 * s1) if s1 and s2 else None})
         for after in args.late or []:  # the same ratio over the log windows past a later step (the loop's rate starts at step 3)
-            l1, l2 = window_rate(Path(args.one), a["round"], after), window_rate(Path(args.two), a["round"], after)
+            l1, l2 = (window_rate(rows, a["round"], stage_batch(cfg, a["stage"]), after) for rows, cfg in (logs["one"], logs["two"]))
             rounds[-1][f"after_step_{after}"] = {"one_gpu_samples_per_s": l1, "two_gpu_samples_per_s": l2,
                                                  "weak_scaling_efficiency": l2 / (2 * l1) if l1 and l2 else None}
     for spec in args.alt or []:  # more 2-GPU runs (other settings) against the same 1-GPU run

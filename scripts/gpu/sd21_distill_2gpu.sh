@@ -18,6 +18,7 @@ T0=$SECONDS; BUDGET=${BUDGET:-530}
 left() { echo $(( BUDGET - (SECONDS - T0) )); }
 if [ -z "${SKIP_ENV:-}" ]; then source scripts/gpu/env.sh; else REPO=$PWD; RUNS=${RUNS:-/tmp/runs}; mkdir -p $RUNS; cd $RUNS || exit 1; fi
 PY=${PY:-python3} ARCH=${ARCH:-sd21} RES=${RES:-512} BATCH=${BATCH:-8} EXTRA=${EXTRA:-} NAME=${NAME:-distill_sd21_2gpu}
+ALT_TWO=${ALT_TWO:-} LATE=${LATE:-5,10}
 OUT=${OUT:-$RUNS/out}; mkdir -p $OUT
 L=$RUNS/sd21-2gpu && TEACHER=$RUNS/sd21-teacher-$ARCH-$RES && rm -rf $L && mkdir -p $L || exit 1
 step() {  # step NAME SECONDS CMD...: with a watchdog (at most what is left)
@@ -46,7 +47,6 @@ if [ -n "$BENCH_VARIANTS" ]; then
 fi
 CUDA_VISIBLE_DEVICES=0 step one 200 $PY -m pocketdiff distill --output $L/one $C $b1
 step two 200 "${LAUNCH2[@]}" distill --output $L/two $C $b2
-ALT_TWO=${ALT_TWO:-} LATE=${LATE:-5,10}
 ALT=()
 for spec in ${ALT_TWO//,/ }; do
   n=${spec%%:*}; o=${spec#*:}
