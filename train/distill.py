@@ -60,7 +60,7 @@ from .distill_report import RoundEvaluator, _write_page, _write_round_folder
 from .distill_rounds import RoundSpec, _check_resume, _plan_record, completed_rounds, plan_rounds, round_schedule  # noqa: F401
 from .distill_targets import DTYPES, GuidedTeacher, round_plan, set_student_layout
 from .guidance_embedding import USAGE, add_guidance_embedding, is_w_conditioned, w_condition, w_embedding_fn  # noqa: F401
-from .loop import make_accelerator, train_loop
+from .loop import make_accelerator, train_loop, use_ema_weights
 
 log = logging.getLogger(__name__)
 
@@ -257,8 +257,7 @@ def _train_round(cfg: Config, spec: RoundSpec, acc, pipe, teacher_unet, t_sched,
     del teacher, loss_fn
     if getattr(result, "stopped_early", False):
         return None
-    if result.ema is not None:
-        result.ema.copy_to(student)
+    use_ema_weights(result, student)
     student.eval()
     folder = out / spec.name
     round_report = {

@@ -73,7 +73,7 @@ class LoopConfig:
     # accelerator a recipe shares between its stages takes it from the section it is made from (distill: progressive)
     ddp_comm_hook: str = "none"
     # > 0: a torch.profiler trace of this many steady steps (after the warm-up and the phase-timed step) of each
-    # invocation, per process: OUTPUT/profile/<phase>-rank<r>.json (chrome://tracing, Perfetto) + a .txt table
+    # invocation, per process: OUTPUT/profile/<phase>-rank<r>.json.gz (chrome://tracing, Perfetto) + a .txt table
     profile_steps: int = 0
 
     def __post_init__(self) -> None:
@@ -163,10 +163,31 @@ class LoopResult:
     steps: int
     final_loss: float
     losses: list  # (step, loss) pairs logged this run and earlier runs
-    ema: Optional[EMA]
+    ema: Optional[EMA]  # on the main process only (see `use_ema_weights`); None elsewhere and without EMA
     skipped_steps: int
     stopped_early: bool = False
     timing: dict = dataclasses.field(default_factory=dict)  # this invocation: first_step_s, samples_per_s, peak_gpu_mem_gib, ...
+    ema_enabled: bool = False  # train.ema_decay > 0: the main process holds an EMA
+
+
+def use_ema_weights(result: LoopResult, model: torch.nn.Module) -> None:
+    """Put the run's EMA weights into `model` on every process (nothing without EMA).
+
+    Only the main process keeps an EMA: DDP keeps the parameters equal on every process, so
+    the others' would be copies, each costing its GPU a full transfer of the float32 shadow per
+    update (a host shadow: 2 x 3.5 GB over PCIe at SD-2.1 size, on a link the GPUs may share)
+    and its host the pinned block. The main process copies its shadow in and broadcasts the
+    parameters, so a later stage built from `model` (the next distillation round's teacher) is
+    the same on every process.
+    """
+    if not result.ema_enabled:
+        return
+    if result.ema is not None:
+        result.ema.copy_to(model)
+    if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        with torch.no_grad():
+            for p in model.parameters():
+                torch.distributed.broadcast(p.data, src=0)
 
 
 LossFn = Callable[[torch.nn.Module, dict, BatchRandom], torch.Tensor]
@@ -212,13 +233,14 @@ def _classify(loss: float, norm: float) -> Optional[str]:
 
 def step_profiler(steps: int, skip: int, out: Path, cuda: bool):
     """A started torch.profiler that records `steps` steps after `skip` (one more as its own warm-up);
-    call `.step()` after every step and `.stop()` at the end. Writes OUT.json (a chrome trace) and
-    OUT.txt (operators by device time, or host time without a GPU)."""
+    call `.step()` after every step and `.stop()` at the end. Writes OUT.json.gz (a gzipped chrome
+    trace: an SD-size step is tens of MB of JSON) and OUT.txt (operators by device time, or host
+    time without a GPU)."""
     from torch.profiler import ProfilerActivity, profile, schedule
 
     def write(prof) -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
-        prof.export_chrome_trace(str(out.with_suffix(".json")))
+        prof.export_chrome_trace(str(out.parent / f"{out.name}.json.gz"))
         key = "self_device_time_total" if cuda else "self_cpu_time_total"
         out.with_suffix(".txt").write_text(prof.key_averages().table(sort_by=key, row_limit=40) + "\n")
 
@@ -357,7 +379,8 @@ def train_loop(
 
     `loss_fn(model, batch, rng)` returns the mean loss of one micro-batch; it must draw all
     randomness from `rng` (a `BatchRandom`). Checkpoints go to `ckpt_dir`; `resume` is None,
-    "latest" or a checkpoint path. On return the model holds the trained (not EMA) weights.
+    "latest" or a checkpoint path. On return the model holds the trained (not EMA) weights
+    (`use_ema_weights` puts the EMA's in).
     `lr_scale` maps parameter-name prefixes to learning-rate multipliers (their own AdamW
     param group; the warm-up applies to every group alike).
     """
@@ -380,7 +403,9 @@ def train_loop(
                                fused=use_fused_adamw(params, acc.device))
     warm = max(cfg.warmup_steps, 0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
-    ema = EMA(model, cfg.ema_decay, device="cpu" if cfg.ema_device == "cpu" else None, every=cfg.ema_every) if cfg.ema_decay > 0 else None
+    # the main process alone keeps the EMA (use_ema_weights: why, and how the others get its weights)
+    ema = (EMA(model, cfg.ema_decay, device="cpu" if cfg.ema_device == "cpu" else None, every=cfg.ema_every)
+           if cfg.ema_decay > 0 and acc.is_main_process else None)
 
     start, losses, skipped = 0, [], 0
     ckpt = resolve_resume(ckpt_dir, resume)
@@ -539,7 +564,7 @@ def train_loop(
               + (f", EMA pinning {ema.setup_s:.1f} s" if ema is not None and ema.setup_s else "")
               + (f", peak GPU {timing['peak_gpu_mem_gib']} GiB)" if memory.cuda else ")"))
     return LoopResult(steps=done if stopped_early else cfg.max_steps, final_loss=last_loss, losses=losses, ema=ema, skipped_steps=skipped,
-                      stopped_early=stopped_early, timing=timing)
+                      stopped_early=stopped_early, timing=timing, ema_enabled=cfg.ema_decay > 0)
 
 
 def _is_compiled(model) -> bool:

@@ -22,7 +22,7 @@ from pocketdiff.models import ModelConfig, check_resolution, count_params, load_
 from pocketdiff.report import img, plot_curves, save_grid, write_page
 from pocketdiff.sampling import generate
 
-from .loop import BatchRandom, LoopConfig, make_accelerator, train_loop
+from .loop import BatchRandom, LoopConfig, make_accelerator, train_loop, use_ema_weights
 from .losses import diffusion_loss, tokenize
 
 
@@ -163,8 +163,7 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
     result = train_loop(cfg.train, model=model, loss_fn=loss_fn, dataset=dataset, collate=collate,
                         ckpt_dir=out / "checkpoints" / "unet", seed=cfg.seed, resume=resume, desc="unet",
                         log_path=out / "logs.jsonl", accelerator=acc)
-    if result.ema is not None:
-        result.ema.copy_to(model)
+    use_ema_weights(result, model)
 
     # 4. outputs
     pipe.unet.eval()

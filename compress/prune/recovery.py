@@ -28,7 +28,7 @@ from torch import nn
 
 from pocketdiff.errors import require
 from pocketdiff.sampling import default_w_embedding_fn
-from pocketdiff.train.loop import BatchRandom, LoopConfig, train_loop
+from pocketdiff.train.loop import BatchRandom, LoopConfig, train_loop, use_ema_weights
 from pocketdiff.train.losses import diffusion_target, tokenize
 
 
@@ -169,8 +169,7 @@ def recover(
             tap_s.remove()
         if tap_t:
             tap_t.remove()
-    if result.ema is not None:
-        result.ema.copy_to(student)
+    use_ema_weights(result, student)
     student.eval()
     return {"steps": result.steps, "final_loss": result.final_loss, "losses": result.losses,
             "skipped_steps": result.skipped_steps, "last_loss_parts": dict(parts),

@@ -67,6 +67,13 @@ if [ -n "$last" ] && [ "${RESUMES:-1}" != 0 ]; then
 fi
 $PY $REPO/benchmarks/distill_sd21.py scaling --out $OUT/$NAME.json \
   --one $L/one --two $L/two --resumed $L/two_to_one --resumed $L/one_to_two --bench $L/bench.json --batch $BATCH "${ALT[@]}" $(for a in ${LATE//,/ }; do echo --late $a; done)
-tar czf $OUT/${NAME}_logs.tgz -C $L --exclude='*.safetensors' --exclude='*.pt' --exclude=cache . 2>/dev/null
+# profiler traces (train.profile_steps in EXTRA) come back on their own: the last round's, one per run and rank
+if [ -n "$last" ]; then
+  r=$(basename $last)
+  for t in one/profile/$r-rank0 two/profile/$r-rank0 two/profile/$r-rank1; do
+    [ -f $L/$t.json.gz ] && cp $L/$t.json.gz $OUT/${NAME}_trace_${t%%/*}_${t##*/}.json.gz
+  done
+fi
+tar czf $OUT/${NAME}_logs.tgz -C $L --exclude='*.safetensors' --exclude='*.pt' --exclude='*.json.gz' --exclude=cache . 2>/dev/null
 rm -rf $L
 echo "[$(date +%T)] done in $((SECONDS - T0)) s"

@@ -184,7 +184,9 @@ def test_step_reads_keep_the_newest_in_flight():
 def test_profile_steps_write_a_trace_of_steady_steps(tmp_path):
     cfg = LoopConfig(max_steps=7, batch_size=4, lr=1e-2, checkpoint_every=100, profile_steps=2)
     train_loop(cfg, model=make_model(), loss_fn=loss_fn, dataset=Toy(), collate=collate, ckpt_dir=tmp_path / "ckpt", seed=0, desc="p")
-    trace = json.loads((tmp_path / "profile" / "p-rank0.json").read_text())
+    import gzip
+
+    trace = json.loads(gzip.decompress((tmp_path / "profile" / "p-rank0.json.gz").read_bytes()))
     steps = {e["name"] for e in trace["traceEvents"] if e.get("name", "").startswith("ProfilerStep#")}
     assert steps == {"ProfilerStep#3", "ProfilerStep#4"}  # after 2 warm-up steps and the phase-timed one
     assert "Self CPU" in (tmp_path / "profile" / "p-rank0.txt").read_text()
@@ -224,14 +226,21 @@ from pathlib import Path
 import torch
 sys.path.insert(0, sys.argv[2])
 from test_loop import Toy, collate, loss_fn, make_model
-from pocketdiff.train.loop import LoopConfig, make_accelerator, train_loop
+from pocketdiff.train.loop import LoopConfig, make_accelerator, train_loop, use_ema_weights
 
 out = Path(sys.argv[1]) / os.environ["RANK"]
-cfg = LoopConfig(max_steps=2, batch_size=4, lr=1e-2, checkpoint_every=1, tensorboard=True, ddp_comm_hook="fp16")
+cfg = LoopConfig(max_steps=2, batch_size=4, lr=1e-2, checkpoint_every=1, tensorboard=True, ddp_comm_hook="fp16", ema_decay=0.5)
 acc = make_accelerator(cfg, out)
 for phase in ("first", "second"):  # as train-teacher (VAE, then UNet) and distill (rounds) share one
-    train_loop(cfg, model=make_model(), loss_fn=loss_fn, dataset=Toy(), collate=collate,
-               ckpt_dir=out / phase, seed=0, accelerator=acc, desc=phase)
+    model = make_model()
+    res = train_loop(cfg, model=model, loss_fn=loss_fn, dataset=Toy(), collate=collate,
+                     ckpt_dir=out / phase, seed=0, accelerator=acc, desc=phase)
+    trained = torch.cat([p.detach().flatten() for p in model.parameters()])
+    ema = None if res.ema is None else torch.cat([res.ema.shadow[n].flatten() for n, _ in model.named_parameters()])
+    use_ema_weights(res, model)  # the main process's shadow, broadcast
+    final = torch.cat([p.detach().flatten() for p in model.parameters()])
+    print(phase, "ema held", res.ema is not None, "moved", not torch.equal(final, trained),
+          "is shadow", ema is None or torch.equal(final, ema), "sum %.8e" % float(final.double().sum()))
 ddp = acc.prepare(make_model())
 print("world", acc.num_processes, torch.distributed.is_initialized(), type(ddp).__name__, ddp._get_ddp_logging_data().get("comm_hook"))
 '''
@@ -240,7 +249,8 @@ print("world", acc.num_processes, torch.distributed.is_initialized(), type(ddp).
 def test_loops_sharing_an_accelerator_keep_the_process_group(tmp_path):
     """With tensorboard on, a loop ends only its own trackers: the process group that the next
     loop of the same run (and its DDP) needs stays up. `train.ddp_comm_hook` reaches DDP (fp16
-    here: accelerate's bf16 hook needs NCCL)."""
+    here: accelerate's bf16 hook needs NCCL). Only the main process keeps an EMA, and
+    `use_ema_weights` leaves its weights on both."""
     import os
     import socket
     import subprocess
@@ -261,6 +271,12 @@ def test_loops_sharing_an_accelerator_keep_the_process_group(tmp_path):
     results = [(p.wait(timeout=300), p.stdout.read(), p.stderr.read()[-3000:]) for p in procs]
     assert [code for code, _, _ in results] == [0, 0], results
     assert all("world 2 True DistributedDataParallel fp16_compress_hook" in stdout for _, stdout, _ in results), results
+    # the EMA lives on the main process only; use_ema_weights gives every process its weights
+    for phase in ("first", "second"):
+        rows = [next(line for line in stdout.splitlines() if line.startswith(phase + " ")) for _, stdout, _ in results]
+        assert "ema held True" in rows[0] and "ema held False" in rows[1], rows
+        assert all("moved True" in r and "is shadow True" in r for r in rows), rows
+        assert rows[0].split("sum ")[1] == rows[1].split("sum ")[1], rows
 
 
 def test_lr_scale_gives_a_prefix_its_own_learning_rate(tmp_path):
