@@ -70,7 +70,7 @@ $PY $REPO/benchmarks/distill_sd21.py scaling --out $OUT/$NAME.json \
 # profiler traces (train.profile_steps in EXTRA) come back on their own: the last round's, one per run and rank
 if [ -n "$last" ]; then
   r=$(basename $last)
-  for t in one/profile/$r-rank0 two/profile/$r-rank0 two/profile/$r-rank1; do
+  for t in one/profile/$r-rank0 two/profile/$r-rank0 two/profile/$r-rank1 $(for a in ${ALT_TWO//,/ }; do echo two_${a%%:*}/profile/$r-rank0; done); do
     [ -f $L/$t.json.gz ] && cp $L/$t.json.gz $OUT/${NAME}_trace_${t%%/*}_${t##*/}.json.gz
   done
 fi
