@@ -41,7 +41,51 @@ def make_optimizer(groups: list[dict], *, name: str, lib: str, lr: float, weight
     except ImportError as e:
         raise PocketdiffError(f"train.optimizer=adamw8bit with train.optimizer_lib=bitsandbytes: bitsandbytes cannot be imported ({e}); "
                               "pip install bitsandbytes, or set train.optimizer_lib=torchao") from None
-    return bnb.optim.AdamW8bit(groups, lr=lr, weight_decay=weight_decay)
+    return _queued_adamw8bit(bnb)(groups, lr=lr, weight_decay=weight_decay)
+
+
+_BNB_STEP_PARTS = ("check_overrides", "to_gpu", "init_state", "update_step")  # the stock step's own parts
+
+
+def _queued_adamw8bit(bnb):
+    """bitsandbytes' AdamW8bit with a step that queues every parameter's update and returns.
+
+    Its own step calls torch.cuda.synchronize() after each parameter, which only paged optimizer
+    states need: at SD-2.1 size that is 687 host-device round trips per step, the GPU idle between
+    them and the host unable to run ahead into the next step (a profile of the SD-2.1 trainer
+    spent 59 ms of host time per step in the optimizer on one GPU, 97 ms per process on two).
+    The updates are kernels on the current stream, so stream order alone keeps them correct;
+    the same parameters, states and arithmetic as the stock step (tests/train/test_memory.py
+    compares them on a GPU). Paged states, or a bitsandbytes whose optimizer lacks the parts
+    used here, keep the stock step.
+    """
+    base = bnb.optim.AdamW8bit
+    if not all(hasattr(base, a) for a in _BNB_STEP_PARTS):
+        return base
+
+    class QueuedAdamW8bit(base):
+        @torch.no_grad()
+        def step(self, closure=None):
+            if getattr(self, "is_paged", True) or not hasattr(self, "initialized"):
+                return super().step(closure)
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            if not self.initialized:
+                self.check_overrides()
+                self.to_gpu()
+                self.initialized = True
+            for gindex, group in enumerate(self.param_groups):
+                for pindex, p in enumerate(group["params"]):
+                    if p.grad is None:
+                        continue
+                    if not self.state[p]:
+                        self.init_state(group, p, gindex, pindex)
+                    self.update_step(group, p, gindex, pindex)
+            return loss
+
+    return QueuedAdamW8bit
 
 
 def apply_memory_cap(cap_gib: float, device) -> Optional[float]:

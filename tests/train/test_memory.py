@@ -133,3 +133,31 @@ def test_full_disk_fails_before_the_save_and_keeps_the_last_checkpoint(tmp_path,
 
 def test_tensor_bytes_counts_8bit_state_by_its_inner_tensors():
     assert memory.tensor_bytes({"a": torch.zeros(10), "b": [torch.zeros(4, dtype=torch.uint8)]}) == 44
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="bitsandbytes' 8-bit kernels need a GPU")
+def test_queued_bitsandbytes_adamw8bit_matches_the_stock_step():
+    """The sync-free step updates parameters and states exactly as bitsandbytes' own step (with
+    8-bit block-wise states for the large tensor, 32-bit for the small ones)."""
+    import copy
+
+    bnb = pytest.importorskip("bitsandbytes")
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 8)).cuda()
+    queued, start = copy.deepcopy(ref), copy.deepcopy(ref)
+    opts = [bnb.optim.AdamW8bit(ref.parameters(), lr=1e-2, weight_decay=0.01),
+            memory.make_optimizer([{"params": list(queued.parameters())}], name="adamw8bit", lib="bitsandbytes",
+                                  lr=1e-2, weight_decay=0.01, fused=False)]
+    assert type(opts[1]).__name__ == "QueuedAdamW8bit"
+    for step in range(4):
+        x = torch.randn(32, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(step))
+        for model, opt in zip((ref, queued), opts):
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    for a, b, s in zip(ref.parameters(), queued.parameters(), start.parameters()):
+        assert torch.equal(a, b) and not torch.equal(a, s)
+    for pa, pb in zip(ref.parameters(), queued.parameters()):
+        sa, sb = opts[0].state[pa], opts[1].state[pb]
+        assert sa.keys() == sb.keys()
+        assert all(torch.equal(sa[k], sb[k]) for k in sa if isinstance(sa[k], torch.Tensor))
