@@ -242,7 +242,8 @@ for phase in ("first", "second"):  # as train-teacher (VAE, then UNet) and disti
     print(phase, "ema held", res.ema is not None, "moved", not torch.equal(final, trained),
           "is shadow", ema is None or torch.equal(final, ema), "sum %.8e" % float(final.double().sum()))
 ddp = acc.prepare(make_model())
-print("world", acc.num_processes, torch.distributed.is_initialized(), type(ddp).__name__, ddp._get_ddp_logging_data().get("comm_hook"))
+print("world", acc.num_processes, torch.distributed.is_initialized(), type(ddp).__name__, ddp._get_ddp_logging_data().get("comm_hook"),
+      "bucket_view", ddp.gradient_as_bucket_view)
 '''
 
 
@@ -270,7 +271,7 @@ def test_loops_sharing_an_accelerator_keep_the_process_group(tmp_path):
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     results = [(p.wait(timeout=300), p.stdout.read(), p.stderr.read()[-3000:]) for p in procs]
     assert [code for code, _, _ in results] == [0, 0], results
-    assert all("world 2 True DistributedDataParallel fp16_compress_hook" in stdout for _, stdout, _ in results), results
+    assert all("world 2 True DistributedDataParallel fp16_compress_hook bucket_view True" in stdout for _, stdout, _ in results), results
     # the EMA lives on the main process only; use_ema_weights gives every process its weights
     for phase in ("first", "second"):
         rows = [next(line for line in stdout.splitlines() if line.startswith(phase + " ")) for _, stdout, _ in results]
