@@ -11,6 +11,8 @@
 """
 from __future__ import annotations
 
+import functools
+
 import shutil
 from pathlib import Path
 from typing import Optional
@@ -47,6 +49,7 @@ def make_optimizer(groups: list[dict], *, name: str, lib: str, lr: float, weight
 _BNB_STEP_PARTS = ("check_overrides", "to_gpu", "init_state", "update_step")  # the stock step's own parts
 
 
+@functools.lru_cache(maxsize=None)
 def _queued_adamw8bit(bnb):
     """bitsandbytes' AdamW8bit with a step that queues every parameter's update and returns.
 

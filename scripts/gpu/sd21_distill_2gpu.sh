@@ -12,7 +12,9 @@
 #   1-GPU run's verb/bench ratio; empty: none) RESUMES=1 (0: no resume runs, the speed figures only)
 #   ALT_TWO=NAME:overrides,... (more 2-GPU runs with overrides joined by ';', e.g. bf16:progressive.train.ddp_comm_hook=bf16:
 #   each one's weak-scaling efficiency against the same 1-GPU run) LATE=5,10 (the rates over the log windows past these
-#   steps too: the 2-GPU run's steps 3-5 are still warming up)
+#   steps too: the 2-GPU run's steps 3-5 are still warming up). With progressive.train.profile_steps=N in EXTRA, the last
+#   round's traces come back as $OUT/${NAME}_trace_<run>_<round>-rank<r>.json.gz (1-GPU rank 0, 2-GPU ranks 0 and 1, each
+#   ALT_TWO run's rank 0; ~6 MB each): python benchmarks/trace_summary.py on them
 set -u
 T0=$SECONDS; BUDGET=${BUDGET:-530}
 left() { echo $(( BUDGET - (SECONDS - T0) )); }
