@@ -28,6 +28,11 @@ import numpy as np
 
 from pocketdiff.errors import PocketdiffError, require
 
+# ops whose large activation inputs Choi et al. saw fail on the Galaxy S23 delegate, and the input
+# size of their failing conv (32 x 32 x 1920 at fp16); reported per component beside the budgets
+CONV_LIKE = ("CONV_2D", "DEPTHWISE_CONV_2D", "TRANSPOSE_CONV", "FULLY_CONNECTED")
+CHOI_FAILING_CONV_INPUT_MB = 32 * 32 * 1920 * 2 / 2**20
+
 PROFILES = {
     "none": {"max_tensor_mb": None, "op_activation_mb": None},
     "phone": {"max_tensor_mb": 64.0, "op_activation_mb": 3.5},
@@ -57,7 +62,9 @@ class DeviceProfile:
 
 
 def graph_memory(path: str | Path, activation_bytes: int = 2) -> dict:
-    """Largest non-constant tensor and heaviest op (non-constant inputs + outputs) of a .tflite."""
+    """Largest non-constant tensor and heaviest op (non-constant inputs + outputs) of a .tflite; and,
+    for conv-like ops, the largest activation input and how many convs take an input at least as
+    large as Choi et al.'s failing one (what `rewrites.conv_budget_mb` serializes)."""
     from .delegate import module_from_location
     from .tflite_file import TfliteModel
 
@@ -71,14 +78,24 @@ def graph_memory(path: str | Path, activation_bytes: int = 2) -> dict:
             continue
         sizes[i] = int(np.prod([int(s) for s in t.shape])) if len(t.shape) else 1
     big = max(sizes, key=sizes.get) if sizes else None
-    heavy, heavy_n = None, 0
+    heavy, heavy_n, conv, conv_n, convs_over = None, 0, None, 0, 0
     for op in g.operators or []:
-        ids = [int(i) for i in list(op.inputs if op.inputs is not None else []) + list(op.outputs if op.outputs is not None else []) if int(i) >= 0]
+        ins = [int(i) for i in (op.inputs if op.inputs is not None else []) if int(i) >= 0]
+        ids = ins + [int(i) for i in (op.outputs if op.outputs is not None else []) if int(i) >= 0]
         n = sum(sizes.get(i, 0) for i in ids)
         if n > heavy_n:
             heavy, heavy_n = op, n
+        if m.op_name(op) in CONV_LIKE:
+            x = max((sizes.get(i, 0) for i in ins), default=0)
+            convs_over += x * activation_bytes > CHOI_FAILING_CONV_INPUT_MB * 2**20
+            if x > conv_n:
+                conv, conv_n = op, x
     mb = activation_bytes / 2**20
     return {
+        # the figure Choi et al.'s failing conv is stated in (its input alone), for conv-like ops
+        "largest_conv_input_mb": round(conv_n * mb, 3),
+        "largest_conv_input": (m.op_name(conv) + " " + module_from_location(m.tensor_name(int(conv.outputs[0])))) if conv is not None else "",
+        "convs_over_choi_failing_input": int(convs_over),
         "largest_tensor_mb": round(sizes[big] * mb, 3) if big is not None else 0.0,
         "largest_tensor": module_from_location(m.tensor_name(big)) if big is not None else "",
         "largest_tensor_shape": [int(s) for s in g.tensors[big].shape] if big is not None else [],

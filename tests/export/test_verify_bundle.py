@@ -134,6 +134,9 @@ def test_device_profile_reports_and_enforces_budgets(bundle):
     phone = check_component("text_encoder", path, DeviceProfile("phone"))
     assert phone["over_budget"] == [] and phone["budgets"] == {"max_tensor_mb": 64.0, "op_activation_mb": 3.5}
     assert phone["largest_tensor_mb"] > 0 and phone["largest_tensor_shape"]
+    # the text encoder's 1x1 convs (its Linear layers) take its widest activations: well under Choi et al.'s 3.75 MB
+    assert 0 < phone["largest_conv_input_mb"] <= phone["largest_tensor_mb"] and phone["largest_conv_input"].startswith("CONV_2D")
+    assert phone["convs_over_choi_failing_input"] == 0
     tight = DeviceProfile("phone", max_tensor_mb=phone["largest_tensor_mb"] / 2)
     assert "device_profile.max_tensor_mb" in check_component("text_encoder", path, tight)["over_budget"][0]
     with pytest.raises(PocketdiffError, match="text_encoder: over the 'phone' device profile: largest tensor"):
