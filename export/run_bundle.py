@@ -68,7 +68,7 @@ class _Loaded:
             opts = Options(hardware_accelerators=HardwareAccelerator.GPU, gpu_options=GpuOptions())
         else:
             opts = Options(hardware_accelerators=HardwareAccelerator.CPU)
-        self.name = name
+        self.name, self.entry = name, entry
         self.bytes = int(entry.get("bytes") or Path(entry["_path"]).stat().st_size)
         self.model = CompiledModel.from_file(path, options=opts)
         self.fully_accelerated = bool(self.model.is_fully_accelerated()) if accelerator == "gpu" else False
@@ -140,11 +140,13 @@ def tiled_decode_bundle(head: _Loaded, up: _Loaded, block: dict, latents: np.nda
     the manifest's vae_tiling block (tile, overlap, passes, factor, norms [K, G], margin, scheme)."""
     from .tiled_decode import tiled_decode_with_stats
 
-    up_sizes = {int(np.prod(up.out_details[n]["shape"])): i for i, n in enumerate(up.out_names)}
     K, G = (int(v) for v in block["norms"])
-    sums_at = up_sizes.get(K * 5 * G)
-    if len(up.out_names) != 2 or sums_at is None:
-        raise PocketdiffError(f"vae_up_tile: outputs {up.out_names} are not (pixels, sums [{K}, 5, {G}])")
+    # the manifest declares (pixels, sums) in that order, with their shapes (export/manifest_check.py) and
+    # the .tflite's names (check_component_io); the signature may list them in either order
+    declared = [o.get("name") for o in up.entry.get("outputs") or []]
+    if len(declared) != 2 or sorted(declared) != sorted(up.out_names):
+        raise PocketdiffError(f"vae_up_tile: outputs {up.out_names} in the .tflite, the manifest declares (pixels, sums) as {declared}")
+    sums_at = up.out_names.index(declared[1])
     calls = {"head": 0.0, "up": 0.0, "up_calls": 0}
 
     def run_head(z):
