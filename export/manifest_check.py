@@ -16,9 +16,8 @@ each .tflite is a whole flatbuffer. This module checks what the runner relies on
   (shape, dtype) equals the manifest's.
 
 `manifest_problems` lists every problem found; `check_bundle` (run-bundle) raises the first
-as one line naming the field or file and the check. `verify-bundle` (issue 18) goes component
-by component through `check_manifest_fields`, `check_component_io` and `load_golden`, which
-raise `BundleCheckError(component, check, detail)`. numpy and the LiteRT flatbuffer schema
+as one line naming the field or file and the check; `verify-bundle` maps each problem to its
+component (`BundleCheckError(component, check, detail)`, as `check_component_io` raises). numpy and the LiteRT flatbuffer schema
 only: no torch, the runner's footprint.
 """
 from __future__ import annotations
@@ -36,8 +35,6 @@ from .tiled_decode import SCHEMES as TILING_SCHEMES
 
 RUNNER_COMPONENTS = ("text_encoder", "unet", "vae_decoder")
 TILED_DECODER = ("vae_decoder_head", "vae_up_tile")
-REQUIRED_SECTIONS = ("image", "latent", "guidance", "scheduler", "tokenizer", "components")
-PRECISIONS = ("fp16", "fp32")
 SPACINGS = ("leading", "trailing", "linspace")
 PREDICTION_TYPES = ("epsilon", "v_prediction")
 GUIDANCE_BATCH = {"cfg": 2, "embedded": 1, "none": 1}
@@ -549,37 +546,6 @@ def _io_list(entry: Any, component: str, key: str) -> list[dict]:
     return items
 
 
-def check_manifest_fields(manifest: dict) -> None:
-    """The sections and fields a runner reads (no file access): every field check above, then
-    each component's io lists and golden tolerances. Raises BundleCheckError on the first."""
-    for sec in REQUIRED_SECTIONS:
-        if sec not in manifest:
-            raise BundleCheckError("manifest", "fields", f"missing section '{sec}'")
-    found = _Found()
-    for check in FIELD_CHECKS:
-        check(manifest, found)
-    if found.items:
-        p = found.items[0]
-        raise BundleCheckError("tokenizer" if p.where.startswith("tokenizer") else "manifest", "fields",
-                               f"{p.where}: {p.message} ({p.check} check)")
-    comps = manifest["components"]
-    if not isinstance(comps, dict) or not comps:
-        raise BundleCheckError("manifest", "fields", "components must name at least one component")
-    for name, entry in comps.items():
-        if not isinstance(entry, dict):
-            raise BundleCheckError(name, "manifest", "entry must be an object")
-        _io_list(entry, name, "inputs")
-        _io_list(entry, name, "outputs")
-        golden = entry.get("golden")
-        if golden is not None:
-            tol = golden.get("tolerances") if isinstance(golden, dict) else None
-            if not isinstance(tol, dict):
-                raise BundleCheckError(name, "manifest", "golden.tolerances missing")
-            for p, th in tol.items():
-                if p not in PRECISIONS or not isinstance(th, dict) or not {"cosine_min", "psnr_min_db"} <= set(th):
-                    raise BundleCheckError(name, "manifest", f"golden.tolerances.{p} must be fp16/fp32 with cosine_min and psnr_min_db")
-
-
 def tflite_io(path: str | Path) -> dict[str, list[dict]]:
     """{"inputs": [...], "outputs": [...]} of a .tflite's first signature: name, shape, dtype."""
     ins, outs = tflite_signature(path)
@@ -606,33 +572,3 @@ def check_component_io(name: str, entry: dict, path: Optional[str | Path] = None
             if np.dtype(g["dtype"]) != np.dtype(w["dtype"]):
                 raise BundleCheckError(name, "io", f"{label} has dtype {g['dtype']} in the .tflite, manifest says {w['dtype']}")
     return io
-
-
-def load_golden(name: str, entry: dict) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """(inputs by manifest name, reference output) of a component's golden file, checked
-    against the manifest's io."""
-    golden = entry.get("golden")
-    if not golden or "_path" not in golden:
-        raise BundleCheckError(name, "golden", "the manifest lists no golden file")
-    try:
-        data = np.load(golden["_path"], allow_pickle=False)
-    except (OSError, ValueError) as e:
-        raise BundleCheckError(name, "golden", f"{golden.get('path')} does not load ({type(e).__name__}: {e})") from None
-    with data:
-        inputs = {}
-        for i in entry["inputs"]:
-            key = f"input_{i['name']}"
-            if key not in data.files:
-                raise BundleCheckError(name, "golden", f"{golden.get('path')} has no {key}")
-            a = data[key]
-            if list(a.shape) != list(i["shape"]):
-                raise BundleCheckError(name, "golden", f"{key} has shape {list(a.shape)}, manifest says {i['shape']}")
-            inputs[i["name"]] = a
-        if "output_0" not in data.files:
-            raise BundleCheckError(name, "golden", f"{golden.get('path')} has no output_0")
-        ref = data["output_0"]
-    if list(ref.shape) != list(entry["outputs"][0]["shape"]):
-        raise BundleCheckError(name, "golden", f"output_0 has shape {list(ref.shape)}, manifest says {entry['outputs'][0]['shape']}")
-    if not np.isfinite(ref).all():
-        raise BundleCheckError(name, "golden", "the reference output holds NaN/Inf")
-    return inputs, ref

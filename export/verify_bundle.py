@@ -3,7 +3,7 @@
 Needs only the bundle, numpy and ai-edge-litert (no torch: a GPU machine or phone-lab box with
 just the runtime can run it). Per component, in order, each a named check:
 
-  manifest   the fields and types a runner reads (`manifest_check.check_manifest_fields`)
+  manifest   the fields and types a runner reads (`manifest_check.manifest_problems`)
   files      every listed file present, sha256 equal, the .tflite complete
   io         input/output names, shapes and dtypes of the .tflite equal the manifest's
   golden     the golden .npz matches the manifest's io and is finite
