@@ -3,8 +3,9 @@ images from it.
 
 `pocketdiff.evaluate` (``kind: bundle``) comes through here, never through the CLI's verb
 table or the runner's internals. Both functions take a bundle folder made by
-`pocketdiff export`; the images come from the reference runner (`run_bundle.generate`:
-the bundle's .tflite files on ai-edge-litert, the LiteRT GPU delegate by default).
+`pocketdiff export`; the images come from the reference runner (`run_bundle.BundleRunner`,
+which loads the models once for all prompts: the bundle's .tflite files on ai-edge-litert, the
+LiteRT GPU delegate by default).
 
 A bundle is fixed at export: its step count, resolution and, for an ``embedded`` or ``none``
 guidance bundle, its guidance scale. Asking for another one is an error naming the value
@@ -69,7 +70,7 @@ def generate_images(bundle: str | Path, prompts: Sequence[str], *, steps: int, g
     ignored by ``none`` (one conditional pass, as for pipelines). Noise comes from numpy's
     generator (the runner's), so a seed gives other noise than the torch pipelines.
     Raises PocketdiffError when an image is not finite."""
-    from .run_bundle import generate
+    from .run_bundle import BundleRunner
 
     info = bundle_info(bundle)
     _check_request(info, steps, guidance_scale, resolution)
@@ -77,11 +78,12 @@ def generate_images(bundle: str | Path, prompts: Sequence[str], *, steps: int, g
     if info.guidance_mode == "cfg":
         man["guidance"] = {**man["guidance"], "scale": float(guidance_scale)}
     images = []
-    for i, prompt in enumerate(prompts):
-        image, stats = generate(bundle, prompt, seed=seed + i, accelerator=accelerator, manifest=man)
-        if not stats["finite"]:
-            raise PocketdiffError(f"bundle {info.path}: NaN/Inf in the image of prompt {i} ({prompt!r}, {accelerator})")
-        images.append(np.ascontiguousarray(image.transpose(2, 0, 1), dtype=np.float32))
+    with BundleRunner(bundle, accelerator, manifest=man) as runner:  # the models load once for all prompts
+        for i, prompt in enumerate(prompts):
+            image, stats = runner.run(prompt, seed=seed + i)
+            if not stats["finite"]:
+                raise PocketdiffError(f"bundle {info.path}: NaN/Inf in the image of prompt {i} ({prompt!r}, {accelerator})")
+            images.append(np.ascontiguousarray(image.transpose(2, 0, 1), dtype=np.float32))
     if not images:
         return np.zeros((0, 3, info.resolution, info.resolution), np.float32)
     return np.stack(images)

@@ -185,6 +185,167 @@ def ddim_step(x: np.ndarray, out: np.ndarray, a_t: float, a_prev: float, predict
     return (np.sqrt(a_prev) * x0 + np.sqrt(1.0 - a_prev) * eps).astype(np.float32)
 
 
+class BundleRunner:
+    """A bundle's models, loaded once, for any number of prompts (`run`); `close()` (or a `with`
+    block) frees them.
+
+    Plain: every model is loaded at the first prompt and stays. `pipelined`: the UNet stays and the
+    text encoder (loaded in a thread while the UNet compiles) and the decoder (loaded during the
+    last denoising step) are loaded and freed around each prompt, so at most the UNet and one other
+    model are resident (Choi et al.'s pipelined loading).
+    """
+
+    def __init__(self, bundle: str | Path, accelerator: str = "gpu", pipelined: bool = False, manifest: Optional[dict] = None):
+        if accelerator not in ("cpu", "gpu"):
+            raise PocketdiffError(f"accelerator must be cpu or gpu, got {accelerator!r}")
+        self.bundle, self.accelerator, self.pipelined = bundle, accelerator, pipelined
+        self.man = manifest or check_bundle(bundle)  # fields, sizes and every .tflite's signature, before anything runs
+        self.comps = self.man["components"]
+        self.decoder = decoder_components(self.man)
+        for need in ("text_encoder", "unet", *self.decoder):
+            if need not in self.comps:
+                raise PocketdiffError(f"bundle {bundle}: has no {need} (exported with components={list(self.comps)})")
+        self.driver = "n/a"
+        if accelerator == "gpu":
+            from .delegate import prepare_in_process
+
+            self.driver = prepare_in_process()
+        self.loaded: dict[str, _Loaded] = {}
+        self.accelerated: dict[str, bool] = {}  # every model loaded so far: fully on the GPU delegate
+        self.res = _Residency()
+
+    def __enter__(self) -> "BundleRunner":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for name in list(self.loaded):
+            self._release(name)
+
+    def _load(self, name: str, latency: dict) -> _Loaded:
+        if name not in self.loaded:
+            m = _Loaded(name, self.comps[name], self.accelerator)
+            self.res.add(m.bytes)
+            self.loaded[name] = m
+            self.accelerated[name] = m.fully_accelerated
+            latency[f"{name}_load"] = m.load_s
+        return self.loaded[name]
+
+    def _release(self, name: str) -> None:
+        m = self.loaded.pop(name, None)
+        if m is not None:
+            m.close()
+            self.res.sub(m.bytes)
+
+    def run(self, prompt: str, seed: int = 0, init_latents: Optional[np.ndarray] = None) -> tuple[np.ndarray, dict]:
+        """One prompt: (image [H, W, 3] float32 in [0, 1], stats). Loads what is not resident;
+        `latency_s` holds this prompt's loads and runs only."""
+        man, decoder, pipelined = self.man, self.decoder, self.pipelined
+        sched, guidance, lat, tok = man["scheduler"], man["guidance"], man["latent"], man["tokenizer"]
+        B = int(guidance["unet_batch"])
+        latency: dict = {}
+        stats: dict = {"latency_s": latency, "driver": self.driver}
+        t_total = time.perf_counter()
+
+        # tokenizer
+        t0 = time.perf_counter()
+        tok_json = tok["files"]["tokenizer.json"]["_path"]
+        ids = bundle_tokenize(tok_json, prompt, tok)
+        ids_empty = bundle_tokenize(tok_json, "", tok) if B == 2 else None
+        latency["tokenize"] = time.perf_counter() - t0
+
+        text: dict = {}
+        errors: list[BaseException] = []
+
+        def encode() -> None:
+            try:
+                te = self._load("text_encoder", latency)
+                before = len(te.run_s)
+                text["cond"] = te({"input_ids": ids[None]})
+                if ids_empty is not None:
+                    text["uncond"] = te({"input_ids": ids_empty[None]})
+                latency["text_encoder_run"] = float(sum(te.run_s[before:]))
+                if pipelined:
+                    self._release("text_encoder")
+            except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
+                errors.append(e)
+
+        if pipelined:
+            th = threading.Thread(target=encode, name="text-encoder")
+            th.start()
+            unet = self._load("unet", latency)
+            th.join()
+        else:
+            self._load("text_encoder", latency)
+            unet = self._load("unet", latency)
+            for name in decoder:
+                self._load(name, latency)
+            encode()
+        if errors:
+            raise errors[0]
+        ehs = np.concatenate([text["uncond"], text["cond"]]) if B == 2 else text["cond"]
+
+        # denoising
+        shape = (1, int(lat["channels"]), int(lat["height"]), int(lat["width"]))
+        x = np.random.default_rng(seed).standard_normal(shape).astype(np.float32) if init_latents is None else np.asarray(init_latents, np.float32).reshape(shape)
+        table = np.load(man["time_embedding"]["_path"]) if man.get("time_embedding") else None
+        T = int(sched["num_train_timesteps"])
+        steps = int(sched["steps"])
+        alphas = np.asarray(sched["alphas_cumprod"], dtype=np.float64)
+        final = float(sched["final_alpha_cumprod"])
+        scale = float(guidance["scale"])
+        dec_thread = None
+        n = len(sched["timesteps"])
+        unet_before = len(unet.run_s)
+        for i, t in enumerate(sched["timesteps"]):
+            if pipelined and i == n - 1 and decoder[0] not in self.loaded:
+                dec_thread = threading.Thread(target=lambda: [_safe(lambda d: self._load(d, latency), d, errors) for d in decoder],
+                                              name="decoder")
+                dec_thread.start()
+            x_in = np.concatenate([x] * B) if B > 1 else x
+            feeds = {"sample": x_in}
+            if table is not None:
+                feeds["timestep"] = np.repeat(table[int(t)][None], B, axis=0)
+            else:
+                feeds["timestep"] = np.full((B,), float(t), dtype=np.float32)
+            feeds["encoder_hidden_states"] = ehs
+            out = unet(feeds)
+            if B == 2:
+                out = out[0:1] + scale * (out[1:2] - out[0:1])
+            prev = int(t) - T // steps
+            a_t = float(alphas[int(t)])
+            a_prev = float(alphas[prev]) if prev >= 0 else final
+            x = ddim_step(x, out, a_t, a_prev, sched["prediction_type"])
+        runs = unet.run_s[unet_before:]
+        latency["unet_steps"] = float(sum(runs))
+        latency["unet_step_mean"] = float(np.mean(runs)) if runs else 0.0
+        if dec_thread is not None:
+            dec_thread.join()
+        if errors:
+            raise errors[0]
+        if decoder == TILED_DECODER:
+            pixels, timing = tiled_decode_bundle(self.loaded[decoder[0]], self.loaded[decoder[1]], man["vae_tiling"], x)
+            image = pixels[0].transpose(1, 2, 0)
+            latency.update(timing["latency_s"])
+            stats["vae_up_tile_calls"] = timing["up_tile_calls"]
+        else:
+            dec = self.loaded["vae_decoder"]
+            before = len(dec.run_s)
+            image = dec({"latents": x})[0].transpose(1, 2, 0)
+            latency["vae_decoder_run"] = float(sum(dec.run_s[before:]))
+        stats["fully_accelerated"] = self.accelerator == "gpu" and all(self.accelerated.values()) and bool(text)
+        stats["fully_accelerated_by_component"] = dict(self.accelerated)
+        if pipelined:
+            for name in decoder:
+                self._release(name)  # the UNet stays resident for the next prompt
+        latency["total"] = time.perf_counter() - t_total
+        stats["peak_model_mb"] = self.res.peak / 2**20
+        stats["finite"] = bool(np.isfinite(image).all())
+        return np.clip(image, 0.0, 1.0), stats
+
+
 def generate(
     bundle: str | Path,
     prompt: str,
@@ -194,136 +355,10 @@ def generate(
     init_latents: Optional[np.ndarray] = None,
     manifest: Optional[dict] = None,
 ) -> tuple[np.ndarray, dict]:
-    """Run the bundle: (image [H, W, 3] float32 in [0, 1], stats)."""
-    if accelerator not in ("cpu", "gpu"):
-        raise PocketdiffError(f"accelerator must be cpu or gpu, got {accelerator!r}")
-    man = manifest or check_bundle(bundle)  # fields, sizes and every .tflite's signature, before anything runs
-    comps = man["components"]
-    decoder = decoder_components(man)
-    for need in ("text_encoder", "unet", *decoder):
-        if need not in comps:
-            raise PocketdiffError(f"bundle {bundle}: has no {need} (exported with components={list(comps)})")
-    driver = "n/a"
-    if accelerator == "gpu":
-        from .delegate import prepare_in_process
-
-        driver = prepare_in_process()
-    sched = man["scheduler"]
-    guidance = man["guidance"]
-    lat = man["latent"]
-    tok = man["tokenizer"]
-    B = int(guidance["unet_batch"])
-    stats: dict = {"latency_s": {}, "driver": driver}
-    res = _Residency()
-    t_total = time.perf_counter()
-
-    # tokenizer
-    t0 = time.perf_counter()
-    tok_json = tok["files"]["tokenizer.json"]["_path"]
-    ids = bundle_tokenize(tok_json, prompt, tok)
-    ids_empty = bundle_tokenize(tok_json, "", tok) if B == 2 else None
-    stats["latency_s"]["tokenize"] = time.perf_counter() - t0
-
-    loaded: dict[str, _Loaded] = {}
-
-    def load(name: str) -> _Loaded:
-        m = _Loaded(name, comps[name], accelerator)
-        res.add(m.bytes)
-        loaded[name] = m
-        stats["latency_s"][f"{name}_load"] = m.load_s
-        return m
-
-    def release(name: str) -> None:
-        m = loaded.pop(name, None)
-        if m is not None:
-            m.close()
-            res.sub(m.bytes)
-
-    text: dict = {}
-    errors: list[BaseException] = []
-
-    def encode() -> None:
-        try:
-            te = load("text_encoder") if "text_encoder" not in loaded else loaded["text_encoder"]
-            text["cond"] = te({"input_ids": ids[None]})
-            if ids_empty is not None:
-                text["uncond"] = te({"input_ids": ids_empty[None]})
-            stats["latency_s"]["text_encoder_run"] = float(sum(te.run_s))
-            if pipelined:
-                release("text_encoder")
-        except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
-            errors.append(e)
-
-    if pipelined:
-        th = threading.Thread(target=encode, name="text-encoder")
-        th.start()
-        unet = load("unet")
-        th.join()
-    else:
-        load("text_encoder")
-        unet = load("unet")
-        for name in decoder:
-            load(name)
-        encode()
-    if errors:
-        raise errors[0]
-    ehs = np.concatenate([text["uncond"], text["cond"]]) if B == 2 else text["cond"]
-
-    # denoising
-    shape = (1, int(lat["channels"]), int(lat["height"]), int(lat["width"]))
-    x = np.random.default_rng(seed).standard_normal(shape).astype(np.float32) if init_latents is None else np.asarray(init_latents, np.float32).reshape(shape)
-    table = np.load(man["time_embedding"]["_path"]) if man.get("time_embedding") else None
-    T = int(sched["num_train_timesteps"])
-    steps = int(sched["steps"])
-    alphas = np.asarray(sched["alphas_cumprod"], dtype=np.float64)
-    final = float(sched["final_alpha_cumprod"])
-    scale = float(guidance["scale"])
-    dec_thread = None
-    n = len(sched["timesteps"])
-    for i, t in enumerate(sched["timesteps"]):
-        if pipelined and i == n - 1 and decoder[0] not in loaded:
-            dec_thread = threading.Thread(target=lambda: [_safe(load, d, errors) for d in decoder], name="decoder")
-            dec_thread.start()
-        x_in = np.concatenate([x] * B) if B > 1 else x
-        feeds = {"sample": x_in}
-        if table is not None:
-            feeds["timestep"] = np.repeat(table[int(t)][None], B, axis=0)
-        else:
-            feeds["timestep"] = np.full((B,), float(t), dtype=np.float32)
-        feeds["encoder_hidden_states"] = ehs
-        out = unet(feeds)
-        if B == 2:
-            out = out[0:1] + scale * (out[1:2] - out[0:1])
-        prev = int(t) - T // steps
-        a_t = float(alphas[int(t)])
-        a_prev = float(alphas[prev]) if prev >= 0 else final
-        x = ddim_step(x, out, a_t, a_prev, sched["prediction_type"])
-    stats["latency_s"]["unet_steps"] = float(sum(unet.run_s))
-    stats["latency_s"]["unet_step_mean"] = float(np.mean(unet.run_s)) if unet.run_s else 0.0
-    if dec_thread is not None:
-        dec_thread.join()
-    if errors:
-        raise errors[0]
-    if decoder == TILED_DECODER:
-        pixels, timing = tiled_decode_bundle(loaded[decoder[0]], loaded[decoder[1]], man["vae_tiling"], x)
-        image = pixels[0].transpose(1, 2, 0)
-        stats["latency_s"].update(timing["latency_s"])
-        stats["vae_up_tile_calls"] = timing["up_tile_calls"]
-    else:
-        dec = loaded["vae_decoder"]
-        image = dec({"latents": x})[0].transpose(1, 2, 0)
-        stats["latency_s"]["vae_decoder_run"] = float(sum(dec.run_s))
-    stats["fully_accelerated"] = accelerator == "gpu" and all(m.fully_accelerated for m in loaded.values()) and bool(text)
-    stats["fully_accelerated_by_component"] = {k: m.fully_accelerated for k, m in loaded.items()}
-    if pipelined:
-        for name in decoder:
-            release(name)  # the UNet stays resident for the next prompt
-    stats["latency_s"]["total"] = time.perf_counter() - t_total
-    stats["peak_model_mb"] = res.peak / 2**20
-    stats["finite"] = bool(np.isfinite(image).all())
-    for name in list(loaded):
-        release(name)
-    return np.clip(image, 0.0, 1.0), stats
+    """Run the bundle for one prompt: (image [H, W, 3] float32 in [0, 1], stats). Loads and frees
+    every model; for several prompts, `BundleRunner` loads them once."""
+    with BundleRunner(bundle, accelerator, pipelined, manifest) as runner:
+        return runner.run(prompt, seed=seed, init_latents=init_latents)
 
 
 def _safe(fn, arg, errors):

@@ -185,6 +185,28 @@ def test_bundle_image_matches_the_torch_pipeline(exported):
     assert stats["finite"] and m["cosine"] > 0.999 and m["psnr_db"] > 30, m
 
 
+def test_bundle_runner_loads_once_for_several_prompts(exported):
+    """Plain: every model loads at the first prompt only; pipelined: the UNet stays, the text
+    encoder and decoder load again per prompt. Images equal one-shot `generate`'s."""
+    from pocketdiff.export.run_bundle import BundleRunner, generate
+
+    out = exported["out"]
+    ref, _ = generate(out, "a blue star", seed=3, accelerator="cpu")
+    for pipelined in (False, True):
+        with BundleRunner(out, "cpu", pipelined=pipelined) as runner:
+            first = runner.run("a red circle", seed=2)[1]
+            image, second = runner.run("a blue star", seed=3)
+            resident = set(runner.loaded)
+        loads = lambda st: sorted(k[: -len("_load")] for k in st["latency_s"] if k.endswith("_load"))  # noqa: E731
+        assert loads(first) == ["text_encoder", "unet", "vae_decoder"]
+        assert loads(second) == (["text_encoder", "vae_decoder"] if pipelined else [])
+        assert resident == ({"unet"} if pipelined else {"text_encoder", "unet", "vae_decoder"})
+        assert second["latency_s"]["unet_step_mean"] > 0 and second["finite"]
+        assert set(second["fully_accelerated_by_component"]) == {"text_encoder", "unet", "vae_decoder"}
+        assert np.abs(image - ref).max() < 1e-5
+    assert not runner.loaded  # closed by the with block
+
+
 def _copy_bundle(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst, ignore=shutil.ignore_patterns("_export"))
     return dst
