@@ -31,16 +31,24 @@ from pocketdiff.errors import PocketdiffError
 from .manifest_check import TILED_DECODER, check_bundle, decoder_components
 
 
-def bundle_tokenize(tokenizer_json: str | Path, prompt: str, tok: dict) -> np.ndarray:
-    """ids [max_length] int32, as CLIPTokenizer(padding="max_length", truncation=True) gives them."""
+def bundle_tokenizer(tokenizer_json: str | Path, tok: dict):
+    """The bundle's `tokenizers.Tokenizer`, padding and truncating to the manifest's max_length."""
     from tokenizers import Tokenizer
 
     t = Tokenizer.from_file(str(tokenizer_json))
     L = int(tok["max_length"])
     t.enable_truncation(max_length=L)
     t.enable_padding(length=L, pad_id=int(tok["pad_id"]), pad_token=str(tok.get("pad_token", "")))
-    ids = t.encode(prompt).ids
-    return np.asarray(ids[:L], dtype=np.int32)
+    return t
+
+
+def _ids(tokenizer, prompt: str, tok: dict) -> np.ndarray:
+    return np.asarray(tokenizer.encode(prompt).ids[: int(tok["max_length"])], dtype=np.int32)
+
+
+def bundle_tokenize(tokenizer_json: str | Path, prompt: str, tok: dict) -> np.ndarray:
+    """ids [max_length] int32, as CLIPTokenizer(padding="max_length", truncation=True) gives them."""
+    return _ids(bundle_tokenizer(tokenizer_json, tok), prompt, tok)
 
 
 def _np_dtype(name: str):
@@ -213,6 +221,11 @@ class BundleRunner:
         self.loaded: dict[str, _Loaded] = {}
         self.accelerated: dict[str, bool] = {}  # every model loaded so far: fully on the GPU delegate
         self.res = _Residency()
+        # what every prompt shares, read once: the tokenizer, the unconditional ids (CFG), the time-embedding table
+        tok = self.man["tokenizer"]
+        self.tokenizer = bundle_tokenizer(tok["files"]["tokenizer.json"]["_path"], tok)
+        self.ids_empty = _ids(self.tokenizer, "", tok) if int(self.man["guidance"]["unet_batch"]) == 2 else None
+        self.table = np.load(self.man["time_embedding"]["_path"]) if self.man.get("time_embedding") else None
 
     def __enter__(self) -> "BundleRunner":
         return self
@@ -251,9 +264,7 @@ class BundleRunner:
 
         # tokenizer
         t0 = time.perf_counter()
-        tok_json = tok["files"]["tokenizer.json"]["_path"]
-        ids = bundle_tokenize(tok_json, prompt, tok)
-        ids_empty = bundle_tokenize(tok_json, "", tok) if B == 2 else None
+        ids, ids_empty = _ids(self.tokenizer, prompt, tok), self.ids_empty
         latency["tokenize"] = time.perf_counter() - t0
 
         text: dict = {}
@@ -290,7 +301,7 @@ class BundleRunner:
         # denoising
         shape = (1, int(lat["channels"]), int(lat["height"]), int(lat["width"]))
         x = np.random.default_rng(seed).standard_normal(shape).astype(np.float32) if init_latents is None else np.asarray(init_latents, np.float32).reshape(shape)
-        table = np.load(man["time_embedding"]["_path"]) if man.get("time_embedding") else None
+        table = self.table
         T = int(sched["num_train_timesteps"])
         steps = int(sched["steps"])
         alphas = np.asarray(sched["alphas_cumprod"], dtype=np.float64)
