@@ -191,7 +191,8 @@ def use_ema_weights(result: LoopResult, model: torch.nn.Module) -> None:
     if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         with torch.no_grad():
             for p in model.parameters():
-                torch.distributed.broadcast(p.data, src=0)
+                if p.requires_grad:  # what the EMA averages; frozen parameters are equal everywhere already
+                    torch.distributed.broadcast(p.data, src=0)
 
 
 LossFn = Callable[[torch.nn.Module, dict, BatchRandom], torch.Tensor]
@@ -246,7 +247,7 @@ def step_profiler(steps: int, skip: int, out: Path, cuda: bool):
         out.parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(out.parent / f"{out.name}.json.gz"))
         key = "self_device_time_total" if cuda else "self_cpu_time_total"
-        out.with_suffix(".txt").write_text(prof.key_averages().table(sort_by=key, row_limit=40) + "\n")
+        (out.parent / f"{out.name}.txt").write_text(prof.key_averages().table(sort_by=key, row_limit=40) + "\n")
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     prof = profile(activities=activities, schedule=schedule(wait=max(skip - 1, 0), warmup=1, active=steps, repeat=1),
