@@ -227,6 +227,11 @@ def window_rate(rows: list[dict], round_index: int, batch, after_step: int):
     return samples / seconds if seconds else None
 
 
+def weak_scaling(one_gpu, two_gpus):
+    """Two processes' samples/s over twice one process's (None when either is missing)."""
+    return two_gpus / (2 * one_gpu) if one_gpu and two_gpus else None
+
+
 def scaling(args) -> int:
     one, two = read(Path(args.one) / "report.json"), read(Path(args.two) / "report.json")
     logs = {k: (log_rows(Path(d)), read_config(Path(d))) for k, d in (("one", args.one), ("two", args.two))} if args.late else {}
@@ -235,11 +240,11 @@ def scaling(args) -> int:
         s1, s2 = (a.get("timing") or {}).get("steady_samples_per_s"), (b.get("timing") or {}).get("steady_samples_per_s")
         rounds.append({"round": a["round"], "stage": a["stage"], "one_gpu_samples_per_s": s1, "two_gpu_samples_per_s": s2,
                        "two_gpu_processes": (b.get("timing") or {}).get("processes"),
-                       "weak_scaling_efficiency": s2 / (2 * s1) if s1 and s2 else None})
+                       "weak_scaling_efficiency": weak_scaling(s1, s2)})
         for after in args.late or []:  # the same ratio over the log windows past a later step (the loop's rate starts at step 3)
             l1, l2 = (window_rate(rows, a["round"], stage_batch(cfg, a["stage"]), after) for rows, cfg in (logs["one"], logs["two"]))
             rounds[-1][f"after_step_{after}"] = {"one_gpu_samples_per_s": l1, "two_gpu_samples_per_s": l2,
-                                                 "weak_scaling_efficiency": l2 / (2 * l1) if l1 and l2 else None}
+                                                 "weak_scaling_efficiency": weak_scaling(l1, l2)}
     for spec in args.alt or []:  # more 2-GPU runs (other settings) against the same 1-GPU run
         name, _, folder = spec.partition("=")
         alt = read(Path(folder) / "report.json")
@@ -247,7 +252,7 @@ def scaling(args) -> int:
             s2 = (b.get("timing") or {}).get("steady_samples_per_s")
             s1 = r["one_gpu_samples_per_s"]
             r[f"two_gpu_{name}_samples_per_s"] = s2
-            r[f"weak_scaling_efficiency_{name}"] = s2 / (2 * s1) if s1 and s2 else None
+            r[f"weak_scaling_efficiency_{name}"] = weak_scaling(s1, s2)
     result = {"benchmark": "distill_sd21_scaling", "rounds": rounds, "meta": read(args.meta), "resumes": {}}
     ref = {r["round"]: r["losses"] for r in two.get("rounds", [])}
     for d in args.resumed or []:

@@ -31,7 +31,7 @@ from pocketdiff.errors import PocketdiffError, require
 # ops whose large activation inputs Choi et al. saw fail on the Galaxy S23 delegate, and the input
 # size of their failing conv (32 x 32 x 1920 at fp16); reported per component beside the budgets
 CONV_LIKE = ("CONV_2D", "DEPTHWISE_CONV_2D", "TRANSPOSE_CONV", "FULLY_CONNECTED")
-CHOI_FAILING_CONV_INPUT_MB = 32 * 32 * 1920 * 2 / 2**20
+CHOI_FAILING_CONV_INPUT_BYTES = 32 * 32 * 1920 * 2
 
 PROFILES = {
     "none": {"max_tensor_mb": None, "op_activation_mb": None},
@@ -87,7 +87,7 @@ def graph_memory(path: str | Path, activation_bytes: int = 2) -> dict:
             heavy, heavy_n = op, n
         if m.op_name(op) in CONV_LIKE:
             x = max((sizes.get(i, 0) for i in ins), default=0)
-            convs_over += x * activation_bytes > CHOI_FAILING_CONV_INPUT_MB * 2**20
+            convs_over += x * activation_bytes > CHOI_FAILING_CONV_INPUT_BYTES
             if x > conv_n:
                 conv, conv_n = op, x
     mb = activation_bytes / 2**20
