@@ -7,7 +7,7 @@
 # that 1-GPU run's checkpoint-3 back on TWO (hardlinked copies of the run folder, the last
 # round's folder and later checkpoints removed). -> $OUT/distill_sd21_2gpu.json (weak-scaling
 # efficiency per round, loss trajectories of the resumed rounds next to the uninterrupted one).
-# Settings by environment: BUDGET=530 ARCH=sd21 RES=512 BATCH=8 (per GPU) PY=python3 SKIP_ENV=1 EXTRA=
+# Settings by environment: BUDGET=530 ARCH=sd21 RES=512 BATCH=16 (per GPU: the recipe's; 8 is host-bound, README) PY=python3 SKIP_ENV=1 EXTRA=
 #   BENCH_VARIANTS=ours_guided,ours_wcond (benchmarks/distill_step.py at batch B on GPU 0 alone first: the
 #   1-GPU run's verb/bench ratio; empty: none) RESUMES=1 (0: no resume runs, the speed figures only)
 #   ALT_TWO=NAME:overrides,... (more 2-GPU runs with overrides joined by ';', e.g. bf16:progressive.train.ddp_comm_hook=bf16:
@@ -19,7 +19,7 @@ set -u
 T0=$SECONDS; BUDGET=${BUDGET:-530}
 left() { echo $(( BUDGET - (SECONDS - T0) )); }
 if [ -z "${SKIP_ENV:-}" ]; then source scripts/gpu/env.sh; else REPO=$PWD; RUNS=${RUNS:-/tmp/runs}; mkdir -p $RUNS; cd $RUNS || exit 1; fi
-PY=${PY:-python3} ARCH=${ARCH:-sd21} RES=${RES:-512} BATCH=${BATCH:-8} EXTRA=${EXTRA:-} NAME=${NAME:-distill_sd21_2gpu}
+PY=${PY:-python3} ARCH=${ARCH:-sd21} RES=${RES:-512} BATCH=${BATCH:-16} EXTRA=${EXTRA:-} NAME=${NAME:-distill_sd21_2gpu}
 ALT_TWO=${ALT_TWO:-} LATE=${LATE:-5,10}
 OUT=${OUT:-$RUNS/out}; mkdir -p $OUT
 L=$RUNS/sd21-2gpu && TEACHER=$RUNS/sd21-teacher-$ARCH-$RES && rm -rf $L && mkdir -p $L || exit 1
