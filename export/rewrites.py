@@ -50,6 +50,7 @@ class RewriteConfig:
     attention: bool = True  # SplitAttention (explicit matmuls, q pre-scaled, chunking)
     attention_budget_mb: Optional[float] = None  # max attention map per chunk (fp16 bytes); None: no chunking
     conv_budget_mb: Optional[float] = None  # max activation per conv piece (fp16 bytes); None: no serialization
+    conv_budget_scope: str = "input_output"  # what must fit: input_output (each piece's input and output) | input (its input: device_profile.conv_input_mb)
     conv_split: str = "input"  # preferred split: input | output
     time_embedding_outside: bool = True  # UNet time embedding computed outside the graph (a table in the bundle)
     residual_scale: Optional[float] = None  # fp16: scale the UNet / VAE-decoder residual stream by this power of two (e.g. 0.125)
@@ -61,6 +62,8 @@ class RewriteConfig:
         require(self.attention_budget_mb is None or self.attention_budget_mb > 0, "rewrites.attention_budget_mb", "must be positive or null")
         require(self.conv_budget_mb is None or self.conv_budget_mb > 0, "rewrites.conv_budget_mb", "must be positive or null")
         require(self.conv_split in ("input", "output"), "rewrites.conv_split", f"must be input or output, got {self.conv_split!r}")
+        require(self.conv_budget_scope in ("input_output", "input"), "rewrites.conv_budget_scope",
+                f"must be input_output or input, got {self.conv_budget_scope!r}")
         require(self.activation_bytes in (2, 4), "rewrites.activation_bytes", "must be 2 (fp16) or 4 (fp32)")
         if self.residual_scale is not None:
             require(self.residual_scale > 0 and math.log2(self.residual_scale).is_integer(), "rewrites.residual_scale",
@@ -214,17 +217,20 @@ def _divisors(n: int) -> list[int]:
 
 
 def choose_conv_split(
-    in_elems: int, out_elems: int, c_in: int, c_out: int, budget_elems: int, prefer: str = "input"
+    in_elems: int, out_elems: int, c_in: int, c_out: int, budget_elems: int, prefer: str = "input",
+    out_budget_elems: Optional[int] = -1,
 ) -> Optional[tuple[int, int]]:
     """Smallest (k_in, k_out) (by pieces k_in * k_out) such that one piece's input
-    (in_elems / k_in) and output (out_elems / k_out) both fit the budget; ties go to the
-    preferred split. (1, 1) when the conv already fits; None when nothing fits."""
+    (in_elems / k_in) fits `budget_elems` and its output (out_elems / k_out) `out_budget_elems`
+    (-1: the same budget; None: no bound on the output); ties go to the preferred split.
+    (1, 1) when the conv already fits; None when nothing fits."""
+    out_budget = budget_elems if out_budget_elems == -1 else out_budget_elems
     best = None
     for k_in in _divisors(c_in):
         if in_elems // k_in > budget_elems:
             continue
         for k_out in _divisors(c_out):
-            if out_elems // k_out > budget_elems:
+            if out_budget is not None and out_elems // k_out > out_budget:
                 continue
             pref = (k_out > 1) if prefer == "input" else (k_in > 1)
             key = (k_in * k_out, pref, k_in + k_out)
@@ -534,17 +540,20 @@ def apply_rewrites(module: nn.Module, cfg: RewriteConfig, sample_inputs=None) ->
             raise PocketdiffError("conv serialization needs sample inputs to measure activations")
         budget_elems = int(cfg.conv_budget_mb * 2**20 // cfg.activation_bytes)
         shapes = record_conv_shapes(module, sample_inputs)
+        inputs_only = cfg.conv_budget_scope == "input"
         plan: dict[str, tuple[int, int]] = {}
         for name, (ishape, oshape) in shapes.items():
             in_elems, out_elems = _numel(ishape), _numel(oshape)
-            if max(in_elems, out_elems) <= budget_elems:
+            if (in_elems if inputs_only else max(in_elems, out_elems)) <= budget_elems:
                 continue
-            split = choose_conv_split(in_elems, out_elems, ishape[1], oshape[1], budget_elems, cfg.conv_split)
+            split = choose_conv_split(in_elems, out_elems, ishape[1], oshape[1], budget_elems, cfg.conv_split,
+                                      None if inputs_only else budget_elems)
             if split is None:
-                smallest = max(in_elems // max(1, ishape[1]), out_elems // max(1, oshape[1])) * cfg.activation_bytes / 2**20
+                one_in = in_elems // max(1, ishape[1])
+                smallest = (one_in if inputs_only else max(one_in, out_elems // max(1, oshape[1]))) * cfg.activation_bytes / 2**20
                 raise PocketdiffError(
                     f"conv {name}: activations {ishape} -> {oshape} cannot be split under rewrites.conv_budget_mb={cfg.conv_budget_mb} "
-                    f"(the smallest reachable piece, one channel, is {smallest:.3g} MB)"
+                    f"(conv_budget_scope {cfg.conv_budget_scope}; the smallest reachable piece, one channel, is {smallest:.3g} MB)"
                 )
             plan[name] = split
         swap_modules(module, lambda n, m: n in plan, lambda n, m: SerializedConv2d(m, *plan[n], name=n))

@@ -150,6 +150,12 @@ class Config:
                 "tiles the vae_decoder component, which components does not list")
         require(not self.rewrites.residual_scale_auto or self.fp16_scan.enabled, "rewrites.residual_scale_auto",
                 "needs fp16_scan.enabled: true (the scan measures the residual stream)")
+        conv_input = self.device_profile.budgets()["conv_input_mb"]
+        if self.device_profile.enforce and conv_input is not None:  # fail now, not after the conversions
+            budget = self.rewrites.conv_budget_mb
+            require(budget is not None and budget <= conv_input, "rewrites.conv_budget_mb",
+                    f"must be set and <= device_profile.conv_input_mb={conv_input} (with conv_budget_scope: input) when the "
+                    f"{self.device_profile.name!r} profile is enforced, got {budget}")
 
 
 def _versions() -> dict:

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pocketdiff.errors import PocketdiffError
+from pocketdiff.errors import ConfigError, PocketdiffError
 from pocketdiff.export.components import UNetGraph, time_embedding_table
 from pocketdiff.export.rewrites import (
     ClippedGEGLU,
@@ -126,6 +126,27 @@ def test_apply_rewrites_serializes_convs_over_the_budget():
     assert rep["serialized_convs"] == {"0": [2, 1]}
     assert isinstance(model[0], SerializedConv2d)
     torch.testing.assert_close(model(x), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_conv_budget_input_scope_splits_inputs_only():
+    # 16 -> 64 channels at 16x16: the input (16 channels) is over a 4-channel budget, the output (64) far over;
+    # the input scope splits the input into 4 and leaves the output whole (the phone profile's conv_input_mb)
+    model = nn.Sequential(nn.Conv2d(16, 64, 3, padding=1), nn.SiLU(), nn.Conv2d(64, 64, 1))
+    x = torch.randn(1, 16, 16, 16, generator=_gen())
+    ref = model(x)
+    budget = (4 * 16 * 16 * 2) / 2**20
+    both = apply_rewrites(copy.deepcopy(model), dataclasses.replace(RewriteConfig.none(), conv_budget_mb=budget), sample_inputs=(x,))
+    assert both["serialized_convs"]["0"][1] > 1  # the default scope bounds the output too
+    rep = apply_rewrites(model, dataclasses.replace(RewriteConfig.none(), conv_budget_mb=budget, conv_budget_scope="input"), sample_inputs=(x,))
+    assert rep["serialized_convs"] == {"0": [4, 1], "2": [16, 1]}
+    assert all(p.in_channels == 4 for p in model[0].pieces) and model[0].k_out == 1
+    torch.testing.assert_close(model(x), ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ConfigError, match="rewrites.conv_budget_scope"):
+        RewriteConfig(conv_budget_scope="output")
+    # one input channel over the budget: the error names the scope and the one-channel input size
+    tight = dataclasses.replace(RewriteConfig.none(), conv_budget_mb=(16 * 16 * 2 / 2) / 2**20, conv_budget_scope="input")
+    with pytest.raises(PocketdiffError, match=r"conv 0: .*conv_budget_scope input; the smallest reachable piece, one channel, is 0.000488 MB"):
+        apply_rewrites(nn.Sequential(nn.Conv2d(16, 64, 3, padding=1)), tight, sample_inputs=(x,))
 
 
 def _attention(**kw):
@@ -249,19 +270,29 @@ def test_residual_rescaling_keeps_unet_and_decoder_outputs_and_shrinks_the_strea
 
 
 def test_residual_scale_must_be_a_power_of_two():
-    from pocketdiff.errors import ConfigError
 
     with pytest.raises(ConfigError, match="residual_scale"):
         RewriteConfig(residual_scale=0.1)
 
 
 def test_residual_scale_auto_needs_the_fp16_scan():
-    from pocketdiff.errors import ConfigError
     from pocketdiff.export.verb import Config, ScanConfig
 
     with pytest.raises(ConfigError, match="rewrites.residual_scale_auto"):
         Config(rewrites=RewriteConfig(residual_scale_auto=True), fp16_scan=ScanConfig(enabled=False))
     Config(rewrites=RewriteConfig(residual_scale_auto=True))  # the scan is on by default
+
+
+def test_enforced_phone_profile_needs_the_conv_budget_that_meets_it():
+    from pocketdiff.export.device_profile import DeviceProfile
+    from pocketdiff.export.verb import Config
+
+    with pytest.raises(ConfigError, match=r"rewrites.conv_budget_mb.*device_profile.conv_input_mb=3.5.*got None"):
+        Config(device_profile=DeviceProfile("phone", enforce=True))
+    with pytest.raises(ConfigError, match=r"rewrites.conv_budget_mb.*got 8.0"):
+        Config(device_profile=DeviceProfile("phone", enforce=True), rewrites=RewriteConfig(conv_budget_mb=8.0))
+    Config(device_profile=DeviceProfile("phone", enforce=True), rewrites=RewriteConfig(conv_budget_mb=3.5, conv_budget_scope="input"))
+    Config(device_profile=DeviceProfile("phone"))  # reported only: no budget needed
 
 
 def test_conv_budget_no_split_can_meet_names_the_module_and_the_smallest_size():

@@ -132,13 +132,18 @@ def test_device_profile_reports_and_enforces_budgets(bundle):
 
     path = bundle / "text_encoder.tflite"
     phone = check_component("text_encoder", path, DeviceProfile("phone"))
-    assert phone["over_budget"] == [] and phone["budgets"] == {"max_tensor_mb": 64.0, "op_activation_mb": 3.5}
+    assert phone["over_budget"] == [] and phone["budgets"] == {"max_tensor_mb": 64.0, "conv_input_mb": 3.5, "fc_input_mb": 2.0}
     assert phone["largest_tensor_mb"] > 0 and phone["largest_tensor_shape"]
     # the text encoder's 1x1 convs (its Linear layers) take its widest activations: well under Choi et al.'s 3.75 MB
     assert 0 < phone["largest_conv_input_mb"] <= phone["largest_tensor_mb"] and phone["largest_conv_input"].startswith("CONV_2D")
-    assert phone["convs_over_choi_failing_input"] == 0
+    assert phone["convs_over_conv_input_mb"] == 0
+    assert phone["largest_fc_input_mb"] == 0 and phone["largest_fc_input"] == ""  # rewrites.linear_to_conv left no FULLY_CONNECTED
     tight = DeviceProfile("phone", max_tensor_mb=phone["largest_tensor_mb"] / 2)
     assert "device_profile.max_tensor_mb" in check_component("text_encoder", path, tight)["over_budget"][0]
+    # a conv input budget under the largest conv input: over, with the count and the rewrite that serializes them
+    conv = check_component("text_encoder", path, DeviceProfile("phone", conv_input_mb=phone["largest_conv_input_mb"] / 2))
+    assert conv["convs_over_conv_input_mb"] >= 1
+    assert "device_profile.conv_input_mb" in conv["over_budget"][0] and "conv_budget_scope: input" in conv["over_budget"][0]
     with pytest.raises(PocketdiffError, match="text_encoder: over the 'phone' device profile: largest tensor"):
         check_component("text_encoder", path, DeviceProfile("phone", max_tensor_mb=phone["largest_tensor_mb"] / 2, enforce=True))
     with pytest.raises(ConfigError, match="device_profile.name"):
