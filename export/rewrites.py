@@ -299,6 +299,23 @@ def attention_chunks(batch_heads: int, q_len: int, k_len: int, budget_bytes: Opt
     return max(1, math.ceil(q_len / rows))
 
 
+def _paired_query_attention(q, kt, v, n: int):
+    """Single-head attention ([1, 1, L, d] operands) as n batched matmuls over pairs of query
+    chunks: a matmul whose operands have no batch dimension above 1 becomes a FULLY_CONNECTED op
+    with the keys as its weights (the VAE's mid-block attention: a 4 MB input at 512 px, over the
+    phone profile's fc_input_mb). Two query halves against a stacked copy of k and v keep
+    BATCH_MATMUL, with the same attention map per op as n chunks."""
+    L = q.shape[2]
+    size = L // (2 * n)
+    kt2, v2 = torch.cat([kt, kt], dim=1), torch.cat([v, v], dim=1)
+    outs = []
+    for i in range(n):
+        qp = q[:, :, 2 * i * size:(2 * i + 2) * size].reshape(1, 2, size, q.shape[-1])  # [1, 2, size, d]
+        o = torch.matmul(torch.softmax(torch.matmul(qp, kt2), dim=-1), v2)  # [1, 2, size, dv]
+        outs.append(o.reshape(1, 1, 2 * size, o.shape[-1]))
+    return outs[0] if n == 1 else torch.cat(outs, dim=2)
+
+
 class SplitAttention(nn.Module):
     """diffusers `Attention` (SD self/cross-attention and the VAE's spatial attention) with
     explicit rank-4 matmuls, q scaled before QK^T, and query chunks under a memory budget."""
@@ -345,7 +362,9 @@ class SplitAttention(nn.Module):
         v = v.reshape(B, Lk, h, v.shape[-1] // h).permute(0, 2, 1, 3)  # [B, h, Lk, dv]
         n = attention_chunks(B * h, Lq, Lk, self.budget_bytes, self.bytes_per)
         self.last_chunks = n
-        if n == 1:
+        if B * h == 1 and Lq % (2 * n) == 0:
+            out = _paired_query_attention(q, kt, v, n)
+        elif n == 1:
             out = torch.matmul(torch.softmax(torch.matmul(q, kt), dim=-1), v)
         else:
             size = math.ceil(Lq / n)

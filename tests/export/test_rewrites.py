@@ -174,6 +174,28 @@ def test_split_attention_matches_vae_spatial_attention():
     torch.testing.assert_close(SplitAttention(attn)(x), attn(x), rtol=1e-4, atol=1e-5)
 
 
+def test_single_head_attention_converts_without_fully_connected_ops(tmp_path):
+    # the VAE's mid-block attention (one head, batch 1): a plain q @ k^T there converts to a FULLY_CONNECTED
+    # with the keys as weights (4 MB input at 512 px, over the phone profile's fc_input_mb); query pairs keep
+    # BATCH_MATMUL, chunked or not, with the same result
+    from pocketdiff.export.convert import to_tflite
+    from pocketdiff.export.device_profile import graph_memory
+
+    attn = _attention(query_dim=16, heads=1, dim_head=16, norm_num_groups=4, residual_connection=True,
+                      rescale_output_factor=1.0, bias=True, upcast_softmax=True, _from_deprecated_attn_block=True)
+    x = torch.randn(1, 16, 8, 6, generator=_gen())
+    ref = attn(x)
+    for budget, chunks in ((None, 1), (2 * 48 * 12, 4)):  # 12 query rows of the 48 x 48 fp16 map per chunk
+        mine = SplitAttention(attn, budget_bytes=budget, bytes_per=2).eval()
+        torch.testing.assert_close(mine(x), ref, rtol=1e-4, atol=1e-5)
+        assert mine.last_chunks == chunks
+    model = nn.Sequential(copy.deepcopy(attn)).eval()
+    apply_rewrites(model, dataclasses.replace(RewriteConfig.none(), attention=True, linear_to_conv=True))  # projections: 1x1 convs
+    to_tflite(model, (x,), tmp_path / "attn.tflite")
+    mem = graph_memory(tmp_path / "attn.tflite")
+    assert mem["largest_fc_input"] == "" and mem["largest_fc_input_mb"] == 0
+
+
 def test_query_chunking_keeps_the_attention_map_under_budget_and_the_result_equal():
     attn = _attention(query_dim=32, heads=2, dim_head=16)
     x = torch.randn(1, 64, 32, generator=_gen())
