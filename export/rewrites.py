@@ -218,19 +218,17 @@ def _divisors(n: int) -> list[int]:
 
 def choose_conv_split(
     in_elems: int, out_elems: int, c_in: int, c_out: int, budget_elems: int, prefer: str = "input",
-    out_budget_elems: Optional[int] = -1,
+    bound_output: bool = True,
 ) -> Optional[tuple[int, int]]:
     """Smallest (k_in, k_out) (by pieces k_in * k_out) such that one piece's input
-    (in_elems / k_in) fits `budget_elems` and its output (out_elems / k_out) `out_budget_elems`
-    (-1: the same budget; None: no bound on the output); ties go to the preferred split.
-    (1, 1) when the conv already fits; None when nothing fits."""
-    out_budget = budget_elems if out_budget_elems == -1 else out_budget_elems
+    (in_elems / k_in) and, with `bound_output`, its output (out_elems / k_out) fit the budget;
+    ties go to the preferred split. (1, 1) when the conv already fits; None when nothing fits."""
     best = None
     for k_in in _divisors(c_in):
         if in_elems // k_in > budget_elems:
             continue
         for k_out in _divisors(c_out):
-            if out_budget is not None and out_elems // k_out > out_budget:
+            if bound_output and out_elems // k_out > budget_elems:
                 continue
             pref = (k_out > 1) if prefer == "input" else (k_in > 1)
             key = (k_in * k_out, pref, k_in + k_out)
@@ -566,7 +564,7 @@ def apply_rewrites(module: nn.Module, cfg: RewriteConfig, sample_inputs=None) ->
             if (in_elems if inputs_only else max(in_elems, out_elems)) <= budget_elems:
                 continue
             split = choose_conv_split(in_elems, out_elems, ishape[1], oshape[1], budget_elems, cfg.conv_split,
-                                      None if inputs_only else budget_elems)
+                                      bound_output=not inputs_only)
             if split is None:
                 one_in = in_elems // max(1, ishape[1])
                 smallest = (one_in if inputs_only else max(one_in, out_elems // max(1, oshape[1]))) * cfg.activation_bytes / 2**20
