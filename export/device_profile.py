@@ -33,10 +33,8 @@ import numpy as np
 
 from pocketdiff.errors import PocketdiffError, require
 
-# conv-like ops (their largest non-constant input is what conv_input_mb bounds; FULLY_CONNECTED
-# also has its own fc_input_mb), and the input of Choi et al.'s failing conv (32 x 32 x 1920, fp16)
+# conv-like ops: their largest non-constant input is what conv_input_mb bounds (FULLY_CONNECTED: fc_input_mb)
 CONV_LIKE = ("CONV_2D", "DEPTHWISE_CONV_2D", "TRANSPOSE_CONV", "FULLY_CONNECTED")
-CHOI_FAILING_CONV_INPUT_BYTES = 32 * 32 * 1920 * 2
 BUDGETS = ("max_tensor_mb", "conv_input_mb", "fc_input_mb")
 
 PROFILES = {
@@ -68,11 +66,11 @@ class DeviceProfile:
         return base
 
 
-def graph_memory(path: str | Path, activation_bytes: int = 2, conv_input_mb: Optional[float] = None) -> dict:
+def graph_memory(path: str | Path, activation_bytes: int = 2, conv_input_mb: float = PROFILES["phone"]["conv_input_mb"]) -> dict:
     """Largest non-constant tensor and heaviest op (non-constant inputs + outputs) of a .tflite;
     the largest activation input of a conv (CONV_2D, DEPTHWISE_CONV_2D, TRANSPOSE_CONV) and of a
-    FULLY_CONNECTED; and how many convs take an input over `conv_input_mb` (default: Choi et al.'s
-    failing 3.75 MB), which `rewrites.conv_budget_mb` would serialize."""
+    FULLY_CONNECTED; and how many convs take an input over `conv_input_mb` (default: the phone
+    profile's), which `rewrites.conv_budget_mb` would serialize."""
     from .delegate import module_from_location
     from .tflite_file import TfliteModel
 
@@ -85,7 +83,7 @@ def graph_memory(path: str | Path, activation_bytes: int = 2, conv_input_mb: Opt
         if t.shape is None or m.is_constant(i) or i in dequantized:
             continue
         sizes[i] = int(np.prod([int(s) for s in t.shape])) if len(t.shape) else 1
-    limit = CHOI_FAILING_CONV_INPUT_BYTES if conv_input_mb is None else conv_input_mb * 2**20
+    limit = conv_input_mb * 2**20
     big = max(sizes, key=sizes.get) if sizes else None
     heavy, heavy_n, convs_over = None, 0, 0
     largest = {"conv": (None, 0), "fc": (None, 0)}
@@ -124,7 +122,7 @@ def graph_memory(path: str | Path, activation_bytes: int = 2, conv_input_mb: Opt
 def check_component(name: str, path: str | Path, profile: DeviceProfile) -> dict:
     """`graph_memory` against the profile's budgets; raises when enforced and over."""
     b = profile.budgets()
-    mem = graph_memory(path, profile.activation_bytes, b["conv_input_mb"])
+    mem = graph_memory(path, profile.activation_bytes, b["conv_input_mb"] or PROFILES["phone"]["conv_input_mb"])
     over = []
     if b["max_tensor_mb"] is not None and mem["largest_tensor_mb"] > b["max_tensor_mb"]:
         over.append(f"largest tensor {mem['largest_tensor_mb']:.1f} MB ({mem['largest_tensor']} {mem['largest_tensor_shape']}) "
