@@ -271,28 +271,28 @@ class BundleRunner:
         errors: list[BaseException] = []
 
         def encode() -> None:
-            try:
-                te = self._load("text_encoder", latency)
-                before = len(te.run_s)
-                text["cond"] = te({"input_ids": ids[None]})
-                if ids_empty is not None:
-                    text["uncond"] = te({"input_ids": ids_empty[None]})
-                latency["text_encoder_run"] = float(sum(te.run_s[before:]))
-                if pipelined:
-                    self._release("text_encoder")
-            except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
-                errors.append(e)
+            te = self._load("text_encoder", latency)
+            before = len(te.run_s)
+            text["cond"] = te({"input_ids": ids[None]})
+            if ids_empty is not None:
+                text["uncond"] = te({"input_ids": ids_empty[None]})
+            latency["text_encoder_run"] = float(sum(te.run_s[before:]))
+            if pipelined:
+                self._release("text_encoder")
+
+        def load_decoder() -> None:
+            for name in decoder:
+                self._load(name, latency)
 
         if pipelined:
-            th = threading.Thread(target=encode, name="text-encoder")
+            th = threading.Thread(target=_recording, args=(errors, encode), name="text-encoder")
             th.start()
             unet = self._load("unet", latency)
             th.join()
         else:
             self._load("text_encoder", latency)
             unet = self._load("unet", latency)
-            for name in decoder:
-                self._load(name, latency)
+            load_decoder()
             encode()
         if errors:
             raise errors[0]
@@ -312,8 +312,7 @@ class BundleRunner:
         unet_before = len(unet.run_s)
         for i, t in enumerate(sched["timesteps"]):
             if pipelined and i == n - 1 and decoder[0] not in self.loaded:
-                dec_thread = threading.Thread(target=lambda: [_safe(lambda d: self._load(d, latency), d, errors) for d in decoder],
-                                              name="decoder")
+                dec_thread = threading.Thread(target=_recording, args=(errors, load_decoder), name="decoder")
                 dec_thread.start()
             x_in = np.concatenate([x] * B) if B > 1 else x
             feeds = {"sample": x_in}
@@ -372,10 +371,11 @@ def generate(
         return runner.run(prompt, seed=seed, init_latents=init_latents)
 
 
-def _safe(fn, arg, errors):
+def _recording(errors: list, fn) -> None:
+    """fn() in a thread, its exception appended to `errors` for the main thread to raise."""
     try:
-        fn(arg)
-    except BaseException as e:  # noqa: BLE001
+        fn()
+    except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
         errors.append(e)
 
 
