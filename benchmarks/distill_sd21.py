@@ -237,12 +237,11 @@ def scaling(args) -> int:
     logs = {k: (log_rows(Path(d)), read_config(Path(d))) for k, d in (("one", args.one), ("two", args.two))} if args.late else {}
     rounds = []
     for a, b in zip(one.get("rounds", []), two.get("rounds", [])):
-        s1, s2 = (a.get("timing") or {}).get("steady_samples_per_s"), (b.get("timing") or {}).get("steady_samples_per_s")
+        ta, tb = a.get("timing") or {}, b.get("timing") or {}
+        s1, s2 = ta.get("steady_samples_per_s"), tb.get("steady_samples_per_s")
         rounds.append({"round": a["round"], "stage": a["stage"], "one_gpu_samples_per_s": s1, "two_gpu_samples_per_s": s2,
-                       "two_gpu_processes": (b.get("timing") or {}).get("processes"),
-                       "weak_scaling_efficiency": weak_scaling(s1, s2),
-                       "one_gpu_peak_gpu_mem_gib": (a.get("timing") or {}).get("peak_gpu_mem_gib"),
-                       "two_gpu_peak_gpu_mem_gib": (b.get("timing") or {}).get("peak_gpu_mem_gib")})
+                       "two_gpu_processes": tb.get("processes"), "weak_scaling_efficiency": weak_scaling(s1, s2),
+                       "one_gpu_peak_gpu_mem_gib": ta.get("peak_gpu_mem_gib"), "two_gpu_peak_gpu_mem_gib": tb.get("peak_gpu_mem_gib")})
         for after in args.late or []:  # the same ratio over the log windows past a later step (the loop's rate starts at step 3)
             l1, l2 = (window_rate(rows, a["round"], stage_batch(cfg, a["stage"]), after) for rows, cfg in (logs["one"], logs["two"]))
             rounds[-1][f"after_step_{after}"] = {"one_gpu_samples_per_s": l1, "two_gpu_samples_per_s": l2,
@@ -251,11 +250,10 @@ def scaling(args) -> int:
         name, _, folder = spec.partition("=")
         alt = read(Path(folder) / "report.json")
         for r, b in zip(rounds, alt.get("rounds", [])):
-            s2 = (b.get("timing") or {}).get("steady_samples_per_s")
-            s1 = r["one_gpu_samples_per_s"]
-            r[f"two_gpu_{name}_samples_per_s"] = s2
-            r[f"two_gpu_{name}_peak_gpu_mem_gib"] = (b.get("timing") or {}).get("peak_gpu_mem_gib")
-            r[f"weak_scaling_efficiency_{name}"] = weak_scaling(s1, s2)
+            tb = b.get("timing") or {}
+            r[f"two_gpu_{name}_samples_per_s"] = tb.get("steady_samples_per_s")
+            r[f"two_gpu_{name}_peak_gpu_mem_gib"] = tb.get("peak_gpu_mem_gib")
+            r[f"weak_scaling_efficiency_{name}"] = weak_scaling(r["one_gpu_samples_per_s"], tb.get("steady_samples_per_s"))
     result = {"benchmark": "distill_sd21_scaling", "rounds": rounds, "meta": read(args.meta), "resumes": {}}
     ref = {r["round"]: r["losses"] for r in two.get("rounds", [])}
     for d in args.resumed or []:
