@@ -73,7 +73,7 @@ def test_report_has_every_component_fully_accelerated_with_parity(exported):
         assert "BROADCAST_TO" not in c["ops"]
         # every weight-bearing Linear became a 1x1 conv (a FULLY_CONNECTED may remain as a
         # matmul of two activations, never with a constant / dequantized weight)
-        from pocketdiff.export.tflite_file import TfliteModel
+        from pocketdiff.runtime.tflite_file import TfliteModel
 
         m = TfliteModel(exported["out"] / c["file"])
         fc_weights = [t for op in m.graph.operators if m.op_name(op) == "FULLY_CONNECTED"
@@ -87,7 +87,7 @@ def test_report_has_every_component_fully_accelerated_with_parity(exported):
 
 def test_int8_codes_in_the_tflite_equal_the_checkpoint_bit_for_bit(exported, int8_checkpoint):
     from pocketdiff.compress.quant.int8_format import load_quantized
-    from pocketdiff.export.tflite_file import TfliteModel
+    from pocketdiff.runtime.tflite_file import TfliteModel
 
     state, recipe = load_quantized(int8_checkpoint)
     tensors = TfliteModel(exported["out"] / "unet.tflite").int8_weights()
@@ -119,10 +119,10 @@ def test_int8_codes_in_the_tflite_equal_the_checkpoint_bit_for_bit(exported, int
 
 
 def test_manifest_goldens_and_tokenizer(exported):
-    from pocketdiff.export.bundle import load_manifest
-    from pocketdiff.export.delegate import run_on_delegate
-    from pocketdiff.export.parity import metrics
-    from pocketdiff.export.run_bundle import bundle_tokenize
+    from pocketdiff.runtime.bundle import load_manifest
+    from pocketdiff.runtime.delegate import run_on_delegate
+    from pocketdiff.runtime.parity import metrics
+    from pocketdiff.runtime.run_bundle import bundle_tokenize
 
     man = load_manifest(exported["out"])
     assert man["schema_version"] == 1 and man["guidance"]["unet_batch"] == 2
@@ -163,9 +163,9 @@ def test_run_bundle_gpu_and_pipelined_cpu(exported, tmp_path):
 def test_bundle_image_matches_the_torch_pipeline(exported):
     """Same initial noise: run-bundle's DDIM + models (CPU) against pocketdiff.sampling in torch."""
     from pocketdiff.compress.quant.int8_format import dequantized_state_dict, load_quantized
-    from pocketdiff.export.bundle import load_manifest
-    from pocketdiff.export.parity import metrics
-    from pocketdiff.export.run_bundle import generate
+    from pocketdiff.runtime.bundle import load_manifest
+    from pocketdiff.runtime.parity import metrics
+    from pocketdiff.runtime.run_bundle import generate
     from pocketdiff.models import ModelConfig, load_or_build
     from pocketdiff.sampling import ddim_sample, decode_latents, encode_prompts
 
@@ -188,7 +188,7 @@ def test_bundle_image_matches_the_torch_pipeline(exported):
 def test_bundle_runner_loads_once_for_several_prompts(exported):
     """Plain: every model loads at the first prompt only; pipelined: the UNet stays, the text
     encoder and decoder load again per prompt. Images equal one-shot `generate`'s."""
-    from pocketdiff.export.run_bundle import BundleRunner, generate
+    from pocketdiff.runtime.run_bundle import BundleRunner, generate
 
     out = exported["out"]
     ref, _ = generate(out, "a blue star", seed=3, accelerator="cpu")
@@ -213,7 +213,7 @@ def _copy_bundle(src: Path, dst: Path) -> Path:
 
 
 def test_run_bundle_refuses_bad_bundles(exported, tmp_path, capsys):
-    from pocketdiff.export.tflite_file import sha256_file
+    from pocketdiff.runtime.tflite_file import sha256_file
 
     def run(bundle: Path, name: str) -> str:
         code = cli_main(["run-bundle", str(bundle), "--prompt", "x", "--output", str(tmp_path / name), "--accelerator", "cpu"])
@@ -256,12 +256,12 @@ def test_export_does_not_overwrite_a_bundle(exported, capsys):
 
 
 def test_evaluate_reads_the_bundle_through_the_export_interface(exported):
-    """evaluate's `kind: bundle` goes through pocketdiff.export.bundle_images: the bundle's
+    """evaluate's `kind: bundle` goes through pocketdiff.runtime.bundle_images: the bundle's
     steps become the default, images match the runner's, a cfg bundle takes another scale,
     and a step count the bundle was not exported for is refused before anything runs."""
     from pocketdiff.errors import PocketdiffError
     from pocketdiff.evaluate.generation import ModelSpec, generate_images, resolve_model
-    from pocketdiff.export.run_bundle import generate
+    from pocketdiff.runtime.run_bundle import generate
 
     out = exported["out"]
     model = resolve_model(ModelSpec(name="b", kind="bundle", path=str(out)))

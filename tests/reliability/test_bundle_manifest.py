@@ -1,4 +1,4 @@
-"""run-bundle checks a bundle's manifest and files before running it (export/manifest_check.py).
+"""run-bundle checks a bundle's manifest and files before running it (runtime/manifest_check.py).
 
 Table-driven, through the CLI (in process): each case breaks one thing in a copy of the
 synthetic bundle (conftest.py; its .tflite files carry real signatures) and asserts exit 2,
@@ -18,7 +18,7 @@ import pytest
 from bundle_builders import IO, T, sha256, signature_tflite
 
 from pocketdiff.cli import main
-from pocketdiff.export.manifest_check import check_bundle, manifest_problems, spacing_timesteps
+from pocketdiff.runtime.manifest_check import check_bundle, manifest_problems, spacing_timesteps
 
 
 def _rehash(b: Path, entry: dict) -> None:
@@ -141,7 +141,7 @@ def test_every_problem_is_listed(valid_bundle, tmp_path):
         m["components"]["unet"]["bytes"] += 1
 
     b = _copy(valid_bundle, tmp_path, Case("two", two, []))
-    from pocketdiff.export.bundle import load_manifest
+    from pocketdiff.runtime.bundle import load_manifest
 
     found = {(p.where, p.check) for p in manifest_problems(b, load_manifest(b))}
     assert found == {("scheduler.timesteps[0]", "range"), ("unet.tflite", "size")}

@@ -7,7 +7,7 @@ the tensor locations, i.e. the torch modules they came from), and runs inference
 inputs at the delegate's default precision (fp16) and with `GpuOptions(enforce_f32=True)`.
 
 The Vulkan loader reads VK_ICD_FILENAMES / LD_LIBRARY_PATH when the delegate library is
-loaded, so each run happens in a child process (`python -m pocketdiff.export._delegate_worker`)
+loaded, so each run happens in a child process (`python -m pocketdiff.runtime._delegate_worker`)
 started with `delegate_env()`: on a machine with an NVIDIA driver the system's Vulkan driver,
 else the Mesa lavapipe unpacked by `scripts/setup_vulkan.sh` into `<repo>/.vulkan/`. A child
 process also isolates crashes (models carrying STABLEHLO_COMPOSITE segfault the delegate).
@@ -305,7 +305,7 @@ def run_on_delegate(
         (work / "request.json").write_text(json.dumps(request))
         try:
             proc = subprocess.run(
-                [sys.executable, "-m", "pocketdiff.export._delegate_worker", str(work / "request.json")],
+                [sys.executable, "-m", "pocketdiff.runtime._delegate_worker", str(work / "request.json")],
                 env=env, capture_output=True, text=True, timeout=timeout_s,
             )
             log = proc.stdout + proc.stderr

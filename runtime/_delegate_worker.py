@@ -1,4 +1,4 @@
-"""Child process of `pocketdiff.export.delegate.run_on_delegate` (started with the Vulkan env).
+"""Child process of `pocketdiff.runtime.delegate.run_on_delegate` (started with the Vulkan env).
 
 Reads request.json, compiles the model per precision, runs the inputs, writes result.json and
 out_<precision>.npz into the request's out_dir. Imports only numpy and ai_edge_litert.

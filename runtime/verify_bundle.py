@@ -124,7 +124,7 @@ def verify_component(name: str, entry: dict, accelerator: str = "gpu", precision
                      run: bool = True, verify_sha: bool = True, timeout_s: float = 1800.0, repeats: int = 3,
                      driver: Optional[str] = None, cpu_int8_as_fp16: bool = True) -> dict:
     """Every check of one component (see the module docstring); returns its report. On the CPU
-    an int8 component runs as its fp16-storage variant (export/cpu_variant.py) unless
+    an int8 component runs as its fp16-storage variant (runtime/cpu_variant.py) unless
     `cpu_int8_as_fp16` is false."""
     from . import parity as parity_lib
     from .delegate import run_on_delegate

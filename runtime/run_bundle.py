@@ -10,7 +10,7 @@ bundle's table when it was computed outside the graph.
 while the UNet compiles, releases it, and loads the decoder in a background thread during
 the last denoising step. Without it the three models are loaded up front (the naive app).
 A bundle with a `vae_tiling` block decodes with its two decoder graphs (`vae_decoder_head` on the
-whole latent, `vae_up_tile` per tile and pass: export/tiled_decode.tiled_decode_with_stats); they
+whole latent, `vae_up_tile` per tile and pass: runtime/tiled_decode.tiled_decode_with_stats); they
 load and release together where the decoder does, and the stats time the head, the tiles and a pass.
 The report has per-stage latency, the process's peak RSS and the peak of model bytes held at
 once.
@@ -149,7 +149,7 @@ def tiled_decode_bundle(head: _Loaded, up: _Loaded, block: dict, latents: np.nda
     from .tiled_decode import tiled_decode_with_stats
 
     K, G = (int(v) for v in block["norms"])
-    # the manifest declares (pixels, sums) in that order, with their shapes (export/manifest_check.py) and
+    # the manifest declares (pixels, sums) in that order, with their shapes (runtime/manifest_check.py) and
     # the .tflite's names (check_component_io); the signature may list them in either order
     declared = [o.get("name") for o in up.entry.get("outputs") or []]
     if len(declared) != 2 or sorted(declared) != sorted(up.out_names):
