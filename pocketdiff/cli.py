@@ -80,7 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--prompt", required=True)
             p.add_argument("--output", required=True)
             p.add_argument("--accelerator", choices=["cpu", "gpu"], default="gpu")
-            p.add_argument("--pipelined", action="store_true")
+            p.add_argument("--pipelined", action="store_true",
+                           help="load each model just before its use and release it after (lowest peak memory)")
+            p.add_argument("--gpu-cache", metavar="DIR",
+                           help="folder for the GPU accelerator's compiled programs (default: one per bundle under "
+                                "$XDG_CACHE_HOME/pocketdiff/gpu); a second launch loads without compiling")
+            p.add_argument("--no-gpu-cache", action="store_true", help="compile every model afresh, keep nothing")
             p.add_argument("--seed", type=int, default=0)
             p.add_argument("--overwrite", action="store_true")
             p.add_argument("--debug", action="store_true")
