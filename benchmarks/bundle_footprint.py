@@ -138,6 +138,49 @@ def matrix(path: str, sets: list[str], timeout: float, cache_root: str | None) -
     return rows
 
 
+def _run_bundle(bundle: str, out: str, pipelined: bool, cache: str, driver_cache: str, timeout: float) -> dict:
+    """One `pocketdiff run-bundle` process; its report's measured fields."""
+    cmd = [sys.executable, "-m", "pocketdiff.cli", "run-bundle", bundle, "--prompt", "a photograph of an astronaut riding a horse",
+           "--output", out, "--accelerator", "gpu", "--seed", "0", "--overwrite", "--gpu-cache", cache]
+    if pipelined:
+        cmd.append("--pipelined")
+    env = dict(os.environ, __GL_SHADER_DISK_CACHE_PATH=driver_cache, MESA_SHADER_CACHE_DIR=driver_cache)  # the drivers' own caches: cold means empty
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timeout after {timeout} s"}
+    wall = round(time.perf_counter() - t0, 2)
+    report = Path(out) / "report.json"
+    if p.returncode != 0 or not report.exists():
+        return {"error": f"exit {p.returncode}", "stderr_tail": p.stderr[-2000:]}
+    r = json.loads(report.read_text())
+    keep = ("host_peak_mb", "gpu_peak_mb", "host_plus_gpu_peak_mb", "start_s", "total_s", "fully_accelerated", "latency_s", "memory")
+    return {**{k: r.get(k) for k in keep}, "process_wall_s": wall}
+
+
+def runs(bundles: list[tuple[str, str]], cache_root: str, timeout: float) -> list[dict]:
+    """Per layout: plain then pipelined, each cold (empty caches) then warm (the same caches)."""
+    from pocketdiff.runtime.memory import GpuMemory
+
+    device = GpuMemory().name
+    rows = []
+    for bundle, layout in bundles:
+        man = json.loads((Path(bundle) / "manifest.json").read_text())
+        resolution = int(man["latent"]["height"]) * int(man["latent"]["vae_factor"])
+        for mode in ("plain", "pipelined"):
+            folder = Path(cache_root) / f"{layout}-{mode}"
+            shutil.rmtree(folder, ignore_errors=True)
+            for launch in ("cold", "warm"):
+                r = _run_bundle(bundle, f"/tmp/footprint-{layout}-{mode}-{launch}", mode == "pipelined", str(folder / "programs"),
+                                str(folder / "driver"), timeout)
+                rows.append({"layout": layout, "resolution": resolution, "mode": mode, "launch": launch, "device": device,
+                             "steps": len(man["scheduler"]["timesteps"]), **r})
+                print(json.dumps({k: rows[-1].get(k) for k in ("layout", "mode", "launch", "host_peak_mb", "gpu_peak_mb",
+                                                               "start_s", "total_s", "error")}), flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -153,7 +196,17 @@ def main(argv=None) -> int:
     m.add_argument("--timeout", type=float, default=180)
     m.add_argument("--cache-root")
     m.add_argument("--out", required=True)
+    r = sub.add_parser("runs")
+    r.add_argument("bundles", nargs="+", help="FOLDER:LAYOUT")
+    r.add_argument("--cache-root", default="/tmp/pd-cache")
+    r.add_argument("--timeout", type=float, default=240)
+    r.add_argument("--out", required=True)
     a = ap.parse_args(argv)
+    if a.cmd == "runs":
+        pairs = [tuple(b.rsplit(":", 1)) for b in a.bundles]
+        rows = runs(pairs, a.cache_root, a.timeout)
+        Path(a.out).write_text(json.dumps({"rows": rows}, indent=1))
+        return 0
     if a.cmd == "probe":
         row = probe(a.model, json.loads(a.options), a.cache, a.key)
         print(json.dumps(row))

@@ -97,6 +97,8 @@ class _Loaded:
     def _load_cpu(self, path: str, on_phase) -> None:
         from ai_edge_litert.compiled_model import CompiledModel, HardwareAccelerator, Options
 
+        if on_phase:
+            on_phase("opened")
         self.model = CompiledModel.from_file(path, options=Options(hardware_accelerators=HardwareAccelerator.CPU))
         self.fully_accelerated = False
         sigs = self.model.get_signature_list()

@@ -137,12 +137,17 @@ def test_manifest_goldens_and_tokenizer(exported):
         assert metrics(g["output_0"], run.outputs["fp32"][0])["cosine"] > 0.9999, name
 
 
-def test_run_bundle_gpu_and_pipelined_cpu(exported, tmp_path):
+def test_run_bundle_gpu_and_pipelined_cpu(exported, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # the default GPU program cache goes there
     out = exported["out"]
     assert cli_main(["run-bundle", str(out), "--prompt", "a red circle", "--output", str(tmp_path / "gpu")]) == 0
     rep = json.loads((tmp_path / "gpu" / "report.json").read_text())
-    for key in ("image", "accelerator", "fully_accelerated", "latency_s", "peak_rss_mb"):
+    for key in ("image", "accelerator", "fully_accelerated", "latency_s", "host_peak_mb", "start_s", "total_s", "memory"):
         assert key in rep
+    assert "peak_model_mb" not in rep  # file bytes are never reported under a memory name
+    assert rep["host_peak_mb"] > 50 and 0 < rep["start_s"] < rep["total_s"]
+    assert {p["phase"] for p in rep["memory"]["phases"]} >= {"opened", "compiled", "first_run"}
+    assert set(rep["memory"]["gpu_cache"]["hits"]) == {"text_encoder", "unet", "vae_decoder"}
     assert rep["accelerator"] == "gpu" and rep["fully_accelerated"] is True
     assert Path(rep["image"]).is_file()
     from PIL import Image
@@ -152,12 +157,26 @@ def test_run_bundle_gpu_and_pipelined_cpu(exported, tmp_path):
     assert cli_main(["run-bundle", str(out), "--prompt", "a red circle", "--output", str(tmp_path / "pipe"), "--accelerator", "cpu", "--pipelined"]) == 0
     plain = json.loads((tmp_path / "cpu" / "report.json").read_text())
     piped = json.loads((tmp_path / "pipe" / "report.json").read_text())
-    assert piped["pipelined"] and piped["peak_model_mb"] < plain["peak_model_mb"]
+    assert piped["pipelined"] and not plain["pipelined"]
+    assert _resident_at_most_one(piped["memory"]["phases"]) and not _resident_at_most_one(plain["memory"]["phases"])
     a = np.asarray(Image.open(plain["image"]), dtype=np.float32)
     b = np.asarray(Image.open(piped["image"]), dtype=np.float32)
     assert np.abs(a - b).max() <= 1.0  # same computation, only the loading order differs
     # nothing is written over an existing output without --overwrite
     assert cli_main(["run-bundle", str(out), "--prompt", "x", "--output", str(tmp_path / "cpu"), "--accelerator", "cpu"]) == 2
+
+
+def _resident_at_most_one(phases: list) -> bool:
+    """From the runner's measured phases: never two models loaded (or compiling) at once."""
+    resident: set = set()
+    for p in phases:
+        if p["phase"] == "opened":
+            if resident:
+                return False
+            resident.add(p["component"])
+        elif p["phase"] == "released":
+            resident.discard(p["component"])
+    return True
 
 
 def test_bundle_image_matches_the_torch_pipeline(exported):
@@ -186,8 +205,8 @@ def test_bundle_image_matches_the_torch_pipeline(exported):
 
 
 def test_bundle_runner_loads_once_for_several_prompts(exported):
-    """Plain: every model loads at the first prompt only; pipelined: the UNet stays, the text
-    encoder and decoder load again per prompt. Images equal one-shot `generate`'s."""
+    """Plain: every model loads at the first prompt only; pipelined: each model loads just in time
+    and is released after its use, for every prompt. Images equal one-shot `generate`'s."""
     from pocketdiff.runtime.run_bundle import BundleRunner, generate
 
     out = exported["out"]
@@ -199,8 +218,8 @@ def test_bundle_runner_loads_once_for_several_prompts(exported):
             resident = set(runner.loaded)
         loads = lambda st: sorted(k[: -len("_load")] for k in st["latency_s"] if k.endswith("_load"))  # noqa: E731
         assert loads(first) == ["text_encoder", "unet", "vae_decoder"]
-        assert loads(second) == (["text_encoder", "vae_decoder"] if pipelined else [])
-        assert resident == ({"unet"} if pipelined else {"text_encoder", "unet", "vae_decoder"})
+        assert loads(second) == (["text_encoder", "unet", "vae_decoder"] if pipelined else [])
+        assert resident == (set() if pipelined else {"text_encoder", "unet", "vae_decoder"})
         assert second["latency_s"]["unet_step_mean"] > 0 and second["finite"]
         assert set(second["fully_accelerated_by_component"]) == {"text_encoder", "unet", "vae_decoder"}
         assert np.abs(image - ref).max() < 1e-5
