@@ -239,6 +239,7 @@ class DelegateRun:
     adapter: str
     error: str
     log: str
+    memory: dict = dataclasses.field(default_factory=dict)  # measured in the child: per precision, and its totals
 
     def rejected_summary(self) -> str:
         return "; ".join(r.describe() for r in self.rejected) or (self.error or "no rejected ops listed")
@@ -348,6 +349,7 @@ def run_on_delegate(
         adapter=m.group(1).strip() if m else "",
         error=error,
         log=log,
+        memory={"by_precision": res.get("memory", {}), **(res.get("memory_totals") or {})},
     )
 
 
