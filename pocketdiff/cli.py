@@ -247,6 +247,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not verbose:
         quiet_libraries(huggingface=args.verb not in RUNTIME_ONLY_VERBS)
     failed, native_log = True, None
+    output = getattr(args, "output", None)  # verify-bundle, serve ... write no folder
+    made_here = output is not None and not Path(output).exists()
     try:
         with native as native_log:
             code = run_verb(args)
@@ -269,13 +271,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     finally:
         _end_distributed()
         if native_log is not None:
-            # a failed command writes nothing into DIR (it may be a folder the command refused)
-            output = getattr(args, "output", None)  # verify-bundle, serve ... write no folder
-            kept = keep_native_log(native_log, None if failed or output is None else Path(output), keep_orphan=failed)
+            # into DIR/logs/ when the command succeeded, or failed in a folder it made itself; never
+            # into a folder it refused, and never left in the temp folder: else the log is dropped
+            own = output is not None and (not failed or made_here)
+            kept = keep_native_log(native_log, Path(output) if own else None)
             if failed and kept is not None:
                 print(f"(native library log: {kept})", file=sys.stderr)
-            if kept is not None and argv is None:  # the process is this command: its exit logs too
-                native_logs_until_exit(kept)
+            if argv is None:  # the process is this command: its exit logs too (dropped with no log kept)
+                native_logs_until_exit(kept or Path(os.devnull))
 
 
 if __name__ == "__main__":

@@ -55,6 +55,13 @@ def bundle_tokenize(tokenizer_json: str | Path, prompt: str, tok: dict) -> np.nd
     return _ids(bundle_tokenizer(tokenizer_json, tok), prompt, tok)
 
 
+def check_seed(seed, what: str = "seed") -> int:
+    """The seed of numpy's latents: a non-negative integer, else one line naming `what`."""
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise PocketdiffError(f"{what} must be a non-negative integer, got {seed!r}")
+    return int(seed)
+
+
 def _np_dtype(name: str):
     return np.dtype(name)
 
@@ -379,6 +386,7 @@ class BundleRunner:
     def run(self, prompt: str, seed: int = 0, init_latents: Optional[np.ndarray] = None) -> tuple[np.ndarray, dict]:
         """One prompt: (image [H, W, 3] float32 in [0, 1], stats). Loads what is not resident;
         `latency_s` holds this prompt's loads and runs only; `memory` the measured phases so far."""
+        check_seed(seed)
         lat, tok = self.man["latent"], self.man["tokenizer"]
         latency: dict = {}
         stats: dict = {"latency_s": latency, "driver": self.driver}
@@ -431,6 +439,7 @@ def main(args) -> int:
 
     from pocketdiff.outputs import finish_output_dir, prepare_output_dir, write_json
 
+    check_seed(args.seed, "--seed")  # before the bundle is read or --output made
     man = check_bundle(args.bundle)  # refuses bad bundles (files, fields, signatures) before touching --output
     fresh = not Path(args.output).exists()
     out = prepare_output_dir(args.output, overwrite=args.overwrite, inputs=[("bundle", args.bundle)], verb="run-bundle")

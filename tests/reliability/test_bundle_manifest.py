@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -132,6 +135,21 @@ def test_run_bundle_refuses_before_running(case: Case, valid_bundle, tmp_path, c
         assert culprit in lines[0], f"{culprit!r} not named in: {lines[0]}"
     assert "Traceback" not in err
     assert not out.exists()
+
+
+def test_run_bundle_refuses_a_negative_seed_naming_it(valid_bundle, tmp_path):
+    """Issue 34: `--seed -1` exits 2 with one line naming --seed (it was `ValueError: expected
+    non-negative integer`, exit 1), before --output is made; no native log is left in the temp
+    folder. A real `python -m pocketdiff` process."""
+    tmpdir, out = tmp_path / "tmp", tmp_path / "out"
+    tmpdir.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmpdir), "CUDA_VISIBLE_DEVICES": ""}
+    r = subprocess.run([sys.executable, "-m", "pocketdiff", "run-bundle", str(valid_bundle), "--prompt", "a red circle",
+                        "--output", str(out), "--accelerator", "cpu", "--seed", "-1"],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.splitlines() == ["error: --seed must be a non-negative integer, got -1"], r.stderr
+    assert not out.exists() and list(tmpdir.iterdir()) == []
 
 
 def test_every_problem_is_listed(valid_bundle, tmp_path):
