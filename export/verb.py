@@ -186,76 +186,6 @@ def _save_tokenizer(tokenizer, folder: Path) -> dict:
     return {p.name: p for p in sorted(folder.iterdir()) if p.is_file()}
 
 
-def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
-    from .run_bundle import bundle_tokenize
-
-    if resume:
-        raise PocketdiffError("export does not resume; rerun with --overwrite")
-    t_start = time.perf_counter()
-    out = Path(output_dir)
-    work = out / "_export"
-    work.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(cfg.seed)
-
-    # 1. pipeline and int8 checkpoints
-    model_cfg, pipe, synthetic, quantized = _load_pipeline(cfg)
-    timings = {"load_s": round(time.perf_counter() - t_start, 2)}
-
-    # 2. shapes and fixed inputs
-    golden = _golden_inputs(cfg, pipe)
-    mode, shapes = golden.mode, golden.shapes
-
-    # 3. fp16 overflow scan (before conversion: it can choose the residual-stream scale)
-    scan, rewrites_of, split = _scan_and_rewrites(cfg, pipe, golden, work, timings)
-    names = expand_components(cfg.components, split is not None)
-
-    # 4. components (export_components: one at a time, or converted in parallel workers)
-    weights_of = {n: (cfg.weights if (cfg.weights != "int8" or quantized.get(n) is not None) else "fp16") for n in names}
-    comps = ComponentExport(out=out, work=work, pipe=pipe, names=names, golden=golden, rewrites_of=rewrites_of,
-                            weights_of=weights_of, quantized=quantized, split=split, tiled=TILED_DECODER, settings=cfg,
-                            timings=timings)
-    comps.run()
-    comp_reports, tiling_report = comps.reports, comps.tiling_report
-
-    t_bundle = time.perf_counter()
-    # 5. bundle: tokenizer, time embedding, manifest
-    tokenizer_entry = _tokenizer_entry(cfg, pipe.tokenizer, out, golden.ids_prompt)
-    runner_ids = bundle_tokenize(out / "tokenizer" / "tokenizer.json", cfg.golden_prompt, tokenizer_entry)
-    if runner_ids.tolist() != golden.ids_prompt[0].tolist():
-        raise PocketdiffError("the bundle's tokenizer.json does not reproduce the pipeline tokenizer's ids for the golden prompt")
-    manifest = _manifest(cfg, out, pipe.scheduler, golden, model_cfg, tokenizer_entry, comps.manifest, split, tiling_report)
-    bundle_lib.write_manifest(out, manifest)
-    bundle_lib.load_manifest(out)  # the bundle we wrote must pass the runner's checks
-    from .verify_bundle import verify_bundle
-
-    verify_bundle(out, run=False)  # and verify-bundle's checks that need no model run (manifest, files, io, goldens)
-
-    summary = {
-        name: {k: r.get(k) for k in ("file", "weights", "fully_accelerated", "cosine", "psnr_db", "max_abs", "bytes", "ops", "op_count", "transposes",
-                                     "peak_rss_mb", "params", "bytes_per_param", "device_profile")}
-        for name, r in comp_reports.items()
-    }
-    for name, r in comp_reports.items():
-        summary[name]["details"] = {k: v for k, v in r.items() if k not in summary[name]}
-    report = {
-        "bundle_dir": str(out.resolve()),
-        "manifest": str((out / bundle_lib.MANIFEST).resolve()),
-        "guidance": mode,
-        "resolution": shapes.resolution,
-        "weights": cfg.weights,
-        "components": summary,
-        "bundle_bytes": int(sum(p.stat().st_size for p in out.rglob("*") if p.is_file() and "_export" not in p.parts)),
-        "vae_tiling": {**split.block, **tiling_report, "residual_scale": split.residual_scale} if split is not None else None,
-        "fp16_scan": None if scan is None else {k: scan.get(k) for k in ("overflowing_ops", "unmitigated", "first_overflow", "max_abs", "peaks", "residual_scale_auto")},
-        "peak_rss_mb": round(peak_rss_mb(), 1),
-        "synthetic_weights": synthetic,
-        "timings": {**timings, "bundle_s": round(time.perf_counter() - t_bundle, 2),
-                    **{f"{n}_convert_s": r.get("convert_s") for n, r in comp_reports.items()}},
-        "export_s": round(time.perf_counter() - t_start, 2),
-    }
-    return report
-
-
 def _load_pipeline(cfg: Config):
     """Step 1: the pipeline (an int8 checkpoint's own pipeline when model.pretrained is unset), in fp32,
     with the random-weight stand-ins asked for, and int8 weights applied: (model_cfg, pipe, synthetic, quantized)."""
@@ -431,3 +361,73 @@ def _manifest(cfg: Config, out: Path, sched, golden: GoldenInputs, model_cfg: Mo
             "versions": _versions(),
         },
     }
+
+
+def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
+    from .run_bundle import bundle_tokenize
+
+    if resume:
+        raise PocketdiffError("export does not resume; rerun with --overwrite")
+    t_start = time.perf_counter()
+    out = Path(output_dir)
+    work = out / "_export"
+    work.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+
+    # 1. pipeline and int8 checkpoints
+    model_cfg, pipe, synthetic, quantized = _load_pipeline(cfg)
+    timings = {"load_s": round(time.perf_counter() - t_start, 2)}
+
+    # 2. shapes and fixed inputs
+    golden = _golden_inputs(cfg, pipe)
+    mode, shapes = golden.mode, golden.shapes
+
+    # 3. fp16 overflow scan (before conversion: it can choose the residual-stream scale)
+    scan, rewrites_of, split = _scan_and_rewrites(cfg, pipe, golden, work, timings)
+    names = expand_components(cfg.components, split is not None)
+
+    # 4. components (export_components: one at a time, or converted in parallel workers)
+    weights_of = {n: (cfg.weights if (cfg.weights != "int8" or quantized.get(n) is not None) else "fp16") for n in names}
+    comps = ComponentExport(out=out, work=work, pipe=pipe, names=names, golden=golden, rewrites_of=rewrites_of,
+                            weights_of=weights_of, quantized=quantized, split=split, tiled=TILED_DECODER, settings=cfg,
+                            timings=timings)
+    comps.run()
+    comp_reports, tiling_report = comps.reports, comps.tiling_report
+
+    t_bundle = time.perf_counter()
+    # 5. bundle: tokenizer, time embedding, manifest
+    tokenizer_entry = _tokenizer_entry(cfg, pipe.tokenizer, out, golden.ids_prompt)
+    runner_ids = bundle_tokenize(out / "tokenizer" / "tokenizer.json", cfg.golden_prompt, tokenizer_entry)
+    if runner_ids.tolist() != golden.ids_prompt[0].tolist():
+        raise PocketdiffError("the bundle's tokenizer.json does not reproduce the pipeline tokenizer's ids for the golden prompt")
+    manifest = _manifest(cfg, out, pipe.scheduler, golden, model_cfg, tokenizer_entry, comps.manifest, split, tiling_report)
+    bundle_lib.write_manifest(out, manifest)
+    bundle_lib.load_manifest(out)  # the bundle we wrote must pass the runner's checks
+    from .verify_bundle import verify_bundle
+
+    verify_bundle(out, run=False)  # and verify-bundle's checks that need no model run (manifest, files, io, goldens)
+
+    summary = {
+        name: {k: r.get(k) for k in ("file", "weights", "fully_accelerated", "cosine", "psnr_db", "max_abs", "bytes", "ops", "op_count", "transposes",
+                                     "peak_rss_mb", "params", "bytes_per_param", "device_profile")}
+        for name, r in comp_reports.items()
+    }
+    for name, r in comp_reports.items():
+        summary[name]["details"] = {k: v for k, v in r.items() if k not in summary[name]}
+    report = {
+        "bundle_dir": str(out.resolve()),
+        "manifest": str((out / bundle_lib.MANIFEST).resolve()),
+        "guidance": mode,
+        "resolution": shapes.resolution,
+        "weights": cfg.weights,
+        "components": summary,
+        "bundle_bytes": int(sum(p.stat().st_size for p in out.rglob("*") if p.is_file() and "_export" not in p.parts)),
+        "vae_tiling": {**split.block, **tiling_report, "residual_scale": split.residual_scale} if split is not None else None,
+        "fp16_scan": None if scan is None else {k: scan.get(k) for k in ("overflowing_ops", "unmitigated", "first_overflow", "max_abs", "peaks", "residual_scale_auto")},
+        "peak_rss_mb": round(peak_rss_mb(), 1),
+        "synthetic_weights": synthetic,
+        "timings": {**timings, "bundle_s": round(time.perf_counter() - t_bundle, 2),
+                    **{f"{n}_convert_s": r.get("convert_s") for n, r in comp_reports.items()}},
+        "export_s": round(time.perf_counter() - t_start, 2),
+    }
+    return report
