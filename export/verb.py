@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import sys
 import time
 from pathlib import Path
 from typing import Optional
@@ -32,28 +31,16 @@ from pocketdiff.runtime.manifest_check import TILED_DECODER
 from pocketdiff.runtime.tiled_decode import SCHEMES as TILING_SCHEMES
 
 from . import bundle as bundle_lib
-from .components import (
-    COMPONENTS,
-    TextEncoderGraph,
-    UNetGraph,
-    VaeDecoderGraph,
-    shapes_for,
-    time_embedding_table,
-    tokenize,
-)
+from .components import COMPONENTS, shapes_for, time_embedding_table, tokenize
 from .convert import WEIGHT_FORMATS
-from .device_profile import DeviceProfile, check_component
-from .exporter import VerifyConfig, convert_job, finish_component, peak_rss_mb, prepare_component
+from .device_profile import DeviceProfile
+from .export_components import ComponentExport, GoldenInputs, say
+from .exporter import VerifyConfig, peak_rss_mb
 from .parity import ParityConfig
 from .rewrites import RewriteConfig
-from .tiled_export import UP_TILE, expand_components, parity_latents, split_decoder, tiled_parity
+from .tiled_export import expand_components, split_decoder
 
 log = logging.getLogger(__name__)
-
-
-def _say(msg: str) -> None:
-    """A progress line per phase (stderr, like the other verbs)."""
-    print(f"export: {msg}", file=sys.stderr, flush=True)
 
 
 GUIDANCE_MODES = ("auto", "cfg", "embedded", "none")
@@ -171,25 +158,6 @@ def _versions() -> dict:
     return out
 
 
-def _reset_peak_rss() -> bool:
-    """Reset this process's peak RSS (Linux: VmHWM via /proc/self/clear_refs); False elsewhere."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
-
-
-def _vm_hwm_mb() -> Optional[float]:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return round(int(line.split()[1]) / 1024.0, 1)
-    except OSError:
-        pass
-    return None
-
-
 def _guidance_mode(cfg: Config, unet) -> str:
     embedded = getattr(unet.config, "time_cond_proj_dim", None) is not None
     if cfg.guidance == "auto":
@@ -219,21 +187,11 @@ def _save_tokenizer(tokenizer, folder: Path) -> dict:
     return {p.name: p for p in sorted(folder.iterdir()) if p.is_file()}
 
 
-def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
-    from .fp16scan import scan_pipeline
+def _load_pipeline(cfg: Config):
+    """Step 1: the pipeline (an int8 checkpoint's own pipeline when model.pretrained is unset), in fp32,
+    with the random-weight stand-ins asked for, and int8 weights applied: (model_cfg, pipe, synthetic, quantized)."""
     from .int8 import apply_to_module, load_component_checkpoints, rtn_checkpoint
-    from pocketdiff.runtime.run_bundle import bundle_tokenize
-    from pocketdiff.sampling import default_w_embedding_fn, final_alpha_cumprod, scheduler_timesteps
 
-    if resume:
-        raise PocketdiffError("export does not resume; rerun with --overwrite")
-    t_start = time.perf_counter()
-    out = Path(output_dir)
-    work = out / "_export"
-    work.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(cfg.seed)
-
-    # 1. pipeline and int8 checkpoints
     model_cfg = cfg.model
     if model_cfg.pretrained is None and cfg.int8.checkpoint and (Path(cfg.int8.checkpoint) / "pipeline").is_dir():
         model_cfg = dataclasses.replace(model_cfg, pretrained=str(Path(cfg.int8.checkpoint) / "pipeline"))
@@ -270,14 +228,18 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
             apply_to_module(pipe.text_encoder, quantized["text_encoder"])
         if "vae_decoder" in quantized:
             apply_to_module(pipe.vae, quantized["vae_decoder"])
+    return model_cfg, pipe, synthetic, quantized
 
-    timings = {"load_s": round(time.perf_counter() - t_start, 2)}
-    # 2. shapes and fixed inputs
+
+def _golden_inputs(cfg: Config, pipe) -> GoldenInputs:
+    """Step 2: guidance mode, shapes, the golden prompt's ids and text states, seeded latents, the
+    timestep (or its time-embedding row) at the middle of the schedule."""
+    from pocketdiff.sampling import default_w_embedding_fn, scheduler_timesteps
+
     mode = _guidance_mode(cfg, pipe.unet)
     shapes = shapes_for(pipe, cfg.resolution, unet_batch=2 if mode == "cfg" else 1)
-    sched = pipe.scheduler
-    T = int(sched.config.num_train_timesteps)
-    timesteps = scheduler_timesteps(sched, cfg.steps).tolist()
+    T = int(pipe.scheduler.config.num_train_timesteps)
+    timesteps = scheduler_timesteps(pipe.scheduler, cfg.steps).tolist()
     w_emb = None
     if mode == "embedded":
         fn = default_w_embedding_fn(pipe.unet)
@@ -303,12 +265,19 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
     if takes_cond:
         unet_inputs["timestep_cond"] = w_emb.expand(B, -1).contiguous()
     vae_latents = torch.randn(1, shapes.latent_channels, shapes.latent_size, shapes.latent_size, generator=gen)
+    return GoldenInputs(mode, shapes, timesteps, ids_prompt, unet_inputs, takes_cond, vae_latents, table)
 
-    # 3. fp16 overflow scan (before conversion: it can choose the residual-stream scale)
+
+def _scan_and_rewrites(cfg: Config, pipe, golden: GoldenInputs, work: Path, timings: dict):
+    """Step 3: the fp16 overflow scan, the rewrites per component (the residual-stream scale it
+    chose), the tiled decoder's split: (scan or None, rewrites per component, split or None)."""
+    from .fp16scan import scan_pipeline
+
+    shapes = golden.shapes
     scan = None
     t_scan = time.perf_counter()
     if cfg.fp16_scan.enabled:
-        _say(f"fp16 overflow scan over {len(cfg.fp16_scan.prompts)} prompt(s) ...")
+        say(f"fp16 overflow scan over {len(cfg.fp16_scan.prompts)} prompt(s) ...")
         scan = scan_pipeline(pipe, cfg.fp16_scan.prompts, steps=cfg.fp16_scan.steps, guidance_scale=cfg.guidance_scale,
                              resolution=shapes.resolution, seed=cfg.seed, rewrites=cfg.rewrites)
     timings["fp16_scan_s"] = round(time.perf_counter() - t_scan, 2)
@@ -325,130 +294,20 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
     split = None
     if cfg.vae_tiling.enabled:  # the decoder as head + up-path tile; its residual stream scaled once for both
         vae_rw = rewrites_of.pop("vae_decoder")
-        split = split_decoder(pipe.vae, cfg.vae_tiling, vae_latents, shapes.vae_factor, vae_rw.residual_scale)
+        split = split_decoder(pipe.vae, cfg.vae_tiling, golden.vae_latents, shapes.vae_factor, vae_rw.residual_scale)
         for n in TILED_DECODER:
             rewrites_of[n] = dataclasses.replace(vae_rw, residual_scale=None)
-    names = expand_components(cfg.components, split is not None)
     if scan is not None:
         write_json(work / "fp16_scan.json", scan)
         if cfg.fp16_scan.fail and scan["overflowing_ops"]:
             raise PocketdiffError(f"fp16 scan: {scan['overflowing_ops']} ops leave the fp16 range (first: {scan['first_overflow']})")
+    return scan, rewrites_of, split
 
-    # 4. components (sequential: one at a time, the UNet last and unwrapped in place, each
-    # released from the pipeline when done, so an SD-2.1-size export fits a 24 GB machine)
-    sequential = cfg.jobs == 1 or len(names) == 1
-    module_attr = {"text_encoder": "text_encoder", "unet": "unet", "vae_decoder": "vae", UP_TILE: "vae"}  # the head: the VAE stays
 
-    def graph_for(name: str):
-        if name == "text_encoder":
-            return TextEncoderGraph(pipe.text_encoder), {"input_ids": torch.from_numpy(ids_prompt)}
-        if name == "unet":
-            import copy
-
-            unet = copy.deepcopy(pipe.unet) if cfg.rewrites.time_embedding_outside and not sequential else pipe.unet
-            return UNetGraph(unet, external_time_embedding=cfg.rewrites.time_embedding_outside, timestep_cond=takes_cond), unet_inputs
-        if split is not None:
-            return split.graphs.pop(name)  # held only while this component is prepared
-        return VaeDecoderGraph(pipe.vae), {"latents": vae_latents}
-
-    comp_reports: dict = {}
-    manifest_components: dict = {}
-    (out / "golden").mkdir(exist_ok=True)
-    weights_of = {n: (cfg.weights if (cfg.weights != "int8" or quantized.get(n) is not None) else "fp16") for n in names}
-    tiling_report: dict = {}
-
-    def check_tiling() -> None:
-        """The tiled-decode parity, once both tiled components are in the bundle (the VAE still loaded)."""
-        if split is not None and not tiling_report and all(n in manifest_components for n in TILED_DECODER):
-            _say(f"vae_tiling: tiled decode through the .tflite files (cpu, {cfg.vae_tiling.passes} passes) vs the whole decode ...")
-            t0 = time.perf_counter()
-            lat = parity_latents(pipe.vae, shapes.latent_size, shapes.vae_factor)
-            tiling_report.update(tiled_parity(out, manifest_components, pipe.vae, lat, split.block, cfg.vae_tiling.min_psnr_db))
-            timings["vae_tiling_parity_s"] = round(time.perf_counter() - t0, 2)
-            _say(f"vae_tiling: PSNR {tiling_report['psnr_db']:.2f} dB (vae_tiling.min_psnr_db {cfg.vae_tiling.min_psnr_db})")
-
-    def finish(prep, info) -> None:
-        name = prep.name
-        t0 = time.perf_counter()
-        _say(f"{name}: converted by litert-torch in {info['convert_s']:.0f} s; "
-             + (f"checking on the GPU delegate ({'+'.join(cfg.verify.precisions)}) ..." if cfg.verify.delegate else "storing weights"))
-        rep = finish_component(prep, info, cfg.verify, cfg.parity, float_storage=cfg.int8.float_storage)
-        timings[f"{name}_verify_s"] = round(time.perf_counter() - t0, 2)
-        if cfg.verify.delegate:
-            cos = ", ".join(f"{p} {m['cosine']:.6f}" for p, m in rep.get("parity", {}).items())
-            _say(f"{name}: fully accelerated on the GPU delegate ({rep['delegate']['driver']}), cosine {cos}, "
-                 f"{timings[f'{name}_verify_s']:.0f} s")
-        reference = rep.pop("reference")
-        golden_path = out / "golden" / f"{name}.npz"
-        np.savez(golden_path, **{f"input_{k}": v.detach().numpy() for k, v in prep.inputs.items()},
-                 **{f"output_{i}": r for i, r in enumerate(prep.references or [reference])})
-        int8_map = rep.pop("int8_map", {})
-        if int8_map:
-            write_json(work / f"{name}_int8_map.json", int8_map)
-        rep["device_profile"] = check_component(name, out / f"{name}.tflite", cfg.device_profile)
-        rep["params"] = int(sum(p.numel() for p in prep.rewritten.parameters()))
-        if rep.get("bytes"):
-            rep["bytes_per_param"] = round(rep["bytes"] / max(1, rep["params"]), 4)
-        comp_reports[name] = rep
-        entry = bundle_lib.file_entry(out, out / f"{name}.tflite")
-        entry.update(
-            weights=prep.weights,
-            inputs=[{"name": k, **v} for k, v in rep["inputs"].items()],
-            outputs=[{"name": k, **v} for k, v in rep["outputs"].items()],
-            fully_accelerated=rep.get("fully_accelerated"),
-            golden={**bundle_lib.file_entry(out, golden_path), "tolerances": {
-                "fp16": dataclasses.asdict(cfg.parity.fp16), "fp32": dataclasses.asdict(cfg.parity.fp32)}},
-        )
-        q = prep.quantized
-        if q is not None and prep.weights == "int8":
-            entry["int8"] = {"layers": rep.get("int8_layers"), "method": q.recipe.extra.get("method") or sorted({lr.method for lr in q.recipe.layers.values()})}
-        manifest_components[name] = entry
-
-    def prepare(name):
-        t0 = time.perf_counter()
-        graph, inputs = graph_for(name)
-        _say(f"{name} ({weights_of[name]}): rewrites and PyTorch reference ...")
-        prep = prepare_component(name, graph, inputs, out / f"{name}.tflite", rewrites_of[name], weights_of[name], quantized.get(name))
-        prep.raw_path = work / f"{name}_fp32.tflite"
-        timings[f"{name}_prepare_s"] = round(time.perf_counter() - t0, 2)
-        return prep
-
-    if sequential:
-        import gc
-
-        for name in sorted(names, key=lambda n: n == "unet"):  # one component in memory at a time
-            reset = _reset_peak_rss()
-            prep = prepare(name)
-            _say(f"{name}: converting with litert-torch ...")
-            finish(prep, convert_job(prep.rewritten, prep.inputs, prep.raw_path))
-            prep.raw_path.unlink(missing_ok=True)
-            del prep
-            check_tiling()
-            if name in module_attr:
-                setattr(pipe, module_attr[name], None)
-            gc.collect()
-            if reset:  # the process's peak while this component was prepared, converted and checked
-                comp_reports[name]["peak_rss_mb"] = _vm_hwm_mb()
-            log.info("export %s: done (peak RSS %.1f GB)", name, (comp_reports[name].get("peak_rss_mb") or peak_rss_mb()) / 1024)
-    else:
-        import multiprocessing as mp
-        from concurrent.futures import ProcessPoolExecutor
-
-        preps = [prepare(name) for name in names]
-        # the largest first: with 2 workers the UNet runs beside the other two
-        order = sorted(preps, key=lambda p: -sum(t.numel() for t in p.rewritten.parameters()))
-        with ProcessPoolExecutor(max_workers=min(cfg.jobs, len(preps)), mp_context=mp.get_context("spawn")) as pool:
-            futures = {p.name: pool.submit(convert_job, p.rewritten, p.inputs, str(p.raw_path), 1) for p in order}
-            for prep in preps:
-                finish(prep, futures[prep.name].result())
-                prep.raw_path.unlink(missing_ok=True)
-        check_tiling()
-
-    t_bundle = time.perf_counter()
-    # 5. bundle: tokenizer, time embedding, manifest
-    tok_files = _save_tokenizer(pipe.tokenizer, out / "tokenizer")
-    tok = pipe.tokenizer
-    tokenizer_entry = {
+def _tokenizer_entry(cfg: Config, tok, out: Path, ids_prompt) -> dict:
+    """The bundle's tokenizer/ folder and its manifest entry (with the golden prompt's ids)."""
+    tok_files = _save_tokenizer(tok, out / "tokenizer")
+    return {
         "files": {n: bundle_lib.file_entry(out, p) for n, p in tok_files.items()},
         "max_length": int(tok.model_max_length),
         "pad_id": int(tok.pad_token_id),
@@ -457,25 +316,30 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
         "pad_token": str(tok.pad_token),
         "golden": {"prompt": cfg.golden_prompt, "ids": ids_prompt[0].tolist()},
     }
-    runner_ids = bundle_tokenize(out / "tokenizer" / "tokenizer.json", cfg.golden_prompt, tokenizer_entry)
-    if runner_ids.tolist() != ids_prompt[0].tolist():
-        raise PocketdiffError("the bundle's tokenizer.json does not reproduce the pipeline tokenizer's ids for the golden prompt")
+
+
+def _manifest(cfg: Config, out: Path, sched, golden: GoldenInputs, model_cfg: ModelConfig, tokenizer_entry: dict,
+              components: dict, split, tiling_report: dict) -> dict:
+    """manifest.json's content (time_embedding.npy written beside it when the table is outside the graph)."""
+    from pocketdiff.sampling import final_alpha_cumprod
+
+    shapes, table = golden.shapes, golden.table
     te_entry = None
     if table is not None:
         np.save(out / "time_embedding.npy", table.astype(np.float32))
         te_entry = {**bundle_lib.file_entry(out, out / "time_embedding.npy"), "shape": list(table.shape), "dtype": "float32"}
     alphas = sched.alphas_cumprod.to(torch.float64).numpy()
-    manifest = {
+    return {
         "created_by": "pocketdiff export",
         "image": {"height": shapes.resolution, "width": shapes.resolution, "channels": 3, "range": [0, 1]},
         "latent": {"channels": shapes.latent_channels, "height": shapes.latent_size, "width": shapes.latent_size, "vae_factor": shapes.vae_factor},
-        "guidance": {"mode": mode, "scale": float(cfg.guidance_scale), "unet_batch": B},
+        "guidance": {"mode": golden.mode, "scale": float(cfg.guidance_scale), "unet_batch": shapes.unet_batch},
         "scheduler": {
             "type": "ddim",
             "prediction_type": str(sched.config.prediction_type),
-            "num_train_timesteps": T,
+            "num_train_timesteps": int(sched.config.num_train_timesteps),
             "steps": cfg.steps,
-            "timesteps": [int(t) for t in timesteps],
+            "timesteps": [int(t) for t in golden.timesteps],
             "alphas_cumprod": [float(a) for a in alphas],
             "final_alpha_cumprod": float(final_alpha_cumprod(sched)),
             "timestep_spacing": str(sched.config.get("timestep_spacing", "leading")),
@@ -485,7 +349,7 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
         "unet_time_input": "time_embedding" if table is not None else "timestep",
         "tokenizer": tokenizer_entry,
         "time_embedding": te_entry,
-        "components": manifest_components,
+        "components": components,
         **({"vae_tiling": {**split.block, "parity_psnr_db": tiling_report["psnr_db"]}} if split is not None else {}),
         "provenance": {
             "source": model_cfg.pretrained or f"built:{model_cfg.arch}",
@@ -498,6 +362,46 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
             "versions": _versions(),
         },
     }
+
+
+def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
+    from pocketdiff.runtime.run_bundle import bundle_tokenize
+
+    if resume:
+        raise PocketdiffError("export does not resume; rerun with --overwrite")
+    t_start = time.perf_counter()
+    out = Path(output_dir)
+    work = out / "_export"
+    work.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+
+    # 1. pipeline and int8 checkpoints
+    model_cfg, pipe, synthetic, quantized = _load_pipeline(cfg)
+    timings = {"load_s": round(time.perf_counter() - t_start, 2)}
+
+    # 2. shapes and fixed inputs
+    golden = _golden_inputs(cfg, pipe)
+    mode, shapes = golden.mode, golden.shapes
+
+    # 3. fp16 overflow scan (before conversion: it can choose the residual-stream scale)
+    scan, rewrites_of, split = _scan_and_rewrites(cfg, pipe, golden, work, timings)
+    names = expand_components(cfg.components, split is not None)
+
+    # 4. components (export_components: one at a time, or converted in parallel workers)
+    weights_of = {n: (cfg.weights if (cfg.weights != "int8" or quantized.get(n) is not None) else "fp16") for n in names}
+    comps = ComponentExport(out=out, work=work, pipe=pipe, names=names, golden=golden, rewrites_of=rewrites_of,
+                            weights_of=weights_of, quantized=quantized, split=split, tiled=TILED_DECODER, settings=cfg,
+                            timings=timings)
+    comps.run()
+    comp_reports, tiling_report = comps.reports, comps.tiling_report
+
+    t_bundle = time.perf_counter()
+    # 5. bundle: tokenizer, time embedding, manifest
+    tokenizer_entry = _tokenizer_entry(cfg, pipe.tokenizer, out, golden.ids_prompt)
+    runner_ids = bundle_tokenize(out / "tokenizer" / "tokenizer.json", cfg.golden_prompt, tokenizer_entry)
+    if runner_ids.tolist() != golden.ids_prompt[0].tolist():
+        raise PocketdiffError("the bundle's tokenizer.json does not reproduce the pipeline tokenizer's ids for the golden prompt")
+    manifest = _manifest(cfg, out, pipe.scheduler, golden, model_cfg, tokenizer_entry, comps.manifest, split, tiling_report)
     bundle_lib.write_manifest(out, manifest)
     load_manifest(out)  # the bundle we wrote must pass the runner's checks
     from pocketdiff.runtime.verify_bundle import verify_bundle

@@ -6,10 +6,9 @@ import math
 from typing import Optional
 
 from pocketdiff.config import DataConfig
-from pocketdiff.errors import require
+from pocketdiff.errors import PocketdiffError, require
 from pocketdiff.models import ModelConfig
 
-from .distill_rounds import plan_rounds, round_schedule
 from .distill_targets import WEIGHTINGS
 from .guidance_embedding import DEFAULT_EMBED_DIM
 from .loop import LoopConfig
@@ -17,6 +16,23 @@ from .loop import LoopConfig
 STUDENT_PREDICTION = ("v_prediction", "epsilon", "teacher")
 SPACINGS = ("trailing", "leading", "teacher")
 TEACHER_DTYPES = ("auto", "fp32", "bf16", "fp16")
+
+
+def round_schedule(start_steps: int, final_steps: int) -> list[int]:
+    """Step counts of the progressive rounds: [start/2, start/4, ..., final] (empty when equal)."""
+    if final_steps > start_steps:
+        raise PocketdiffError(f"progressive.final_steps={final_steps} is above progressive.start_steps={start_steps}")
+    counts, n = [], start_steps
+    while n > final_steps:
+        if n % 2:
+            raise PocketdiffError(
+                f"progressive.final_steps={final_steps} cannot be reached from start_steps={start_steps} by halving "
+                f"({n} is odd); start_steps must be final_steps * 2^k")
+        n //= 2
+        counts.append(n)
+    if n != final_steps:
+        raise PocketdiffError(f"progressive.final_steps={final_steps} cannot be reached from start_steps={start_steps} by halving")
+    return counts
 
 
 @dataclasses.dataclass
@@ -157,5 +173,6 @@ class Config:
                 f"must equal progressive.train.mixed_precision ({self.progressive.train.mixed_precision}): one Accelerator runs every round")
         require(self.guided.train.memory_cap_gib == self.progressive.train.memory_cap_gib, "guided.train.memory_cap_gib",
                 f"must equal progressive.train.memory_cap_gib ({self.progressive.train.memory_cap_gib}): the cap is per process")
-        require(self.guided.enabled or len(plan_rounds(self)) > 0, "progressive.final_steps",
+        rounds = round_schedule(self.progressive.start_steps, self.progressive.final_steps)
+        require(self.guided.enabled or len(rounds) > 0, "progressive.final_steps",
                 "equals progressive.start_steps and guided.enabled is false: there is nothing to distill")

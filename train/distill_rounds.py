@@ -4,31 +4,15 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 from pocketdiff.errors import PocketdiffError
 from pocketdiff.models import DISTILL_META
 from pocketdiff.outputs import read_json
 
-if TYPE_CHECKING:  # the config module imports this one
-    from .distill_config import Config
+from .distill_config import Config, round_schedule
 
-
-def round_schedule(start_steps: int, final_steps: int) -> list[int]:
-    """Step counts of the progressive rounds: [start/2, start/4, ..., final] (empty when equal)."""
-    if final_steps > start_steps:
-        raise PocketdiffError(f"progressive.final_steps={final_steps} is above progressive.start_steps={start_steps}")
-    counts, n = [], start_steps
-    while n > final_steps:
-        if n % 2:
-            raise PocketdiffError(
-                f"progressive.final_steps={final_steps} cannot be reached from start_steps={start_steps} by halving "
-                f"({n} is odd); start_steps must be final_steps * 2^k")
-        n //= 2
-        counts.append(n)
-    if n != final_steps:
-        raise PocketdiffError(f"progressive.final_steps={final_steps} cannot be reached from start_steps={start_steps} by halving")
-    return counts
+__all__ = ["RoundSpec", "completed_rounds", "plan_rounds", "round_schedule"]
 
 
 @dataclasses.dataclass

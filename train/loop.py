@@ -36,6 +36,7 @@ from .memory import (
     oom_message,
     tensor_bytes,
 )
+from .step_reads import RATE_WARMUP_STEPS, PhaseClock, StepReads, read_step, step_profiler  # noqa: F401  (also this module's API)
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
 MIXED_PRECISION = ("fp32", "fp16", "bf16")  # "fp32" = accelerate's "no" (YAML reads a bare no as false)
@@ -207,99 +208,6 @@ def checkpoint_bytes(ckpt_dir: Path, model, optimizer, ema) -> int:
             + (tensor_bytes(ema.shadow) if ema is not None else 0) + (1 << 20))
 
 
-# steps of each invocation outside the steady rate: the first (compilation, autotuning, optimizer
-# state) and the second (first EMA update, allocator growth), as benchmarks/distill_step.py's
-# `--warmup 2` leaves them out of its rate
-RATE_WARMUP_STEPS = 2
-
-
-class PhaseClock:
-    """Seconds per phase of one step; `sync`: the CUDA device synchronised at every mark."""
-
-    def __init__(self, t0: float, sync: bool = True):
-        self.last, self.sync, self.seconds = t0, sync, {}
-
-    def mark(self, name: str) -> None:
-        if self.sync:
-            torch.cuda.synchronize()
-        now = perf_counter()
-        self.seconds[name] = round(now - self.last, 3)
-        self.last = now
-
-
-def _loss_and_norm(mean_loss: torch.Tensor, grad_norm: Optional[torch.Tensor]) -> torch.Tensor:
-    norm = grad_norm.detach().float().reshape(()) if grad_norm is not None else torch.zeros((), device=mean_loss.device)
-    return torch.stack([mean_loss.detach().float().reshape(()), norm])
-
-
-def _classify(loss: float, norm: float) -> Optional[str]:
-    return "loss" if not math.isfinite(loss) else "gradients" if not math.isfinite(norm) else None
-
-
-def step_profiler(steps: int, skip: int, out: Path, cuda: bool):
-    """A started torch.profiler that records `steps` steps after `skip` (one more as its own warm-up);
-    call `.step()` after every step and `.stop()` at the end. Writes OUT.json.gz (a gzipped chrome
-    trace: an SD-size step is tens of MB of JSON) and OUT.txt (operators by device time, or host
-    time without a GPU)."""
-    from torch.profiler import ProfilerActivity, profile, schedule
-
-    def write(prof) -> None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        prof.export_chrome_trace(str(out.parent / f"{out.name}.json.gz"))
-        key = "self_device_time_total" if cuda else "self_cpu_time_total"
-        (out.parent / f"{out.name}.txt").write_text(prof.key_averages().table(sort_by=key, row_limit=40) + "\n")
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    prof = profile(activities=activities, schedule=schedule(wait=max(skip - 1, 0), warmup=1, active=steps, repeat=1),
-                   on_trace_ready=write)
-    prof.start()
-    return prof
-
-
-def read_step(mean_loss: torch.Tensor, grad_norm: Optional[torch.Tensor]) -> tuple[float, Optional[str]]:
-    """The step's mean loss and what of it is non-finite ("loss", "gradients" or None): one host sync for both."""
-    loss, norm = _loss_and_norm(mean_loss, grad_norm).tolist()
-    return loss, _classify(loss, norm)
-
-
-class StepReads:
-    """Each step's mean loss and gradient norm, brought to the host without stalling the device.
-
-    `push` queues a copy of the two numbers into pinned host memory behind the step's kernels;
-    `settle(keep)` reads every pushed step but the newest `keep`, waiting for the device only as
-    far as those steps. With `keep=1` the host queues step s+1 while the device still runs step s,
-    so the device never idles while the host prepares a step (tokenizing, drawing noise, the
-    optimizer's per-parameter launches). The loop settles everything before anything records a
-    step (a log row, a checkpoint, the time check, the end), so a non-finite step is still never
-    saved or logged.
-    """
-
-    def __init__(self):
-        self._queue = []  # (step, host tensor [2], event or None)
-
-    def push(self, step: int, mean_loss: torch.Tensor, grad_norm: Optional[torch.Tensor]) -> None:
-        values = _loss_and_norm(mean_loss, grad_norm)
-        if not values.is_cuda:
-            self._queue.append((step, values.cpu(), None))
-            return
-        host = torch.empty(2, dtype=torch.float32, pin_memory=True)
-        host.copy_(values, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self._queue.append((step, host, event))
-
-    def settle(self, keep: int = 0) -> list[tuple[int, float, Optional[str]]]:
-        """(step, loss, what is non-finite or None) of every pushed step but the newest `keep`, oldest first."""
-        out = []
-        while len(self._queue) > keep:
-            step, host, event = self._queue.pop(0)
-            if event is not None:
-                event.synchronize()
-            loss, norm = host.tolist()
-            out.append((step, loss, _classify(loss, norm)))
-        return out
-
-
 def _save(ckpt_dir, step, model, optimizer, scheduler, ema, losses, skipped, total_limit, extra):
     found = list_checkpoints(ckpt_dir)
     check_free_space(ckpt_dir, checkpoint_bytes(ckpt_dir, model, optimizer, ema), f"checkpoint-{step}",
@@ -389,10 +297,31 @@ def train_loop(
     `lr_scale` maps parameter-name prefixes to learning-rate multipliers (their own AdamW
     param group; the warm-up applies to every group alike).
     """
+    # 1. accelerator, model on its device, optimizer, warm-up schedule, EMA
     acc = accelerator or make_accelerator(cfg, ckpt_dir.parent)
     apply_memory_cap(cfg.memory_cap_gib, acc.device)
     memory = GpuMemory(acc.device)
     memory.reset()
+    params, optimizer, scheduler, ema = _optimisation(cfg, model, acc, lr_scale)
+
+    # 2. resume from a checkpoint
+    start, losses, skipped = 0, [], 0
+    ckpt = resolve_resume(ckpt_dir, resume)
+    if ckpt is not None:
+        state = _load(ckpt, model, optimizer, scheduler, ema)
+        start, losses, skipped = state["step"], state.get("losses", []), state.get("skipped_steps", 0)
+        acc.print(f"[{desc}] resumed from {ckpt} at step {start}")
+
+    # 3. the steps (4. the timing summary: `_Loop.result`)
+    loop = _Loop(cfg, acc, memory, model, params, optimizer, scheduler, ema, dataset, collate, loss_fn, ckpt_dir, seed,
+                 desc, log_path, extra_state, start, losses, skipped)
+    loop.run()
+    return loop.result()
+
+
+def _optimisation(cfg: LoopConfig, model: torch.nn.Module, acc, lr_scale: Optional[dict]):
+    """Gradient checkpointing, the model on the device (compiled in place), AdamW (or `cfg.optimizer`)
+    over its trainable parameters, the warm-up schedule and the EMA: (params, optimizer, scheduler, ema)."""
     if cfg.gradient_checkpointing:
         if not hasattr(model, "enable_gradient_checkpointing"):
             raise PocketdiffError(f"train.gradient_checkpointing: {type(model).__name__} has no enable_gradient_checkpointing")
@@ -411,167 +340,227 @@ def train_loop(
     # the main process alone keeps the EMA (use_ema_weights: why, and how the others get its weights)
     ema = (EMA(model, cfg.ema_decay, device="cpu" if cfg.ema_device == "cpu" else None, every=cfg.ema_every)
            if cfg.ema_decay > 0 and acc.is_main_process else None)
+    return params, optimizer, scheduler, ema
 
-    start, losses, skipped = 0, [], 0
-    ckpt = resolve_resume(ckpt_dir, resume)
-    if ckpt is not None:
-        state = _load(ckpt, model, optimizer, scheduler, ema)
-        start, losses, skipped = state["step"], state.get("losses", []), state.get("skipped_steps", 0)
-        acc.print(f"[{desc}] resumed from {ckpt} at step {start}")
-    wrapped, optimizer = acc.prepare(model, optimizer)
-    # freeing the gradients would undo DDP's bucket views (the next backward allocates and copies again)
-    free_grads = not getattr(wrapped, "gradient_as_bucket_view", False)
-    if cfg.tensorboard and acc.is_main_process:
-        acc.init_trackers(desc)
 
-    world, rank = acc.num_processes, acc.process_index
-    if cfg.batch_size % world:
-        raise PocketdiffError(f"train.batch_size={cfg.batch_size} is not divisible by the {world} processes")
-    plan = BatchPlan(len(dataset), cfg.batch_size, seed)
-    log_file = open(log_path, "a", encoding="utf-8") if (log_path and acc.is_main_process) else None
-    bar = tqdm(total=cfg.max_steps, initial=start, desc=desc, disable=not acc.is_main_process, dynamic_ncols=True)
-    last_loss = losses[-1][1] if losses else float("nan")
-    started, done, stopped_early = time.time(), start, False
-    samples_per_step = cfg.batch_size * cfg.grad_accum
-    # wall time of the optimizer steps alone (checkpoint saves apart); the first RATE_WARMUP_STEPS
-    # (compilation, autotuning, first allocations) apart from the steady state; `window` is the
-    # span since the last log row
-    first_step_s, warmup_s, steady_s, steady_steps, save_s, window_s, window_steps = None, 0.0, 0.0, 0, 0.0, 0.0, 0
-    reads = StepReads()
-    profile_dir = (log_path.parent if log_path else ckpt_dir.parent) / "profile"  # OUTPUT/profile beside logs.jsonl
-    profiler = (step_profiler(cfg.profile_steps, RATE_WARMUP_STEPS + 1, profile_dir / f"{desc}-rank{rank}", memory.cuda)
-                if cfg.profile_steps and cfg.max_steps - start > RATE_WARMUP_STEPS + 1 else None)
-    try:
-        for step in range(start, cfg.max_steps):
-            step_t0 = perf_counter()
-            # the first steps of an invocation, phase by phase (synchronised on a GPU; a one-off in
-            # them, such as the 13 s second step of the SD-2.1 guided stage, shows its phase)
-            phases = PhaseClock(step_t0, sync=memory.cuda) if step - start <= RATE_WARMUP_STEPS else None  # + the first steady one
-            gen = step_generator(seed, step)
-            total = torch.zeros((), device=acc.device)
-            for k in range(cfg.grad_accum):
-                idx = plan.indices(step * cfg.grad_accum + k)[rank::world]
-                batch = collate([dataset[i] for i in idx])
-                rng = BatchRandom(gen, cfg.batch_size, rank, world, acc.device)
-                ctx = acc.no_sync(wrapped) if k < cfg.grad_accum - 1 else contextlib.nullcontext()
-                try:
-                    with ctx, acc.autocast():
-                        loss = loss_fn(wrapped, batch, rng)
-                    acc.backward(loss / cfg.grad_accum)
-                except torch.OutOfMemoryError:
-                    raise PocketdiffError(oom_message(desc, step, cfg.batch_size, cfg.memory_cap_gib, ckpt_dir)) from None
-                total += loss.detach() / cfg.grad_accum
-            if phases:
-                phases.mark("forward_backward_s")
-            grads = [p.grad for p in params if p.grad is not None]
-            if cfg.max_grad_norm > 0:
-                grad_norm = acc.clip_grad_norm_(params, cfg.max_grad_norm)
-            else:
-                grad_norm = torch.nn.utils.get_total_norm(grads) if grads else None
-            mean = acc.reduce(total, reduction="mean")
-            if cfg.nan_policy == "skip":  # decided before the update: the device is synchronised here
-                loss_now, bad = read_step(mean, grad_norm)
-                if bad:
-                    optimizer.zero_grad(set_to_none=free_grads)
-                    skipped += 1
-                    acc.print(f"[{desc}] non-finite {bad} at step {step}: step skipped")
-                    continue
-                last_loss = loss_now
-            if ema is not None:
-                ema.fence()  # the EMA's copies of the previous update have read the parameters
+@dataclasses.dataclass
+class _StepTimes:
+    """Wall time of the optimizer steps alone (checkpoint saves apart): the first RATE_WARMUP_STEPS
+    (compilation, autotuning, first allocations) apart from the steady state; `window` is the span
+    since the last log row."""
+
+    first_step_s: Optional[float] = None
+    warmup_s: float = 0.0
+    steady_s: float = 0.0
+    steady_steps: int = 0
+    save_s: float = 0.0
+    window_s: float = 0.0
+    window_steps: int = 0
+
+
+class _Loop:
+    """One invocation of `train_loop` from its first step on: the distributed model, the data order,
+    the log file, progress bar and profiler, and what the steps have done so far."""
+
+    def __init__(self, cfg: LoopConfig, acc, memory: GpuMemory, model, params, optimizer, scheduler, ema, dataset,
+                 collate: Callable, loss_fn: LossFn, ckpt_dir: Path, seed: int, desc: str, log_path: Optional[Path],
+                 extra_state: Optional[dict], start: int, losses: list, skipped: int):
+        self.cfg, self.acc, self.memory, self.model, self.params = cfg, acc, memory, model, params
+        self.scheduler, self.ema, self.dataset, self.collate, self.loss_fn = scheduler, ema, dataset, collate, loss_fn
+        self.ckpt_dir, self.seed, self.desc, self.extra_state = ckpt_dir, seed, desc, extra_state
+        self.start, self.losses, self.skipped = start, losses, skipped
+        self.wrapped, self.optimizer = acc.prepare(model, optimizer)
+        # freeing the gradients would undo DDP's bucket views (the next backward allocates and copies again)
+        self.free_grads = not getattr(self.wrapped, "gradient_as_bucket_view", False)
+        if cfg.tensorboard and acc.is_main_process:
+            acc.init_trackers(desc)
+        self.world, self.rank = acc.num_processes, acc.process_index
+        if cfg.batch_size % self.world:
+            raise PocketdiffError(f"train.batch_size={cfg.batch_size} is not divisible by the {self.world} processes")
+        self.plan = BatchPlan(len(dataset), cfg.batch_size, seed)
+        self.log_file = open(log_path, "a", encoding="utf-8") if (log_path and acc.is_main_process) else None
+        self.bar = tqdm(total=cfg.max_steps, initial=start, desc=desc, disable=not acc.is_main_process, dynamic_ncols=True)
+        self.last_loss = losses[-1][1] if losses else float("nan")
+        self.started, self.done, self.stopped_early = time.time(), start, False
+        self.samples_per_step = cfg.batch_size * cfg.grad_accum
+        self.times = _StepTimes()
+        self.reads = StepReads()
+        profile_dir = (log_path.parent if log_path else ckpt_dir.parent) / "profile"  # OUTPUT/profile beside logs.jsonl
+        self.profiler = (step_profiler(cfg.profile_steps, RATE_WARMUP_STEPS + 1, profile_dir / f"{desc}-rank{self.rank}", memory.cuda)
+                         if cfg.profile_steps and cfg.max_steps - start > RATE_WARMUP_STEPS + 1 else None)
+
+    def run(self) -> None:
+        try:
+            for step in range(self.start, self.cfg.max_steps):
+                if not self._step(step):
+                    break
+        finally:
+            self._close()
+
+    def _step(self, step: int) -> bool:
+        """One optimizer step and what follows it (logs, checkpoint, time limit); False: stop here."""
+        cfg = self.cfg
+        step_t0 = perf_counter()
+        # the first steps of an invocation, phase by phase (synchronised on a GPU; a one-off in
+        # them, such as the 13 s second step of the SD-2.1 guided stage, shows its phase)
+        phases = PhaseClock(step_t0, sync=self.memory.cuda) if step - self.start <= RATE_WARMUP_STEPS else None  # + the first steady one
+        mean, grad_norm = self._forward_backward(step, phases)
+        if not self._update(step, mean, grad_norm, phases):
+            return True  # skipped (nan_policy: skip)
+        done = self.done = step + 1
+        log_due = done % cfg.log_every == 0 or done == cfg.max_steps
+        save_due = done % cfg.checkpoint_every == 0 or done == cfg.max_steps  # or out of time (below)
+        if cfg.nan_policy == "stop":
+            # read once the whole step is queued (the optimizer's host-side work overlaps the backward on
+            # the device), and one step late unless this step is recorded or timed phase by phase
+            self.reads.push(step, mean, grad_norm)
+            records = phases is not None or log_due or save_due or cfg.max_time_s > 0
+            for at, loss, bad in self.reads.settle(keep=0 if records else 1):
+                self.last_loss = loss
+                if bad:  # no checkpoint or log row holds it: they settle first
+                    raise PocketdiffError(f"[{self.desc}] non-finite {bad} at step {at}; stopped, last good checkpoint kept in {self.ckpt_dir}")
+        self._time_step(done, perf_counter() - step_t0, phases)  # to the end of the host's work on it (a recorded step: of the device's)
+        if log_due:
+            self._log_row(done)
+        self.bar.update(1)
+        if self.profiler is not None:
+            self.profiler.step()
+        out_of_time = False
+        if cfg.max_time_s > 0:  # every process must agree on where to stop
+            late = torch.tensor(float(time.time() - self.started > cfg.max_time_s), device=self.acc.device)
+            out_of_time = bool(self.acc.reduce(late, reduction="sum").item() > 0)
+        if save_due or out_of_time:
+            self._save(done)
+        if out_of_time and done < cfg.max_steps:
+            self.stopped_early = True
+            self.acc.print(f"[{self.desc}] train.max_time_s={cfg.max_time_s} reached: stopped at step {done} of {cfg.max_steps}")
+            return False
+        return True
+
+    def _forward_backward(self, step: int, phases: Optional[PhaseClock]):
+        """The step's micro-batches through `loss_fn` and backward, then the gradient clip: (mean loss, grad norm)."""
+        cfg, acc = self.cfg, self.acc
+        gen = step_generator(self.seed, step)
+        total = torch.zeros((), device=acc.device)
+        for k in range(cfg.grad_accum):
+            idx = self.plan.indices(step * cfg.grad_accum + k)[self.rank::self.world]
+            batch = self.collate([self.dataset[i] for i in idx])
+            rng = BatchRandom(gen, cfg.batch_size, self.rank, self.world, acc.device)
+            ctx = acc.no_sync(self.wrapped) if k < cfg.grad_accum - 1 else contextlib.nullcontext()
             try:
-                optimizer.step()
-            except torch.OutOfMemoryError:  # the optimizer state is allocated at the first step
-                raise PocketdiffError(oom_message(desc, step, cfg.batch_size, cfg.memory_cap_gib, ckpt_dir)) from None
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=free_grads)
+                with ctx, acc.autocast():
+                    loss = self.loss_fn(self.wrapped, batch, rng)
+                acc.backward(loss / cfg.grad_accum)
+            except torch.OutOfMemoryError:
+                raise PocketdiffError(oom_message(self.desc, step, cfg.batch_size, cfg.memory_cap_gib, self.ckpt_dir)) from None
+            total += loss.detach() / cfg.grad_accum
+        if phases:
+            phases.mark("forward_backward_s")
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if cfg.max_grad_norm > 0:
+            grad_norm = acc.clip_grad_norm_(self.params, cfg.max_grad_norm)
+        else:
+            grad_norm = torch.nn.utils.get_total_norm(grads) if grads else None
+        return acc.reduce(total, reduction="mean"), grad_norm
+
+    def _update(self, step: int, mean, grad_norm, phases: Optional[PhaseClock]) -> bool:
+        """The optimizer, schedule and EMA step; False when nan_policy skip drops a non-finite step."""
+        cfg = self.cfg
+        if cfg.nan_policy == "skip":  # decided before the update: the device is synchronised here
+            loss_now, bad = read_step(mean, grad_norm)
+            if bad:
+                self.optimizer.zero_grad(set_to_none=self.free_grads)
+                self.skipped += 1
+                self.acc.print(f"[{self.desc}] non-finite {bad} at step {step}: step skipped")
+                return False
+            self.last_loss = loss_now
+        if self.ema is not None:
+            self.ema.fence()  # the EMA's copies of the previous update have read the parameters
+        try:
+            self.optimizer.step()
+        except torch.OutOfMemoryError:  # the optimizer state is allocated at the first step
+            raise PocketdiffError(oom_message(self.desc, step, cfg.batch_size, cfg.memory_cap_gib, self.ckpt_dir)) from None
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=self.free_grads)
+        if phases:
+            phases.mark("optimizer_s")  # with the gradient clip and the loss reduction
+        if self.ema is not None:
+            self.ema.update(self.acc.unwrap_model(self.wrapped), step + 1)
             if phases:
-                phases.mark("optimizer_s")  # with the gradient clip and the loss reduction
-            if ema is not None:
-                ema.update(acc.unwrap_model(wrapped), step + 1)
-                if phases:
-                    phases.mark("ema_s")
-            done = step + 1
-            log_due = done % cfg.log_every == 0 or done == cfg.max_steps
-            save_due = done % cfg.checkpoint_every == 0 or done == cfg.max_steps  # or out of time (below)
-            if cfg.nan_policy == "stop":
-                # read once the whole step is queued (the optimizer's host-side work overlaps the backward on
-                # the device), and one step late unless this step is recorded or timed phase by phase
-                reads.push(step, mean, grad_norm)
-                records = phases is not None or log_due or save_due or cfg.max_time_s > 0
-                for at, last_loss, bad in reads.settle(keep=0 if records else 1):
-                    if bad:  # no checkpoint or log row holds it: they settle first
-                        raise PocketdiffError(f"[{desc}] non-finite {bad} at step {at}; stopped, last good checkpoint kept in {ckpt_dir}")
-            step_s = perf_counter() - step_t0  # to the end of the host's work on it (a recorded step: of the device's)
-            if first_step_s is None:
-                first_step_s = step_s
-                if log_file:
-                    log_file.write(json.dumps({"phase": desc, "event": "first_step", "step": done, "first_step_s": round(step_s, 3),
-                                               "compiled": bool(cfg.compile_mode) or _is_compiled(model)}) + "\n")
-            if phases and log_file:
-                log_file.write(json.dumps({"phase": desc, "event": "step_phases", "step": done, "step_s": round(step_s, 3),
-                                           **phases.seconds}) + "\n")
-            if done - start <= RATE_WARMUP_STEPS:  # warm-up stays out of every rate
-                warmup_s += step_s
-            else:
-                steady_s, steady_steps = steady_s + step_s, steady_steps + 1
-                window_s, window_steps = window_s + step_s, window_steps + 1
-            if log_due:
-                losses.append([done, last_loss])  # settled: this step's
-                bar.set_postfix(loss=f"{last_loss:.4f}")
-                if log_file:
-                    log_file.write(json.dumps({
-                        "phase": desc, "step": done, "loss": last_loss, "lr": scheduler.get_last_lr()[0],
-                        "wall_s": round(time.time() - started, 3),
-                        "samples_per_s": round(samples_per_step * window_steps / window_s, 3) if window_steps else None,
-                        "peak_gpu_mem_gib": memory.peak_gib()}) + "\n")
-                    log_file.flush()
-                window_s, window_steps = 0.0, 0
-                if cfg.tensorboard:
-                    acc.log({f"{desc}/loss": last_loss}, step=done)
-            bar.update(1)
-            if profiler is not None:
-                profiler.step()
-            out_of_time = False
-            if cfg.max_time_s > 0:  # every process must agree on where to stop
-                late = torch.tensor(float(time.time() - started > cfg.max_time_s), device=acc.device)
-                out_of_time = bool(acc.reduce(late, reduction="sum").item() > 0)
-            if save_due or out_of_time:
-                save_t0 = perf_counter()
-                acc.wait_for_everyone()
-                if acc.is_main_process:
-                    _save(ckpt_dir, done, acc.unwrap_model(wrapped), optimizer, scheduler, ema, losses, skipped, cfg.checkpoints_total_limit, extra_state or {})
-                acc.wait_for_everyone()
-                save_s += perf_counter() - save_t0
-            if out_of_time and done < cfg.max_steps:
-                stopped_early = True
-                acc.print(f"[{desc}] train.max_time_s={cfg.max_time_s} reached: stopped at step {done} of {cfg.max_steps}")
-                break
-    finally:
-        if profiler is not None:
-            profiler.stop()
-        bar.close()
-        if log_file:
-            log_file.close()
-        if cfg.tensorboard:  # this loop's trackers only: `end_training` would also end the process group,
-            for tracker in acc.trackers:  # which the next loop sharing `acc` (a distill round, the UNet after the VAE) needs
+                phases.mark("ema_s")
+        return True
+
+    def _time_step(self, done: int, step_s: float, phases: Optional[PhaseClock]) -> None:
+        t = self.times
+        if t.first_step_s is None:
+            t.first_step_s = step_s
+            if self.log_file:
+                self.log_file.write(json.dumps({"phase": self.desc, "event": "first_step", "step": done, "first_step_s": round(step_s, 3),
+                                                "compiled": bool(self.cfg.compile_mode) or _is_compiled(self.model)}) + "\n")
+        if phases and self.log_file:
+            self.log_file.write(json.dumps({"phase": self.desc, "event": "step_phases", "step": done, "step_s": round(step_s, 3),
+                                            **phases.seconds}) + "\n")
+        if done - self.start <= RATE_WARMUP_STEPS:  # warm-up stays out of every rate
+            t.warmup_s += step_s
+        else:
+            t.steady_s, t.steady_steps = t.steady_s + step_s, t.steady_steps + 1
+            t.window_s, t.window_steps = t.window_s + step_s, t.window_steps + 1
+
+    def _log_row(self, done: int) -> None:
+        t = self.times
+        self.losses.append([done, self.last_loss])  # settled: this step's
+        self.bar.set_postfix(loss=f"{self.last_loss:.4f}")
+        if self.log_file:
+            self.log_file.write(json.dumps({
+                "phase": self.desc, "step": done, "loss": self.last_loss, "lr": self.scheduler.get_last_lr()[0],
+                "wall_s": round(time.time() - self.started, 3),
+                "samples_per_s": round(self.samples_per_step * t.window_steps / t.window_s, 3) if t.window_steps else None,
+                "peak_gpu_mem_gib": self.memory.peak_gib()}) + "\n")
+            self.log_file.flush()
+        t.window_s, t.window_steps = 0.0, 0
+        if self.cfg.tensorboard:
+            self.acc.log({f"{self.desc}/loss": self.last_loss}, step=done)
+
+    def _save(self, done: int) -> None:
+        acc = self.acc
+        save_t0 = perf_counter()
+        acc.wait_for_everyone()
+        if acc.is_main_process:
+            _save(self.ckpt_dir, done, acc.unwrap_model(self.wrapped), self.optimizer, self.scheduler, self.ema, self.losses,
+                  self.skipped, self.cfg.checkpoints_total_limit, self.extra_state or {})
+        acc.wait_for_everyone()
+        self.times.save_s += perf_counter() - save_t0
+
+    def _close(self) -> None:
+        if self.profiler is not None:
+            self.profiler.stop()
+        self.bar.close()
+        if self.log_file:
+            self.log_file.close()
+        if self.cfg.tensorboard:  # this loop's trackers only: `end_training` would also end the process group,
+            for tracker in self.acc.trackers:  # which the next loop sharing `acc` (a distill round, the UNet after the VAE) needs
                 tracker.finish()
-            acc.trackers.clear()
-    timing = {
-        "steps_run": done - start, "first_step_s": first_step_s, "warmup_steps": min(done - start, RATE_WARMUP_STEPS),
-        "warmup_s": warmup_s, "steady_steps": steady_steps,
-        "steady_samples_per_s": samples_per_step * steady_steps / steady_s if steady_steps else None,
-        "checkpoint_s": save_s, "wall_s": time.time() - started, "peak_gpu_mem_gib": memory.peak_gib(),
-        "processes": world, "memory_cap_gib": cfg.memory_cap_gib or None,
-        "ema_setup_s": round(ema.setup_s, 3) if ema is not None else None,  # pinning the host EMA's block, before step 1
-    }
-    acc.print(f"[{desc}] {timing['steps_run']} steps in {timing['wall_s']:.1f} s (first step {first_step_s or 0:.1f} s, "
-              f"warm-up {timing['warmup_steps']} steps {warmup_s:.1f} s, "
-              f"steady {timing['steady_samples_per_s'] or 0:.2f} samples/s, checkpoints {save_s:.1f} s"
-              + (f", EMA pinning {ema.setup_s:.1f} s" if ema is not None and ema.setup_s else "")
-              + (f", peak GPU {timing['peak_gpu_mem_gib']} GiB)" if memory.cuda else ")"))
-    return LoopResult(steps=done if stopped_early else cfg.max_steps, final_loss=last_loss, losses=losses, ema=ema, skipped_steps=skipped,
-                      stopped_early=stopped_early, timing=timing, ema_enabled=cfg.ema_decay > 0)
+            self.acc.trackers.clear()
+
+    def result(self) -> LoopResult:
+        """The timing summary (printed) and the loop's result."""
+        cfg, t, ema, done, start = self.cfg, self.times, self.ema, self.done, self.start
+        timing = {
+            "steps_run": done - start, "first_step_s": t.first_step_s, "warmup_steps": min(done - start, RATE_WARMUP_STEPS),
+            "warmup_s": t.warmup_s, "steady_steps": t.steady_steps,
+            "steady_samples_per_s": self.samples_per_step * t.steady_steps / t.steady_s if t.steady_steps else None,
+            "checkpoint_s": t.save_s, "wall_s": time.time() - self.started, "peak_gpu_mem_gib": self.memory.peak_gib(),
+            "processes": self.world, "memory_cap_gib": cfg.memory_cap_gib or None,
+            "ema_setup_s": round(ema.setup_s, 3) if ema is not None else None,  # pinning the host EMA's block, before step 1
+        }
+        self.acc.print(f"[{self.desc}] {timing['steps_run']} steps in {timing['wall_s']:.1f} s (first step {t.first_step_s or 0:.1f} s, "
+                       f"warm-up {timing['warmup_steps']} steps {t.warmup_s:.1f} s, "
+                       f"steady {timing['steady_samples_per_s'] or 0:.2f} samples/s, checkpoints {t.save_s:.1f} s"
+                       + (f", EMA pinning {ema.setup_s:.1f} s" if ema is not None and ema.setup_s else "")
+                       + (f", peak GPU {timing['peak_gpu_mem_gib']} GiB)" if self.memory.cuda else ")"))
+        return LoopResult(steps=done if self.stopped_early else cfg.max_steps, final_loss=self.last_loss, losses=self.losses,
+                          ema=ema, skipped_steps=self.skipped, stopped_early=self.stopped_early, timing=timing,
+                          ema_enabled=cfg.ema_decay > 0)
 
 
 def _is_compiled(model) -> bool:

@@ -3,7 +3,8 @@
 Public entry points (importable from here; each lives in the module named beside it):
 
 - `run(Config(...), output_dir)`: the prune verb: select, score, remove channels, recover
-  by distillation from the unpruned model, measure (`verb`; the recipe in `config`)
+  by distillation from the unpruned model, measure (`verb`; the recipe in `config`,
+  its `prune:` section in `settings`)
 - `prune_unet(unet, PruneSettings(...))`: prune a UNet in memory, returns (pruned, plan)
   (`pruning`)
 - `load_pruned_pipeline(folder)` / `load_pruned_unet(folder)`: load what `prune` saved
@@ -23,7 +24,7 @@ import importlib
 _ENTRY_POINTS = {
     "Config": "config",
     "run": "verb",
-    "PruneSettings": "config",
+    "PruneSettings": "settings",
     "prune_unet": "pruning",
     "PrunedUNet2DConditionModel": "model",
     "is_pruned_pipeline": "model",

@@ -327,61 +327,7 @@ def allocate_coupled(sel: pt.Coupled, ratio: float, mode: str, round_to: int, al
     if full <= 0:
         raise PocketdiffError("prune.targets: the targeted convs have no parameters")
     if allocation == "uniform":
-        ladders = _ladders(sel, scores, mode, round_to, None)
-        r_max = min((1.0 - (l.min_keep - 0.5) / l.channels for l in ladders), default=0.0)
-
-        def cont(r):  # removed fraction with unrounded counts
-            return 1.0 - _params(sel.convs, {l.name: l.channels * (1.0 - r) for l in ladders}) / full
-
-        if cont(r_max) < ratio:
-            limit = [l for l in ladders if abs((1.0 - (l.min_keep - 0.5) / l.channels) - r_max) < 1e-12]
-            names = ", ".join(f"{l.name} ({l.channels} channels, {l.what})" for l in limit[:3])
-            raise PocketdiffError(
-                f"prune.ratio={ratio} would leave fewer channels than GroupNorm groups in {names} "
-                f"(prune.scope={scope}: at most {cont(r_max):.3f} of the targeted conv parameters can go; "
-                f"lower the ratio or exclude those blocks)")
-
-        def counts_at(r):
-            return {l.name: nearest_option(l.counts, l.channels * (1.0 - r)) for l in ladders}
-
-        def frac(r):
-            return 1.0 - _params(sel.convs, counts_at(r)) / full
-
-        lo, hi = 0.0, r_max
-        best = (abs(frac(0.0) - ratio), 0.0)
-        for _ in range(50):
-            mid = (lo + hi) / 2
-            f = frac(mid)
-            best = min(best, (abs(f - ratio), mid))
-            if f < ratio:
-                lo = mid
-            else:
-                hi = mid
-        for r in (lo, hi):
-            best = min(best, (abs(frac(r) - ratio), r))
-        counts = counts_at(best[1])
-        # then single groups / streams switch to the other allowed count around their target
-        # while that brings the removed fraction closer to the ratio (coarse units do not add up)
-        r = best[1]
-        brackets = {}
-        for l in ladders:
-            t = l.channels * (1.0 - r)
-            below = [c for c in l.counts if c <= t]
-            above = [c for c in l.counts if c >= t]
-            brackets[l.name] = {c for c in (max(below) if below else None, min(above) if above else None) if c is not None}
-        err = abs(1.0 - _params(sel.convs, counts) / full - ratio)
-        for _ in range(4 * len(ladders)):
-            move = None
-            for l in ladders:
-                for c in brackets[l.name] - {counts[l.name]}:
-                    e = abs(1.0 - _params(sel.convs, {**counts, l.name: c}) / full - ratio)
-                    if e < err - 1e-12 and (move is None or e < move[0]):
-                        move = (e, l.name, c)
-            if move is None:
-                break
-            err, name, c = move
-            counts[name] = c
-        return counts
+        return _coupled_uniform(sel, _ladders(sel, scores, mode, round_to, None), full, ratio, scope)
     if allocation != "global":
         raise PocketdiffError(f"prune.allocation must be 'uniform' or 'global', got {allocation!r}")
     if scores is None:
@@ -390,9 +336,79 @@ def allocate_coupled(sel: pt.Coupled, ratio: float, mode: str, round_to: int, al
             scores[g.name] = torch.ones(g.channels, dtype=torch.float64)
         for st in sel.streams:
             scores[st.name] = torch.ones(st.channels, dtype=torch.float64)
+    ladders = _ladders(sel, scores, mode, round_to, max_layer_ratio)
+    return _coupled_global(sel, ladders, full, ratio, max_layer_ratio, scope)
+
+
+def _coupled_uniform(sel: pt.Coupled, ladders: list[_Ladder], full: float, ratio: float, scope: str) -> dict[str, int]:
+    """`allocate_coupled`'s uniform allocation: 1. the largest per-channel fraction every ladder
+    allows (refused when even that cannot reach the ratio); 2. bisection on that fraction with
+    rounded counts; 3. single groups / streams moved to their other neighbouring count."""
+    r_max = min((1.0 - (l.min_keep - 0.5) / l.channels for l in ladders), default=0.0)
+
+    def cont(r):  # removed fraction with unrounded counts
+        return 1.0 - _params(sel.convs, {l.name: l.channels * (1.0 - r) for l in ladders}) / full
+
+    if cont(r_max) < ratio:
+        limit = [l for l in ladders if abs((1.0 - (l.min_keep - 0.5) / l.channels) - r_max) < 1e-12]
+        names = ", ".join(f"{l.name} ({l.channels} channels, {l.what})" for l in limit[:3])
+        raise PocketdiffError(
+            f"prune.ratio={ratio} would leave fewer channels than GroupNorm groups in {names} "
+            f"(prune.scope={scope}: at most {cont(r_max):.3f} of the targeted conv parameters can go; "
+            f"lower the ratio or exclude those blocks)")
+
+    def counts_at(r):
+        return {l.name: nearest_option(l.counts, l.channels * (1.0 - r)) for l in ladders}
+
+    def frac(r):
+        return 1.0 - _params(sel.convs, counts_at(r)) / full
+
+    lo, hi = 0.0, r_max
+    best = (abs(frac(0.0) - ratio), 0.0)
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        f = frac(mid)
+        best = min(best, (abs(f - ratio), mid))
+        if f < ratio:
+            lo = mid
+        else:
+            hi = mid
+    for r in (lo, hi):
+        best = min(best, (abs(frac(r) - ratio), r))
+    return _single_moves(sel, ladders, full, ratio, best[1], counts_at(best[1]))
+
+
+def _single_moves(sel: pt.Coupled, ladders: list[_Ladder], full: float, ratio: float, r: float,
+                  counts: dict[str, int]) -> dict[str, int]:
+    """Single groups / streams switch to the other allowed count around their target at fraction
+    `r` while that brings the removed fraction closer to the ratio (coarse units do not add up)."""
+    brackets = {}
+    for l in ladders:
+        t = l.channels * (1.0 - r)
+        below = [c for c in l.counts if c <= t]
+        above = [c for c in l.counts if c >= t]
+        brackets[l.name] = {c for c in (max(below) if below else None, min(above) if above else None) if c is not None}
+    err = abs(1.0 - _params(sel.convs, counts) / full - ratio)
+    for _ in range(4 * len(ladders)):
+        move = None
+        for l in ladders:
+            for c in brackets[l.name] - {counts[l.name]}:
+                e = abs(1.0 - _params(sel.convs, {**counts, l.name: c}) / full - ratio)
+                if e < err - 1e-12 and (move is None or e < move[0]):
+                    move = (e, l.name, c)
+        if move is None:
+            break
+        err, name, c = move
+        counts[name] = c
+    return counts
+
+
+def _coupled_global(sel: pt.Coupled, ladders: list[_Ladder], full: float, ratio: float, max_layer_ratio: float,
+                    scope: str) -> dict[str, int]:
+    """`allocate_coupled`'s global allocation: removal steps leave in order of increasing normalised
+    importance until the ratio is reached (refused when the floors cannot reach it)."""
     import heapq
 
-    ladders = _ladders(sel, scores, mode, round_to, max_layer_ratio)
     target = ratio * full
     floor_counts = {l.name: l.counts[-1] for l in ladders}
     capacity = full - _params(sel.convs, floor_counts)

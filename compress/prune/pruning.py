@@ -11,11 +11,12 @@ from typing import Optional
 import torch
 
 from pocketdiff.errors import PocketdiffError
+from pocketdiff.models import ModelConfig
 
 from . import allocation as pa
 from . import slicing as psl
 from . import targets as pt
-from .config import Config, PruneSettings
+from .settings import PruneSettings
 from .importance import group_parameters, needs_gradients, resolve_importance, score_group, score_stream
 from .model import to_pruned
 
@@ -25,15 +26,15 @@ from .model import to_pruned
 # Planning (also run on a meta-device model to validate the config)
 # --------------------------------------------------------------------------------------
 
-def _unet_config_for(cfg: Config) -> Optional[tuple[dict, Optional[dict]]]:
+def _unet_config_for(model: ModelConfig, resolution: int) -> Optional[tuple[dict, Optional[dict]]]:
     """(UNet config, pruning spec or None) without loading weights; None when unknown here
     (hub ids, separate VAEs): then `run` checks the same things after loading."""
     from pocketdiff.models import unet_config, vae_config
 
-    if cfg.model.pretrained:
+    if model.pretrained:
         from pocketdiff.shipped import resolve_shipped
 
-        folder = Path(resolve_shipped(str(cfg.model.pretrained))).expanduser() / "unet"
+        folder = Path(resolve_shipped(str(model.pretrained))).expanduser() / "unet"
         if not (folder / "config.json").is_file():
             return None
         try:
@@ -42,22 +43,23 @@ def _unet_config_for(cfg: Config) -> Optional[tuple[dict, Optional[dict]]]:
         except (OSError, json.JSONDecodeError):
             return None
         return conf, spec
-    if cfg.model.vae:
+    if model.vae:
         return None
-    factor = 2 ** (len(vae_config(cfg.model.arch)["block_out_channels"]) - 1)
-    return unet_config(cfg.model.arch, cfg.model.prediction_type, cfg.data.resolution, vae_factor=factor), None
+    factor = 2 ** (len(vae_config(model.arch)["block_out_channels"]) - 1)
+    return unet_config(model.arch, model.prediction_type, resolution, vae_factor=factor), None
 
 
-def precheck(cfg: Config) -> None:
-    """Targets and ratio against the model's shapes, on the meta device (no weights, ~1 s)."""
-    found = _unet_config_for(cfg)
+def precheck(model: ModelConfig, resolution: int, p: PruneSettings) -> None:
+    """Targets and ratio (the `prune:` section `p`) against the shapes of `model` at `resolution`,
+    on the meta device (no weights, ~1 s)."""
+    found = _unet_config_for(model, resolution)
     if found is None:
         return
     from .model import build_pruned_unet
 
     conf, spec = found
     unet = build_pruned_unet(conf, spec or {"format": "pocketdiff-pruned-unet", "version": 1, "modules": {}})
-    plan_shapes(unet, cfg.prune)
+    plan_shapes(unet, p)
 
 
 def _budgets(selection: pt.Selection, scores: Optional[dict[str, torch.Tensor]] = None) -> list[pa.GroupBudget]:

@@ -30,6 +30,7 @@ than its GroupNorm groups.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import shutil
 from pathlib import Path
@@ -68,17 +69,61 @@ def _save_unet_atomic(unet, folder: Path) -> None:
     commit_folder(tmp, folder)
 
 
-def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
-    from pocketdiff.data import ImageCaptionDataset, InMemoryImageCaptionDataset, collate, load_captioned_dataset
-    from pocketdiff.models import check_resolution, load_or_build, save_pipeline
-    from pocketdiff.report import img, plot_curves, save_grid, table, write_page
-    from pocketdiff.sampling import default_w_embedding_fn, generate
+@dataclasses.dataclass
+class _Teacher:
+    """Step 1's results: the data, the teacher pipeline and its sampling recipe."""
 
+    captions: list[str]
+    dataset: Any
+    pipe: Any
+    teacher: Any  # pipe.unet, on the device, frozen
+    meta: dict  # the teacher's distill.json (empty for an undistilled model)
+    w_fn: Optional[Callable]  # guidance-conditioned teacher (time_cond_proj_dim), else None
+    w_range: tuple[float, float]
+    eval_steps: int
+    eval_w: float
+
+
+def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
     out = Path(out)
     device = resolve_device(cfg.device)
     torch.manual_seed(cfg.seed)
 
     # 1. data and teacher
+    t, report = _load_teacher(cfg, device)
+
+    # 2-4. plan and prune (reused on --resume)
+    student, plan = _pruned_student(cfg, out, resume, device, t, report)
+    student = student.to(device).eval()
+
+    # measurements before recovery
+    sizes = _measure_sizes(cfg, report, t.teacher, student, plan)
+    probe = (Probe(t.pipe, t.teacher, t.dataset, cfg.eval.probe_samples, cfg.seed, device, guidance_scale=t.eval_w)
+             if cfg.eval.probe_samples else None)
+    quality = {"before_pruning": {"mse_to_teacher": 0.0, "relative_mse": 0.0}}
+    if probe:
+        quality["after_pruning"] = probe.error(student)
+
+    # 5. recovery
+    student = _recover(cfg, out, resume, device, t, report, student, plan, probe, quality)
+
+    # 6. outputs
+    pruned_dir = out / "pruned_unet"
+    _save_pipeline(out, t, report, student)
+    unets = {"before_pruning": t.teacher, "after_pruning": load_pruned_unet(pruned_dir).to(device)}
+    if cfg.recovery.enabled:
+        unets["after_recovery"] = student
+    report["metrics"] = external_metrics(cfg, t.pipe, unets, out, device, t.eval_steps, t.eval_w)
+    _write_page(cfg, out, report, plan, quality, sizes, t, unets)
+    return report
+
+
+def _load_teacher(cfg: Config, device) -> tuple[_Teacher, dict]:
+    """Step 1: the data set (decoded once), the teacher pipeline on the device, its recipe; the report's first fields."""
+    from pocketdiff.data import ImageCaptionDataset, InMemoryImageCaptionDataset, load_captioned_dataset
+    from pocketdiff.models import check_resolution, load_or_build
+    from pocketdiff.sampling import default_w_embedding_fn
+
     hf_ds = load_captioned_dataset(cfg.data)
     captions = list(hf_ds["text"])
     dataset = InMemoryImageCaptionDataset(ImageCaptionDataset(hf_ds))  # decoded once: recovery reads items many times
@@ -102,37 +147,43 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
     eval_w = float(cfg.eval.guidance_scale if cfg.eval.guidance_scale is not None else (guid.get("scale") or 3.0))
     report["model_kind"] = {"guidance_conditioned": w_fn is not None, "distilled_steps": meta.get("num_inference_steps"),
                             "prediction_type": pipe.scheduler.config.prediction_type}
+    return _Teacher(captions, dataset, pipe, teacher, meta, w_fn, w_range, eval_steps, eval_w), report
 
-    # 2-4. plan and prune (reused on --resume)
+
+def _pruned_student(cfg: Config, out: Path, resume: Optional[str], device, t: _Teacher, report: dict):
+    """Steps 2-4: select, score, allocate and cut (saved as pruned_unet/ + plan.json); both reloaded on --resume."""
     pruned_dir, plan_path = out / "pruned_unet", out / "plan.json"
     if resume is not None and (pruned_dir / "pruning.json").is_file() and plan_path.is_file():
         student = load_pruned_unet(pruned_dir).to(device)
         plan = read_json(plan_path, "--resume")
         report["resumed_pruning"] = True
-    else:
-        gen = torch.Generator().manual_seed(cfg.seed)
-        importance = resolve_importance(cfg.prune.importance)
-        gradient_fn: Optional[Callable] = None
-        if needs_gradients(importance):
-            tc = cfg.prune.taylor
+        return student, plan
+    gen = torch.Generator().manual_seed(cfg.seed)
+    importance = resolve_importance(cfg.prune.importance)
+    gradient_fn: Optional[Callable] = None
+    if needs_gradients(importance):
+        tc = cfg.prune.taylor
+        w_range, w_fn = t.w_range, t.w_fn
 
-            def cond_fn(b):  # guidance-conditioned models: w ~ U[w_range] per sample
-                w = w_range[0] + torch.rand(b, generator=gen) * (w_range[1] - w_range[0])
-                return w_fn(w)
+        def cond_fn(b):  # guidance-conditioned models: w ~ U[w_range] per sample
+            w = w_range[0] + torch.rand(b, generator=gen) * (w_range[1] - w_range[0])
+            return w_fn(w)
 
-            def taylor_gradients(work, params):
-                batches = _calibration_batches(pipe, dataset, tc.samples, tc.batch_size, gen, device)
-                report["taylor"] = accumulate_diffusion_gradients(work, pipe.scheduler, batches, tc.samples, params, gen,
-                                                                  (tc.t_min, tc.t_max), cond_fn if w_fn is not None else None)
+        def taylor_gradients(work, params):
+            batches = _calibration_batches(t.pipe, t.dataset, tc.samples, tc.batch_size, gen, device)
+            report["taylor"] = accumulate_diffusion_gradients(work, t.pipe.scheduler, batches, tc.samples, params, gen,
+                                                              (tc.t_min, tc.t_max), cond_fn if w_fn is not None else None)
 
-            gradient_fn = taylor_gradients
+        gradient_fn = taylor_gradients
 
-        student, plan = prune_unet(teacher, cfg.prune, generator=gen, gradient_fn=gradient_fn)
-        _save_unet_atomic(student, pruned_dir)
-        write_json(plan_path, plan)
-    student = student.to(device).eval()
+    student, plan = prune_unet(t.teacher, cfg.prune, generator=gen, gradient_fn=gradient_fn)
+    _save_unet_atomic(student, pruned_dir)
+    write_json(plan_path, plan)
+    return student, plan
 
-    # measurements before recovery
+
+def _measure_sizes(cfg: Config, report: dict, teacher, student, plan: dict) -> tuple[int, int]:
+    """Params and MACs before and after (into the report); returns the targeted conv params (before, after)."""
     prof_before = pt.layer_profile(teacher)
     prof_after = pt.layer_profile(student)
     targeted = plan["targeted"]
@@ -154,17 +205,18 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
         "unprunable_targets": plan["unprunable"],
         "macs": macs_table(prof_before, prof_after, targeted),
     })
-    probe = (Probe(pipe, teacher, dataset, cfg.eval.probe_samples, cfg.seed, device, guidance_scale=eval_w)
-             if cfg.eval.probe_samples else None)
-    quality = {"before_pruning": {"mse_to_teacher": 0.0, "relative_mse": 0.0}}
-    if probe:
-        quality["after_pruning"] = probe.error(student)
+    return tp_before, tp_after
 
-    # 5. recovery
+
+def _recover(cfg: Config, out: Path, resume: Optional[str], device, t: _Teacher, report: dict, student, plan: dict,
+             probe, quality: dict):
+    """Step 5: recovery distillation from the unpruned teacher (resumable), then the probe error again."""
+    from pocketdiff.data import collate
+
     if cfg.recovery.enabled:
-        report["recovery"] = recover(cfg.recovery, cfg.train, student=student, teacher=teacher, pipe=pipe, dataset=dataset,
+        report["recovery"] = recover(cfg.recovery, cfg.train, student=student, teacher=t.teacher, pipe=t.pipe, dataset=t.dataset,
                                      collate=collate, ckpt_dir=out / "checkpoints" / "recovery", seed=cfg.seed,
-                                     resume=resume, log_path=out / "logs.jsonl", w_range=w_range,
+                                     resume=resume, log_path=out / "logs.jsonl", w_range=t.w_range,
                                      feature_channels=plan.get("feature_channels"))
         student = student.to(device).eval()
         if probe:
@@ -172,23 +224,44 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
     else:
         report["recovery"] = {"enabled": False}
     report["teacher_relative_error"] = quality
+    return student
 
-    # 6. outputs
-    components = dict(pipe.components)
+
+def _save_pipeline(out: Path, t: _Teacher, report: dict, student) -> None:
+    """Step 6a: pipeline/ with the pruned UNet (a distilled teacher's distill.json carried over)."""
+    from pocketdiff.models import save_pipeline
+
+    components = dict(t.pipe.components)
     components["unet"] = student
-    final = type(pipe)(**components, requires_safety_checker=False)
+    final = type(t.pipe)(**components, requires_safety_checker=False)
     pipeline_dir = save_pipeline(final, out / "pipeline")
-    if meta:  # a pruned distilled student keeps its sampling recipe (steps, guidance) for evaluate / export
-        meta = {**meta, "pruned_by": "pocketdiff prune", "report": None}
+    if t.meta:  # a pruned distilled student keeps its sampling recipe (steps, guidance) for evaluate / export
+        meta = {**t.meta, "pruned_by": "pocketdiff prune", "report": None}
         write_json(pipeline_dir / DISTILL_META, meta)
     report["pipeline_dir"] = str(pipeline_dir)
     report["loader"] = "pocketdiff.compress.prune.load_pruned_pipeline(pipeline_dir)"
 
-    unets = {"before_pruning": teacher, "after_pruning": load_pruned_unet(pruned_dir).to(device)}
-    if cfg.recovery.enabled:
-        unets["after_recovery"] = student
-    report["metrics"] = external_metrics(cfg, pipe, unets, out, device, eval_steps, eval_w)
 
+def _write_page(cfg: Config, out: Path, report: dict, plan: dict, quality: dict, sizes: tuple[int, int], t: _Teacher,
+                unets: dict) -> None:
+    """Step 6b: index.html (sizes, groups, streams, importance, errors, metrics, recovery loss, samples, per conv)."""
+    from pocketdiff.report import table, write_page
+
+    sections = _result_sections(cfg, out, report, plan, quality, sizes)
+    prompts = list(cfg.eval.prompts) or t.captions[:4]
+    if prompts:
+        sections.append(_sample_grid(cfg, out, report, t, unets, prompts))
+    per_conv = [c for c in report["macs"]["per_conv"] if c["targeted"] or c["params_before"] != c["params_after"]]
+    sections.append(("Per conv (targeted or changed)", table(
+        ["conv", "targeted", "params before", "params after", "MACs before", "MACs after"],
+        [[c["name"], c["targeted"], c["params_before"], c["params_after"], c["macs_before"], c["macs_after"]] for c in per_conv])))
+    write_page(out / "index.html", "pocketdiff prune", sections, report)
+
+
+def _result_sections(cfg: Config, out: Path, report: dict, plan: dict, quality: dict, sizes: tuple[int, int]) -> list:
+    from pocketdiff.report import img, plot_curves, table
+
+    tp_before, tp_after = sizes
     sections = []
     rows = [["UNet params", report["params_before"], report["params_after"], report["params_after"] / report["params_before"]],
             ["targeted conv params", tp_before, tp_after, tp_after / max(tp_before, 1)],
@@ -226,22 +299,21 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
     if cfg.recovery.enabled and report["recovery"]["losses"]:
         plot_curves({"recovery": report["recovery"]["losses"]}, out / "recovery_loss.png", "step", "loss", "recovery loss", logy=True)
         sections.append(("Recovery loss", img("recovery_loss.png")))
-    prompts = list(cfg.eval.prompts) or captions[:4]
-    if prompts:
-        grids = []
-        for label, unet in unets.items():
-            grids.append(generate(pipe, prompts, steps=eval_steps, guidance_scale=eval_w,
-                                  seed=cfg.eval.seed, resolution=cfg.data.resolution, unet=unet))
-        images = torch.cat(grids)
-        labels = [f"{label}: {p}" for label in unets for p in prompts]
-        save_grid(images, out / "samples.png", ncols=len(prompts), labels=labels, cell=128)
-        report["samples"] = {"grid": "samples.png", "rows": list(unets), "prompts": prompts, "steps": eval_steps,
-                             "guidance_scale": eval_w}
-        sections.append((f"Samples, rows: {', '.join(unets)} (DDIM {eval_steps} steps, guidance {eval_w})",
-                         img("samples.png")))
-    per_conv = [c for c in report["macs"]["per_conv"] if c["targeted"] or c["params_before"] != c["params_after"]]
-    sections.append(("Per conv (targeted or changed)", table(
-        ["conv", "targeted", "params before", "params after", "MACs before", "MACs after"],
-        [[c["name"], c["targeted"], c["params_before"], c["params_after"], c["macs_before"], c["macs_after"]] for c in per_conv])))
-    write_page(out / "index.html", "pocketdiff prune", sections, report)
-    return report
+    return sections
+
+
+def _sample_grid(cfg: Config, out: Path, report: dict, t: _Teacher, unets: dict, prompts: list[str]) -> tuple[str, str]:
+    """samples.png: one row per UNet (before / after pruning, after recovery), same prompts and seed."""
+    from pocketdiff.report import img, save_grid
+    from pocketdiff.sampling import generate
+
+    grids = []
+    for label, unet in unets.items():
+        grids.append(generate(t.pipe, prompts, steps=t.eval_steps, guidance_scale=t.eval_w,
+                              seed=cfg.eval.seed, resolution=cfg.data.resolution, unet=unet))
+    images = torch.cat(grids)
+    labels = [f"{label}: {p}" for label in unets for p in prompts]
+    save_grid(images, out / "samples.png", ncols=len(prompts), labels=labels, cell=128)
+    report["samples"] = {"grid": "samples.png", "rows": list(unets), "prompts": prompts, "steps": t.eval_steps,
+                         "guidance_scale": t.eval_w}
+    return (f"Samples, rows: {', '.join(unets)} (DDIM {t.eval_steps} steps, guidance {t.eval_w})", img("samples.png"))

@@ -290,7 +290,12 @@ def reconstruct_block(
     progress: Optional[Callable[[int, float], None]] = None,
 ) -> BlockResult:
     """Quantize one block; `caps` are its (possibly quantized-prefix) inputs, `targets` the
-    float outputs, per unit. `progress(iteration, loss)` is called at every loss-curve point."""
+    float outputs, per unit. `progress(iteration, loss)` is called at every loss-curve point.
+
+    1. the candidates without optimisation: RTN at max-abs scales and at the initial (searched) scales
+    2. AdaRound (method adaround, iters > 0): rounding variables optimised against the block's outputs
+    3. the candidate kept (AdaRound, or the lowest calibration error with `fallback`), per layer
+    """
     device = torch.device(device)
     t0 = time.time()
     names = block.layers
@@ -310,89 +315,24 @@ def reconstruct_block(
     def evaluate(wmap):
         return block_mse(block, caps, targets, wmap, device, rows=rows, tf32=tf32)
 
+    # 1. candidates without optimisation
     stats["mse_rtn_calib"] = evaluate(rtn_w)
     stats["mse_init_calib"] = evaluate(init_w)
     candidates = {"rtn": stats["mse_rtn_calib"], "rtn_mse": stats["mse_init_calib"]}
     quantizers: dict[str, AdaRoundQuantizer] = {}
 
+    # 2. AdaRound
     if opts.method == "adaround" and opts.iters > 0 and names:
         quantizers = {g: AdaRoundQuantizer(weights[g].to(device), specs[g], init_scales[g].to(device), opts.learn_scale) for g in names}
-        by_lr: dict[float, list] = {}
-        for g, q in quantizers.items():
-            by_lr.setdefault(rounding_lr(opts, weights[g].shape), []).append(q.v)
-        groups = [{"params": vs, "lr": lr} for lr, vs in by_lr.items()]
-        stats["rounding_lr"] = sorted(by_lr)
-        if opts.learn_scale:
-            groups.append({"params": [q.log_scale for q in quantizers.values()], "lr": opts.scale_lr})
-        optim = torch.optim.Adam(groups)
-        sched = None
-        if opts.lr_schedule == "cosine":
-            lo, total = opts.lr_min_ratio, max(1, opts.iters - 1)
-            sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda i: lo + (1 - lo) * 0.5 * (1 + math.cos(math.pi * min(i, total) / total)))
-        gen = torch.Generator("cpu").manual_seed(seed)
-        drop_gen = torch.Generator(device).manual_seed(seed + 1)
-        ac = optimisation_autocast(opts, device, min(specs[g].bits for g in names))
-        scaler = torch.amp.GradScaler(device.type) if ac == torch.float16 else None  # fp16: keep small gradients
-        n = caps[0].n()
-        bs = min(opts.batch_size, n)
-        every = max(1, opts.iters // (opts.log_every or 20))
-        curve = []
-        fisher = list(fisher) if fisher is not None else [None] * len(block.units)
-
-        def loss_fn(wmap, inputs, tgts, fws):
-            rec = 0.0
-            for u, (args, kwargs), tgt, fw in zip(block.units, inputs, tgts, fws):
-                rec = rec + _rec_loss(unit_output(u, wmap, args, kwargs), tgt, fw)
-            return rec
-
-        step_fn = loss_fn
-        if opts.compile:
-            torch._dynamo.reset()  # one compilation per block; keeps dynamo's recompile limit out of the way
-            step_fn = torch.compile(loss_fn, mode=opts.compile_mode, dynamic=False)
-        cl = opts.channels_last and device.type == "cuda"
-        with precision(device.type == "cuda"):
-            for it in range(opts.iters):
-                idx = torch.randint(0, n, (bs,), generator=gen)
-                inputs = []
-                for ui, cap in enumerate(caps):
-                    args, kwargs = cap.inputs(idx, device, torch.float32)
-                    if fp_caps is not None and opts.qdrop > 0:
-                        args, kwargs = _mix((args, kwargs), fp_caps[ui].inputs(idx, device, torch.float32), opts.qdrop, drop_gen)
-                    if cl:
-                        args = tuple(a.contiguous(memory_format=torch.channels_last) if isinstance(a, torch.Tensor) and a.dim() == 4 else a for a in args)
-                    inputs.append((args, kwargs))
-                tgts = [t[idx.to(t.device)].to(device, non_blocking=True) for t in targets]
-                fws = [None if f is None else f[idx.to(f.device)].to(device) for f in fisher]
-                wmap = {g: q.soft_weight() for g, q in quantizers.items()}
-                with _autocast(device, ac):
-                    rec = step_fn(wmap, inputs, tgts, fws)
-                beta = beta_schedule(it, opts.iters, opts.warmup, opts.beta_start, opts.beta_end)
-                loss = rec
-                reg = None
-                if beta is not None and opts.round_weight > 0:
-                    reg = opts.round_weight * sum(q.round_loss(beta) for q in quantizers.values())
-                    loss = loss + reg
-                optim.zero_grad(set_to_none=True)
-                if scaler is not None:
-                    scaler.scale(loss).backward()
-                    scaler.step(optim)
-                    scaler.update()
-                else:
-                    loss.backward()
-                    optim.step()
-                if sched is not None:
-                    sched.step()
-                if it % every == 0 or it == opts.iters - 1:
-                    curve.append([it, float(rec.detach()), float(reg.detach()) if reg is not None else 0.0])
-                    if progress is not None:
-                        progress(it, curve[-1][1])
+        curve = _optimise_rounding(block, caps, targets, quantizers, weights, specs, opts, device, stats,
+                                   fp_caps=fp_caps, fisher=fisher, seed=seed, progress=progress)
         hard = {g: q.hard_weight() for g, q in quantizers.items()}
         stats["mse_adaround_calib"] = evaluate(hard)
         stats["soft_fraction"] = float(sum(q.soft_fraction() * q.v.numel() for q in quantizers.values()) / max(1, sum(q.v.numel() for q in quantizers.values())))
         stats["curve"] = curve
         candidates["adaround"] = stats["mse_adaround_calib"]
-        del optim
 
+    # 3. the kept candidate
     if opts.method == "adaround" and quantizers and not opts.fallback:
         chosen = "adaround"
     else:
@@ -413,6 +353,96 @@ def reconstruct_block(
     stats["time_s"] = round(time.time() - t0, 3)
     stats["iters"] = opts.iters if quantizers else 0
     return BlockResult(block.name, block.kind, layers, stats)
+
+
+def _rounding_optimizer(quantizers: dict[str, AdaRoundQuantizer], weights: dict[str, torch.Tensor], opts: ReconConfig,
+                        stats: dict):
+    """Adam over the rounding variables (one group per learning rate; the scales too with learn_scale),
+    and the cosine schedule when asked (else None)."""
+    by_lr: dict[float, list] = {}
+    for g, q in quantizers.items():
+        by_lr.setdefault(rounding_lr(opts, weights[g].shape), []).append(q.v)
+    groups = [{"params": vs, "lr": lr} for lr, vs in by_lr.items()]
+    stats["rounding_lr"] = sorted(by_lr)
+    if opts.learn_scale:
+        groups.append({"params": [q.log_scale for q in quantizers.values()], "lr": opts.scale_lr})
+    optim = torch.optim.Adam(groups)
+    sched = None
+    if opts.lr_schedule == "cosine":
+        lo, total = opts.lr_min_ratio, max(1, opts.iters - 1)
+        sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda i: lo + (1 - lo) * 0.5 * (1 + math.cos(math.pi * min(i, total) / total)))
+    return optim, sched
+
+
+def _optimise_rounding(block: Block, caps, targets, quantizers: dict[str, AdaRoundQuantizer], weights: dict, specs: dict,
+                       opts: ReconConfig, device, stats: dict, *, fp_caps, fisher, seed: int, progress) -> list:
+    """`opts.iters` steps of reconstruction loss (+ rounding regulariser once beta is set) on random
+    calibration batches (QDrop-mixed inputs with `fp_caps`); returns the loss curve [it, rec, reg]."""
+    optim, sched = _rounding_optimizer(quantizers, weights, opts, stats)
+    gen = torch.Generator("cpu").manual_seed(seed)
+    drop_gen = torch.Generator(device).manual_seed(seed + 1)
+    ac = optimisation_autocast(opts, device, min(specs[g].bits for g in block.layers))
+    scaler = torch.amp.GradScaler(device.type) if ac == torch.float16 else None  # fp16: keep small gradients
+    n = caps[0].n()
+    bs = min(opts.batch_size, n)
+    every = max(1, opts.iters // (opts.log_every or 20))
+    curve = []
+    fisher = list(fisher) if fisher is not None else [None] * len(block.units)
+
+    def loss_fn(wmap, inputs, tgts, fws):
+        rec = 0.0
+        for u, (args, kwargs), tgt, fw in zip(block.units, inputs, tgts, fws):
+            rec = rec + _rec_loss(unit_output(u, wmap, args, kwargs), tgt, fw)
+        return rec
+
+    step_fn = loss_fn
+    if opts.compile:
+        torch._dynamo.reset()  # one compilation per block; keeps dynamo's recompile limit out of the way
+        step_fn = torch.compile(loss_fn, mode=opts.compile_mode, dynamic=False)
+    cl = opts.channels_last and device.type == "cuda"
+    with precision(device.type == "cuda"):
+        for it in range(opts.iters):
+            idx = torch.randint(0, n, (bs,), generator=gen)
+            inputs = _batch_inputs(caps, fp_caps, idx, opts, device, drop_gen, cl)
+            tgts = [t[idx.to(t.device)].to(device, non_blocking=True) for t in targets]
+            fws = [None if f is None else f[idx.to(f.device)].to(device) for f in fisher]
+            wmap = {g: q.soft_weight() for g, q in quantizers.items()}
+            with _autocast(device, ac):
+                rec = step_fn(wmap, inputs, tgts, fws)
+            beta = beta_schedule(it, opts.iters, opts.warmup, opts.beta_start, opts.beta_end)
+            loss = rec
+            reg = None
+            if beta is not None and opts.round_weight > 0:
+                reg = opts.round_weight * sum(q.round_loss(beta) for q in quantizers.values())
+                loss = loss + reg
+            optim.zero_grad(set_to_none=True)
+            if scaler is not None:
+                scaler.scale(loss).backward()
+                scaler.step(optim)
+                scaler.update()
+            else:
+                loss.backward()
+                optim.step()
+            if sched is not None:
+                sched.step()
+            if it % every == 0 or it == opts.iters - 1:
+                curve.append([it, float(rec.detach()), float(reg.detach()) if reg is not None else 0.0])
+                if progress is not None:
+                    progress(it, curve[-1][1])
+    return curve
+
+
+def _batch_inputs(caps, fp_caps, idx: torch.Tensor, opts: ReconConfig, device, drop_gen: torch.Generator, cl: bool) -> list:
+    """Each unit's (args, kwargs) for the rows `idx`: QDrop-mixed with the float inputs when asked, channels-last on CUDA."""
+    inputs = []
+    for ui, cap in enumerate(caps):
+        args, kwargs = cap.inputs(idx, device, torch.float32)
+        if fp_caps is not None and opts.qdrop > 0:
+            args, kwargs = _mix((args, kwargs), fp_caps[ui].inputs(idx, device, torch.float32), opts.qdrop, drop_gen)
+        if cl:
+            args = tuple(a.contiguous(memory_format=torch.channels_last) if isinstance(a, torch.Tensor) and a.dim() == 4 else a for a in args)
+        inputs.append((args, kwargs))
+    return inputs
 
 
 def rest_block_result(block: Block, weights, specs, rtn_res, init_scales) -> BlockResult:

@@ -175,114 +175,32 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
     timings: dict[str, float] = {}
 
     # 1. model
-    t = time.time()
-    calib_prompts, holdout_prompts = _prompts(cfg.calib)
-    pipe = load_or_build(cfg.model, captions=calib_prompts + holdout_prompts)
-    if getattr(pipe, "unet", None) is None:
-        raise PocketdiffError("the pipeline has no UNet")
-    if cfg.perturb_norms > 0:
-        if cfg.model.pretrained:
-            raise PocketdiffError("perturb_norms applies to built (random) models only; unset it for model.pretrained")
-        for i, comp in enumerate((pipe.unet, pipe.text_encoder, pipe.vae)):
-            perturb_norm_affines(comp, cfg.seed + i, scale=cfg.perturb_norms)
-    # NaN / Inf weights were refused by load_pipeline (models.check_finite_weights)
-    pipe.unet.to(device=device, dtype=torch.float32).eval().requires_grad_(False)
-    pipe.text_encoder.to(device=device, dtype=torch.float32).eval().requires_grad_(False)
-    pipe.vae.to(device=device, dtype=torch.float32).eval().requires_grad_(False)
-    timings["load_s"] = round(time.time() - t, 3)
+    pipe, calib_prompts, holdout_prompts = _load_model(cfg, device, timings)
 
     # 2. calibration data
-    t = time.time()
-    calib = subsample(_collect(pipe, calib_prompts, cfg.calib, cfg.calib.seed, device), cfg.calib.max_samples)
-    holdout = _collect(pipe, holdout_prompts, cfg.calib, cfg.calib.seed + 100_000, device)
-    if len(calib) == 0:
-        raise PocketdiffError("zero calibration samples")
-    timings["collect_s"] = round(time.time() - t, 3)
-    _log(f"{len(calib)} calibration inputs ({len(calib_prompts)} trajectories x {len(calib.meta['step_indices'])} steps"
-         f"{' x cond/uncond' if calib.meta['cfg'] else ''}), {len(holdout)} held-out ({timings['collect_s']:.1f}s)")
+    calib, holdout = _calibration_data(cfg, pipe, calib_prompts, holdout_prompts, device, timings)
 
     # 3. UNet reconstruction
-    t = time.time()
-    unet = pipe.unet
-    names = list(quantizable_layers(unet, cfg.quant.skip))
-    if not names:
-        raise PocketdiffError("the UNet has no Conv2d / Linear layer left to quantize (check quant.skip)")
-    shapes = {g: unet.get_submodule(g).weight.shape for g in names}
-    specs = layer_specs(names, shapes, cfg.quant.bits, cfg.quant.group_size, cfg.quant.layer_bits)
-    if cfg.recon.stream:  # the text encoder and VAE wait on the host
-        pipe.text_encoder.to("cpu")
-        pipe.vae.to("cpu")
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    results, info = reconstruct_unet(unet, calib, specs, cfg.recon, device=device, skip=cfg.quant.skip, seed=cfg.seed,
-                                     log=_log, devices=_worker_devices(cfg, device), memory_cap_bytes=cap)
-    pipe.text_encoder.to(device)
-    pipe.vae.to(device)
-    timings["reconstruct_s"] = round(time.time() - t, 3)
+    specs, results, info = _reconstruct(cfg, pipe, calib, device, cap, timings)
     recon_layers = {g: lr for r in results for g, lr in r.layers.items()}
     rtn_layers = info["rtn"]
 
     # 4. held-out comparison
     t = time.time()
-    q_unet = copy.deepcopy(unet)
+    q_unet = copy.deepcopy(pipe.unet)
     write_weights(q_unet, recon_layers, specs)
-    r_unet = copy.deepcopy(unet)
+    r_unet = copy.deepcopy(pipe.unet)
     _apply(r_unet, rtn_layers, specs)
-    blocks = build_blocks(unet, cfg.quant.skip)
-    cmp = compare_unets(unet, {"rtn": r_unet, "recon": q_unet}, blocks, holdout, device, batch=cfg.recon.forward_batch)
+    blocks = build_blocks(pipe.unet, cfg.quant.skip)
+    cmp = compare_unets(pipe.unet, {"rtn": r_unet, "recon": q_unet}, blocks, holdout, device, batch=cfg.recon.forward_batch)
     timings["evaluate_s"] = round(time.time() - t, 3)
 
     extras = _optional_components(cfg, pipe, holdout_prompts, calib, device)
 
     # 5. report + parity
-    block_rows = []
-    for r in results:
-        row = {"name": r.name, "kind": r.kind, "layers": len(r.layers), "chosen": r.stats.get("chosen")}
-        held = cmp["blocks"].get(r.name)
-        if held is None:  # layers outside every block (unusual UNets): quantized without reconstruction
-            row.update(mse_rtn=None, mse_recon=None)
-        else:
-            row.update(mse_rtn=held["rtn"]["mse"], mse_recon=held["recon"]["mse"],
-                       mse_rtn_local=held["rtn"]["mse_local"], mse_recon_local=held["recon"]["mse_local"],
-                       output_power=held["power"])
-        for k in ("mse_rtn_calib", "mse_init_calib", "mse_adaround_calib", "mse_recon_calib", "soft_fraction", "time_s", "iters",
-                  "peak_gpu_gib", "cache_on_device"):
-            if k in r.stats:
-                row[k] = r.stats[k]
-        if "curve" in r.stats:
-            row["curve"] = r.stats["curve"]
-        block_rows.append(row)
-    min_bits = min(s.bits for s in specs.values())
-    unet_cos = cmp["unets"]["recon"]["cosine_mean"]
-    rtn_cos = cmp["unets"]["rtn"]["cosine_mean"]
-    rows_eval = [b for b in block_rows if b.get("mse_recon") is not None]
-    report: dict = {
-        "bits": cfg.quant.bits,
-        "group_size": cfg.quant.group_size,
-        "bits_per_layer": {str(b): sum(1 for s in specs.values() if s.bits == b) for b in sorted({s.bits for s in specs.values()})},
-        "method": cfg.recon.method,
-        "mode": cfg.recon.mode,
-        "iters": cfg.recon.iters,
-        "unet_cosine": unet_cos,
-        "unet_cosine_min": cmp["unets"]["recon"]["cosine_min"],
-        "unet_nmse": cmp["unets"]["recon"]["nmse"],
-        "unet_cosine_rtn": rtn_cos,
-        "unet_cosine_rtn_min": cmp["unets"]["rtn"]["cosine_min"],
-        "unet_nmse_rtn": cmp["unets"]["rtn"]["nmse"],
-        "blocks_improved": sum(1 for b in rows_eval if b["mse_recon"] < b["mse_rtn"]),
-        "blocks_improved_local": sum(1 for b in rows_eval if b["mse_recon_local"] < b["mse_rtn_local"]),
-        "blocks_evaluated": len(rows_eval),
-        "blocks": block_rows,
-        "calibration": {"samples": len(calib), "holdout_samples": len(holdout), "trajectories": len(calib_prompts),
-                        "steps": cfg.calib.steps, "step_indices": calib.meta["step_indices"],
-                        "guidance_scale": cfg.calib.guidance_scale, "cond_and_uncond": bool(calib.meta["cfg"])},
-        "source": cfg.model.pretrained or f"built:{cfg.model.arch}",
-        "device": str(device),
-        "workers": _worker_devices(cfg, device),
-        "timings": timings,
-    }
+    report = _report(cfg, results, cmp, specs, calib, holdout, calib_prompts, device, timings)
     report.update(extras.get("report", {}))
-    parity = _parity(cfg, min_bits, unet_cos, rtn_cos, extras)
+    parity = _parity(cfg, min(s.bits for s in specs.values()), report["unet_cosine"], report["unet_cosine_rtn"], extras)
     report["parity"] = parity
     report["peak_gpu_memory_gb"] = None  # GiB
     if device.type == "cuda":
@@ -300,10 +218,146 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
 
     # 6. outputs
     t = time.time()
+    float_state = {k: v.detach().cpu().clone() for k, v in pipe.unet.state_dict().items()}
+    saved = _save_checkpoints(cfg, out, report, results, float_state, recon_layers, rtn_layers, specs, extras)
+    report.update(_save_pipelines(cfg, out, pipe, report["source"], saved, extras))
+    timings["save_s"] = round(time.time() - t, 3)
+
+    samples = _samples(cfg, pipe, float_state, saved.recon_state, saved.recon_recipe, saved.rtn_state, saved.rtn_recipe,
+                       holdout_prompts, out, device)
+    if samples:
+        report["samples"] = samples
+    report["wall_time_s"] = round(time.time() - t_start, 3)
+    _page(out, report, samples)
+    _log(f"UNet cosine {report['unet_cosine']:.6f} (RTN {report['unet_cosine_rtn']:.6f}); {report['blocks_improved']}/"
+         f"{report['blocks_evaluated']} blocks below RTN; {report['wall_time_s']:.1f}s"
+         + (f", peak GPU memory {report['peak_gpu_memory_gb']:.2f} GiB" if report.get("peak_gpu_memory_gb") is not None else ""))
+    return report
+
+
+def _load_model(cfg: Config, device, timings: dict) -> tuple:
+    """Step 1: the pipeline (norm affines perturbed for built models when asked), in fp32 on the device."""
+    t = time.time()
+    calib_prompts, holdout_prompts = _prompts(cfg.calib)
+    pipe = load_or_build(cfg.model, captions=calib_prompts + holdout_prompts)
+    if getattr(pipe, "unet", None) is None:
+        raise PocketdiffError("the pipeline has no UNet")
+    if cfg.perturb_norms > 0:
+        if cfg.model.pretrained:
+            raise PocketdiffError("perturb_norms applies to built (random) models only; unset it for model.pretrained")
+        for i, comp in enumerate((pipe.unet, pipe.text_encoder, pipe.vae)):
+            perturb_norm_affines(comp, cfg.seed + i, scale=cfg.perturb_norms)
+    # NaN / Inf weights were refused by load_pipeline (models.check_finite_weights)
+    pipe.unet.to(device=device, dtype=torch.float32).eval().requires_grad_(False)
+    pipe.text_encoder.to(device=device, dtype=torch.float32).eval().requires_grad_(False)
+    pipe.vae.to(device=device, dtype=torch.float32).eval().requires_grad_(False)
+    timings["load_s"] = round(time.time() - t, 3)
+    return pipe, calib_prompts, holdout_prompts
+
+
+def _calibration_data(cfg: Config, pipe, calib_prompts: list[str], holdout_prompts: list[str], device, timings: dict) -> tuple:
+    """Step 2: UNet inputs from the model's own trajectories (calibration set, subsampled; held-out set)."""
+    t = time.time()
+    calib = subsample(_collect(pipe, calib_prompts, cfg.calib, cfg.calib.seed, device), cfg.calib.max_samples)
+    holdout = _collect(pipe, holdout_prompts, cfg.calib, cfg.calib.seed + 100_000, device)
+    if len(calib) == 0:
+        raise PocketdiffError("zero calibration samples")
+    timings["collect_s"] = round(time.time() - t, 3)
+    _log(f"{len(calib)} calibration inputs ({len(calib_prompts)} trajectories x {len(calib.meta['step_indices'])} steps"
+         f"{' x cond/uncond' if calib.meta['cfg'] else ''}), {len(holdout)} held-out ({timings['collect_s']:.1f}s)")
+    return calib, holdout
+
+
+def _reconstruct(cfg: Config, pipe, calib, device, cap: Optional[int], timings: dict) -> tuple:
+    """Step 3: per-layer specs, then block reconstruction of the UNet; (specs, block results, info with the RTN layers)."""
+    t = time.time()
+    unet = pipe.unet
+    names = list(quantizable_layers(unet, cfg.quant.skip))
+    if not names:
+        raise PocketdiffError("the UNet has no Conv2d / Linear layer left to quantize (check quant.skip)")
+    shapes = {g: unet.get_submodule(g).weight.shape for g in names}
+    specs = layer_specs(names, shapes, cfg.quant.bits, cfg.quant.group_size, cfg.quant.layer_bits)
+    if cfg.recon.stream:  # the text encoder and VAE wait on the host
+        pipe.text_encoder.to("cpu")
+        pipe.vae.to("cpu")
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    results, info = reconstruct_unet(unet, calib, specs, cfg.recon, device=device, skip=cfg.quant.skip, seed=cfg.seed,
+                                     log=_log, devices=_worker_devices(cfg, device), memory_cap_bytes=cap)
+    pipe.text_encoder.to(device)
+    pipe.vae.to(device)
+    timings["reconstruct_s"] = round(time.time() - t, 3)
+    return specs, results, info
+
+
+def _block_row(r, held: Optional[dict]) -> dict:
+    """One block's report row: its reconstruction stats and held-out errors (None: outside every block)."""
+    row = {"name": r.name, "kind": r.kind, "layers": len(r.layers), "chosen": r.stats.get("chosen")}
+    if held is None:  # layers outside every block (unusual UNets): quantized without reconstruction
+        row.update(mse_rtn=None, mse_recon=None)
+    else:
+        row.update(mse_rtn=held["rtn"]["mse"], mse_recon=held["recon"]["mse"],
+                   mse_rtn_local=held["rtn"]["mse_local"], mse_recon_local=held["recon"]["mse_local"],
+                   output_power=held["power"])
+    for k in ("mse_rtn_calib", "mse_init_calib", "mse_adaround_calib", "mse_recon_calib", "soft_fraction", "time_s", "iters",
+              "peak_gpu_gib", "cache_on_device"):
+        if k in r.stats:
+            row[k] = r.stats[k]
+    if "curve" in r.stats:
+        row["curve"] = r.stats["curve"]
+    return row
+
+
+def _report(cfg: Config, results, cmp: dict, specs: dict, calib, holdout, calib_prompts: list[str], device,
+            timings: dict) -> dict:
+    """Step 5's report (before the optional components, parity and memory are added)."""
+    block_rows = [_block_row(r, cmp["blocks"].get(r.name)) for r in results]
+    rows_eval = [b for b in block_rows if b.get("mse_recon") is not None]
+    return {
+        "bits": cfg.quant.bits,
+        "group_size": cfg.quant.group_size,
+        "bits_per_layer": {str(b): sum(1 for s in specs.values() if s.bits == b) for b in sorted({s.bits for s in specs.values()})},
+        "method": cfg.recon.method,
+        "mode": cfg.recon.mode,
+        "iters": cfg.recon.iters,
+        "unet_cosine": cmp["unets"]["recon"]["cosine_mean"],
+        "unet_cosine_min": cmp["unets"]["recon"]["cosine_min"],
+        "unet_nmse": cmp["unets"]["recon"]["nmse"],
+        "unet_cosine_rtn": cmp["unets"]["rtn"]["cosine_mean"],
+        "unet_cosine_rtn_min": cmp["unets"]["rtn"]["cosine_min"],
+        "unet_nmse_rtn": cmp["unets"]["rtn"]["nmse"],
+        "blocks_improved": sum(1 for b in rows_eval if b["mse_recon"] < b["mse_rtn"]),
+        "blocks_improved_local": sum(1 for b in rows_eval if b["mse_recon_local"] < b["mse_rtn_local"]),
+        "blocks_evaluated": len(rows_eval),
+        "blocks": block_rows,
+        "calibration": {"samples": len(calib), "holdout_samples": len(holdout), "trajectories": len(calib_prompts),
+                        "steps": cfg.calib.steps, "step_indices": calib.meta["step_indices"],
+                        "guidance_scale": cfg.calib.guidance_scale, "cond_and_uncond": bool(calib.meta["cfg"])},
+        "source": cfg.model.pretrained or f"built:{cfg.model.arch}",
+        "device": str(device),
+        "workers": _worker_devices(cfg, device),
+        "timings": timings,
+    }
+
+
+@dataclasses.dataclass
+class _Saved:
+    """Step 6's checkpoints: the reconstructed and RTN states (codes + scales) with their recipes."""
+
+    recon_state: dict
+    recon_recipe: QuantRecipe
+    rtn_state: dict
+    rtn_recipe: QuantRecipe
+    ckpt: Path
+    rtn_ckpt: Path
+
+
+def _save_checkpoints(cfg: Config, out: Path, report: dict, results, float_state: dict, recon_layers: dict, rtn_layers: dict,
+                      specs: dict, extras: dict) -> _Saved:
+    """Step 6a: unet_int8.safetensors + recipe, rtn/unet_int8.*, and the optional components' checkpoints."""
     extra = {"source_pipeline": report["source"], "mode": cfg.recon.mode, "method": cfg.recon.method,
              "recon": dataclasses.asdict(cfg.recon), "calibration": report["calibration"],
              "blocks": [{"name": r.name, "kind": r.kind, "chosen": r.stats.get("chosen")} for r in results]}
-    float_state = {k: v.detach().cpu().clone() for k, v in unet.state_dict().items()}
     recon_state = quantized_state_dict(float_state, {g: (lr.codes, lr.scale) for g, lr in recon_layers.items()})
     recon_recipe = _recipe("unet", specs, {g: lr.method for g, lr in recon_layers.items()}, cfg.seed, extra)
     ckpt, _ = save_quantized(recon_state, recon_recipe, out / UNET_FILE)
@@ -314,37 +368,30 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
     for comp in extras.get("save", []):
         save_quantized(comp["state"], comp["recipe"], out / comp["file"])
         save_quantized(comp["rtn_state"], comp["rtn_recipe"], out / "rtn" / comp["file"])
+    return _Saved(recon_state, recon_recipe, rtn_state, rtn_recipe, ckpt, rtn_ckpt)
 
+
+def _save_pipelines(cfg: Config, out: Path, pipe, source: str, saved: _Saved, extras: dict) -> dict:
+    """Step 6b: pipeline/ (and rtn/pipeline/) with the dequantized weights; returns the report's paths."""
     pipe.to("cpu")
-    _set_state(pipe.unet, dequantized_state_dict(recon_state, recon_recipe))
+    _set_state(pipe.unet, dequantized_state_dict(saved.recon_state, saved.recon_recipe))
     for comp in extras.get("save", []):
         _set_component(pipe, comp["component"], dequantized_state_dict(comp["state"], comp["recipe"]))
     src_folder = Path(cfg.model.pretrained).expanduser() if cfg.model.pretrained and Path(cfg.model.pretrained).expanduser().is_dir() else None
     qmeta = {"pocketdiff_calibrate": 1, "variant": "recon", "bits": cfg.quant.bits, "group_size": cfg.quant.group_size,
-             "checkpoint": f"../{UNET_FILE}", "source_pipeline": report["source"],
+             "checkpoint": f"../{UNET_FILE}", "source_pipeline": source,
              "note": "weights are the dequantized int8/int4 codes x scales of the checkpoint; load it with "
                      "pocketdiff.compress.quant.calibrate.load_quantized_pipeline to rebuild them from the codes"}
     pipeline_dir = _save_pipeline_folder(pipe, out / "pipeline", src_folder, qmeta)
-    report_paths = {"checkpoint": str(ckpt), "recipe": str(ckpt.with_suffix(".json")), "rtn_checkpoint": str(rtn_ckpt),
-                    "pipeline_dir": str(pipeline_dir)}
+    report_paths = {"checkpoint": str(saved.ckpt), "recipe": str(saved.ckpt.with_suffix(".json")),
+                    "rtn_checkpoint": str(saved.rtn_ckpt), "pipeline_dir": str(pipeline_dir)}
     if cfg.output.rtn_pipeline:
-        _set_state(pipe.unet, dequantized_state_dict(rtn_state, rtn_recipe))
+        _set_state(pipe.unet, dequantized_state_dict(saved.rtn_state, saved.rtn_recipe))
         for comp in extras.get("save", []):
             _set_component(pipe, comp["component"], dequantized_state_dict(comp["rtn_state"], comp["rtn_recipe"]))
         report_paths["rtn_pipeline_dir"] = str(_save_pipeline_folder(pipe, out / "rtn" / "pipeline", src_folder,
                                                                      {**qmeta, "variant": "rtn"}))
-    report.update(report_paths)
-    timings["save_s"] = round(time.time() - t, 3)
-
-    samples = _samples(cfg, pipe, float_state, recon_state, recon_recipe, rtn_state, rtn_recipe, holdout_prompts, out, device)
-    if samples:
-        report["samples"] = samples
-    report["wall_time_s"] = round(time.time() - t_start, 3)
-    _page(out, report, samples)
-    _log(f"UNet cosine {unet_cos:.6f} (RTN {rtn_cos:.6f}); {report['blocks_improved']}/{report['blocks_evaluated']} blocks "
-         f"below RTN; {report['wall_time_s']:.1f}s"
-         + (f", peak GPU memory {report['peak_gpu_memory_gb']:.2f} GiB" if report.get("peak_gpu_memory_gb") is not None else ""))
-    return report
+    return report_paths
 
 
 QUANT_META = "quantization.json"

@@ -4,7 +4,8 @@ lazy ones inside functions included, read with `ast`; nothing is imported).
 - the core (`pocketdiff/`) imports no stage and no orchestration (cli, demo);
 - a stage imports the core, itself, and another stage only through that stage's declared
   interfaces (`INTERFACES`); never the orchestration;
-- the stages' dependency graph has no cycle;
+- the stages' dependency graph has no cycle, and neither has the modules' (no two modules
+  import each other, directly or through others; lazy and TYPE_CHECKING imports count);
 - code imports through the `pocketdiff.` namespace only, never a bare `train` / `export`;
 - every package folder is listed in pyproject's `packages` (a regular install has it);
 - the runtime (`pocketdiff.runtime`, what runs a bundle) imports the core and itself only, and
@@ -195,6 +196,23 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str]:
     return []
 
 
+def module_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    """Module -> the package modules it imports (every import statement, lazy ones and those under
+    TYPE_CHECKING included: a cycle hidden behind either is still two modules that need each other)."""
+    modules = module_files(root)
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        for target, _line in imports_of(name, path, modules):
+            if target in modules and target != name:
+                graph.setdefault(name, set()).add(target)
+    return graph
+
+
+def test_no_two_modules_import_each_other():
+    cycle = find_cycle(module_graph())
+    assert not cycle, "module import cycle: " + " -> ".join(cycle)
+
+
 def test_the_package_keeps_its_dependency_rules():
     problems, graph = violations()
     assert not problems, "\n".join(problems)
@@ -316,3 +334,17 @@ def test_the_checker_catches_each_broken_rule(tmp_path):
     assert graph == {"pocketdiff.evaluate": {"pocketdiff.runtime"}}
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": {"c"}}) == []
+
+
+def test_the_module_cycle_check_sees_lazy_and_type_checking_imports(tmp_path):
+    (tmp_path / "pyproject.toml").write_text(
+        '[tool.setuptools]\npackages = ["pocketdiff"]\n[tool.setuptools.package-dir]\n"pocketdiff" = "pocketdiff"\n')
+    _write(tmp_path, "pocketdiff/__init__.py")
+    _write(tmp_path, "pocketdiff/config.py", "def check():\n    from .pruning import precheck\n")
+    _write(tmp_path, "pocketdiff/pruning.py", "from .config import Config\n")
+    _write(tmp_path, "pocketdiff/rounds.py", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .plan import Config\n")
+    _write(tmp_path, "pocketdiff/plan.py", "from pocketdiff.rounds import plan_rounds\n")
+    graph = module_graph(tmp_path)
+    assert find_cycle(graph) == ["pocketdiff.config", "pocketdiff.pruning", "pocketdiff.config"]
+    del graph["pocketdiff.config"]
+    assert find_cycle(graph) == ["pocketdiff.plan", "pocketdiff.rounds", "pocketdiff.plan"]

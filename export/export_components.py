@@ -1,0 +1,192 @@
+"""Step 4 of `pocketdiff export` (export/verb.py): every component rewritten, converted by
+litert-torch, checked on the GPU delegate and stored, with its golden file, report row and
+manifest entry; one at a time (the UNet last, each released from the pipeline when done, so an
+SD-2.1-size export fits a 24 GB machine) or converted in parallel worker processes (`jobs`)."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from pocketdiff.outputs import write_json
+
+from . import bundle as bundle_lib
+from .components import Shapes, TextEncoderGraph, UNetGraph, VaeDecoderGraph
+from .device_profile import check_component
+from .exporter import convert_job, finish_component, peak_rss_mb, prepare_component
+from .tiled_export import UP_TILE, parity_latents, tiled_parity
+
+log = logging.getLogger(__name__)
+
+
+def say(msg: str) -> None:
+    """A progress line per phase (stderr, like the other verbs)."""
+    print(f"export: {msg}", file=sys.stderr, flush=True)
+
+
+@dataclasses.dataclass
+class GoldenInputs:
+    """Step 2 of the export: the fixed shapes and inputs every component is converted and checked with."""
+
+    mode: str  # guidance: cfg | embedded | none
+    shapes: Shapes
+    timesteps: list  # the scheduler's, at the manifest's step count
+    ids_prompt: np.ndarray  # the golden prompt's token ids [1, L]
+    unet_inputs: dict  # sample, timestep (or its embedding row), encoder_hidden_states[, timestep_cond]
+    takes_cond: bool  # the UNet graph takes timestep_cond (a w-conditioned student, time embedding inside)
+    vae_latents: torch.Tensor
+    table: Optional[np.ndarray]  # the time-embedding table (time embedding outside the graph), else None
+
+
+def _reset_peak_rss() -> bool:
+    """Reset this process's peak RSS (Linux: VmHWM via /proc/self/clear_refs); False elsewhere."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def _vm_hwm_mb() -> Optional[float]:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return round(int(line.split()[1]) / 1024.0, 1)
+    except OSError:
+        pass
+    return None
+
+
+class ComponentExport:
+    """The components of one export; `run()` fills `reports` (per component), `manifest` (the
+    manifest's components) and `tiling_report` (the tiled-decode parity), and adds to `timings`."""
+
+    def __init__(self, *, out: Path, work: Path, pipe, names: list[str], golden: GoldenInputs, rewrites_of: dict,
+                 weights_of: dict, quantized: dict, split, tiled: tuple, settings: Any, timings: dict):
+        """`settings`: the export Config (rewrites, verify, parity, int8.float_storage, device_profile,
+        vae_tiling, jobs); `split`: the tiled decoder's graphs or None; `tiled`: its component names."""
+        self.out, self.work, self.pipe, self.names, self.golden = out, work, pipe, names, golden
+        self.rewrites_of, self.weights_of, self.quantized, self.split, self.tiled = rewrites_of, weights_of, quantized, split, tiled
+        self.cfg, self.timings = settings, timings
+        self.sequential = settings.jobs == 1 or len(names) == 1
+        self.reports: dict = {}
+        self.manifest: dict = {}
+        self.tiling_report: dict = {}
+
+    def run(self) -> None:
+        (self.out / "golden").mkdir(exist_ok=True)
+        if self.sequential:
+            self._run_sequential()
+        else:
+            self._run_parallel()
+
+    def _run_sequential(self) -> None:
+        import gc
+
+        module_attr = {"text_encoder": "text_encoder", "unet": "unet", "vae_decoder": "vae", UP_TILE: "vae"}  # the head: the VAE stays
+        for name in sorted(self.names, key=lambda n: n == "unet"):  # one component in memory at a time
+            reset = _reset_peak_rss()
+            prep = self._prepare(name)
+            say(f"{name}: converting with litert-torch ...")
+            self._finish(prep, convert_job(prep.rewritten, prep.inputs, prep.raw_path))
+            prep.raw_path.unlink(missing_ok=True)
+            del prep
+            self._check_tiling()
+            if name in module_attr:
+                setattr(self.pipe, module_attr[name], None)
+            gc.collect()
+            if reset:  # the process's peak while this component was prepared, converted and checked
+                self.reports[name]["peak_rss_mb"] = _vm_hwm_mb()
+            log.info("export %s: done (peak RSS %.1f GB)", name, (self.reports[name].get("peak_rss_mb") or peak_rss_mb()) / 1024)
+
+    def _run_parallel(self) -> None:
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+
+        preps = [self._prepare(name) for name in self.names]
+        # the largest first: with 2 workers the UNet runs beside the other two
+        order = sorted(preps, key=lambda p: -sum(t.numel() for t in p.rewritten.parameters()))
+        with ProcessPoolExecutor(max_workers=min(self.cfg.jobs, len(preps)), mp_context=mp.get_context("spawn")) as pool:
+            futures = {p.name: pool.submit(convert_job, p.rewritten, p.inputs, str(p.raw_path), 1) for p in order}
+            for prep in preps:
+                self._finish(prep, futures[prep.name].result())
+                prep.raw_path.unlink(missing_ok=True)
+        self._check_tiling()
+
+    def _graph_for(self, name: str):
+        pipe, g, outside = self.pipe, self.golden, self.cfg.rewrites.time_embedding_outside
+        if name == "text_encoder":
+            return TextEncoderGraph(pipe.text_encoder), {"input_ids": torch.from_numpy(g.ids_prompt)}
+        if name == "unet":
+            import copy
+
+            unet = copy.deepcopy(pipe.unet) if outside and not self.sequential else pipe.unet
+            return UNetGraph(unet, external_time_embedding=outside, timestep_cond=g.takes_cond), g.unet_inputs
+        if self.split is not None:
+            return self.split.graphs.pop(name)  # held only while this component is prepared
+        return VaeDecoderGraph(pipe.vae), {"latents": g.vae_latents}
+
+    def _prepare(self, name: str):
+        t0 = time.perf_counter()
+        graph, inputs = self._graph_for(name)
+        say(f"{name} ({self.weights_of[name]}): rewrites and PyTorch reference ...")
+        prep = prepare_component(name, graph, inputs, self.out / f"{name}.tflite", self.rewrites_of[name], self.weights_of[name],
+                                 self.quantized.get(name))
+        prep.raw_path = self.work / f"{name}_fp32.tflite"
+        self.timings[f"{name}_prepare_s"] = round(time.perf_counter() - t0, 2)
+        return prep
+
+    def _finish(self, prep, info) -> None:
+        """Store and check one converted component; its golden file, report row and manifest entry."""
+        cfg, out, timings, name = self.cfg, self.out, self.timings, prep.name
+        t0 = time.perf_counter()
+        say(f"{name}: converted by litert-torch in {info['convert_s']:.0f} s; "
+            + (f"checking on the GPU delegate ({'+'.join(cfg.verify.precisions)}) ..." if cfg.verify.delegate else "storing weights"))
+        rep = finish_component(prep, info, cfg.verify, cfg.parity, float_storage=cfg.int8.float_storage)
+        timings[f"{name}_verify_s"] = round(time.perf_counter() - t0, 2)
+        if cfg.verify.delegate:
+            cos = ", ".join(f"{p} {m['cosine']:.6f}" for p, m in rep.get("parity", {}).items())
+            say(f"{name}: fully accelerated on the GPU delegate ({rep['delegate']['driver']}), cosine {cos}, "
+                f"{timings[f'{name}_verify_s']:.0f} s")
+        reference = rep.pop("reference")
+        golden_path = out / "golden" / f"{name}.npz"
+        np.savez(golden_path, **{f"input_{k}": v.detach().numpy() for k, v in prep.inputs.items()},
+                 **{f"output_{i}": r for i, r in enumerate(prep.references or [reference])})
+        int8_map = rep.pop("int8_map", {})
+        if int8_map:
+            write_json(self.work / f"{name}_int8_map.json", int8_map)
+        rep["device_profile"] = check_component(name, out / f"{name}.tflite", cfg.device_profile)
+        rep["params"] = int(sum(p.numel() for p in prep.rewritten.parameters()))
+        if rep.get("bytes"):
+            rep["bytes_per_param"] = round(rep["bytes"] / max(1, rep["params"]), 4)
+        self.reports[name] = rep
+        entry = bundle_lib.file_entry(out, out / f"{name}.tflite")
+        entry.update(
+            weights=prep.weights,
+            inputs=[{"name": k, **v} for k, v in rep["inputs"].items()],
+            outputs=[{"name": k, **v} for k, v in rep["outputs"].items()],
+            fully_accelerated=rep.get("fully_accelerated"),
+            golden={**bundle_lib.file_entry(out, golden_path), "tolerances": {
+                "fp16": dataclasses.asdict(cfg.parity.fp16), "fp32": dataclasses.asdict(cfg.parity.fp32)}},
+        )
+        q = prep.quantized
+        if q is not None and prep.weights == "int8":
+            entry["int8"] = {"layers": rep.get("int8_layers"), "method": q.recipe.extra.get("method") or sorted({lr.method for lr in q.recipe.layers.values()})}
+        self.manifest[name] = entry
+
+    def _check_tiling(self) -> None:
+        """The tiled-decode parity, once both tiled components are in the bundle (the VAE still loaded)."""
+        split, vt, shapes = self.split, self.cfg.vae_tiling, self.golden.shapes
+        if split is not None and not self.tiling_report and all(n in self.manifest for n in self.tiled):
+            say(f"vae_tiling: tiled decode through the .tflite files (cpu, {vt.passes} passes) vs the whole decode ...")
+            t0 = time.perf_counter()
+            lat = parity_latents(self.pipe.vae, shapes.latent_size, shapes.vae_factor)
+            self.tiling_report.update(tiled_parity(self.out, self.manifest, self.pipe.vae, lat, split.block, vt.min_psnr_db))
+            self.timings["vae_tiling_parity_s"] = round(time.perf_counter() - t0, 2)
+            say(f"vae_tiling: PSNR {self.tiling_report['psnr_db']:.2f} dB (vae_tiling.min_psnr_db {vt.min_psnr_db})")

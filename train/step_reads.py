@@ -1,0 +1,103 @@
+"""What the training loop reads of each step: the phase clock of the first steps, the mean loss
+and gradient norm brought to the host (with what of them is non-finite), and the step profiler."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from time import perf_counter
+from typing import Optional
+
+import torch
+
+
+# steps of each invocation outside the steady rate: the first (compilation, autotuning, optimizer
+# state) and the second (first EMA update, allocator growth), as benchmarks/distill_step.py's
+# `--warmup 2` leaves them out of its rate
+RATE_WARMUP_STEPS = 2
+
+
+class PhaseClock:
+    """Seconds per phase of one step; `sync`: the CUDA device synchronised at every mark."""
+
+    def __init__(self, t0: float, sync: bool = True):
+        self.last, self.sync, self.seconds = t0, sync, {}
+
+    def mark(self, name: str) -> None:
+        if self.sync:
+            torch.cuda.synchronize()
+        now = perf_counter()
+        self.seconds[name] = round(now - self.last, 3)
+        self.last = now
+
+
+def _loss_and_norm(mean_loss: torch.Tensor, grad_norm: Optional[torch.Tensor]) -> torch.Tensor:
+    norm = grad_norm.detach().float().reshape(()) if grad_norm is not None else torch.zeros((), device=mean_loss.device)
+    return torch.stack([mean_loss.detach().float().reshape(()), norm])
+
+
+def _classify(loss: float, norm: float) -> Optional[str]:
+    return "loss" if not math.isfinite(loss) else "gradients" if not math.isfinite(norm) else None
+
+
+def step_profiler(steps: int, skip: int, out: Path, cuda: bool):
+    """A started torch.profiler that records `steps` steps after `skip` (one more as its own warm-up);
+    call `.step()` after every step and `.stop()` at the end. Writes OUT.json.gz (a gzipped chrome
+    trace: an SD-size step is tens of MB of JSON) and OUT.txt (operators by device time, or host
+    time without a GPU)."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    def write(prof) -> None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(out.parent / f"{out.name}.json.gz"))
+        key = "self_device_time_total" if cuda else "self_cpu_time_total"
+        (out.parent / f"{out.name}.txt").write_text(prof.key_averages().table(sort_by=key, row_limit=40) + "\n")
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    prof = profile(activities=activities, schedule=schedule(wait=max(skip - 1, 0), warmup=1, active=steps, repeat=1),
+                   on_trace_ready=write)
+    prof.start()
+    return prof
+
+
+def read_step(mean_loss: torch.Tensor, grad_norm: Optional[torch.Tensor]) -> tuple[float, Optional[str]]:
+    """The step's mean loss and what of it is non-finite ("loss", "gradients" or None): one host sync for both."""
+    loss, norm = _loss_and_norm(mean_loss, grad_norm).tolist()
+    return loss, _classify(loss, norm)
+
+
+class StepReads:
+    """Each step's mean loss and gradient norm, brought to the host without stalling the device.
+
+    `push` queues a copy of the two numbers into pinned host memory behind the step's kernels;
+    `settle(keep)` reads every pushed step but the newest `keep`, waiting for the device only as
+    far as those steps. With `keep=1` the host queues step s+1 while the device still runs step s,
+    so the device never idles while the host prepares a step (tokenizing, drawing noise, the
+    optimizer's per-parameter launches). The loop settles everything before anything records a
+    step (a log row, a checkpoint, the time check, the end), so a non-finite step is still never
+    saved or logged.
+    """
+
+    def __init__(self):
+        self._queue = []  # (step, host tensor [2], event or None)
+
+    def push(self, step: int, mean_loss: torch.Tensor, grad_norm: Optional[torch.Tensor]) -> None:
+        values = _loss_and_norm(mean_loss, grad_norm)
+        if not values.is_cuda:
+            self._queue.append((step, values.cpu(), None))
+            return
+        host = torch.empty(2, dtype=torch.float32, pin_memory=True)
+        host.copy_(values, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._queue.append((step, host, event))
+
+    def settle(self, keep: int = 0) -> list[tuple[int, float, Optional[str]]]:
+        """(step, loss, what is non-finite or None) of every pushed step but the newest `keep`, oldest first."""
+        out = []
+        while len(self._queue) > keep:
+            step, host, event = self._queue.pop(0)
+            if event is not None:
+                event.synchronize()
+            loss, norm = host.tolist()
+            out.append((step, loss, _classify(loss, norm)))
+        return out
