@@ -24,6 +24,44 @@ def _np_dtype(name: str):
     return np.dtype({"float32": "float32", "float16": "float16", "int32": "int32", "int64": "int64", "int8": "int8", "uint8": "uint8", "bool": "bool"}.get(name, name))
 
 
+def _run(model, sig, in_names, out_names, inputs, input_names_given, req) -> tuple[dict, list]:
+    """Write the inputs (in the model's order), run warmup + repeats, read every output."""
+    in_details = model.get_input_tensor_details(sig)
+    out_details = model.get_output_tensor_details(sig)
+    if input_names_given and set(input_names_given) == set(in_names):
+        ordered = [inputs[input_names_given.index(n)] for n in in_names]
+    else:
+        ordered = inputs
+    if len(ordered) != len(in_names):
+        raise ValueError(f"model takes {len(in_names)} inputs {in_names}, got {len(ordered)}")
+    in_bufs = model.create_input_buffers(0)
+    out_bufs = model.create_output_buffers(0)
+    for buf, name, arr in zip(in_bufs, in_names, ordered):
+        det = in_details[name]
+        want = list(det["shape"])
+        arr = np.ascontiguousarray(np.asarray(arr).astype(_np_dtype(det["dtype"])))
+        if list(arr.shape) != want:
+            raise ValueError(f"input {name}: shape {list(arr.shape)} != model's {want}")
+        buf.write(arr)
+    times = []
+    for i in range(int(req.get("warmup", 0)) + max(1, int(req.get("repeats", 1)))):
+        t0 = time.perf_counter()
+        model.run_by_index(0, in_bufs, out_bufs)
+        if i >= int(req.get("warmup", 0)):
+            times.append(time.perf_counter() - t0)
+    outs = {}
+    for i, (buf, name) in enumerate(zip(out_bufs, out_names)):
+        det = out_details[name]
+        shape = [int(s) for s in det["shape"]]
+        n = int(np.prod(shape)) if shape else 1
+        outs[f"out_{i}"] = np.asarray(buf.read(n, _np_dtype(det["dtype"]))).reshape(shape)
+    # release everything before the next precision: a second CompiledModel cannot
+    # write its inputs while the first one's buffers are alive
+    for buf in list(in_bufs) + list(out_bufs):
+        buf.destroy()
+    return outs, times
+
+
 def main(request_path: str) -> int:
     req = json.loads(Path(request_path).read_text())
     out_dir = Path(req["out_dir"])
@@ -71,45 +109,12 @@ def main(request_path: str) -> int:
             flush()
             if inputs is None:
                 continue
-            in_details = model.get_input_tensor_details(sig)
-            out_details = model.get_output_tensor_details(sig)
-            if input_names_given and set(input_names_given) == set(in_names):
-                ordered = [inputs[input_names_given.index(n)] for n in in_names]
-            else:
-                ordered = inputs
-            if len(ordered) != len(in_names):
-                raise ValueError(f"model takes {len(in_names)} inputs {in_names}, got {len(ordered)}")
-            in_bufs = model.create_input_buffers(0)
-            out_bufs = model.create_output_buffers(0)
-            for buf, name, arr in zip(in_bufs, in_names, ordered):
-                det = in_details[name]
-                want = list(det["shape"])
-                arr = np.ascontiguousarray(np.asarray(arr).astype(_np_dtype(det["dtype"])))
-                if list(arr.shape) != want:
-                    raise ValueError(f"input {name}: shape {list(arr.shape)} != model's {want}")
-                buf.write(arr)
-            times = []
-            for i in range(int(req.get("warmup", 0)) + max(1, int(req.get("repeats", 1)))):
-                t0 = time.perf_counter()
-                model.run_by_index(0, in_bufs, out_bufs)
-                if i >= int(req.get("warmup", 0)):
-                    times.append(time.perf_counter() - t0)
-            outs = {}
-            for i, (buf, name) in enumerate(zip(out_bufs, out_names)):
-                det = out_details[name]
-                shape = [int(s) for s in det["shape"]]
-                n = int(np.prod(shape)) if shape else 1
-                outs[f"out_{i}"] = np.asarray(buf.read(n, _np_dtype(det["dtype"]))).reshape(shape)
+            outs, times = _run(model, sig, in_names, out_names, inputs, input_names_given, req)
             mem["ran"] = sampler.mark()
             np.savez(out_dir / f"out_{prec}.npz", **outs)
             result["latency_s"][prec] = statistics.median(times)
             result["ran"].append(prec)
             flush()
-            # release everything before the next precision: a second CompiledModel cannot
-            # write its inputs while the first one's buffers are alive
-            for buf in list(in_bufs) + list(out_bufs):
-                buf.destroy()
-            del in_bufs, out_bufs
             model.close()
             del model
     except Exception as e:  # noqa: BLE001 - reported to the parent
