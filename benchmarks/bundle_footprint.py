@@ -40,6 +40,9 @@ OPTION_SETS = {
     "upload1": {"num_threads_to_upload": 1, "madvise_original_shared_tensors": True},
     "no_shader_opt": {"disable_shader_optimization": True},
     "fast_compile": {"disable_shader_optimization": True, "num_threads_to_compile": 8},
+    "trim": {"allocator": "trim"},
+    "tuned": {"allocator": "tuned"},
+    "tuned_programs_only": {"allocator": "tuned", "cache_only_compiled_programs": True},
 }
 CACHED = {"serialize_program_cache": True}
 CACHED_WEIGHTS = {"serialize_program_cache": True, "serialize_external_tensors": True}
@@ -59,13 +62,20 @@ def _feeds(specs) -> list:
 
 
 def probe(path: str, options: dict, cache: str | None, key: str) -> dict:
-    """One model, one process: the phases with their memory and time."""
+    """One model, one process: the phases with their memory and time. `options` may hold "allocator":
+    "trim" (malloc_trim after release) or "tuned" (mmap threshold set first, and trim)."""
     import numpy as np
 
     from pocketdiff.runtime.delegate import prepare_in_process
     from pocketdiff.runtime.litert_c import CompiledModel, Environment
     from pocketdiff.runtime.memory import PeakSampler
 
+    from pocketdiff.runtime.memory import return_freed_memory, tune_allocator
+
+    options = dict(options)
+    allocator = options.pop("allocator", None)
+    if allocator == "tuned":
+        tune_allocator()
     t_start = time.perf_counter()
     driver = prepare_in_process()
     sampler = PeakSampler()
@@ -92,6 +102,8 @@ def probe(path: str, options: dict, cache: str | None, key: str) -> dict:
     mark("steady_run")
     finite = all(bool(np.isfinite(o).all()) for o in outs)
     model.close()
+    if allocator:
+        return_freed_memory()
     mark("released")
     env.close()
     mark("environment_released")
@@ -125,8 +137,8 @@ def _child(path: str, options: dict, cache: str | None, key: str, timeout: float
 def matrix(path: str, sets: list[str], timeout: float, cache_root: str | None) -> list[dict]:
     rows = []
     for name in sets:
-        if name in ("cached", "cached_weights"):
-            extra = CACHED if name == "cached" else CACHED_WEIGHTS
+        if name.startswith("cached"):
+            extra = {**CACHED, **OPTION_SETS.get(name[len("cached_"):], {})} if name != "cached_weights" else CACHED_WEIGHTS
             folder = tempfile.mkdtemp(prefix=f"pd-cache-{name}-", dir=cache_root)
             for launch in ("cold", "warm"):
                 row = _child(path, extra, folder, "probe", timeout)
@@ -140,12 +152,13 @@ def matrix(path: str, sets: list[str], timeout: float, cache_root: str | None) -
     return rows
 
 
-def _run_bundle(bundle: str, out: str, pipelined: bool, cache: str, driver_cache: str, timeout: float) -> dict:
+def _run_bundle(bundle: str, out: str, pipelined: bool, cache: str, driver_cache: str, timeout: float, extra: list) -> dict:
     """One `pocketdiff run-bundle` process; its report's measured fields."""
     cmd = [sys.executable, "-m", "pocketdiff.cli", "run-bundle", bundle, "--prompt", "a photograph of an astronaut riding a horse",
            "--output", out, "--accelerator", "gpu", "--seed", "0", "--overwrite", "--gpu-cache", cache]
     if pipelined:
         cmd.append("--pipelined")
+    cmd += extra
     env = dict(os.environ, __GL_SHADER_DISK_CACHE_PATH=driver_cache, MESA_SHADER_CACHE_DIR=driver_cache)  # the drivers' own caches: cold means empty
     t0 = time.perf_counter()
     try:
@@ -161,7 +174,7 @@ def _run_bundle(bundle: str, out: str, pipelined: bool, cache: str, driver_cache
     return {**{k: r.get(k) for k in keep}, "process_wall_s": wall}
 
 
-def runs(bundles: list[tuple[str, str]], cache_root: str, timeout: float) -> list[dict]:
+def runs(bundles: list[tuple[str, str]], cache_root: str, timeout: float, modes: list[str], gpu_options: list[str], tag: str) -> list[dict]:
     """Per layout: plain then pipelined, each cold (empty caches) then warm (the same caches)."""
     from pocketdiff.runtime.memory import GpuMemory
 
@@ -170,13 +183,15 @@ def runs(bundles: list[tuple[str, str]], cache_root: str, timeout: float) -> lis
     for bundle, layout in bundles:
         man = json.loads((Path(bundle) / "manifest.json").read_text())
         resolution = int(man["latent"]["height"]) * int(man["latent"]["vae_factor"])
-        for mode in ("plain", "pipelined"):
-            folder = Path(cache_root) / f"{layout}-{mode}"
+        extra = [a for o in gpu_options for a in ("--gpu-option", o)]
+        for mode in modes:
+            folder = Path(cache_root) / f"{layout}-{mode}-{tag}"
             shutil.rmtree(folder, ignore_errors=True)
             for launch in ("cold", "warm"):
                 r = _run_bundle(bundle, f"/tmp/footprint-{layout}-{mode}-{launch}", mode == "pipelined", str(folder / "programs"),
-                                str(folder / "driver"), timeout)
+                                str(folder / "driver"), timeout, extra)
                 rows.append({"layout": layout, "resolution": resolution, "mode": mode, "launch": launch, "device": device,
+                             "variant": tag, "gpu_options": gpu_options,
                              "steps": len(man["scheduler"]["timesteps"]), **r})
                 print(json.dumps({k: rows[-1].get(k) for k in ("layout", "mode", "launch", "host_peak_mb", "gpu_peak_mb",
                                                                "start_s", "total_s", "error")}), flush=True)
@@ -216,6 +231,9 @@ def main(argv=None) -> int:
     r.add_argument("bundles", nargs="+", help="FOLDER:LAYOUT")
     r.add_argument("--cache-root", default="/tmp/pd-cache")
     r.add_argument("--timeout", type=float, default=240)
+    r.add_argument("--modes", default="plain,pipelined")
+    r.add_argument("--gpu-option", action="append", default=[], help="KEY=VALUE passed to run-bundle")
+    r.add_argument("--tag", default="default", help="names this variant in the rows")
     r.add_argument("--out", required=True)
     c = sub.add_parser("collect")
     c.add_argument("files", nargs="+")
@@ -228,7 +246,7 @@ def main(argv=None) -> int:
         return 0
     if a.cmd == "runs":
         pairs = [tuple(b.rsplit(":", 1)) for b in a.bundles]
-        rows = runs(pairs, a.cache_root, a.timeout)
+        rows = runs(pairs, a.cache_root, a.timeout, a.modes.split(","), a.gpu_option, a.tag)
         Path(a.out).write_text(json.dumps({"rows": rows}, indent=1))
         return 0
     if a.cmd == "probe":

@@ -86,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
                            help="folder for the GPU accelerator's compiled programs (default: one per bundle under "
                                 "$XDG_CACHE_HOME/pocketdiff/gpu); a second launch loads without compiling")
             p.add_argument("--no-gpu-cache", action="store_true", help="compile every model afresh, keep nothing")
+            p.add_argument("--gpu-option", action="append", default=[], metavar="KEY=VALUE",
+                           help="an option of LiteRT's GPU accelerator (runtime/litert_c.py: GPU_OPTION_KEYS), repeatable")
             p.add_argument("--seed", type=int, default=0)
             p.add_argument("--overwrite", action="store_true")
             p.add_argument("--debug", action="store_true")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes as C
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -42,6 +43,8 @@ GPU_OPTION_KEYS = {
     "allow_src_quantized_fc_conv_ops": bool, "enable_infinite_float_capping": bool, "benchmark_mode": bool,
 }
 PRECISION = {"default": 0, "fp16": 1, "fp32": 2}
+STATUS_TIMEOUT = 7  # kLiteRtStatusErrorTimeoutExpired
+LOCK_WAIT_S = 600.0
 
 
 class _Layout(C.Structure):
@@ -89,6 +92,26 @@ def gpu_options_toml(options: dict) -> str:
                 raise PocketdiffError(f"gpu option {key}: quotes and newlines are not allowed, got {value!r}")
             lines.append(f'{key} = "{value}"')
     return "\n".join(lines) + ("\n" if lines else "")
+
+
+def parse_gpu_option(text: str) -> tuple[str, object]:
+    """`KEY=VALUE` (run-bundle --gpu-option) -> (key, typed value); refused by name when unknown or mistyped."""
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    kind = GPU_OPTION_KEYS.get(key)
+    if not sep or kind is None:
+        raise PocketdiffError(f"--gpu-option {text!r}: expected KEY=VALUE with KEY one of {sorted(GPU_OPTION_KEYS)}")
+    raw = raw.strip()
+    if kind is bool:
+        if raw.lower() not in ("true", "false"):
+            raise PocketdiffError(f"--gpu-option {key}: expected true or false, got {raw!r}")
+        return key, raw.lower() == "true"
+    if kind is int and key != "precision":
+        try:
+            return key, int(raw)
+        except ValueError:
+            raise PocketdiffError(f"--gpu-option {key}: expected an integer, got {raw!r}") from None
+    return key, raw
 
 
 def _library_dir() -> Path:
@@ -252,8 +275,16 @@ class CompiledModel:
         return bool(flag.value)
 
     def _host(self, buf, mode: int) -> int:
+        """Lock a buffer for host access. A read waits for the GPU's work, with a timeout inside LiteRT
+        (status 7): a slow device (lavapipe on a busy CPU) is waited for again, up to LOCK_WAIT_S."""
         addr = C.c_void_p()
-        self.lib.call("LiteRtLockTensorBuffer", buf, C.byref(addr), mode)
+        deadline = time.monotonic() + LOCK_WAIT_S
+        while True:
+            status = self.lib.lib.LiteRtLockTensorBuffer(buf, C.byref(addr), mode)
+            if status != STATUS_TIMEOUT or time.monotonic() > deadline:
+                break
+        if status != 0:
+            raise PocketdiffError(f"LiteRT LiteRtLockTensorBuffer failed with status {status}: {self.path}")
         return addr.value
 
     def run(self, feeds: list[np.ndarray]) -> list[np.ndarray]:

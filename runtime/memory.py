@@ -194,3 +194,31 @@ def process_age_s() -> Optional[float]:
         return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
     except (OSError, ValueError, IndexError):
         return None
+
+
+def _libc():
+    try:
+        return C.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
+def tune_allocator(mmap_threshold: int = 1 << 20) -> bool:
+    """glibc: serve every allocation of `mmap_threshold` bytes or more with its own mmap, so that freeing it
+    gives the pages back to the system at once (glibc's default threshold rises after large frees, and
+    what a model load frees then stays in the heap). False where glibc is not the allocator."""
+    libc = _libc()
+    if libc is None or not hasattr(libc, "mallopt"):
+        return False
+    M_MMAP_THRESHOLD, M_TRIM_THRESHOLD = -3, -1
+    ok = libc.mallopt(M_MMAP_THRESHOLD, int(mmap_threshold)) == 1
+    return bool(ok and libc.mallopt(M_TRIM_THRESHOLD, int(mmap_threshold)) == 1)
+
+
+def return_freed_memory() -> bool:
+    """glibc: hand the heap's free pages back to the system (malloc_trim); False elsewhere."""
+    libc = _libc()
+    if libc is None or not hasattr(libc, "malloc_trim"):
+        return False
+    libc.malloc_trim(0)
+    return True

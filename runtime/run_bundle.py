@@ -28,7 +28,8 @@ import numpy as np
 from pocketdiff.errors import PocketdiffError
 
 from .manifest_check import TILED_DECODER, check_bundle, decoder_components
-from .memory import PeakSampler, process_age_s
+from .litert_c import parse_gpu_option
+from .memory import PeakSampler, process_age_s, return_freed_memory, tune_allocator
 
 # The accelerator options run-bundle passes by default (runtime/litert_c.py: GPU_OPTION_KEYS), chosen by
 # measurement on an H100's delegate (benchmarks/results/bundle_footprint_*.json).
@@ -239,6 +240,7 @@ class BundleRunner:
         for need in ("text_encoder", "unet", *self.decoder):
             if need not in self.comps:
                 raise PocketdiffError(f"bundle {bundle}: has no {need} (exported with components={list(self.comps)})")
+        tune_allocator()  # large buffers the accelerator frees go back to the system at once (runtime/memory.py)
         self.sampler = PeakSampler()
         self.phases: list[dict] = []
         self.runs_seen: dict[str, int] = {}
@@ -305,6 +307,7 @@ class BundleRunner:
         m = self.loaded.pop(name, None)
         if m is not None:
             m.close()
+            return_freed_memory()
             self._mark(name, "released")
 
     def _ran(self, name: str) -> None:
@@ -440,14 +443,15 @@ def main(args) -> int:
     from pocketdiff.outputs import finish_output_dir, prepare_output_dir, write_json
 
     check_seed(args.seed, "--seed")  # before the bundle is read or --output made
+    gpu_options = {**DEFAULT_GPU_OPTIONS, **dict(parse_gpu_option(o) for o in getattr(args, "gpu_option", None) or [])}
     man = check_bundle(args.bundle)  # refuses bad bundles (files, fields, signatures) before touching --output
     fresh = not Path(args.output).exists()
     out = prepare_output_dir(args.output, overwrite=args.overwrite, inputs=[("bundle", args.bundle)], verb="run-bundle")
     fully = None
     try:
         cache = False if getattr(args, "no_gpu_cache", False) else getattr(args, "gpu_cache", None)
-        image, stats = generate(args.bundle, args.prompt, seed=args.seed, accelerator=args.accelerator, pipelined=args.pipelined,
-                                manifest=man, gpu_cache=cache)
+        with BundleRunner(args.bundle, args.accelerator, args.pipelined, man, gpu_cache=cache, gpu_options=gpu_options) as runner:
+            image, stats = runner.run(args.prompt, seed=args.seed)
         if not stats["finite"]:
             raise PocketdiffError(f"bundle {args.bundle}: the image has NaN/Inf values ({args.accelerator})")
     except PocketdiffError:
