@@ -81,16 +81,20 @@ def _passes(m: dict) -> int:
     return m["steps"] * (2 if m.get("guidance_mode") == "cfg" else 1)
 
 
-def _num(v: Optional[float], fmt: str = ".3g") -> str:
+def _num(v: Optional[float], fmt: str = ".2f") -> str:
     return "n/a" if v is None else format(v, fmt)
 
 
 def _fd_clip(m: Optional[dict]) -> str:
-    return "n/a" if m is None else f"{_num(m['fd'])} / {_num(m['clip_score'])}"
+    return "n/a" if m is None else f"{_num(m['fd'])}/{_num(m['clip_score'], '.1f')}"
 
 
 def _mb(n: Optional[int]) -> str:
     return "n/a" if n is None else f"{n / 1e6:.2f} MB"
+
+
+def _millions(n: Optional[int]) -> str:
+    return "n/a" if n is None else f"{n / 1e6:.3g}M"
 
 
 def _ratio(before: Optional[float], after: Optional[float]) -> str:
@@ -104,8 +108,8 @@ def distill_line(report: dict, steps: int) -> str:
     if student is None or ref is None:
         return f"distill   {ref_steps} -> {steps} steps: not evaluated"
     grid = "" if same is None or same["model"] == TEACHER else " trailing"
-    return (f"distill   {ref_steps} -> {steps} steps: UNet passes/image {_passes(ref)} -> {_passes(student)} "
-            f"({_passes(ref) / _passes(student):.0f}x fewer); FD / CLIP {_fd_clip(student)} vs teacher "
+    return (f"distill   {ref_steps} -> {steps} steps: {_passes(ref)} -> {_passes(student)} UNet passes/image "
+            f"({_passes(ref) / _passes(student):.0f}x fewer); FD/CLIP {_fd_clip(student)}, teacher "
             f"DDIM-{steps}{grid} {_fd_clip(same)}, DDIM-{ref_steps} {_fd_clip(ref)}")
 
 
@@ -114,28 +118,28 @@ def quantize_line(report: dict) -> str:
     quantized, float_student = _metric(report, f"student W{c['bits']} {steps}", steps), _metric(report, f"student {steps}", steps)
     check = ((c.get("parity") or {}).get("checks") or {}).get("min_unet_cosine") or {}
     bar = f" (bar {check['threshold']})" if "threshold" in check else ""
-    return (f"quantize  W{c['bits']}: UNet {_mb(c['float_unet_bytes'])} float -> {_mb(c['checkpoint_bytes'])} int8 "
-            f"({_ratio(c['float_unet_bytes'], c['checkpoint_bytes'])} smaller); held-out UNet cosine "
-            f"{_num(c['unet_cosine'], '.5f')}{bar}; FD / CLIP {_fd_clip(quantized)} vs float {_fd_clip(float_student)}")
+    return (f"quantize  W{c['bits']}: UNet {_mb(c['float_unet_bytes'])} -> {_mb(c['checkpoint_bytes'])} "
+            f"({_ratio(c['float_unet_bytes'], c['checkpoint_bytes'])} smaller), held-out cosine "
+            f"{_num(c['unet_cosine'], '.5f')}{bar}; FD/CLIP {_fd_clip(quantized)} vs float {_fd_clip(float_student)}")
 
 
 def prune_line(report: dict) -> str:
     p, steps = report["prune"], report["student"]["steps"]
     pruned, float_student = _metric(report, f"pruned student {steps}", steps), _metric(report, f"student {steps}", steps)
-    return (f"prune     {_num(p.get('ratio'), '.0%')} of large convs: UNet params {p['params_before']} -> {p['params_after']} "
-            f"({_ratio(p['params_before'], p['params_after'])} fewer), MACs/sample {_ratio(p.get('macs_before'), p.get('macs_after'))} "
-            f"fewer; FD / CLIP {_fd_clip(pruned)} vs unpruned {_fd_clip(float_student)}")
+    return (f"prune     {_num(p.get('ratio'), '.0%')} of targeted convs: UNet params {_millions(p['params_before'])} -> "
+            f"{_millions(p['params_after'])} ({_ratio(p['params_before'], p['params_after'])} fewer), MACs {_millions(p.get('macs_before'))} -> "
+            f"{_millions(p.get('macs_after'))}; FD/CLIP {_fd_clip(pruned)} vs unpruned {_fd_clip(float_student)}")
 
 
 def export_line(report: dict) -> str:
     comps = report["bundle"]["components"]
     cosines = [v["cosine"] for v in comps.values() if v.get("cosine") is not None]
     on_gpu = sum(1 for v in comps.values() if v.get("fully_accelerated"))
-    weights = ", ".join(f"{k} {v.get('weights') or '?'} {_mb(v.get('bytes'))}" for k, v in comps.items())
     lat = (report["run_bundle"].get("latency_s") or {})
-    return (f"export    bundle {_mb(report['bundle']['bytes'])} ({weights}); {on_gpu}/{len(comps)} fully on the GPU delegate, "
+    step_ms = 1000 * lat["unet_step_mean"] if "unet_step_mean" in lat else None
+    return (f"export    bundle {_mb(report['bundle']['bytes'])}, {on_gpu}/{len(comps)} components fully on the GPU delegate, "
             f"cosine vs PyTorch >= {_num(min(cosines) if cosines else None, '.5f')}; run-bundle "
-            f"{_num(lat.get('total'), '.2f')} s, UNet step {_num(1000 * lat['unet_step_mean'] if 'unet_step_mean' in lat else None, '.1f')} ms")
+            f"{_num(lat.get('total'))} s (UNet step {_num(step_ms, '.1f')} ms)")
 
 
 def stage_lines(report: dict) -> list[str]:
@@ -184,7 +188,9 @@ def print_summary(report: dict, out: Path) -> None:
         print(f"  {line}")
     print("  all scores:")
     for m in report["metrics"]:
-        print(f"    {m['model']:<22} {m['steps']:>2} steps  FD {_num(m['fd'], '.4g'):>7}  CLIP {_num(m['clip_score'], '.4g'):>6}")
+        print(f"    {m['model']:<22} {m['steps']:>2} steps  FD {_num(m['fd']):>6}  CLIP {_num(m['clip_score'], '.1f'):>5}")
+    comps = report["bundle"]["components"]
+    print("  bundle: " + ", ".join(f"{k} {v.get('weights') or '?'} {_mb(v.get('bytes'))}" for k, v in comps.items()))
     rb = report["run_bundle"]
     print(f"  run-bundle ({rb['accelerator']}, {rb['driver']}, fully on the delegate: {rb['fully_accelerated']}) -> {rb['image']}")
     print("  seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in report["timings_s"].items())
