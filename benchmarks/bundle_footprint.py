@@ -43,6 +43,8 @@ OPTION_SETS = {
     "trim": {"allocator": "trim"},
     "tuned": {"allocator": "tuned"},
     "tuned_programs_only": {"allocator": "tuned", "cache_only_compiled_programs": True},
+    "fp16": {"allocator": "tuned", "precision": "fp16"},
+    "textures": {"allocator": "tuned", "prefer_texture_weights": True},
 }
 CACHED = {"serialize_program_cache": True}
 CACHED_WEIGHTS = {"serialize_program_cache": True, "serialize_external_tensors": True}

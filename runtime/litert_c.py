@@ -38,7 +38,7 @@ GPU_OPTION_KEYS = {
     "precision": int, "serialization_dir": str, "model_cache_key": str, "serialize_program_cache": bool,
     "serialize_external_tensors": bool, "madvise_original_shared_tensors": bool, "convert_weights_on_gpu": bool,
     "wait_for_weights_conversion_complete": bool, "hint_fully_delegated_to_single_delegate": bool,
-    "num_threads_to_upload": int, "num_threads_to_compile": int, "disable_shader_optimization": bool,
+    "num_threads_to_upload": int, "prefer_texture_weights": bool, "num_threads_to_compile": int, "disable_shader_optimization": bool,
     "cache_only_compiled_programs": bool, "enable_constant_tensors_sharing": bool,
     "allow_src_quantized_fc_conv_ops": bool, "enable_infinite_float_capping": bool, "benchmark_mode": bool,
 }

@@ -31,11 +31,11 @@ if [[ ,$PARTS, == *,probe,* ]]; then
   say "== probe text_encoder ($SETS_TE)"
   $PY "$REPO/benchmarks/bundle_footprint.py" matrix "$BUNDLES/$FIRST/text_encoder.tflite" --sets "$SETS_TE" --out "$OUT/probe_text_encoder.json" --cache-root /tmp
 fi
-# RUNS="tag|modes|KEY=VALUE,KEY=VALUE;tag2|modes|..." : run-bundle variants (default: the runner's defaults, both modes)
-RUNS=${RUNS:-"default|plain,pipelined|"}
+# VARIANTS="tag|modes|KEY=VALUE,KEY=VALUE;tag2|modes|..." : run-bundle variants (default: the runner's defaults, both modes)
+VARIANTS=${VARIANTS:-"default|plain,pipelined|"}
 if [[ ,$PARTS, == *,runs,* ]]; then
   args=""; for L in ${RUN_LAYOUTS:-$LAYOUTS}; do args="$args $BUNDLES/$L:$L"; done
-  IFS=';' read -ra variants <<< "$RUNS"
+  IFS=';' read -ra variants <<< "$VARIANTS"
   for v in "${variants[@]}"; do
     IFS='|' read -r tag modes opts <<< "$v"
     flags=""; IFS=',' read -ra kv <<< "$opts"; for o in "${kv[@]}"; do [ -n "$o" ] && flags="$flags --gpu-option $o"; done
