@@ -78,7 +78,9 @@ def gpu_options_toml(options: dict) -> str:
         if kind is None:
             raise PocketdiffError(f"gpu option {key!r} is not one the accelerator reads (known: {sorted(GPU_OPTION_KEYS)})")
         if key == "precision" and isinstance(value, str):
-            value = PRECISION[value]
+            if value not in PRECISION and not value.isdigit():
+                raise PocketdiffError(f"gpu option precision: expected one of {sorted(PRECISION)}, got {value!r}")
+            value = PRECISION.get(value, int(value) if value.isdigit() else 0)
         if kind is bool:
             if not isinstance(value, bool):
                 raise PocketdiffError(f"gpu option {key}: expected true/false, got {value!r}")
