@@ -19,7 +19,7 @@ decoder untiled, the tiling's own error.
 
     python benchmarks/decoder_paths.py --arch sd21 --resolution 512 --out benchmarks/results/decoder_paths_sd21_cpu.json
     python benchmarks/decoder_paths.py --vae runs/openmoji_vae/pipeline --student runs/openmoji_decoder/vae \
-        --data openmoji --resolution 64 --tile 9 --overlap 2 --margin 1 --out benchmarks/results/decoder_paths_openmoji_cpu.json
+        --data openmoji --resolution 64 --one-pass 8x16/4/2 --out benchmarks/results/decoder_paths_openmoji_cpu.json
     # on a GPU machine (Vulkan): add --delegate (converts every graph with litert-torch, then times it)
 """
 from __future__ import annotations
@@ -67,6 +67,24 @@ def count_flops(module: torch.nn.Module, inputs: dict) -> int:
     return int(counter.get_total_flops())
 
 
+def used_params(graphs: list) -> int:
+    """Parameters the graphs' forwards use (leaf modules that ran; shared ones once): what their .tflite files store."""
+    seen: dict = {}
+    for g in graphs:
+        meta = copy.deepcopy(g.module).to("meta")
+        names = {id(p): n for n, p in meta.named_parameters()}
+        ran = []
+        hooks = [m.register_forward_hook(lambda m, i, o: ran.append(m)) for m in meta.modules() if not list(m.children())]
+        with torch.no_grad():
+            meta(*[torch.empty(v.shape, dtype=v.dtype, device="meta") for v in g.inputs.values()])
+        for h in hooks:
+            h.remove()
+        for m in ran:
+            for p in m.parameters(recurse=False):
+                seen[names.get(id(p), id(p))] = p.numel()  # a graph's parameter names are the decoder's
+    return int(sum(seen.values()))
+
+
 def largest_tensor_mb(module: torch.nn.Module, inputs: dict) -> float:
     from pocketdiff.export.onepass_vae import largest_activation_mb
 
@@ -109,8 +127,8 @@ def tiled_stats_path(vae, latents: torch.Tensor, tile: int, overlap: int, margin
     return Path_(f"tiled_stats_{passes}pass", graphs, decode, f"tile {tile}, overlap {overlap}, margin {margin}, {n} tiles x {passes} passes")
 
 
-def one_pass_path(student, latents: torch.Tensor, tile: int, overlap: int, margin: int, notes: str) -> tuple[Path_, Path_]:
-    """The tiled one-pass decode and, for the tiling's own error, the same norm-free decoder untiled."""
+def one_pass_path(student, latents: torch.Tensor, tile, overlap: int, margin: int, notes: str) -> Path_:
+    """The tiled one-pass decode of a norm-free decoder (`tile`: [rows, columns] of latents)."""
     from pocketdiff.export.components import VaeDecoderGraph
     from pocketdiff.export.onepass_decode import one_pass_decode
     from pocketdiff.export.tiled_decode import tile_starts
@@ -119,18 +137,25 @@ def one_pass_path(student, latents: torch.Tensor, tile: int, overlap: int, margi
 
     head, up = VaeDecoderHead(student).eval(), VaeUpPathPlain(student).eval()
     _, _, h, w = latents.shape
-    n = len(tile_starts(h, tile, overlap)) * len(tile_starts(w, tile, overlap))
+    th, tw = min(tile[0], h), min(tile[1], w)
+    n = len(tile_starts(h, th, overlap)) * len(tile_starts(w, tw, overlap))
     F = student.config.block_out_channels[-1]
-    graphs = [Graph("vae_decoder_head", head, {"latents": latents}, 1), Graph("vae_up_tile", up, {"features": torch.zeros(1, F, tile, tile)}, n)]
+    graphs = [Graph("vae_decoder_head", head, {"latents": latents}, 1), Graph("vae_up_tile", up, {"features": torch.zeros(1, F, th, tw)}, n)]
     fac = int(vae_factor(student))
 
     def decode(z):
-        return one_pass_decode(z, _np_fn(head), _np_fn(up), tile, overlap, fac, margin)
+        return one_pass_decode(z, _np_fn(head), _np_fn(up), [th, tw], overlap, fac, margin)
+
+    return Path_(f"one_pass_{th}x{tw}_o{overlap}_m{margin}", graphs, decode,
+                 f"tile {th}x{tw}, overlap {overlap}, margin {margin}, {n} tiles, 1 pass; {notes}")
+
+
+def norm_free_untiled(student, latents: torch.Tensor) -> Path_:
+    from pocketdiff.export.components import VaeDecoderGraph
 
     whole = VaeDecoderGraph(student).eval()
-    untiled = Path_("norm_free_untiled", [Graph("vae_decoder", whole, {"latents": latents}, 1)], lambda z: _np_fn(whole)(z),
-                    "the norm-free decoder as one graph (its largest tensor is the whole decoder's)")
-    return Path_("one_pass", graphs, decode, f"tile {tile}, overlap {overlap}, margin {margin}, {n} tiles, 1 pass; {notes}"), untiled
+    return Path_("norm_free_untiled", [Graph("vae_decoder", whole, {"latents": latents}, 1)], lambda z: _np_fn(whole)(z),
+                 "the norm-free decoder as one graph (its largest tensor is the whole decoder's)")
 
 
 def tiny_path(vae, latents: torch.Tensor) -> Path_:
@@ -194,7 +219,7 @@ def measure(paths: list, latents_list: list, reference, delegate: bool, repeats:
         flops = sum(count_flops(g.module, g.inputs) * g.calls for g in p.graphs)
         row = {"name": p.name, "notes": p.notes, "flops": flops, "flops_ratio": round(flops / base_flops, 4),
                "max_tensor_mb": round(max(largest_tensor_mb(g.module, g.inputs) for g in p.graphs), 2),
-               "params": int(sum(sum(t.numel() for t in g.module.parameters()) for g in {id(g.module): g for g in p.graphs}.values())),
+               "params": used_params(p.graphs),
                "graphs": {g.name: g.calls for g in p.graphs}}
         if p.decode is not None and latents_list:
             images = [p.decode(z.numpy()) for z in latents_list]
@@ -269,9 +294,8 @@ def main() -> None:
     p.add_argument("--data", help="dataset source (pocketdiff.data) for held-out images; else the scene")
     p.add_argument("--train-items", type=int, default=4000)
     p.add_argument("--images", type=int, default=64, help="held-out images with --data")
-    p.add_argument("--tile", type=int, default=36)
-    p.add_argument("--overlap", type=int, default=8)
-    p.add_argument("--margin", type=int, default=4)
+    p.add_argument("--one-pass", nargs="+", default=["32x64/16/8", "36x36/8/4"], metavar="RxC/OVERLAP/MARGIN",
+                   help="one-pass tile geometries in latents (rows x columns, overlap, margin)")
     p.add_argument("--stats-tile", type=int, default=40)
     p.add_argument("--stats-overlap", type=int, default=16)
     p.add_argument("--stats-margin", type=int, default=8)
@@ -289,13 +313,18 @@ def main() -> None:
     student, how = _student(vae, latents, args)
     z0 = latents[0]
     whole = whole_path(vae, z0)
-    one, untiled = one_pass_path(student, z0, args.tile, args.overlap, args.margin, how)
+    ones = []
+    for spec in args.one_pass:
+        tile, overlap, margin = spec.split("/")
+        rows_cols = [int(v) for v in tile.split("x")]
+        ones.append(one_pass_path(student, z0, rows_cols, int(overlap), int(margin), how))
     paths = [whole, tiled_stats_path(vae, z0, args.stats_tile, args.stats_overlap, args.stats_margin, args.stats_passes, args.stats_psnr),
-             untiled, one, tiny_path(vae, z0)]
+             norm_free_untiled(student, z0), *ones, tiny_path(vae, z0)]
     rows = measure(paths, latents, whole.decode, args.delegate, args.repeats)
-    by = {r["name"]: r for r in rows}
-    if "_images" in by.get("one_pass", {}) and "_images" in by.get("norm_free_untiled", {}):
-        by["one_pass"]["psnr_tiling_db"] = round(float(np.mean([psnr(a, b) for a, b in zip(by["norm_free_untiled"]["_images"], by["one_pass"]["_images"])])), 3)
+    untiled = next(r for r in rows if r["name"] == "norm_free_untiled")
+    for r in rows:
+        if r["name"].startswith("one_pass") and "_images" in r and "_images" in untiled:
+            r["psnr_tiling_db"] = round(float(np.mean([psnr(a, b) for a, b in zip(untiled["_images"], r["_images"])])), 3)
     for r in rows:
         r.pop("_images", None)
         r.setdefault("fd", None)

@@ -24,38 +24,51 @@ from .tiled_decode import axis_weights, tile_starts
 ONE_PASS = "one_pass"
 
 
-def tiles_area_ratio(size: int, tile: int, overlap: int) -> float:
-    """The up path's work over the tiles against the whole latent's (square latents): tiles x t^2 / size^2."""
-    n = len(tile_starts(size, tile, overlap))
-    return (n * min(tile, size)) ** 2 / float(size * size)
+def tile_hw(tile) -> tuple[int, int]:
+    """A tile as (rows, columns) of latents: an int is square, [rows, columns] a strip or rectangle."""
+    if isinstance(tile, (list, tuple)):
+        if len(tile) != 2:
+            raise PocketdiffError(f"one-pass decode: tile must be an int or [rows, columns], got {tile!r}")
+        return int(tile[0]), int(tile[1])
+    return int(tile), int(tile)
+
+
+def tiles_area_ratio(height: int, width: int, tile, overlap: int) -> float:
+    """The up path's work over the tiles against the whole latent's: tiles x tile area / (height x width)."""
+    th, tw = tile_hw(tile)
+    th, tw = min(th, height), min(tw, width)
+    n = len(tile_starts(height, th, overlap)) * len(tile_starts(width, tw, overlap))
+    return n * th * tw / float(height * width)
 
 
 def one_pass_decode(latents: np.ndarray, head: Callable[[np.ndarray], np.ndarray], up_tile: Callable[[np.ndarray], np.ndarray],
-                    tile: int, overlap: int, factor: int, margin: int = 0) -> np.ndarray:
+                    tile, overlap: int, factor: int, margin: int = 0) -> np.ndarray:
     """[1, C, H, W] latents -> [1, 3, H * factor, W * factor] pixels: `head(latents)` -> features
-    [1, F, H, W] once, then `up_tile(features tile [1, F, t, t])` -> pixels [1, 3, t*f, t*f] per tile."""
+    [1, F, H, W] once, then `up_tile(features tile [1, F, th, tw])` -> pixels [1, 3, th*f, tw*f] per
+    tile (`tile`: an int, or [rows, columns]; a side equal to the latent's is one tile along it)."""
     lat = np.asarray(latents, dtype=np.float32)
     if lat.ndim != 4 or lat.shape[0] != 1:
         raise PocketdiffError(f"one-pass decode: latents must be [1, C, H, W], got {list(lat.shape)}")
     H, W = lat.shape[-2:]
-    if tile > min(H, W):
-        raise PocketdiffError(f"one-pass decode: tile {tile} is larger than the latent {H}x{W}")
-    ys, xs = tile_starts(H, tile, overlap), tile_starts(W, tile, overlap)
-    wys, wxs = axis_weights(ys, tile, margin), axis_weights(xs, tile, margin)
+    th, tw = tile_hw(tile)
+    if th > H or tw > W:
+        raise PocketdiffError(f"one-pass decode: tile {th}x{tw} is larger than the latent {H}x{W}")
+    ys, xs = tile_starts(H, th, overlap), tile_starts(W, tw, overlap)
+    wys, wxs = axis_weights(ys, th, margin), axis_weights(xs, tw, margin)
     feats = np.asarray(head(lat), dtype=np.float32)
     if feats.ndim != 4 or feats.shape[0] != 1 or feats.shape[-2:] != (H, W):
         raise PocketdiffError(f"one-pass decode: the head returned {list(feats.shape)} for latents {list(lat.shape)}")
-    T = tile * factor
+    Th, Tw = th * factor, tw * factor
     image = None
     for iy, y in enumerate(ys):
         for ix, x in enumerate(xs):
-            pixels = np.asarray(up_tile(np.ascontiguousarray(feats[:, :, y:y + tile, x:x + tile])), dtype=np.float64)
-            if pixels.shape[0] != 1 or pixels.shape[-2:] != (T, T):
-                raise PocketdiffError(f"one-pass decode: the up tile returned {list(pixels.shape)}, expected [1, C, {T}, {T}]")
+            pixels = np.asarray(up_tile(np.ascontiguousarray(feats[:, :, y:y + th, x:x + tw])), dtype=np.float64)
+            if pixels.shape[0] != 1 or pixels.shape[-2:] != (Th, Tw):
+                raise PocketdiffError(f"one-pass decode: the up tile returned {list(pixels.shape)}, expected [1, C, {Th}, {Tw}]")
             if image is None:
                 image = np.zeros((1, pixels.shape[1], H * factor, W * factor), dtype=np.float64)
             blend = np.kron(np.outer(wys[iy], wxs[ix]), np.ones((factor, factor)))
-            image[:, :, y * factor:y * factor + T, x * factor:x * factor + T] += pixels * blend
+            image[:, :, y * factor:y * factor + Th, x * factor:x * factor + Tw] += pixels * blend
     return image.astype(np.float32)  # the weights are a partition of unity: no division
 
 
@@ -70,6 +83,36 @@ def check_one_pass_block(block: dict, latent: list) -> list[tuple[str, str]]:
 
 def one_pass_io(block: dict, latent: list) -> dict:
     """{component: (inputs {name: shape}, [output shapes])} of a one-pass tiled decoder."""
-    t, f, F = int(block["tile"]), int(block["factor"]), int(block["features"])
+    (th, tw), f, F = tile_hw(block["tile"]), int(block["factor"]), int(block["features"])
     return {"vae_decoder_head": ({"latents": [1, *latent]}, [[1, F, *latent[1:]]]),
-            "vae_up_tile": ({"features": [1, F, t, t]}, [[1, 3, t * f, t * f]])}
+            "vae_up_tile": ({"features": [1, F, th, tw]}, [[1, 3, th * f, tw * f]])}
+
+
+def one_pass_decode_loaded(head, up, block: dict, latents: np.ndarray) -> tuple[np.ndarray, dict]:
+    """The runner's one-pass decode with its two loaded models (`head({"latents": z})` -> features,
+    `up.run_all({"features": x})` -> [pixels]): ([1, 3, H, W] pixels, {latency_s, up_tile_calls}),
+    with the timing keys of the iterated scheme's decode."""
+    import time
+
+    calls = {"head": 0.0, "up": 0.0, "up_calls": 0}
+
+    def run_head(z):
+        t0 = time.perf_counter()
+        feats = head({"latents": z})
+        calls["head"] += time.perf_counter() - t0
+        return feats
+
+    def run_up(features):
+        t0 = time.perf_counter()
+        pixels = up.run_all({"features": features})[0]
+        calls["up"] += time.perf_counter() - t0
+        calls["up_calls"] += 1
+        return pixels
+
+    t0 = time.perf_counter()
+    image = one_pass_decode(latents, run_head, run_up, block["tile"], int(block["overlap"]), int(block["factor"]), int(block.get("margin", 0)))
+    total = time.perf_counter() - t0
+    latency = {"vae_decoder_head_run": calls["head"], "vae_up_tiles_run": calls["up"],
+               "vae_up_tile_mean": calls["up"] / max(1, calls["up_calls"]), "vae_tiled_decode": total,
+               "vae_tiled_pass_mean": total - calls["head"]}
+    return image, {"latency_s": latency, "up_tile_calls": calls["up_calls"]}

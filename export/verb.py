@@ -44,6 +44,8 @@ from .exporter import VerifyConfig, convert_job, finish_component, peak_rss_mb, 
 from .manifest_check import TILED_DECODER
 from .parity import ParityConfig
 from .rewrites import RewriteConfig
+from .onepass_decode import ONE_PASS
+from .onepass_export import one_pass_parity, split_one_pass
 from .tiled_decode import SCHEMES as TILING_SCHEMES
 from .tiled_export import UP_TILE, expand_components, parity_latents, split_decoder, tiled_parity
 
@@ -91,7 +93,8 @@ class VaeTilingConfig:
     overlap: int = 8  # latents shared by neighbouring tiles
     passes: int = 5  # passes over the tiles (norm statistics iterated towards the whole image's)
     margin: int = 0  # latents at tile edges facing a neighbour that blend with weight 0 (the up path's cut receptive field)
-    scheme: str = "plain"  # plain | control_variate: how later passes use the previous totals (export/tiled_decode.py)
+    scheme: str = "plain"  # plain | control_variate: how later passes use the previous totals (export/tiled_decode.py) | one_pass
+    fold_norms: bool = False  # one_pass with a GroupNorm decoder: fold it here, no fine-tune (export/onepass_export.py)
     min_psnr_db: float = 35.0  # tiled decode through the .tflite files vs the whole torch decode
 
     def __post_init__(self) -> None:
@@ -101,7 +104,9 @@ class VaeTilingConfig:
         require(isinstance(self.passes, int) and self.passes >= 1, "vae_tiling.passes", f"must be an int >= 1, got {self.passes!r}")
         require(isinstance(self.margin, int) and 0 <= 2 * self.margin <= self.overlap, "vae_tiling.margin",
                 f"must be an int with 0 <= 2 * margin <= overlap={self.overlap} (neighbouring tiles' weighted parts must meet), got {self.margin!r}")
-        require(self.scheme in TILING_SCHEMES, "vae_tiling.scheme", f"must be one of {', '.join(TILING_SCHEMES)}, got {self.scheme!r}")
+        require(self.scheme in TILING_SCHEMES + (ONE_PASS,), "vae_tiling.scheme",
+                f"must be one of {', '.join(TILING_SCHEMES + (ONE_PASS,))}, got {self.scheme!r}")
+        require(self.scheme != ONE_PASS or self.passes == 1, "vae_tiling.passes", f"must be 1 with scheme one_pass, got {self.passes}")
         require(math.isfinite(self.min_psnr_db), "vae_tiling.min_psnr_db", f"must be a finite number, got {self.min_psnr_db!r}")
 
 
@@ -324,7 +329,11 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
     split = None
     if cfg.vae_tiling.enabled:  # the decoder as head + up-path tile; its residual stream scaled once for both
         vae_rw = rewrites_of.pop("vae_decoder")
-        split = split_decoder(pipe.vae, cfg.vae_tiling, vae_latents, shapes.vae_factor, vae_rw.residual_scale)
+        if cfg.vae_tiling.scheme == ONE_PASS:  # a norm-free up path, every tile once (export/onepass_export.py)
+            split = split_one_pass(pipe.vae, cfg.vae_tiling, vae_latents, parity_latents(pipe.vae, shapes.latent_size, shapes.vae_factor),
+                                   shapes.vae_factor, vae_rw.residual_scale, cfg.device_profile.budgets()["max_tensor_mb"], cfg.seed)
+        else:
+            split = split_decoder(pipe.vae, cfg.vae_tiling, vae_latents, shapes.vae_factor, vae_rw.residual_scale)
         for n in TILED_DECODER:
             rewrites_of[n] = dataclasses.replace(vae_rw, residual_scale=None)
     names = expand_components(cfg.components, split is not None)
@@ -362,7 +371,11 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
             _say(f"vae_tiling: tiled decode through the .tflite files (cpu, {cfg.vae_tiling.passes} passes) vs the whole decode ...")
             t0 = time.perf_counter()
             lat = parity_latents(pipe.vae, shapes.latent_size, shapes.vae_factor)
-            tiling_report.update(tiled_parity(out, manifest_components, pipe.vae, lat, split.block, cfg.vae_tiling.min_psnr_db))
+            if cfg.vae_tiling.scheme == ONE_PASS:
+                tiling_report.update(one_pass_parity(out, manifest_components, split.vae, lat, split.block, cfg.vae_tiling.min_psnr_db),
+                                     fold=split.fold)
+            else:
+                tiling_report.update(tiled_parity(out, manifest_components, pipe.vae, lat, split.block, cfg.vae_tiling.min_psnr_db))
             timings["vae_tiling_parity_s"] = round(time.perf_counter() - t0, 2)
             _say(f"vae_tiling: PSNR {tiling_report['psnr_db']:.2f} dB (vae_tiling.min_psnr_db {cfg.vae_tiling.min_psnr_db})")
 
