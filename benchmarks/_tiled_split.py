@@ -4,12 +4,12 @@
 - `edge_profile`: one interior tile with the whole image's norm statistics (an oracle): PSNR of
   the pixels at least m latents from the tile's edge, and of the ring at exactly m latents. It
   measures how deep the up path's receptive field, cut by the tile edge, reaches into the tile.
-- `oracle_m{M}`: one pass of `export.tiled_decode.tiled_decode_with_stats` with every tile given the
+- `oracle_m{M}`: one pass of `runtime.tiled_decode.tiled_decode_with_stats` with every tile given the
   oracle statistics, blend weights zero over M latents at edges facing a neighbour
-  (`export.tiled_decode.axis_weights`): the ceiling of any statistics scheme at that margin.
+  (`runtime.tiled_decode.axis_weights`): the ceiling of any statistics scheme at that margin.
 - `jacobi_m{M}`: pass 1 own statistics, each later pass the previous pass's totals (own = 0), as
   the first tiled decoder did (margin 0 there): the driver with scheme "plain".
-- `cv_m{M}`: `export.tiled_decode.tiled_decode_with_stats` itself: each later pass corrects every
+- `cv_m{M}`: `runtime.tiled_decode.tiled_decode_with_stats` itself: each later pass corrects every
   tile's own statistics by the previous totals against that tile's own statistics then (a
   control variate: mean shift, variance ratio).
 """
@@ -40,7 +40,7 @@ class Split:
     def __init__(self, vae, lat: torch.Tensor, tile: int, overlap: int):
         self.overlap = overlap
         from pocketdiff.export.components import VaeDecoderGraph
-        from pocketdiff.export.tiled_decode import first_pass_corrections, stats_from_sums, tile_starts
+        from pocketdiff.runtime.tiled_decode import first_pass_corrections, stats_from_sums, tile_starts
         from pocketdiff.export.tiled_vae import VaeDecoderHead, VaeUpPathTile
 
         self.H = lat.shape[-1]
@@ -68,7 +68,7 @@ class Split:
 
 def edge_profile(split: Split) -> list[dict]:
     """PSNR by latent distance from the edge of the most central tile, oracle statistics."""
-    from pocketdiff.export.tiled_decode import psnr_db
+    from pocketdiff.runtime.tiled_decode import psnr_db
 
     t, f = split.tile, split.factor
     y = split.starts[len(split.starts) // 2]
@@ -86,8 +86,8 @@ def edge_profile(split: Split) -> list[dict]:
 
 def run_split_variants(split: Split, variants: list[str], margins: list[int], passes: int, record) -> None:
     """`record(name, image, seconds, **extra)` for each variant, margin and pass. `jacobi` and `cv` are
-    `export.tiled_decode.tiled_decode_with_stats` itself, with scheme "plain" and "control_variate"."""
-    from pocketdiff.export.tiled_decode import stats_from_sums, tiled_decode_with_stats
+    `runtime.tiled_decode.tiled_decode_with_stats` itself, with scheme "plain" and "control_variate"."""
+    from pocketdiff.runtime.tiled_decode import stats_from_sums, tiled_decode_with_stats
 
     tiles = len(split.starts) ** 2
 

@@ -6,7 +6,7 @@ Paths (each a list of graphs with their calls per image):
 - `tiled_stats`: the head once, then `passes` x tiles runs of the up path with norm statistics fed in
   (export/tiled_vae.py, control-variate scheme), as configs/sd21/export*.yaml had it.
 - `one_pass`: the head once, then every tile once through a norm-free up path (pocketdiff/normfree.py,
-  export/onepass_decode.py). With `--student DIR` (a `pocketdiff distill-decoder` output) its decoder,
+  runtime/onepass_decode.py). With `--student DIR` (a `pocketdiff distill-decoder` output) its decoder,
   else the user's decoder folded on calibration latents here (no fine-tune: mechanics at random weights).
 - `tiny`: diffusers' AutoencoderTiny decoder (TAESD layout) for the same latent channels and factor,
   untrained: its cost only.
@@ -108,7 +108,7 @@ def whole_path(vae, latents: torch.Tensor) -> Path_:
 
 
 def tiled_stats_path(vae, latents: torch.Tensor, tile: int, overlap: int, margin: int, passes: int, with_psnr: bool) -> Path_:
-    from pocketdiff.export.tiled_decode import first_pass_corrections, tile_starts, tiled_decode_with_stats
+    from pocketdiff.runtime.tiled_decode import first_pass_corrections, tile_starts, tiled_decode_with_stats
     from pocketdiff.export.tiled_vae import VaeDecoderHead, VaeUpPathTile
 
     head, up = VaeDecoderHead(vae).eval(), VaeUpPathTile(vae, tile).eval()
@@ -130,8 +130,8 @@ def tiled_stats_path(vae, latents: torch.Tensor, tile: int, overlap: int, margin
 def one_pass_path(student, latents: torch.Tensor, tile, overlap: int, margin: int, notes: str) -> Path_:
     """The tiled one-pass decode of a norm-free decoder (`tile`: [rows, columns] of latents)."""
     from pocketdiff.export.components import VaeDecoderGraph
-    from pocketdiff.export.onepass_decode import one_pass_decode
-    from pocketdiff.export.tiled_decode import tile_starts
+    from pocketdiff.runtime.onepass_decode import one_pass_decode
+    from pocketdiff.runtime.tiled_decode import tile_starts
     from pocketdiff.export.tiled_vae import VaeDecoderHead
     from pocketdiff.export.onepass_vae import VaeUpPathPlain
 
@@ -183,14 +183,14 @@ def vae_factor(vae) -> int:
 
 
 def psnr(a: np.ndarray, b: np.ndarray) -> float:
-    from pocketdiff.export.tiled_decode import psnr_db
+    from pocketdiff.runtime.tiled_decode import psnr_db
 
     return psnr_db(np.clip(a, 0, 1), np.clip(b, 0, 1))
 
 
 def delegate_times(path: Path_, work: Path, repeats: int) -> dict:
     """Each graph of `path` converted (project rewrites, fp16 weights) and timed on the GPU delegate (fp16)."""
-    from pocketdiff.export.delegate import run_on_delegate
+    from pocketdiff.runtime.delegate import run_on_delegate
     from pocketdiff.export.exporter import VerifyConfig, export_component
     from pocketdiff.export.parity import ParityConfig
     from pocketdiff.export.rewrites import RewriteConfig

@@ -105,7 +105,7 @@ def convert_variant(args, work: Path, variant: str) -> dict:
     from pocketdiff.export.int8 import rtn_checkpoint
     from pocketdiff.export.parity import ParityConfig
     from pocketdiff.export.rewrites import RewriteConfig
-    from pocketdiff.export.tflite_file import TfliteModel, sha256_file
+    from pocketdiff.runtime.tflite_file import TfliteModel, sha256_file
 
     unet = UNet2DConditionModel.from_pretrained(str(work / "unet")).eval().requires_grad_(False)
     data = load_arrays(work)

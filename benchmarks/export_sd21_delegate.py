@@ -47,7 +47,7 @@ def _log_tail(text: str, n: int = 10) -> list[str]:
 
 
 def _failed_run(accelerator: str, error: str):
-    from pocketdiff.export.delegate import DelegateRun
+    from pocketdiff.runtime.delegate import DelegateRun
 
     return DelegateRun(accelerator=accelerator, driver="n/a", compiled=False, fully_accelerated=False, rejected=[], ops_split=None,
                        outputs={}, output_names=[], input_names=[], compile_s={}, latency_s={}, adapter="", error=error, log=error)
@@ -58,8 +58,8 @@ def stage_delegate(args, work: Path, variants: Optional[list[str]], out: Path) -
     enforce_f32) and on XNNPACK, each run in its own child process with a timeout; a crash or
     timeout is recorded, not fatal. Runs go phase by phase (all fp16 first), and the JSON is
     rewritten after each, so a cut-off run keeps what it measured."""
-    from pocketdiff.export.delegate import delegate_available, run_on_delegate
-    from pocketdiff.export.parity import metrics
+    from pocketdiff.runtime.delegate import delegate_available, run_on_delegate
+    from pocketdiff.runtime.parity import metrics
 
     t_start = time.monotonic()
     manifest = json.loads((work / MANIFEST).read_text())

@@ -1,6 +1,6 @@
 """What tiled VAE decoding needs to match the whole decode: PSNR against the whole decode, by variant.
 
-Issue 18 asks for tiled decode within 35 dB of the whole decode; `export/tiled_decode.py`
+Issue 18 asks for tiled decode within 35 dB of the whole decode; `runtime/tiled_decode.py`
 (independent tiles, linear blends) reaches 17.6 dB on the shipped tiny VAE. Two things differ
 inside a tile: every GroupNorm normalises with the tile's own statistics, and the mid-block
 attention sees only the tile. This script measures each fix on its own and together, in torch
@@ -113,7 +113,7 @@ class NormControl:
 
 def run(args) -> dict:
     from pocketdiff.export.components import VaeDecoderGraph
-    from pocketdiff.export.tiled_decode import axis_weights, psnr_db, tile_starts, tiled_decode
+    from pocketdiff.runtime.tiled_decode import axis_weights, psnr_db, tile_starts, tiled_decode
     from pocketdiff.export.tiled_vae import VaeDecoderHead
     from pocketdiff.models import ModelConfig, load_or_build
 
@@ -190,7 +190,7 @@ def run_sd21(args) -> dict:
     """The split decoder's variants on the SD VAE (or --model's), at one image size and tile."""
     from _tiled_split import Split, build_vae, edge_profile, run_split_variants
 
-    from pocketdiff.export.tiled_decode import psnr_db
+    from pocketdiff.runtime.tiled_decode import psnr_db
 
     vae = build_vae(args.arch, args.size, args.model)
     x = torch.from_numpy(scene(args.size)).permute(2, 0, 1)[None] * 2 - 1

@@ -103,7 +103,7 @@ def run_demo(out: Path, smoke: bool) -> dict:
     bundle = export["bundle_dir"]
 
     def run_bundle() -> dict:
-        from pocketdiff.export.run_bundle import main as run_bundle_main
+        from pocketdiff.runtime.run_bundle import main as run_bundle_main
 
         from pocketdiff.cli import build_parser  # the verb's own options and defaults
 

@@ -18,8 +18,8 @@ Guidance (`guidance_mode`):
   folded -> none, and its ``num_inference_steps`` as the default step count), else
   ``w_conditioned`` when the UNet takes w, else ``cfg``.
 
-Bundles: `kind: bundle` goes through the export package's declared interface,
-`pocketdiff.export.bundle_images` (`bundle_info`: the steps, resolution and guidance the
+Bundles: `kind: bundle` goes through the runtime's declared interface,
+`pocketdiff.runtime.bundle_images` (`bundle_info`: the steps, resolution and guidance the
 bundle was exported for, which become the model's defaults; `generate_images`: float images
 [N, 3, H, W] in [0, 1], image i seeded with seed + i, on the LiteRT GPU delegate).
 """
@@ -240,7 +240,7 @@ BUNDLE_GUIDANCE = {"cfg": "cfg", "embedded": "w_conditioned", "none": "none"}  #
 def _bundle_model(index: int, name: str, spec: ModelSpec) -> LoadedModel:
     """A bundle folder, checked now (not mid-evaluation); its exported steps (and embedded
     guidance) are the defaults."""
-    from pocketdiff.export.bundle_images import bundle_info
+    from pocketdiff.runtime.bundle_images import bundle_info
 
     try:
         info = bundle_info(spec.path)
@@ -260,8 +260,8 @@ def _bundle_model(index: int, name: str, spec: ModelSpec) -> LoadedModel:
 
 
 def _bundle_generate(model: LoadedModel, prompts: Sequence[str], steps: int, guidance: float, seed: int, resolution: Optional[int]) -> torch.Tensor:
-    """Images of an exported bundle through the export package's interface."""
-    from pocketdiff.export.bundle_images import generate_images as bundle_generate_images
+    """Images of an exported bundle through the runtime's interface."""
+    from pocketdiff.runtime.bundle_images import generate_images as bundle_generate_images
 
     try:
         images = bundle_generate_images(model.spec.path, list(prompts), steps=steps, guidance_scale=guidance, seed=seed,

@@ -25,7 +25,7 @@ from torch import nn
 
 from pocketdiff.errors import PocketdiffError
 
-from .tflite_file import TfliteModel
+from .tflite_file import TfliteWeightRewriter
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +155,7 @@ def store_weights(
     """
     if weights not in WEIGHT_FORMATS:
         raise PocketdiffError(f"weights must be one of {WEIGHT_FORMATS}, got {weights!r}")
-    model = TfliteModel(src)
+    model = TfliteWeightRewriter(src)
     info: dict = {"int8_tensors": 0, "fp16_tensors": 0, "int8_map": {}}
     if weights == "int8":
         if not int8_pieces:

@@ -20,7 +20,7 @@ information; `enforce: true` fails the export naming the component, the tensor /
 Not a budget: the activations one op touches in all. An earlier profile capped them at 3.5 MB
 for every op, which no SD UNet meets (a 64x64x320 fp16 add touches 7.5 MB), Choi et al.'s
 running one included; it is reported as `heaviest_op_mb` only.
-Tiling the VAE decoder (export/tiled_decode.py) and the conv / attention budgets of
+Tiling the VAE decoder (runtime/tiled_decode.py) and the conv / attention budgets of
 `rewrites` are the tools that bring a graph under the budgets.
 """
 from __future__ import annotations
@@ -71,8 +71,8 @@ def graph_memory(path: str | Path, activation_bytes: int = 2, conv_input_mb: flo
     the largest activation input of a conv (CONV_2D, DEPTHWISE_CONV_2D, TRANSPOSE_CONV) and of a
     FULLY_CONNECTED; and how many convs take an input over `conv_input_mb` (default: the phone
     profile's), which `rewrites.conv_budget_mb` would serialize."""
-    from .delegate import module_from_location
-    from .tflite_file import TfliteModel
+    from pocketdiff.runtime.delegate import module_from_location
+    from pocketdiff.runtime.tflite_file import TfliteModel
 
     m = TfliteModel(path)
     g = m.graph

@@ -24,13 +24,14 @@ import torch
 from torch import nn
 
 from pocketdiff.errors import ParityError, PocketdiffError
+from pocketdiff.runtime import parity as parity_lib
+from pocketdiff.runtime.delegate import RejectedOp, module_from_location, run_on_delegate
+from pocketdiff.runtime.tflite_file import TfliteModel
 
-from . import parity as parity_lib
 from .convert import store_weights
-from .delegate import RejectedOp, module_from_location, run_on_delegate
 from .int8 import QuantizedComponent, pieces_for, split_groupwise, unexported_layers
+from .parity import ParityConfig
 from .rewrites import RewriteConfig, apply_rewrites, attention_chunk_report
-from .tflite_file import TfliteModel
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +166,7 @@ def finish_component(
     prep: Prepared,
     convert_info: dict,
     verify: VerifyConfig,
-    parity_cfg: parity_lib.ParityConfig,
+    parity_cfg: ParityConfig,
     float_storage: str = "fp16",
 ) -> dict:
     """Steps 3b-5: weight storage, graph facts, the GPU delegate and parity."""
@@ -249,7 +250,7 @@ def export_component(
     rewrites: RewriteConfig,
     weights: str,
     verify: VerifyConfig,
-    parity_cfg: parity_lib.ParityConfig,
+    parity_cfg: ParityConfig,
     quantized: Optional[QuantizedComponent] = None,
     float_storage: str = "fp16",
 ) -> dict:

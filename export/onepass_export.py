@@ -25,9 +25,9 @@ from pocketdiff.errors import ParityError, PocketdiffError
 from pocketdiff.normfree import calibrate_group_stats, fold_group_norms, has_group_norm_up_path, up_path_norm_names
 
 from .components import VaeDecoderGraph
-from .manifest_check import TILED_DECODER
-from .onepass_decode import ONE_PASS, tiles_area_ratio
-from .tiled_decode import psnr_db
+from pocketdiff.runtime.manifest_check import TILED_DECODER
+from pocketdiff.runtime.onepass_decode import ONE_PASS, tiles_area_ratio
+from pocketdiff.runtime.tiled_decode import psnr_db
 
 HEAD, UP_TILE = TILED_DECODER
 
@@ -93,7 +93,7 @@ def split_one_pass(vae: torch.nn.Module, tiling, latents: torch.Tensor, parity_l
 def one_pass_parity(out: Path, entries: dict, vae: torch.nn.Module, latents: torch.Tensor, block: dict, min_psnr_db: float) -> dict:
     """Decode `latents` through the bundle's two .tflite files on the CPU (the runner's code) against the
     whole torch decode of the same norm-free `vae`. ParityError naming `vae_tiling.min_psnr_db` when below."""
-    from .run_bundle import load_tiled_decoder, tiled_decode_bundle
+    from pocketdiff.runtime.run_bundle import load_tiled_decoder, tiled_decode_bundle
 
     with torch.no_grad():
         whole = np.clip(VaeDecoderGraph(vae).eval()(latents).numpy(), 0.0, 1.0)

@@ -1,4 +1,4 @@
-"""The torch graphs of a one-pass tiled decoder (export/onepass_decode.py drives them), and the
+"""The torch graphs of a one-pass tiled decoder (runtime/onepass_decode.py drives them), and the
 phone-profile sizing of its tile.
 
 - head: `export.tiled_vae.VaeDecoderHead` (conv_in and the mid block on the whole latent)

@@ -7,7 +7,7 @@
 
 Both go through the same rewrites / litert-torch / weight storage / delegate path as the other
 components. After conversion, `tiled_parity` decodes the golden latents through the two .tflite
-files on the CPU (the runner's code, export/run_bundle.py) and compares the image with the whole
+files on the CPU (the runner's code, runtime/run_bundle.py) and compares the image with the whole
 torch decode: PSNR >= `vae_tiling.min_psnr_db`, else ParityError.
 """
 from __future__ import annotations
@@ -23,8 +23,8 @@ import torch
 from pocketdiff.errors import ParityError, PocketdiffError
 
 from .components import VaeDecoderGraph
-from .manifest_check import TILED_DECODER
-from .tiled_decode import axis_weights, control_variate, first_pass_corrections, psnr_db, stats_from_sums, tile_starts
+from pocketdiff.runtime.manifest_check import TILED_DECODER
+from pocketdiff.runtime.tiled_decode import axis_weights, control_variate, first_pass_corrections, psnr_db, stats_from_sums, tile_starts
 
 HEAD, UP_TILE = TILED_DECODER
 
@@ -113,7 +113,7 @@ def tiled_parity(out: Path, entries: dict, vae: torch.nn.Module, latents: torch.
     """Decode `latents` through the bundle's two .tflite files on the CPU (LiteRT, the runner's
     code) and compare with the whole torch decode: PSNR of the [0, 1] images. Raises ParityError
     naming `vae_tiling.min_psnr_db` when below."""
-    from .run_bundle import load_tiled_decoder, tiled_decode_bundle
+    from pocketdiff.runtime.run_bundle import load_tiled_decoder, tiled_decode_bundle
 
     with torch.no_grad():
         whole = np.clip(VaeDecoderGraph(vae).eval()(latents).numpy(), 0.0, 1.0)

@@ -16,7 +16,7 @@ tile (17.6 dB PSNR on the tiny VAE; `benchmarks/tiled_decode_bounds.py`). So:
   so own = 0 takes `stats` as the statistics, and own = 1 corrects the tile's own ones by a mean
   shift and a variance ratio (zeros and ones: the tile's own): elementwise ops, no graph switch.
 
-`export.tiled_decode.tiled_decode_with_stats` drives them: pass 1 with the tile's own statistics,
+`runtime.tiled_decode.tiled_decode_with_stats` drives them: pass 1 with the tile's own statistics,
 then, from the totals of the sums, either those statistics (scheme "plain") or per-tile corrections
 of the tile's own (scheme "control_variate"). Only tensors of one tile's size are alive in the up
 path, however large the image.

@@ -27,6 +27,10 @@ import torch
 from pocketdiff.errors import PocketdiffError, require
 from pocketdiff.models import ModelConfig, load_or_build, perturb_norm_affines
 from pocketdiff.outputs import write_json
+from pocketdiff.runtime.bundle import MANIFEST, load_manifest
+from pocketdiff.runtime.manifest_check import TILED_DECODER
+from pocketdiff.runtime.onepass_decode import ONE_PASS
+from pocketdiff.runtime.tiled_decode import SCHEMES as TILING_SCHEMES
 
 from . import bundle as bundle_lib
 from .components import (
@@ -41,12 +45,9 @@ from .components import (
 from .convert import WEIGHT_FORMATS
 from .device_profile import DeviceProfile, check_component
 from .exporter import VerifyConfig, convert_job, finish_component, peak_rss_mb, prepare_component
-from .manifest_check import TILED_DECODER
 from .parity import ParityConfig
 from .rewrites import RewriteConfig
-from .onepass_decode import ONE_PASS
 from .onepass_export import one_pass_parity, split_one_pass
-from .tiled_decode import SCHEMES as TILING_SCHEMES
 from .tiled_export import UP_TILE, expand_components, parity_latents, split_decoder, tiled_parity
 
 log = logging.getLogger(__name__)
@@ -86,14 +87,14 @@ class ScanConfig:
 @dataclasses.dataclass
 class VaeTilingConfig:
     """The VAE decoder as two graphs (export/tiled_vae.py): `vae_decoder_head` on the whole latent,
-    `vae_up_tile` on tile x tile latents, driven by export/tiled_decode.tiled_decode_with_stats."""
+    `vae_up_tile` on tile x tile latents, driven by runtime/tiled_decode.tiled_decode_with_stats."""
 
     enabled: bool = False
     tile: int = 32  # latents per tile side (pixels: tile x the VAE factor)
     overlap: int = 8  # latents shared by neighbouring tiles
     passes: int = 5  # passes over the tiles (norm statistics iterated towards the whole image's)
     margin: int = 0  # latents at tile edges facing a neighbour that blend with weight 0 (the up path's cut receptive field)
-    scheme: str = "plain"  # plain | control_variate: how later passes use the previous totals (export/tiled_decode.py) | one_pass
+    scheme: str = "plain"  # plain | control_variate: how later passes use the previous totals (runtime/tiled_decode.py) | one_pass
     fold_norms: bool = False  # one_pass with a GroupNorm decoder: fold it here, no fine-tune (export/onepass_export.py)
     min_psnr_db: float = 35.0  # tiled decode through the .tflite files vs the whole torch decode
 
@@ -226,7 +227,7 @@ def _save_tokenizer(tokenizer, folder: Path) -> dict:
 def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
     from .fp16scan import scan_pipeline
     from .int8 import apply_to_module, load_component_checkpoints, rtn_checkpoint
-    from .run_bundle import bundle_tokenize
+    from pocketdiff.runtime.run_bundle import bundle_tokenize
     from pocketdiff.sampling import default_w_embedding_fn, final_alpha_cumprod, scheduler_timesteps
 
     if resume:
@@ -511,8 +512,8 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
         },
     }
     bundle_lib.write_manifest(out, manifest)
-    bundle_lib.load_manifest(out)  # the bundle we wrote must pass the runner's checks
-    from .verify_bundle import verify_bundle
+    load_manifest(out)  # the bundle we wrote must pass the runner's checks
+    from pocketdiff.runtime.verify_bundle import verify_bundle
 
     verify_bundle(out, run=False)  # and verify-bundle's checks that need no model run (manifest, files, io, goldens)
 
@@ -525,7 +526,7 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
         summary[name]["details"] = {k: v for k, v in r.items() if k not in summary[name]}
     report = {
         "bundle_dir": str(out.resolve()),
-        "manifest": str((out / bundle_lib.MANIFEST).resolve()),
+        "manifest": str((out / MANIFEST).resolve()),
         "guidance": mode,
         "resolution": shapes.resolution,
         "weights": cfg.weights,

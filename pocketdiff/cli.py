@@ -29,8 +29,8 @@ VERBS: dict[str, Optional[str]] = {
     "prune": "pocketdiff.compress.prune.verb",
     "evaluate": "pocketdiff.evaluate.run",
     "export": "pocketdiff.export.verb",
-    "run-bundle": "pocketdiff.export.run_bundle",
-    "verify-bundle": "pocketdiff.export.verify_bundle",
+    "run-bundle": "pocketdiff.runtime.run_bundle",
+    "verify-bundle": "pocketdiff.runtime.verify_bundle",
     "demo": "pocketdiff.demo",
     "train-clip": "pocketdiff.evaluate.train_clip",
     "web": "pocketdiff.web.verb",
@@ -82,7 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--prompt", required=True)
             p.add_argument("--output", required=True)
             p.add_argument("--accelerator", choices=["cpu", "gpu"], default="gpu")
-            p.add_argument("--pipelined", action="store_true")
+            p.add_argument("--pipelined", action="store_true",
+                           help="load each model just before its use and release it after (lowest peak memory)")
+            p.add_argument("--gpu-cache", metavar="DIR",
+                           help="folder for the GPU accelerator's compiled programs (default: one per bundle under "
+                                "$XDG_CACHE_HOME/pocketdiff/gpu); a second launch loads without compiling")
+            p.add_argument("--no-gpu-cache", action="store_true", help="compile every model afresh, keep nothing")
             p.add_argument("--seed", type=int, default=0)
             p.add_argument("--overwrite", action="store_true")
             p.add_argument("--debug", action="store_true")
@@ -244,6 +249,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not verbose:
         quiet_libraries(huggingface=args.verb not in RUNTIME_ONLY_VERBS)
     failed, native_log = True, None
+    output = getattr(args, "output", None)  # verify-bundle, serve ... write no folder
+    made_here = output is not None and not Path(output).exists()
     try:
         with native as native_log:
             code = run_verb(args)
@@ -266,13 +273,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     finally:
         _end_distributed()
         if native_log is not None:
-            # a failed command writes nothing into DIR (it may be a folder the command refused)
-            output = getattr(args, "output", None)  # verify-bundle, serve ... write no folder
-            kept = keep_native_log(native_log, None if failed or output is None else Path(output), keep_orphan=failed)
+            # into DIR/logs/ when the command succeeded, or failed in a folder it made itself; never
+            # into a folder it refused, and never left in the temp folder: else the log is dropped
+            own = output is not None and (not failed or made_here)
+            kept = keep_native_log(native_log, Path(output) if own else None)
             if failed and kept is not None:
                 print(f"(native library log: {kept})", file=sys.stderr)
-            if kept is not None and argv is None:  # the process is this command: its exit logs too
-                native_logs_until_exit(kept)
+            if argv is None:  # the process is this command: its exit logs too (dropped with no log kept)
+                native_logs_until_exit(kept or Path(os.devnull))
 
 
 if __name__ == "__main__":

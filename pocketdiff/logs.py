@@ -3,8 +3,10 @@
 LiteRT, TensorFlow and absl write their C++ logs (`INFO: Created TensorFlow Lite delegate`,
 `WARNING: All log messages before absl::InitializeLog()`, ...) straight to file descriptors
 2 and 1, around our own output. Unless `--verbose`, `native_logs_to_file` points those fds at
-a file while Python's own `sys.stdout` / `sys.stderr` (our lines, tqdm, warnings, tracebacks)
-keep the terminal; the CLI then moves that file into the output folder as `logs/native.log`.
+an unnamed temporary file (no path in the temp folder, nothing left behind if the process is
+killed) while Python's own `sys.stdout` / `sys.stderr` (our lines, tqdm, warnings, tracebacks)
+keep the terminal; the CLI then copies it into the output folder as `logs/native.log`, or drops
+it when the command has no output folder of its own.
 
 `quiet_libraries` hides what a user cannot act on: the Hugging Face loading bars and the
 diffusers notice that a model with no float32-only modules was cast with `.to()`.
@@ -19,7 +21,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import BinaryIO, Iterator, Optional
 
 NATIVE_LOG = Path("logs") / "native.log"
 
@@ -82,22 +84,19 @@ def _detach_python_stream(fd: int, attr: str) -> Optional[object]:
 
 
 @contextlib.contextmanager
-def native_logs_to_file(path: Optional[Path] = None) -> Iterator[Path]:
-    """Send fds 1 and 2 (what native code writes) to `path` (a temporary file when None);
-    Python's sys.stdout / sys.stderr keep writing to the terminal. Yields the log's path."""
-    if path is None:
-        fd, name = tempfile.mkstemp(prefix="pocketdiff-native-", suffix=".log")
-        os.close(fd)
-        path = Path(name)
+def native_logs_to_file() -> Iterator[BinaryIO]:
+    """Send fds 1 and 2 (what native code writes) to an unnamed temporary file; Python's
+    sys.stdout / sys.stderr keep writing to the terminal. Yields the open log (hand it to
+    `keep_native_log`, which closes it)."""
+    log = tempfile.TemporaryFile(prefix="pocketdiff-native-")
     saved, olds = {}, {}
     for fd, attr in _STREAMS:
         olds[attr] = _detach_python_stream(fd, attr)
         saved[fd] = os.dup(fd)
-    with open(path, "ab") as log:
-        for fd, _ in _STREAMS:
-            os.dup2(log.fileno(), fd)
+    for fd, _ in _STREAMS:
+        os.dup2(log.fileno(), fd)
     try:
-        yield path
+        yield log
     finally:
         for fd, attr in _STREAMS:
             if olds[attr] is not None:
@@ -109,33 +108,31 @@ def native_logs_to_file(path: Optional[Path] = None) -> Iterator[Path]:
 
 
 def native_logs_until_exit(path: Path) -> None:
-    """For the rest of the process, native writes to fds 1 and 2 go to `path` (appended):
-    libraries also log while the interpreter shuts down (LiteRT: `DestroyAccelerator`). Only
-    for a process that is the command itself; Python's sys.stdout / sys.stderr keep the terminal."""
+    """For the rest of the process, native writes to fds 1 and 2 go to `path` (appended;
+    os.devnull drops them): libraries also log while the interpreter shuts down (LiteRT:
+    `DestroyAccelerator`). Only for a process that is the command itself; Python's sys.stdout /
+    sys.stderr keep the terminal."""
     with open(path, "ab") as log:
         for fd, attr in _STREAMS:
             if _detach_python_stream(fd, attr) is not None:
                 os.dup2(log.fileno(), fd)
 
 
-def keep_native_log(log: Path, output_dir: Optional[Path], keep_orphan: bool = False) -> Optional[Path]:
-    """Move the native log into `output_dir/logs/` (when that folder exists and the log is not
-    empty). With no such folder it is deleted, or kept where it is with `keep_orphan` (a failed
-    command whose folder was removed: the log may say why). Returns where it is, or None."""
+def keep_native_log(log: BinaryIO, output_dir: Optional[Path]) -> Optional[Path]:
+    """Copy the native log into `output_dir/logs/native.log` (when that folder exists and the log
+    is not empty) and close it; with no such folder it is dropped. Returns where it is, or None."""
     try:
-        if log.stat().st_size == 0:
-            log.unlink(missing_ok=True)
-            return None
-        if output_dir is None or not Path(output_dir).is_dir():
-            if keep_orphan:
-                return log
-            log.unlink(missing_ok=True)
+        log.flush()
+        log.seek(0, os.SEEK_END)
+        if log.tell() == 0 or output_dir is None or not Path(output_dir).is_dir():
             return None
         dest = Path(output_dir) / NATIVE_LOG
         dest.parent.mkdir(parents=True, exist_ok=True)
-        with open(dest, "ab") as out, open(log, "rb") as src:
-            shutil.copyfileobj(src, out)
-        log.unlink(missing_ok=True)
+        log.seek(0)
+        with open(dest, "ab") as out:
+            shutil.copyfileobj(log, out)
         return dest
     except OSError:
         return None
+    finally:
+        log.close()

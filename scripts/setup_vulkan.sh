@@ -3,7 +3,7 @@
 # delegate (WebGPU over Vulkan) runs on machines without a GPU. Nothing is installed
 # system-wide: a private apt sources/lists folder for Debian bookworm-backports,
 # `apt-get download`, `dpkg -x`, and an ICD json pointing at the unpacked libvulkan_lvp.so.
-# pocketdiff.export.delegate selects it (VK_ICD_FILENAMES / LD_LIBRARY_PATH) when no NVIDIA
+# pocketdiff.runtime.delegate selects it (VK_ICD_FILENAMES / LD_LIBRARY_PATH) when no NVIDIA
 # driver is present. Idempotent: returns at once when the driver is already unpacked.
 #
 # Environment: POCKETDIFF_VULKAN_DIR (default <repo>/.vulkan), DEBIAN_MIRROR (default: the

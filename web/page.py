@@ -81,7 +81,7 @@ def _reference(bundle: Path, man: dict, prompt: str, seed: int, accelerator: str
     """run-bundle's image from numpy's seeded latents (exactly as `run-bundle --seed` draws them)."""
     from PIL import Image
 
-    from pocketdiff.export.run_bundle import generate
+    from pocketdiff.runtime.run_bundle import generate
 
     lat = man["latent"]
     shape = (1, int(lat["channels"]), int(lat["height"]), int(lat["width"]))
@@ -112,7 +112,7 @@ def _reference(bundle: Path, man: dict, prompt: str, seed: int, accelerator: str
 
 def write_page(cfg: PageConfig) -> dict:
     """Write BUNDLE/web/ (replacing an earlier one only with overwrite); returns page.json's content."""
-    from pocketdiff.export.bundle import load_manifest
+    from pocketdiff.runtime.bundle import load_manifest
 
     bundle = Path(cfg.bundle)
     man = load_manifest(bundle)  # refuses a bad bundle (sha256, truncated files, escaping paths) first

@@ -28,24 +28,7 @@ CPU_UNET_S=${CPU_UNET_S:-90}
 [ -f "$REPO/.devbundle/index.json" ] || { say "no .devbundle/index.json: carry .devbundle (benchmarks/sd21_bundle.py pack)"; exit 2; }
 
 # 1. Vulkan loader + glvnd from the carried debs; the NVIDIA ICD json where the driver put it
-if [ -z "${SKIP_GL:-}" ]; then
-  for f in "$REPO"/.gl/*.deb; do dpkg -x "$f" /; done
-  ldconfig
-  glx=$(ldconfig -p 2>/dev/null | awk '/libGLX_nvidia\.so\.0/{print $NF; exit}')
-  if [ -z "${VK_ICD_FILENAMES:-}" ]; then
-    for j in /usr/share/vulkan/icd.d/nvidia_icd.json /etc/vulkan/icd.d/nvidia_icd.json \
-             /usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json /usr/local/share/vulkan/icd.d/nvidia_icd.json; do
-      if [ -f "$j" ]; then export VK_ICD_FILENAMES=$j; break; fi
-    done
-    if [ -z "${VK_ICD_FILENAMES:-}" ] && [ -n "$glx" ]; then  # driver present, json not: write one
-      printf '{"file_format_version": "1.0.0", "ICD": {"library_path": "%s", "api_version": "1.3.0"}}\n' "$glx" > /tmp/nvidia_icd.json
-      export VK_ICD_FILENAMES=/tmp/nvidia_icd.json
-    fi
-  fi
-  export POCKETDIFF_VULKAN=system
-  say "VK_ICD_FILENAMES=${VK_ICD_FILENAMES:-} libGLX_nvidia=${glx:-none}"
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null
-fi
+source "$REPO/scripts/gpu/vulkan_env.sh"
 
 # 2. wheels + pocketdiff into /tmp/site (env.sh), then work from /tmp/runs
 if [ -z "${SKIP_PIP:-}" ]; then

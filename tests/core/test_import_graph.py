@@ -6,7 +6,10 @@ lazy ones inside functions included, read with `ast`; nothing is imported).
   interfaces (`INTERFACES`); never the orchestration;
 - the stages' dependency graph has no cycle;
 - code imports through the `pocketdiff.` namespace only, never a bare `train` / `export`;
-- every package folder is listed in pyproject's `packages` (a regular install has it).
+- every package folder is listed in pyproject's `packages` (a regular install has it);
+- the runtime (`pocketdiff.runtime`, what runs a bundle) imports the core and itself only, and
+  outside pocketdiff only the standard library and the runtime's own dependencies (numpy,
+  ai-edge-litert, tokenizers, PIL): never the converter side, torch or diffusers.
 
 Stages and their folders come from pyproject's `package-dir`, so a new stage is checked
 as soon as it is mapped.
@@ -39,6 +42,14 @@ SUBSTAGES = ("pocketdiff.compress.quant", "pocketdiff.compress.prune")
 INTERFACES: dict[str, dict[str, str]] = {
     "pocketdiff.export": {
         "pocketdiff.compress.quant.int8_format": "export carries compress's int8 checkpoint format bit-exact",
+        "pocketdiff.runtime.bundle": "export checks the bundle it wrote with the runner's own manifest reader",
+        "pocketdiff.runtime.manifest_check": "export writes the manifest the contract defines (the tiled decoder's names)",
+        "pocketdiff.runtime.tflite_file": "the converter's weight storage extends the runtime's .tflite reader",
+        "pocketdiff.runtime.parity": "export's parity gate uses the metrics a bundle's golden tolerances mean",
+        "pocketdiff.runtime.delegate": "export judges each graph on the GPU delegate the runtime runs it on",
+        "pocketdiff.runtime.tiled_decode": "the tiled decoder is exported for the runtime's numpy tile driver",
+        "pocketdiff.runtime.run_bundle": "export's tokenizer golden and tiled parity come from the reference runner",
+        "pocketdiff.runtime.verify_bundle": "export runs verify-bundle's no-run checks on the bundle it wrote",
     },
     "pocketdiff.compress.prune": {
         "pocketdiff.train.loop": "recovery distillation reuses train's loop",
@@ -49,13 +60,18 @@ INTERFACES: dict[str, dict[str, str]] = {
         "pocketdiff.evaluate": "distill evaluates its rounds through evaluate's public API",
     },
     "pocketdiff.evaluate": {
-        "pocketdiff.export.bundle_images": "evaluate's kind: bundle runs exported bundles",
+        "pocketdiff.runtime.bundle_images": "evaluate's kind: bundle runs exported bundles",
     },
     "pocketdiff.web": {
-        "pocketdiff.export.bundle": "the page reads the bundle's manifest as export wrote it",
-        "pocketdiff.export.run_bundle": "the page's reference image is run-bundle's, from the same latents",
+        "pocketdiff.runtime.bundle": "the page reads the bundle's manifest with the runtime's reader",
+        "pocketdiff.runtime.run_bundle": "the page's reference image is run-bundle's, from the same latents",
     },
 }
+
+# The runtime runs a bundle on a phone-lab box or an app's backend: what it may import from
+# outside pocketdiff, besides the standard library (torch, diffusers and the converter never).
+RUNTIME = "pocketdiff.runtime"
+RUNTIME_THIRD_PARTY = ("numpy", "ai_edge_litert", "flatbuffers", "tokenizers", "PIL")
 
 
 def package_dirs(root: Path = ROOT) -> dict[str, Path]:
@@ -186,6 +202,72 @@ def test_the_package_keeps_its_dependency_rules():
     assert not cycle, " -> ".join(cycle)
 
 
+def _top_level_imports(path: Path, name: str, modules: dict[str, Path]) -> list[tuple[str, int]]:
+    """The imports a module runs when it is imported (not those inside functions)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    lines = {n.lineno for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))}
+    return [(t, line) for t, line in imports_of(name, path, modules) if line in lines]
+
+
+def runtime_import_problems(root: Path = ROOT) -> list[str]:
+    """What the runtime would pull in beyond the core, the standard library and its own
+    dependencies: every import of its modules (lazy ones included), and the import-time imports
+    of the core modules it reaches, transitively (a core module's lazy torch import stays lazy)."""
+    modules = module_files(root)
+    stages = stages_of(root)
+    allowed = set(sys.stdlib_module_names) | set(RUNTIME_THIRD_PARTY) | {"pocketdiff"}
+    problems: list[str] = []
+    todo = [(n, True) for n in modules if n == RUNTIME or n.startswith(RUNTIME + ".")]
+    seen: set[str] = set()
+    while todo:
+        name, every = todo.pop()
+        if name in seen or name not in modules:
+            continue
+        seen.add(name)
+        path = modules[name]
+        where = path.relative_to(root).as_posix()
+        found = imports_of(name, path, modules) if every else _top_level_imports(path, name, modules)
+        for target, line in found:
+            top = target.split(".")[0]
+            dst = area(target, stages)
+            if top not in allowed:
+                problems.append(f"{where}:{line}: the runtime imports {target} (outside pocketdiff it may import the "
+                                f"standard library and {', '.join(RUNTIME_THIRD_PARTY)} only)")
+            elif top == "pocketdiff" and dst not in ("core", RUNTIME):
+                problems.append(f"{where}:{line}: the runtime imports {target} ({dst or 'pocketdiff'}); it knows the core only")
+            elif top == "pocketdiff":
+                todo.append((target, dst == RUNTIME))
+    return problems
+
+
+def test_the_runtime_imports_no_converter_and_no_torch():
+    problems = runtime_import_problems()
+    assert not problems, "\n".join(problems)
+
+
+def test_the_runtime_check_catches_converter_and_torch_imports(tmp_path):
+    """A runtime importing the converter, torch (directly or through a core module at import
+    time) and diffusers lazily: each is reported; a core module's lazy torch import is not."""
+    (tmp_path / "pyproject.toml").write_text(
+        '[tool.setuptools]\npackages = ["pocketdiff"]\n'
+        '[tool.setuptools.package-dir]\n"pocketdiff" = "pocketdiff"\n"pocketdiff.export" = "export"\n'
+        '"pocketdiff.runtime" = "runtime"\n')
+    _write(tmp_path, "pocketdiff/__init__.py")
+    _write(tmp_path, "pocketdiff/errors.py", "import json\ndef f():\n    import torch\n")  # lazy: fine
+    _write(tmp_path, "pocketdiff/models.py", "import torch\n")
+    _write(tmp_path, "export/__init__.py")
+    _write(tmp_path, "export/convert.py", "import torch\n")
+    _write(tmp_path, "runtime/__init__.py")
+    _write(tmp_path, "runtime/run.py", "import numpy\nfrom pocketdiff.errors import f\nfrom pocketdiff.export import convert\n"
+                                         "def g():\n    import diffusers\n")
+    _write(tmp_path, "runtime/load.py", "from . import run\nfrom pocketdiff import models\n")
+    text = "\n".join(runtime_import_problems(tmp_path))
+    assert "runtime/run.py:3: the runtime imports pocketdiff.export.convert (pocketdiff.export)" in text
+    assert "runtime/run.py:5: the runtime imports diffusers" in text
+    assert "pocketdiff/models.py:1: the runtime imports torch" in text
+    assert len(text.splitlines()) == 3, text
+
+
 def test_declared_interfaces_exist():
     modules = module_files()
     missing = [f"{src} -> {target}" for src, allowed in INTERFACES.items() for target in allowed if target not in modules]
@@ -210,18 +292,19 @@ def test_the_checker_catches_each_broken_rule(tmp_path):
     (tmp_path / "pyproject.toml").write_text(
         '[tool.setuptools]\npackages = ["pocketdiff"]\n'
         '[tool.setuptools.package-dir]\n"pocketdiff" = "pocketdiff"\n"pocketdiff.train" = "train"\n'
-        '"pocketdiff.export" = "export"\n"pocketdiff.evaluate" = "evaluate"\n')
+        '"pocketdiff.export" = "export"\n"pocketdiff.evaluate" = "evaluate"\n"pocketdiff.runtime" = "runtime"\n')
     _write(tmp_path, "pocketdiff/__init__.py")
     _write(tmp_path, "pocketdiff/cli.py", "import pocketdiff.train.loop\n")  # fine: orchestration
     _write(tmp_path, "pocketdiff/models.py", "def f():\n    from pocketdiff.train import loop\n")  # core -> stage
     _write(tmp_path, "train/__init__.py")
     _write(tmp_path, "train/loop.py", "from pocketdiff.models import f\nfrom pocketdiff.cli import main\n")  # stage -> cli
     _write(tmp_path, "export/__init__.py")
-    _write(tmp_path, "export/bundle_images.py", "from .run import x\n")
+    _write(tmp_path, "runtime/__init__.py")
+    _write(tmp_path, "runtime/bundle_images.py", "from pocketdiff.models import f\n")
     _write(tmp_path, "export/run.py", "import train.loop\n")  # bare import
     _write(tmp_path, "evaluate/__init__.py")
     _write(tmp_path, "evaluate/generation.py",
-           "from pocketdiff.export.bundle_images import g\n"  # declared: fine
+           "from pocketdiff.runtime.bundle_images import g\n"  # declared: fine
            "from pocketdiff.export.run import main\n")  # undeclared crossing
     problems, graph = violations(tmp_path)
     text = "\n".join(problems)
@@ -230,6 +313,6 @@ def test_the_checker_catches_each_broken_rule(tmp_path):
     assert "export/run.py:1: imports bare 'train.loop'" in text
     assert "evaluate/generation.py:2: stage pocketdiff.evaluate imports pocketdiff.export.run" in text
     assert len(problems) == 4, text
-    assert graph == {"pocketdiff.evaluate": {"pocketdiff.export"}}
+    assert graph == {"pocketdiff.evaluate": {"pocketdiff.runtime"}}
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": {"c"}}) == []

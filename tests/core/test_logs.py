@@ -32,7 +32,7 @@ def test_empty_native_log_leaves_nothing(tmp_path):
 
     with native_logs_to_file() as log:
         pass
-    assert keep_native_log(log, tmp_path) is None and not log.exists() and not (tmp_path / "logs").exists()
+    assert keep_native_log(log, tmp_path) is None and log.closed and not (tmp_path / "logs").exists()
 
 
 EXIT_SNIPPET = r"""
@@ -50,3 +50,34 @@ def test_native_lines_written_at_exit_go_to_the_log(tmp_path):
     r = subprocess.run([sys.executable, "-c", EXIT_SNIPPET, str(log)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "ours" in r.stderr and "INFO:" not in r.stderr, r.stderr
     assert "DestroyAccelerator at exit" in log.read_text()
+
+
+FAILING_VERB = r"""
+import atexit, os, sys, types
+from pocketdiff import cli
+from pocketdiff.errors import PocketdiffError
+
+def main(args):
+    os.write(2, b"INFO: Created TensorFlow Lite delegate for GPU.\n")  # native code, before the run fails
+    atexit.register(lambda: os.write(2, b"INFO: DestroyAccelerator at exit\n"))
+    raise PocketdiffError("bundle b: refused before --output was made")
+
+sys.modules["failing_verb"] = types.SimpleNamespace(main=main)
+cli.VERBS["run-bundle"] = "failing_verb"
+sys.exit(cli.main())
+"""
+
+
+def test_a_failed_run_without_its_output_folder_leaves_no_native_log(tmp_path):
+    """Issue 34: the native log of a run whose --output was never made stays out of the temp
+    folder (and off the terminal: the error is the only line)."""
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    out = tmp_path / "out"
+    env = {**__import__("os").environ, "TMPDIR": str(tmpdir)}
+    r = subprocess.run([sys.executable, "-c", FAILING_VERB, "run-bundle", "b", "--prompt", "x", "--output", str(out)],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.splitlines() == ["error: bundle b: refused before --output was made"], r.stderr
+    assert "INFO:" not in r.stdout
+    assert not out.exists() and list(tmpdir.iterdir()) == []

@@ -73,7 +73,7 @@ def test_report_has_every_component_fully_accelerated_with_parity(exported):
         assert "BROADCAST_TO" not in c["ops"]
         # every weight-bearing Linear became a 1x1 conv (a FULLY_CONNECTED may remain as a
         # matmul of two activations, never with a constant / dequantized weight)
-        from pocketdiff.export.tflite_file import TfliteModel
+        from pocketdiff.runtime.tflite_file import TfliteModel
 
         m = TfliteModel(exported["out"] / c["file"])
         fc_weights = [t for op in m.graph.operators if m.op_name(op) == "FULLY_CONNECTED"
@@ -87,7 +87,7 @@ def test_report_has_every_component_fully_accelerated_with_parity(exported):
 
 def test_int8_codes_in_the_tflite_equal_the_checkpoint_bit_for_bit(exported, int8_checkpoint):
     from pocketdiff.compress.quant.int8_format import load_quantized
-    from pocketdiff.export.tflite_file import TfliteModel
+    from pocketdiff.runtime.tflite_file import TfliteModel
 
     state, recipe = load_quantized(int8_checkpoint)
     tensors = TfliteModel(exported["out"] / "unet.tflite").int8_weights()
@@ -119,10 +119,10 @@ def test_int8_codes_in_the_tflite_equal_the_checkpoint_bit_for_bit(exported, int
 
 
 def test_manifest_goldens_and_tokenizer(exported):
-    from pocketdiff.export.bundle import load_manifest
-    from pocketdiff.export.delegate import run_on_delegate
-    from pocketdiff.export.parity import metrics
-    from pocketdiff.export.run_bundle import bundle_tokenize
+    from pocketdiff.runtime.bundle import load_manifest
+    from pocketdiff.runtime.delegate import run_on_delegate
+    from pocketdiff.runtime.parity import metrics
+    from pocketdiff.runtime.run_bundle import bundle_tokenize
 
     man = load_manifest(exported["out"])
     assert man["schema_version"] == 1 and man["guidance"]["unet_batch"] == 2
@@ -137,12 +137,17 @@ def test_manifest_goldens_and_tokenizer(exported):
         assert metrics(g["output_0"], run.outputs["fp32"][0])["cosine"] > 0.9999, name
 
 
-def test_run_bundle_gpu_and_pipelined_cpu(exported, tmp_path):
+def test_run_bundle_gpu_and_pipelined_cpu(exported, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # the default GPU program cache goes there
     out = exported["out"]
     assert cli_main(["run-bundle", str(out), "--prompt", "a red circle", "--output", str(tmp_path / "gpu")]) == 0
     rep = json.loads((tmp_path / "gpu" / "report.json").read_text())
-    for key in ("image", "accelerator", "fully_accelerated", "latency_s", "peak_rss_mb"):
+    for key in ("image", "accelerator", "fully_accelerated", "latency_s", "host_peak_mb", "start_s", "total_s", "memory"):
         assert key in rep
+    assert "peak_model_mb" not in rep  # file bytes are never reported under a memory name
+    assert rep["host_peak_mb"] > 50 and 0 < rep["start_s"] < rep["total_s"]
+    assert {p["phase"] for p in rep["memory"]["phases"]} >= {"opened", "compiled", "first_run"}
+    assert set(rep["memory"]["gpu_cache"]["hits"]) == {"text_encoder", "unet", "vae_decoder"}
     assert rep["accelerator"] == "gpu" and rep["fully_accelerated"] is True
     assert Path(rep["image"]).is_file()
     from PIL import Image
@@ -152,7 +157,8 @@ def test_run_bundle_gpu_and_pipelined_cpu(exported, tmp_path):
     assert cli_main(["run-bundle", str(out), "--prompt", "a red circle", "--output", str(tmp_path / "pipe"), "--accelerator", "cpu", "--pipelined"]) == 0
     plain = json.loads((tmp_path / "cpu" / "report.json").read_text())
     piped = json.loads((tmp_path / "pipe" / "report.json").read_text())
-    assert piped["pipelined"] and piped["peak_model_mb"] < plain["peak_model_mb"]
+    assert piped["pipelined"] and not plain["pipelined"]
+    assert _resident_at_most_one(piped["memory"]["phases"]) and not _resident_at_most_one(plain["memory"]["phases"])
     a = np.asarray(Image.open(plain["image"]), dtype=np.float32)
     b = np.asarray(Image.open(piped["image"]), dtype=np.float32)
     assert np.abs(a - b).max() <= 1.0  # same computation, only the loading order differs
@@ -160,12 +166,25 @@ def test_run_bundle_gpu_and_pipelined_cpu(exported, tmp_path):
     assert cli_main(["run-bundle", str(out), "--prompt", "x", "--output", str(tmp_path / "cpu"), "--accelerator", "cpu"]) == 2
 
 
+def _resident_at_most_one(phases: list) -> bool:
+    """From the runner's measured phases: never two models loaded (or compiling) at once."""
+    resident: set = set()
+    for p in phases:
+        if p["phase"] == "opened":
+            if resident:
+                return False
+            resident.add(p["component"])
+        elif p["phase"] == "released":
+            resident.discard(p["component"])
+    return True
+
+
 def test_bundle_image_matches_the_torch_pipeline(exported):
     """Same initial noise: run-bundle's DDIM + models (CPU) against pocketdiff.sampling in torch."""
     from pocketdiff.compress.quant.int8_format import dequantized_state_dict, load_quantized
-    from pocketdiff.export.bundle import load_manifest
-    from pocketdiff.export.parity import metrics
-    from pocketdiff.export.run_bundle import generate
+    from pocketdiff.runtime.bundle import load_manifest
+    from pocketdiff.runtime.parity import metrics
+    from pocketdiff.runtime.run_bundle import generate
     from pocketdiff.models import ModelConfig, load_or_build
     from pocketdiff.sampling import ddim_sample, decode_latents, encode_prompts
 
@@ -186,9 +205,9 @@ def test_bundle_image_matches_the_torch_pipeline(exported):
 
 
 def test_bundle_runner_loads_once_for_several_prompts(exported):
-    """Plain: every model loads at the first prompt only; pipelined: the UNet stays, the text
-    encoder and decoder load again per prompt. Images equal one-shot `generate`'s."""
-    from pocketdiff.export.run_bundle import BundleRunner, generate
+    """Plain: every model loads at the first prompt only; pipelined: each model loads just in time
+    and is released after its use, for every prompt. Images equal one-shot `generate`'s."""
+    from pocketdiff.runtime.run_bundle import BundleRunner, generate
 
     out = exported["out"]
     ref, _ = generate(out, "a blue star", seed=3, accelerator="cpu")
@@ -199,8 +218,8 @@ def test_bundle_runner_loads_once_for_several_prompts(exported):
             resident = set(runner.loaded)
         loads = lambda st: sorted(k[: -len("_load")] for k in st["latency_s"] if k.endswith("_load"))  # noqa: E731
         assert loads(first) == ["text_encoder", "unet", "vae_decoder"]
-        assert loads(second) == (["text_encoder", "vae_decoder"] if pipelined else [])
-        assert resident == ({"unet"} if pipelined else {"text_encoder", "unet", "vae_decoder"})
+        assert loads(second) == (["text_encoder", "unet", "vae_decoder"] if pipelined else [])
+        assert resident == (set() if pipelined else {"text_encoder", "unet", "vae_decoder"})
         assert second["latency_s"]["unet_step_mean"] > 0 and second["finite"]
         assert set(second["fully_accelerated_by_component"]) == {"text_encoder", "unet", "vae_decoder"}
         assert np.abs(image - ref).max() < 1e-5
@@ -213,7 +232,7 @@ def _copy_bundle(src: Path, dst: Path) -> Path:
 
 
 def test_run_bundle_refuses_bad_bundles(exported, tmp_path, capsys):
-    from pocketdiff.export.tflite_file import sha256_file
+    from pocketdiff.runtime.tflite_file import sha256_file
 
     def run(bundle: Path, name: str) -> str:
         code = cli_main(["run-bundle", str(bundle), "--prompt", "x", "--output", str(tmp_path / name), "--accelerator", "cpu"])
@@ -256,12 +275,12 @@ def test_export_does_not_overwrite_a_bundle(exported, capsys):
 
 
 def test_evaluate_reads_the_bundle_through_the_export_interface(exported):
-    """evaluate's `kind: bundle` goes through pocketdiff.export.bundle_images: the bundle's
+    """evaluate's `kind: bundle` goes through pocketdiff.runtime.bundle_images: the bundle's
     steps become the default, images match the runner's, a cfg bundle takes another scale,
     and a step count the bundle was not exported for is refused before anything runs."""
     from pocketdiff.errors import PocketdiffError
     from pocketdiff.evaluate.generation import ModelSpec, generate_images, resolve_model
-    from pocketdiff.export.run_bundle import generate
+    from pocketdiff.runtime.run_bundle import generate
 
     out = exported["out"]
     model = resolve_model(ModelSpec(name="b", kind="bundle", path=str(out)))

@@ -10,11 +10,12 @@ import torch
 from torch import nn
 
 from pocketdiff.errors import ParityError, PocketdiffError
-from pocketdiff.export.delegate import parse_delegate_log, run_on_delegate
+from pocketdiff.runtime.delegate import parse_delegate_log, run_on_delegate
 from pocketdiff.export.exporter import VerifyConfig, export_component
-from pocketdiff.export.parity import ParityConfig, Thresholds, metrics
+from pocketdiff.export.parity import ParityConfig
+from pocketdiff.runtime.parity import Thresholds, metrics
 from pocketdiff.export.rewrites import RewriteConfig
-from pocketdiff.export.tflite_file import TfliteModel, check_tflite_file
+from pocketdiff.runtime.tflite_file import TfliteModel, check_tflite_file
 
 LOG = """INFO: something
 ERROR: Following operations are not supported by GPU delegate:

@@ -80,7 +80,7 @@ def _fake_workdir(bench, tmp: Path) -> Path:
 def test_delegate_stage_records_crashes_and_goes_on(bench, tmp_path, monkeypatch):
     import argparse
 
-    from pocketdiff.export import delegate
+    from pocketdiff.runtime import delegate
 
     work = _fake_workdir(bench, tmp_path)
     calls = []

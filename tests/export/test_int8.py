@@ -12,7 +12,7 @@ from pocketdiff.export.exporter import VerifyConfig, export_component
 from pocketdiff.export.int8 import QuantizedComponent, apply_to_module
 from pocketdiff.export.parity import ParityConfig
 from pocketdiff.export.rewrites import RewriteConfig
-from pocketdiff.export.tflite_file import TfliteModel
+from pocketdiff.runtime.tflite_file import TfliteModel
 
 
 class Block(nn.Module):

@@ -1,4 +1,4 @@
-"""export/onepass_decode.py + export/onepass_vae.py: one-pass tiled decoding of a norm-free decoder."""
+"""runtime/onepass_decode.py + export/onepass_vae.py: one-pass tiled decoding of a norm-free decoder."""
 import copy
 
 import numpy as np
@@ -7,9 +7,9 @@ import torch
 
 from pocketdiff.errors import PocketdiffError
 from pocketdiff.export.components import VaeDecoderGraph
-from pocketdiff.export.onepass_decode import one_pass_decode, tiles_area_ratio
+from pocketdiff.runtime.onepass_decode import one_pass_decode, tiles_area_ratio
 from pocketdiff.export.onepass_vae import VaeUpPathPlain, check_tile_budget, largest_activation_mb
-from pocketdiff.export.tiled_decode import psnr_db
+from pocketdiff.runtime.tiled_decode import psnr_db
 from pocketdiff.export.tiled_vae import VaeDecoderHead
 from pocketdiff.models import build_vae, perturb_norm_affines
 from pocketdiff.normfree import calibrate_group_stats, fold_group_norms, up_path_norm_names

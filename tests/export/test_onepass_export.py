@@ -49,7 +49,7 @@ def test_one_pass_bundle_block_io_and_parity(one_pass):
 
 
 def test_manifest_check_reads_one_pass_blocks(one_pass):
-    from pocketdiff.export.manifest_check import manifest_problems
+    from pocketdiff.runtime.manifest_check import manifest_problems
 
     man = one_pass["manifest"]
     assert manifest_problems(one_pass["out"], man, need=TILED) == []

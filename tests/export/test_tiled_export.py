@@ -60,7 +60,7 @@ def test_residual_scale_is_applied_once_for_both_graphs():
     split: the features between the graphs shrink by it, the tiled image stays the same."""
     import torch
 
-    from pocketdiff.export.tiled_decode import psnr_db, tiled_decode_with_stats
+    from pocketdiff.runtime.tiled_decode import psnr_db, tiled_decode_with_stats
     from pocketdiff.export.tiled_export import HEAD, UP_TILE, parity_latents, split_decoder
     from pocketdiff.export.verb import VaeTilingConfig
     from pocketdiff.models import ModelConfig, load_or_build
@@ -132,7 +132,7 @@ def test_tiled_export_has_both_components_the_block_and_parity(tiled):
 
 
 def test_manifest_check_refuses_a_tiled_manifest_missing_a_component(tiled):
-    from pocketdiff.export.manifest_check import manifest_problems
+    from pocketdiff.runtime.manifest_check import manifest_problems
 
     man = tiled["manifest"]
     assert manifest_problems(tiled["out"], man) == []
@@ -162,7 +162,7 @@ def test_run_bundle_cli_refuses_a_bundle_missing_a_tiled_component(tiled, tmp_pa
     del man["components"]["vae_decoder_head"]
     (dst / "manifest.json").write_text(json.dumps(man))
     with pytest.raises(PocketdiffError, match="components.vae_decoder_head"):
-        from pocketdiff.export.manifest_check import check_bundle
+        from pocketdiff.runtime.manifest_check import check_bundle
 
         check_bundle(dst)
 
@@ -172,9 +172,9 @@ def test_run_bundle_decodes_tiled_as_the_numpy_driver(tiled):
     runner's tiled decode equals tiled_decode_with_stats over plain LiteRT interpreters."""
     from ai_edge_litert.interpreter import Interpreter
 
-    from pocketdiff.export.bundle import load_manifest
-    from pocketdiff.export.run_bundle import generate, load_tiled_decoder, tiled_decode_bundle
-    from pocketdiff.export.tiled_decode import tiled_decode_with_stats
+    from pocketdiff.runtime.bundle import load_manifest
+    from pocketdiff.runtime.run_bundle import generate, load_tiled_decoder, tiled_decode_bundle
+    from pocketdiff.runtime.tiled_decode import tiled_decode_with_stats
 
     out = tiled["out"]
     image, stats = generate(out, "a red circle", seed=1, accelerator="cpu")
@@ -210,7 +210,7 @@ def test_run_bundle_decodes_tiled_as_the_numpy_driver(tiled):
 def test_tiled_parity_below_threshold_raises_naming_it(tiled):
     import torch
 
-    from pocketdiff.export.bundle import load_manifest
+    from pocketdiff.runtime.bundle import load_manifest
     from pocketdiff.export.tiled_export import parity_latents, tiled_parity
     from pocketdiff.models import ModelConfig, load_or_build
 

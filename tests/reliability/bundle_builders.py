@@ -1,4 +1,4 @@
-"""Builders of a synthetic bundle whose manifest passes every check of export/manifest_check.py.
+"""Builders of a synthetic bundle whose manifest passes every check of runtime/manifest_check.py.
 
 Its .tflite files are real LiteRT flatbuffers with a signature (the names, shapes and dtypes
 the runner feeds and reads) but no ops: the checks read signatures, nothing here runs them.

@@ -170,7 +170,7 @@ class Work:
         return path
 
     def _bundle(self, b: Path) -> Path:
-        from pocketdiff.export.bundle import load_manifest
+        from pocketdiff.runtime.bundle import load_manifest
 
         b.mkdir()
         data = _tiny_tflite()

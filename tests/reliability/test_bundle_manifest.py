@@ -1,4 +1,4 @@
-"""run-bundle checks a bundle's manifest and files before running it (export/manifest_check.py).
+"""run-bundle checks a bundle's manifest and files before running it (runtime/manifest_check.py).
 
 Table-driven, through the CLI (in process): each case breaks one thing in a copy of the
 synthetic bundle (conftest.py; its .tflite files carry real signatures) and asserts exit 2,
@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -18,7 +21,7 @@ import pytest
 from bundle_builders import IO, T, sha256, signature_tflite
 
 from pocketdiff.cli import main
-from pocketdiff.export.manifest_check import check_bundle, manifest_problems, spacing_timesteps
+from pocketdiff.runtime.manifest_check import check_bundle, manifest_problems, spacing_timesteps
 
 
 def _rehash(b: Path, entry: dict) -> None:
@@ -134,6 +137,21 @@ def test_run_bundle_refuses_before_running(case: Case, valid_bundle, tmp_path, c
     assert not out.exists()
 
 
+def test_run_bundle_refuses_a_negative_seed_naming_it(valid_bundle, tmp_path):
+    """Issue 34: `--seed -1` exits 2 with one line naming --seed (it was `ValueError: expected
+    non-negative integer`, exit 1), before --output is made; no native log is left in the temp
+    folder. A real `python -m pocketdiff` process."""
+    tmpdir, out = tmp_path / "tmp", tmp_path / "out"
+    tmpdir.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmpdir), "CUDA_VISIBLE_DEVICES": ""}
+    r = subprocess.run([sys.executable, "-m", "pocketdiff", "run-bundle", str(valid_bundle), "--prompt", "a red circle",
+                        "--output", str(out), "--accelerator", "cpu", "--seed", "-1"],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.splitlines() == ["error: --seed must be a non-negative integer, got -1"], r.stderr
+    assert not out.exists() and list(tmpdir.iterdir()) == []
+
+
 def test_every_problem_is_listed(valid_bundle, tmp_path):
     """manifest_problems (verify-bundle's report) lists each problem, not only the first."""
     def two(b: Path, m: dict) -> None:
@@ -141,7 +159,7 @@ def test_every_problem_is_listed(valid_bundle, tmp_path):
         m["components"]["unet"]["bytes"] += 1
 
     b = _copy(valid_bundle, tmp_path, Case("two", two, []))
-    from pocketdiff.export.bundle import load_manifest
+    from pocketdiff.runtime.bundle import load_manifest
 
     found = {(p.where, p.check) for p in manifest_problems(b, load_manifest(b))}
     assert found == {("scheduler.timesteps[0]", "range"), ("unet.tflite", "size")}

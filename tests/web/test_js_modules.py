@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pocketdiff.export.run_bundle import bundle_tokenize
+from pocketdiff.runtime.run_bundle import bundle_tokenize
 
 STATIC = Path(__file__).resolve().parents[2] / "web" / "static"
 HARNESS = Path(__file__).resolve().parent / "js_harness.mjs"

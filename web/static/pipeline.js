@@ -1,4 +1,4 @@
-// The bundle in the browser: the same steps as `pocketdiff run-bundle` (export/run_bundle.py)
+// The bundle in the browser: the same steps as `pocketdiff run-bundle` (runtime/run_bundle.py)
 // on LiteRT.js. Every file is checked against the manifest's sha256 before use; DDIM with the
 // manifest's timesteps and alphas; classifier-free guidance in one batch-2 UNet call or the
 // student's embedded guidance; the time embedding looked up in the bundle's table when it was
@@ -128,7 +128,7 @@ export class Component {
   }
 }
 
-/** Cosine, PSNR (reference's peak-to-peak range) and max-abs, as export/parity.py. */
+/** Cosine, PSNR (reference's peak-to-peak range) and max-abs, as runtime/parity.py. */
 export function parity(ref, out) {
   if (ref.length !== out.length) throw new BundleError(`output has ${out.length} values, reference ${ref.length}`);
   let nonfinite = 0;

@@ -4,7 +4,7 @@ Goes the way `pocketdiff export` takes a UNet to the phone: `export.components.U
 with the time embedding computed outside the graph (`time_embedding_table`), the module
 rewrites `export.rewrites.apply_rewrites(RewriteConfig())` (Linear -> 1x1 conv, rank-4
 GroupNorm, clipped GELU, explicit attention), litert-torch through
-`export.convert.to_tflite`, then `export.delegate.run_on_delegate`: the delegate is the
+`export.convert.to_tflite`, then `runtime.delegate.run_on_delegate`: the delegate is the
 judge. Pruned blocks have per-block GroupNorm group counts (whole_groups mode), which the
 rank-4 GroupNorm rewrite must handle. Skips with the reason when litert-torch or a Vulkan
 adapter (lavapipe in CI) is missing; the export stage itself is part of pocketdiff and must import.
@@ -21,7 +21,7 @@ from diffusers import UNet2DConditionModel
 from pocketdiff.compress.prune import PruneSettings, prune_unet
 from pocketdiff.export.components import UNetGraph, time_embedding_table
 from pocketdiff.export.convert import to_tflite
-from pocketdiff.export.delegate import delegate_available, run_on_delegate
+from pocketdiff.runtime.delegate import delegate_available, run_on_delegate
 from pocketdiff.export.rewrites import RewriteConfig, apply_rewrites
 from pocketdiff.models import perturb_norm_affines, unet_config
 

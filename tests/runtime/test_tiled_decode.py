@@ -11,7 +11,7 @@ from PIL import Image, ImageDraw
 
 from pocketdiff.errors import PocketdiffError
 from pocketdiff.export.components import VaeDecoderGraph
-from pocketdiff.export.tiled_decode import axis_weights, psnr_db, tile_starts, tiled_decode, tiled_decode_with_stats
+from pocketdiff.runtime.tiled_decode import axis_weights, psnr_db, tile_starts, tiled_decode, tiled_decode_with_stats
 
 
 def test_tile_starts_cover_and_end_at_the_edge():
@@ -168,7 +168,7 @@ def test_split_graphs_run_whole_on_the_gpu_delegate(gpu_delegate, tmp_path):
     the group statistics use per-channel means and constant group matrices, no 3-D reshapes or
     BROADCAST_TO (which the delegate rejects)."""
     from pocketdiff.export.convert import to_tflite
-    from pocketdiff.export.delegate import run_on_delegate
+    from pocketdiff.runtime.delegate import run_on_delegate
     from pocketdiff.export.tiled_vae import VaeDecoderHead, VaeUpPathTile
     from pocketdiff.models import ModelConfig, load_or_build
 

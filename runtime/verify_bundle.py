@@ -124,7 +124,7 @@ def verify_component(name: str, entry: dict, accelerator: str = "gpu", precision
                      run: bool = True, verify_sha: bool = True, timeout_s: float = 1800.0, repeats: int = 3,
                      driver: Optional[str] = None, cpu_int8_as_fp16: bool = True) -> dict:
     """Every check of one component (see the module docstring); returns its report. On the CPU
-    an int8 component runs as its fp16-storage variant (export/cpu_variant.py) unless
+    an int8 component runs as its fp16-storage variant (runtime/cpu_variant.py) unless
     `cpu_int8_as_fp16` is false."""
     from . import parity as parity_lib
     from .delegate import run_on_delegate
@@ -159,7 +159,8 @@ def verify_component(name: str, entry: dict, accelerator: str = "gpu", precision
             tmp.cleanup()
     rep.update(accelerator=accelerator, driver=r.driver, adapter=r.adapter, wall_s=round(time.perf_counter() - t0, 2),
                compile_s={k: round(v, 3) for k, v in r.compile_s.items()},
-               latency_ms={k: round(1000 * v, 3) for k, v in r.latency_s.items()})
+               latency_ms={k: round(1000 * v, 3) for k, v in r.latency_s.items()},
+               memory=r.memory)  # measured in the delegate's process: host RSS / peak, GPU where NVML tells it
     if not r.compiled:
         raise BundleCheckError(name, "compile", r.error or "the model did not compile")
     rep["checks"].append("compile")
@@ -258,6 +259,9 @@ def main(args) -> int:
         comp = ", ".join(f"{p} {s:.1f} s" for p, s in r.get("compile_s", {}).items())
         fa = f", fully accelerated {r['fully_accelerated']}" if "fully_accelerated" in r else ""
         cos = ", ".join(f"{p} cos {m['cosine']:.5f}" for p, m in r.get("parity", {}).items())
-        print(f"{n}: ok ({'/'.join(r['checks'])}){fa}; compile {comp or '-'}; latency {lat or '-'}; {cos}".rstrip("; "))
+        mem = r.get("memory") or {}
+        gpu = f" + GPU {mem['gpu_peak_mb']:.0f} MB" if mem.get("gpu_peak_mb") is not None else ""
+        peak = f"; peak host {mem['host_peak_mb']:.0f} MB{gpu}" if mem.get("host_peak_mb") is not None else ""
+        print(f"{n}: ok ({'/'.join(r['checks'])}){fa}; compile {comp or '-'}; latency {lat or '-'}{peak}; {cos}".rstrip("; "))
     print(f"verify-bundle: {report['bundle']} ok on {args.accelerator} in {report['wall_s']:.1f} s")
     return 0

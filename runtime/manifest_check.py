@@ -383,7 +383,7 @@ def _check_tiling(man: dict, ios: dict, latent: list, found: _Found) -> None:
         found.add("vae_tiling.factor", "consistency", f"{f}, but latent.vae_factor is {lat.get('vae_factor')!r}")
     if all(_is_int(d) for d in latent[1:]) and t > min(latent[1:]):
         found.add("vae_tiling.tile", "range", f"{t} latents is larger than the latent {latent[1]}x{latent[2]}")
-    if one_pass:  # export/onepass_decode.py: features in, pixels out, one pass
+    if one_pass:  # runtime/onepass_decode.py: features in, pixels out, one pass
         for key, message in check_one_pass_block(block, latent):
             found.add(key, "value", message)
         want = one_pass_io(block, latent)

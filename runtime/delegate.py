@@ -7,7 +7,7 @@ the tensor locations, i.e. the torch modules they came from), and runs inference
 inputs at the delegate's default precision (fp16) and with `GpuOptions(enforce_f32=True)`.
 
 The Vulkan loader reads VK_ICD_FILENAMES / LD_LIBRARY_PATH when the delegate library is
-loaded, so each run happens in a child process (`python -m pocketdiff.export._delegate_worker`)
+loaded, so each run happens in a child process (`python -m pocketdiff.runtime._delegate_worker`)
 started with `delegate_env()`: on a machine with an NVIDIA driver the system's Vulkan driver,
 else the Mesa lavapipe unpacked by `scripts/setup_vulkan.sh` into `<repo>/.vulkan/`. A child
 process also isolates crashes (models carrying STABLEHLO_COMPOSITE segfault the delegate).
@@ -239,6 +239,7 @@ class DelegateRun:
     adapter: str
     error: str
     log: str
+    memory: dict = dataclasses.field(default_factory=dict)  # measured in the child: per precision, and its totals
 
     def rejected_summary(self) -> str:
         return "; ".join(r.describe() for r in self.rejected) or (self.error or "no rejected ops listed")
@@ -305,7 +306,7 @@ def run_on_delegate(
         (work / "request.json").write_text(json.dumps(request))
         try:
             proc = subprocess.run(
-                [sys.executable, "-m", "pocketdiff.export._delegate_worker", str(work / "request.json")],
+                [sys.executable, "-m", "pocketdiff.runtime._delegate_worker", str(work / "request.json")],
                 env=env, capture_output=True, text=True, timeout=timeout_s,
             )
             log = proc.stdout + proc.stderr
@@ -348,6 +349,7 @@ def run_on_delegate(
         adapter=m.group(1).strip() if m else "",
         error=error,
         log=log,
+        memory={"by_precision": res.get("memory", {}), **(res.get("memory_totals") or {})},
     )
 
 

@@ -25,7 +25,7 @@ def bundle(tmp_path_factory):
         "seed": 0,
         "model": {"pretrained": "pocketdiff:shapes-teacher"},
         "components": ["text_encoder"],
-        "weights": "int8",  # RTN int8 weights: the CPU variant (export/cpu_variant.py) is tested on it too
+        "weights": "int8",  # RTN int8 weights: the CPU variant (runtime/cpu_variant.py) is tested on it too
         "int8": {"rtn": True, "components": ["text_encoder"]},
         "guidance": "cfg",
         "steps": 4,
@@ -117,7 +117,7 @@ def test_parity_failure_names_the_threshold(bundle, tmp_path, capsys):
     rng = np.random.default_rng(0)
     data["output_0"] = data["output_0"] + 0.5 * rng.standard_normal(data["output_0"].shape).astype(np.float32)
     np.savez(golden, **data)
-    from pocketdiff.export.tflite_file import sha256_file
+    from pocketdiff.runtime.tflite_file import sha256_file
 
     man = json.loads((b / "manifest.json").read_text())
     man["components"]["text_encoder"]["golden"]["sha256"] = sha256_file(golden)
@@ -151,8 +151,8 @@ def test_device_profile_reports_and_enforces_budgets(bundle):
 
 
 def test_cpu_runs_int8_as_its_fp16_variant(bundle, tmp_path):
-    from pocketdiff.export.cpu_variant import fp16_variant
-    from pocketdiff.export.tflite_file import TfliteModel
+    from pocketdiff.runtime.cpu_variant import fp16_variant
+    from pocketdiff.runtime.tflite_file import TfliteModel
 
     src = bundle / "text_encoder.tflite"
     assert any(t.type == 9 for t in TfliteModel(src).graph.tensors)  # INT8 constants in the bundle's file

@@ -2,7 +2,7 @@
 import pytest
 
 from pocketdiff.errors import PocketdiffError
-from pocketdiff.export.delegate import LAVAPIPE_PERF, delegate_env
+from pocketdiff.runtime.delegate import LAVAPIPE_PERF, delegate_env
 
 
 def _lavapipe_env(base: dict) -> dict:

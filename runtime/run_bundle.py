@@ -10,25 +10,29 @@ bundle's table when it was computed outside the graph.
 while the UNet compiles, releases it, and loads the decoder in a background thread during
 the last denoising step. Without it the three models are loaded up front (the naive app).
 A bundle with a `vae_tiling` block decodes with its two decoder graphs (`vae_decoder_head` on the
-whole latent, `vae_up_tile` per tile and pass: export/tiled_decode.tiled_decode_with_stats); they
+whole latent, `vae_up_tile` per tile and pass: runtime/tiled_decode.tiled_decode_with_stats); they
 load and release together where the decoder does, and the stats time the head, the tiles and a pass.
 The report has per-stage latency, the process's peak RSS and the peak of model bytes held at
 once.
 """
 from __future__ import annotations
 
+import json
 import os
-import resource
-import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 import numpy as np
 
 from pocketdiff.errors import PocketdiffError
 
 from .manifest_check import TILED_DECODER, check_bundle, decoder_components
+from .memory import PeakSampler, process_age_s
+
+# The accelerator options run-bundle passes by default (runtime/litert_c.py: GPU_OPTION_KEYS), chosen by
+# measurement on an H100's delegate (benchmarks/results/bundle_footprint_*.json).
+DEFAULT_GPU_OPTIONS: dict = {}
 
 
 def bundle_tokenizer(tokenizer_json: str | Path, tok: dict):
@@ -51,35 +55,59 @@ def bundle_tokenize(tokenizer_json: str | Path, prompt: str, tok: dict) -> np.nd
     return _ids(bundle_tokenizer(tokenizer_json, tok), prompt, tok)
 
 
+def check_seed(seed, what: str = "seed") -> int:
+    """The seed of numpy's latents: a non-negative integer, else one line naming `what`."""
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise PocketdiffError(f"{what} must be a non-negative integer, got {seed!r}")
+    return int(seed)
+
+
 def _np_dtype(name: str):
     return np.dtype(name)
 
 
 class _Loaded:
-    """A compiled model with its buffers."""
+    """A compiled model with its buffers. GPU: through LiteRT's C API (`litert_c`), sharing the runner's
+    environment, with the accelerator options the runner gives (its program cache among them); CPU:
+    ai-edge-litert's `CompiledModel` (XNNPACK). `on_phase(name)` is called when the file is opened and
+    when the model is compiled."""
 
-    def __init__(self, name: str, entry: dict, accelerator: str, cpu_int8_as_fp16: bool = True):
-        from ai_edge_litert.compiled_model import CompiledModel, GpuOptions, HardwareAccelerator, Options
-
+    def __init__(self, name: str, entry: dict, accelerator: str, cpu_int8_as_fp16: bool = True,
+                 env=None, gpu_options: Optional[dict] = None, on_phase=None):
         t0 = time.perf_counter()
         path = entry["_path"]
         self._tmp = None
-        if accelerator == "cpu" and cpu_int8_as_fp16 and entry.get("weights") == "int8":
-            import tempfile
-
-            from .cpu_variant import fp16_variant
-
-            self._tmp = tempfile.TemporaryDirectory(prefix="pocketdiff-cpu-")
-            path = str(Path(self._tmp.name) / Path(path).name)
-            fp16_variant(entry["_path"], path)  # XNNPACK: fp16 storage runs ~fp16-file speed, int8 DEQUANTIZE does not
-        if accelerator == "gpu":
-            opts = Options(hardware_accelerators=HardwareAccelerator.GPU, gpu_options=GpuOptions())
-        else:
-            opts = Options(hardware_accelerators=HardwareAccelerator.CPU)
-        self.name, self.entry = name, entry
+        self.name, self.entry, self.accelerator = name, entry, accelerator
         self.bytes = int(entry.get("bytes") or Path(entry["_path"]).stat().st_size)
-        self.model = CompiledModel.from_file(path, options=opts)
-        self.fully_accelerated = bool(self.model.is_fully_accelerated()) if accelerator == "gpu" else False
+        self.run_s: list[float] = []
+        if accelerator == "gpu":
+            from .litert_c import CompiledModel as CModel
+
+            self.model = CModel(path, env, gpu_options or {}, on_phase=on_phase)
+            self.fully_accelerated = self.model.fully_accelerated()
+            self.in_names = [t.name for t in self.model.inputs]
+            self.out_names = [t.name for t in self.model.outputs]
+            self.in_details = {t.name: {"shape": list(t.shape), "dtype": t.dtype} for t in self.model.inputs}
+            self.out_details = {t.name: {"shape": list(t.shape), "dtype": t.dtype} for t in self.model.outputs}
+        else:
+            if cpu_int8_as_fp16 and entry.get("weights") == "int8":
+                import tempfile
+
+                from .cpu_variant import fp16_variant
+
+                self._tmp = tempfile.TemporaryDirectory(prefix="pocketdiff-cpu-")
+                path = str(Path(self._tmp.name) / Path(path).name)
+                fp16_variant(entry["_path"], path)  # XNNPACK: fp16 storage runs ~fp16-file speed, int8 DEQUANTIZE does not
+            self._load_cpu(path, on_phase)
+        self.load_s = time.perf_counter() - t0
+
+    def _load_cpu(self, path: str, on_phase) -> None:
+        from ai_edge_litert.compiled_model import CompiledModel, HardwareAccelerator, Options
+
+        if on_phase:
+            on_phase("opened")
+        self.model = CompiledModel.from_file(path, options=Options(hardware_accelerators=HardwareAccelerator.CPU))
+        self.fully_accelerated = False
         sigs = self.model.get_signature_list()
         self.sig = next(iter(sigs))
         self.in_names = list(sigs[self.sig]["inputs"])
@@ -88,23 +116,34 @@ class _Loaded:
         self.out_details = self.model.get_output_tensor_details(self.sig)
         self.in_bufs = self.model.create_input_buffers(0)
         self.out_bufs = self.model.create_output_buffers(0)
-        self.load_s = time.perf_counter() - t0
-        self.run_s: list[float] = []
+        if on_phase:
+            on_phase("compiled")
 
     def __call__(self, feeds: dict[str, np.ndarray]) -> np.ndarray:
         return self.run_all(feeds)[0]
 
-    def run_all(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-        """Every output, in the signature's order."""
+    def _ordered(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         names = list(feeds)
-        for i, (buf, name) in enumerate(zip(self.in_bufs, self.in_names)):
+        arrays = []
+        for i, name in enumerate(self.in_names):
             key = name if name in feeds else names[i]
             det = self.in_details[name]
             arr = np.ascontiguousarray(np.asarray(feeds[key]).astype(_np_dtype(det["dtype"])))
             if list(arr.shape) != [int(s) for s in det["shape"]]:
                 raise PocketdiffError(f"{self.name}: input {name} has shape {list(arr.shape)}, the model takes {list(det['shape'])}")
-            buf.write(arr)
+            arrays.append(arr)
+        return arrays
+
+    def run_all(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        """Every output, in the signature's order."""
+        arrays = self._ordered(feeds)
         t0 = time.perf_counter()
+        if self.accelerator == "gpu":
+            outs = self.model.run(arrays)
+            self.run_s.append(time.perf_counter() - t0)
+            return outs
+        for buf, arr in zip(self.in_bufs, arrays):
+            buf.write(arr)
         self.model.run_by_index(0, self.in_bufs, self.out_bufs)
         self.run_s.append(time.perf_counter() - t0)
         outs = []
@@ -114,29 +153,13 @@ class _Loaded:
         return outs
 
     def close(self) -> None:
+        if self.accelerator == "gpu" and self.model is not None:
+            self.model.close()
         self.in_bufs = self.out_bufs = None
         self.model = None
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
-
-
-class _Residency:
-    """Peak of model bytes held at once."""
-
-    def __init__(self):
-        self.now = 0
-        self.peak = 0
-        self.lock = threading.Lock()
-
-    def add(self, n: int) -> None:
-        with self.lock:
-            self.now += n
-            self.peak = max(self.peak, self.now)
-
-    def sub(self, n: int) -> None:
-        with self.lock:
-            self.now -= n
 
 
 def load_tiled_decoder(entries: dict, accelerator: str) -> tuple[_Loaded, _Loaded]:
@@ -148,12 +171,12 @@ def tiled_decode_bundle(head: _Loaded, up: _Loaded, block: dict, latents: np.nda
     the manifest's vae_tiling block (tile, overlap, passes, factor, norms [K, G], margin, scheme)."""
     from .tiled_decode import tiled_decode_with_stats
 
-    if block.get("scheme") == "one_pass":  # a norm-free up path: every tile once, no statistics (export/onepass_decode.py)
+    if block.get("scheme") == "one_pass":  # a norm-free up path: every tile once, no statistics (runtime/onepass_decode.py)
         from .onepass_decode import one_pass_decode_loaded
 
         return one_pass_decode_loaded(head, up, block, latents)
     K, G = (int(v) for v in block["norms"])
-    # the manifest declares (pixels, sums) in that order, with their shapes (export/manifest_check.py) and
+    # the manifest declares (pixels, sums) in that order, with their shapes (runtime/manifest_check.py) and
     # the .tflite's names (check_component_io); the signature may list them in either order
     declared = [o.get("name") for o in up.entry.get("outputs") or []]
     if len(declared) != 2 or sorted(declared) != sorted(up.out_names):
@@ -198,16 +221,19 @@ def ddim_step(x: np.ndarray, out: np.ndarray, a_t: float, a_prev: float, predict
 
 
 class BundleRunner:
-    """A bundle's models, loaded once, for any number of prompts (`run`); `close()` (or a `with`
-    block) frees them.
+    """A bundle's models for any number of prompts (`run`); `close()` (or a `with` block) frees them.
 
-    Plain: every model is loaded at the first prompt and stays. `pipelined`: the UNet stays and the
-    text encoder (loaded in a thread while the UNet compiles) and the decoder (loaded during the
-    last denoising step) are loaded and freed around each prompt, so at most the UNet and one other
-    model are resident (Choi et al.'s pipelined loading).
+    Plain: every model is loaded at the first prompt and stays (the naive app). `pipelined`: each model
+    is loaded just before its use and released right after it (text encoder, then UNet, then decoder),
+    one at a time, never two compiling at once: the peak is the largest single model's, not the sum
+    (Choi et al.'s pipelined loading; Apple's reduceMemory). On the GPU the models share one LiteRT
+    environment (one GPU device), and the accelerator's compiled programs are kept in a cache folder
+    (`gpu_cache`: a folder, None for the default one per bundle, False for none; runtime/gpu_cache.py),
+    so a second launch loads without compiling. Memory is measured per phase (runtime/memory.py).
     """
 
-    def __init__(self, bundle: str | Path, accelerator: str = "gpu", pipelined: bool = False, manifest: Optional[dict] = None):
+    def __init__(self, bundle: str | Path, accelerator: str = "gpu", pipelined: bool = False, manifest: Optional[dict] = None,
+                 gpu_cache: Union[str, Path, None, bool] = None, gpu_options: Optional[dict] = None):
         if accelerator not in ("cpu", "gpu"):
             raise PocketdiffError(f"accelerator must be cpu or gpu, got {accelerator!r}")
         self.bundle, self.accelerator, self.pipelined = bundle, accelerator, pipelined
@@ -217,19 +243,39 @@ class BundleRunner:
         for need in ("text_encoder", "unet", *self.decoder):
             if need not in self.comps:
                 raise PocketdiffError(f"bundle {bundle}: has no {need} (exported with components={list(self.comps)})")
-        self.driver = "n/a"
+        self.sampler = PeakSampler()
+        self.phases: list[dict] = []
+        self.runs_seen: dict[str, int] = {}
+        self.driver, self.env, self.cache = "n/a", None, None
+        self.gpu_options = dict(DEFAULT_GPU_OPTIONS if gpu_options is None else gpu_options)
         if accelerator == "gpu":
-            from .delegate import prepare_in_process
-
-            self.driver = prepare_in_process()
+            self._prepare_gpu(gpu_cache)
         self.loaded: dict[str, _Loaded] = {}
         self.accelerated: dict[str, bool] = {}  # every model loaded so far: fully on the GPU delegate
-        self.res = _Residency()
         # what every prompt shares, read once: the tokenizer, the unconditional ids (CFG), the time-embedding table
         tok = self.man["tokenizer"]
         self.tokenizer = bundle_tokenizer(tok["files"]["tokenizer.json"]["_path"], tok)
         self.ids_empty = _ids(self.tokenizer, "", tok) if int(self.man["guidance"]["unet_batch"]) == 2 else None
         self.table = np.load(self.man["time_embedding"]["_path"]) if self.man.get("time_embedding") else None
+        self._mark("runner", "ready")
+
+    def _prepare_gpu(self, gpu_cache) -> None:
+        from .delegate import prepare_in_process
+        from .gpu_cache import GpuProgramCache, bundle_cache_folder, litert_version
+        from .litert_c import Environment
+
+        self.driver = prepare_in_process()
+        self.env = Environment()
+        if gpu_cache is not False:
+            gpu = self.sampler.gpu
+            identity = "|".join([litert_version(), self.driver, str(gpu.name), str(gpu.driver_version()),
+                                 os.environ.get("VK_ICD_FILENAMES", ""), json.dumps(self.gpu_options, sort_keys=True)])
+            folder = Path(gpu_cache) if gpu_cache not in (None, True) else bundle_cache_folder(self.bundle, self.comps)
+            self.cache = GpuProgramCache(folder, identity)
+
+    def _mark(self, component: str, phase: str) -> None:
+        age = process_age_s()
+        self.phases.append({"component": component, "phase": phase, "t_s": None if age is None else round(age, 3), **self.sampler.mark()})
 
     def __enter__(self) -> "BundleRunner":
         return self
@@ -240,11 +286,20 @@ class BundleRunner:
     def close(self) -> None:
         for name in list(self.loaded):
             self._release(name)
+        if self.env is not None:
+            self.env.close()
+            self.env = None
+        self.sampler.close()
 
     def _load(self, name: str, latency: dict) -> _Loaded:
         if name not in self.loaded:
-            m = _Loaded(name, self.comps[name], self.accelerator)
-            self.res.add(m.bytes)
+            options = dict(self.gpu_options)
+            if self.cache is not None:
+                options.update(self.cache.options_for(name, self.comps[name]))
+            m = _Loaded(name, self.comps[name], self.accelerator, env=self.env, gpu_options=options,
+                        on_phase=lambda phase: self._mark(name, phase))
+            if self.cache is not None:
+                self.cache.record(name)
             self.loaded[name] = m
             self.accelerated[name] = m.fully_accelerated
             latency[f"{name}_load"] = m.load_s
@@ -254,78 +309,50 @@ class BundleRunner:
         m = self.loaded.pop(name, None)
         if m is not None:
             m.close()
-            self.res.sub(m.bytes)
+            self._mark(name, "released")
 
-    def run(self, prompt: str, seed: int = 0, init_latents: Optional[np.ndarray] = None) -> tuple[np.ndarray, dict]:
-        """One prompt: (image [H, W, 3] float32 in [0, 1], stats). Loads what is not resident;
-        `latency_s` holds this prompt's loads and runs only."""
-        man, decoder, pipelined = self.man, self.decoder, self.pipelined
-        sched, guidance, lat, tok = man["scheduler"], man["guidance"], man["latent"], man["tokenizer"]
+    def _ran(self, name: str) -> None:
+        """Mark a component's first run and its second (steady) one."""
+        n = self.runs_seen[name] = self.runs_seen.get(name, 0) + 1
+        if n <= 2:
+            self._mark(name, "first_run" if n == 1 else "steady_run")
+
+    def _encode(self, ids: np.ndarray, latency: dict) -> np.ndarray:
+        te = self._load("text_encoder", latency)
+        before = len(te.run_s)
+        cond = te({"input_ids": ids[None]})
+        self._ran("text_encoder")
+        if self.ids_empty is not None:
+            uncond = te({"input_ids": self.ids_empty[None]})
+            self._ran("text_encoder")
+            cond = np.concatenate([uncond, cond])
+        latency["text_encoder_run"] = float(sum(te.run_s[before:]))
+        if self.pipelined:
+            self._release("text_encoder")
+        return cond
+
+    def _denoise(self, x: np.ndarray, ehs: np.ndarray, latency: dict, stats: dict) -> np.ndarray:
+        man = self.man
+        sched, guidance = man["scheduler"], man["guidance"]
         B = int(guidance["unet_batch"])
-        latency: dict = {}
-        stats: dict = {"latency_s": latency, "driver": self.driver}
-        t_total = time.perf_counter()
-
-        # tokenizer
-        t0 = time.perf_counter()
-        ids, ids_empty = _ids(self.tokenizer, prompt, tok), self.ids_empty
-        latency["tokenize"] = time.perf_counter() - t0
-
-        text: dict = {}
-        errors: list[BaseException] = []
-
-        def encode() -> None:
-            te = self._load("text_encoder", latency)
-            before = len(te.run_s)
-            text["cond"] = te({"input_ids": ids[None]})
-            if ids_empty is not None:
-                text["uncond"] = te({"input_ids": ids_empty[None]})
-            latency["text_encoder_run"] = float(sum(te.run_s[before:]))
-            if pipelined:
-                self._release("text_encoder")
-
-        def load_decoder() -> None:
-            for name in decoder:
-                self._load(name, latency)
-
-        if pipelined:
-            th = threading.Thread(target=_recording, args=(errors, encode), name="text-encoder")
-            th.start()
-            unet = self._load("unet", latency)
-            th.join()
-        else:
-            self._load("text_encoder", latency)
-            unet = self._load("unet", latency)
-            load_decoder()
-            encode()
-        if errors:
-            raise errors[0]
-        ehs = np.concatenate([text["uncond"], text["cond"]]) if B == 2 else text["cond"]
-
-        # denoising
-        shape = (1, int(lat["channels"]), int(lat["height"]), int(lat["width"]))
-        x = np.random.default_rng(seed).standard_normal(shape).astype(np.float32) if init_latents is None else np.asarray(init_latents, np.float32).reshape(shape)
-        table = self.table
-        T = int(sched["num_train_timesteps"])
-        steps = int(sched["steps"])
+        unet = self._load("unet", latency)
+        T, steps = int(sched["num_train_timesteps"]), int(sched["steps"])
         alphas = np.asarray(sched["alphas_cumprod"], dtype=np.float64)
-        final = float(sched["final_alpha_cumprod"])
-        scale = float(guidance["scale"])
-        dec_thread = None
-        n = len(sched["timesteps"])
+        final, scale = float(sched["final_alpha_cumprod"]), float(guidance["scale"])
         unet_before = len(unet.run_s)
         for i, t in enumerate(sched["timesteps"]):
-            if pipelined and i == n - 1 and decoder[0] not in self.loaded:
-                dec_thread = threading.Thread(target=_recording, args=(errors, load_decoder), name="decoder")
-                dec_thread.start()
+            if i == 0:
+                age = process_age_s()
+                stats["start_s"] = None if age is None else round(age, 3)  # process start -> the first step
             x_in = np.concatenate([x] * B) if B > 1 else x
             feeds = {"sample": x_in}
-            if table is not None:
-                feeds["timestep"] = np.repeat(table[int(t)][None], B, axis=0)
+            if self.table is not None:
+                feeds["timestep"] = np.repeat(self.table[int(t)][None], B, axis=0)
             else:
                 feeds["timestep"] = np.full((B,), float(t), dtype=np.float32)
             feeds["encoder_hidden_states"] = ehs
             out = unet(feeds)
+            self._ran("unet")
             if B == 2:
                 out = out[0:1] + scale * (out[1:2] - out[0:1])
             prev = int(t) - T // steps
@@ -335,12 +362,16 @@ class BundleRunner:
         runs = unet.run_s[unet_before:]
         latency["unet_steps"] = float(sum(runs))
         latency["unet_step_mean"] = float(np.mean(runs)) if runs else 0.0
-        if dec_thread is not None:
-            dec_thread.join()
-        if errors:
-            raise errors[0]
+        if self.pipelined:
+            self._release("unet")
+        return x
+
+    def _decode(self, x: np.ndarray, latency: dict, stats: dict) -> np.ndarray:
+        decoder = self.decoder
+        for name in decoder:
+            self._load(name, latency)
         if decoder == TILED_DECODER:
-            pixels, timing = tiled_decode_bundle(self.loaded[decoder[0]], self.loaded[decoder[1]], man["vae_tiling"], x)
+            pixels, timing = tiled_decode_bundle(self.loaded[decoder[0]], self.loaded[decoder[1]], self.man["vae_tiling"], x)
             image = pixels[0].transpose(1, 2, 0)
             latency.update(timing["latency_s"])
             stats["vae_up_tile_calls"] = timing["up_tile_calls"]
@@ -349,15 +380,45 @@ class BundleRunner:
             before = len(dec.run_s)
             image = dec({"latents": x})[0].transpose(1, 2, 0)
             latency["vae_decoder_run"] = float(sum(dec.run_s[before:]))
-        stats["fully_accelerated"] = self.accelerator == "gpu" and all(self.accelerated.values()) and bool(text)
-        stats["fully_accelerated_by_component"] = dict(self.accelerated)
-        if pipelined:
+        for name in decoder:
+            self._ran(name)
+        if self.pipelined:
             for name in decoder:
-                self._release(name)  # the UNet stays resident for the next prompt
+                self._release(name)
+        return image
+
+    def run(self, prompt: str, seed: int = 0, init_latents: Optional[np.ndarray] = None) -> tuple[np.ndarray, dict]:
+        """One prompt: (image [H, W, 3] float32 in [0, 1], stats). Loads what is not resident;
+        `latency_s` holds this prompt's loads and runs only; `memory` the measured phases so far."""
+        check_seed(seed)
+        lat, tok = self.man["latent"], self.man["tokenizer"]
+        latency: dict = {}
+        stats: dict = {"latency_s": latency, "driver": self.driver}
+        t_total = time.perf_counter()
+        t0 = time.perf_counter()
+        ids = _ids(self.tokenizer, prompt, tok)
+        latency["tokenize"] = time.perf_counter() - t0
+        if not self.pipelined:  # the naive app: everything up front
+            for name in ("text_encoder", "unet", *self.decoder):
+                self._load(name, latency)
+        ehs = self._encode(ids, latency)
+        shape = (1, int(lat["channels"]), int(lat["height"]), int(lat["width"]))
+        x = np.random.default_rng(seed).standard_normal(shape).astype(np.float32) if init_latents is None else np.asarray(init_latents, np.float32).reshape(shape)
+        x = self._denoise(x, ehs, latency, stats)
+        image = self._decode(x, latency, stats)
+        stats["fully_accelerated"] = self.accelerator == "gpu" and all(self.accelerated.values())
+        stats["fully_accelerated_by_component"] = dict(self.accelerated)
         latency["total"] = time.perf_counter() - t_total
-        stats["peak_model_mb"] = self.res.peak / 2**20
+        age = process_age_s()
+        stats["total_s"] = None if age is None else round(age, 3)  # process start -> this image
+        stats["memory"] = self.memory_report()
         stats["finite"] = bool(np.isfinite(image).all())
         return np.clip(image, 0.0, 1.0), stats
+
+    def memory_report(self) -> dict:
+        """Measured: the whole run's peaks (host, GPU, host + GPU) and every phase; the cache's state."""
+        return {**self.sampler.totals(), "phases": list(self.phases),
+                "gpu_cache": self.cache.summary() if self.cache is not None else None}
 
 
 def generate(
@@ -368,19 +429,12 @@ def generate(
     pipelined: bool = False,
     init_latents: Optional[np.ndarray] = None,
     manifest: Optional[dict] = None,
+    gpu_cache: Union[str, Path, None, bool] = None,
 ) -> tuple[np.ndarray, dict]:
     """Run the bundle for one prompt: (image [H, W, 3] float32 in [0, 1], stats). Loads and frees
     every model; for several prompts, `BundleRunner` loads them once."""
-    with BundleRunner(bundle, accelerator, pipelined, manifest) as runner:
+    with BundleRunner(bundle, accelerator, pipelined, manifest, gpu_cache=gpu_cache) as runner:
         return runner.run(prompt, seed=seed, init_latents=init_latents)
-
-
-def _recording(errors: list, fn) -> None:
-    """fn() in a thread, its exception appended to `errors` for the main thread to raise."""
-    try:
-        fn()
-    except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
-        errors.append(e)
 
 
 def main(args) -> int:
@@ -389,12 +443,15 @@ def main(args) -> int:
 
     from pocketdiff.outputs import finish_output_dir, prepare_output_dir, write_json
 
+    check_seed(args.seed, "--seed")  # before the bundle is read or --output made
     man = check_bundle(args.bundle)  # refuses bad bundles (files, fields, signatures) before touching --output
     fresh = not Path(args.output).exists()
     out = prepare_output_dir(args.output, overwrite=args.overwrite, inputs=[("bundle", args.bundle)], verb="run-bundle")
     fully = None
     try:
-        image, stats = generate(args.bundle, args.prompt, seed=args.seed, accelerator=args.accelerator, pipelined=args.pipelined, manifest=man)
+        cache = False if getattr(args, "no_gpu_cache", False) else getattr(args, "gpu_cache", None)
+        image, stats = generate(args.bundle, args.prompt, seed=args.seed, accelerator=args.accelerator, pipelined=args.pipelined,
+                                manifest=man, gpu_cache=cache)
         if not stats["finite"]:
             raise PocketdiffError(f"bundle {args.bundle}: the image has NaN/Inf values ({args.accelerator})")
     except PocketdiffError:
@@ -417,10 +474,14 @@ def main(args) -> int:
         "fully_accelerated": fully,
         "fully_accelerated_by_component": stats["fully_accelerated_by_component"],
         "latency_s": {k: round(v, 4) for k, v in stats["latency_s"].items()},
-        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, 1),
-        "peak_model_mb": round(stats["peak_model_mb"], 2),
-        # what a non-pipelined run holds at once (all three models), for comparison
-        "peak_model_mb_all_resident": round(sum(int(e.get("bytes", 0)) for e in man["components"].values()) / 2**20, 2),
+        # measured (runtime/memory.py): host peak RSS, the process's GPU memory where NVML tells it, per phase
+        "host_peak_mb": stats["memory"]["host_peak_mb"],
+        "gpu_peak_mb": stats["memory"]["gpu_peak_mb"],
+        "host_plus_gpu_peak_mb": stats["memory"]["host_plus_gpu_peak_mb"],
+        "start_s": stats.get("start_s"),
+        "total_s": stats.get("total_s"),
+        "memory": stats["memory"],
+        "model_files_mb": round(sum(int(e.get("bytes", 0)) for e in man["components"].values()) / 2**20, 1),  # file sizes, not memory
         "steps": len(man["scheduler"]["timesteps"]),
         "vae_tiling": ({**man["vae_tiling"], "up_tile_calls": stats.get("vae_up_tile_calls")} if man.get("vae_tiling") else None),
         "guidance": man["guidance"],
@@ -428,5 +489,6 @@ def main(args) -> int:
     }
     write_json(out / "report.json", report)
     finish_output_dir(out)
-    print(f"wrote {path} ({args.accelerator}, {report['latency_s']['total']:.2f} s, peak RSS {report['peak_rss_mb']} MB)")
+    gpu = f", GPU {report['gpu_peak_mb']:.0f} MB" if report["gpu_peak_mb"] is not None else ""
+    print(f"wrote {path} ({args.accelerator}, {report['latency_s']['total']:.2f} s, host peak {report['host_peak_mb']:.0f} MB{gpu})")
     return 0

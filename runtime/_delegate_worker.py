@@ -1,7 +1,8 @@
-"""Child process of `pocketdiff.export.delegate.run_on_delegate` (started with the Vulkan env).
+"""Child process of `pocketdiff.runtime.delegate.run_on_delegate` (started with the Vulkan env).
 
 Reads request.json, compiles the model per precision, runs the inputs, writes result.json and
-out_<precision>.npz into the request's out_dir. Imports only numpy and ai_edge_litert.
+out_<precision>.npz into the request's out_dir, with the measured memory after compiling and after
+running (runtime/memory.py). Imports only numpy, ai_edge_litert and the runtime.
 """
 from __future__ import annotations
 
@@ -26,7 +27,10 @@ def _np_dtype(name: str):
 def main(request_path: str) -> int:
     req = json.loads(Path(request_path).read_text())
     out_dir = Path(req["out_dir"])
-    result: dict = {"compiled": False, "fully_accelerated": False, "ran": [], "compile_s": {}, "latency_s": {}}
+    result: dict = {"compiled": False, "fully_accelerated": False, "ran": [], "compile_s": {}, "latency_s": {}, "memory": {}}
+    from pocketdiff.runtime.memory import PeakSampler
+
+    sampler = PeakSampler()
 
     def flush() -> None:
         (out_dir / "result.json").write_text(json.dumps(result))
@@ -57,6 +61,7 @@ def main(request_path: str) -> int:
             model = CompiledModel.from_file(req["model"], options=opts)
             result["compile_s"][prec] = time.perf_counter() - t0
             result["compiled"] = True
+            mem = result["memory"][prec] = {"compiled": sampler.mark()}
             result["fully_accelerated"] = bool(model.is_fully_accelerated())
             sig_list = model.get_signature_list()
             sig = next(iter(sig_list))
@@ -95,6 +100,7 @@ def main(request_path: str) -> int:
                 shape = [int(s) for s in det["shape"]]
                 n = int(np.prod(shape)) if shape else 1
                 outs[f"out_{i}"] = np.asarray(buf.read(n, _np_dtype(det["dtype"]))).reshape(shape)
+            mem["ran"] = sampler.mark()
             np.savez(out_dir / f"out_{prec}.npz", **outs)
             result["latency_s"][prec] = statistics.median(times)
             result["ran"].append(prec)
@@ -119,6 +125,8 @@ def main(request_path: str) -> int:
             signal.signal(signal.SIGALRM, signal.SIG_DFL)
             signal.alarm(_TEARDOWN_S)
         return 3
+    result["memory_totals"] = sampler.totals()
+    sampler.close()
     flush()
     return 0
 

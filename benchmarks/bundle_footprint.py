@@ -1,0 +1,244 @@
+#!/usr/bin/env python
+"""Memory and start-up of a bundle on the LiteRT GPU delegate, measured (never file sizes).
+
+  probe    one .tflite in a fresh process through pocketdiff.runtime.litert_c: per phase (file opened,
+           compiled, first run, steady run, released) host RSS and its peak (the kernel's VmHWM), the
+           process's GPU memory (NVML) and the wall time, under a set of the accelerator's GPU options
+           (`--options '{"convert_weights_on_gpu": true}'`) and an optional cache folder. One JSON row.
+  matrix   `probe` for each named option set, each in its own process, cold then warm where a cache is
+           used: which options move the memory and the load time, side by side in one run.
+  runs     `pocketdiff run-bundle` end to end (its own report: per-phase memory, start_s, total_s), plain
+           and --pipelined, cold (empty cache folder) then warm (the same folder), per bundle layout.
+  collect  the rows of `matrix` / `runs` -> benchmarks/results/bundle_footprint_*.json (per run: layout, resolution,
+           mode, launch, host_peak_mb, gpu_peak_mb, start_s, total_s, device; then the probes).
+
+  python benchmarks/bundle_footprint.py matrix B/unet.tflite --sets base,gpu_convert --out $OUT/probe_unet.json
+  python benchmarks/bundle_footprint.py runs B:student B2:cfg --out $OUT/runs.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# option sets the matrix compares (the accelerator's TOML keys: pocketdiff.runtime.litert_c.GPU_OPTION_KEYS)
+OPTION_SETS = {
+    "base": {},
+    "madvise": {"madvise_original_shared_tensors": True},
+    "gpu_convert": {"convert_weights_on_gpu": True, "wait_for_weights_conversion_complete": True},
+    "gpu_convert_madvise": {"convert_weights_on_gpu": True, "wait_for_weights_conversion_complete": True,
+                            "madvise_original_shared_tensors": True},
+    "single_delegate": {"hint_fully_delegated_to_single_delegate": True},
+    "lean": {"convert_weights_on_gpu": True, "wait_for_weights_conversion_complete": True,
+             "madvise_original_shared_tensors": True, "num_threads_to_upload": 1},
+    "upload1": {"num_threads_to_upload": 1, "madvise_original_shared_tensors": True},
+    "no_shader_opt": {"disable_shader_optimization": True},
+    "fast_compile": {"disable_shader_optimization": True, "num_threads_to_compile": 8},
+}
+CACHED = {"serialize_program_cache": True}
+CACHED_WEIGHTS = {"serialize_program_cache": True, "serialize_external_tensors": True}
+
+
+def _feeds(specs) -> list:
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    out = []
+    for s in specs:
+        if np.issubdtype(s.dtype, np.integer):
+            out.append(np.zeros(s.shape, s.dtype))
+        else:
+            out.append(rng.standard_normal(s.shape).astype(s.dtype) * 0.5)
+    return out
+
+
+def probe(path: str, options: dict, cache: str | None, key: str) -> dict:
+    """One model, one process: the phases with their memory and time."""
+    import numpy as np
+
+    from pocketdiff.runtime.delegate import prepare_in_process
+    from pocketdiff.runtime.litert_c import CompiledModel, Environment
+    from pocketdiff.runtime.memory import PeakSampler
+
+    t_start = time.perf_counter()
+    driver = prepare_in_process()
+    sampler = PeakSampler()
+    phases = []
+
+    def mark(name: str) -> None:
+        phases.append({"phase": name, "t_s": round(time.perf_counter() - t_start, 3), **sampler.mark()})
+
+    mark("start")
+    env = Environment()
+    mark("environment")
+    opts = dict(options)
+    if cache:
+        Path(cache).mkdir(parents=True, exist_ok=True)
+        opts.update(serialization_dir=str(cache), model_cache_key=key)
+    model = CompiledModel(path, env, opts, on_phase=mark)
+    fully = model.fully_accelerated()
+    feeds = _feeds(model.inputs)
+    outs = model.run(feeds)
+    mark("first_run")
+    t0 = time.perf_counter()
+    outs = model.run(feeds)
+    steady = time.perf_counter() - t0
+    mark("steady_run")
+    finite = all(bool(np.isfinite(o).all()) for o in outs)
+    model.close()
+    mark("released")
+    env.close()
+    mark("environment_released")
+    totals = sampler.totals()
+    sampler.close()
+    load = next(p["t_s"] for p in phases if p["phase"] == "compiled") - next(p["t_s"] for p in phases if p["phase"] == "environment")
+    return {"model": Path(path).name, "file_mb": round(Path(path).stat().st_size / 2**20, 1), "options": options,
+            "cache": bool(cache), "driver": driver, "fully_accelerated": fully, "finite": finite,
+            "load_s": round(load, 2), "steady_run_s": round(steady, 4), "phases": phases, **totals,
+            "cache_files": sorted(f"{p.name}:{p.stat().st_size}" for p in Path(cache).iterdir()) if cache else None}
+
+
+def _child(path: str, options: dict, cache: str | None, key: str, timeout: float) -> dict:
+    cmd = [sys.executable, __file__, "probe", path, "--options", json.dumps(options), "--key", key, "--json", "-"]
+    if cache:
+        cmd += ["--cache", cache]
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"model": Path(path).name, "options": options, "error": f"timeout after {timeout} s"}
+    wall = round(time.perf_counter() - t0, 2)
+    line = next((l for l in reversed(p.stdout.splitlines()) if l.startswith("{")), None)
+    if p.returncode != 0 or line is None:
+        return {"model": Path(path).name, "options": options, "error": f"exit {p.returncode}", "stderr_tail": p.stderr[-1500:]}
+    row = json.loads(line)
+    row["process_wall_s"] = wall
+    return row
+
+
+def matrix(path: str, sets: list[str], timeout: float, cache_root: str | None) -> list[dict]:
+    rows = []
+    for name in sets:
+        if name in ("cached", "cached_weights"):
+            extra = CACHED if name == "cached" else CACHED_WEIGHTS
+            folder = tempfile.mkdtemp(prefix=f"pd-cache-{name}-", dir=cache_root)
+            for launch in ("cold", "warm"):
+                row = _child(path, extra, folder, "probe", timeout)
+                rows.append({"set": name, "launch": launch, **row})
+                print(json.dumps({k: row.get(k) for k in ("model", "load_s", "host_peak_mb", "gpu_peak_mb", "error")}), flush=True)
+            shutil.rmtree(folder, ignore_errors=True)
+            continue
+        row = _child(path, OPTION_SETS[name], None, "probe", timeout)
+        rows.append({"set": name, "launch": "cold", **row})
+        print(name, json.dumps({k: row.get(k) for k in ("model", "load_s", "host_peak_mb", "gpu_peak_mb", "error")}), flush=True)
+    return rows
+
+
+def _run_bundle(bundle: str, out: str, pipelined: bool, cache: str, driver_cache: str, timeout: float) -> dict:
+    """One `pocketdiff run-bundle` process; its report's measured fields."""
+    cmd = [sys.executable, "-m", "pocketdiff.cli", "run-bundle", bundle, "--prompt", "a photograph of an astronaut riding a horse",
+           "--output", out, "--accelerator", "gpu", "--seed", "0", "--overwrite", "--gpu-cache", cache]
+    if pipelined:
+        cmd.append("--pipelined")
+    env = dict(os.environ, __GL_SHADER_DISK_CACHE_PATH=driver_cache, MESA_SHADER_CACHE_DIR=driver_cache)  # the drivers' own caches: cold means empty
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timeout after {timeout} s"}
+    wall = round(time.perf_counter() - t0, 2)
+    report = Path(out) / "report.json"
+    if p.returncode != 0 or not report.exists():
+        return {"error": f"exit {p.returncode}", "stderr_tail": p.stderr[-2000:]}
+    r = json.loads(report.read_text())
+    keep = ("host_peak_mb", "gpu_peak_mb", "host_plus_gpu_peak_mb", "start_s", "total_s", "fully_accelerated", "latency_s", "memory")
+    return {**{k: r.get(k) for k in keep}, "process_wall_s": wall}
+
+
+def runs(bundles: list[tuple[str, str]], cache_root: str, timeout: float) -> list[dict]:
+    """Per layout: plain then pipelined, each cold (empty caches) then warm (the same caches)."""
+    from pocketdiff.runtime.memory import GpuMemory
+
+    device = GpuMemory().name
+    rows = []
+    for bundle, layout in bundles:
+        man = json.loads((Path(bundle) / "manifest.json").read_text())
+        resolution = int(man["latent"]["height"]) * int(man["latent"]["vae_factor"])
+        for mode in ("plain", "pipelined"):
+            folder = Path(cache_root) / f"{layout}-{mode}"
+            shutil.rmtree(folder, ignore_errors=True)
+            for launch in ("cold", "warm"):
+                r = _run_bundle(bundle, f"/tmp/footprint-{layout}-{mode}-{launch}", mode == "pipelined", str(folder / "programs"),
+                                str(folder / "driver"), timeout)
+                rows.append({"layout": layout, "resolution": resolution, "mode": mode, "launch": launch, "device": device,
+                             "steps": len(man["scheduler"]["timesteps"]), **r})
+                print(json.dumps({k: rows[-1].get(k) for k in ("layout", "mode", "launch", "host_peak_mb", "gpu_peak_mb",
+                                                               "start_s", "total_s", "error")}), flush=True)
+    return rows
+
+
+def collect(files: list[str], command: str, date: str) -> dict:
+    """`runs` and `matrix` outputs -> one results file: the per-run rows the issue names, then the probes."""
+    out: dict = {"command": command, "date": date, "runs": [], "probes": {}}
+    for f in files:
+        data = json.loads(Path(f).read_text())
+        if "rows" in data and data["rows"] and "layout" in data["rows"][0]:
+            out["runs"] += data["rows"]
+        elif "rows" in data:
+            out["probes"][Path(data["model"]).name] = data["rows"]
+    devices = {r.get("device") for r in out["runs"]} | {r.get("gpu_name") for rows in out["probes"].values() for r in rows}
+    out["device"] = ", ".join(sorted(d for d in devices if d))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("probe")
+    p.add_argument("model")
+    p.add_argument("--options", default="{}")
+    p.add_argument("--cache")
+    p.add_argument("--key", default="probe")
+    p.add_argument("--json", default="-")
+    m = sub.add_parser("matrix")
+    m.add_argument("model")
+    m.add_argument("--sets", default="base,madvise,gpu_convert,cached")
+    m.add_argument("--timeout", type=float, default=180)
+    m.add_argument("--cache-root")
+    m.add_argument("--out", required=True)
+    r = sub.add_parser("runs")
+    r.add_argument("bundles", nargs="+", help="FOLDER:LAYOUT")
+    r.add_argument("--cache-root", default="/tmp/pd-cache")
+    r.add_argument("--timeout", type=float, default=240)
+    r.add_argument("--out", required=True)
+    c = sub.add_parser("collect")
+    c.add_argument("files", nargs="+")
+    c.add_argument("--command", required=True, help="the command that produced the files (kept in the result)")
+    c.add_argument("--date", required=True)
+    c.add_argument("--out", required=True)
+    a = ap.parse_args(argv)
+    if a.cmd == "collect":
+        Path(a.out).write_text(json.dumps(collect(a.files, a.command, a.date), indent=1) + "\n")
+        return 0
+    if a.cmd == "runs":
+        pairs = [tuple(b.rsplit(":", 1)) for b in a.bundles]
+        rows = runs(pairs, a.cache_root, a.timeout)
+        Path(a.out).write_text(json.dumps({"rows": rows}, indent=1))
+        return 0
+    if a.cmd == "probe":
+        row = probe(a.model, json.loads(a.options), a.cache, a.key)
+        print(json.dumps(row))
+        return 0
+    rows = matrix(a.model, a.sets.split(","), a.timeout, a.cache_root)
+    Path(a.out).write_text(json.dumps({"model": a.model, "device": os.environ.get("DEVICE_NAME"), "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,163 @@
+"""The GPU accelerator's compiled-program cache, kept in a folder between launches.
+
+LiteRT's GPU accelerator can write what it compiled (`<key>_mldrift_program_cache.bin`) into a
+serialization folder under a model cache key, and read it back at the next load instead of compiling
+again. This module owns that folder for a runner:
+
+- the key of a component is its name plus a hash of everything the compiled programs depend on: the
+  .tflite's sha256 (from the manifest), ai-edge-litert's version, the GPU and driver, and the options
+  (precision, ...). A file made for another model, driver or version is never read: its key differs.
+- `index.json` records, per component, the key and the sha256 of each file the accelerator wrote. At
+  the next load an entry with another key ("made for another model, driver or LiteRT version"), a file
+  whose bytes changed or went missing ("corrupt"), or an unreadable index gets ONE warning line, its
+  files are removed, and the component is compiled afresh (and cached again). A corrupt file is thus
+  never handed to the accelerator.
+- a folder that cannot be created or written: one warning line, and the run goes on without a cache.
+
+Default folder: `$POCKETDIFF_CACHE` or `$XDG_CACHE_HOME/pocketdiff/gpu` (`~/.cache/...`), one subfolder
+per bundle (its name and a hash of its components' sha256), so two bundles never evict each other.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Callable, Optional
+
+INDEX = "index.json"
+SUFFIXES = ("_mldrift_program_cache.bin", "_mldrift_weight_cache.bin", "_mldrift_compiled_cache.bin")
+
+
+def default_cache_root() -> Path:
+    if os.environ.get("POCKETDIFF_CACHE"):
+        return Path(os.environ["POCKETDIFF_CACHE"]) / "gpu"
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "pocketdiff" / "gpu"
+
+
+def bundle_cache_folder(bundle: str | Path, components: dict, root: Optional[Path] = None) -> Path:
+    """`root/<bundle folder name>-<12 hex of its components' sha256>`."""
+    h = hashlib.sha256()
+    for name in sorted(components):
+        h.update(f"{name}:{components[name].get('sha256', '')};".encode())
+    return (root or default_cache_root()) / f"{Path(bundle).resolve().name}-{h.hexdigest()[:12]}"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def litert_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("ai-edge-litert")
+    except Exception:  # noqa: BLE001 - an unknown version only means a narrower cache hit
+        return "unknown"
+
+
+class GpuProgramCache:
+    """One folder of cached compiled programs; `options_for(name, entry)` before a component's load,
+    `record(name)` after it. `warn` prints one line per problem (stderr by default)."""
+
+    def __init__(self, folder: str | Path, identity: str, warn: Optional[Callable[[str], None]] = None):
+        self.folder = Path(folder)
+        self.identity = identity  # GPU, driver, LiteRT version, options: what else the programs depend on
+        self.warn = warn or (lambda msg: print(f"warning: {msg}", file=sys.stderr))
+        self.enabled = self._writable()
+        self.index = self._read_index() if self.enabled else {}
+        self.keys: dict[str, str] = {}
+        self.hits: dict[str, bool] = {}
+
+    def _writable(self) -> bool:
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=self.folder, prefix=".probe-"):
+                pass
+            return True
+        except OSError as e:
+            self.warn(f"gpu cache {self.folder}: not writable ({e.strerror or e}); running without a program cache")
+            return False
+
+    def _read_index(self) -> dict:
+        path = self.folder / INDEX
+        if not path.exists():
+            return {}
+        try:
+            data = json.loads(path.read_text())
+            if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
+                raise ValueError("not an object of entries")
+            return data
+        except (OSError, ValueError) as e:
+            self.warn(f"gpu cache {path}: unreadable ({e}); rebuilding it")
+            self._remove_files(lambda name: True)
+            return {}
+
+    def _write_index(self) -> None:
+        tmp = self.folder / f".{INDEX}.tmp"
+        try:
+            tmp.write_text(json.dumps(self.index, indent=1, sort_keys=True))
+            os.replace(tmp, self.folder / INDEX)
+        except OSError as e:
+            self.warn(f"gpu cache {self.folder}: index not written ({e.strerror or e}); the next launch compiles again")
+
+    def _remove_files(self, match: Callable[[str], bool]) -> None:
+        for p in self.folder.iterdir() if self.folder.is_dir() else []:
+            if p.is_file() and p.name.endswith(SUFFIXES) and match(p.name):
+                p.unlink(missing_ok=True)
+
+    def key(self, name: str, entry: dict) -> str:
+        h = hashlib.sha256(f"{entry.get('sha256', '')}|{self.identity}".encode()).hexdigest()[:16]
+        return f"{name}-{h}"
+
+    def options_for(self, name: str, entry: dict) -> dict:
+        """The accelerator options that read and write this component's programs (empty: no cache)."""
+        if not self.enabled:
+            return {}
+        key = self.key(name, entry)
+        self.keys[name] = key
+        old = self.index.get(name)
+        hit = False
+        if old is not None and old.get("key") != key:
+            self.warn(f"gpu cache {self.folder}: {name}'s programs were made for another model, driver or LiteRT version; rebuilding")
+            self._drop(name, old)
+        elif old is not None:
+            bad = [f for f, sha in (old.get("files") or {}).items()
+                   if not (self.folder / f).is_file() or _sha256(self.folder / f) != sha]
+            if bad or not old.get("files"):
+                self.warn(f"gpu cache {self.folder}: {name}'s cached programs are corrupt or missing ({', '.join(bad) or 'no files'}); rebuilding")
+                self._drop(name, old)
+            else:
+                hit = True
+        if not hit:
+            self._remove_files(lambda f: f.startswith(key + "_"))  # stray files of an unrecorded run
+        self.hits[name] = hit
+        return {"serialization_dir": str(self.folder), "model_cache_key": key, "serialize_program_cache": True}
+
+    def _drop(self, name: str, old: dict) -> None:
+        key = old.get("key", "")
+        self._remove_files(lambda f: bool(key) and f.startswith(key + "_"))
+        for f in old.get("files") or {}:
+            (self.folder / Path(f).name).unlink(missing_ok=True)
+        self.index.pop(name, None)
+        self._write_index()
+
+    def record(self, name: str) -> None:
+        """After a load: the files the accelerator wrote for this component, with their sha256."""
+        if not self.enabled or name not in self.keys or self.hits.get(name):
+            return
+        key = self.keys[name]
+        files = {p.name: _sha256(p) for p in sorted(self.folder.iterdir()) if p.is_file() and p.name.startswith(key + "_")}
+        if files:
+            self.index[name] = {"key": key, "files": files}
+            self._write_index()
+
+    def summary(self) -> dict:
+        return {"folder": str(self.folder) if self.enabled else None, "hits": dict(self.hits)}

@@ -1,0 +1,196 @@
+"""Measured memory of this process: host resident set (now and peak) and GPU memory where the platform
+tells it. What run-bundle and verify-bundle report under a memory name comes from here, never from
+file sizes.
+
+- Host: /proc/self/status (VmRSS now, VmHWM the peak since start or since `reset_host_peak`).
+- GPU: NVIDIA's NVML (libnvidia-ml.so.1, the driver's own library): the memory the driver charges to
+  this process (graphics and compute lists; a Vulkan process is a graphics one). Where the per-process
+  lists are empty (some sandboxes hide them) the device's used memory minus what it used when the
+  `GpuMemory` was made, named as such (`source`). None on machines without NVML (lavapipe, phones).
+- `PeakSampler` polls both in a thread (default every 20 ms) to catch GPU peaks between phases; the
+  host peak comes from the kernel's own high-water mark, not from polling.
+"""
+from __future__ import annotations
+
+import ctypes as C
+import os
+import threading
+import time
+from typing import Optional
+
+
+def _status_kb(field: str) -> Optional[float]:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return float(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def host_rss_mb() -> Optional[float]:
+    kb = _status_kb("VmRSS")
+    return None if kb is None else kb / 1024.0
+
+
+def host_peak_mb() -> Optional[float]:
+    """The kernel's high-water mark of this process's resident set (since start or the last reset)."""
+    kb = _status_kb("VmHWM")
+    if kb is None:  # not Linux: ru_maxrss (KB on Linux, bytes on macOS; only reached off Linux)
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    return kb / 1024.0
+
+
+def reset_host_peak() -> bool:
+    """Set VmHWM back to the current RSS (Linux >= 4.0: write 5 to /proc/self/clear_refs)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+class _ProcessInfo(C.Structure):  # nvmlProcessInfo_t (v2/v3 share the first two fields' layout)
+    _fields_ = [("pid", C.c_uint), ("usedGpuMemory", C.c_ulonglong), ("gpuInstanceId", C.c_uint), ("computeInstanceId", C.c_uint)]
+
+
+class _MemoryInfo(C.Structure):
+    _fields_ = [("total", C.c_ulonglong), ("free", C.c_ulonglong), ("used", C.c_ulonglong)]
+
+
+class GpuMemory:
+    """GPU memory of this process through NVML; `available` is False where there is none."""
+
+    def __init__(self, pid: Optional[int] = None):
+        self.pid = pid or os.getpid()
+        self.available = False
+        self.name = None
+        self.source = None
+        try:
+            self.nvml = C.CDLL("libnvidia-ml.so.1")
+            if self.nvml.nvmlInit_v2() != 0:
+                return
+            self.device = C.c_void_p()
+            index = int((os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0] or 0)
+            if self.nvml.nvmlDeviceGetHandleByIndex_v2(index, C.byref(self.device)) != 0:
+                return
+            buf = C.create_string_buffer(96)
+            if self.nvml.nvmlDeviceGetName(self.device, buf, 96) == 0:
+                self.name = buf.value.decode()
+            self.available = True
+            self.baseline_mb = self.device_used_mb()
+        except OSError:
+            return
+
+    def driver_version(self) -> Optional[str]:
+        if not self.available:
+            return None
+        buf = C.create_string_buffer(96)
+        return buf.value.decode() if self.nvml.nvmlSystemGetDriverVersion(buf, 96) == 0 else None
+
+    def device_used_mb(self) -> float:
+        info = _MemoryInfo()
+        self.nvml.nvmlDeviceGetMemoryInfo(self.device, C.byref(info))
+        return info.used / 2**20
+
+    def _listed_mb(self) -> Optional[float]:
+        total, seen = 0, False
+        for fn in ("nvmlDeviceGetGraphicsRunningProcesses_v3", "nvmlDeviceGetComputeRunningProcesses_v3"):
+            f = getattr(self.nvml, fn, None)
+            if f is None:
+                continue
+            n = C.c_uint(64)
+            procs = (_ProcessInfo * 64)()
+            if f(self.device, C.byref(n), procs) != 0:
+                continue
+            for p in procs[: n.value]:
+                if p.pid == self.pid and p.usedGpuMemory < (1 << 62):
+                    total, seen = total + p.usedGpuMemory, True
+        return total / 2**20 if seen else None
+
+    def used_mb(self) -> Optional[float]:
+        """This process's GPU memory now (MB), or None where NVML is absent."""
+        if not self.available:
+            return None
+        listed = self._listed_mb()
+        if listed is not None:
+            self.source = "nvml process list"
+            return listed
+        self.source = "nvml device used minus baseline"
+        return max(0.0, self.device_used_mb() - self.baseline_mb)
+
+
+class PeakSampler:
+    """Background polling of GPU memory (and host RSS) for peaks between `mark()` calls."""
+
+    def __init__(self, gpu: Optional[GpuMemory] = None, every_s: float = 0.02):
+        self.gpu = gpu if gpu is not None else GpuMemory()
+        self.every_s = every_s
+        self.gpu_peak_mb = 0.0
+        self.gpu_window_peak_mb = 0.0
+        self.host_peak_total_mb = host_peak_mb() or 0.0
+        self.sum_peak_mb = 0.0  # polled: the largest host RSS + GPU at one moment
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._poll, name="memory-sampler", daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            used = self.gpu.used_mb() if self.gpu.available else None
+            if used is not None:
+                both = used + (host_rss_mb() or 0.0)
+                with self._lock:
+                    self.gpu_peak_mb = max(self.gpu_peak_mb, used)
+                    self.gpu_window_peak_mb = max(self.gpu_window_peak_mb, used)
+                    self.sum_peak_mb = max(self.sum_peak_mb, both)
+            time.sleep(self.every_s)
+
+    def mark(self) -> dict:
+        """Now and the peaks since the last mark: host RSS, host peak (VmHWM, then reset so the next mark
+        sees its own window; `host_peak_total_mb` keeps the whole run's), GPU."""
+        gpu_now = self.gpu.used_mb() if self.gpu.available else None
+        with self._lock:
+            window = max(self.gpu_window_peak_mb, gpu_now or 0.0) if gpu_now is not None else None
+            self.gpu_window_peak_mb = gpu_now or 0.0
+            if gpu_now is not None:
+                self.gpu_peak_mb = max(self.gpu_peak_mb, gpu_now)
+        peak = host_peak_mb()
+        self.host_peak_total_mb = max(self.host_peak_total_mb, peak or 0.0)
+        reset_host_peak()
+        return {"host_rss_mb": _r(host_rss_mb()), "host_peak_mb": _r(peak), "gpu_mb": _r(gpu_now), "gpu_peak_mb": _r(window)}
+
+    def totals(self) -> dict:
+        """The whole run's peaks so far (host: the kernel's high-water mark; GPU: polled)."""
+        self.host_peak_total_mb = max(self.host_peak_total_mb, host_peak_mb() or 0.0)
+        gpu = self.gpu_peak_mb if self.gpu.available else None
+        both = None if gpu is None else self.host_peak_total_mb + gpu
+        return {"host_peak_mb": _r(self.host_peak_total_mb), "gpu_peak_mb": _r(gpu),
+                "host_plus_gpu_peak_mb": _r(both),  # the two peaks added: an upper bound, whenever each came
+                "host_plus_gpu_peak_at_once_mb": _r(self.sum_peak_mb) if gpu is not None else None,  # polled
+                "gpu_source": self.gpu.source, "gpu_name": self.gpu.name}
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=1.0)
+
+
+def _r(v: Optional[float]) -> Optional[float]:
+    return None if v is None else round(float(v), 1)
+
+
+def process_age_s() -> Optional[float]:
+    """Seconds since this process started (Linux: /proc/self/stat's start time against /proc/uptime)."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Memory and start-up of SD-2.1-size bundles on a GPU machine's LiteRT GPU delegate (real Vulkan driver),
+# through the product's own code (benchmarks/bundle_footprint.py). Repo root, carried: .whl/ (ai-edge-litert
+# and the few wheels the image lacks), .gl/ (Vulkan loader debs), .devbundle/ (benchmarks/sd21_bundle.py pack).
+#   PARTS=probe  per component, each option set of the accelerator in its own process (host RSS, GPU, time per phase)
+#   PARTS=runs   pocketdiff run-bundle end to end: plain / --pipelined, cold / warm launch, per layout
+# Writes $OUT/probe_<component>.json, $OUT/runs.json, $OUT/bundle_footprint.log.
+#   PARTS=probe,runs bash scripts/gpu/bundle_footprint.sh
+set -u
+REPO=$PWD
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+exec > >(tee -a "$OUT/bundle_footprint.log") 2>&1
+say() { echo "[$(date +%H:%M:%S)] $*"; }
+PARTS=${PARTS:-probe,runs}
+SETS_UNET=${SETS_UNET:-base,madvise,gpu_convert,lean,single_delegate,cached,cached_weights}
+SETS_TE=${SETS_TE:-base,lean,cached}
+source "$REPO/scripts/gpu/vulkan_env.sh"
+source "$REPO/scripts/gpu/env.sh" || exit 3
+PY=python3
+BUNDLES=/tmp/sd21_bundles
+if [ ! -d "$BUNDLES" ]; then
+  $PY "$REPO/benchmarks/sd21_bundle.py" unpack "$REPO/.devbundle" "$BUNDLES" || exit 5
+fi
+LAYOUTS=$(ls "$BUNDLES")
+say "layouts: $LAYOUTS"
+FIRST=$(echo $LAYOUTS | awk '{print $1}')
+if [[ ,$PARTS, == *,probe,* ]]; then
+  say "== probe unet ($SETS_UNET)"
+  $PY "$REPO/benchmarks/bundle_footprint.py" matrix "$BUNDLES/$FIRST/unet.tflite" --sets "$SETS_UNET" --out "$OUT/probe_unet.json" --cache-root /tmp
+  say "== probe text_encoder ($SETS_TE)"
+  $PY "$REPO/benchmarks/bundle_footprint.py" matrix "$BUNDLES/$FIRST/text_encoder.tflite" --sets "$SETS_TE" --out "$OUT/probe_text_encoder.json" --cache-root /tmp
+fi
+if [[ ,$PARTS, == *,runs,* ]]; then
+  args=""; for L in $LAYOUTS; do args="$args $BUNDLES/$L:$L"; done
+  say "== runs: $args"
+  $PY "$REPO/benchmarks/bundle_footprint.py" runs $args --out "$OUT/runs.json" --cache-root /tmp/pd-cache
+fi
+say "done"

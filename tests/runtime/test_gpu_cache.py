@@ -1,0 +1,109 @@
+"""The GPU program cache folder (runtime/gpu_cache.py): hits, and the bad cases: a cache from another
+model/driver/version, corrupt or missing files, an unreadable index, an unwritable folder -- each one
+warning line and a rebuild (or no cache), never a crash or a wrong image."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pocketdiff.runtime.gpu_cache import GpuProgramCache, bundle_cache_folder
+
+BUNDLE = Path(__file__).resolve().parents[1] / "web" / "smoke_bundle"
+ENTRY = {"sha256": "ab" * 32}
+
+
+def _cache(folder, identity="gpu-a", warnings=None):
+    return GpuProgramCache(folder, identity, warn=(warnings if warnings is not None else []).append)
+
+
+def _accelerator_writes(cache: GpuProgramCache, name: str, payload: bytes = b"programs") -> Path:
+    opts = cache.options_for(name, ENTRY)
+    path = Path(opts["serialization_dir"]) / f"{opts['model_cache_key']}_mldrift_program_cache.bin"
+    path.write_bytes(payload)
+    cache.record(name)
+    return path
+
+
+def test_second_launch_hits_and_keys_depend_on_model_and_identity(tmp_path):
+    first = _cache(tmp_path)
+    _accelerator_writes(first, "unet")
+    assert first.hits == {"unet": False}
+    warnings = []
+    second = _cache(tmp_path, warnings=warnings)
+    opts = second.options_for("unet", ENTRY)
+    assert second.hits == {"unet": True} and not warnings
+    assert opts["serialize_program_cache"] is True and opts["model_cache_key"].startswith("unet-")
+    assert second.key("unet", ENTRY) != second.key("unet", {"sha256": "cd" * 32}) != _cache(tmp_path, "gpu-b").key("unet", ENTRY)
+
+
+@pytest.mark.parametrize("damage,expect", [
+    ("other_driver", "another model, driver or LiteRT version"),
+    ("flip_byte", "corrupt or missing"),
+    ("delete_file", "corrupt or missing"),
+    ("bad_index", "unreadable"),
+])
+def test_bad_cache_warns_once_and_rebuilds(tmp_path, damage, expect):
+    path = _accelerator_writes(_cache(tmp_path), "unet")
+    identity = "gpu-a"
+    if damage == "other_driver":
+        identity = "gpu-b"
+    elif damage == "flip_byte":
+        path.write_bytes(b"programz")
+    elif damage == "delete_file":
+        path.unlink()
+    else:
+        (tmp_path / "index.json").write_text("{not json")
+    warnings = []
+    cache = _cache(tmp_path, identity, warnings)
+    cache.options_for("unet", ENTRY)
+    assert len(warnings) == 1 and expect in warnings[0], warnings
+    assert cache.hits == {"unet": False}
+    assert not list(tmp_path.glob("*_mldrift_*"))  # the stale or damaged files are gone before the rebuild
+    fresh = _accelerator_writes(cache, "unet")  # the rebuild is recorded, and hits next time
+    again = []
+    c2 = _cache(tmp_path, identity, again)
+    c2.options_for("unet", ENTRY)
+    assert fresh.exists() and c2.hits == {"unet": True} and not again
+
+
+def test_unwritable_folder_runs_without_a_cache(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    warnings = []
+    cache = _cache(blocker / "sub", warnings=warnings)
+    assert not cache.enabled and len(warnings) == 1 and "not writable" in warnings[0]
+    assert cache.options_for("unet", ENTRY) == {}
+
+
+def test_default_folder_is_per_bundle(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("POCKETDIFF_CACHE", raising=False)
+    a = bundle_cache_folder(BUNDLE, {"unet": {"sha256": "1"}})
+    b = bundle_cache_folder(BUNDLE, {"unet": {"sha256": "2"}})
+    assert a.parent == tmp_path / "pocketdiff" / "gpu" and a != b and a.name.startswith("smoke_bundle-")
+
+
+def test_run_bundle_with_a_corrupted_cache_gives_the_same_image(tmp_path, capsys):
+    """Through the runner on the real delegate: cold, warm (hits), then a corrupted program file: one
+    warning, a rebuild, and the same image as before."""
+    from pocketdiff.runtime.run_bundle import generate
+
+    folder = tmp_path / "programs"
+    cold, s_cold = generate(BUNDLE, "a red circle", seed=1, gpu_cache=folder)
+    warm, s_warm = generate(BUNDLE, "a red circle", seed=1, gpu_cache=folder)
+    assert not any(s_cold["memory"]["gpu_cache"]["hits"].values()) and all(s_warm["memory"]["gpu_cache"]["hits"].values())
+    victim = next(folder.glob("unet-*_mldrift_program_cache.bin"))
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    capsys.readouterr()
+    rebuilt, s_rebuilt = generate(BUNDLE, "a red circle", seed=1, gpu_cache=folder)
+    err = capsys.readouterr().err
+    assert err.count("gpu cache") == 1 and "unet's cached programs are corrupt" in err
+    assert s_rebuilt["memory"]["gpu_cache"]["hits"] == {"text_encoder": True, "unet": False, "vae_decoder": True}
+    assert np.abs(cold - warm).max() < 1e-6 and np.abs(cold - rebuilt).max() < 1e-6
+    index = json.loads((folder / "index.json").read_text())
+    assert set(index) == {"text_encoder", "unet", "vae_decoder"}
