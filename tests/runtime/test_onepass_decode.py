@@ -1,4 +1,4 @@
-"""runtime/onepass_decode.py + export/onepass_vae.py: one-pass tiled decoding of a norm-free decoder."""
+"""runtime/onepass_decode.py (with export/onepass_vae.py's graphs): one-pass tiled decoding of a norm-free decoder."""
 import copy
 
 import numpy as np
