@@ -225,7 +225,7 @@ def measure(paths: list, latents_list: list, reference, delegate: bool, repeats:
             images = [p.decode(z.numpy()) for z in latents_list]
             vals = [psnr(r, i) for r, i in zip(ref_images, images)]
             row["psnr_db"] = round(float(np.mean(vals)), 3) if p is not whole else None  # the reference itself
-            row["psnr_db_min"] = round(float(np.min(vals)), 3)
+            row["psnr_db_min"] = round(float(np.min(vals)), 3) if p is not whole else None
             row["_images"] = images
         if delegate:
             with tempfile.TemporaryDirectory(prefix="decoder-paths-") as tmp:
