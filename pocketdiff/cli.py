@@ -24,7 +24,6 @@ from .errors import PocketdiffError
 VERBS: dict[str, Optional[str]] = {
     "train-teacher": "pocketdiff.train.teacher",
     "distill": "pocketdiff.train.distill",
-    "distill-decoder": "pocketdiff.train.decoder_distill",
     "calibrate": "pocketdiff.compress.quant.calibrate",
     "prune": "pocketdiff.compress.prune.verb",
     "evaluate": "pocketdiff.evaluate.run",
@@ -35,6 +34,7 @@ VERBS: dict[str, Optional[str]] = {
     "train-clip": "pocketdiff.evaluate.train_clip",
     "web": "pocketdiff.web.verb",
     "serve": "pocketdiff.web.serve",
+    "distill-decoder": "pocketdiff.train.decoder_distill",
 }
 
 # verbs that run a bundle with the LiteRT runtime alone: they must not import torch or diffusers
