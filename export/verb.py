@@ -28,6 +28,7 @@ from pocketdiff.models import ModelConfig, load_or_build, perturb_norm_affines
 from pocketdiff.outputs import write_json
 from pocketdiff.runtime.bundle import MANIFEST, load_manifest
 from pocketdiff.runtime.manifest_check import TILED_DECODER
+from pocketdiff.runtime.onepass_decode import ONE_PASS
 from pocketdiff.runtime.tiled_decode import SCHEMES as TILING_SCHEMES
 
 from . import bundle as bundle_lib
@@ -38,7 +39,8 @@ from .export_components import ComponentExport, GoldenInputs, say
 from .exporter import VerifyConfig, peak_rss_mb
 from .parity import ParityConfig
 from .rewrites import RewriteConfig
-from .tiled_export import expand_components, split_decoder
+from .onepass_export import split_one_pass
+from .tiled_export import expand_components, parity_latents, split_decoder
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +81,8 @@ class VaeTilingConfig:
     overlap: int = 8  # latents shared by neighbouring tiles
     passes: int = 5  # passes over the tiles (norm statistics iterated towards the whole image's)
     margin: int = 0  # latents at tile edges facing a neighbour that blend with weight 0 (the up path's cut receptive field)
-    scheme: str = "plain"  # plain | control_variate: how later passes use the previous totals (runtime/tiled_decode.py)
+    scheme: str = "plain"  # plain | control_variate: how later passes use the previous totals (runtime/tiled_decode.py) | one_pass
+    fold_norms: bool = False  # one_pass with a GroupNorm decoder: fold it here, no fine-tune (export/onepass_export.py)
     min_psnr_db: float = 35.0  # tiled decode through the .tflite files vs the whole torch decode
 
     def __post_init__(self) -> None:
@@ -89,7 +92,9 @@ class VaeTilingConfig:
         require(isinstance(self.passes, int) and self.passes >= 1, "vae_tiling.passes", f"must be an int >= 1, got {self.passes!r}")
         require(isinstance(self.margin, int) and 0 <= 2 * self.margin <= self.overlap, "vae_tiling.margin",
                 f"must be an int with 0 <= 2 * margin <= overlap={self.overlap} (neighbouring tiles' weighted parts must meet), got {self.margin!r}")
-        require(self.scheme in TILING_SCHEMES, "vae_tiling.scheme", f"must be one of {', '.join(TILING_SCHEMES)}, got {self.scheme!r}")
+        require(self.scheme in TILING_SCHEMES + (ONE_PASS,), "vae_tiling.scheme",
+                f"must be one of {', '.join(TILING_SCHEMES + (ONE_PASS,))}, got {self.scheme!r}")
+        require(self.scheme != ONE_PASS or self.passes == 1, "vae_tiling.passes", f"must be 1 with scheme one_pass, got {self.passes}")
         require(math.isfinite(self.min_psnr_db), "vae_tiling.min_psnr_db", f"must be a finite number, got {self.min_psnr_db!r}")
 
 
@@ -294,7 +299,11 @@ def _scan_and_rewrites(cfg: Config, pipe, golden: GoldenInputs, work: Path, timi
     split = None
     if cfg.vae_tiling.enabled:  # the decoder as head + up-path tile; its residual stream scaled once for both
         vae_rw = rewrites_of.pop("vae_decoder")
-        split = split_decoder(pipe.vae, cfg.vae_tiling, golden.vae_latents, shapes.vae_factor, vae_rw.residual_scale)
+        if cfg.vae_tiling.scheme == ONE_PASS:  # a norm-free up path, every tile once (export/onepass_export.py)
+            split = split_one_pass(pipe.vae, cfg.vae_tiling, golden.vae_latents, parity_latents(pipe.vae, shapes.latent_size, shapes.vae_factor),
+                                   shapes.vae_factor, vae_rw.residual_scale, cfg.device_profile.budgets()["max_tensor_mb"], cfg.seed)
+        else:
+            split = split_decoder(pipe.vae, cfg.vae_tiling, golden.vae_latents, shapes.vae_factor, vae_rw.residual_scale)
         for n in TILED_DECODER:
             rewrites_of[n] = dataclasses.replace(vae_rw, residual_scale=None)
     if scan is not None:

@@ -34,6 +34,7 @@ VERBS: dict[str, Optional[str]] = {
     "train-clip": "pocketdiff.evaluate.train_clip",
     "web": "pocketdiff.web.verb",
     "serve": "pocketdiff.web.serve",
+    "distill-decoder": "pocketdiff.train.decoder_distill",
 }
 
 # verbs that run a bundle with the LiteRT runtime alone: they must not import torch or diffusers
@@ -42,6 +43,7 @@ RUNTIME_ONLY_VERBS = ("run-bundle", "verify-bundle", "web", "serve")
 HELP = {
     "train-teacher": "train a text-to-image latent diffusion teacher (Accelerate)",
     "distill": "guided + progressive distillation to few sampling steps",
+    "distill-decoder": "a norm-free VAE decoder (GroupNorms folded, fine-tuned to the original) that tiles in one pass",
     "calibrate": "block-wise reconstruction PTQ to int8 / int4 weights",
     "prune": "structured pruning of the large convolutions + recovery",
     "evaluate": "FD / FID and CLIP score, sample grids, reports",

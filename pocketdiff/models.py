@@ -38,6 +38,7 @@ from .archs import (  # noqa: F401  (ARCHS and the config factories are also imp
     vae_config,
 )
 from .errors import PocketdiffError, require
+from .normfree import apply_norm_free, norm_free_names
 from .shipped import resolve_shipped
 
 log = logging.getLogger(__name__)
@@ -386,6 +387,7 @@ def load_vae(source: str, torch_dtype=None):
     except (OSError, ValueError, KeyError, TypeError, RuntimeError, AttributeError) as e:
         raise _load_error(src, e) from e
     check_finite_weights(vae, f"{src}: vae")
+    apply_norm_free(vae, norm_free_names(vae))  # a distill-decoder folder: its folded norms back as affines
     return vae
 
 
@@ -394,6 +396,7 @@ def load_or_build(cfg: ModelConfig, captions: Optional[list[str]] = None, resolu
     if not cfg.pretrained:
         return build_pipeline(cfg, captions=captions, resolution=resolution)
     pipe = load_pipeline(cfg.pretrained)
+    apply_norm_free(pipe.vae, norm_free_names(pipe.vae))
     folder_type = pipe.scheduler.config.get("prediction_type", "epsilon")
     if folder_type != cfg.prediction_type:
         log.warning(
@@ -402,10 +405,16 @@ def load_or_build(cfg: ModelConfig, captions: Optional[list[str]] = None, resolu
         )
     if cfg.vae:
         vae = load_vae(cfg.vae, torch_dtype=pipe.vae.dtype)
-        if vae.config.latent_channels != pipe.unet.config.in_channels:
+        ours = int(pipe.vae.config.latent_channels)
+        if vae.config.latent_channels != ours or vae.config.latent_channels != pipe.unet.config.in_channels:
             raise PocketdiffError(
                 f"model.vae: {cfg.vae} has {vae.config.latent_channels} latent channels, "
-                f"the UNet of {cfg.pretrained} expects {pipe.unet.config.in_channels}"
+                f"the VAE of {cfg.pretrained} {ours} (its UNet expects {pipe.unet.config.in_channels})"
+            )
+        if vae_scale_factor(vae) != vae_scale_factor(pipe.vae):
+            raise PocketdiffError(
+                f"model.vae: {cfg.vae} decodes with scale factor {vae_scale_factor(vae)}, "
+                f"the VAE of {cfg.pretrained} with {vae_scale_factor(pipe.vae)}"
             )
         pipe.register_modules(vae=vae)
         if hasattr(pipe, "vae_scale_factor"):

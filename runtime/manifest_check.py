@@ -31,6 +31,7 @@ import numpy as np
 
 from pocketdiff.errors import PocketdiffError
 
+from .onepass_decode import ONE_PASS, check_one_pass_block, one_pass_io
 from .tiled_decode import SCHEMES as TILING_SCHEMES
 
 RUNNER_COMPONENTS = ("text_encoder", "unet", "vae_decoder")
@@ -370,10 +371,11 @@ def _check_tiling(man: dict, ios: dict, latent: list, found: _Found) -> None:
     m = block.get("margin", 0)  # bundles from before the margin decode with none
     if not _is_int(m) or m < 0 or (_is_int(o) and 2 * m > o):
         found.add("vae_tiling.margin", "range", f"must be an integer with 0 <= 2 * margin <= overlap={o!r}, got {m!r}")
-    if block.get("scheme", "plain") not in TILING_SCHEMES:
-        found.add("vae_tiling.scheme", "value", f"must be one of {', '.join(TILING_SCHEMES)}, got {block.get('scheme')!r}")
+    one_pass = block.get("scheme") == ONE_PASS
+    if block.get("scheme", "plain") not in TILING_SCHEMES + (ONE_PASS,):
+        found.add("vae_tiling.scheme", "value", f"must be one of {', '.join(TILING_SCHEMES + (ONE_PASS,))}, got {block.get('scheme')!r}")
     norms = block.get("norms")
-    if not isinstance(norms, list) or len(norms) != 2 or not all(_is_int(v) and v > 0 for v in norms):
+    if not one_pass and (not isinstance(norms, list) or len(norms) != 2 or not all(_is_int(v) and v > 0 for v in norms)):
         found.add("vae_tiling.norms", "type", f"must be [norm count K, groups G] (positive integers), got {norms!r}")
         return
     lat = man.get("latent") if isinstance(man.get("latent"), dict) else {}
@@ -381,9 +383,14 @@ def _check_tiling(man: dict, ios: dict, latent: list, found: _Found) -> None:
         found.add("vae_tiling.factor", "consistency", f"{f}, but latent.vae_factor is {lat.get('vae_factor')!r}")
     if all(_is_int(d) for d in latent[1:]) and t > min(latent[1:]):
         found.add("vae_tiling.tile", "range", f"{t} latents is larger than the latent {latent[1]}x{latent[2]}")
-    K, G, F = norms[0], norms[1], block["features"]
-    want = {"vae_decoder_head": ({"latents": [1, *latent]}, [[1, F, *latent[1:]]]),
-            "vae_up_tile": ({"features": [1, F, t, t], "weight": [t, t], "stats": [K, 2, G], "own": [1]}, [[1, 3, t * f, t * f], [K, 5, G]])}
+    if one_pass:  # runtime/onepass_decode.py: features in, pixels out, one pass
+        for key, message in check_one_pass_block(block, latent):
+            found.add(key, "value", message)
+        want = one_pass_io(block, latent)
+    else:
+        K, G, F = norms[0], norms[1], block["features"]
+        want = {"vae_decoder_head": ({"latents": [1, *latent]}, [[1, F, *latent[1:]]]),
+                "vae_up_tile": ({"features": [1, F, t, t], "weight": [t, t], "stats": [K, 2, G], "own": [1]}, [[1, 3, t * f, t * f], [K, 5, G]])}
     for name, (want_in, want_out) in want.items():
         if name not in ios:
             continue

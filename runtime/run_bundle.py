@@ -172,6 +172,10 @@ def tiled_decode_bundle(head: _Loaded, up: _Loaded, block: dict, latents: np.nda
     the manifest's vae_tiling block (tile, overlap, passes, factor, norms [K, G], margin, scheme)."""
     from .tiled_decode import tiled_decode_with_stats
 
+    if block.get("scheme") == "one_pass":  # a norm-free up path: every tile once, no statistics (runtime/onepass_decode.py)
+        from .onepass_decode import one_pass_decode_loaded
+
+        return one_pass_decode_loaded(head, up, block, latents)
     K, G = (int(v) for v in block["norms"])
     # the manifest declares (pixels, sums) in that order, with their shapes (runtime/manifest_check.py) and
     # the .tflite's names (check_component_io); the signature may list them in either order

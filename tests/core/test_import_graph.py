@@ -49,6 +49,7 @@ INTERFACES: dict[str, dict[str, str]] = {
         "pocketdiff.runtime.parity": "export's parity gate uses the metrics a bundle's golden tolerances mean",
         "pocketdiff.runtime.delegate": "export judges each graph on the GPU delegate the runtime runs it on",
         "pocketdiff.runtime.tiled_decode": "the tiled decoder is exported for the runtime's numpy tile driver",
+        "pocketdiff.runtime.onepass_decode": "the one-pass tiled decoder is exported for the runtime's numpy one-pass driver (scheme name, tile area)",
         "pocketdiff.runtime.run_bundle": "export's tokenizer golden and tiled parity come from the reference runner",
         "pocketdiff.runtime.verify_bundle": "export runs verify-bundle's no-run checks on the bundle it wrote",
     },

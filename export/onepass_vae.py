@@ -1,0 +1,75 @@
+"""The torch graphs of a one-pass tiled decoder (runtime/onepass_decode.py drives them), and the
+phone-profile sizing of its tile.
+
+- head: `export.tiled_vae.VaeDecoderHead` (conv_in and the mid block on the whole latent)
+- `VaeUpPathPlain`: a features tile [1, F, t, t] -> pixels [1, 3, t*f, t*f] through a norm-free up
+  path (pocketdiff/normfree.py): up blocks, conv_norm_out (a ChannelAffine), conv_act, conv_out.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from pocketdiff.errors import PocketdiffError
+from pocketdiff.normfree import has_group_norm_up_path
+
+
+class VaeUpPathPlain(nn.Module):
+    """Up blocks, conv_norm_out, conv_act, conv_out of a norm-free VAE decoder; output in [0, 1] up to the clamp."""
+
+    def __init__(self, vae: nn.Module):
+        super().__init__()
+        dec = vae.decoder
+        if getattr(dec, "up_blocks", None) is None:
+            raise PocketdiffError(f"one-pass decode: {type(dec).__name__} has no up_blocks")
+        if has_group_norm_up_path(vae):
+            raise PocketdiffError("vae_tiling.scheme one_pass: the decoder's up path has GroupNorms (per-image statistics); "
+                                  "give a norm-free decoder (pocketdiff distill-decoder) as model.vae, or set vae_tiling.fold_norms: true")
+        if any(type(m).__name__ == "Attention" for m in dec.up_blocks.modules()):
+            raise PocketdiffError("one-pass decode: attention in the decoder's up blocks is not supported (its view would be the tile)")
+        self.up_blocks, self.conv_norm_out, self.conv_act, self.conv_out = dec.up_blocks, dec.conv_norm_out, dec.conv_act, dec.conv_out
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        h = features
+        for block in self.up_blocks:
+            h = block(h, None)
+        return self.conv_out(self.conv_act(self.conv_norm_out(h))) * 0.5 + 0.5
+
+
+@torch.no_grad()
+def largest_activation_mb(module: nn.Module, inputs: tuple, activation_bytes: int = 2) -> float:
+    """The largest tensor any leaf module of `module` takes or returns in one forward, in MB (2**20 bytes)
+    at `activation_bytes` per element: the torch-side view of the device profile's max_tensor_mb."""
+    peak = [0]
+
+    def hook(_m, args, out):
+        for t in list(args) + [out]:
+            if isinstance(t, torch.Tensor):
+                peak[0] = max(peak[0], t.numel())
+
+    hooks = [m.register_forward_hook(hook) for m in module.modules() if not list(m.children())]
+    try:
+        module(*inputs)
+    finally:
+        for h in hooks:
+            h.remove()
+    return peak[0] * activation_bytes / 2**20
+
+
+def largest_tile(mb_at_tile: float, tile: int, budget_mb: float) -> int:
+    """The largest tile whose largest tensor fits `budget_mb`, from the size at `tile` (activations grow as tile^2)."""
+    return max(0, int(math.floor(tile * math.sqrt(budget_mb / mb_at_tile))))
+
+
+def check_tile_budget(up: nn.Module, features: int, tile: int, budget_mb: float, activation_bytes: int = 2) -> float:
+    """The up tile's largest tensor (MB); over `budget_mb`: one line naming the largest tile that meets it."""
+    mb = largest_activation_mb(up, (torch.zeros(1, features, tile, tile),), activation_bytes)
+    if mb > budget_mb:
+        fit = largest_tile(mb, tile, budget_mb)
+        while fit > 0 and largest_activation_mb(up, (torch.zeros(1, features, fit, fit),), activation_bytes) > budget_mb:
+            fit -= 1
+        raise PocketdiffError(f"vae_tiling.tile: {tile} latents gives a {mb:.1f} MB tensor in the up tile, over "
+                              f"device_profile.max_tensor_mb={budget_mb:g}; tile {fit} is the largest that meets it")
+    return mb

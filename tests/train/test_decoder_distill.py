@@ -1,0 +1,51 @@
+"""`pocketdiff distill-decoder`: fold, fine-tune, held-out PSNR, a norm-free VAE folder, resume."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pocketdiff.cli import main as cli_main
+from pocketdiff.errors import ConfigError
+from pocketdiff.models import load_vae
+from pocketdiff.normfree import has_group_norm_up_path, norm_free_names
+
+SMOKE = "configs/smoke/distill-decoder.yaml"
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dd") / "out"
+    assert cli_main(["distill-decoder", "--config", SMOKE, "--output", str(out), "train.max_steps=3", "train.lr=1e-5"]) == 0
+    return out
+
+
+def test_report_page_and_folder(run):
+    rep = json.loads((run / "report.json").read_text())
+    assert rep["steps"] == 3 and rep["folded_norms"] > 0
+    assert rep["data"]["train_items"] == 32 and rep["data"]["held_out_items"] == 8
+    for k in ("folded", "fine_tuned"):
+        assert rep["held_out_psnr_db"][k]["mean"] > 10.0
+    assert (run / "side_by_side.png").is_file() and "side_by_side.png" in (run / "index.html").read_text()
+    vae = load_vae(str(run / "vae"))
+    assert not has_group_norm_up_path(vae)
+    assert len(norm_free_names(run / "vae")) == rep["folded_norms"]
+
+
+def test_resume_continues_from_the_checkpoint(run):
+    assert cli_main(["distill-decoder", "--config", SMOKE, "--output", str(run), "--resume", "latest",
+                     "train.max_steps=4", "train.lr=1e-5"]) == 0
+    logged = [r["step"] for r in map(json.loads, (run / "logs.jsonl").read_text().splitlines()) if "loss" in r]
+    assert logged and max(logged) == 4 and logged.count(4) == 1  # steps 1-3 came from the checkpoint, not again
+    assert json.loads((run / "report.json").read_text())["steps"] == 4
+
+
+@pytest.mark.parametrize("over, field", [({"vae": "x", "arch": "tiny"}, "vae"), ({"student": "tiny"}, "student"),
+                                         ({"holdout": 0}, "holdout")])
+def test_config_errors_name_the_field(over, field):
+    from pocketdiff.config import DataConfig
+    from pocketdiff.train.decoder_distill import Config
+
+    base = {"arch": "tiny", "data": DataConfig(max_samples=8)}
+    with pytest.raises(ConfigError, match=field):
+        Config(**{**base, **over})
