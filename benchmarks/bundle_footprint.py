@@ -113,6 +113,8 @@ def probe(path: str, options: dict, cache: str | None, key: str) -> dict:
     sampler.close()
     load = next(p["t_s"] for p in phases if p["phase"] == "compiled") - next(p["t_s"] for p in phases if p["phase"] == "environment")
     return {"model": Path(path).name, "file_mb": round(Path(path).stat().st_size / 2**20, 1), "options": options,
+            "allocator": {None: "glibc default", "trim": "glibc default + malloc_trim after release",
+                          "tuned": "mmap threshold 1 MB + malloc_trim"}[allocator],
             "cache": bool(cache), "driver": driver, "fully_accelerated": fully, "finite": finite,
             "load_s": round(load, 2), "steady_run_s": round(steady, 4), "phases": phases, **totals,
             "cache_files": sorted(f"{p.name}:{p.stat().st_size}" for p in Path(cache).iterdir()) if cache else None}
@@ -161,6 +163,8 @@ def _run_bundle(bundle: str, out: str, pipelined: bool, cache: str, driver_cache
     if pipelined:
         cmd.append("--pipelined")
     cmd += extra
+    if "--no-gpu-cache" in extra:
+        cmd = [c for i, c in enumerate(cmd) if c != "--gpu-cache" and (i == 0 or cmd[i - 1] != "--gpu-cache")]
     env = dict(os.environ, __GL_SHADER_DISK_CACHE_PATH=driver_cache, MESA_SHADER_CACHE_DIR=driver_cache)  # the drivers' own caches: cold means empty
     t0 = time.perf_counter()
     try:
@@ -185,7 +189,8 @@ def runs(bundles: list[tuple[str, str]], cache_root: str, timeout: float, modes:
     for bundle, layout in bundles:
         man = json.loads((Path(bundle) / "manifest.json").read_text())
         resolution = int(man["latent"]["height"]) * int(man["latent"]["vae_factor"])
-        extra = [a for o in gpu_options for a in ("--gpu-option", o)]
+        extra = [a for o in gpu_options if o != "no-gpu-cache" for a in ("--gpu-option", o)]
+        extra += ["--no-gpu-cache"] if "no-gpu-cache" in gpu_options else []
         for mode in modes:
             folder = Path(cache_root) / f"{layout}-{mode}-{tag}"
             shutil.rmtree(folder, ignore_errors=True)

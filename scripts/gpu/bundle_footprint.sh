@@ -31,7 +31,8 @@ if [[ ,$PARTS, == *,probe,* ]]; then
   say "== probe text_encoder ($SETS_TE)"
   $PY "$REPO/benchmarks/bundle_footprint.py" matrix "$BUNDLES/$FIRST/text_encoder.tflite" --sets "$SETS_TE" --out "$OUT/probe_text_encoder.json" --cache-root /tmp
 fi
-# VARIANTS="tag|modes|KEY=VALUE,KEY=VALUE;tag2|modes|..." : run-bundle variants (default: the runner's defaults, both modes)
+# VARIANTS="tag|modes|KEY=VALUE,KEY=VALUE;tag2|modes|..." : run-bundle variants (default: the runner's defaults, both modes);
+# the word no-gpu-cache among the options runs without the program cache
 VARIANTS=${VARIANTS:-"default|plain,pipelined|"}
 if [[ ,$PARTS, == *,runs,* ]]; then
   args=""; for L in ${RUN_LAYOUTS:-$LAYOUTS}; do args="$args $BUNDLES/$L:$L"; done
