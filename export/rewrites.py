@@ -32,6 +32,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from pocketdiff.normfree import ChannelAffine
 from pocketdiff.errors import PocketdiffError, require
 
 GELU_CLIP = 10.0
@@ -404,9 +405,16 @@ def _scale_passthrough(conv: Optional[nn.Module], s: float) -> None:
 
 
 def _scale_norm_eps(norm: Optional[nn.Module], s: float) -> None:
-    """A norm reading the scaled stream: its output is unchanged when eps scales by s^2."""
-    if norm is not None:
-        norm.eps = float(norm.eps) * s * s
+    """A norm reading the scaled stream: its output is unchanged when eps scales by s^2. A folded norm
+    (pocketdiff.normfree.ChannelAffine, x * w + b with fixed statistics) is not scale-invariant: its
+    weight divides by s instead (the statistics it stands for scale with the stream)."""
+    if norm is None:
+        return
+    if isinstance(norm, ChannelAffine):
+        with torch.no_grad():
+            norm.weight.div_(s)
+        return
+    norm.eps = float(norm.eps) * s * s
 
 
 def rescale_residual_stream(model: nn.Module, s: float) -> dict:

@@ -323,3 +323,27 @@ def test_conv_budget_no_split_can_meet_names_the_module_and_the_smallest_size():
     cfg = dataclasses.replace(RewriteConfig.none(), conv_budget_mb=(16 * 16 * 2 / 2) / 2**20)  # half a channel at fp16
     with pytest.raises(PocketdiffError, match=r"conv 0: .* smallest reachable piece, one channel, is 0.000488 MB"):
         apply_rewrites(model, cfg, sample_inputs=(x,))
+
+
+def test_residual_rescaling_keeps_a_folded_norm_free_decoder():
+    """A folded GroupNorm (ChannelAffine: fixed statistics) is not scale-invariant: the rescale divides
+    its weight by s, so the one-pass decoder's output is unchanged (the SD configs scale by 1/8)."""
+    from diffusers import AutoencoderKL
+
+    from pocketdiff.export.components import VaeDecoderGraph
+    from pocketdiff.models import perturb_norm_affines, vae_config
+    from pocketdiff.normfree import ChannelAffine, calibrate_group_stats, fold_group_norms, up_path_norm_names
+
+    torch.manual_seed(0)
+    vae = AutoencoderKL(**vae_config("tiny", 32)).eval()
+    perturb_norm_affines(vae, 0)
+    names = up_path_norm_names(vae)
+    fold_group_norms(vae, calibrate_group_stats(vae, [torch.randn(2, 4, 8, 8, generator=_gen(3))], names))
+    assert all(isinstance(vae.get_submodule(n), ChannelAffine) for n in names)
+    dec = VaeDecoderGraph(vae)
+    z = torch.randn(1, 4, 8, 8, generator=_gen(2))
+    with torch.no_grad():
+        ref = dec(z)
+        apply_rewrites(dec, dataclasses.replace(RewriteConfig(), residual_scale=0.125))
+        out = dec(z)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
