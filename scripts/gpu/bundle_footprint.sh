@@ -14,7 +14,7 @@ exec > >(tee -a "$OUT/bundle_footprint.log") 2>&1
 say() { echo "[$(date +%H:%M:%S)] $*"; }
 PARTS=${PARTS:-probe,runs}
 SETS_UNET=${SETS_UNET:-base,madvise,gpu_convert,lean,single_delegate,cached,cached_weights}
-SETS_TE=${SETS_TE:-base,lean,cached}
+SETS_TE=${SETS_TE-base,lean,cached}  # empty: no text-encoder probe
 source "$REPO/scripts/gpu/vulkan_env.sh"
 source "$REPO/scripts/gpu/env.sh" || exit 3
 PY=python3
@@ -28,8 +28,10 @@ FIRST=$(echo $LAYOUTS | awk '{print $1}')
 if [[ ,$PARTS, == *,probe,* ]]; then
   say "== probe unet ($SETS_UNET)"
   $PY "$REPO/benchmarks/bundle_footprint.py" matrix "$BUNDLES/$FIRST/unet.tflite" --sets "$SETS_UNET" --out "$OUT/probe_unet.json" --cache-root /tmp
-  say "== probe text_encoder ($SETS_TE)"
-  $PY "$REPO/benchmarks/bundle_footprint.py" matrix "$BUNDLES/$FIRST/text_encoder.tflite" --sets "$SETS_TE" --out "$OUT/probe_text_encoder.json" --cache-root /tmp
+  if [ -n "$SETS_TE" ]; then
+    say "== probe text_encoder ($SETS_TE)"
+    $PY "$REPO/benchmarks/bundle_footprint.py" matrix "$BUNDLES/$FIRST/text_encoder.tflite" --sets "$SETS_TE" --out "$OUT/probe_text_encoder.json" --cache-root /tmp
+  fi
 fi
 # VARIANTS="tag|modes|KEY=VALUE,KEY=VALUE;tag2|modes|..." : run-bundle variants (default: the runner's defaults, both modes);
 # the word no-gpu-cache among the options runs without the program cache
