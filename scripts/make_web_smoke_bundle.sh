@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
 # Rebuild tests/web/smoke_bundle, the tiny bundle the web page's CI test runs in headless
-# Chromium (shipped, so CI does not spend an export's ~5 minutes on it): the shipped shapes
-# teacher through the smoke export recipe, 4 DDIM steps, int8 (RTN) UNet, fp16 text encoder
-# and decoder, every component checked on the LiteRT GPU delegate by export itself.
+# Chromium (shipped, so CI does not spend an export on it): the shipped shapes teacher through
+# the smoke export recipe, 4 DDIM steps, int8 (RTN) UNet, fp16 text encoder and decoder, every
+# component checked on the LiteRT GPU delegate by export itself.
+# Then tests/web/smoke_bundle_tiled: the same recipe with a one-pass tiled decoder
+# (vae_tiling.scheme one_pass, GroupNorms folded; tile 6, overlap 2, margin 1: 2 x 2 tiles over
+# the 8 x 8 latent). Only its files that differ from smoke_bundle's are kept there (the text
+# encoder, UNet, time embedding and tokenizer are byte-identical); tests/web/conftest.py puts
+# the two together, and the manifest's sha256 refuses a mix from different rebuilds.
 # Rerun after a change to the bundle format (tests/web fail on a manifest they cannot read).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -10,9 +15,18 @@ cd "$ROOT"
 bash scripts/setup.sh
 TMP="$(mktemp -d)"
 trap 'rm -rf "$TMP"' EXIT
-.venv/bin/pocketdiff export --config configs/smoke/export.yaml --output "$TMP/bundle" steps=4 weights=int8 int8.rtn=true
-rm -rf "$TMP/bundle/_export" "$TMP/bundle/report.json"
+RECIPE=(--config configs/smoke/export.yaml steps=4 weights=int8 int8.rtn=true)
+TILING=(vae_tiling.enabled=true vae_tiling.scheme=one_pass vae_tiling.passes=1 vae_tiling.fold_norms=true
+        vae_tiling.tile=6 vae_tiling.overlap=2 vae_tiling.margin=1 vae_tiling.min_psnr_db=30)
+.venv/bin/pocketdiff export "${RECIPE[@]}" --output "$TMP/bundle"
+.venv/bin/pocketdiff export "${RECIPE[@]}" "${TILING[@]}" --output "$TMP/tiled"
+for B in bundle tiled; do rm -rf "$TMP/$B/_export" "$TMP/$B/report.json" "$TMP/$B/logs" "$TMP/$B/.pocketdiff-output.json"; done
 DST=tests/web/smoke_bundle
 find "$DST" -mindepth 1 -maxdepth 1 ! -name README.md -exec rm -rf {} +
 cp -r "$TMP/bundle/." "$DST/"
-echo "rebuilt $DST ($(du -sh "$DST" | cut -f1))"
+TILED=tests/web/smoke_bundle_tiled
+find "$TILED" -mindepth 1 -maxdepth 1 ! -name README.md -exec rm -rf {} +
+(cd "$TMP/tiled" && find . -type f) | while read -r f; do
+  if ! cmp -s "$TMP/tiled/$f" "$DST/$f"; then mkdir -p "$(dirname "$TILED/$f")" && cp "$TMP/tiled/$f" "$TILED/$f"; fi
+done
+echo "rebuilt $DST ($(du -sh "$DST" | cut -f1)) and $TILED ($(du -sh "$TILED" | cut -f1), the rest from $DST)"

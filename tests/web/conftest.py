@@ -1,5 +1,6 @@
-"""Shared fixtures of the web tests: the shipped smoke bundle (tests/web/smoke_bundle, made by
-`pocketdiff export`, see its README) copied to a temporary folder, node and Chromium."""
+"""Shared fixtures of the web tests: the shipped smoke bundles (tests/web/smoke_bundle and its
+tiled-decoder twin smoke_bundle_tiled, made by `pocketdiff export`, see their READMEs) copied to a
+temporary folder, node and Chromium."""
 from __future__ import annotations
 
 import shutil
@@ -9,6 +10,7 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 SMOKE_BUNDLE = HERE / "smoke_bundle"
+TILED_SMOKE_BUNDLE = HERE / "smoke_bundle_tiled"
 
 
 @pytest.fixture
@@ -17,6 +19,28 @@ def smoke_bundle(tmp_path) -> Path:
     dst = tmp_path / "bundle"
     shutil.copytree(SMOKE_BUNDLE, dst, ignore=shutil.ignore_patterns("README.md", "web"))
     return dst
+
+
+def assemble_tiled_smoke_bundle(dst: Path) -> Path:
+    """The one-pass tiled smoke bundle in `dst`: its manifest's files from smoke_bundle_tiled where
+    they are there, else from smoke_bundle (the files the two share are kept once)."""
+    import json
+
+    man = json.loads((TILED_SMOKE_BUNDLE / "manifest.json").read_text())
+    entries = [*man["tokenizer"]["files"].values(), *([man["time_embedding"]] if man.get("time_embedding") else [])]
+    for comp in man["components"].values():
+        entries += [comp, *([comp["golden"]] if comp.get("golden") else [])]
+    for rel in ["manifest.json", "config.yaml", *(e["path"] for e in entries)]:
+        src = TILED_SMOKE_BUNDLE / rel if (TILED_SMOKE_BUNDLE / rel).is_file() else SMOKE_BUNDLE / rel
+        (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, dst / rel)
+    return dst
+
+
+@pytest.fixture(scope="session")
+def assemble_tiled():
+    """`assemble_tiled_smoke_bundle` for module-scoped fixtures (tests/ is not a package)."""
+    return assemble_tiled_smoke_bundle
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-// Runs the page's plain modules (bpe.js, sha256.js, npy.js) under node for tests/web/test_js_modules.py.
+// Runs the page's plain modules (bpe.js, sha256.js, npy.js, tiled.js) under node for tests/web/test_js_modules.py.
 // argv: <static dir> <request json file>; prints one JSON answer.
 import { readFileSync } from 'node:fs';
 import { pathToFileURL } from 'node:url';
@@ -10,6 +10,7 @@ const load = (name) => import(pathToFileURL(join(dir, name)).href);
 const { ClipBpe } = await load('bpe.js');
 const { sha256Js, sha256Hex } = await load('sha256.js');
 const { parseNpy, parseNpz } = await load('npy.js');
+const tiled = await load('tiled.js');
 
 const out = {};
 const tok = new ClipBpe(JSON.parse(readFileSync(req.tokenizer_json, 'utf8')), req.tokenizer);
@@ -22,4 +23,34 @@ out.sha256_subtle = await Promise.all(req.files.map((f) => sha256Hex(new Uint8Ar
 const bytes = (f) => { const b = readFileSync(f); return b.buffer.slice(b.byteOffset, b.byteOffset + b.byteLength); };
 out.npy = req.npy.map((f) => { const a = parseNpy(bytes(f)); return { shape: a.shape, sum: a.data.reduce((s, v) => s + Number(v), 0), first: Number(a.data[0]) }; });
 out.npz = req.npz.map((f) => Object.fromEntries(Object.entries(parseNpz(bytes(f))).map(([k, a]) => [k, { shape: a.shape, sum: a.data.reduce((s, v) => s + Number(v), 0) }])));
+
+// tiled.js: geometry per case, and a whole one-pass decode with the synthetic head / up tile
+// that tests/web/test_js_modules.py gives numpy (head: 2 x latents; up: nearest x f of the
+// first 3 channels plus 0.01 x (row + column) inside the tile, so the blend shows)
+const tiles = [];
+for (const c of req.tiles || []) {
+  const hw = tiled.tileHw(c.tile);
+  const ys = tiled.tileStarts(c.height, hw[0], c.overlap), xs = tiled.tileStarts(c.width, hw[1], c.overlap);
+  const block = { tile: c.tile, overlap: c.overlap, margin: c.margin, factor: c.factor, scheme: 'one_pass', passes: 1 };
+  const r = { ys, xs, wys: tiled.axisWeights(ys, hw[0], c.margin).map((w) => Array.from(w)),
+    wxs: tiled.axisWeights(xs, hw[1], c.margin).map((w) => Array.from(w)), origins: tiled.tileOrigins(c.height, c.width, block) };
+  if (c.latents) {
+    const lat = { data: Float32Array.from(c.latents), shape: [1, c.channels, c.height, c.width] };
+    const head = async (z) => ({ data: z.data.map((v) => 2 * v), shape: z.shape });
+    const up = async (t) => {
+      const [, , th, tw] = t.shape, f = c.factor, out = new Float32Array(3 * th * f * tw * f);
+      for (let k = 0; k < 3; k++) for (let y = 0; y < th * f; y++) for (let x = 0; x < tw * f; x++) {
+        out[(k * th * f + y) * tw * f + x] = t.data[(k * th + Math.floor(y / f)) * tw + Math.floor(x / f)] + 0.01 * (y + x);
+      }
+      return { data: out, shape: [1, 3, th * f, tw * f] };
+    };
+    const d = await tiled.onePassDecode(lat, head, up, block);
+    r.image = Array.from(d.data);
+    r.shape = d.shape;
+    r.calls = d.calls;
+  }
+  tiles.push(r);
+}
+out.tiles = tiles;
+out.problems = (req.blocks || []).map((b) => tiled.tilingProblem(b));
 console.log(JSON.stringify(out));

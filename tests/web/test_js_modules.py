@@ -88,3 +88,59 @@ def test_page_sha256_and_numpy_readers(node, tmp_path):
     assert z["input_input_ids"] == {"shape": [1, 77], "sum": int(ids.sum())}
     assert z["output_0"]["sum"] == pytest.approx(float(table.astype(np.float16).astype(np.float64).sum()), rel=1e-4)
     assert z["input_x"]["sum"] == pytest.approx(float(table.astype(np.float64).sum()), rel=1e-5)
+
+
+TILE_CASES = [  # (height, width, tile, overlap, margin, factor)
+    (8, 8, 6, 2, 1, 4),  # the tiled smoke bundle's: 2 x 2 tiles, the last overlapping more
+    (8, 8, 8, 0, 0, 4),  # one tile
+    (13, 21, 5, 2, 1, 2),  # uneven strides, the last tile shifted back
+    (16, 12, [4, 12], 2, 1, 8),  # strips: [rows, columns]
+    (20, 20, 8, 4, 2, 1),  # margin = overlap / 2: the weighted parts just meet
+]
+
+
+def _synthetic_one_pass(latents, tile, overlap, margin, factor):
+    """numpy's one-pass decode with the harness's head (2 x latents) and up tile (nearest x factor
+    of the first 3 channels + 0.01 x (row + column) in the tile)."""
+    from pocketdiff.runtime.onepass_decode import one_pass_decode
+
+    def up(t):
+        th, tw = t.shape[-2:]
+        base = np.kron(t[:, :3], np.ones((factor, factor), dtype=np.float32))
+        return base + 0.01 * np.add.outer(np.arange(th * factor), np.arange(tw * factor)).astype(np.float32)
+
+    return one_pass_decode(latents, lambda z: 2 * z, up, tile, overlap, factor, margin)
+
+
+def test_page_one_pass_tiling_matches_the_runner(node, tmp_path):
+    from pocketdiff.runtime.onepass_decode import tile_hw
+    from pocketdiff.runtime.tiled_decode import axis_weights, tile_starts
+
+    rng = np.random.default_rng(0)
+    cases = []
+    for h, w, tile, overlap, margin, factor in TILE_CASES:
+        lat = rng.standard_normal((1, 4, h, w)).astype(np.float32)
+        cases.append({"height": h, "width": w, "tile": tile, "overlap": overlap, "margin": margin, "factor": factor,
+                      "channels": 4, "latents": lat.ravel().tolist()})
+    blocks = [{"scheme": "one_pass", "tile": 6, "overlap": 2, "margin": 1, "factor": 4, "passes": 1},
+              {"scheme": "control_variate", "tile": 6, "overlap": 2, "margin": 1, "factor": 4, "passes": 3},
+              {"scheme": "one_pass", "tile": [6, 6, 6], "overlap": 2, "margin": 1, "factor": 4, "passes": 1}]
+    out = _run(node, tmp_path, {"tokenizer_json": str(STATIC.parents[1] / "pocketdiff/assets/shapes-teacher/tokenizer/tokenizer.json"),
+                                "tokenizer": {"max_length": 77, "pad_id": 593, "bos_id": 592, "eos_id": 593}, "prompts": [],
+                                "files": [], "npy": [], "npz": [], "tiles": cases, "blocks": blocks})
+    for case, got in zip(cases, out["tiles"]):
+        (th, tw), h, w = tile_hw(case["tile"]), case["height"], case["width"]
+        ys, xs = tile_starts(h, th, case["overlap"]), tile_starts(w, tw, case["overlap"])
+        assert (got["ys"], got["xs"]) == (ys, xs), case["tile"]
+        np.testing.assert_allclose(got["wys"], axis_weights(ys, th, case["margin"]), rtol=0, atol=1e-15)
+        np.testing.assert_allclose(got["wxs"], axis_weights(xs, tw, case["margin"]), rtol=0, atol=1e-15)
+        assert got["origins"] == [[y, x] for y in ys for x in xs] and got["calls"] == len(ys) * len(xs)
+        lat = np.asarray(case["latents"], dtype=np.float32).reshape(1, 4, h, w)
+        want = _synthetic_one_pass(lat, case["tile"], case["overlap"], case["margin"], case["factor"])
+        assert got["shape"] == list(want.shape)
+        np.testing.assert_allclose(np.asarray(got["image"], dtype=np.float32).reshape(want.shape), want, rtol=0, atol=1e-5)
+    assert len(out["tiles"][0]["origins"]) == 4 and len(out["tiles"][1]["origins"]) == 1
+    ok, iterated, bad_tile = out["problems"]
+    assert ok is None
+    assert "control_variate" in iterated and "not supported in the browser" in iterated and "one_pass" in iterated
+    assert "tile must be an int or [rows, columns]" in bad_tile

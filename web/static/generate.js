@@ -1,5 +1,13 @@
-// One prompt through the bundle, pipelined as `run-bundle --pipelined`.
+// One prompt through the bundle, pipelined as `run-bundle --pipelined` (a tiled decoder as tiled.js).
 import { BundleError, Component, ddimStep, pageNoise, parity, toHwc } from './pipeline.js';
+import { onePassDecode } from './tiled.js';
+
+/** Latents -> pixels [1, 3, H, W] through the whole decoder, or the tiled one's head and up tile (tiled.js). */
+async function decode(man, decs, latents) {
+  if (decs.length === 1) return decs[0].run({ latents });
+  const [head, up] = decs;
+  return onePassDecode(latents, (z) => head.run({ latents: z }), (t) => up.run({ features: t }), man.vae_tiling);
+}
 
 /**
  * opts: {prompt, seed, scale, accelerator, latents (Float32Array|null), goldens (bool),
@@ -105,9 +113,9 @@ export async function generate(bundle, opts) {
     const table = bundle.table;
     for (let i = 0; i < ts.length; i++) {
       const t = ts[i];
-      if (i === ts.length - 1) { // the decoder downloads during the last step
-        decoderP = Component.fetch(bundle, 'vae_decoder');
-        decoderP.catch(() => {});
+      if (i === ts.length - 1) { // the decoder (a tiled one's head and up tile) downloads during the last step
+        decoderP = bundle.decoder.map((name) => Component.fetch(bundle, name));
+        for (const p of decoderP) p.catch(() => {});
       }
       const sample = new Float32Array(B * n);
       for (let b = 0; b < B; b++) sample.set(x, b * n);
@@ -138,17 +146,25 @@ export async function generate(bundle, opts) {
     latency.unet_step_mean_ms = stages.unet.run_ms / Math.max(1, unet.runMs.length);
     note('unet', stages.unet);
 
-    const dec = await Component.compile(decoderP, opts.accelerator);
-    record(dec);
+    // the decoder's models compile one after the other, run, and are released together (run-bundle --pipelined)
+    const decs = [];
     let image;
     try {
-      await checkGolden(dec);
-      const d = await dec.run({ latents: { data: x, shape: [1, lat.channels, lat.height, lat.width] } });
+      for (const p of decoderP) {
+        decs.push(await Component.compile(p, opts.accelerator));
+        record(decs[decs.length - 1]);
+      }
+      for (const c of decs) await checkGolden(c);
+      const d = await decode(man, decs, { data: x, shape: [1, lat.channels, lat.height, lat.width] });
       image = toHwc(d.data, d.shape);
-      stages.vae_decoder.run_ms = dec.runMs.reduce((a, b) => a + b, 0);
-      note('vae_decoder', stages.vae_decoder);
+      for (const c of decs) {
+        stages[c.name].run_ms = c.runMs.reduce((a, b) => a + b, 0);
+        if (d.calls !== undefined && c.name === 'vae_up_tile') stages[c.name].calls = d.calls;
+        note(c.name, stages[c.name]);
+      }
+      if (d.calls !== undefined) latency.vae_up_tile_calls = d.calls;
     } finally {
-      dec.release();
+      for (const c of decs) c.release();
     }
     latency.total_ms = performance.now() - tStart - goldenMs;
     if (opts.goldens) latency.golden_checks_ms = goldenMs;

@@ -3,12 +3,13 @@
 // manifest's timesteps and alphas; classifier-free guidance in one batch-2 UNet call or the
 // student's embedded guidance; the time embedding looked up in the bundle's table when it was
 // computed outside the graph. Pipelined loading as run-bundle --pipelined: the text encoder
-// loads and runs while the UNet compiles and is released after; the decoder loads during the
-// last denoising step.
+// loads and runs while the UNet compiles and is released after; the decoder (or the tiled
+// decoder's head and up tile, tiled.js) loads during the last denoising step.
 import { loadAndCompile, Tensor } from '@litertjs/core';
 import { ClipBpe } from './bpe.js';
 import { parseNpy, parseNpz } from './npy.js';
 import { sha256Hex } from './sha256.js';
+import { TILED_DECODER, tilingProblem } from './tiled.js';
 
 export class BundleError extends Error {}
 
@@ -47,8 +48,12 @@ export class Bundle {
     const man = JSON.parse(text);
     if (man.schema !== 'pocketdiff-bundle') throw new BundleError('manifest.json: not a pocketdiff bundle manifest');
     if (man.schema_version !== 1) throw new BundleError(`manifest.json: schema version ${man.schema_version} is not supported (expected 1)`);
-    if (man.vae_tiling) throw new BundleError('bundle: a tiled VAE decoder (vae_tiling: vae_decoder_head + vae_up_tile) is not supported in the browser yet; export with vae_tiling.enabled: false');
-    for (const need of ['text_encoder', 'unet', 'vae_decoder']) {
+    if (man.vae_tiling) {
+      const problem = tilingProblem(man.vae_tiling);
+      if (problem) throw new BundleError(problem);
+    }
+    this.decoder = man.vae_tiling ? TILED_DECODER : ['vae_decoder'];
+    for (const need of ['text_encoder', 'unet', ...this.decoder]) {
       if (!man.components?.[need]) throw new BundleError(`bundle: has no ${need} (exported with components=${Object.keys(man.components || {})})`);
     }
     this.man = man;
