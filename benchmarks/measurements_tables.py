@@ -265,31 +265,40 @@ def _phase(r: dict, component: str, phase: str, key: str):
     return next((p[key] for p in r["memory"]["phases"] if p["component"] == component and p["phase"] == phase), None)
 
 
+FOOTPRINTS = ("bundle_footprint_student_h100.json", "bundle_footprint_cfg_h100.json")
+
+
 def bundle_footprint_runs() -> str:
-    data = load(RESULTS / "bundle_footprint_student_h100.json")
     rows = []
-    for r in data["runs"]:
+    for r in (r for f in FOOTPRINTS for r in load(RESULTS / f)["runs"]):
         m = r["memory"]
+        mode = r["mode"] + (" (no program cache)" if r.get("variant") == "nocache" else "")
         gb = lambda v: "-" if v is None else f"{v / 1e3:.1f} GB"  # noqa: E731
-        rows.append([r["runner"], r["mode"], r["launch"], gb(r["host_peak_mb"]), gb(r["gpu_peak_mb"]),
+        rows.append([r["layout"], r["runner"], mode, r["launch"], gb(r["host_peak_mb"]), gb(r["gpu_peak_mb"]),
                      gb(m.get("host_plus_gpu_peak_at_once_mb")), gb(_phase(r, "unet", "steady_run", "host_rss_mb")),
                      f"{r['latency_s']['text_encoder_load']:.1f} / {r['latency_s']['unet_load']:.1f} s",
                      f"{r['start_s']:.1f} s", f"{r['total_s']:.1f} s"])
-    return table(["runner", "mode", "launch", "host peak", "GPU peak", "host + GPU at once", "host while UNet runs",
+    return table(["layout", "runner", "mode", "launch", "host peak", "GPU peak", "host + GPU at once", "host while UNet runs",
                   "load TE / UNet", "process start to 1st step", "to image"], rows)
 
 
 def bundle_footprint_unet() -> str:
-    data = load(RESULTS / "bundle_footprint_student_h100.json")
     rows = []
-    for r in data["probes"]["unet.tflite"]:
+    for layout, f in zip(("student", "cfg"), FOOTPRINTS):
+        rows += _unet_probe_rows(layout, load(RESULTS / f)["probes"]["unet.tflite"])
+    return table(["UNet", "set", "launch", "accelerator options", "allocator", "load", "host peak (compile)",
+                  "host while loaded", "host after release", "GPU"], rows)
+
+
+def _unet_probe_rows(layout: str, probes: list) -> list:
+    rows = []
+    for r in probes:
         ph = {p["phase"]: p for p in r["phases"]}
         opts = ", ".join(f"{k}={v}" for k, v in r["options"].items()) or "none"
-        rows.append([r["set"], r["launch"], opts, r["allocator"], f"{r['load_s']:.1f} s", f"{ph['compiled']['host_peak_mb'] / 1e3:.1f} GB",
+        rows.append([layout, r["set"], r["launch"], opts, r["allocator"], f"{r['load_s']:.1f} s", f"{ph['compiled']['host_peak_mb'] / 1e3:.1f} GB",
                      f"{ph['steady_run']['host_rss_mb'] / 1e3:.2f} GB", f"{ph['released']['host_rss_mb'] / 1e3:.2f} GB",
                      f"{r['gpu_peak_mb'] / 1e3:.1f} GB"])
-    return table(["set", "launch", "accelerator options", "allocator", "load", "host peak (compile)", "host while loaded",
-                  "host after release", "GPU"], rows)
+    return rows
 
 
 TABLES = {
