@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from pathlib import Path
 from typing import Optional
 
 import numpy as np
 import torch
 
-from pocketdiff.errors import ParityError, PocketdiffError
+from pocketdiff.errors import PocketdiffError
 from pocketdiff.normfree import calibrate_group_stats, fold_group_norms, has_group_norm_up_path, up_path_norm_names
 
 from .components import VaeDecoderGraph
@@ -88,29 +87,3 @@ def split_one_pass(vae: torch.nn.Module, tiling, latents: torch.Tensor, parity_l
              "up_area_ratio": round(tiles_area_ratio(h, w, t, tiling.overlap), 4),
              **({"up_tile_max_tensor_mb": round(largest, 2)} if largest is not None else {})}
     return OnePassDecoder(graphs, block, vae, residual_scale, fold)
-
-
-def one_pass_parity(out: Path, entries: dict, vae: torch.nn.Module, latents: torch.Tensor, block: dict, min_psnr_db: float) -> dict:
-    """Decode `latents` through the bundle's two .tflite files on the CPU (the runner's code) against the
-    whole torch decode of the same norm-free `vae`. ParityError naming `vae_tiling.min_psnr_db` when below."""
-    from pocketdiff.runtime.run_bundle import load_tiled_decoder, tiled_decode_bundle
-
-    with torch.no_grad():
-        whole = np.clip(VaeDecoderGraph(vae).eval()(latents).numpy(), 0.0, 1.0)
-    paths = {n: {**entries[n], "_path": str(out / entries[n]["path"])} for n in TILED_DECODER}
-    head, up = load_tiled_decoder(paths, "cpu")
-    try:
-        image, timing = tiled_decode_bundle(head, up, block, latents.numpy())
-    finally:
-        head.close()
-        up.close()
-    if not np.isfinite(image).all():
-        raise ParityError("vae_tiling: the one-pass decode through the .tflite files has NaN/Inf values")
-    psnr = psnr_db(whole, np.clip(image, 0.0, 1.0))
-    rep = {"psnr_db": round(psnr, 3), "min_psnr_db": min_psnr_db, "passes": 1, "accelerator": "cpu",
-           "reference": "the same norm-free decoder, whole, in torch",
-           "latency_s": {k: round(v, 4) for k, v in timing["latency_s"].items()}, "up_tile_calls": timing["up_tile_calls"]}
-    if not psnr >= min_psnr_db:
-        raise ParityError(f"vae_tiling: one-pass decode (.tflite, cpu) vs the whole torch decode of the norm-free decoder: "
-                          f"PSNR {psnr:.2f} dB < vae_tiling.min_psnr_db={min_psnr_db}")
-    return rep
