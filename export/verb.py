@@ -125,6 +125,8 @@ class Config:
         require(self.jobs >= 1, "jobs", f"must be >= 1, got {self.jobs}")
         require(self.synthetic_weights in (None, "tiled"), "synthetic_weights", f"must be null or tiled, got {self.synthetic_weights!r}")
         require(self.synthetic_weights is None or self.model.pretrained is None, "synthetic_weights", "applies to built models only (model.pretrained is set)")
+        require(not self.perturb_norms or self.model.pretrained is None, "perturb_norms",
+                "would perturb the norm weights of model.pretrained: random-weight builds only (set perturb_norms=false)")
         require(self.guidance_embed_dim is None or (self.guidance_embed_dim > 0 and self.model.pretrained is None), "guidance_embed_dim",
                 "must be a positive int, for built models only (a pretrained student carries its own time_cond_proj_dim)")
         require(self.weights in WEIGHT_FORMATS, "weights", f"must be one of {WEIGHT_FORMATS}, got {self.weights!r}")

@@ -94,3 +94,13 @@ def test_model_vae_with_another_factor_is_refused(tmp_path):
     three.save_pretrained(str(tmp_path / "vae3"))
     with pytest.raises(PocketdiffError, match=r"3 latent channels, the VAE of .* 4"):
         load_or_build(ModelConfig(pretrained=TEACHER, vae=str(tmp_path / "vae3")))
+
+
+def test_random_weight_stand_ins_refuse_a_real_checkpoint():
+    """perturb_norms (as the SD configs set it) on model.pretrained would change a user's norm weights."""
+    from pocketdiff.export.verb import Config
+    from pocketdiff.models import ModelConfig
+
+    with pytest.raises(ConfigError, match="perturb_norms"):
+        Config(model=ModelConfig(pretrained="some/checkpoint"), perturb_norms=True)
+    assert Config(model=ModelConfig(pretrained="some/checkpoint")).perturb_norms is False
