@@ -6,14 +6,14 @@ no torch, no diffusers. DDIM with the manifest's timesteps, classifier-free guid
 batch-2 UNet call (or the student's embedded guidance), the time embedding looked up in the
 bundle's table when it was computed outside the graph.
 
-`--pipelined` keeps the UNet resident, loads + runs the text encoder in a background thread
-while the UNet compiles, releases it, and loads the decoder in a background thread during
-the last denoising step. Without it the three models are loaded up front (the naive app).
+`--pipelined` loads each model just before its use and releases it after (text encoder, UNet,
+decoder: one at a time). Without it the three models are loaded up front (the naive app).
 A bundle with a `vae_tiling` block decodes with its two decoder graphs (`vae_decoder_head` on the
-whole latent, `vae_up_tile` per tile and pass: runtime/tiled_decode.tiled_decode_with_stats); they
-load and release together where the decoder does, and the stats time the head, the tiles and a pass.
-The report has per-stage latency, the process's peak RSS and the peak of model bytes held at
-once.
+whole latent, `vae_up_tile` per tile: runtime/onepass_decode.py or, for the iterated schemes,
+runtime/tiled_decode.py); they load and release together where the decoder does. On the GPU the
+models run through LiteRT's C API (runtime/litert_c.py) with the compiled-program cache
+(runtime/gpu_cache.py). The report has per-stage latency and the measured memory: host and GPU
+peaks and every model's phases (runtime/memory.py).
 """
 from __future__ import annotations
 
@@ -227,8 +227,9 @@ class BundleRunner:
     Plain: every model is loaded at the first prompt and stays (the naive app). `pipelined`: each model
     is loaded just before its use and released right after it (text encoder, then UNet, then decoder),
     one at a time, never two compiling at once: the peak is the largest single model's, not the sum
-    (Choi et al.'s pipelined loading; Apple's reduceMemory). On the GPU the models share one LiteRT
-    environment (one GPU device), and the accelerator's compiled programs are kept in a cache folder
+    (Choi et al.'s pipelined loading; Apple's reduceMemory). On the GPU, plain, the models share one
+    LiteRT environment; pipelined, each has its own, destroyed with it (LiteRT frees a model's GPU
+    memory only with its environment). The accelerator's compiled programs are kept in a cache folder
     (`gpu_cache`: a folder, None for the default one per bundle, False for none; runtime/gpu_cache.py),
     so a second launch loads without compiling. Memory is measured per phase (runtime/memory.py).
     """
