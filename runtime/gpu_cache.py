@@ -7,7 +7,7 @@ again. This module owns that folder for a runner:
 - the key of a component is its name plus a hash of everything the compiled programs depend on: the
   .tflite's sha256 (from the manifest), ai-edge-litert's version, the GPU and driver, and the options
   (precision, ...). A file made for another model, driver or version is never read: its key differs.
-- `index.json` records, per component, the key and the sha256 of each file the accelerator wrote. At
+- `index.json` records, per component, the key and the size and CRC-32 of each file the accelerator wrote. At
   the next load an entry with another key ("made for another model, driver or LiteRT version"), a file
   whose bytes changed or went missing ("corrupt"), or an unreadable index gets ONE warning line, its
   files are removed, and the component is compiled afresh (and cached again). A corrupt file is thus
@@ -24,6 +24,7 @@ import json
 import os
 import sys
 import tempfile
+import zlib
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -46,12 +47,14 @@ def bundle_cache_folder(bundle: str | Path, components: dict, root: Optional[Pat
     return (root or default_cache_root()) / f"{Path(bundle).resolve().name}-{h.hexdigest()[:12]}"
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
+def _fingerprint(path: Path) -> str:
+    """Size and CRC-32 of a cache file, in one read: enough to catch a truncated or damaged file (not a
+    forgery), at several times sha256's speed: the UNet's file is 1.7 GB and is checked on every load."""
+    crc, size = 0, 0
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
+        for block in iter(lambda: f.read(1 << 24), b""):
+            crc, size = zlib.crc32(block, crc), size + len(block)
+    return f"{size}:{crc:08x}"
 
 
 def litert_version() -> str:
@@ -129,8 +132,8 @@ class GpuProgramCache:
             self.warn(f"gpu cache {self.folder}: {name}'s programs were made for another model, driver or LiteRT version; rebuilding")
             self._drop(name, old)
         elif old is not None:
-            bad = [f for f, sha in (old.get("files") or {}).items()
-                   if not (self.folder / f).is_file() or _sha256(self.folder / f) != sha]
+            bad = [f for f, mark in (old.get("files") or {}).items()
+                   if not (self.folder / f).is_file() or _fingerprint(self.folder / f) != mark]
             if bad or not old.get("files"):
                 self.warn(f"gpu cache {self.folder}: {name}'s cached programs are corrupt or missing ({', '.join(bad) or 'no files'}); rebuilding")
                 self._drop(name, old)
@@ -150,11 +153,11 @@ class GpuProgramCache:
         self._write_index()
 
     def record(self, name: str) -> None:
-        """After a load: the files the accelerator wrote for this component, with their sha256."""
+        """After a load: the files the accelerator wrote for this component, with their size and CRC-32."""
         if not self.enabled or name not in self.keys or self.hits.get(name):
             return
         key = self.keys[name]
-        files = {p.name: _sha256(p) for p in sorted(self.folder.iterdir()) if p.is_file() and p.name.startswith(key + "_")}
+        files = {p.name: _fingerprint(p) for p in sorted(self.folder.iterdir()) if p.is_file() and p.name.startswith(key + "_")}
         if files:
             self.index[name] = {"key": key, "files": files}
             self._write_index()
