@@ -9,8 +9,9 @@
            used: which options move the memory and the load time, side by side in one run.
   runs     `pocketdiff run-bundle` end to end (its own report: per-phase memory, start_s, total_s), plain
            and --pipelined, cold (empty cache folder) then warm (the same folder), per bundle layout.
-  collect  the rows of `matrix` / `runs` -> benchmarks/results/bundle_footprint_*.json (per run: layout, resolution,
-           mode, launch, host_peak_mb, gpu_peak_mb, start_s, total_s, device; then the probes).
+The committed benchmarks/results/bundle_footprint_*.json hold these rows as they came back (`runs`: layout,
+resolution, mode, launch, host_peak_mb, gpu_peak_mb, start_s, total_s, device, memory.phases; `probes`: per
+model), each tagged with the device call and the runner version it came from.
 
   python benchmarks/bundle_footprint.py matrix B/unet.tflite --sets base,gpu_convert --out $OUT/probe_unet.json
   python benchmarks/bundle_footprint.py runs B:student B2:cfg --out $OUT/runs.json
@@ -208,20 +209,6 @@ def runs(bundles: list[tuple[str, str]], cache_root: str, timeout: float, modes:
     return rows
 
 
-def collect(files: list[str], command: str, date: str) -> dict:
-    """`runs` and `matrix` outputs -> one results file: the per-run rows the issue names, then the probes."""
-    out: dict = {"command": command, "date": date, "runs": [], "probes": {}}
-    for f in files:
-        data = json.loads(Path(f).read_text())
-        if "rows" in data and data["rows"] and "layout" in data["rows"][0]:
-            out["runs"] += data["rows"]
-        elif "rows" in data:
-            out["probes"][Path(data["model"]).name] = data["rows"]
-    devices = {r.get("device") for r in out["runs"]} | {r.get("gpu_name") for rows in out["probes"].values() for r in rows}
-    out["device"] = ", ".join(sorted(d for d in devices if d))
-    return out
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -245,15 +232,7 @@ def main(argv=None) -> int:
     r.add_argument("--gpu-option", action="append", default=[], help="KEY=VALUE passed to run-bundle")
     r.add_argument("--tag", default="default", help="names this variant in the rows")
     r.add_argument("--out", required=True)
-    c = sub.add_parser("collect")
-    c.add_argument("files", nargs="+")
-    c.add_argument("--command", required=True, help="the command that produced the files (kept in the result)")
-    c.add_argument("--date", required=True)
-    c.add_argument("--out", required=True)
     a = ap.parse_args(argv)
-    if a.cmd == "collect":
-        Path(a.out).write_text(json.dumps(collect(a.files, a.command, a.date), indent=1) + "\n")
-        return 0
     if a.cmd == "runs":
         pairs = [tuple(b.rsplit(":", 1)) for b in a.bundles]
         rows = runs(pairs, a.cache_root, a.timeout, a.modes.split(","), a.gpu_option, a.tag)

@@ -325,12 +325,3 @@ class CompiledModel:
             lib.LiteRtDestroyModel(self.model)
             self.model = C.c_void_p()
         self._payload = None
-
-
-def rss_mb() -> float:
-    """This process's resident set now (MB), from /proc (Linux); NaN elsewhere."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-    except OSError:
-        return float("nan")

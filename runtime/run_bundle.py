@@ -31,10 +31,6 @@ from .manifest_check import TILED_DECODER, check_bundle, decoder_components
 from .litert_c import parse_gpu_option
 from .memory import PeakSampler, process_age_s, return_freed_memory, tune_allocator
 
-# The accelerator options run-bundle passes by default (runtime/litert_c.py: GPU_OPTION_KEYS), chosen by
-# measurement on an H100's delegate (benchmarks/results/bundle_footprint_*.json).
-DEFAULT_GPU_OPTIONS: dict = {}
-
 
 def bundle_tokenizer(tokenizer_json: str | Path, tok: dict):
     """The bundle's `tokenizers.Tokenizer`, padding and truncating to the manifest's max_length."""
@@ -79,7 +75,6 @@ class _Loaded:
         path = entry["_path"]
         self._tmp = None
         self.name, self.entry, self.accelerator = name, entry, accelerator
-        self.bytes = int(entry.get("bytes") or Path(entry["_path"]).stat().st_size)
         self.run_s: list[float] = []
         if accelerator == "gpu":
             from .litert_c import CompiledModel as CModel
@@ -251,7 +246,7 @@ class BundleRunner:
         self.runs_seen: dict[str, int] = {}
         self.driver, self.env, self.cache = "n/a", None, None
         self.own_envs: dict = {}  # pipelined: one environment per loaded model
-        self.gpu_options = dict(DEFAULT_GPU_OPTIONS if gpu_options is None else gpu_options)
+        self.gpu_options = dict(gpu_options or {})  # the accelerator's options (runtime/litert_c.py: GPU_OPTION_KEYS)
         if accelerator == "gpu":
             self._prepare_gpu(gpu_cache)
         self.loaded: dict[str, _Loaded] = {}
@@ -465,7 +460,7 @@ def main(args) -> int:
     from pocketdiff.outputs import finish_output_dir, prepare_output_dir, write_json
 
     check_seed(args.seed, "--seed")  # before the bundle is read or --output made
-    gpu_options = {**DEFAULT_GPU_OPTIONS, **dict(parse_gpu_option(o) for o in getattr(args, "gpu_option", None) or [])}
+    gpu_options = dict(parse_gpu_option(o) for o in getattr(args, "gpu_option", None) or [])
     man = check_bundle(args.bundle)  # refuses bad bundles (files, fields, signatures) before touching --output
     fresh = not Path(args.output).exists()
     out = prepare_output_dir(args.output, overwrite=args.overwrite, inputs=[("bundle", args.bundle)], verb="run-bundle")
