@@ -2,7 +2,7 @@
 """Our FID Inception-v3 port (evaluate/inception.py) against torch-fidelity's, on the same weights and
 images: pool3 features (2048-d), max absolute and relative difference. Runs where torchvision exists
 (torch-fidelity needs it; the CPU torch 2.13 here has no torchvision build), e.g. a GPU machine.
-Random seeded weights (tests/evaluate/conftest.py's recipe), so no download:
+Seeded random weights (evaluate/inception.py: seeded_random_state, the tests' too), so no download:
 
   python benchmarks/inception_vs_torch_fidelity.py --out benchmarks/results/inception_vs_torch_fidelity.json
 """
@@ -28,23 +28,6 @@ def _module(path: Path, name: str):
     return mod
 
 
-def random_state(model, seed: int) -> dict:
-    """The seeded random weights of tests/evaluate/conftest.py's random_inception_state (same recipe):
-    He-normal convolutions, near-identity batch norms."""
-    g = torch.Generator().manual_seed(seed)
-    state = {}
-    for k, v in model.state_dict().items():
-        if k.endswith("conv.weight"):
-            state[k] = torch.randn(v.shape, generator=g) * (2.0 / v[0].numel()) ** 0.5
-        elif k.endswith(("bn.weight", "running_var")):
-            state[k] = 1 + 0.1 * torch.rand(v.shape, generator=g)
-        elif k.endswith(("bn.bias", "running_mean")) or k.startswith("fc."):
-            state[k] = 0.05 * torch.randn(v.shape, generator=g)
-        else:
-            state[k] = v
-    return state
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
@@ -57,7 +40,7 @@ def main(argv=None) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "random-inception.pth"
-        torch.save(random_state(inception.FIDInceptionV3(), 0), path)
+        torch.save(inception.seeded_random_state(0), path)
         ours, _ = inception.load_fid_inception(str(path))
         ref = FeatureExtractorInceptionV3("inception-v3-compat", ["2048"], feature_extractor_weights_path=str(path))
         g = torch.Generator().manual_seed(1)
@@ -72,7 +55,7 @@ def main(argv=None) -> int:
     import torchvision
 
     result = {"torch": torch.__version__, "torchvision": torchvision.__version__, "torch_fidelity": torch_fidelity.__version__,
-              "device": "cpu", "weights": "seeded random (the recipe of tests/evaluate/conftest.py, seed 0)", "rows": rows}
+              "device": "cpu", "weights": "evaluate/inception.py seeded_random_state(0)", "rows": rows}
     Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result, indent=1))
     return 0

@@ -292,6 +292,24 @@ def default_weights_file() -> Path:
     return path
 
 
+def seeded_random_state(seed: int = 0) -> dict:
+    """A seeded random state dict for FIDInceptionV3 (torch-fidelity's parameter names), for offline
+    checks without the FID weights: He-normal convolutions and near-identity batch norms, so features
+    neither vanish nor explode. Never the FID network: scores with it are named by their file."""
+    g = torch.Generator().manual_seed(seed)
+    state = {}
+    for k, v in FIDInceptionV3().state_dict().items():
+        if k.endswith("conv.weight"):
+            state[k] = torch.randn(v.shape, generator=g) * (2.0 / v[0].numel()) ** 0.5
+        elif k.endswith(("bn.weight", "running_var")):
+            state[k] = 1 + 0.1 * torch.rand(v.shape, generator=g)
+        elif k.endswith(("bn.bias", "running_mean")) or k.startswith("fc."):
+            state[k] = 0.05 * torch.randn(v.shape, generator=g)
+        else:  # num_batches_tracked
+            state[k] = v
+    return state
+
+
 def load_fid_inception(weights_path: Optional[str] = None) -> tuple[FIDInceptionV3, dict]:
     """(network with the weights loaded, info: {"weights", "sha256", "standard"}).
 

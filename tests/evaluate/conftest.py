@@ -54,27 +54,6 @@ def shapes_uint8():
     return _shapes_uint8
 
 
-def random_inception_state(seed: int = 0) -> dict:
-    """A seeded random state dict for the FID Inception-v3 (torch-fidelity's parameter names):
-    He-normal convolutions and near-identity batch norms, so features neither vanish nor explode."""
-    import torch
-
-    from pocketdiff.evaluate.inception import FIDInceptionV3
-
-    g = torch.Generator().manual_seed(seed)
-    state = {}
-    for k, v in FIDInceptionV3().state_dict().items():
-        if k.endswith("conv.weight"):
-            state[k] = torch.randn(v.shape, generator=g) * (2.0 / v[0].numel()) ** 0.5
-        elif k.endswith(("bn.weight", "running_var")):
-            state[k] = 1 + 0.1 * torch.rand(v.shape, generator=g)
-        elif k.endswith(("bn.bias", "running_mean")) or k.startswith("fc."):
-            state[k] = 0.05 * torch.randn(v.shape, generator=g)
-        else:  # num_batches_tracked
-            state[k] = v
-    return state
-
-
 @pytest.fixture(scope="session")
 def inception_files(tmp_path_factory):
     """{"pth": ..., "safetensors": ...}: the same seeded random Inception-v3 weights in both
@@ -82,7 +61,9 @@ def inception_files(tmp_path_factory):
     import torch
     from safetensors.torch import save_file
 
-    state = random_inception_state(0)
+    from pocketdiff.evaluate.inception import seeded_random_state
+
+    state = seeded_random_state(0)
     folder = tmp_path_factory.mktemp("inception")
     pth, st = folder / "random-inception.pth", folder / "random-inception.safetensors"
     torch.save(state, pth)
