@@ -37,21 +37,8 @@ fi
 say "sets: $SETS"
 
 # 1. Vulkan: loader + glvnd from the carried debs; the NVIDIA ICD json where the driver put it
-if [ -z "${SKIP_GL:-}" ]; then
-  for f in .gl/*.deb; do dpkg -x "$f" /; done
-  ldconfig
-fi
+source "$REPO/scripts/gpu/vulkan_env.sh"
 glx=$(ldconfig -p 2>/dev/null | awk '/libGLX_nvidia\.so\.0/{print $NF; exit}')
-if [ -z "${VK_DRIVER_FILES:-}${VK_ICD_FILENAMES:-}" ]; then
-  for j in /usr/share/vulkan/icd.d/nvidia_icd.json /etc/vulkan/icd.d/nvidia_icd.json \
-           /usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json /usr/local/share/vulkan/icd.d/nvidia_icd.json; do
-    if [ -f "$j" ]; then export VK_DRIVER_FILES=$j; break; fi
-  done
-  if [ -z "${VK_DRIVER_FILES:-}" ] && [ -n "$glx" ]; then  # driver present, json not: write one
-    printf '{"file_format_version": "1.0.0", "ICD": {"library_path": "%s", "api_version": "1.3.0"}}\n' "$glx" > /tmp/nvidia_icd.json
-    export VK_DRIVER_FILES=/tmp/nvidia_icd.json
-  fi
-fi
 say "VK_DRIVER_FILES=${VK_DRIVER_FILES:-} VK_ICD_FILENAMES=${VK_ICD_FILENAMES:-} libGLX_nvidia=${glx:-none}"
 [ -n "$glx" ] && ldd "$glx" 2>/dev/null | grep "not found" && say "libGLX_nvidia misses the libraries above"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null

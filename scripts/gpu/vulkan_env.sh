@@ -5,7 +5,7 @@ if [ -z "${SKIP_GL:-}" ]; then
   for f in "$PWD"/.gl/*.deb; do dpkg -x "$f" /; done
   ldconfig
   glx=$(ldconfig -p 2>/dev/null | awk '/libGLX_nvidia\.so\.0/{print $NF; exit}')
-  if [ -z "${VK_ICD_FILENAMES:-}" ]; then
+  if [ -z "${VK_ICD_FILENAMES:-}${VK_DRIVER_FILES:-}" ]; then  # a driver file named by the caller wins
     for j in /usr/share/vulkan/icd.d/nvidia_icd.json /etc/vulkan/icd.d/nvidia_icd.json \
              /usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json /usr/local/share/vulkan/icd.d/nvidia_icd.json; do
       if [ -f "$j" ]; then export VK_ICD_FILENAMES=$j; break; fi
