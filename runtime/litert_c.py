@@ -16,8 +16,6 @@ Only numpy and ctypes; the library is the wheel's own (`ai_edge_litert/libLiteRt
 from __future__ import annotations
 
 import ctypes as C
-import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -43,8 +41,6 @@ GPU_OPTION_KEYS = {
     "allow_src_quantized_fc_conv_ops": bool, "enable_infinite_float_capping": bool, "benchmark_mode": bool,
 }
 PRECISION = {"default": 0, "fp16": 1, "fp32": 2}
-STATUS_TIMEOUT = 7  # kLiteRtStatusErrorTimeoutExpired
-LOCK_WAIT_S = 600.0
 
 
 class _Layout(C.Structure):
@@ -277,16 +273,8 @@ class CompiledModel:
         return bool(flag.value)
 
     def _host(self, buf, mode: int) -> int:
-        """Lock a buffer for host access. A read waits for the GPU's work, with a timeout inside LiteRT
-        (status 7): a slow device (lavapipe on a busy CPU) is waited for again, up to LOCK_WAIT_S."""
         addr = C.c_void_p()
-        deadline = time.monotonic() + LOCK_WAIT_S
-        while True:
-            status = self.lib.lib.LiteRtLockTensorBuffer(buf, C.byref(addr), mode)
-            if status != STATUS_TIMEOUT or time.monotonic() > deadline:
-                break
-        if status != 0:
-            raise PocketdiffError(f"LiteRT LiteRtLockTensorBuffer failed with status {status}: {self.path}")
+        self.lib.call("LiteRtLockTensorBuffer", buf, C.byref(addr), mode, what=self.path)
         return addr.value
 
     def run(self, feeds: list[np.ndarray]) -> list[np.ndarray]:
