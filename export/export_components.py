@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from pocketdiff.outputs import write_json
+from pocketdiff.runtime.memory import host_peak_mb, reset_host_peak
 
 from . import bundle as bundle_lib
 from .components import Shapes, TextEncoderGraph, UNetGraph, VaeDecoderGraph
@@ -42,25 +43,6 @@ class GoldenInputs:
     takes_cond: bool  # the UNet graph takes timestep_cond (a w-conditioned student, time embedding inside)
     vae_latents: torch.Tensor
     table: Optional[np.ndarray]  # the time-embedding table (time embedding outside the graph), else None
-
-
-def _reset_peak_rss() -> bool:
-    """Reset this process's peak RSS (Linux: VmHWM via /proc/self/clear_refs); False elsewhere."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
-
-
-def _vm_hwm_mb() -> Optional[float]:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return round(int(line.split()[1]) / 1024.0, 1)
-    except OSError:
-        pass
-    return None
 
 
 class ComponentExport:
@@ -91,7 +73,7 @@ class ComponentExport:
 
         module_attr = {"text_encoder": "text_encoder", "unet": "unet", "vae_decoder": "vae", UP_TILE: "vae"}  # the head: the VAE stays
         for name in sorted(self.names, key=lambda n: n == "unet"):  # one component in memory at a time
-            reset = _reset_peak_rss()
+            reset = reset_host_peak()
             prep = self._prepare(name)
             say(f"{name}: converting with litert-torch ...")
             self._finish(prep, convert_job(prep.rewritten, prep.inputs, prep.raw_path))
@@ -102,7 +84,7 @@ class ComponentExport:
                 setattr(self.pipe, module_attr[name], None)
             gc.collect()
             if reset:  # the process's peak while this component was prepared, converted and checked
-                self.reports[name]["peak_rss_mb"] = _vm_hwm_mb()
+                self.reports[name]["peak_rss_mb"] = round(host_peak_mb(), 1)
             log.info("export %s: done (peak RSS %.1f GB)", name, (self.reports[name].get("peak_rss_mb") or peak_rss_mb()) / 1024)
 
     def _run_parallel(self) -> None:

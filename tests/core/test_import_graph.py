@@ -52,6 +52,7 @@ INTERFACES: dict[str, dict[str, str]] = {
         "pocketdiff.runtime.onepass_decode": "the one-pass tiled decoder is exported for the runtime's numpy one-pass driver (scheme name, tile area)",
         "pocketdiff.runtime.run_bundle": "export's tokenizer golden and tiled parity come from the reference runner",
         "pocketdiff.runtime.verify_bundle": "export runs verify-bundle's no-run checks on the bundle it wrote",
+        "pocketdiff.runtime.memory": "export measures each component's peak RSS as the runner measures its own",
     },
     "pocketdiff.compress.prune": {
         "pocketdiff.train.loop": "recovery distillation reuses train's loop",
