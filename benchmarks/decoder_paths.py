@@ -241,6 +241,24 @@ def measure(paths: list, latents_list: list, reference, delegate: bool, repeats:
     return rows
 
 
+def add_fd(rows: list, real_images: torch.Tensor, clip: str) -> str:
+    """Each decoded row's FD (CLIP features of `clip`) against the real images its latents were encoded
+    from, and `fd_ratio` to the whole decoder's FD on the same latents."""
+    from pocketdiff.evaluate import MetricConfig, MetricSetup
+
+    setup = MetricSetup(MetricConfig(features="clip", clip=clip, fd=True, clip_score=False, reference_clip_samples=0))
+    for r in rows:
+        if "_images" in r:
+            images = torch.from_numpy(np.concatenate(r["_images"])).clamp(0, 1)
+            r["fd"] = round(setup.fd_between(images, real_images), 4)
+    base = rows[0].get("fd")
+    for r in rows:
+        if base and r.get("fd") is not None:
+            r["fd_ratio"] = round(r["fd"] / base, 4)
+    return (f"{setup.fd_label} of each path's decodes of the {len(real_images)} held-out images' latents against those "
+            f"real images; fd_ratio: to the whole decoder's FD")
+
+
 def _data_latents(vae, args) -> list:
     """Held-out images of `--data` (items after --train-items of the seed-0 shuffle), encoded: scaled latents [1, C, h, w]."""
     from pocketdiff.config import DataConfig
@@ -249,6 +267,7 @@ def _data_latents(vae, args) -> list:
     ds = load_captioned_dataset(DataConfig(source=args.data, resolution=args.resolution, max_samples=args.train_items + args.images))
     items = ImageCaptionDataset(ds)
     x = collate([items[i] for i in range(args.train_items, len(ds))])["pixel_values"].float()
+    args.real_images = ((x + 1) / 2).clamp(0, 1)  # [-1, 1] -> [0, 1]: the FD reference set (--clip)
     with torch.no_grad():
         z = vae.encode(x).latent_dist.mean * float(vae.config.scaling_factor)
     return [z[i:i + 1].contiguous() for i in range(z.shape[0])]
@@ -301,6 +320,7 @@ def main() -> None:
     p.add_argument("--stats-margin", type=int, default=8)
     p.add_argument("--stats-passes", type=int, default=8)
     p.add_argument("--stats-psnr", action="store_true", help="also decode tiled_stats for PSNR (slow at SD size)")
+    p.add_argument("--clip", help="a domain CLIP folder (pocketdiff train-clip): FD of each path's decodes against the real held-out images")
     p.add_argument("--calibration-latents", type=int, default=4)
     p.add_argument("--delegate", action="store_true", help="convert and time every graph on the LiteRT GPU delegate")
     p.add_argument("--repeats", type=int, default=5)
@@ -325,6 +345,9 @@ def main() -> None:
     for r in rows:
         if r["name"].startswith("one_pass") and "_images" in r and "_images" in untiled:
             r["psnr_tiling_db"] = round(float(np.mean([psnr(a, b) for a, b in zip(untiled["_images"], r["_images"])])), 3)
+    fd_note = "FD needs a domain CLIP (--clip, configs/clip/openmoji.yaml) and --data; not measured here"
+    if args.clip and getattr(args, "real_images", None) is not None:
+        fd_note = add_fd(rows, args.real_images, args.clip)
     for r in rows:
         r.pop("_images", None)
         r.setdefault("fd", None)
@@ -334,7 +357,7 @@ def main() -> None:
               "student": how, "resolution": args.resolution, "latent": list(z0.shape),
               "images": len(latents), "latents_from": f"{args.data} held-out items {args.train_items}.." if args.data else "the parity scene",
               "phone_profile": PROFILES["phone"], "max_tensor_note": "MB = 2**20 bytes at fp16, largest tensor a module takes or returns (torch)",
-              "fd_note": "FD needs a domain CLIP (configs/clip/openmoji.yaml); not measured here" ,
+              "fd_note": fd_note,
               "host": platform.node(), "torch_threads": torch.get_num_threads(), "paths": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
