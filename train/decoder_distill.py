@@ -160,11 +160,13 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
         return F.mse_loss(model(z).float(), target.float())
 
     acc = make_accelerator(cfg.train, out)
+    teacher.to(acc.device)  # the targets are decoded where the student trains
     model = _Decoder(student)
     result = train_loop(cfg.train, model=model, loss_fn=loss_fn, dataset=_Latents(mean, std), collate=_collate,
                         ckpt_dir=out / "checkpoints" / "decoder", seed=cfg.seed, resume=resume, desc="decoder",
                         log_path=out / "logs.jsonl", accelerator=acc)
-    student.eval().requires_grad_(False)
+    student.eval().requires_grad_(False).to("cpu")
+    teacher.to("cpu")
     tuned_held = decode01(student, held_z)
     vae_dir = out / "vae"
     student.save_pretrained(str(vae_dir), safe_serialization=True)
