@@ -386,7 +386,7 @@ def generate(
     progress: bool = False,
     unet=None,
 ):
-    """Text to images with `ddim_sample` + `decode_latents`.
+    """Text to images with `ddim_sample` (`consistency_sample` under an LCMScheduler) + `decode_latents`.
 
     Image i starts from noise drawn by ``torch.Generator("cpu").manual_seed(seed + i)``, so
     results do not depend on `batch_size`. `unet` replaces ``pipe.unet`` (a student, a
@@ -394,6 +394,7 @@ def generate(
     factor. Returns float [N, 3, H, W] in [0, 1] on the CPU (`output_type="pt"`) or a list of
     PIL images (`"pil"`).
     """
+    from .consistency_sampling import consistency_sample, is_consistency_scheduler
     from .models import check_resolution, vae_scale_factor
 
     if output_type not in ("pt", "pil"):
@@ -419,7 +420,11 @@ def generate(
         noise = randn_latents((len(chunk), channels, side, side), gens, device)
         cond = encode_prompts(pipe, chunk, device)
         uncond = encode_prompts(pipe, [negative_prompt] * len(chunk), device) if float(guidance_scale) != 1.0 else None
-        latents = ddim_sample(unet, pipe.scheduler, cond, uncond, steps=steps, guidance_scale=guidance_scale, latents=noise, progress=progress)
+        if is_consistency_scheduler(pipe.scheduler):  # a consistency (LCM) student: LCMScheduler's steps
+            latents = consistency_sample(unet, pipe.scheduler, cond, noise, steps, guidance_scale, gens)
+        else:
+            latents = ddim_sample(unet, pipe.scheduler, cond, uncond, steps=steps, guidance_scale=guidance_scale, latents=noise,
+                                  progress=progress)
         results.append(decode_latents(pipe.vae, latents).cpu())
     images = torch.cat(results) if results else torch.empty(0, 3, resolution, resolution)
     return to_pil(images) if output_type == "pil" else images

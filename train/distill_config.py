@@ -9,6 +9,7 @@ from pocketdiff.config import DataConfig
 from pocketdiff.errors import PocketdiffError, require
 from pocketdiff.models import ModelConfig
 
+from .consistency_config import ConsistencyConfig
 from .distill_targets import WEIGHTINGS
 from .guidance_embedding import DEFAULT_EMBED_DIM
 from .loop import LoopConfig
@@ -16,22 +17,23 @@ from .loop import LoopConfig
 STUDENT_PREDICTION = ("v_prediction", "epsilon", "teacher")
 SPACINGS = ("trailing", "leading", "teacher")
 TEACHER_DTYPES = ("auto", "fp32", "bf16", "fp16")
+# progressive: guided stage, then halving rounds (Salimans & Ho) | consistency: one LCM stage (consistency_targets)
+METHODS = ("progressive", "consistency")
 
 
 def round_schedule(start_steps: int, final_steps: int) -> list[int]:
-    """Step counts of the progressive rounds: [start/2, start/4, ..., final] (empty when equal)."""
+    """Step counts of the progressive rounds: [start/2, start/4, ..., final] (empty when equal).
+    Each round halves the count, so start_steps must be final_steps * 2^k (1 and 2 steps included)."""
     if final_steps > start_steps:
-        raise PocketdiffError(f"progressive.final_steps={final_steps} is above progressive.start_steps={start_steps}")
+        raise PocketdiffError(f"progressive.final_steps: {final_steps} is above progressive.start_steps={start_steps}")
     counts, n = [], start_steps
-    while n > final_steps:
-        if n % 2:
-            raise PocketdiffError(
-                f"progressive.final_steps={final_steps} cannot be reached from start_steps={start_steps} by halving "
-                f"({n} is odd); start_steps must be final_steps * 2^k")
+    while n > final_steps and n % 2 == 0:
         n //= 2
         counts.append(n)
     if n != final_steps:
-        raise PocketdiffError(f"progressive.final_steps={final_steps} cannot be reached from start_steps={start_steps} by halving")
+        raise PocketdiffError(
+            f"progressive.final_steps: {final_steps} cannot be reached from progressive.start_steps={start_steps} by halving "
+            f"(the halving rounds pass from {n * 2} to {n}); start_steps must be final_steps * 2^k, e.g. {final_steps * 2 ** max(1, (start_steps // final_steps).bit_length() - 1)}")
     return counts
 
 
@@ -148,6 +150,7 @@ class EvalConfig:
 @dataclasses.dataclass
 class Config:
     seed: int = 0
+    method: str = "progressive"  # progressive | consistency (sections guided + progressive, or consistency)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)  # the teacher
     student_prediction_type: str = "v_prediction"  # v_prediction | epsilon | teacher
@@ -161,14 +164,18 @@ class Config:
     guidance: GuidanceConfig = dataclasses.field(default_factory=GuidanceConfig)
     guided: GuidedStageConfig = dataclasses.field(default_factory=GuidedStageConfig)
     progressive: ProgressiveConfig = dataclasses.field(default_factory=ProgressiveConfig)
+    consistency: ConsistencyConfig = dataclasses.field(default_factory=ConsistencyConfig)
     speed: SpeedConfig = dataclasses.field(default_factory=SpeedConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
 
     def __post_init__(self) -> None:
+        require(self.method in METHODS, "method", f"must be one of {METHODS}, got {self.method!r}")
         require(self.student_prediction_type in STUDENT_PREDICTION, "student_prediction_type", f"must be one of {STUDENT_PREDICTION}")
         require(self.timestep_spacing in SPACINGS, "timestep_spacing", f"must be one of {SPACINGS}")
         require(self.max_time_s >= 0, "max_time_s", f"must be >= 0, got {self.max_time_s}")
         require(self.loss_weighting in WEIGHTINGS, "loss_weighting", f"must be one of {WEIGHTINGS}")
+        if self.method == "consistency":
+            return  # one stage: the guided and progressive sections are not used
         require(self.guided.train.mixed_precision == self.progressive.train.mixed_precision, "guided.train.mixed_precision",
                 f"must equal progressive.train.mixed_precision ({self.progressive.train.mixed_precision}): one Accelerator runs every round")
         require(self.guided.train.memory_cap_gib == self.progressive.train.memory_cap_gib, "guided.train.memory_cap_gib",
@@ -176,3 +183,8 @@ class Config:
         rounds = round_schedule(self.progressive.start_steps, self.progressive.final_steps)
         require(self.guided.enabled or len(rounds) > 0, "progressive.final_steps",
                 "equals progressive.start_steps and guided.enabled is false: there is nothing to distill")
+
+
+def accelerator_section(cfg: Config) -> LoopConfig:
+    """The train section the run's one Accelerator is made from (mixed precision, DDP hook, memory cap)."""
+    return cfg.consistency.train if cfg.method == "consistency" else cfg.progressive.train
