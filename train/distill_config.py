@@ -63,8 +63,9 @@ class GuidanceConfig:
 
 
 def embed_lr_scale(cfg, spec) -> dict:
-    """The guided stage's learning-rate multiplier for the w embedding (train_loop's `lr_scale`)."""
-    if spec.stage == "guided" and cfg.guidance.conditioned and cfg.guidance.embed_lr_scale != 1.0:
+    """The learning-rate multiplier of the w embedding in the stage that creates it (guided or
+    consistency; train_loop's `lr_scale`)."""
+    if spec.stage in ("guided", "consistency") and cfg.guidance.conditioned and cfg.guidance.embed_lr_scale != 1.0:
         return {"time_embedding.cond_proj": cfg.guidance.embed_lr_scale}
     return {}
 
