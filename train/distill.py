@@ -47,7 +47,7 @@ from pocketdiff.data import ImageCaptionDataset, collate, load_captioned_dataset
 from pocketdiff.errors import PocketdiffError
 from pocketdiff.models import DISTILL_META, check_resolution, count_params, load_or_build
 from pocketdiff.outputs import read_json, write_json
-from pocketdiff.sampling import encode_prompts
+from pocketdiff.sampling import encode_prompts, scheduler_timesteps
 from pocketdiff.shipped import resolve_shipped
 
 from .checkpoints import read_state, resolve_resume
@@ -111,11 +111,25 @@ def _check_teacher(cfg: Config, pipe, plan: list[RoundSpec]) -> None:
     T = sched.config.num_train_timesteps
     if cfg.progressive.start_steps > T // 2 and any(s.stage == "progressive" for s in plan):
         raise PocketdiffError(f"progressive.start_steps: {cfg.progressive.start_steps} is above half the teacher's {T} training timesteps")
+    if any(s.stage == "progressive" for s in plan):
+        _check_student_grid(cfg, sched)
     if cfg.method == "consistency" and cfg.consistency.solver_steps > T:
         raise PocketdiffError(f"consistency.solver_steps: {cfg.consistency.solver_steps} is above the teacher's {T} training timesteps")
     check_resolution(pipe, cfg.data.resolution)
     if is_w_conditioned(pipe.unet):
         raise PocketdiffError("the teacher UNet is already guidance-conditioned (time_cond_proj_dim set); distill from a classifier-free-guided model")
+
+
+def _check_student_grid(cfg: Config, teacher_scheduler) -> None:
+    """The last round's student must start where the sampler's noise belongs: near T. Leading spacing
+    starts a 2-step DDIM at t = 501 and a 1-step one at t = 1 (SD's grid: pure noise read as an almost
+    clean latent), a step count that spacing cannot serve."""
+    s_sched = student_scheduler(cfg, teacher_scheduler)
+    T, n = int(s_sched.config.num_train_timesteps), cfg.progressive.final_steps
+    top = int(scheduler_timesteps(s_sched, n)[0])
+    if top < (3 * T) // 4:
+        raise PocketdiffError(f"timestep_spacing: {s_sched.config.timestep_spacing!r} starts the {n}-step student at t={top} of {T} "
+                              f"(its sampler starts from pure noise there); use trailing for progressive.final_steps={n}")
 
 
 def _load_unet(folder: Path):

@@ -19,6 +19,7 @@ SPACINGS = ("trailing", "leading", "teacher")
 TEACHER_DTYPES = ("auto", "fp32", "bf16", "fp16")
 # progressive: guided stage, then halving rounds (Salimans & Ho) | consistency: one LCM stage (consistency_targets)
 METHODS = ("progressive", "consistency")
+TOP_STEP_INPUTS = ("data", "noise")
 
 
 def round_schedule(start_steps: int, final_steps: int) -> list[int]:
@@ -90,8 +91,15 @@ class ProgressiveConfig:
     final_steps: int = 4
     train: LoopConfig = _loop(max_steps=2000, lr=1e-5, checkpoint_every=500)
     round_max_steps: list[int] = dataclasses.field(default_factory=list)  # optional, one per round: overrides train.max_steps
+    # the student's input at its top timestep (trailing: t = T - 1), what the few-step rounds train most:
+    # data = z_t of a training image, as at every other timestep; noise = pure Gaussian noise, what the
+    # sampler starts from (the PD paper's schedules end at SNR 0, so there they are the same; SD's
+    # scaled-linear schedule keeps alpha_bar(T - 1) ~ 0.005, a sliver of the image that a 1-step student
+    # would learn to read and never gets at sampling time)
+    top_step_input: str = "data"
 
     def __post_init__(self) -> None:
+        require(self.top_step_input in TOP_STEP_INPUTS, "progressive.top_step_input", f"must be one of {TOP_STEP_INPUTS}, got {self.top_step_input!r}")
         require(self.start_steps >= 1, "progressive.start_steps", f"must be >= 1, got {self.start_steps}")
         require(self.final_steps >= 1, "progressive.final_steps", f"must be >= 1, got {self.final_steps}")
         round_schedule(self.start_steps, self.final_steps)  # raises on an unreachable count

@@ -63,7 +63,8 @@ def _plan_record(cfg: Config, plan: list[RoundSpec]) -> dict:
         "timestep_spacing": cfg.timestep_spacing,
         "guidance": dataclasses.asdict(cfg.guidance),
         "seed": cfg.seed,
-        # consistency runs only (a progressive run's record is unchanged, so its old folders still resume)
+        # non-default settings only (an older run's record is unchanged, so its folders still resume)
+        **({"top_step_input": cfg.progressive.top_step_input} if cfg.progressive.top_step_input != "data" else {}),
         **({"consistency": {k: getattr(cfg.consistency, k) for k in ("solver_steps", "timestep_scaling", "target_ema_decay", "huber_c")}}
            if cfg.method == "consistency" else {}),
     }
