@@ -13,11 +13,12 @@ re-noise the estimate to that timestep with fresh Gaussian noise (none after the
 The timesteps are the LCMScheduler's: the student was trained on the skipping grid
 t_n = (n + 1) k - 1 (k = T // original_inference_steps); N steps pick N evenly spaced points of
 that grid, from its top down (`lcm_timesteps`). The training side lives in
-`pocketdiff.train.consistency_targets`; it takes `boundary_scalings` from here.
+`pocketdiff.train.consistency_targets`; it takes `boundary_scalings` from here. The sampler itself,
+`pocketdiff.sampling.consistency_sample`, is beside the DDIM one (it shares its helpers).
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence, Union
+from typing import Union
 
 import numpy as np
 import torch
@@ -61,56 +62,3 @@ def lcm_timesteps(num_train_timesteps: int, solver_steps: int, steps: int) -> li
 def scheduler_lcm_timesteps(scheduler, steps: int) -> list[int]:
     c = scheduler.config
     return lcm_timesteps(c.num_train_timesteps, c.get("original_inference_steps", 50), steps)
-
-
-def consistency_sample(
-    unet,
-    scheduler,
-    cond: torch.Tensor,
-    latents: torch.Tensor,
-    steps: int,
-    guidance_scale: float = 1.0,
-    generator: Union[torch.Generator, Sequence[torch.Generator], None] = None,
-    w_embedding_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
-    prediction_type: Optional[str] = None,
-) -> torch.Tensor:
-    """`steps` consistency steps from the noise `latents` (float32 result, the final estimate).
-
-    w goes in as ``timestep_cond`` (the pipeline's convention) when the UNet takes it; a student
-    without a w embedding folded its guidance in and gets one conditional pass. The noise of
-    step i > 0 comes from `generator` (one per sample: image i's noise does not depend on the batch).
-    """
-    from .sampling import _cfg_get, _module_dtype, _unet_output, default_w_embedding_fn, predict_x0_eps, randn_latents
-
-    config = scheduler.config
-    if _cfg_get(config, "thresholding", False):
-        raise PocketdiffError("scheduler uses dynamic thresholding, which pocketdiff's consistency sampler does not implement")
-    ptype = prediction_type or _cfg_get(config, "prediction_type", "epsilon")
-    clip = float(_cfg_get(config, "clip_sample_range", 1.0)) if _cfg_get(config, "clip_sample", False) else None
-    scaling = float(_cfg_get(config, "timestep_scaling", 10.0))
-    alphas = scheduler.alphas_cumprod.to(torch.float32)
-    device, B = cond.device, latents.shape[0]
-    dtype = _module_dtype(unet, cond.dtype)
-    kwargs = {}
-    w_embedding_fn = w_embedding_fn or default_w_embedding_fn(unet)
-    if w_embedding_fn is not None:
-        w = torch.full((B,), float(guidance_scale), device=device, dtype=torch.float32)
-        kwargs["timestep_cond"] = w_embedding_fn(w).to(device=device, dtype=dtype)
-    emb = (cond.expand(B, *cond.shape[1:]) if cond.shape[0] == 1 else cond).to(dtype)
-    z = latents.to(device=device, dtype=torch.float32)
-    ts = scheduler_lcm_timesteps(scheduler, steps)
-    for i, t in enumerate(ts):
-        a_t = alphas[t].to(device)
-        t_batch = torch.full((B,), t, device=device, dtype=torch.long)
-        out = _unet_output(unet(z.to(dtype), t_batch, encoder_hidden_states=emb, **kwargs)).to(torch.float32)
-        x0, _ = predict_x0_eps(out, z, a_t, ptype)
-        if clip is not None:
-            x0 = x0.clamp(-clip, clip)
-        c_skip, c_out = boundary_scalings(t, scaling)
-        denoised = c_out.to(device) * x0 + c_skip.to(device) * z
-        if i == len(ts) - 1:
-            return denoised
-        a_next = alphas[ts[i + 1]].to(device)
-        noise = randn_latents(z.shape, generator, device)
-        z = a_next.sqrt() * denoised + (1 - a_next).sqrt() * noise
-    return z

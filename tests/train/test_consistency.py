@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from pocketdiff.config import load_config
-from pocketdiff.consistency_sampling import boundary_scalings, consistency_sample, lcm_timesteps, skipping_grid
+from pocketdiff.consistency_sampling import boundary_scalings, lcm_timesteps, skipping_grid
+from pocketdiff.sampling import consistency_sample
 from pocketdiff.errors import ConfigError, PocketdiffError
 from pocketdiff.train.consistency_targets import (
     TargetNetwork,
