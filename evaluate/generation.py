@@ -197,8 +197,8 @@ def resolve_model(spec_or_obj: Any, index: int = 0, device: Optional[torch.devic
         g = meta.get("guidance") or {}
         if mode == "auto":
             mode = "w_conditioned" if g.get("conditioned") else "none"
-        if meta.get("num_inference_steps"):
-            default_steps = [int(meta["num_inference_steps"])]
+        if meta.get("num_inference_steps"):  # a consistency student lists every count it was measured at
+            default_steps = [int(n) for n in meta.get("sampling_steps") or [meta["num_inference_steps"]]]
         if g.get("scale") is not None:
             default_guidance = float(g["scale"])
     if mode == "auto":

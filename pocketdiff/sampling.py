@@ -13,6 +13,9 @@ is called once per step with ``timestep_cond = embedding(guidance_scale - 1)``, 
 convention as a stock `StableDiffusionPipeline`, so a distilled student folder samples
 the same here and in diffusers.
 
+A consistency-distilled student (its folder holds diffusers' LCMScheduler) samples through
+`consistency_sample` instead, as LCMScheduler does; `generate` picks it from the scheduler.
+
 Conventions: latents are kept in float32 between steps; the UNet sees them in its own
 dtype. ``alpha_bar`` means the cumulative product of alphas (diffusers' alphas_cumprod).
 """
@@ -24,6 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from .consistency_sampling import boundary_scalings, is_consistency_scheduler, scheduler_lcm_timesteps
 from .errors import PocketdiffError
 
 PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")
@@ -330,6 +334,57 @@ def ddim_sample(
     return latents
 
 
+def consistency_sample(
+    unet,
+    scheduler,
+    cond: torch.Tensor,
+    latents: torch.Tensor,
+    steps: int,
+    guidance_scale: float = 1.0,
+    generator: Union[torch.Generator, Sequence[torch.Generator], None] = None,
+    w_embedding_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+    prediction_type: Optional[str] = None,
+) -> torch.Tensor:
+    """`steps` consistency steps from the noise `latents` (float32 result, the final estimate).
+
+    w goes in as ``timestep_cond`` (the pipeline's convention) when the UNet takes it; a student
+    without a w embedding folded its guidance in and gets one conditional pass. The noise of
+    step i > 0 comes from `generator` (one per sample: image i's noise does not depend on the batch).
+    """
+    config = scheduler.config
+    if _cfg_get(config, "thresholding", False):
+        raise PocketdiffError("scheduler uses dynamic thresholding, which pocketdiff's consistency sampler does not implement")
+    ptype = prediction_type or _cfg_get(config, "prediction_type", "epsilon")
+    clip = float(_cfg_get(config, "clip_sample_range", 1.0)) if _cfg_get(config, "clip_sample", False) else None
+    scaling = float(_cfg_get(config, "timestep_scaling", 10.0))
+    alphas = scheduler.alphas_cumprod.to(torch.float32)
+    device, B = cond.device, latents.shape[0]
+    dtype = _module_dtype(unet, cond.dtype)
+    kwargs = {}
+    w_embedding_fn = w_embedding_fn or default_w_embedding_fn(unet)
+    if w_embedding_fn is not None:
+        w = torch.full((B,), float(guidance_scale), device=device, dtype=torch.float32)
+        kwargs["timestep_cond"] = w_embedding_fn(w).to(device=device, dtype=dtype)
+    emb = (cond.expand(B, *cond.shape[1:]) if cond.shape[0] == 1 else cond).to(dtype)
+    z = latents.to(device=device, dtype=torch.float32)
+    ts = scheduler_lcm_timesteps(scheduler, steps)
+    for i, t in enumerate(ts):
+        a_t = alphas[t].to(device)
+        t_batch = torch.full((B,), t, device=device, dtype=torch.long)
+        out = _unet_output(unet(z.to(dtype), t_batch, encoder_hidden_states=emb, **kwargs)).to(torch.float32)
+        x0, _ = predict_x0_eps(out, z, a_t, ptype)
+        if clip is not None:
+            x0 = x0.clamp(-clip, clip)
+        c_skip, c_out = boundary_scalings(t, scaling)
+        denoised = c_out.to(device) * x0 + c_skip.to(device) * z
+        if i == len(ts) - 1:
+            return denoised
+        a_next = alphas[ts[i + 1]].to(device)
+        noise = randn_latents(z.shape, generator, device)
+        z = a_next.sqrt() * denoised + (1 - a_next).sqrt() * noise
+    return z
+
+
 # --------------------------------------------------------------------------------------
 # Pipelines: prompts in, images out
 # --------------------------------------------------------------------------------------
@@ -386,7 +441,7 @@ def generate(
     progress: bool = False,
     unet=None,
 ):
-    """Text to images with `ddim_sample` + `decode_latents`.
+    """Text to images with `ddim_sample` (`consistency_sample` under an LCMScheduler) + `decode_latents`.
 
     Image i starts from noise drawn by ``torch.Generator("cpu").manual_seed(seed + i)``, so
     results do not depend on `batch_size`. `unet` replaces ``pipe.unet`` (a student, a
@@ -419,7 +474,11 @@ def generate(
         noise = randn_latents((len(chunk), channels, side, side), gens, device)
         cond = encode_prompts(pipe, chunk, device)
         uncond = encode_prompts(pipe, [negative_prompt] * len(chunk), device) if float(guidance_scale) != 1.0 else None
-        latents = ddim_sample(unet, pipe.scheduler, cond, uncond, steps=steps, guidance_scale=guidance_scale, latents=noise, progress=progress)
+        if is_consistency_scheduler(pipe.scheduler):  # a consistency (LCM) student: LCMScheduler's steps
+            latents = consistency_sample(unet, pipe.scheduler, cond, noise, steps, guidance_scale, gens)
+        else:
+            latents = ddim_sample(unet, pipe.scheduler, cond, uncond, steps=steps, guidance_scale=guidance_scale, latents=noise,
+                                  progress=progress)
         results.append(decode_latents(pipe.vae, latents).cpu())
     images = torch.cat(results) if results else torch.empty(0, 3, resolution, resolution)
     return to_pil(images) if output_type == "pil" else images

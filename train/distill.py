@@ -15,6 +15,12 @@
    `pocketdiff.evaluate` when it offers them
 6. report.json (`rounds`, `final_steps`, `pipeline_dir`) and index.html
 
+`method: consistency` replaces steps 3-4 with one stage (round-0, `consistency_targets`): latent
+consistency distillation with w as an input, straight from the classifier-free-guided teacher
+(skipping-step DDIM solver, target network = EMA of the student, pseudo-Huber loss). Its folder
+holds an `LCMScheduler` (the student samples with 1..consistency.solver_steps steps) and is
+evaluated at each of `consistency.sample_steps`.
+
 Each round is one `train_loop` call with its own checkpoint folder DIR/checkpoints/round-K, so
 `--resume latest` skips complete rounds and continues the interrupted one at its step and
 data position, bit-exact on CPU.
@@ -41,10 +47,13 @@ from pocketdiff.data import ImageCaptionDataset, collate, load_captioned_dataset
 from pocketdiff.errors import PocketdiffError
 from pocketdiff.models import DISTILL_META, check_resolution, count_params, load_or_build
 from pocketdiff.outputs import read_json, write_json
-from pocketdiff.sampling import encode_prompts
+from pocketdiff.sampling import encode_prompts, scheduler_timesteps
 from pocketdiff.shipped import resolve_shipped
 
 from .checkpoints import read_state, resolve_resume
+from .consistency_config import ConsistencyConfig  # noqa: F401  (re-exported: a recipe section)
+from .consistency_loss import make_consistency_loss_fn
+from .consistency_targets import TargetNetwork, skipping_plan
 from .distill_config import (  # noqa: F401  (re-exported: the recipe's sections)
     Config,
     EvalConfig,
@@ -52,6 +61,7 @@ from .distill_config import (  # noqa: F401  (re-exported: the recipe's sections
     GuidedStageConfig,
     ProgressiveConfig,
     SpeedConfig,
+    accelerator_section,
     embed_lr_scale,
 )
 from .distill_data import LatentDataset, PixelDataset, build_latent_dataset  # noqa: F401
@@ -80,6 +90,15 @@ def student_scheduler(cfg: Config, teacher_scheduler):
     return DDIMScheduler.from_config(teacher_scheduler.config, prediction_type=ptype, timestep_spacing=spacing)
 
 
+def consistency_scheduler(cfg: Config, ddim_scheduler):
+    """The consistency student's LCMScheduler: the same noise schedule and prediction type, the
+    skipping grid of consistency.solver_steps and the boundary scalings' timestep_scaling."""
+    from diffusers import LCMScheduler
+
+    return LCMScheduler.from_config(ddim_scheduler.config, original_inference_steps=cfg.consistency.solver_steps,
+                                    timestep_scaling=cfg.consistency.timestep_scaling)
+
+
 def _check_teacher(cfg: Config, pipe, plan: list[RoundSpec]) -> None:
     """Problems that would only show mid-training: raise before any step."""
     sched = pipe.scheduler
@@ -91,10 +110,26 @@ def _check_teacher(cfg: Config, pipe, plan: list[RoundSpec]) -> None:
         raise PocketdiffError(f"teacher prediction_type {sched.config.prediction_type!r} is not supported (epsilon | v_prediction)")
     T = sched.config.num_train_timesteps
     if cfg.progressive.start_steps > T // 2 and any(s.stage == "progressive" for s in plan):
-        raise PocketdiffError(f"progressive.start_steps={cfg.progressive.start_steps} is above half the teacher's {T} training timesteps")
+        raise PocketdiffError(f"progressive.start_steps: {cfg.progressive.start_steps} is above half the teacher's {T} training timesteps")
+    if any(s.stage == "progressive" for s in plan):
+        _check_student_grid(cfg, sched)
+    if cfg.method == "consistency" and cfg.consistency.solver_steps > T:
+        raise PocketdiffError(f"consistency.solver_steps: {cfg.consistency.solver_steps} is above the teacher's {T} training timesteps")
     check_resolution(pipe, cfg.data.resolution)
     if is_w_conditioned(pipe.unet):
         raise PocketdiffError("the teacher UNet is already guidance-conditioned (time_cond_proj_dim set); distill from a classifier-free-guided model")
+
+
+def _check_student_grid(cfg: Config, teacher_scheduler) -> None:
+    """The last round's student must start where the sampler's noise belongs: near T. Leading spacing
+    starts a 2-step DDIM at t = 501 and a 1-step one at t = 1 (SD's grid: pure noise read as an almost
+    clean latent), a step count that spacing cannot serve."""
+    s_sched = student_scheduler(cfg, teacher_scheduler)
+    T, n = int(s_sched.config.num_train_timesteps), cfg.progressive.final_steps
+    top = int(scheduler_timesteps(s_sched, n)[0])
+    if top < (3 * T) // 4:
+        raise PocketdiffError(f"timestep_spacing: {s_sched.config.timestep_spacing!r} starts the {n}-step student at t={top} of {T} "
+                              f"(its sampler starts from pure noise there); use trailing for progressive.final_steps={n}")
 
 
 def _load_unet(folder: Path):
@@ -128,7 +163,7 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
     # 1. recipe, teacher, schedulers (every check before any training)
     plan = plan_rounds(cfg)
     started = time.time()
-    acc = make_accelerator(cfg.progressive.train, out)
+    acc = make_accelerator(accelerator_section(cfg), out)
     done = _check_resume(out, cfg, plan, resume)
     acc.wait_for_everyone()  # every process has read the folder before the main one writes the plan
     device = acc.device
@@ -146,7 +181,9 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
     teacher_unet = pipe.unet.requires_grad_(False).eval()
     t_sched = pipe.scheduler
     s_sched = student_scheduler(cfg, t_sched)
-    eval_t_sched = type(s_sched).from_config(s_sched.config, prediction_type=t_sched.config.prediction_type)
+    eval_t_sched = type(s_sched).from_config(s_sched.config, prediction_type=t_sched.config.prediction_type)  # the teacher's DDIM
+    if cfg.method == "consistency":
+        s_sched = consistency_scheduler(cfg, s_sched)
     tdtype = _teacher_dtype(cfg, device)
     if acc.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
@@ -165,8 +202,9 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
         "teacher": {"source": cfg.model.pretrained or f"built {cfg.model.arch} (random weights)",
                     "prediction_type": t_sched.config.prediction_type, "unet_params": count_params(teacher_unet)},
         "data": {"source": cfg.data.source, "items": len(dataset), "resolution": cfg.data.resolution},
+        "method": cfg.method,
         "student": {"prediction_type": s_sched.config.prediction_type, "timestep_spacing": s_sched.config.timestep_spacing,
-                    "loss_weighting": cfg.loss_weighting},
+                    "loss_weighting": cfg.loss_weighting, "scheduler": type(s_sched).__name__},
         "guidance": {**dataclasses.asdict(cfg.guidance), "how": USAGE if cfg.guidance.conditioned else
                      f"folded: guidance {cfg.guidance.scale} baked in, call with guidance_scale=1"},
         "rounds": [],
@@ -195,14 +233,8 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
                 break
             report["rounds"].append(entry)
         prev_folder = folder
-        entry = report["rounds"][-1]
-        eval_path = out / "eval" / f"{spec.name}.json"
         if acc.is_main_process and cfg.eval.enabled:
-            if eval_path.is_file():
-                entry["eval"] = read_json(eval_path, "--resume")
-            else:
-                entry["eval"] = evaluator(spec, _load_unet(folder), s_sched)
-                write_json(eval_path, entry["eval"])
+            _evaluate_round(cfg, spec, evaluator, report["rounds"][-1], folder, s_sched, out)
         acc.wait_for_everyone()
 
     # 6. report
@@ -215,35 +247,63 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
     return report
 
 
+def _evaluate_round(cfg: Config, spec: RoundSpec, evaluator: RoundEvaluator, entry: dict, folder: Path, s_sched, out: Path) -> None:
+    """entry["eval"]: the round's grid (and metrics) at its step count; a consistency student's at
+    each of consistency.sample_steps (entry["eval"] then maps the count to its result). Kept in
+    DIR/eval, which --resume reads instead of evaluating again."""
+    counts = cfg.consistency.sample_steps if spec.stage == "consistency" else [spec.steps]
+    results = {}
+    for n in counts:
+        eval_path = out / "eval" / (f"{spec.name}.json" if spec.stage != "consistency" else f"{spec.name}-{n}steps.json")
+        if eval_path.is_file():
+            results[n] = read_json(eval_path, "--resume")
+        else:
+            results[n] = evaluator(dataclasses.replace(spec, steps=n), _load_unet(folder), s_sched)
+            write_json(eval_path, results[n])
+    entry["eval"] = results[spec.steps] if spec.stage != "consistency" else {str(n): r for n, r in results.items()}
+
+
+def _round_models(cfg: Config, spec: RoundSpec, teacher_unet, t_sched, s_sched, tdtype, uncond, prev_folder: Optional[Path], device):
+    """(teacher, student, the teacher's unconditional embedding or None) of one round."""
+    compile_mode = cfg.speed.teacher_compile_mode if cfg.speed.compile_teacher else None
+    speed = dict(dtype=tdtype, fused_cfg=cfg.speed.fused_cfg, channels_last=cfg.speed.channels_last, compile_mode=compile_mode, device=device)
+    if prev_folder is None:  # first round (or the consistency stage): the original model teaches, with classifier-free guidance
+        teacher = GuidedTeacher(_copy_unet(teacher_unet), t_sched.config.prediction_type, **speed)
+        base = _copy_unet(teacher_unet)
+        base = base if base.dtype == torch.float32 else base.float()
+        student = add_guidance_embedding(base, cfg.guidance.embed_dim) if cfg.guidance.conditioned else base
+        return teacher, student, uncond
+    # the previous student teaches (guidance already folded in: one pass per step)
+    return GuidedTeacher(_load_unet(prev_folder), s_sched.config.prediction_type, **speed), _load_unet(prev_folder), None
+
+
+def _round_loss(cfg: Config, spec: RoundSpec, teacher, student, pipe, s_sched, t_uncond, device):
+    """(loss_fn, loop config, companion) of one round; the consistency stage's companion is its target network."""
+    embed = cfg.guidance.embed_dim if cfg.guidance.conditioned else None
+    if spec.stage == "consistency":
+        target = TargetNetwork(student, cfg.consistency.target_ema_decay, device=device)
+        loss_fn = make_consistency_loss_fn(cfg, teacher, target, skipping_plan(s_sched, cfg.consistency.solver_steps), pipe, s_sched,
+                                           t_uncond, embed, device)
+        return loss_fn, cfg.consistency.train, target, None
+    rplan = round_plan(s_sched, spec.steps, spec.teacher_steps) if spec.stage == "progressive" else None
+    loss_fn = make_loss_fn(cfg, spec, teacher, rplan, pipe, s_sched, t_uncond, embed, device)
+    return loss_fn, cfg.guided.train if spec.stage == "guided" else cfg.progressive.train, None, rplan
+
+
 def _train_round(cfg: Config, spec: RoundSpec, acc, pipe, teacher_unet, t_sched, s_sched, tdtype, uncond, dataset,
                  prev_folder: Optional[Path], out: Path, resume: Optional[str], budget: Optional[float] = None) -> Optional[dict]:
     """Train one round (one `train_loop` call), write its pipeline folder atomically, return its report
     (None when the time budget stopped the round: its checkpoint is kept, no folder is written)."""
     device = acc.device
-    compile_mode = cfg.speed.teacher_compile_mode if cfg.speed.compile_teacher else None
-    if prev_folder is None:  # first round: the original model teaches, with classifier-free guidance
-        teacher = GuidedTeacher(_copy_unet(teacher_unet), t_sched.config.prediction_type, dtype=tdtype,
-                                fused_cfg=cfg.speed.fused_cfg, channels_last=cfg.speed.channels_last,
-                                compile_mode=compile_mode, device=device)
-        t_uncond = uncond
-        base = _copy_unet(teacher_unet)
-        base = base if base.dtype == torch.float32 else base.float()
-        student = add_guidance_embedding(base, cfg.guidance.embed_dim) if cfg.guidance.conditioned else base
-    else:  # the previous student teaches (guidance already folded in: one pass per step)
-        teacher = GuidedTeacher(_load_unet(prev_folder), s_sched.config.prediction_type, dtype=tdtype,
-                                fused_cfg=cfg.speed.fused_cfg, channels_last=cfg.speed.channels_last,
-                                compile_mode=compile_mode, device=device)
-        t_uncond = None
-        student = _load_unet(prev_folder)
+    teacher, student, t_uncond = _round_models(cfg, spec, teacher_unet, t_sched, s_sched, tdtype, uncond, prev_folder, device)
+    loss_fn, section, companion, rplan = _round_loss(cfg, spec, teacher, student, pipe, s_sched, t_uncond, device)
     student = _prepare_student(student, cfg)
-    rplan = round_plan(s_sched, spec.steps, spec.teacher_steps) if spec.stage == "progressive" else None
-    embed = cfg.guidance.embed_dim if cfg.guidance.conditioned else None
-    loss_fn = make_loss_fn(cfg, spec, teacher, rplan, pipe, s_sched, t_uncond, embed, device)
-    loop_cfg = dataclasses.replace(cfg.guided.train if spec.stage == "guided" else cfg.progressive.train, max_steps=spec.max_steps)
+    loop_cfg = dataclasses.replace(section, max_steps=spec.max_steps)
     if budget is not None:
         loop_cfg = dataclasses.replace(loop_cfg, max_time_s=max(budget, 1e-3))
     acc.print(f"[distill] {spec.name}: {spec.stage}, student {spec.steps} steps"
-              + (f" from a {spec.teacher_steps}-step teacher" if spec.teacher_steps else " from the guided teacher"))
+              + (f" on the teacher's {spec.teacher_steps}-point skipping grid" if spec.stage == "consistency" else
+                 f" from a {spec.teacher_steps}-step teacher" if spec.teacher_steps else " from the guided teacher"))
     ckpt = resolve_resume(out / "checkpoints" / spec.name, resume)
     start_step = read_state(ckpt)["step"] if ckpt is not None else 0
     t0 = time.time()
@@ -251,10 +311,10 @@ def _train_round(cfg: Config, spec: RoundSpec, acc, pipe, teacher_unet, t_sched,
                         ckpt_dir=out / "checkpoints" / spec.name, seed=cfg.seed + 1000 * spec.index, resume=resume,
                         desc=spec.name, log_path=out / "logs.jsonl", accelerator=acc,
                         extra_state={"round": spec.index, "stage": spec.stage, "student_steps": spec.steps},
-                        lr_scale=embed_lr_scale(cfg, spec))
+                        lr_scale=embed_lr_scale(cfg, spec), companion=companion)
     seconds = time.time() - t0
     acc.free_memory()
-    del teacher, loss_fn
+    del teacher, loss_fn, companion
     if getattr(result, "stopped_early", False):
         return None
     use_ema_weights(result, student)
@@ -272,6 +332,8 @@ def _train_round(cfg: Config, spec: RoundSpec, acc, pipe, teacher_unet, t_sched,
     }
     meta = {
         "pocketdiff_distill": 1, "round": spec.index, "stage": spec.stage, "num_inference_steps": spec.steps,
+        **({"method": "consistency", "sampling_steps": list(cfg.consistency.sample_steps), "scheduler": "LCMScheduler",
+            "solver_steps": cfg.consistency.solver_steps} if spec.stage == "consistency" else {}),
         "prediction_type": s_sched.config.prediction_type, "timestep_spacing": s_sched.config.timestep_spacing,
         "guidance": {**dataclasses.asdict(cfg.guidance), "how": USAGE if cfg.guidance.conditioned else "folded"},
         "teacher": cfg.model.pretrained or f"built {cfg.model.arch}", "parent": prev_folder.name if prev_folder else None,

@@ -9,6 +9,7 @@ from pocketdiff.config import DataConfig
 from pocketdiff.errors import PocketdiffError, require
 from pocketdiff.models import ModelConfig
 
+from .consistency_config import ConsistencyConfig
 from .distill_targets import WEIGHTINGS
 from .guidance_embedding import DEFAULT_EMBED_DIM
 from .loop import LoopConfig
@@ -16,22 +17,24 @@ from .loop import LoopConfig
 STUDENT_PREDICTION = ("v_prediction", "epsilon", "teacher")
 SPACINGS = ("trailing", "leading", "teacher")
 TEACHER_DTYPES = ("auto", "fp32", "bf16", "fp16")
+# progressive: guided stage, then halving rounds (Salimans & Ho) | consistency: one LCM stage (consistency_targets)
+METHODS = ("progressive", "consistency")
+TOP_STEP_INPUTS = ("data", "noise")
 
 
 def round_schedule(start_steps: int, final_steps: int) -> list[int]:
-    """Step counts of the progressive rounds: [start/2, start/4, ..., final] (empty when equal)."""
+    """Step counts of the progressive rounds: [start/2, start/4, ..., final] (empty when equal).
+    Each round halves the count, so start_steps must be final_steps * 2^k (1 and 2 steps included)."""
     if final_steps > start_steps:
-        raise PocketdiffError(f"progressive.final_steps={final_steps} is above progressive.start_steps={start_steps}")
+        raise PocketdiffError(f"progressive.final_steps: {final_steps} is above progressive.start_steps={start_steps}")
     counts, n = [], start_steps
-    while n > final_steps:
-        if n % 2:
-            raise PocketdiffError(
-                f"progressive.final_steps={final_steps} cannot be reached from start_steps={start_steps} by halving "
-                f"({n} is odd); start_steps must be final_steps * 2^k")
+    while n > final_steps and n % 2 == 0:
         n //= 2
         counts.append(n)
     if n != final_steps:
-        raise PocketdiffError(f"progressive.final_steps={final_steps} cannot be reached from start_steps={start_steps} by halving")
+        raise PocketdiffError(
+            f"progressive.final_steps: {final_steps} cannot be reached from progressive.start_steps={start_steps} by halving "
+            f"(the halving rounds pass from {n * 2} to {n}); start_steps must be final_steps * 2^k, e.g. {final_steps * 2 ** max(1, (start_steps // final_steps).bit_length() - 1)}")
     return counts
 
 
@@ -61,8 +64,9 @@ class GuidanceConfig:
 
 
 def embed_lr_scale(cfg, spec) -> dict:
-    """The guided stage's learning-rate multiplier for the w embedding (train_loop's `lr_scale`)."""
-    if spec.stage == "guided" and cfg.guidance.conditioned and cfg.guidance.embed_lr_scale != 1.0:
+    """The learning-rate multiplier of the w embedding in the stage that creates it (guided or
+    consistency; train_loop's `lr_scale`)."""
+    if spec.stage in ("guided", "consistency") and cfg.guidance.conditioned and cfg.guidance.embed_lr_scale != 1.0:
         return {"time_embedding.cond_proj": cfg.guidance.embed_lr_scale}
     return {}
 
@@ -87,8 +91,15 @@ class ProgressiveConfig:
     final_steps: int = 4
     train: LoopConfig = _loop(max_steps=2000, lr=1e-5, checkpoint_every=500)
     round_max_steps: list[int] = dataclasses.field(default_factory=list)  # optional, one per round: overrides train.max_steps
+    # the student's input at its top timestep (trailing: t = T - 1), what the few-step rounds train most:
+    # data = z_t of a training image, as at every other timestep; noise = pure Gaussian noise, what the
+    # sampler starts from (the PD paper's schedules end at SNR 0, so there they are the same; SD's
+    # scaled-linear schedule keeps alpha_bar(T - 1) ~ 0.005, a sliver of the image that a 1-step student
+    # would learn to read and never gets at sampling time)
+    top_step_input: str = "data"
 
     def __post_init__(self) -> None:
+        require(self.top_step_input in TOP_STEP_INPUTS, "progressive.top_step_input", f"must be one of {TOP_STEP_INPUTS}, got {self.top_step_input!r}")
         require(self.start_steps >= 1, "progressive.start_steps", f"must be >= 1, got {self.start_steps}")
         require(self.final_steps >= 1, "progressive.final_steps", f"must be >= 1, got {self.final_steps}")
         round_schedule(self.start_steps, self.final_steps)  # raises on an unreachable count
@@ -148,6 +159,7 @@ class EvalConfig:
 @dataclasses.dataclass
 class Config:
     seed: int = 0
+    method: str = "progressive"  # progressive | consistency (sections guided + progressive, or consistency)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)  # the teacher
     student_prediction_type: str = "v_prediction"  # v_prediction | epsilon | teacher
@@ -161,14 +173,18 @@ class Config:
     guidance: GuidanceConfig = dataclasses.field(default_factory=GuidanceConfig)
     guided: GuidedStageConfig = dataclasses.field(default_factory=GuidedStageConfig)
     progressive: ProgressiveConfig = dataclasses.field(default_factory=ProgressiveConfig)
+    consistency: ConsistencyConfig = dataclasses.field(default_factory=ConsistencyConfig)
     speed: SpeedConfig = dataclasses.field(default_factory=SpeedConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
 
     def __post_init__(self) -> None:
+        require(self.method in METHODS, "method", f"must be one of {METHODS}, got {self.method!r}")
         require(self.student_prediction_type in STUDENT_PREDICTION, "student_prediction_type", f"must be one of {STUDENT_PREDICTION}")
         require(self.timestep_spacing in SPACINGS, "timestep_spacing", f"must be one of {SPACINGS}")
         require(self.max_time_s >= 0, "max_time_s", f"must be >= 0, got {self.max_time_s}")
         require(self.loss_weighting in WEIGHTINGS, "loss_weighting", f"must be one of {WEIGHTINGS}")
+        if self.method == "consistency":
+            return  # one stage: the guided and progressive sections are not used
         require(self.guided.train.mixed_precision == self.progressive.train.mixed_precision, "guided.train.mixed_precision",
                 f"must equal progressive.train.mixed_precision ({self.progressive.train.mixed_precision}): one Accelerator runs every round")
         require(self.guided.train.memory_cap_gib == self.progressive.train.memory_cap_gib, "guided.train.memory_cap_gib",
@@ -176,3 +192,8 @@ class Config:
         rounds = round_schedule(self.progressive.start_steps, self.progressive.final_steps)
         require(self.guided.enabled or len(rounds) > 0, "progressive.final_steps",
                 "equals progressive.start_steps and guided.enabled is false: there is nothing to distill")
+
+
+def accelerator_section(cfg: Config) -> LoopConfig:
+    """The train section the run's one Accelerator is made from (mixed precision, DDP hook, memory cap)."""
+    return cfg.consistency.train if cfg.method == "consistency" else cfg.progressive.train

@@ -23,6 +23,7 @@ def make_loss_fn(cfg: Config, spec: RoundSpec, teacher: GuidedTeacher, plan: Opt
     ptype = sched.config.prediction_type
     g = cfg.guidance
     clip = float(sched.config.get("clip_sample_range", 1.0)) if sched.config.get("clip_sample", False) else None
+    top_noise = cfg.progressive.top_step_input == "noise"
     if plan is not None:
         p_t, p_mid, p_at, p_amid, p_aprev = (v.to(device) for v in (plan.t, plan.t_mid, plan.a_t, plan.a_mid, plan.a_prev))
 
@@ -47,6 +48,8 @@ def make_loss_fn(cfg: Config, spec: RoundSpec, teacher: GuidedTeacher, plan: Opt
             k = rng.randint(0, plan.steps)
             t, a_t = p_t[k], p_at[k]
             z_t = noisy_latents(x0, eps, a_t)
+            if top_noise:  # the top transition starts from what the sampler starts from: pure noise
+                z_t = torch.where((k == 0).view(-1, *([1] * (z_t.dim() - 1))), eps.float(), z_t)
             target = two_step_x_target(teacher, z_t, t, p_mid[k], a_t, p_amid[k], p_aprev[k], cond, unc, w, clip)
         out = student_forward(model, z_t, t, cond, w, cfg.speed.channels_last, student_embed)
         return x_space_loss(out, z_t, a_t, target, ptype, cfg.loss_weighting)

@@ -46,6 +46,8 @@ def _write_round_folder(pipe, student, sched, folder: Path, meta: dict, share_fr
 
 def _readme(meta: dict) -> str:
     n, g = meta["num_inference_steps"], meta["guidance"]
+    if meta["stage"] == "consistency":
+        return _consistency_readme(meta)
     if g["conditioned"]:
         call = f"pipe(prompt, num_inference_steps={n}, guidance_scale=w)  # w in [{g['w_min']}, {g['w_max']}], e.g. {g['scale']}"
         how = USAGE
@@ -62,6 +64,22 @@ def _readme(meta: dict) -> str:
         f"- In pocketdiff: `pocketdiff.sampling.generate(pipe, prompts, steps={n}, guidance_scale=w)`, or "
         f"`ddim_sample(..., w_embedding_fn=pocketdiff.train.distill.w_embedding_fn(unet))`.\n"
         f"- Teacher: {meta['teacher']}; parent: {meta.get('parent') or 'the teacher'}.\n"
+    )
+
+
+def _consistency_readme(meta: dict) -> str:
+    n, g, counts = meta["num_inference_steps"], meta["guidance"], meta["sampling_steps"]
+    w = f"guidance_scale=w)  # w in [{g['w_min']}, {g['w_max']}], e.g. {g['scale']}" if g["conditioned"] else \
+        f"guidance_scale=1.0)  # guidance {g['scale']} is folded in"
+    return (
+        f"# pocketdiff consistency-distilled student (LCM), 1 to {meta['solver_steps']} steps\n\n"
+        f"```python\nfrom diffusers import StableDiffusionPipeline\npipe = StableDiffusionPipeline.from_pretrained(\"{{this folder}}\")\n"
+        f"pipe(prompt, num_inference_steps={n}, {w}\n```\n\n"
+        f"- The folder's scheduler is diffusers' LCMScheduler (original_inference_steps={meta['solver_steps']}): any step count "
+        f"from 1 to {meta['solver_steps']} works; measured at {counts}. Multi-step sampling re-noises between steps.\n"
+        f"- Guidance: {USAGE if g['conditioned'] else 'folded in at the fixed scale'}\n"
+        f"- In pocketdiff: `pocketdiff.sampling.generate(pipe, prompts, steps=N, guidance_scale=w)` (it follows the LCMScheduler).\n"
+        f"- Teacher: {meta['teacher']}.\n"
     )
 
 
@@ -140,8 +158,9 @@ class RoundEvaluator:
     def metrics(self, spec: RoundSpec, folder: Path) -> dict:
         from pocketdiff.evaluate import ModelSpec
 
-        student = self._evaluate([ModelSpec(name=f"student {spec.steps}", path=str(folder))], spec.steps,
-                                 self.out / "eval" / spec.name)[0]
+        where = spec.name if spec.stage != "consistency" else f"{spec.name}-{spec.steps}steps"
+        student = self._evaluate([ModelSpec(name=f"student {spec.steps}", path=str(folder), steps=[spec.steps])], spec.steps,
+                                 self.out / "eval" / where)[0]
         return {"student": student, "teacher_same_steps": self.teacher_metrics(spec.steps),
                 "teacher_reference": self.teacher_metrics(self.ref_steps)}
 
@@ -194,28 +213,38 @@ class RoundEvaluator:
         return result
 
 
+def _round_evals(r: dict) -> list[tuple[int, dict]]:
+    """(steps, eval) of a round report: one for a progressive round, one per count for a consistency stage."""
+    ev = r.get("eval") or {}
+    if r["stage"] == "consistency":
+        return [(int(n), e) for n, e in ev.items()]
+    return [(r["steps"], ev)] if ev else []
+
+
 def _write_page(out: Path, report: dict) -> None:
     sections = []
     curves = {f"{r['stage']} {r['steps']} steps": r["losses"] for r in report["rounds"] if r["losses"]}
     if curves:
-        plot_curves(curves, out / "loss.png", "step", "loss", "distillation loss (x space, weighted)", logy=True)
+        plot_curves(curves, out / "loss.png", "step", "loss", "distillation loss (x space, weighted; consistency: pseudo-Huber)", logy=True)
         sections.append(("Loss per round", img("loss.png")))
     rows = [[r["round"], r["stage"], r["steps"], r["teacher_steps"] or "-", r["train_steps"], r["final_loss"], Path(r["pipeline_dir"]).name]
             for r in report["rounds"]]
     sections.append(("Rounds", table(["round", "stage", "student steps", "teacher steps", "train steps", "final loss", "folder"], rows)))
-    mrows = []
+    mrows, first = [], None
     for r in report["rounds"]:
-        m = (r.get("eval") or {}).get("metrics")
-        if m:
-            for key, label in (("student", f"student {r['steps']} steps"), ("teacher_same_steps", f"teacher DDIM {r['steps']} steps"),
+        for steps, ev in _round_evals(r):
+            m = ev.get("metrics")
+            if not m:
+                continue
+            first = first or m["student"]
+            for key, label in (("student", f"student {steps} steps"), ("teacher_same_steps", f"teacher DDIM {steps} steps"),
                                ("teacher_reference", f"teacher DDIM {m['teacher_reference'].get('steps')} steps")):
                 mrows.append([r["round"], label, m[key].get("fd"), m[key].get("clip_score"), m[key].get("num_samples")])
     if mrows:
-        first = next(r["eval"]["metrics"]["student"] for r in report["rounds"] if (r.get("eval") or {}).get("metrics"))
         sections.append(("Metrics", table(["round", "model", first.get("features") or "FD", first.get("clip_model_label") or "CLIP score", "images"], mrows)))
     for r in report["rounds"]:
-        ev = r.get("eval") or {}
-        if ev.get("grid"):
-            sections.append((f"Round {r['round']}: rows = " + ", ".join(ev["rows"]), img(ev["grid"])))
+        for steps, ev in _round_evals(r):
+            if ev.get("grid"):
+                sections.append((f"Round {r['round']} ({steps} steps): rows = " + ", ".join(ev["rows"]), img(ev["grid"])))
     sections.append(("How to sample a student", f"<p>{report['guidance']['how']}</p>"))
     write_page(out / "index.html", "pocketdiff distill", sections, report)

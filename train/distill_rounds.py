@@ -17,10 +17,10 @@ __all__ = ["RoundSpec", "completed_rounds", "plan_rounds", "round_schedule"]
 
 @dataclasses.dataclass
 class RoundSpec:
-    index: int  # 0 = guided stage, 1.. = progressive rounds
-    stage: str  # "guided" | "progressive"
-    steps: int  # the student's sampling steps
-    teacher_steps: Optional[int]  # the teacher's grid (None for the guided stage: any timestep)
+    index: int  # 0 = guided stage (or the consistency stage), 1.. = progressive rounds
+    stage: str  # "guided" | "progressive" | "consistency"
+    steps: int  # the student's sampling steps (consistency: the largest of consistency.sample_steps)
+    teacher_steps: Optional[int]  # the teacher's grid (None for the guided stage: any timestep; consistency: solver_steps)
     max_steps: int  # optimizer steps
 
     @property
@@ -29,7 +29,10 @@ class RoundSpec:
 
 
 def plan_rounds(cfg: Config) -> list[RoundSpec]:
-    """Every round of the recipe, in order."""
+    """Every round of the recipe, in order (method consistency: its one stage, round-0)."""
+    if cfg.method == "consistency":
+        c = cfg.consistency
+        return [RoundSpec(0, "consistency", max(c.sample_steps), c.solver_steps, c.train.max_steps)]
     rounds = []
     if cfg.guided.enabled:
         rounds.append(RoundSpec(0, "guided", cfg.progressive.start_steps, None, cfg.guided.train.max_steps))
@@ -60,6 +63,10 @@ def _plan_record(cfg: Config, plan: list[RoundSpec]) -> dict:
         "timestep_spacing": cfg.timestep_spacing,
         "guidance": dataclasses.asdict(cfg.guidance),
         "seed": cfg.seed,
+        # non-default settings only (an older run's record is unchanged, so its folders still resume)
+        **({"top_step_input": cfg.progressive.top_step_input} if cfg.progressive.top_step_input != "data" else {}),
+        **({"consistency": {k: getattr(cfg.consistency, k) for k in ("solver_steps", "timestep_scaling", "target_ema_decay", "huber_c")}}
+           if cfg.method == "consistency" else {}),
     }
 
 

@@ -15,7 +15,7 @@ import math
 import time
 from time import perf_counter  # step timing; `time.time` stays the wall clock of max_time_s
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -197,39 +197,59 @@ def use_ema_weights(result: LoopResult, model: torch.nn.Module) -> None:
 
 
 LossFn = Callable[[torch.nn.Module, dict, BatchRandom], torch.Tensor]
+COMPANION_FILE = "companion.safetensors"
 
 
-def checkpoint_bytes(ckpt_dir: Path, model, optimizer, ema) -> int:
+class Companion(Protocol):
+    """State that trains beside the model without gradients (consistency distillation's target
+    network): updated on every process after each optimizer step, saved in each checkpoint."""
+
+    def after_update(self, model: torch.nn.Module) -> None: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+def checkpoint_bytes(ckpt_dir: Path, model, optimizer, ema, companion=None) -> int:
     """Bytes the next checkpoint will take: the newest one's size when there is one, else its tensors'."""
     found = list_checkpoints(ckpt_dir)
     if found:
         return folder_bytes(found[-1])
     return (tensor_bytes(model.state_dict()) + tensor_bytes(optimizer.state_dict()["state"])
-            + (tensor_bytes(ema.shadow) if ema is not None else 0) + (1 << 20))
+            + (tensor_bytes(ema.shadow) if ema is not None else 0)
+            + (tensor_bytes(companion.state_dict()) if companion is not None else 0) + (1 << 20))
 
 
-def _save(ckpt_dir, step, model, optimizer, scheduler, ema, losses, skipped, total_limit, extra):
+def _save(ckpt_dir, step, model, optimizer, scheduler, ema, losses, skipped, total_limit, extra, companion=None):
     found = list_checkpoints(ckpt_dir)
-    check_free_space(ckpt_dir, checkpoint_bytes(ckpt_dir, model, optimizer, ema), f"checkpoint-{step}",
+    check_free_space(ckpt_dir, checkpoint_bytes(ckpt_dir, model, optimizer, ema, companion), f"checkpoint-{step}",
                      kept=found[-1] if found else None)
     tmp = begin_checkpoint(ckpt_dir, step)
     save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, str(tmp / "model.safetensors"))
     if ema is not None:
         save_file({k: v.contiguous().cpu() for k, v in ema.shadow.items()}, str(tmp / "ema.safetensors"))
+    if companion is not None:
+        save_file({k: v.contiguous().cpu() for k, v in companion.state_dict().items()}, str(tmp / COMPANION_FILE))
     torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
     return commit_checkpoint(tmp, step, {"losses": losses, "skipped_steps": skipped, **extra}, total_limit)
 
 
-def _load(ckpt: Path, model, optimizer, scheduler, ema):
+def _load(ckpt: Path, model, optimizer, scheduler, ema, companion=None):
     state = read_state(ckpt)
     if ema is not None and not (ckpt / "ema.safetensors").is_file():
         raise PocketdiffError(f"{ckpt}: no ema.safetensors although train.ema_decay > 0")
+    if companion is not None and not (ckpt / COMPANION_FILE).is_file():
+        raise PocketdiffError(f"{ckpt}: no {COMPANION_FILE} (the target network this training needs)")
     name = "model.safetensors"
     try:  # a damaged file or a checkpoint of another model: one line naming it, not a bare library error
         model.load_state_dict(load_file(str(ckpt / name)))
         if ema is not None:
             name = "ema.safetensors"
             ema.shadow = {k: v.float() for k, v in load_file(str(ckpt / name)).items()}
+        if companion is not None:
+            name = COMPANION_FILE
+            companion.load_state_dict(load_file(str(ckpt / name)))
         name = "optimizer.pt"
         opt = torch.load(ckpt / name, map_location="cpu", weights_only=True)
         optimizer.load_state_dict(opt["optimizer"])
@@ -287,6 +307,7 @@ def train_loop(
     accelerator=None,
     extra_state: Optional[dict] = None,
     lr_scale: Optional[dict] = None,
+    companion: Optional[Companion] = None,
 ) -> LoopResult:
     """Optimise the trainable parameters of `model` on `loss_fn` for `cfg.max_steps` steps.
 
@@ -296,6 +317,7 @@ def train_loop(
     (`use_ema_weights` puts the EMA's in).
     `lr_scale` maps parameter-name prefixes to learning-rate multipliers (their own AdamW
     param group; the warm-up applies to every group alike).
+    `companion` (a `Companion`) is updated after every optimizer step and checkpointed with the model.
     """
     # 1. accelerator, model on its device, optimizer, warm-up schedule, EMA
     acc = accelerator or make_accelerator(cfg, ckpt_dir.parent)
@@ -308,13 +330,13 @@ def train_loop(
     start, losses, skipped = 0, [], 0
     ckpt = resolve_resume(ckpt_dir, resume)
     if ckpt is not None:
-        state = _load(ckpt, model, optimizer, scheduler, ema)
+        state = _load(ckpt, model, optimizer, scheduler, ema, companion)
         start, losses, skipped = state["step"], state.get("losses", []), state.get("skipped_steps", 0)
         acc.print(f"[{desc}] resumed from {ckpt} at step {start}")
 
     # 3. the steps (4. the timing summary: `_Loop.result`)
     loop = _Loop(cfg, acc, memory, model, params, optimizer, scheduler, ema, dataset, collate, loss_fn, ckpt_dir, seed,
-                 desc, log_path, extra_state, start, losses, skipped)
+                 desc, log_path, extra_state, start, losses, skipped, companion)
     loop.run()
     return loop.result()
 
@@ -364,10 +386,11 @@ class _Loop:
 
     def __init__(self, cfg: LoopConfig, acc, memory: GpuMemory, model, params, optimizer, scheduler, ema, dataset,
                  collate: Callable, loss_fn: LossFn, ckpt_dir: Path, seed: int, desc: str, log_path: Optional[Path],
-                 extra_state: Optional[dict], start: int, losses: list, skipped: int):
+                 extra_state: Optional[dict], start: int, losses: list, skipped: int, companion: Optional[Companion] = None):
         self.cfg, self.acc, self.memory, self.model, self.params = cfg, acc, memory, model, params
         self.scheduler, self.ema, self.dataset, self.collate, self.loss_fn = scheduler, ema, dataset, collate, loss_fn
         self.ckpt_dir, self.seed, self.desc, self.extra_state = ckpt_dir, seed, desc, extra_state
+        self.companion = companion
         self.start, self.losses, self.skipped = start, losses, skipped
         self.wrapped, self.optimizer = acc.prepare(model, optimizer)
         # freeing the gradients would undo DDP's bucket views (the next backward allocates and copies again)
@@ -484,6 +507,8 @@ class _Loop:
         self.optimizer.zero_grad(set_to_none=self.free_grads)
         if phases:
             phases.mark("optimizer_s")  # with the gradient clip and the loss reduction
+        if self.companion is not None:
+            self.companion.after_update(self.acc.unwrap_model(self.wrapped))
         if self.ema is not None:
             self.ema.update(self.acc.unwrap_model(self.wrapped), step + 1)
             if phases:
@@ -527,7 +552,7 @@ class _Loop:
         acc.wait_for_everyone()
         if acc.is_main_process:
             _save(self.ckpt_dir, done, acc.unwrap_model(self.wrapped), self.optimizer, self.scheduler, self.ema, self.losses,
-                  self.skipped, self.cfg.checkpoints_total_limit, self.extra_state or {})
+                  self.skipped, self.cfg.checkpoints_total_limit, self.extra_state or {}, self.companion)
         acc.wait_for_everyone()
         self.times.save_s += perf_counter() - save_t0
 

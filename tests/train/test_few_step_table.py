@@ -1,0 +1,44 @@
+"""scripts/gpu/few_step_table.py: rows and GPU-hours from distill reports (made-up numbers)."""
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _table():
+    spec = importlib.util.spec_from_file_location("few_step_table", ROOT / "scripts" / "gpu" / "few_step_table.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _m(steps, fd):
+    return {"steps": steps, "fd": fd, "clip_score": 20.0, "num_samples": 1024}
+
+
+def _metrics(steps, fd, teacher_fd):
+    return {"metrics": {"student": _m(steps, fd), "teacher_same_steps": _m(steps, teacher_fd), "teacher_reference": _m(64, 10.0)}}
+
+
+def test_rows_gpu_hours_and_summary(tmp_path):
+    lcm = {"rounds": [{"stage": "consistency", "steps": 8, "train_seconds": 360.0,
+                       "eval": {str(n): _metrics(n, 12.0 + n, 50.0 / n) for n in (1, 2, 4, 8)}}]}
+    pd = {"rounds": [{"stage": "guided", "steps": 16, "train_seconds": 72.0, "eval": _metrics(16, 11.0, 10.5)}]
+          + [{"stage": "progressive", "steps": n, "train_seconds": 72.0, "eval": _metrics(n, 11.0 + 1 / n, 99.0)} for n in (8, 4, 2, 1)]}
+    for name, rep in (("lcm", lcm), ("pd", pd)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "report.json").write_text(json.dumps(rep))
+    out = tmp_path / "t.json"
+    import sys
+
+    sys.argv = ["x", "--lcm", str(tmp_path / "lcm"), "--pd", str(tmp_path / "pd"), "--out", str(out)]
+    _table().main()
+    result = json.loads(out.read_text())
+    rows = {(r["method"], r["steps"]): r for r in result["rows"]}
+    assert rows[("lcm", 2)]["gpu_hours"] == 0.1 and rows[("lcm", 8)]["gpu_hours"] == 0.1
+    assert rows[("pd", 16)]["gpu_hours"] == 0.02 and rows[("pd", 2)]["gpu_hours"] == 0.08 and rows[("pd", 1)]["gpu_hours"] == 0.1
+    assert rows[("teacher_ddim", 2)]["fd"] == 25.0 and rows[("teacher_ddim", 2)]["run"] == "lcm"  # LCM's teacher rows first
+    assert rows[("teacher_ddim", 16)]["run"] == "pd" and rows[("teacher_ddim", 64)]["gpu_hours"] is None
+    s = result["summary"]
+    assert s["lcm_2step_fd_over_teacher64"] == 1.4 and s["lcm_over_pd_gpu_hours_to_2_steps"] == 1.25

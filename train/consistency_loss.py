@@ -1,0 +1,57 @@
+"""The loss of the consistency stage: draw a batch's noise, grid point and w; teacher solver step; target network."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from pocketdiff.sampling import encode_prompts
+
+from .consistency_targets import SkippingPlan, TargetNetwork, consistency_function, pseudo_huber, solver_step
+from .distill_config import Config
+from .distill_data import _encode
+from .distill_targets import GuidedTeacher, noisy_latents, student_forward
+from .guidance_embedding import w_condition
+from .loop import BatchRandom
+
+
+def draw_w(cfg: Config, rng: BatchRandom) -> torch.Tensor:
+    """w per sample: uniform in [w_min, w_max] for a w-conditioned student, else the fixed guidance.scale."""
+    g, u = cfg.guidance, rng.rand()
+    return g.w_min + (g.w_max - g.w_min) * u if g.conditioned else torch.full_like(u, g.scale)
+
+
+def make_consistency_loss_fn(cfg: Config, teacher: GuidedTeacher, target: TargetNetwork, plan: SkippingPlan, pipe, sched,
+                             uncond: torch.Tensor, student_embed: Optional[int], device):
+    """loss_fn(model, batch, rng) of the consistency stage; every random draw comes from `rng`.
+
+    z_hi = noisy latents at a grid point t_hi; z_lo = one guided DDIM step of the teacher to t_lo;
+    loss = pseudo-Huber(f_student(z_hi, t_hi, w), f_target(z_lo, t_lo, w)).
+    """
+    c = cfg.consistency
+    sf = pipe.vae.config.scaling_factor
+    ptype = sched.config.prediction_type  # the student's
+    clip = float(sched.config.get("clip_sample_range", 1.0)) if sched.config.get("clip_sample", False) else None
+    t_hi, t_lo, a_hi, a_lo = (v.to(device) for v in (plan.t_hi, plan.t_lo, plan.a_hi, plan.a_lo))
+
+    def loss_fn(model, batch, rng: BatchRandom):
+        if "mean" in batch:
+            mean, std = batch["mean"].to(device), batch["std"].to(device)
+        else:
+            mean, std = (v.to(device) for v in _encode(pipe.vae, batch["pixel_values"], device))
+        x0 = (mean + std * rng.randn(*mean.shape[1:])) * sf
+        eps = rng.randn(*mean.shape[1:])
+        n = rng.randint(0, len(plan.t_hi))
+        w = draw_w(cfg, rng)
+        cond = encode_prompts(pipe, batch["text"], device)
+        unc = uncond.to(device).expand(cond.shape[0], -1, -1)
+        z_hi = noisy_latents(x0, eps, a_hi[n])
+        z_lo = solver_step(teacher(z_hi, t_hi[n], cond, unc, w), z_hi, a_hi[n], a_lo[n], teacher.prediction_type, clip)
+        w_emb = w_condition(w, student_embed, device=device) if student_embed is not None else None
+        with torch.no_grad():
+            f_target = consistency_function(target(z_lo, t_lo[n], cond, w_emb), z_lo, t_lo[n], a_lo[n], ptype, c.timestep_scaling)
+        out = student_forward(model, z_hi, t_hi[n], cond, w, cfg.speed.channels_last, student_embed)
+        f_student = consistency_function(out, z_hi, t_hi[n], a_hi[n], ptype, c.timestep_scaling)
+        return pseudo_huber(f_student, f_target, c.huber_c)
+
+    return loss_fn
