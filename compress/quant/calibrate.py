@@ -31,6 +31,7 @@ from pocketdiff.models import load_or_build, load_pipeline, perturb_norm_affines
 from pocketdiff.outputs import commit_folder, write_json
 from pocketdiff.sampling import encode_prompts
 from pocketdiff.device import cap_cuda_memory, resolve_device
+from pocketdiff.runtime.memory import tune_allocator
 
 from .blocks import build_blocks
 from .calib_data import collect_unet_inputs, subsample
@@ -38,7 +39,7 @@ from .int8_format import LayerRecipe, QuantRecipe, dequantized_state_dict, load_
 from .metrics import compare_unets
 from .quantizer import LayerSpec, dequant, layer_specs, quantizable_layers, quantized_state_dict, rtn, search_scale
 from .calibrate_config import DEFAULT_MIN_COSINE, CalibDataConfig, Config  # Config: the verb's config, found here by the CLI
-from .host_memory import host_report, plan_for_run
+from .host_memory import host_report, mark_peak, plan_for_run
 from .reconstruct import reconstruct_unet, write_weights
 
 UNET_FILE = "unet_int8.safetensors"
@@ -168,6 +169,7 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
     t_start = time.time()
     out = Path(out)
     device = resolve_device(cfg.device)
+    tune_allocator()  # glibc: buffers of 1 MiB and up go back to the system when freed (runtime/memory.py)
     host_plan = plan_for_run(cfg, device, out)  # the host cap is checked before any work
     if cfg.cpu_threads is not None:
         torch.set_num_threads(cfg.cpu_threads)
@@ -179,14 +181,18 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
     # 1. model
     pipe, calib_prompts, holdout_prompts = _load_model(cfg, device, timings)
     host_plan = host_plan or plan_for_run(cfg, device, out, pipe)  # a model whose configs needed loading
+    marks: dict = {}
+    mark_peak(marks, "load")
 
     # 2. calibration data
     calib, holdout = _calibration_data(cfg, pipe, calib_prompts, holdout_prompts, device, timings)
+    mark_peak(marks, "collect")
 
     # 3. UNet reconstruction
     specs, results, info = _reconstruct(cfg, pipe, calib, device, cap, timings, host_plan[0] if host_plan else None)
     recon_layers = {g: lr for r in results for g, lr in r.layers.items()}
     rtn_layers = info["rtn"]
+    mark_peak(marks, "reconstruct")
 
     # 4. held-out comparison
     t = time.time()
@@ -197,6 +203,7 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
     blocks = build_blocks(pipe.unet, cfg.quant.skip)
     cmp = compare_unets(pipe.unet, {"rtn": r_unet, "recon": q_unet}, blocks, holdout, device, batch=cfg.recon.forward_batch)
     timings["evaluate_s"] = round(time.time() - t, 3)
+    mark_peak(marks, "evaluate")
 
     extras = _optional_components(cfg, pipe, holdout_prompts, calib, device)
 
@@ -214,7 +221,7 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
                             "reconstruct_peak_gib": round(info.get("peak_gpu_bytes", 0) / 2 ** 30, 3)}
     if not parity["passed"]:
         report["wall_time_s"] = round(time.time() - t_start, 3)
-        report["host_memory"] = host_report(cfg, host_plan)
+        report["host_memory"] = host_report(cfg, host_plan, marks)
         report["host_peak_rss_gb"] = report["host_memory"]["peak_rss_gb"]
         write_json(out / "report.json", report)
         _page(out, report, None)
@@ -228,13 +235,14 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
     saved = _save_checkpoints(cfg, out, report, results, float_state, recon_layers, rtn_layers, specs, extras)
     report.update(_save_pipelines(cfg, out, pipe, report["source"], saved, extras))
     timings["save_s"] = round(time.time() - t, 3)
+    mark_peak(marks, "save")
 
     samples = _samples(cfg, pipe, float_state, saved.recon_state, saved.recon_recipe, saved.rtn_state, saved.rtn_recipe,
                        holdout_prompts, out, device)
     if samples:
         report["samples"] = samples
     report["wall_time_s"] = round(time.time() - t_start, 3)
-    report["host_memory"] = host_report(cfg, host_plan)
+    report["host_memory"] = host_report(cfg, host_plan, marks)
     report["host_peak_rss_gb"] = report["host_memory"]["peak_rss_gb"]  # GiB, VmHWM of this process (runtime/memory.py)
     _page(out, report, samples)
     _log(f"UNet cosine {report['unet_cosine']:.6f} (RTN {report['unet_cosine_rtn']:.6f}); {report['blocks_improved']}/"

@@ -389,9 +389,9 @@ def _fisher_for(block: Block, fisher):
 
 def _stores(opts: ReconConfig, per_sample, n, device, host: HostCache, input_copies: int = 1):
     """(cache budget, cache device, disk folder): the host (in memory, or in files under `host.folder`)
-    when streaming, else the compute device when the largest block's data fits in the budget, else
-    the host memory."""
-    if opts.stream:
+    when streaming or computing there, else the device when the largest block's data fits in the
+    budget, else the host memory."""
+    if opts.stream or torch.device(device).type != "cuda":
         if host.folder is not None:
             Path(host.folder).mkdir(parents=True, exist_ok=True)
         return host.budget(), torch.device("cpu"), host.folder
