@@ -10,8 +10,9 @@ Modes:
 
 Memory. Captured block inputs and targets are cached per group of consecutive blocks that
 fits the cache budget. Without `stream` the cache is on the device when the largest block's
-data fits, and the UNet stays there. With `stream` the cache is in pinned host memory, the
-float UNet is on the device only for the capture passes (sequential mode keeps its quantized
+data fits, and the UNet stays there. With `stream` (or on the CPU) the cache is on the host
+(`cache_store.HostCache`: pageable memory with a group budget from the host cap, or files on
+disk; each block's part freed when its reconstruction ends), the float UNet is on the device only for the capture passes (sequential mode keeps its quantized
 copy there, to capture each block's inputs), and each block comes to the device with its
 cached data (when that takes at most half of what is left under the cap; else minibatches
 are gathered from the host, and an out-of-memory on the device copy falls back to that) only
