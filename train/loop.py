@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from pocketdiff.errors import PocketdiffError, require
+from pocketdiff.runtime.memory import host_peak_mb
 
 from .checkpoints import begin_checkpoint, commit_checkpoint, folder_bytes, list_checkpoints, read_state, resolve_resume
 from .ema import EMA
@@ -575,6 +576,7 @@ class _Loop:
             "warmup_s": t.warmup_s, "steady_steps": t.steady_steps,
             "steady_samples_per_s": self.samples_per_step * t.steady_steps / t.steady_s if t.steady_steps else None,
             "checkpoint_s": t.save_s, "wall_s": time.time() - self.started, "peak_gpu_mem_gib": self.memory.peak_gib(),
+            "host_peak_rss_gb": round((host_peak_mb() or 0.0) / 1024, 3),  # GiB, this process's VmHWM so far
             "processes": self.world, "memory_cap_gib": cfg.memory_cap_gib or None,
             "ema_setup_s": round(ema.setup_s, 3) if ema is not None else None,  # pinning the host EMA's block, before step 1
         }

@@ -42,6 +42,7 @@ from pocketdiff.errors import PocketdiffError
 from pocketdiff.models import DISTILL_META, count_params, read_distill_meta
 from pocketdiff.device import resolve_device
 from pocketdiff.outputs import commit_folder, read_json, write_json
+from pocketdiff.runtime.memory import host_peak_mb
 
 from . import targets as pt
 from .config import Config
@@ -240,6 +241,7 @@ def _save_pipeline(out: Path, t: _Teacher, report: dict, student) -> None:
         write_json(pipeline_dir / DISTILL_META, meta)
     report["pipeline_dir"] = str(pipeline_dir)
     report["loader"] = "pocketdiff.compress.prune.load_pruned_pipeline(pipeline_dir)"
+    report["host_peak_rss_gb"] = round((host_peak_mb() or 0.0) / 1024, 3)  # GiB, this process's VmHWM (runtime/memory.py)
 
 
 def _write_page(cfg: Config, out: Path, report: dict, plan: dict, quality: dict, sizes: tuple[int, int], t: _Teacher,

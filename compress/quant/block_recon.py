@@ -89,9 +89,12 @@ class ReconConfig:
     cache_dtype: str = "float32"  # float32 | bfloat16 | float16: cached block inputs / targets
     cache_budget_gb: Optional[float] = None  # per capture group; None: 40 % of free device memory (CPU: 4 GB)
     forward_batch: int = 16  # UNet batch of the capture passes
-    # stream: cache block inputs / targets in pinned host memory; the UNet is on the device only for the
-    # capture passes, and each block (with its cached data, when that fits) only while it is reconstructed
+    # stream: cache block inputs / targets on the host (pageable memory); the UNet is on the device only for
+    # the capture passes, and each block (with its cached data, when that fits) only while it is reconstructed
     stream: bool = False
+    # where streamed (or CPU) caches live: memory | disk (files under the output folder, removed at the end) |
+    # auto (memory when one block's cache fits under host_cap_gib beside the rest, else disk)
+    host_cache: str = "auto"
     compile: bool = False  # torch.compile the block loss
     compile_mode: Optional[str] = None  # e.g. max-autotune-no-cudagraphs, reduce-overhead (CUDA graphs)
     channels_last: bool = False  # channels_last convs (CUDA, with bf16)
@@ -123,6 +126,7 @@ class ReconConfig:
         require(self.cache_dtype in DTYPES, "recon.cache_dtype", f"must be one of {list(DTYPES)}")
         require(self.cache_budget_gb is None or self.cache_budget_gb > 0, "recon.cache_budget_gb", "must be > 0")
         require(self.forward_batch >= 1, "recon.forward_batch", "must be >= 1")
+        require(self.host_cache in ("auto", "memory", "disk"), "recon.host_cache", "must be auto, memory or disk")
         require(self.scale_init in ("mse", "maxabs"), "recon.scale_init", "must be mse or maxabs")
         require(self.scale_grid >= 1, "recon.scale_grid", "must be >= 1")
         require(self.eval_samples >= 1, "recon.eval_samples", "must be >= 1")

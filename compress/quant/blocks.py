@@ -24,6 +24,7 @@ from torch.utils import _pytree as pytree
 
 from pocketdiff.errors import PocketdiffError
 
+from .cache_store import DiskRows, Store
 from .quantizer import QUANTIZABLE, quantizable_layers
 
 BLOCK_TYPES = {
@@ -227,28 +228,9 @@ class Captured:
 
     def to(self, device, output: bool = True) -> "Captured":
         """A copy on `device` (the output left out unless `output`)."""
-        leaves = [l.to(device, non_blocking=True) if isinstance(l, torch.Tensor) else l for l in self.leaves]
+        leaves = [l.to(device, non_blocking=True) if isinstance(l, (torch.Tensor, DiskRows)) else l for l in self.leaves]
         out = self.output.to(device, non_blocking=True) if output and self.output is not None else None
         return Captured(self.spec, leaves, list(self.batched), out)
-
-
-class _Store:
-    """Preallocated [N, ...] storage filled batch by batch (in pinned host memory with `pin`)."""
-
-    def __init__(self, n_total: int, device, dtype, pin: bool = False):
-        self.n_total, self.device, self.dtype, self.pin = n_total, torch.device(device), dtype, pin
-        self.buf: Optional[torch.Tensor] = None
-
-    def put(self, start: int, x: torch.Tensor) -> None:
-        x = x.detach()
-        if self.buf is None:
-            dt = self.dtype if x.is_floating_point() else x.dtype
-            shape = (self.n_total, *x.shape[1:])
-            try:
-                self.buf = torch.empty(shape, dtype=dt, device=self.device, pin_memory=self.pin)
-            except RuntimeError:  # pinning refused (e.g. a locked-memory limit): pageable memory, slower copies
-                self.buf = torch.empty(shape, dtype=dt, device=self.device)
-        self.buf[start:start + x.shape[0]].copy_(x, non_blocking=self.device.type == "cuda")
 
 
 @dataclass
@@ -270,14 +252,14 @@ def capture(
     store_dtype: torch.dtype = torch.float32,
     model_dtype: torch.dtype = torch.float32,
     autocast: Optional[torch.dtype] = None,
-    pin_memory: bool = False,
+    disk_folder=None,
 ) -> list[Captured]:
     """Run `unet` over `calib` and return, per request, the unit's inputs and / or output
-    (stored on `store_device`; in pinned memory with `pin_memory`, for a host store on CUDA)."""
+    (stored on `store_device`, or with `disk_folder` in files there: `cache_store.Store`)."""
     n = len(calib)
     results = [Captured() for _ in requests]
     in_stores: list[Optional[list]] = [None] * len(requests)
-    out_stores = [_Store(n, store_device, store_dtype, pin_memory) if r.output else None for r in requests]
+    out_stores = [Store(n, store_device, store_dtype, disk_folder) if r.output else None for r in requests]
     state = {"start": 0, "bs": 0, "pending": 0}
     handles = []
     n_hooks = sum(int(r.inputs) + int(r.output) for r in requests)
@@ -294,7 +276,7 @@ def capture(
             if in_stores[i] is None:
                 res.spec = spec
                 res.batched = [isinstance(l, torch.Tensor) and l.dim() >= 1 and l.shape[0] == state["bs"] for l in leaves]
-                in_stores[i] = [_Store(n, store_device, store_dtype, pin_memory) if b else None for b in res.batched]
+                in_stores[i] = [Store(n, store_device, store_dtype, disk_folder) if b else None for b in res.batched]
                 res.leaves = [None if b else (l.detach().to(store_device) if isinstance(l, torch.Tensor) else l)
                               for l, b in zip(leaves, res.batched)]
             elif spec != res.spec:

@@ -31,6 +31,7 @@ from pocketdiff.models import load_or_build, load_pipeline, perturb_norm_affines
 from pocketdiff.outputs import commit_folder, write_json
 from pocketdiff.sampling import encode_prompts
 from pocketdiff.device import cap_cuda_memory, resolve_device
+from pocketdiff.runtime.memory import tune_allocator
 
 from .blocks import build_blocks
 from .calib_data import collect_unet_inputs, subsample
@@ -38,6 +39,7 @@ from .int8_format import LayerRecipe, QuantRecipe, dequantized_state_dict, load_
 from .metrics import compare_unets
 from .quantizer import LayerSpec, dequant, layer_specs, quantizable_layers, quantized_state_dict, rtn, search_scale
 from .calibrate_config import DEFAULT_MIN_COSINE, CalibDataConfig, Config  # Config: the verb's config, found here by the CLI
+from .host_memory import host_report, mark_peak, plan_for_run
 from .reconstruct import reconstruct_unet, write_weights
 
 UNET_FILE = "unet_int8.safetensors"
@@ -167,6 +169,8 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
     t_start = time.time()
     out = Path(out)
     device = resolve_device(cfg.device)
+    tune_allocator()  # glibc: buffers of 1 MiB and up go back to the system when freed (runtime/memory.py)
+    host_plan = plan_for_run(cfg, device, out)  # the host cap is checked before any work
     if cfg.cpu_threads is not None:
         torch.set_num_threads(cfg.cpu_threads)
     if device.type == "cuda":
@@ -176,14 +180,19 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
 
     # 1. model
     pipe, calib_prompts, holdout_prompts = _load_model(cfg, device, timings)
+    host_plan = host_plan or plan_for_run(cfg, device, out, pipe)  # a model whose configs needed loading
+    marks: dict = {}
+    mark_peak(marks, "load")
 
     # 2. calibration data
     calib, holdout = _calibration_data(cfg, pipe, calib_prompts, holdout_prompts, device, timings)
+    mark_peak(marks, "collect")
 
     # 3. UNet reconstruction
-    specs, results, info = _reconstruct(cfg, pipe, calib, device, cap, timings)
+    specs, results, info = _reconstruct(cfg, pipe, calib, device, cap, timings, host_plan[0] if host_plan else None)
     recon_layers = {g: lr for r in results for g, lr in r.layers.items()}
     rtn_layers = info["rtn"]
+    mark_peak(marks, "reconstruct")
 
     # 4. held-out comparison
     t = time.time()
@@ -194,6 +203,7 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
     blocks = build_blocks(pipe.unet, cfg.quant.skip)
     cmp = compare_unets(pipe.unet, {"rtn": r_unet, "recon": q_unet}, blocks, holdout, device, batch=cfg.recon.forward_batch)
     timings["evaluate_s"] = round(time.time() - t, 3)
+    mark_peak(marks, "evaluate")
 
     extras = _optional_components(cfg, pipe, holdout_prompts, calib, device)
 
@@ -211,6 +221,8 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
                             "reconstruct_peak_gib": round(info.get("peak_gpu_bytes", 0) / 2 ** 30, 3)}
     if not parity["passed"]:
         report["wall_time_s"] = round(time.time() - t_start, 3)
+        report["host_memory"] = host_report(cfg, host_plan, marks)
+        report["host_peak_rss_gb"] = report["host_memory"]["peak_rss_gb"]
         write_json(out / "report.json", report)
         _page(out, report, None)
         failed = [f"{k}: {v['value']:.6f} < {v['threshold']}" for k, v in parity["checks"].items() if not v["passed"]]
@@ -218,16 +230,20 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
 
     # 6. outputs
     t = time.time()
-    float_state = {k: v.detach().cpu().clone() for k, v in pipe.unet.state_dict().items()}
+    pipe.to("cpu")  # the UNet's own float tensors are the float state (`_set_state` assigns new ones): no copy
+    float_state = {k: v.detach() for k, v in pipe.unet.state_dict().items()}
     saved = _save_checkpoints(cfg, out, report, results, float_state, recon_layers, rtn_layers, specs, extras)
     report.update(_save_pipelines(cfg, out, pipe, report["source"], saved, extras))
     timings["save_s"] = round(time.time() - t, 3)
+    mark_peak(marks, "save")
 
     samples = _samples(cfg, pipe, float_state, saved.recon_state, saved.recon_recipe, saved.rtn_state, saved.rtn_recipe,
                        holdout_prompts, out, device)
     if samples:
         report["samples"] = samples
     report["wall_time_s"] = round(time.time() - t_start, 3)
+    report["host_memory"] = host_report(cfg, host_plan, marks)
+    report["host_peak_rss_gb"] = report["host_memory"]["peak_rss_gb"]  # GiB, VmHWM of this process (runtime/memory.py)
     _page(out, report, samples)
     _log(f"UNet cosine {report['unet_cosine']:.6f} (RTN {report['unet_cosine_rtn']:.6f}); {report['blocks_improved']}/"
          f"{report['blocks_evaluated']} blocks below RTN; {report['wall_time_s']:.1f}s"
@@ -268,7 +284,7 @@ def _calibration_data(cfg: Config, pipe, calib_prompts: list[str], holdout_promp
     return calib, holdout
 
 
-def _reconstruct(cfg: Config, pipe, calib, device, cap: Optional[int], timings: dict) -> tuple:
+def _reconstruct(cfg: Config, pipe, calib, device, cap: Optional[int], timings: dict, host_cache=None) -> tuple:
     """Step 3: per-layer specs, then block reconstruction of the UNet; (specs, block results, info with the RTN layers)."""
     t = time.time()
     unet = pipe.unet
@@ -283,7 +299,7 @@ def _reconstruct(cfg: Config, pipe, calib, device, cap: Optional[int], timings: 
         if device.type == "cuda":
             torch.cuda.empty_cache()
     results, info = reconstruct_unet(unet, calib, specs, cfg.recon, device=device, skip=cfg.quant.skip, seed=cfg.seed,
-                                     log=_log, devices=_worker_devices(cfg, device), memory_cap_bytes=cap)
+                                     log=_log, devices=_worker_devices(cfg, device), memory_cap_bytes=cap, host_cache=host_cache)
     pipe.text_encoder.to(device)
     pipe.vae.to(device)
     timings["reconstruct_s"] = round(time.time() - t, 3)
@@ -416,7 +432,11 @@ def _save_pipeline_folder(pipe, folder: Path, source: Optional[Path], meta: dict
 
 
 def _set_state(module: torch.nn.Module, state: dict) -> None:
-    module.load_state_dict({k: v.to(torch.float32) if v.is_floating_point() else v for k, v in state.items()}, strict=True)
+    """`state` as `module`'s tensors (float32, on its device), assigned: tensors a caller holds from the
+    old state keep their values."""
+    dev = next(module.parameters()).device
+    module.load_state_dict({k: v.to(dev, torch.float32) if v.is_floating_point() else v.to(dev) for k, v in state.items()},
+                           strict=True, assign=True)
 
 
 def _set_component(pipe, component: str, state: dict) -> None:

@@ -88,6 +88,10 @@ class Config:
     # every device each block's need is checked against it before reconstruction (a clear error naming
     # the block). With recon.stream, SD-2.1 calibrates in 24.
     memory_cap_gib: Optional[float] = None
+    # GiB of host memory the run may take: its need (compress/quant/host_memory.py) is predicted from the config
+    # and the model's shapes before any work and must fit; streamed block caches get what the rest leaves
+    # (in capture groups), or go to disk (recon.host_cache) when one block's cache does not fit.
+    host_cap_gib: Optional[float] = None
     calib: CalibDataConfig = dataclasses.field(default_factory=CalibDataConfig)
     quant: QuantConfig = dataclasses.field(default_factory=QuantConfig)
     recon: ReconConfig = dataclasses.field(default_factory=ReconConfig)
@@ -98,6 +102,7 @@ class Config:
         require(self.perturb_norms >= 0, "perturb_norms", "must be >= 0")
         require(self.cpu_threads is None or self.cpu_threads >= 1, "cpu_threads", "must be >= 1 or null")
         require(self.memory_cap_gib is None or self.memory_cap_gib > 0, "memory_cap_gib", "must be > 0 or null")
+        require(self.host_cap_gib is None or self.host_cap_gib > 0, "host_cap_gib", "must be > 0 or null")
         require(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"), "device",
                 f"must be auto, cpu or cuda[:N], got {self.device!r}")
         if self.model.pretrained:

@@ -10,8 +10,9 @@ Modes:
 
 Memory. Captured block inputs and targets are cached per group of consecutive blocks that
 fits the cache budget. Without `stream` the cache is on the device when the largest block's
-data fits, and the UNet stays there. With `stream` the cache is in pinned host memory, the
-float UNet is on the device only for the capture passes (sequential mode keeps its quantized
+data fits, and the UNet stays there. With `stream` (or on the CPU) the cache is on the host
+(`cache_store.HostCache`: pageable memory with a group budget from the host cap, or files on
+disk; each block's part freed when its reconstruction ends), the float UNet is on the device only for the capture passes (sequential mode keeps its quantized
 copy there, to capture each block's inputs), and each block comes to the device with its
 cached data (when that takes at most half of what is left under the cap; else minibatches
 are gathered from the host, and an out-of-memory on the device copy falls back to that) only
@@ -30,7 +31,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
@@ -40,8 +41,9 @@ from pocketdiff.errors import PocketdiffError
 
 from .block_recon import (DTYPES, BlockResult, LayerResult, ReconConfig, capture_settings, layer_inits, precision,
                           reconstruct_block, rest_block_result)
-from .blocks import (Block, CalibSet, Request, build_blocks, capture, first_tensor, group_by_budget, human_bytes, order_blocks,
-                     unet_forward)
+from .blocks import (Block, CalibSet, Captured, Request, build_blocks, capture, first_tensor, group_by_budget, human_bytes,
+                     order_blocks, unet_forward)
+from .cache_store import HostCache, release
 from .quantizer import LayerSpec, dequant
 
 
@@ -107,18 +109,6 @@ def fisher_weights(unet: nn.Module, blocks: Sequence[Block], calib: CalibSet, de
 
 
 # ----------------------------------------------------------------------- memory
-
-
-def host_budget(opts: ReconConfig) -> float:
-    """Bytes of host memory for one capture group's cache when streaming: `cache_budget_gb`, else
-    40 % of the memory the OS reports available (4 GiB when it does not say)."""
-    if opts.cache_budget_gb is not None:
-        return opts.cache_budget_gb * 2 ** 30
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            return 0.4 * next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError, IndexError):
-        return 4 * 2 ** 30
 
 
 def module_bytes(module: nn.Module) -> int:
@@ -190,10 +180,10 @@ class _Walk:
         return PocketdiffError(f"{what} ran out of device memory under {cap} ({first}); raise memory_cap_gib or lower "
                                f"recon.batch_size / recon.forward_batch")
 
-    def capture(self, unet, calib, reqs, store, store_dtype, autocast, pin: bool, what: str):
+    def capture(self, unet, calib, reqs, store, store_dtype, autocast, folder, what: str):
         try:
             return capture(unet, calib, reqs, device=self.device, batch_size=self.opts.forward_batch, store_device=store,
-                           store_dtype=store_dtype, autocast=autocast, pin_memory=pin)
+                           store_dtype=store_dtype, autocast=autocast, disk_folder=folder)
         except torch.cuda.OutOfMemoryError as e:
             raise self._oom(f"the capture pass for {what}", e) from None
 
@@ -291,6 +281,26 @@ def float_weights(unet: nn.Module, names: Sequence[str]) -> dict[str, torch.Tens
     return {g: unet.get_submodule(g).weight.detach().float().cpu().clone() for g in names}
 
 
+class LiveWeights(Mapping):
+    """The float weights of `unet`'s layers `names`, read from the module wherever it is now: no host
+    copy of the UNet's weights (a stream moves the UNet between the device and the host, so references
+    taken once would keep a second host copy alive). Read only: the UNet is not modified."""
+
+    def __init__(self, unet: nn.Module, names: Sequence[str]):
+        self.unet, self.names = unet, list(names)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self.names:
+            raise KeyError(name)
+        return self.unet.get_submodule(name).weight.detach().float()
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
 @torch.no_grad()
 def write_weights(unet: nn.Module, layers: dict[str, LayerResult], specs: dict[str, LayerSpec]) -> None:
     """Copy dequantized (codes * scales) weights into `unet` in place."""
@@ -311,6 +321,7 @@ def reconstruct_unet(
     log: Optional[Callable[[str], None]] = print,
     devices: Optional[Sequence[str]] = None,
     memory_cap_bytes: Optional[int] = None,
+    host_cache: Optional[HostCache] = None,
 ) -> tuple[list[BlockResult], dict]:
     """Quantize every block of `unet` (float). Returns the block results in execution order
     (layer codes + scales + stats) and run info. `unet`'s weights are not modified; it ends on
@@ -318,7 +329,9 @@ def reconstruct_unet(
 
     `memory_cap_bytes`: every block's need (`block_need_bytes`) is checked against it before any
     reconstruction, and running out of device memory raises a PocketdiffError naming the block
-    (the cap itself is the caller's: torch.cuda.set_per_process_memory_fraction)."""
+    (the cap itself is the caller's: torch.cuda.set_per_process_memory_fraction). `host_cache`: the
+    host caches' group budget and disk folder (`cache_store.HostCache`; default: in memory, 40 % of
+    the available memory per group)."""
     device = torch.device(device)
     t0 = time.time()
     home = next(unet.parameters()).device
@@ -338,8 +351,9 @@ def reconstruct_unet(
         resident = unet_bytes * ((1 if sequential else 0) if opts.stream else (2 if sequential else 1))
         needs = check_memory_cap([b for b in blocks if b.kind != "rest"], per_sample, opts, int(memory_cap_bytes), resident,
                                  unet_bytes * (2 if sequential else 1))
-    weights = float_weights(unet, names)
+    weights = LiveWeights(unet, names)
     rtn_res, init_scales = layer_inits(weights, specs, opts, device)
+    host_cache = host_cache or HostCache()
     info: dict = {"blocks": len(blocks), "samples": len(calib), "mode": opts.mode, "method": opts.method, "stream": opts.stream}
     fisher = None
     if opts.loss == "fisher" and opts.method == "adaround":
@@ -353,12 +367,13 @@ def reconstruct_unet(
             results = _run_parallel(unet, calib, blocks, specs, opts, devices, skip, seed, fisher, log, memory_cap_bytes, needs)
         elif sequential:
             results = _run_sequential(unet, calib, blocks, per_sample, weights, specs, rtn_res, init_scales, opts, device, seed,
-                                      fisher, walk)
+                                      fisher, walk, host_cache)
         else:
             results = _run_independent(unet, calib, blocks, per_sample, weights, specs, rtn_res, init_scales, opts, device,
-                                       seed, fisher, walk)
+                                       seed, fisher, walk, host_cache)
     finally:
         walk.close()
+        host_cache.cleanup()
         unet.to(home)
     info["reconstruct_s"] = round(time.time() - t0, 3)
     info["rtn"] = {g: rtn_res[g] for g in names}
@@ -373,24 +388,24 @@ def _fisher_for(block: Block, fisher):
     return [fisher.get(u.name) for u in block.units]
 
 
-def _stores(opts: ReconConfig, per_sample, blocks, n, device, input_copies: int = 1):
-    """(cache budget, cache device, pinned): the host (pinned on CUDA) when streaming, else the
-    compute device when the largest block's data fits in the budget, else the host. torch's
-    pinned-memory allocator rounds every buffer up to a power of two, so a pinned cache gets half
-    the host budget."""
-    if opts.stream:
-        pinned = torch.device(device).type == "cuda"
-        return host_budget(opts) / (2 if pinned else 1), torch.device("cpu"), pinned
+def _stores(opts: ReconConfig, per_sample, n, device, host: HostCache, input_copies: int = 1):
+    """(cache budget, cache device, disk folder): the host (in memory, or in files under `host.folder`)
+    when streaming or computing there, else the device when the largest block's data fits in the
+    budget, else the host memory."""
+    if opts.stream or torch.device(device).type != "cuda":
+        if host.folder is not None:
+            Path(host.folder).mkdir(parents=True, exist_ok=True)
+        return host.budget(), torch.device("cpu"), host.folder
     budget = cache_budget(opts, device)
     largest = max((n * (v["in"] * input_copies + v["out"]) for v in per_sample.values()), default=0)
-    return budget, (torch.device(device) if largest <= budget else torch.device("cpu")), False
+    return budget, (torch.device(device) if largest <= budget else torch.device("cpu")), None
 
 
 def _span(group: Sequence[Block]) -> str:
     return group[0].name if len(group) == 1 else f"blocks {group[0].name} .. {group[-1].name}"
 
 
-def _run_sequential(unet, calib, blocks, per_sample, weights, specs, rtn_res, init_scales, opts, device, seed, fisher, walk):
+def _run_sequential(unet, calib, blocks, per_sample, weights, specs, rtn_res, init_scales, opts, device, seed, fisher, walk, host):
     q_unet = copy.deepcopy(unet)  # stays on the device: block k's inputs come from its quantized prefix
     q_blocks = {b.name: b for b in build_blocks(q_unet, [])}
     # units of q_unet share paths with `blocks`; keep the ordered list but q_unet's modules
@@ -405,7 +420,7 @@ def _run_sequential(unet, calib, blocks, per_sample, weights, specs, rtn_res, in
     store_dtype = DTYPES[opts.cache_dtype]
     tf32, cap_ac = capture_settings(opts, device)
     n = len(calib)
-    budget, store, pin = _stores(opts, per_sample, ordered, n, device, 2 if opts.qdrop > 0 else 1)
+    budget, store, folder = _stores(opts, per_sample, n, device, host, 2 if opts.qdrop > 0 else 1)
     keys = ("in", "out") if opts.qdrop > 0 else ("out",)
     groups = group_by_budget([b for b in ordered if b.kind != "rest"], per_sample, n, budget / 2, keys)
     results = []
@@ -414,7 +429,7 @@ def _run_sequential(unet, calib, blocks, per_sample, weights, specs, rtn_res, in
         if opts.stream:
             unet.to(device)
         with precision(tf32):
-            fcaps = walk.capture(unet, calib, reqs, store, store_dtype, cap_ac, pin, f"the float targets of {_span(group)}")
+            fcaps = walk.capture(unet, calib, reqs, store, store_dtype, cap_ac, folder, f"the float targets of {_span(group)}")
         if opts.stream:
             unet.to("cpu")
             _empty_cache(device)
@@ -424,14 +439,16 @@ def _run_sequential(unet, calib, blocks, per_sample, weights, specs, rtn_res, in
             mine = fcaps[k:k + nu]
             k += nu
             with precision(tf32):
-                qcaps = walk.capture(q_unet, calib, [Request(u, inputs=True) for u in b.units], store, store_dtype, cap_ac, pin,
+                qcaps = walk.capture(q_unet, calib, [Request(u, inputs=True) for u in b.units], store, store_dtype, cap_ac, folder,
                                      f"the inputs of {b.name}")
             res = walk.block(b, qcaps, [c.output for c in mine], weights=weights, specs=specs, rtn_res=rtn_res,
                              init_scales=init_scales, fp_caps=mine if opts.qdrop > 0 else None, fisher=_fisher_for(b, fisher),
                              seed=seed + b.order)
             write_weights(q_unet, res.layers, specs)
             results.append(res)
-            del qcaps
+            _free(qcaps + mine)
+            fcaps[k - nu:k] = [None] * nu  # this block's cache goes now, not with its group
+            del qcaps, mine
         del fcaps
         _empty_cache(device)
     for b in ordered:
@@ -441,11 +458,12 @@ def _run_sequential(unet, calib, blocks, per_sample, weights, specs, rtn_res, in
     return results
 
 
-def _run_independent(unet, calib, blocks, per_sample, weights, specs, rtn_res, init_scales, opts, device, seed, fisher, walk):
+def _run_independent(unet, calib, blocks, per_sample, weights, specs, rtn_res, init_scales, opts, device, seed, fisher, walk,
+                     host: Optional[HostCache] = None):
     store_dtype = DTYPES[opts.cache_dtype]
     tf32, cap_ac = capture_settings(opts, device)
     n = len(calib)
-    budget, store, pin = _stores(opts, per_sample, blocks, n, device)
+    budget, store, folder = _stores(opts, per_sample, n, device, host or HostCache())
     results = []
     real = [b for b in blocks if b.kind != "rest"]
     for group in group_by_budget(real, per_sample, n, budget, ("in", "out")):
@@ -453,7 +471,7 @@ def _run_independent(unet, calib, blocks, per_sample, weights, specs, rtn_res, i
         if opts.stream:
             unet.to(device)
         with precision(tf32):
-            caps = walk.capture(unet, calib, reqs, store, store_dtype, cap_ac, pin, _span(group))
+            caps = walk.capture(unet, calib, reqs, store, store_dtype, cap_ac, folder, _span(group))
         if opts.stream:  # only the block being reconstructed comes back to the device
             unet.to("cpu")
             _empty_cache(device)
@@ -466,12 +484,21 @@ def _run_independent(unet, calib, blocks, per_sample, weights, specs, rtn_res, i
                              init_scales=init_scales, fisher=_fisher_for(b, fisher), seed=seed + b.order,
                              move_module=opts.stream)
             results.append(res)
+            _free(mine)
+            caps[k - nu:k] = [None] * nu  # this block's cache goes now, not with its group
+            del mine
         del caps
         _empty_cache(device)
     for b in blocks:
         if b.kind == "rest":
             results.append(rest_block_result(b, weights, specs, rtn_res, init_scales))
     return results
+
+
+def _free(caps: Sequence[Captured]) -> None:
+    """Close the disk files of these captures (memory goes with the last reference)."""
+    for c in caps:
+        release([*c.leaves, c.output])
 
 
 def _empty_cache(device) -> None:

@@ -104,7 +104,7 @@ def test_sd21_recipes_load(name):
     from pathlib import Path
 
     cfg = load_config(Config, Path(__file__).parents[3] / "configs" / "sd21" / f"{name}.yaml")
-    assert cfg.memory_cap_gib == 24 and cfg.recon.stream and cfg.recon.mode == "independent" and cfg.recon.iters >= 500
+    assert cfg.memory_cap_gib == 24 and cfg.host_cap_gib == 32 and cfg.recon.stream and cfg.recon.mode == "independent" and cfg.recon.iters >= 500
 
 
 def test_fp16_optimisation_reports_its_loss_to_the_progress_callback():
