@@ -42,7 +42,8 @@ fp16() {  # fp16 SRC DST: a pipeline folder in float16 (loads back as float32)
   python3 -c "import sys, torch; from pocketdiff.models import load_pipeline, save_pipeline
 p = load_pipeline(sys.argv[1]); p.to(torch.float16); save_pipeline(p, sys.argv[2])" "$1" "$2"
 }
-restore() {  # the carried teacher (back to float32, as restore_teacher does) and CLIP
+restore() {  # the carried teacher (back to float32, as restore_teacher does) and CLIP; kept from an earlier call of a warm machine
+  [ -f outputs/teacher-openmoji/pipeline/model_index.json ] && [ -f outputs/clip-openmoji/report.json ] && return 0
   ls $S/teacher16.tgz.* > /dev/null 2>&1 || { echo "no .carry/few_step/teacher16.tgz.*: run the teacher phase first"; exit 1; }
   cat $S/teacher16.tgz.* | tar xzf - -C /tmp && python3 -c "import sys; from pocketdiff.models import load_pipeline, save_pipeline
 save_pipeline(load_pipeline(sys.argv[1]), sys.argv[2])" /tmp/teacher16 outputs/teacher-openmoji/pipeline || exit 1
@@ -68,6 +69,9 @@ case $PHASE in
       vae.steps=1500 train.batch_size=256 train.max_time_s=300 > $L/teacher.log 2>&1 &
     python3 -m pocketdiff train-clip --config $C/clip/openmoji.yaml --output outputs/clip-openmoji --overwrite \
       save_dtype=float16 $CLIP_SMALL > $L/clip.log 2>&1 &
+    # DECODER=1: issue 33's decoder paths beside them (its own held-out VAE, this CLIP): scripts/gpu/decoder_openmoji.sh
+    [ -n "${DECODER:-}" ] && (cd $REPO && CLIP_DIR=$RUNS/outputs/clip-openmoji/clip VAE_S=150 DECODER_S=120 \
+      bash scripts/gpu/decoder_openmoji.sh > $L/decoder.log 2>&1) &
     wait
     stamp "end teacher and CLIP"
     fp16 outputs/teacher-openmoji/pipeline /tmp/teacher16 && pack /tmp teacher16 teacher16
