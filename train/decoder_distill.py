@@ -154,7 +154,8 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
     folded_held = decode01(student, held_z)
 
     def loss_fn(model, batch, rng: BatchRandom):
-        z = batch["mean"] + batch["std"] * rng.randn(*batch["mean"].shape[1:])
+        mean, std = batch["mean"].to(rng.device), batch["std"].to(rng.device)  # the loop's batches stay on the host
+        z = mean + std * rng.randn(*mean.shape[1:])
         with torch.no_grad():
             target = teacher.decode(z).sample
         return F.mse_loss(model(z).float(), target.float())
