@@ -75,7 +75,7 @@ PY
     ;;
   cuda-tests)
     NAME=cuda_tests_$GPU
-    (cd $REPO && timeout ${TIMEOUT:-510} python3 -m pytest -rA -p no:cacheprovider \
+    (cd $REPO && timeout ${TIMEOUT:-510} python3 -P -m pytest -rA -p no:cacheprovider \
       "tests/train/test_ema.py" "tests/train/test_memory.py::test_queued_bitsandbytes_adamw8bit_matches_the_stock_step") \
       > $OUT/$NAME.txt 2>&1
     RC=$?
