@@ -75,7 +75,7 @@ def order_by_signature(prep: Prepared) -> None:
     prep.report["outputs"] = {n: {"shape": list(refs[n].shape), "dtype": "float32"} for n in sig_outs}
 
 
-def end_to_end_parity(paths: list[Path], inputs: dict, reference: np.ndarray, settings) -> dict:
+def end_to_end_parity(paths: list[tuple[Path, list[str]]], inputs: dict, reference: np.ndarray, settings) -> dict:
     """The chunk files in sequence on the delegate (per precision) against the whole torch UNet."""
     feeds = {n: _np(v) if v.is_floating_point() else v.numpy() for n, v in inputs.items()}
     result, fails = {}, []
@@ -88,11 +88,9 @@ def end_to_end_parity(paths: list[Path], inputs: dict, reference: np.ndarray, se
     return result
 
 
-def export_chunked_unet(ce) -> None:
-    """`ce`: the ComponentExport (export/export_components.py); fills its reports, manifest entries and
-    `unet_chunks` block."""
-    from .export_components import say
-
+def export_chunked_unet(ce, say) -> None:
+    """`ce`: the ComponentExport (export/export_components.py), `say` its progress line; fills its reports,
+    manifest entries and `unet_chunks` block."""
     cfg, k = ce.cfg, ce.cfg.unet_chunks
     graph, inputs = ce._graph_for(UNET)
     say(f"unet ({ce.weights_of[UNET]}, {k} chunks): rewrites and PyTorch reference ...")
@@ -108,7 +106,7 @@ def export_chunked_unet(ce) -> None:
         ce._finish(prep, info)
         prep.raw_path.unlink(missing_ok=True)
     del feeds, outs
-    paths = [ce.out / f"{chunk_name(i)}.tflite" for i in range(k)]
+    paths = [(ce.out / f"{chunk_name(c.plan.index)}.tflite", list(c.plan.inputs)) for c in chunks]
     parity = None
     if cfg.verify.delegate:
         say(f"unet: the {k} chunks in sequence on the GPU delegate against the whole torch UNet ...")

@@ -77,7 +77,7 @@ class ComponentExport:
         for name in sorted(self.names, key=lambda n: n == "unet"):  # one component in memory at a time
             reset = reset_host_peak()
             if name == "unet" and self.cfg.unet_chunks > 1:  # K files, one converted after another (export/chunk_export.py)
-                export_chunked_unet(self)
+                export_chunked_unet(self, say)
             else:
                 prep = self._prepare(name)
                 say(f"{name}: converting with litert-torch ...")

@@ -102,20 +102,21 @@ def run_unet(parts: Sequence, feeds: dict[str, np.ndarray]) -> np.ndarray:
     return outs[0]
 
 
-def chain_on_delegate(paths: Sequence[str | Path], inputs: dict[str, np.ndarray], precision: str, **kw) -> tuple[np.ndarray, list]:
-    """The chunk files in sequence on the delegate at one precision (each in its worker process, fed the
-    previous chunks' delegate outputs): (the UNet's output, each chunk's DelegateRun)."""
+def chain_on_delegate(parts: Sequence[tuple[str | Path, Sequence[str]]], inputs: dict[str, np.ndarray], precision: str,
+                      **kw) -> tuple[np.ndarray, list]:
+    """The chunk files in sequence on the delegate at one precision, each in its worker process and fed its
+    inputs (`parts`: (file, input names)) from the UNet's inputs and the previous chunks' delegate outputs:
+    (the UNet's output, each chunk's DelegateRun). `kw`: run_on_delegate's (accelerator, driver, timeout_s)."""
     from .delegate import run_on_delegate
-    from .manifest_check import tflite_signature
 
     tensors = dict(inputs)
     runs, outs = [], []
-    for path in paths:
-        names = list(tflite_signature(path)[0])
+    for path, names in parts:
         run = run_on_delegate(path, {n: tensors[n] for n in names}, precisions=[precision], **kw)
         runs.append(run)
-        if precision not in run.outputs and not (kw.get("accelerator") == "cpu" and "fp32" in run.outputs):
+        got = run.outputs.get(precision) or (run.outputs.get("fp32") if kw.get("accelerator") == "cpu" else None)
+        if not got:
             raise PocketdiffError(f"unet chunk {Path(path).name}: no {precision} output on the delegate ({run.error or 'did not run'})")
-        outs = run.outputs.get(precision) or run.outputs["fp32"]
+        outs = got
         tensors.update(zip(run.output_names, outs))
     return outs[0], runs

@@ -224,7 +224,7 @@ def verify_chunk_chain(man: dict, accelerator: str, precisions: Sequence[str], t
     with np.load(golden["_path"], allow_pickle=False) as data:
         inputs = {i["name"]: data[f"input_{i['name']}"] for i in block["inputs"]}
         ref = data["output_0"]
-    paths = [man["components"][n]["_path"] for n in block["components"]]
+    paths = [(man["components"][n]["_path"], [i["name"] for i in man["components"][n]["inputs"]]) for n in block["components"]]
     rep: dict = {"checks": ["chain"], "chunks": list(block["components"]), "parity": {}}
     for p in (list(precisions) if accelerator == "gpu" else ["fp32"]):
         try:
