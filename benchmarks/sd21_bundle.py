@@ -172,9 +172,9 @@ def summarize(bundle: Path, packed: Path | None) -> dict:
         d = c.get("details") or {}
         comps[n] = {
             "weights": c.get("weights"), "params": c.get("params"), "bytes": c.get("bytes"), "bytes_per_param": c.get("bytes_per_param"),
-            "peak_rss_gb": round((c.get("peak_rss_mb") or 0) / 1024, 2), "convert_s": d.get("convert_s"), "op_count": c.get("op_count"),
+            "peak_rss_gb": round(c["peak_rss_mb"] / 1024, 2) if c.get("peak_rss_mb") else None,  # None: a UNet chunk (its row is the UNet's) "convert_s": d.get("convert_s"), "op_count": c.get("op_count"),
             "transposes": c.get("transposes"), "rewrite_parity_cosine": (d.get("rewrite_parity") or {}).get("cosine"),
-            "phone_profile": check_component(n, bundle / f"{n}.tflite", DeviceProfile("phone")),
+            "phone_profile": check_component(n, bundle / f"{n}.tflite", DeviceProfile("phone")) if c.get("file") else None,  # None: a chunked UNet's summary row
         }
     out = {
         "what": "pocketdiff export of an SD-2.1-size bundle (random tiled weights, norm affines perturbed) on a 2-core / 24 GB machine",
@@ -182,7 +182,7 @@ def summarize(bundle: Path, packed: Path | None) -> dict:
         "config": cfg, "host": os.uname().nodename, "cpu_count": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "guidance": rep.get("guidance"), "resolution": rep.get("resolution"), "weights": rep.get("weights"),
         "export_s": rep.get("export_s"), "timings": rep.get("timings"), "bundle_bytes": rep.get("bundle_bytes"),
-        "peak_rss_gb_max": max(c["peak_rss_gb"] for c in comps.values()), "components": comps,
+        "peak_rss_gb_max": max(c["peak_rss_gb"] or 0 for c in comps.values()), "components": comps,
     }
     if packed is not None and (packed / "index.json").is_file():
         out["packed_bytes"] = json.loads((packed / "index.json").read_text()).get("bytes_packed")
