@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from pocketdiff.errors import PocketdiffError
-from pocketdiff.runtime.unet_chunks import OUTPUT, SKIP_PREFIX, STREAM, chunk_name, skip_name
+from pocketdiff.runtime.unet_chunks import OUTPUT, SKIP_PREFIX, STREAM, skip_name
 
 MAX_CHUNKS = 16
 
@@ -134,7 +134,6 @@ class UNetChunk(nn.Module):
 
     def __init__(self, unet: nn.Module, plan: ChunkPlan):
         super().__init__()
-        self.unet_ref = [unet]  # not a submodule: the chunk's parameters are its stages' only
         self.plan = plan
         stages = {s.name: s for s in unet_stages(unet)}
         self.stage_info = [stages[n] for n in plan.stages]
@@ -205,7 +204,3 @@ def run_chunks(chunks: list[UNetChunk], inputs: dict[str, torch.Tensor]) -> tupl
         outs.append(out)
         tensors.update(out)
     return feeds, outs, outs[-1][OUTPUT]
-
-
-def chunk_names(k: int) -> list[str]:
-    return [chunk_name(i) for i in range(k)]
