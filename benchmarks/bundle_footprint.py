@@ -7,11 +7,13 @@
            (`--options '{"convert_weights_on_gpu": true}'`) and an optional cache folder. One JSON row.
   matrix   `probe` for each named option set, each in its own process, cold then warm where a cache is
            used: which options move the memory and the load time, side by side in one run.
+  chain    a UNet's chunk files (export unet_chunks: K) in one process: compiled one after another, run in
+           sequence; beside `probe` of each chunk alone and of the whole unet.tflite.
   runs     `pocketdiff run-bundle` end to end (its own report: per-phase memory, start_s, total_s), plain
            and --pipelined, cold (empty cache folder) then warm (the same folder), per bundle layout.
 The committed benchmarks/results/bundle_footprint_*.json hold these rows as they came back (`runs`: layout,
-resolution, mode, launch, host_peak_mb, gpu_peak_mb, start_s, total_s, device, memory.phases; `probes`: per
-model), each tagged with the device call and the runner version it came from.
+resolution, mode, launch, unet_chunks, host_peak_mb, gpu_peak_mb, start_s, total_s, device, memory.phases (a UNet in
+chunks: per chunk, unet.0, unet.1, ...); `probes`: per model file, each chunk alone), each tagged with the device call and the runner version it came from.
 
   python benchmarks/bundle_footprint.py matrix B/unet.tflite --sets base,gpu_convert --out $OUT/probe_unet.json
   python benchmarks/bundle_footprint.py runs B:student B2:cfg --out $OUT/runs.json
@@ -124,6 +126,60 @@ def probe(path: str, options: dict, cache: str | None, key: str) -> dict:
             "cache_files": sorted(f"{p.name}:{p.stat().st_size}" for p in Path(cache).iterdir()) if cache else None}
 
 
+def chain(paths: list[str], options: dict, cache: str | None, key: str) -> dict:
+    """A UNet's chunk files in one process, as `run-bundle --pipelined` holds them: compiled one after another in
+    one environment (the freed heap returned after each compile), then run in sequence (each fed random inputs of
+    its own shapes: memory and time, not values), released together. Phases per chunk."""
+    from pocketdiff.runtime.delegate import prepare_in_process
+    from pocketdiff.runtime.litert_c import CompiledModel, Environment
+    from pocketdiff.runtime.memory import PeakSampler, return_freed_memory, tune_allocator
+
+    tune_allocator()
+    t_start = time.perf_counter()
+    driver = prepare_in_process()
+    sampler = PeakSampler()
+    phases = []
+
+    def mark(name: str) -> None:
+        phases.append({"phase": name, "t_s": round(time.perf_counter() - t_start, 3), **sampler.mark()})
+
+    env = Environment()
+    mark("environment")
+    models = []
+    for path in paths:
+        stem = Path(path).stem
+        opts = dict(options)
+        if cache:
+            Path(cache).mkdir(parents=True, exist_ok=True)
+            opts.update(serialization_dir=str(cache), model_cache_key=f"{key}-{stem}")
+        models.append((stem, CompiledModel(path, env, opts, on_phase=lambda ph, stem=stem: mark(f"{stem}.{ph}"))))
+        return_freed_memory()
+        mark(f"{stem}.trimmed")
+    feeds = [_feeds(m.inputs) for _, m in models]
+    for (stem, m), f in zip(models, feeds):
+        m.run(f)
+        mark(f"{stem}.first_run")
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for (_, m), f in zip(models, feeds):
+            m.run(f)
+        times.append(time.perf_counter() - t0)
+    mark("steady_run")
+    fully = all(m.fully_accelerated() for _, m in models)
+    for _, m in models:
+        m.close()
+    return_freed_memory()
+    mark("released")
+    env.close()
+    totals = sampler.totals()
+    sampler.close()
+    return {"models": [Path(p).name for p in paths], "file_mb": [round(Path(p).stat().st_size / 2**20, 1) for p in paths],
+            "options": options, "cache": bool(cache), "driver": driver, "fully_accelerated": fully,
+            "load_s": round(next(p["t_s"] for p in phases if p["phase"] == f"{models[-1][0]}.trimmed") - phases[0]["t_s"], 2),
+            "steady_run_s": round(sorted(times)[2], 4), "phases": phases, **totals}
+
+
 def _child(path: str, options: dict, cache: str | None, key: str, timeout: float) -> dict:
     cmd = [sys.executable, __file__, "probe", path, "--options", json.dumps(options), "--key", key, "--json", "-"]
     if cache:
@@ -193,6 +249,7 @@ def runs(bundles: list[tuple[str, str]], cache_root: str, timeout: float, modes:
     for bundle, layout in bundles:
         man = json.loads((Path(bundle) / "manifest.json").read_text())
         resolution = int(man["latent"]["height"]) * int(man["latent"]["vae_factor"])
+        chunks = len((man.get("unet_chunks") or {}).get("components") or ["unet"])  # 1: a whole UNet
         extra = [a for o in gpu_options if o != "no-gpu-cache" for a in ("--gpu-option", o)]
         extra += ["--no-gpu-cache"] if "no-gpu-cache" in gpu_options else []
         for mode in modes:
@@ -202,7 +259,7 @@ def runs(bundles: list[tuple[str, str]], cache_root: str, timeout: float, modes:
                 r = _run_bundle(bundle, f"/tmp/footprint-{layout}-{mode}-{launch}", mode == "pipelined", str(folder / "programs"),
                                 str(folder / "driver"), timeout, extra)
                 rows.append({"layout": layout, "resolution": resolution, "mode": mode, "launch": launch, "device": device,
-                             "variant": tag, "gpu_options": gpu_options,
+                             "variant": tag, "gpu_options": gpu_options, "unet_chunks": chunks,
                              "steps": len(man["scheduler"]["timesteps"]), **r})
                 print(json.dumps({k: rows[-1].get(k) for k in ("layout", "mode", "launch", "host_peak_mb", "gpu_peak_mb",
                                                                "start_s", "total_s", "error")}), flush=True)
@@ -218,6 +275,12 @@ def main(argv=None) -> int:
     p.add_argument("--cache")
     p.add_argument("--key", default="probe")
     p.add_argument("--json", default="-")
+    c = sub.add_parser("chain", help="a UNet's chunk files compiled one after another in one process, then run in sequence")
+    c.add_argument("models", nargs="+")
+    c.add_argument("--options", default="{}")
+    c.add_argument("--cache")
+    c.add_argument("--key", default="chain")
+    c.add_argument("--out", required=True)
     m = sub.add_parser("matrix")
     m.add_argument("model")
     m.add_argument("--sets", default="base,madvise,gpu_convert,cached")
@@ -237,6 +300,11 @@ def main(argv=None) -> int:
         pairs = [tuple(b.rsplit(":", 1)) for b in a.bundles]
         rows = runs(pairs, a.cache_root, a.timeout, a.modes.split(","), a.gpu_option, a.tag)
         Path(a.out).write_text(json.dumps({"rows": rows}, indent=1))
+        return 0
+    if a.cmd == "chain":
+        row = chain(a.models, json.loads(a.options), a.cache, a.key)
+        Path(a.out).write_text(json.dumps({"device": os.environ.get("DEVICE_NAME"), "rows": [row]}, indent=1))
+        print(json.dumps({k: row.get(k) for k in ("models", "load_s", "host_peak_mb", "gpu_peak_mb", "steady_run_s")}))
         return 0
     if a.cmd == "probe":
         row = probe(a.model, json.loads(a.options), a.cache, a.key)

@@ -16,6 +16,7 @@
            end to end per layout, plain vs pipelined peak RSS; XNNPACK beside).
 
   python benchmarks/sd21_bundle.py pack /tmp/sd21_cfg:cfg /tmp/sd21_student:student --dest .devbundle
+  python benchmarks/sd21_bundle.py pack /work/sd/chunk1:whole /work/sd/chunk2:chunk2 --dest .devbundle --max-golden-mb 16
   python benchmarks/sd21_bundle.py unpack .devbundle /tmp/bundles
   python benchmarks/sd21_bundle.py collect $OUT --out $OUT/sd21_bundle.json
 """
@@ -30,6 +31,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 SKIP = {"_export", "report.json", "config.yaml", ".pocketdiff-output.json"}
 XZ_FILTERS = [{"id": lzma.FILTER_LZMA2, "preset": 6, "dict_size": 64 << 20}]  # the tiling period fits the window many times
@@ -48,16 +50,40 @@ def _xz(src: Path, dst: Path) -> None:
         shutil.copyfileobj(f, g, 1 << 24)
 
 
-def pack(bundles: list[tuple[Path, str]], dest: Path) -> dict:
+def _big_goldens(folder: Path, max_mb) -> tuple[set, Optional[str]]:
+    """Per-component golden files over `max_mb` (a UNet chunk's holds the skip tensors: ~27 MB of noise-like
+    floats that xz cannot shrink) and the manifest text without their entries: run-bundle reads no golden;
+    verify-bundle then has none for those components (the chunked UNet's end-to-end golden is kept)."""
+    if max_mb is None:
+        return set(), None
+    man = json.loads((folder / "manifest.json").read_text())
+    dropped = set()
+    for entry in man["components"].values():
+        g = entry.get("golden")
+        if g and (folder / g["path"]).stat().st_size > max_mb * 2**20:
+            dropped.add(g["path"])
+            del entry["golden"]
+    return dropped, (json.dumps(man, indent=1) if dropped else None)
+
+
+def pack(bundles: list[tuple[Path, str]], dest: Path, max_golden_mb: Optional[float] = None) -> dict:
     dest.mkdir(parents=True, exist_ok=True)
     shared = dest / "_shared"
     seen: dict[str, str] = {}  # sha -> stored name under _shared
     index: dict = {"layouts": {}, "shared": {}}
     for folder, layout in bundles:
         files = {}
+        dropped, manifest_text = _big_goldens(folder, max_golden_mb)
+        if dropped:
+            index.setdefault("dropped_goldens", {})[layout] = sorted(dropped)
         for p in sorted(folder.rglob("*")):
             rel = p.relative_to(folder)
-            if not p.is_file() or rel.parts[0] in SKIP:
+            if not p.is_file() or rel.parts[0] in SKIP or str(rel) in dropped:
+                continue
+            if manifest_text is not None and str(rel) == "manifest.json":
+                (dest / layout).mkdir(parents=True, exist_ok=True)
+                (dest / layout / "manifest.json").write_text(manifest_text)
+                files[str(rel)] = {"stored": f"{layout}/manifest.json", "sha256": hashlib.sha256(manifest_text.encode()).hexdigest()}
                 continue
             sha = _sha(p)
             if sha in seen:  # stored already (same component in another layout)
@@ -146,9 +172,9 @@ def summarize(bundle: Path, packed: Path | None) -> dict:
         d = c.get("details") or {}
         comps[n] = {
             "weights": c.get("weights"), "params": c.get("params"), "bytes": c.get("bytes"), "bytes_per_param": c.get("bytes_per_param"),
-            "peak_rss_gb": round((c.get("peak_rss_mb") or 0) / 1024, 2), "convert_s": d.get("convert_s"), "op_count": c.get("op_count"),
+            "peak_rss_gb": round(c["peak_rss_mb"] / 1024, 2) if c.get("peak_rss_mb") else None,  # None: a UNet chunk (its row is the UNet's) "convert_s": d.get("convert_s"), "op_count": c.get("op_count"),
             "transposes": c.get("transposes"), "rewrite_parity_cosine": (d.get("rewrite_parity") or {}).get("cosine"),
-            "phone_profile": check_component(n, bundle / f"{n}.tflite", DeviceProfile("phone")),
+            "phone_profile": check_component(n, bundle / f"{n}.tflite", DeviceProfile("phone")) if c.get("file") else None,  # None: a chunked UNet's summary row
         }
     out = {
         "what": "pocketdiff export of an SD-2.1-size bundle (random tiled weights, norm affines perturbed) on a 2-core / 24 GB machine",
@@ -156,7 +182,7 @@ def summarize(bundle: Path, packed: Path | None) -> dict:
         "config": cfg, "host": os.uname().nodename, "cpu_count": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "guidance": rep.get("guidance"), "resolution": rep.get("resolution"), "weights": rep.get("weights"),
         "export_s": rep.get("export_s"), "timings": rep.get("timings"), "bundle_bytes": rep.get("bundle_bytes"),
-        "peak_rss_gb_max": max(c["peak_rss_gb"] for c in comps.values()), "components": comps,
+        "peak_rss_gb_max": max(c["peak_rss_gb"] or 0 for c in comps.values()), "components": comps,
     }
     if packed is not None and (packed / "index.json").is_file():
         out["packed_bytes"] = json.loads((packed / "index.json").read_text()).get("bytes_packed")
@@ -169,6 +195,7 @@ def main(argv=None) -> int:
     a = sub.add_parser("pack")
     a.add_argument("bundles", nargs="+", help="FOLDER:LAYOUT")
     a.add_argument("--dest", required=True)
+    a.add_argument("--max-golden-mb", type=float, default=None, help="leave out per-component goldens over this size (and their manifest entries)")
     b = sub.add_parser("unpack")
     b.add_argument("src")
     b.add_argument("dest")
@@ -187,7 +214,7 @@ def main(argv=None) -> int:
             if not folder or not (Path(folder) / "manifest.json").is_file():
                 p.error(f"{item}: give BUNDLE_FOLDER:LAYOUT of an exported bundle")
             pairs.append((Path(folder), layout))
-        pack(pairs, Path(args.dest))
+        pack(pairs, Path(args.dest), args.max_golden_mb)
     elif args.cmd == "summarize":
         res = summarize(Path(args.bundle), Path(args.packed) if args.packed else None)
         Path(args.out).write_text(json.dumps(res, indent=2))

@@ -41,6 +41,7 @@ from .parity import ParityConfig
 from .rewrites import RewriteConfig
 from .onepass_export import split_one_pass
 from .tiled_export import expand_components, parity_latents, split_decoder
+from .unet_chunks import MAX_CHUNKS
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +121,7 @@ class Config:
     device_profile: DeviceProfile = dataclasses.field(default_factory=DeviceProfile)  # phone budgets, checked per component
     jobs: int = 1  # conversions in parallel worker processes (each holds a copy of its component)
     vae_tiling: VaeTilingConfig = dataclasses.field(default_factory=VaeTilingConfig)  # enabled: head + up-path tile instead of vae_decoder
+    unet_chunks: int = 1  # > 1: the UNet as that many .tflite files cut at block boundaries, weights balanced (export/unet_chunks.py)
 
     def __post_init__(self) -> None:
         require(self.jobs >= 1, "jobs", f"must be >= 1, got {self.jobs}")
@@ -143,6 +145,13 @@ class Config:
             require(self.int8.checkpoint is not None or self.int8.rtn, "int8.checkpoint", "weights=int8 needs a checkpoint (or int8.rtn: true)")
         require(not self.vae_tiling.enabled or "vae_decoder" in self.components, "vae_tiling.enabled",
                 "tiles the vae_decoder component, which components does not list")
+        require(isinstance(self.unet_chunks, int) and not isinstance(self.unet_chunks, bool) and 1 <= self.unet_chunks <= MAX_CHUNKS,
+                "unet_chunks", f"must be an int from 1 to {MAX_CHUNKS}, got {self.unet_chunks!r}")
+        if self.unet_chunks > 1:
+            require("unet" in self.components, "unet_chunks", "splits the unet component, which components does not list")
+            require(self.rewrites.time_embedding_outside, "unet_chunks",
+                    "needs rewrites.time_embedding_outside: true (the chunks take the time embedding as an input)")
+            require(self.jobs == 1, "unet_chunks", f"converts the chunks one after another: needs jobs: 1, got {self.jobs}")
         require(not self.rewrites.residual_scale_auto or self.fp16_scan.enabled, "rewrites.residual_scale_auto",
                 "needs fp16_scan.enabled: true (the scan measures the residual stream)")
         conv_input = self.device_profile.budgets()["conv_input_mb"]
@@ -330,7 +339,7 @@ def _tokenizer_entry(cfg: Config, tok, out: Path, ids_prompt) -> dict:
 
 
 def _manifest(cfg: Config, out: Path, sched, golden: GoldenInputs, model_cfg: ModelConfig, tokenizer_entry: dict,
-              components: dict, split, tiling_report: dict) -> dict:
+              components: dict, split, tiling_report: dict, unet_chunks: Optional[dict] = None) -> dict:
     """manifest.json's content (time_embedding.npy written beside it when the table is outside the graph)."""
     from pocketdiff.sampling import final_alpha_cumprod
 
@@ -362,6 +371,7 @@ def _manifest(cfg: Config, out: Path, sched, golden: GoldenInputs, model_cfg: Mo
         "time_embedding": te_entry,
         "components": components,
         **({"vae_tiling": {**split.block, "parity_psnr_db": tiling_report["psnr_db"]}} if split is not None else {}),
+        **({"unet_chunks": unet_chunks} if unet_chunks else {}),
         "provenance": {
             "source": model_cfg.pretrained or f"built:{model_cfg.arch}",
             "arch": None if model_cfg.pretrained else model_cfg.arch,
@@ -412,7 +422,8 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
     runner_ids = bundle_tokenize(out / "tokenizer" / "tokenizer.json", cfg.golden_prompt, tokenizer_entry)
     if runner_ids.tolist() != golden.ids_prompt[0].tolist():
         raise PocketdiffError("the bundle's tokenizer.json does not reproduce the pipeline tokenizer's ids for the golden prompt")
-    manifest = _manifest(cfg, out, pipe.scheduler, golden, model_cfg, tokenizer_entry, comps.manifest, split, tiling_report)
+    manifest = _manifest(cfg, out, pipe.scheduler, golden, model_cfg, tokenizer_entry, comps.manifest, split, tiling_report,
+                         comps.unet_chunks)
     bundle_lib.write_manifest(out, manifest)
     load_manifest(out)  # the bundle we wrote must pass the runner's checks
     from pocketdiff.runtime.verify_bundle import verify_bundle

@@ -1,6 +1,6 @@
 """The mobile bundle: manifest.json + one .tflite per component + tokenizer + goldens.
 
-manifest.json (schema `pocketdiff-bundle`, version 1):
+manifest.json (schema `pocketdiff-bundle`, version 1; version 2 with `unet_chunks`):
 
     schema, schema_version, created_by
     image: {height, width, channels}
@@ -14,6 +14,8 @@ manifest.json (schema `pocketdiff-bundle`, version 1):
                         outputs: [...], fully_accelerated, golden: {path, sha256, tolerances}}}
     vae_tiling: absent | {tile, overlap, passes, factor, norms: [K, G], features, components,
                           parity_psnr_db}  (the decoder as vae_decoder_head + vae_up_tile)
+    unet_chunks: absent | {components: [unet.0, ...], inputs, golden, stages, params, parity}
+                 (schema_version 2: the UNet as K files run in sequence; runtime/unet_chunks.py)
     provenance: {source, arch, versions, config}
 
 Every path is relative to the bundle folder; `load_manifest` refuses paths that escape it
@@ -30,6 +32,7 @@ from pocketdiff.errors import PocketdiffError
 from pocketdiff.outputs import read_json
 
 from .tflite_file import check_tflite_file, sha256_file
+from .unet_chunks import CHUNKED_SCHEMA_VERSION
 
 SCHEMA = "pocketdiff-bundle"
 SCHEMA_VERSION = 1
@@ -66,6 +69,16 @@ def _check_entry(bundle: Path, entry: dict, what: str, verify_sha: bool) -> Path
     return path
 
 
+def _check_version(mpath: Path, manifest: dict) -> None:
+    """Version 1, or 2 for a UNet in chunks (`unet_chunks`): each version with its own layout only."""
+    version, chunked = manifest.get("schema_version"), "unet_chunks" in manifest
+    if version not in (SCHEMA_VERSION, CHUNKED_SCHEMA_VERSION):
+        raise PocketdiffError(f"{mpath}: schema version {version!r} is not supported (expected {SCHEMA_VERSION} or {CHUNKED_SCHEMA_VERSION})")
+    if chunked != (version == CHUNKED_SCHEMA_VERSION):
+        raise PocketdiffError(f"{mpath}: schema version {version} " + ("is for a UNet in chunks (unet_chunks), which this manifest lacks"
+                              if not chunked else f"cannot hold unet_chunks (a chunked UNet is version {CHUNKED_SCHEMA_VERSION})"))
+
+
 def load_manifest(bundle: str | Path, verify_sha: bool = True, components: Optional[list[str]] = None) -> dict:
     """Read and check a bundle's manifest; returns it with absolute `_path`s added."""
     bundle = Path(bundle)
@@ -77,8 +90,7 @@ def load_manifest(bundle: str | Path, verify_sha: bool = True, components: Optio
     manifest = read_json(mpath, f"bundle {bundle}")
     if not isinstance(manifest, dict) or manifest.get("schema") != SCHEMA:
         raise PocketdiffError(f"{mpath}: not a pocketdiff bundle manifest")
-    if manifest.get("schema_version") != SCHEMA_VERSION:
-        raise PocketdiffError(f"{mpath}: schema version {manifest.get('schema_version')!r} is not supported (expected {SCHEMA_VERSION})")
+    _check_version(mpath, manifest)
     comps = manifest.get("components")
     if not isinstance(comps, dict) or not comps:
         raise PocketdiffError(f"{mpath}: no components")
@@ -97,5 +109,8 @@ def load_manifest(bundle: str | Path, verify_sha: bool = True, components: Optio
     te = manifest.get("time_embedding")
     if te:
         te["_path"] = str(_check_entry(bundle, te, "time embedding table", verify_sha))
+    chunks = manifest.get("unet_chunks")
+    if isinstance(chunks, dict) and isinstance(chunks.get("golden"), dict):
+        chunks["golden"]["_path"] = str(_check_entry(bundle, chunks["golden"], "golden of the chunked unet", verify_sha))
     manifest["_bundle"] = str(bundle.resolve())
     return manifest

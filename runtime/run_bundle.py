@@ -10,7 +10,10 @@ bundle's table when it was computed outside the graph.
 decoder: one at a time). Without it the three models are loaded up front (the naive app).
 A bundle with a `vae_tiling` block decodes with its two decoder graphs (`vae_decoder_head` on the
 whole latent, `vae_up_tile` per tile: runtime/onepass_decode.py or, for the iterated schemes,
-runtime/tiled_decode.py); they load and release together where the decoder does. On the GPU the
+runtime/tiled_decode.py); they load and release together where the decoder does. A UNet exported in chunks
+(`unet_chunks`: unet.0, unet.1, ...) loads chunk after chunk (pipelined: the heap each compile freed is returned
+before the next compiles, and the chunks share one environment), stays for every step, and runs in sequence
+with its tensors passed by name (runtime/unet_chunks.py). On the GPU the
 models run through LiteRT's C API (runtime/litert_c.py) with the compiled-program cache
 (runtime/gpu_cache.py). The report has per-stage latency and the measured memory: host and GPU
 peaks and every model's phases (runtime/memory.py).
@@ -30,6 +33,12 @@ from pocketdiff.errors import PocketdiffError
 from .manifest_check import TILED_DECODER, check_bundle, decoder_components
 from .litert_c import parse_gpu_option
 from .memory import PeakSampler, process_age_s, return_freed_memory, tune_allocator
+from .unet_chunks import UNET, run_unet, unet_components
+
+
+def _env_group(name: str) -> str:
+    """The LiteRT environment a model shares when pipelined: a UNet chunk's is the UNet's."""
+    return UNET if name.startswith(f"{UNET}.") else name
 
 
 def bundle_tokenizer(tokenizer_json: str | Path, tok: dict):
@@ -237,7 +246,8 @@ class BundleRunner:
         self.man = manifest or check_bundle(bundle)  # fields, sizes and every .tflite's signature, before anything runs
         self.comps = self.man["components"]
         self.decoder = decoder_components(self.man)
-        for need in ("text_encoder", "unet", *self.decoder):
+        self.unet_parts = unet_components(self.man)  # ("unet",) or the chunks unet.0, unet.1, ... (runtime/unet_chunks.py)
+        for need in ("text_encoder", *self.unet_parts, *self.decoder):
             if need not in self.comps:
                 raise PocketdiffError(f"bundle {bundle}: has no {need} (exported with components={list(self.comps)})")
         tune_allocator()  # large buffers the accelerator frees go back to the system at once (runtime/memory.py)
@@ -314,14 +324,17 @@ class BundleRunner:
             return self.env
         from .litert_c import Environment
 
-        self.own_envs[name] = Environment()
-        return self.own_envs[name]
+        group = _env_group(name)  # a UNet's chunks share one, kept for all of them
+        if group not in self.own_envs:
+            self.own_envs[group] = Environment()
+        return self.own_envs[group]
 
     def _release(self, name: str) -> None:
         m = self.loaded.pop(name, None)
         if m is not None:
             m.close()
-            env = self.own_envs.pop(name, None)
+            group = _env_group(name)
+            env = None if any(_env_group(n) == group for n in self.loaded) else self.own_envs.pop(group, None)
             if env is not None:
                 env.close()
             return_freed_memory()
@@ -351,11 +364,11 @@ class BundleRunner:
         man = self.man
         sched, guidance = man["scheduler"], man["guidance"]
         B = int(guidance["unet_batch"])
-        unet = self._load("unet", latency)
+        parts = self._load_unet(latency)
         T, steps = int(sched["num_train_timesteps"]), int(sched["steps"])
         alphas = np.asarray(sched["alphas_cumprod"], dtype=np.float64)
         final, scale = float(sched["final_alpha_cumprod"]), float(guidance["scale"])
-        unet_before = len(unet.run_s)
+        step_s = []
         for i, t in enumerate(sched["timesteps"]):
             if i == 0:
                 age = process_age_s()
@@ -367,20 +380,36 @@ class BundleRunner:
             else:
                 feeds["timestep"] = np.full((B,), float(t), dtype=np.float32)
             feeds["encoder_hidden_states"] = ehs
-            out = unet(feeds)
-            self._ran("unet")
+            before = [len(m.run_s) for m in parts]
+            out = run_unet(parts, feeds)
+            step_s.append(sum(sum(m.run_s[n:]) for m, n in zip(parts, before)))
+            for name in self.unet_parts:
+                self._ran(name)
             if B == 2:
                 out = out[0:1] + scale * (out[1:2] - out[0:1])
             prev = int(t) - T // steps
             a_t = float(alphas[int(t)])
             a_prev = float(alphas[prev]) if prev >= 0 else final
             x = ddim_step(x, out, a_t, a_prev, sched["prediction_type"])
-        runs = unet.run_s[unet_before:]
-        latency["unet_steps"] = float(sum(runs))
-        latency["unet_step_mean"] = float(np.mean(runs)) if runs else 0.0
+        latency["unet_steps"] = float(sum(step_s))
+        latency["unet_step_mean"] = float(np.mean(step_s)) if step_s else 0.0
         if self.pipelined:
-            self._release("unet")
+            for name in self.unet_parts:
+                self._release(name)
         return x
+
+    def _load_unet(self, latency: dict) -> list:
+        """The UNet's parts, loaded one after another and kept for every step. Pipelined, the heap a chunk's
+        compile freed goes back to the system before the next chunk compiles (one compile transient at a time)."""
+        parts = []
+        for name in self.unet_parts:
+            fresh = name not in self.loaded
+            parts.append(self._load(name, latency))
+            if fresh and self.pipelined and len(self.unet_parts) > 1:
+                return_freed_memory()
+        if len(parts) > 1 and all(f"{n}_load" in latency for n in self.unet_parts):
+            latency["unet_load"] = float(sum(latency[f"{n}_load"] for n in self.unet_parts))
+        return parts
 
     def _decode(self, x: np.ndarray, latency: dict, stats: dict) -> np.ndarray:
         decoder = self.decoder
@@ -415,7 +444,7 @@ class BundleRunner:
         ids = _ids(self.tokenizer, prompt, tok)
         latency["tokenize"] = time.perf_counter() - t0
         if not self.pipelined:  # the naive app: everything up front
-            for name in ("text_encoder", "unet", *self.decoder):
+            for name in ("text_encoder", *self.unet_parts, *self.decoder):
                 self._load(name, latency)
         ehs = self._encode(ids, latency)
         shape = (1, int(lat["channels"]), int(lat["height"]), int(lat["width"]))

@@ -30,6 +30,7 @@ import numpy as np
 from pocketdiff.errors import PocketdiffError
 
 from .manifest_check import manifest_problems
+from .unet_chunks import UNET, chain_on_delegate
 
 ACCELERATORS = ("gpu", "cpu")
 _CHECK_OF = {"signature": "io", "present": "files", "size": "files", "path": "files", "file": "files"}
@@ -96,7 +97,7 @@ def _load(bundle: Path, verify_sha: bool) -> dict:
         msg = str(e)
         import re
 
-        m = re.search(r"(?:component|golden of) ([A-Za-z0-9_]+)", msg)
+        m = re.search(r"(?:component|golden of) ([A-Za-z0-9_.]*[A-Za-z0-9_])", msg)
         raise BundleCheckError(m.group(1) if m else "manifest", "files", msg) from None
     return man
 
@@ -171,20 +172,67 @@ def verify_component(name: str, entry: dict, accelerator: str = "gpu", precision
         if not r.fully_accelerated:
             raise BundleCheckError(name, "delegate", f"not fully accelerated on the GPU delegate ({r.driver}): {r.rejected_summary()}")
         rep["checks"].append("delegate")
+    refs = _chunk_references(name, entry) or [ref]  # a UNet chunk: every output (the tensors the next chunks read)
     rep["parity"] = {}
     for p in precs:
         if p not in r.outputs:
             raise BundleCheckError(name, "compile", f"no {p} output: {r.error or 'the run ended early'}")
-        m = parity_lib.metrics(ref, r.outputs[p][0])
-        rep["parity"][p] = m
-        if not m["finite"]:
-            raise BundleCheckError(name, "finite", f"{m['nonfinite']} NaN/Inf values in the {accelerator} {p} output")
-        th = tol.get(p)
-        if th is None:
-            raise BundleCheckError(name, "parity", f"the manifest has no {p} tolerances")
-        fails = parity_lib.check(name, p, m, parity_lib.Thresholds(float(th["cosine_min"]), float(th["psnr_min_db"])))
-        if fails:
-            raise BundleCheckError(name, "parity", "; ".join(f.split(": ", 1)[-1] for f in fails))
+        for j, want in enumerate(refs):
+            m = parity_lib.metrics(want, r.outputs[p][j])
+            if j == 0 or m["cosine"] < rep["parity"][p]["cosine"] or not m["finite"]:
+                rep["parity"][p] = m
+            check_parity(name, p, m, tol, f"the {accelerator} {p} output{f' {j}' if len(refs) > 1 else ''}", len(refs) > 1)
+    rep["checks"] += ["finite", "parity"]
+    return rep
+
+
+def check_parity(name: str, p: str, m: dict, tol: dict, what: str, say_what: bool = True) -> None:
+    """`m` (parity.metrics) against the manifest's tolerances at precision `p`: BundleCheckError otherwise."""
+    from . import parity as parity_lib
+
+    if not m["finite"]:
+        raise BundleCheckError(name, "finite", f"{m['nonfinite']} NaN/Inf values in {what}")
+    th = tol.get(p)
+    if th is None:
+        raise BundleCheckError(name, "parity", f"the manifest has no {p} tolerances")
+    fails = parity_lib.check(name, p, m, parity_lib.Thresholds(float(th["cosine_min"]), float(th["psnr_min_db"])))
+    if fails:
+        raise BundleCheckError(name, "parity", "; ".join(f.split(": ", 1)[-1] for f in fails) + (f" ({what})" if say_what else ""))
+
+
+def _chunk_references(name: str, entry: dict) -> list:
+    """A UNet chunk's golden outputs in the declared (signature) order; empty for other components."""
+    if not name.startswith(f"{UNET}.") or len(entry["outputs"]) < 2:
+        return []
+    with np.load(entry["golden"]["_path"], allow_pickle=False) as data:
+        keys = [f"output_{j}" for j in range(len(entry["outputs"]))]
+        missing = [k for k in keys if k not in data.files]
+        if missing:
+            raise BundleCheckError(name, "golden", f"{entry['golden'].get('path')} has no {', '.join(missing)}")
+        return [data[k] for k in keys]
+
+
+def verify_chunk_chain(man: dict, accelerator: str, precisions: Sequence[str], timeout_s: float, driver: Optional[str]) -> dict:
+    """A chunked UNet end to end: the chunks in sequence (each fed the previous chunks' outputs on this
+    accelerator) against the whole UNet's golden output, at the manifest's tolerances."""
+    from . import parity as parity_lib
+
+    block = man["unet_chunks"]
+    golden = block.get("golden") or {}
+    if "_path" not in golden:
+        raise BundleCheckError(UNET, "golden", "the unet_chunks block lists no golden file")
+    with np.load(golden["_path"], allow_pickle=False) as data:
+        inputs = {i["name"]: data[f"input_{i['name']}"] for i in block["inputs"]}
+        ref = data["output_0"]
+    paths = [(man["components"][n]["_path"], [i["name"] for i in man["components"][n]["inputs"]]) for n in block["components"]]
+    rep: dict = {"checks": ["chain"], "chunks": list(block["components"]), "parity": {}}
+    for p in (list(precisions) if accelerator == "gpu" else ["fp32"]):
+        try:
+            y, _ = chain_on_delegate(paths, inputs, p, accelerator=accelerator, timeout_s=timeout_s, driver=driver)
+        except PocketdiffError as e:
+            raise BundleCheckError(UNET, "compile", str(e)) from None
+        m = rep["parity"][p] = parity_lib.metrics(ref, y)
+        check_parity(UNET, p, m, golden.get("tolerances", {}), f"the {len(paths)} chunks in sequence, {accelerator} {p}")
     rep["checks"] += ["finite", "parity"]
     return rep
 
@@ -230,10 +278,26 @@ def verify_bundle(bundle: str | Path, accelerator: str = "gpu", precisions: Sequ
             report["failures"].append(str(e))
             if not keep_going:
                 raise
+    _verify_chain_into(report, man, names, run, accelerator, precisions, timeout_s, driver, keep_going)
     report["bytes"] = {n: int(comps[n].get("bytes") or Path(comps[n]["_path"]).stat().st_size) for n in names}
     report["wall_s"] = round(time.perf_counter() - t_start, 2)
     report["ok"] = not report["failures"]
     return report
+
+
+def _verify_chain_into(report: dict, man: dict, names: list, run: bool, accelerator: str, precisions, timeout_s: float,
+                       driver: Optional[str], keep_going: bool) -> None:
+    """With every chunk of a chunked UNet checked and passed: the chunks end to end, as report["components"]["unet"]."""
+    chunks = (man.get("unet_chunks") or {}).get("components") or []
+    if not run or not chunks or not all(report["components"].get(n, {}).get("ok") for n in chunks):
+        return
+    try:
+        report["components"][UNET] = {**verify_chunk_chain(man, accelerator, precisions, timeout_s, driver), "ok": True}
+    except BundleCheckError as e:
+        report["components"][UNET] = {"ok": False, "failed_check": e.check, "error": e.detail}
+        report["failures"].append(str(e))
+        if not keep_going:
+            raise
 
 
 def main(args) -> int:

@@ -47,6 +47,10 @@ export class Bundle {
     const text = new TextDecoder().decode(await this.fetchBytes('manifest.json', 'manifest'));
     const man = JSON.parse(text);
     if (man.schema !== 'pocketdiff-bundle') throw new BundleError('manifest.json: not a pocketdiff bundle manifest');
+    if (man.unet_chunks) {
+      const parts = Array.isArray(man.unet_chunks.components) ? man.unet_chunks.components : [];
+      throw new BundleError(`bundle: the UNet is exported in ${parts.length} chunks (unet_chunks: ${parts.join(', ')}); the page runs a whole UNet only: export it with unet_chunks: 1`);
+    }
     if (man.schema_version !== 1) throw new BundleError(`manifest.json: schema version ${man.schema_version} is not supported (expected 1)`);
     if (man.vae_tiling) {
       const problem = tilingProblem(man.vae_tiling);

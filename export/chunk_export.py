@@ -1,0 +1,135 @@
+"""Step 4 of the export for `unet_chunks: K > 1`: the UNet as K .tflite files (export/unet_chunks.py).
+
+The whole UNet is prepared once as for one file (its reference, the rewrites, their parity), then cut at
+block boundaries into K graphs that share its rewritten modules. Checked: the original UNet's chunks in
+sequence equal the whole UNet in torch; each chunk on the GPU delegate against its torch chunk on the
+same inputs (every output, the named parity thresholds); the chunks in sequence on the delegate, each fed
+the previous chunks' delegate outputs, against the whole torch UNet (the same thresholds). Each chunk
+is a bundle component `unet.k` (file, io, golden, int8 codes carried bit for bit); the manifest's
+`unet_chunks` block lists them with the whole UNet's inputs and golden (runtime/unet_chunks.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pocketdiff.errors import ParityError, PocketdiffError
+from pocketdiff.runtime import parity as parity_lib
+from pocketdiff.runtime.manifest_check import tflite_signature
+from pocketdiff.runtime.unet_chunks import UNET, chunk_name, chain_on_delegate
+
+from . import bundle as bundle_lib
+from .exporter import Prepared, convert_job, prepare_component
+from .unet_chunks import run_chunks, split_unet
+
+COMPOSE_TOLERANCE = 1e-5  # the chunks in sequence vs the whole UNet in torch: max |diff| / max |reference|
+REWRITE_COSINE = 0.9999  # the rewritten chunks in sequence vs the original UNet (as for a whole component's rewrites)
+
+
+def _np(x: torch.Tensor) -> np.ndarray:
+    return x.detach().to(torch.float32).cpu().numpy()
+
+
+def _io_spec(tensors: dict) -> dict:
+    return {n: {"shape": list(v.shape), "dtype": str(v.dtype).replace("torch.", "")} for n, v in tensors.items()}
+
+
+def compose_check(original, rewritten, inputs: dict, reference: np.ndarray) -> tuple[list[dict], list[dict], dict]:
+    """The original UNet's chunks in sequence must equal the whole UNet (torch); the rewritten chunks in
+    sequence give each chunk's inputs and reference outputs (the residual stream rescaled between chunks as
+    inside them), with their parity against the whole UNet: (inputs per chunk, outputs per chunk, parity)."""
+    _, _, final = run_chunks(original, inputs)
+    err = float(np.abs(_np(final) - reference).max()) / max(float(np.abs(reference).max()), 1e-12)
+    if not err <= COMPOSE_TOLERANCE:
+        raise PocketdiffError(f"unet_chunks: the {len(original)} chunks in sequence differ from the whole UNet in torch "
+                              f"(max |diff| {err:.3g} of the output's range > {COMPOSE_TOLERANCE})")
+    feeds, outs, final = run_chunks(rewritten, inputs)
+    m = parity_lib.metrics(reference, _np(final))
+    if not m["cosine"] >= REWRITE_COSINE:
+        raise ParityError(f"unet: the rewritten chunks in sequence drifted from the original UNet (cosine {m['cosine']:.6f})")
+    return feeds, outs, m
+
+
+def chunk_prepared(chunk, feed: dict, outs: dict, whole: Prepared, out: Path, work: Path) -> Prepared:
+    """A chunk ready to convert: its inputs, its reference outputs by name, its report row."""
+    name = chunk_name(chunk.plan.index)
+    report = {"file": f"{name}.tflite", "weights": whole.weights, "inputs": _io_spec(feed), "outputs": {},
+              "stages": list(chunk.plan.stages), "chunk_params": chunk.plan.params}
+    refs = {n: _np(v) for n, v in outs.items()}
+    prep = Prepared(name, chunk.eval(), dict(feed), next(iter(refs.values())), report, out / f"{name}.tflite", whole.weights,
+                    whole.quantized, raw_path=work / f"{name}_fp32.tflite", references_by_name=refs)
+    return prep
+
+
+def order_by_signature(prep: Prepared) -> None:
+    """Declared outputs, golden output_J and output 0 in the converted file's signature order (its names)."""
+    _, sig_outs = tflite_signature(prep.raw_path)
+    refs = prep.references_by_name
+    if set(sig_outs) != set(refs):
+        raise PocketdiffError(f"{prep.name}: the converter named its outputs {sorted(sig_outs)}, the chunk returns {sorted(refs)}")
+    prep.references = [refs[n] for n in sig_outs]
+    prep.reference = prep.references[0]
+    prep.report["outputs"] = {n: {"shape": list(refs[n].shape), "dtype": "float32"} for n in sig_outs}
+
+
+def end_to_end_parity(paths: list[tuple[Path, list[str]]], inputs: dict, reference: np.ndarray, settings) -> dict:
+    """The chunk files in sequence on the delegate (per precision) against the whole torch UNet."""
+    feeds = {n: _np(v) if v.is_floating_point() else v.numpy() for n, v in inputs.items()}
+    result, fails = {}, []
+    for prec in settings.verify.precisions:
+        y, _ = chain_on_delegate(paths, feeds, prec, driver=settings.verify.driver, timeout_s=settings.verify.timeout_s)
+        m = result[prec] = parity_lib.metrics(reference, y)
+        fails += parity_lib.check(f"{UNET} ({len(paths)} chunks end to end)", prec, m, settings.parity.for_precision(prec))
+    if fails and settings.parity.enforce:
+        raise ParityError("; ".join(fails))
+    return result
+
+
+def export_chunked_unet(ce, say) -> None:
+    """`ce`: the ComponentExport (export/export_components.py), `say` its progress line; fills its reports,
+    manifest entries and `unet_chunks` block."""
+    cfg, k = ce.cfg, ce.cfg.unet_chunks
+    graph, inputs = ce._graph_for(UNET)
+    say(f"unet ({ce.weights_of[UNET]}, {k} chunks): rewrites and PyTorch reference ...")
+    whole = prepare_component(UNET, graph, inputs, ce.out / "unet.tflite", ce.rewrites_of[UNET], ce.weights_of[UNET], ce.quantized.get(UNET))
+    chunks = split_unet(whole.rewritten.unet, k)
+    feeds, outs, chain_parity = compose_check(split_unet(graph.unet, k), chunks, inputs, whole.reference)
+    whole.report["chunks_rewrite_parity"] = chain_parity
+    for chunk, feed, out in zip(chunks, feeds, outs):
+        prep = chunk_prepared(chunk, feed, out, whole, ce.out, ce.work)
+        say(f"{prep.name} ({', '.join(chunk.plan.stages)}; {chunk.plan.params / 1e6:.1f} M parameters): converting with litert-torch ...")
+        info = convert_job(prep.rewritten, prep.inputs, prep.raw_path)
+        order_by_signature(prep)
+        ce._finish(prep, info)
+        prep.raw_path.unlink(missing_ok=True)
+    del feeds, outs
+    paths = [(ce.out / f"{chunk_name(c.plan.index)}.tflite", list(c.plan.inputs)) for c in chunks]
+    parity = None
+    if cfg.verify.delegate:
+        say(f"unet: the {k} chunks in sequence on the GPU delegate against the whole torch UNet ...")
+        parity = end_to_end_parity(paths, inputs, whole.reference, cfg)
+    ce.unet_chunks = _block(ce, whole, chunks, inputs, parity)
+
+
+def _block(ce, whole: Prepared, chunks, inputs: dict, parity) -> dict:
+    """The manifest's unet_chunks block (and the whole UNet's golden file)."""
+    golden_path = ce.out / "golden" / "unet.npz"
+    np.savez(golden_path, **{f"input_{n}": _np(v) if v.is_floating_point() else v.numpy() for n, v in inputs.items()},
+             output_0=whole.reference)
+    tol = {p: dataclasses.asdict(ce.cfg.parity.for_precision(p)) for p in ("fp16", "fp32")}
+    outside = set.intersection(*(set(ce.reports[chunk_name(c.plan.index)].get("int8_layers_outside_graph") or []) for c in chunks))
+    ce.reports[UNET] = {"file": None, "weights": whole.weights, "chunks": [chunk_name(c.plan.index) for c in chunks],
+                        "rewrites": whole.report.get("rewrites"), "rewrite_parity": whole.report.get("rewrite_parity"),
+                        "chunks_rewrite_parity": whole.report.get("chunks_rewrite_parity"),
+                        "end_to_end_parity": parity, "int8_layers_outside_graph": sorted(outside) if whole.weights == "int8" else None}
+    return {
+        "components": [chunk_name(c.plan.index) for c in chunks],
+        "inputs": [{"name": n, **spec} for n, spec in _io_spec(inputs).items()],
+        "golden": {**bundle_lib.file_entry(ce.out, golden_path), "tolerances": tol},
+        "stages": [list(c.plan.stages) for c in chunks],
+        "params": [c.plan.params for c in chunks],
+        "parity": parity,
+    }

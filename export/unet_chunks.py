@@ -1,0 +1,206 @@
+"""The UNet as K graphs run one after another (`unet_chunks` in the export config).
+
+LiteRT's GPU accelerator holds a host transient of several times a model's weights while it
+compiles it (docs/MEASUREMENTS.md, "Bundle footprint"); K smaller graphs compiled one after
+another keep only one chunk's transient alive at a time (Apple's ml-stable-diffusion splits its
+UNet the same way for the Neural Engine). The cut points are block boundaries of a diffusers
+UNet2DConditionModel: the stages are `down_blocks.i` (the first with `conv_in`), `mid_block`,
+`up_blocks.i` (the last with `conv_norm_out` / `conv_out`), and the K contiguous runs of stages
+are chosen so that the heaviest chunk's weights are as light as they can be.
+
+Between chunks the runner carries named tensors (runtime/unet_chunks.py): `hidden` (the stream)
+and `skip_J` (the J-th of the down path's skip connections, `skip_0` being conv_in's output),
+besides the UNet's own `timestep` (the time-embedding row: the time embedding is computed outside
+the graph) and `encoder_hidden_states`. The first chunk takes `sample`; the last one returns the
+UNet's output, `out`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Optional
+
+import torch
+from torch import nn
+
+from pocketdiff.errors import PocketdiffError
+from pocketdiff.runtime.unet_chunks import OUTPUT, SKIP_PREFIX, STREAM, skip_name
+
+MAX_CHUNKS = 16
+
+
+@dataclasses.dataclass
+class Stage:
+    """One block of the UNet and the skip connections it makes (down) or takes (up)."""
+
+    name: str  # down_blocks.0 | mid_block | up_blocks.3
+    kind: str  # down | mid | up
+    block: nn.Module
+    params: int
+    makes: list[int]  # skip indices written (down; the first stage also writes skip 0, conv_in's output)
+    takes: list[int]  # skip indices read, in the order the block takes them (up)
+    cross: bool  # reads encoder_hidden_states
+
+
+def check_chunkable(unet: nn.Module) -> None:
+    """The UNet2DConditionModel layouts the chunks reproduce (the SD family): one named line otherwise."""
+    cfg = unet.config
+    extras = [k for k in ("class_embedding", "add_embedding", "encoder_hid_proj", "time_embed_act") if getattr(unet, k, None) is not None]
+    if extras or getattr(cfg, "center_input_sample", False) or getattr(unet, "mid_block", None) is None:
+        what = ", ".join(extras) or ("center_input_sample" if getattr(cfg, "center_input_sample", False) else "no mid_block")
+        raise PocketdiffError(f"unet_chunks: this UNet has {what}, which the chunked graphs do not carry (use unet_chunks: 1)")
+
+
+def unet_stages(unet: nn.Module) -> list[Stage]:
+    """The UNet's blocks in call order, with the skip connections each writes or reads."""
+    check_chunkable(unet)
+    stages: list[Stage] = []
+    made = 1  # skip 0: conv_in's output
+    for i, block in enumerate(unet.down_blocks):
+        n = len(block.resnets) + (1 if getattr(block, "downsamplers", None) is not None else 0)
+        stages.append(Stage(f"down_blocks.{i}", "down", block, _params(block), list(range(made, made + n)), [], _cross(block)))
+        made += n
+    stages.append(Stage("mid_block", "mid", unet.mid_block, _params(unet.mid_block), [], [], _cross(unet.mid_block)))
+    left = list(range(made))
+    for i, block in enumerate(unet.up_blocks):
+        n = len(block.resnets)
+        takes, left = left[-n:], left[:-n]
+        stages.append(Stage(f"up_blocks.{i}", "up", block, _params(block), [], takes, _cross(block)))
+    stages[0].makes.insert(0, 0)
+    stages[0].params += _params(unet.conv_in)
+    stages[-1].params += sum(_params(m) for m in (unet.conv_norm_out, unet.conv_out) if m is not None)
+    return stages
+
+
+def _params(m: Optional[nn.Module]) -> int:
+    return 0 if m is None else int(sum(p.numel() for p in m.parameters()))
+
+
+def _cross(block: nn.Module) -> bool:
+    return bool(getattr(block, "has_cross_attention", False))
+
+
+def balanced_bounds(weights: list[int], k: int) -> list[tuple[int, int]]:
+    """K contiguous [start, end) runs of `weights` whose heaviest run is as light as possible
+    (ties: the most even spread). Every run holds at least one stage."""
+    n = len(weights)
+    if not 1 <= k <= n:
+        raise PocketdiffError(f"unet_chunks: {k} chunks, but the UNet has {n} blocks to cut between (1 to {n})")
+    best = None
+    for cuts in itertools.combinations(range(1, n), k - 1):
+        edges = (0, *cuts, n)
+        sums = [sum(weights[a:b]) for a, b in zip(edges, edges[1:])]
+        key = (max(sums), sum(s * s for s in sums))
+        if best is None or key < best[0]:
+            best = (key, list(zip(edges, edges[1:])))
+    return best[1]
+
+
+@dataclasses.dataclass
+class ChunkPlan:
+    """What chunk k holds and passes on."""
+
+    index: int
+    count: int
+    stages: list[str]
+    params: int
+    inputs: list[str]  # tensor names, in the graph's argument order
+    outputs: list[str]  # tensor names the chunk returns
+
+
+def plan_chunks(unet: nn.Module, k: int) -> list[ChunkPlan]:
+    """The K chunks of the UNet, balanced by parameter count (int8: one byte each), with the tensors
+    each reads and writes."""
+    stages = unet_stages(unet)
+    bounds = balanced_bounds([s.params for s in stages], k)
+    plans = []
+    for c, (a, b) in enumerate(bounds):
+        own = stages[a:b]
+        made_here = {j for s in own for j in s.makes}
+        taken_later = {j for s in stages[b:] for j in s.takes}
+        taken_here = [j for s in own for j in s.takes if j not in made_here]
+        inputs = ["sample"] if c == 0 else [STREAM] + [skip_name(j) for j in sorted(set(taken_here))]
+        inputs.append("timestep")
+        if any(s.cross for s in own):
+            inputs.append("encoder_hidden_states")
+        outputs = [OUTPUT] if c == k - 1 else [STREAM] + [skip_name(j) for j in sorted(made_here & taken_later)]
+        plans.append(ChunkPlan(c, k, [s.name for s in own], sum(s.params for s in own), inputs, outputs))
+    return plans
+
+
+class UNetChunk(nn.Module):
+    """Stages [a, b) of a UNet2DConditionModel whose time embedding is fed in (export/components.UNetGraph
+    with external_time_embedding): positional tensors in `plan.inputs` order -> a dict of `plan.outputs`."""
+
+    def __init__(self, unet: nn.Module, plan: ChunkPlan):
+        super().__init__()
+        self.plan = plan
+        stages = {s.name: s for s in unet_stages(unet)}
+        self.stage_info = [stages[n] for n in plan.stages]
+        self.blocks = nn.ModuleList([s.block for s in self.stage_info])
+        first, last = plan.index == 0, plan.index == plan.count - 1
+        self.conv_in = unet.conv_in if first else None
+        self.conv_norm_out = unet.conv_norm_out if last else None
+        self.conv_act = unet.conv_act if last else None
+        self.conv_out = unet.conv_out if last else None
+
+    def forward(self, *tensors: torch.Tensor) -> dict[str, torch.Tensor]:
+        t = dict(zip(self.plan.inputs, tensors))
+        emb, ehs = t["timestep"], t.get("encoder_hidden_states")
+        skips = {j: v for j, v in ((_skip_index(n), v) for n, v in t.items()) if j is not None}
+        if self.conv_in is not None:
+            h = self.conv_in(t["sample"])
+            skips[0] = h
+        else:
+            h = t[STREAM]
+        for s, block in zip(self.stage_info, self.blocks):
+            h = _run_stage(s, block, h, emb, ehs, skips)
+        if self.conv_out is not None:
+            if self.conv_norm_out is not None:
+                h = self.conv_act(self.conv_norm_out(h))
+            return {OUTPUT: self.conv_out(h)}
+        out = {STREAM: h}
+        for n in self.plan.outputs[1:]:
+            out[n] = skips[_skip_index(n)]
+        return out
+
+
+def _skip_index(name: str) -> Optional[int]:
+    return int(name[len(SKIP_PREFIX):]) if name.startswith(SKIP_PREFIX) else None
+
+
+def _run_stage(s: Stage, block: nn.Module, h, emb, ehs, skips: dict):
+    """One block as UNet2DConditionModel.forward calls it (no masks, no extra kwargs)."""
+    kw = {"encoder_hidden_states": ehs} if s.cross else {}
+    if s.kind == "down":
+        h, res = block(hidden_states=h, temb=emb, **kw)
+        for j, r in zip(s.makes[-len(res):], res):
+            skips[j] = r
+        return h
+    if s.kind == "mid":
+        return block(h, emb, **kw)
+    res = tuple(skips[j] for j in s.takes)
+    return block(hidden_states=h, temb=emb, res_hidden_states_tuple=res, upsample_size=None, **kw)
+
+
+def split_unet(unet: nn.Module, k: int) -> list[UNetChunk]:
+    """The K chunk graphs of `unet` (sharing its modules)."""
+    return [UNetChunk(unet, p) for p in plan_chunks(unet, k)]
+
+
+@torch.no_grad()
+def run_chunks(chunks: list[UNetChunk], inputs: dict[str, torch.Tensor]) -> tuple[list[dict], list[dict], torch.Tensor]:
+    """The chunks in sequence from the whole UNet's inputs: (each chunk's inputs, each chunk's outputs, the
+    UNet's output)."""
+    tensors = dict(inputs)
+    feeds, outs = [], []
+    for c in chunks:
+        missing = [n for n in c.plan.inputs if n not in tensors]
+        if missing:
+            raise PocketdiffError(f"unet_chunks: chunk {c.plan.index} needs {', '.join(missing)}, which no earlier chunk makes")
+        feed = {n: tensors[n] for n in c.plan.inputs}
+        out = c(*feed.values())
+        feeds.append(feed)
+        outs.append(out)
+        tensors.update(out)
+    return feeds, outs, outs[-1][OUTPUT]

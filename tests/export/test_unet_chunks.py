@@ -1,0 +1,212 @@
+"""The UNet exported in chunks (`unet_chunks`): the split in torch, the config's checks, and one tiny
+teacher exported whole and in two chunks (int8 from an RTN checkpoint in compress's format), run through
+run-bundle and verify-bundle on the lavapipe delegate and XNNPACK."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from pocketdiff.cli import main as cli_main
+from pocketdiff.errors import PocketdiffError
+
+TEACHER = "pocketdiff:shapes-teacher"
+PROMPT = "a red circle"
+
+
+@pytest.fixture(scope="module")
+def teacher_unet():
+    from pocketdiff.export.components import UNetGraph, time_embedding_table
+    from pocketdiff.models import ModelConfig, load_or_build
+
+    pipe = load_or_build(ModelConfig(pretrained=TEACHER))
+    unet = pipe.unet.eval()
+    table = time_embedding_table(unet, 1000)
+    graph = UNetGraph(unet, external_time_embedding=True)
+    s = unet.config.sample_size
+    gen = torch.Generator().manual_seed(0)
+    inputs = {"sample": torch.randn(2, unet.config.in_channels, s, s, generator=gen), "timestep": torch.from_numpy(table[[500, 500]]),
+              "encoder_hidden_states": torch.randn(2, 77, pipe.text_encoder.config.hidden_size, generator=gen)}
+    with torch.no_grad():
+        ref = graph(*inputs.values())
+    return unet, inputs, ref
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5])
+def test_chunks_in_sequence_equal_the_whole_unet_in_torch(teacher_unet, k):
+    from pocketdiff.export.unet_chunks import run_chunks, split_unet, unet_stages
+
+    unet, inputs, ref = teacher_unet
+    chunks = split_unet(unet, k)
+    _, outs, final = run_chunks(chunks, inputs)
+    assert len(chunks) == k and [s for c in chunks for s in c.plan.stages] == [s.name for s in unet_stages(unet)]
+    assert torch.equal(final, ref)
+    for i, (c, out) in enumerate(zip(chunks, outs)):  # every skip a chunk reads was made by one earlier chunk; none made for nobody
+        assert set(out) == set(c.plan.outputs) and ("hidden" in out) == (i < k - 1)
+        for n in (n for n in c.plan.inputs if n.startswith("skip_")):
+            assert sum(n in d.plan.outputs for d in chunks[:i]) == 1, (i, n)
+        for n in (n for n in c.plan.outputs if n.startswith("skip_")):
+            assert any(n in d.plan.inputs for d in chunks[i + 1:]), (i, n)
+
+
+def test_bounds_minimise_the_heaviest_chunk():
+    from pocketdiff.export.unet_chunks import balanced_bounds
+
+    assert balanced_bounds([9, 1, 1, 1, 1], 2) == [(0, 1), (1, 5)]
+    assert balanced_bounds([1, 1, 1, 1, 1, 1], 3) == [(0, 2), (2, 4), (4, 6)]
+    assert balanced_bounds([1, 5, 1, 1, 5, 1], 3) == [(0, 2), (2, 4), (4, 6)]
+    with pytest.raises(PocketdiffError, match="unet_chunks: 6 chunks, but the UNet has 5 blocks"):
+        balanced_bounds([1] * 5, 6)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["unet_chunks=0"], "unet_chunks: must be an int from 1 to"),
+    (["unet_chunks=2", "jobs=2"], "unet_chunks: converts the chunks one after another: needs jobs: 1"),
+    (["unet_chunks=2", "components=[text_encoder,vae_decoder]"], "unet_chunks: splits the unet component"),
+    (["unet_chunks=2", "rewrites.time_embedding_outside=false"], "unet_chunks: needs rewrites.time_embedding_outside"),
+])
+def test_config_refuses_chunks_it_cannot_make(overrides, message):
+    from pocketdiff.config import load_config
+    from pocketdiff.export.verb import Config
+
+    with pytest.raises(PocketdiffError) as e:
+        load_config(Config, None, overrides)
+    assert message in str(e.value)
+
+
+@pytest.fixture(scope="module")
+def bundles(gpu_delegate, tmp_path_factory):
+    from pocketdiff.compress.quant.int8_format import LayerRecipe, QuantRecipe, quantize_codes, rtn_scale, save_quantized
+    from pocketdiff.models import ModelConfig, load_or_build
+
+    root = tmp_path_factory.mktemp("chunks")
+    pipe = load_or_build(ModelConfig(pretrained=TEACHER))
+    state = {k: v.detach().clone() for k, v in pipe.unet.state_dict().items()}
+    recipe = QuantRecipe(component="unet", extra={"method": "rtn"})
+    for name, m in pipe.unet.named_modules():
+        if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear)):
+            scale = rtn_scale(m.weight, 8)
+            state[f"{name}.weight"], state[f"{name}.weight_scale"] = quantize_codes(m.weight, scale, 8), scale
+            recipe.layers[name] = LayerRecipe(bits=8)
+    ckpt = root / "unet_int8.safetensors"
+    save_quantized(state, recipe, ckpt)
+    cfg = {"seed": 0, "model": {"pretrained": TEACHER}, "weights": "int8", "int8": {"checkpoint": str(ckpt)}, "guidance": "cfg",
+           "guidance_scale": 3.0, "steps": 3, "fp16_scan": {"enabled": False}, "rewrites": {"residual_scale": 0.25}}
+    out = {}
+    for k in (1, 2):
+        (root / f"k{k}.yaml").write_text(yaml.safe_dump({**cfg, "unet_chunks": k}))
+        out[k] = root / f"bundle{k}"
+        assert cli_main(["export", "--config", str(root / f"k{k}.yaml"), "--output", str(out[k])]) == 0
+    return {"whole": out[1], "chunked": out[2], "checkpoint": ckpt, "root": root,
+            "report": json.loads((out[2] / "report.json").read_text())}
+
+
+def test_manifest_lists_the_chunks_with_parity_per_chunk_and_end_to_end(bundles):
+    man = json.loads((bundles["chunked"] / "manifest.json").read_text())
+    assert man["schema_version"] == 2 and json.loads((bundles["whole"] / "manifest.json").read_text())["schema_version"] == 1
+    block = man["unet_chunks"]
+    assert block["components"] == ["unet.0", "unet.1"] and "unet" not in man["components"]
+    assert [i["name"] for i in block["inputs"]] == ["sample", "timestep", "encoder_hidden_states"]
+    assert [i["name"] for i in man["components"]["unet.1"]["inputs"]][0] == "hidden"
+    assert [o["name"] for o in man["components"]["unet.1"]["outputs"]] == ["out"]
+    rep = bundles["report"]["components"]
+    for name in block["components"]:
+        assert rep[name]["fully_accelerated"] is True and rep[name]["cosine"] >= 0.999, name
+    e2e = rep["unet"]["details"]["end_to_end_parity"]
+    assert e2e["fp16"]["cosine"] >= 0.999 and e2e["fp16"]["psnr_db"] >= 30 and e2e["fp32"]["psnr_db"] >= 60, e2e
+    assert e2e == block["parity"]
+
+
+def test_int8_codes_in_every_chunk_equal_the_checkpoint_bit_for_bit(bundles):
+    from pocketdiff.compress.quant.int8_format import load_quantized
+    from pocketdiff.runtime.tflite_file import TfliteModel
+
+    state, recipe = load_quantized(bundles["checkpoint"])
+    carried: dict = {}
+    for k in (0, 1):
+        tensors = TfliteModel(bundles["chunked"] / f"unet.{k}.tflite").int8_weights()
+        mapping = json.loads((bundles["chunked"] / "_export" / f"unet.{k}_int8_map.json").read_text())
+        assert not set(mapping) & set(carried)  # each layer lives in one chunk
+        for layer, places in mapping.items():
+            for p in places:
+                got, (r0, r1), (c0, c1) = tensors[p["tensor"]]["codes"], p["rows"], p["cols"]
+                got = got.transpose(0, 3, 1, 2) if p["layout"] == "ohwi" else got
+                assert got.dtype == np.int8 and np.array_equal(got, state[f"{layer}.weight"][r0:r1, c0:c1].numpy().reshape(got.shape)), layer
+            carried[layer] = places
+    assert set(carried) == {n for n in recipe.layers if not n.startswith("time_embedding.")}
+
+
+def _run(bundle: Path, out: Path, *flags: str) -> dict:
+    assert cli_main(["run-bundle", str(bundle), "--prompt", PROMPT, "--output", str(out), "--seed", "1", *flags]) == 0
+    return json.loads((out / "report.json").read_text())
+
+
+def _image(report: dict) -> np.ndarray:
+    from PIL import Image
+
+    return np.asarray(Image.open(report["image"]), dtype=np.float64) / 255.0
+
+
+def test_chunked_image_equals_the_whole_unets(bundles, tmp_path, monkeypatch):
+    """GPU (lavapipe): chunked plain and pipelined against the whole UNet's image, the existing bundle-vs-reference
+    tolerance (cosine 0.999, 30 dB); CPU: chunked against whole within 8-bit rounding."""
+    from pocketdiff.runtime.parity import metrics
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    whole = _image(_run(bundles["whole"], tmp_path / "whole"))
+    for flags in ((), ("--pipelined",)):
+        m = metrics(whole, _image(_run(bundles["chunked"], tmp_path / f"chunked{len(flags)}", *flags)))
+        assert m["cosine"] >= 0.999 and m["psnr_db"] >= 30, (flags, m)
+    cpu = [_image(_run(bundles[b], tmp_path / f"cpu_{b}", "--accelerator", "cpu")) for b in ("whole", "chunked")]
+    assert np.abs(cpu[0] - cpu[1]).max() <= 1 / 255
+
+
+def test_pipelined_compiles_one_chunk_at_a_time_and_keeps_them_for_every_step(bundles, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    rep = _run(bundles["chunked"], tmp_path / "pipe", "--pipelined")
+    phases = [(p["component"], p["phase"]) for p in rep["memory"]["phases"]]
+    opened = [i for i, (_, ph) in enumerate(phases) if ph == "opened"]
+    for i in opened:  # a model's compile ends before the next model opens
+        assert phases[i + 1] == (phases[i][0], "compiled"), phases
+    chunks = ["unet.0", "unet.1"]
+    assert [c for c, ph in phases if ph == "compiled" and c in chunks] == chunks
+    first_runs = [phases.index((c, "first_run")) for c in chunks]
+    assert max(phases.index((c, "compiled")) for c in chunks) < min(first_runs)  # both resident before the first step
+    assert all(phases.index((c, "released")) > phases.index(("unet.1", "steady_run")) for c in chunks)
+    assert set(rep["memory"]["gpu_cache"]["hits"]) >= set(chunks)  # the program cache keyed per chunk
+    assert rep["fully_accelerated"] is True and set(rep["fully_accelerated_by_component"]) >= set(chunks)
+
+
+def test_verify_bundle_checks_each_chunk_and_the_chain(bundles, tmp_path):
+    assert cli_main(["verify-bundle", str(bundles["chunked"]), "--json", str(tmp_path / "v.json")]) == 0
+    comps = json.loads((tmp_path / "v.json").read_text())["components"]
+    assert {"unet.0", "unet.1", "unet"} <= set(comps) and all(c["ok"] for c in comps.values())
+    assert comps["unet"]["checks"] == ["chain", "finite", "parity"] and comps["unet"]["parity"]["fp16"]["psnr_db"] >= 30
+
+
+def _broken(bundles, tmp_path: Path, name: str, edit) -> Path:
+    b = tmp_path / name
+    shutil.copytree(bundles["chunked"], b, ignore=shutil.ignore_patterns("_export"))
+    man = json.loads((b / "manifest.json").read_text())
+    edit(b, man)
+    (b / "manifest.json").write_text(json.dumps(man))
+    return b
+
+
+@pytest.mark.parametrize("name,edit,message", [
+    ("missing-file", lambda b, m: (b / "unet.1.tflite").unlink(), "unet.1.tflite is missing"),
+    ("missing-entry", lambda b, m: m["components"].pop("unet.1"), "components.unet.1: missing"),
+    ("version-1", lambda b, m: m.update(schema_version=1), "schema version 1 cannot hold unet_chunks"),
+    ("shape", lambda b, m: m["components"]["unet.1"]["inputs"][0].update(shape=[2, 1, 1, 1]), "components.unet.1.inputs"),
+    ("order", lambda b, m: m["unet_chunks"].update(components=["unet.1", "unet.0"]), "unet_chunks.components: must list unet.0, unet.1"),
+])
+def test_run_bundle_refuses_a_broken_chunked_manifest_naming_the_file(bundles, tmp_path, capsys, name, edit, message):
+    b = _broken(bundles, tmp_path, name, edit)
+    assert cli_main(["run-bundle", str(b), "--prompt", "x", "--output", str(tmp_path / "o"), "--accelerator", "cpu"]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
