@@ -57,12 +57,36 @@ def summary(rows: list[dict]) -> dict:
     return out
 
 
+def plot(rows: list[dict], path: Path) -> Path:
+    """FD and CLIP score against steps, one line per method (log2 step axis), side by side in one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, label in ((axes[0], "fd", "FD (OpenMoji-CLIP), lower is better"), (axes[1], "clip_score", "CLIP score, higher is better")):
+        for method in ("teacher_ddim", "pd", "lcm"):
+            pts = sorted((r["steps"], r[key]) for r in rows if r["method"] == method and r[key] is not None)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label={"teacher_ddim": "teacher DDIM", "pd": "progressive", "lcm": "consistency"}[method])
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sampling steps")
+        ax.set_title(label)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lcm", type=Path, required=True)
     ap.add_argument("--pd", type=Path, required=True)
     ap.add_argument("--device", default="one H100 80GB")
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--conditions", default="", help="a line on how the runs were cut (kept in the JSON)")
     args = ap.parse_args()
     rows, teacher = [], {}
     for method, folder in (("lcm", args.lcm), ("pd", args.pd)):
@@ -75,8 +99,10 @@ def main() -> None:
     result = {"what": "OpenMoji few-step students: progressive distillation (pd) vs consistency distillation (lcm) vs the teacher's DDIM",
               "device": args.device, "features": "FD on OpenMoji-CLIP image embeddings; CLIP score with the same CLIP",
               "script": "scripts/gpu/few_step_openmoji.sh (teacher, lcm, pd) + scripts/gpu/few_step_table.py",
-              "rows": rows, "summary": summary(rows)}
+              "conditions": args.conditions, "rows": rows, "summary": summary(rows),
+              "plot": args.out.with_suffix(".png").name}
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    plot(rows, args.out.with_suffix(".png"))
     args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     print(json.dumps(result["summary"], indent=2))
 
