@@ -250,8 +250,12 @@ def _load_pipeline(cfg: Config):
 def _golden_inputs(cfg: Config, pipe) -> GoldenInputs:
     """Step 2: guidance mode, shapes, the golden prompt's ids and text states, seeded latents, the
     timestep (or its time-embedding row) at the middle of the schedule."""
+    from pocketdiff.consistency_sampling import is_consistency_scheduler
     from pocketdiff.sampling import default_w_embedding_fn, scheduler_timesteps
 
+    if is_consistency_scheduler(pipe.scheduler):  # the bundle's samplers (run-bundle, the web page) step DDIM only
+        raise PocketdiffError("model.pretrained: a consistency (LCM) student, whose LCMScheduler steps the bundle's DDIM "
+                              "samplers do not implement yet; export a progressive student, or evaluate this one with pocketdiff evaluate")
     mode = _guidance_mode(cfg, pipe.unet)
     shapes = shapes_for(pipe, cfg.resolution, unet_batch=2 if mode == "cfg" else 1)
     T = int(pipe.scheduler.config.num_train_timesteps)

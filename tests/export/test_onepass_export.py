@@ -104,3 +104,22 @@ def test_random_weight_stand_ins_refuse_a_real_checkpoint():
     with pytest.raises(ConfigError, match="perturb_norms"):
         Config(model=ModelConfig(pretrained="some/checkpoint"), perturb_norms=True)
     assert Config(model=ModelConfig(pretrained="some/checkpoint")).perturb_norms is False
+
+
+def test_export_refuses_a_consistency_student(tmp_path, capsys):
+    """A folder whose scheduler is diffusers' LCMScheduler (a consistency student) is refused before any
+    conversion: the bundle's samplers step DDIM, and would sample it wrongly without a word."""
+    from diffusers import LCMScheduler
+
+    from pocketdiff.models import ModelConfig, load_or_build, save_pipeline
+
+    pipe = load_or_build(ModelConfig(pretrained=TEACHER))
+    pipe.scheduler = LCMScheduler.from_config(pipe.scheduler.config)
+    save_pipeline(pipe, tmp_path / "lcm")
+    cfg_path = tmp_path / "export.yaml"
+    cfg_path.write_text(yaml.safe_dump({"seed": 0, "model": {"pretrained": str(tmp_path / "lcm")}, "weights": "fp16",
+                                        "guidance": "cfg", "steps": 2}))
+    assert cli_main(["export", "--config", str(cfg_path), "--output", str(tmp_path / "bundle")]) == 2
+    err = capsys.readouterr().err
+    assert "model.pretrained" in err and "LCM" in err
+    assert not (tmp_path / "bundle" / "manifest.json").exists()
