@@ -25,36 +25,26 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import os
-import sys
-import tempfile
 import time
-import traceback
-from pathlib import Path
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
 
-from pocketdiff.device import cap_cuda_memory
 from pocketdiff.errors import PocketdiffError
 
 from .block_recon import (DTYPES, BlockResult, LayerResult, ReconConfig, capture_settings, layer_inits, precision,
-                          reconstruct_block, rest_block_result)
-from .blocks import (Block, CalibSet, Captured, Request, build_blocks, capture, first_tensor, group_by_budget, human_bytes,
-                     order_blocks, unet_forward)
-from .cache_store import HostCache, release
+                          rest_block_result)
+from .blocks import (Block, CalibSet, Request, build_blocks, first_tensor, group_by_budget, human_bytes, order_blocks,
+                     unet_forward)
+from .block_walk import (LiveWeights, Walk, cache_stores, empty_device_cache, fisher_for, float_weights, free_captures,
+                         run_independent, span)
+from .cache_store import HostCache
 from .quantizer import LayerSpec, dequant
+from .reconstruct_devices import run_parallel
 
-
-def cache_budget(opts: ReconConfig, device) -> float:
-    if opts.cache_budget_gb is not None:
-        return opts.cache_budget_gb * 2 ** 30
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(dev)
-        return 0.4 * free
-    return 4 * 2 ** 30
+__all__ = ["reconstruct_unet", "write_weights", "float_weights", "block_need_bytes", "module_bytes", "check_memory_cap",
+           "fisher_weights"]
 
 
 # ----------------------------------------------------------------------- Fisher weights
@@ -149,156 +139,7 @@ def check_memory_cap(blocks: Sequence[Block], per_sample: dict, opts: ReconConfi
     return needs
 
 
-class _Walk:
-    """What every block's reconstruction shares: device, options, memory cap, progress bar (one
-    over the blocks, with the current block's loss), peak-memory meter and log."""
-
-    def __init__(self, device: torch.device, opts: ReconConfig, cap: Optional[int], needs: dict, total: int,
-                 log: Optional[Callable[[str], None]], bar: bool = True):
-        from tqdm.auto import tqdm
-
-        self.device, self.opts, self.cap, self.needs, self.total, self.log = device, opts, cap, needs, total, log
-        self.cuda = device.type == "cuda"
-        self.peak = torch.cuda.max_memory_allocated(device) if self.cuda else 0
-        self.peak_reserved = torch.cuda.max_memory_reserved(device) if self.cuda else 0
-        self.done = 0
-        self.bar = tqdm(total=total, desc="calibrate", unit="block", disable=log is None or not bar, file=sys.stderr, dynamic_ncols=True)
-
-    def emit(self, msg: str) -> None:
-        if self.log is not None:
-            with self.bar.external_write_mode(file=sys.stderr):
-                self.log(msg)
-
-    def _fold(self) -> None:
-        if self.cuda:
-            self.peak = max(self.peak, torch.cuda.max_memory_allocated(self.device))
-            self.peak_reserved = max(self.peak_reserved, torch.cuda.max_memory_reserved(self.device))
-
-    def _oom(self, what: str, e: BaseException) -> PocketdiffError:
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        cap = f"memory_cap_gib={self.cap / 2 ** 30:g}" if self.cap else "the device's memory"
-        return PocketdiffError(f"{what} ran out of device memory under {cap} ({first}); raise memory_cap_gib or lower "
-                               f"recon.batch_size / recon.forward_batch")
-
-    def capture(self, unet, calib, reqs, store, store_dtype, autocast, folder, what: str):
-        try:
-            return capture(unet, calib, reqs, device=self.device, batch_size=self.opts.forward_batch, store_device=store,
-                           store_dtype=store_dtype, autocast=autocast, disk_folder=folder)
-        except torch.cuda.OutOfMemoryError as e:
-            raise self._oom(f"the capture pass for {what}", e) from None
-
-    def _fits(self, block: Block, data: int) -> bool:
-        """Whether a block's cached data may live on the device while it is reconstructed: half of
-        what is left under the cap (or of the cache budget) after its own need is kept for activations."""
-        if not self.cuda:
-            return False
-        if self.cap:
-            room = self.cap - torch.cuda.memory_allocated(self.device) - self.needs.get(block.name, 0)
-        else:
-            room = cache_budget(self.opts, self.device)
-        return data <= 0.5 * room
-
-    def block(self, b: Block, caps, targets, *, weights, specs, rtn_res, init_scales, fp_caps=None, fisher=None, seed=0,
-              move_module: bool = False) -> BlockResult:
-        """Reconstruct one block: its modules on the device (`move_module`: moved there and back), its
-        cached data on the device when it fits (else minibatches are gathered from the host cache)."""
-        t0 = time.time()
-        self._fold()
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)
-        opts = self.opts
-
-        def progress(it: int, loss: float) -> None:
-            self.bar.set_postfix_str(f"{b.name} it {it + 1}/{opts.iters} loss {loss:.3e}", refresh=False)
-            self.bar.update(0)
-
-        host = (list(caps), list(targets), None if fp_caps is None else list(fp_caps))
-        data = (sum(c.nbytes(output=False) for c in caps) + sum(t.numel() * t.element_size() for t in targets)
-                + sum(c.nbytes(output=False) for c in fp_caps or []))
-        on_device = all(t.device == self.device for t in targets) or self._fits(b, data)
-        if move_module:
-            for u in b.units:
-                u.module.to(self.device)
-        try:
-            while True:
-                c = t = f = None
-                try:
-                    if on_device:
-                        c, t = [x.to(self.device, output=False) for x in host[0]], [x.to(self.device) for x in host[1]]
-                        f = None if host[2] is None else [x.to(self.device, output=False) for x in host[2]]
-                    else:
-                        c, t, f = host
-                    res = reconstruct_block(b, c, t, weights, specs, rtn_res, init_scales, opts, self.device, fp_caps=f,
-                                            fisher=fisher, seed=seed, progress=progress)
-                    break
-                except torch.cuda.OutOfMemoryError as e:
-                    if not (on_device and any(x.device != self.device for x in host[1])):
-                        raise self._oom(f"block {b.name} (needs at least {self.needs.get(b.name, 0):,} bytes)", e) from None
-                c = t = f = None  # the device copies of its data go; minibatches come from the host cache
-                _empty_cache(self.device)
-                self.emit(f"{b.name}: its cached data does not fit next to the optimisation; gathering minibatches "
-                          f"from host memory instead")
-                on_device = False
-        finally:
-            if move_module:
-                for u in b.units:
-                    u.module.to("cpu")
-        del c, t, f
-        res.stats["cache_on_device"] = bool(on_device)
-        res.stats["time_s"] = round(time.time() - t0, 3)  # with the moves of its module and data
-        if self.cuda:
-            res.stats["peak_gpu_gib"] = round(torch.cuda.max_memory_allocated(self.device) / 2 ** 30, 3)
-            self._fold()
-            _empty_cache(self.device)
-        self.done += 1
-        self.emit(_fmt(self.done, self.total, res))
-        self.bar.update(1)
-        return res
-
-    def close(self) -> None:
-        self._fold()
-        self.bar.close()
-
-
 # ----------------------------------------------------------------------- drivers
-
-
-def _log(msg: str, log: Optional[Callable[[str], None]]) -> None:
-    if log is not None:
-        log(msg)
-
-
-def _fmt(block_idx: int, total: int, res: BlockResult) -> str:
-    s = res.stats
-    if "mse_rtn_calib" not in s:
-        return f"[{block_idx}/{total}] {res.name} ({res.kind}): {s.get('layers', 0)} layers, rtn_mse (no reconstruction)"
-    peak = f", peak {s['peak_gpu_gib']:.2f} GiB" if "peak_gpu_gib" in s else ""
-    return (f"[{block_idx}/{total}] {res.name} ({res.kind}, {s['layers']} layers): mse rtn {s['mse_rtn_calib']:.3e} "
-            f"init {s['mse_init_calib']:.3e} -> {s['mse_recon_calib']:.3e} ({s['chosen']}) {s['time_s']:.1f}s{peak}")
-
-
-def float_weights(unet: nn.Module, names: Sequence[str]) -> dict[str, torch.Tensor]:
-    return {g: unet.get_submodule(g).weight.detach().float().cpu().clone() for g in names}
-
-
-class LiveWeights(Mapping):
-    """The float weights of `unet`'s layers `names`, read from the module wherever it is now: no host
-    copy of the UNet's weights (a stream moves the UNet between the device and the host, so references
-    taken once would keep a second host copy alive). Read only: the UNet is not modified."""
-
-    def __init__(self, unet: nn.Module, names: Sequence[str]):
-        self.unet, self.names = unet, list(names)
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        if name not in self.names:
-            raise KeyError(name)
-        return self.unet.get_submodule(name).weight.detach().float()
-
-    def __iter__(self):
-        return iter(self.names)
-
-    def __len__(self) -> int:
-        return len(self.names)
 
 
 @torch.no_grad()
@@ -361,15 +202,15 @@ def reconstruct_unet(
         with precision(False):
             fisher = fisher_weights(unet, blocks, calib, device, max(1, opts.forward_batch // 4), seed=seed)
         info["fisher_s"] = round(time.time() - tf, 3)
-    walk = _Walk(device, opts, memory_cap_bytes, needs, sum(1 for b in blocks if b.kind != "rest"), None if parallel else log)
+    walk = Walk(device, opts, memory_cap_bytes, needs, sum(1 for b in blocks if b.kind != "rest"), None if parallel else log)
     try:
         if parallel:
-            results = _run_parallel(unet, calib, blocks, specs, opts, devices, skip, seed, fisher, log, memory_cap_bytes, needs)
+            results = run_parallel(unet, calib, blocks, specs, opts, devices, skip, seed, fisher, log, memory_cap_bytes, needs)
         elif sequential:
             results = _run_sequential(unet, calib, blocks, per_sample, weights, specs, rtn_res, init_scales, opts, device, seed,
                                       fisher, walk, host_cache)
         else:
-            results = _run_independent(unet, calib, blocks, per_sample, weights, specs, rtn_res, init_scales, opts, device,
+            results = run_independent(unet, calib, blocks, per_sample, weights, specs, rtn_res, init_scales, opts, device,
                                        seed, fisher, walk, host_cache)
     finally:
         walk.close()
@@ -380,29 +221,6 @@ def reconstruct_unet(
     if walk.cuda:
         info["peak_gpu_bytes"], info["peak_gpu_reserved_bytes"] = walk.peak, walk.peak_reserved
     return results, info
-
-
-def _fisher_for(block: Block, fisher):
-    if fisher is None:
-        return None
-    return [fisher.get(u.name) for u in block.units]
-
-
-def _stores(opts: ReconConfig, per_sample, n, device, host: HostCache, input_copies: int = 1):
-    """(cache budget, cache device, disk folder): the host (in memory, or in files under `host.folder`)
-    when streaming or computing there, else the device when the largest block's data fits in the
-    budget, else the host memory."""
-    if opts.stream or torch.device(device).type != "cuda":
-        if host.folder is not None:
-            Path(host.folder).mkdir(parents=True, exist_ok=True)
-        return host.budget(), torch.device("cpu"), host.folder
-    budget = cache_budget(opts, device)
-    largest = max((n * (v["in"] * input_copies + v["out"]) for v in per_sample.values()), default=0)
-    return budget, (torch.device(device) if largest <= budget else torch.device("cpu")), None
-
-
-def _span(group: Sequence[Block]) -> str:
-    return group[0].name if len(group) == 1 else f"blocks {group[0].name} .. {group[-1].name}"
 
 
 def _run_sequential(unet, calib, blocks, per_sample, weights, specs, rtn_res, init_scales, opts, device, seed, fisher, walk, host):
@@ -420,7 +238,7 @@ def _run_sequential(unet, calib, blocks, per_sample, weights, specs, rtn_res, in
     store_dtype = DTYPES[opts.cache_dtype]
     tf32, cap_ac = capture_settings(opts, device)
     n = len(calib)
-    budget, store, folder = _stores(opts, per_sample, n, device, host, 2 if opts.qdrop > 0 else 1)
+    budget, store, folder = cache_stores(opts, per_sample, n, device, host, 2 if opts.qdrop > 0 else 1)
     keys = ("in", "out") if opts.qdrop > 0 else ("out",)
     groups = group_by_budget([b for b in ordered if b.kind != "rest"], per_sample, n, budget / 2, keys)
     results = []
@@ -429,10 +247,10 @@ def _run_sequential(unet, calib, blocks, per_sample, weights, specs, rtn_res, in
         if opts.stream:
             unet.to(device)
         with precision(tf32):
-            fcaps = walk.capture(unet, calib, reqs, store, store_dtype, cap_ac, folder, f"the float targets of {_span(group)}")
+            fcaps = walk.capture(unet, calib, reqs, store, store_dtype, cap_ac, folder, f"the float targets of {span(group)}")
         if opts.stream:
             unet.to("cpu")
-            _empty_cache(device)
+            empty_device_cache(device)
         k = 0
         for b in group:
             nu = len(b.units)
@@ -442,15 +260,15 @@ def _run_sequential(unet, calib, blocks, per_sample, weights, specs, rtn_res, in
                 qcaps = walk.capture(q_unet, calib, [Request(u, inputs=True) for u in b.units], store, store_dtype, cap_ac, folder,
                                      f"the inputs of {b.name}")
             res = walk.block(b, qcaps, [c.output for c in mine], weights=weights, specs=specs, rtn_res=rtn_res,
-                             init_scales=init_scales, fp_caps=mine if opts.qdrop > 0 else None, fisher=_fisher_for(b, fisher),
+                             init_scales=init_scales, fp_caps=mine if opts.qdrop > 0 else None, fisher=fisher_for(b, fisher),
                              seed=seed + b.order)
             write_weights(q_unet, res.layers, specs)
             results.append(res)
-            _free(qcaps + mine)
+            free_captures(qcaps + mine)
             fcaps[k - nu:k] = [None] * nu  # this block's cache goes now, not with its group
             del qcaps, mine
         del fcaps
-        _empty_cache(device)
+        empty_device_cache(device)
     for b in ordered:
         if b.kind == "rest":
             results.append(rest_block_result(b, weights, specs, rtn_res, init_scales))
@@ -458,174 +276,3 @@ def _run_sequential(unet, calib, blocks, per_sample, weights, specs, rtn_res, in
     return results
 
 
-def _run_independent(unet, calib, blocks, per_sample, weights, specs, rtn_res, init_scales, opts, device, seed, fisher, walk,
-                     host: Optional[HostCache] = None):
-    store_dtype = DTYPES[opts.cache_dtype]
-    tf32, cap_ac = capture_settings(opts, device)
-    n = len(calib)
-    budget, store, folder = _stores(opts, per_sample, n, device, host or HostCache())
-    results = []
-    real = [b for b in blocks if b.kind != "rest"]
-    for group in group_by_budget(real, per_sample, n, budget, ("in", "out")):
-        reqs = [Request(u, inputs=True, output=True) for b in group for u in b.units]
-        if opts.stream:
-            unet.to(device)
-        with precision(tf32):
-            caps = walk.capture(unet, calib, reqs, store, store_dtype, cap_ac, folder, _span(group))
-        if opts.stream:  # only the block being reconstructed comes back to the device
-            unet.to("cpu")
-            _empty_cache(device)
-        k = 0
-        for b in group:
-            nu = len(b.units)
-            mine = caps[k:k + nu]
-            k += nu
-            res = walk.block(b, mine, [c.output for c in mine], weights=weights, specs=specs, rtn_res=rtn_res,
-                             init_scales=init_scales, fisher=_fisher_for(b, fisher), seed=seed + b.order,
-                             move_module=opts.stream)
-            results.append(res)
-            _free(mine)
-            caps[k - nu:k] = [None] * nu  # this block's cache goes now, not with its group
-            del mine
-        del caps
-        _empty_cache(device)
-    for b in blocks:
-        if b.kind == "rest":
-            results.append(rest_block_result(b, weights, specs, rtn_res, init_scales))
-    return results
-
-
-def _free(caps: Sequence[Captured]) -> None:
-    """Close the disk files of these captures (memory goes with the last reference)."""
-    for c in caps:
-        release([*c.leaves, c.output])
-
-
-def _empty_cache(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.empty_cache()
-
-
-# ----------------------------------------------------------------------- several devices
-
-
-def _block_cost(block: Block, per_sample: dict) -> float:
-    """FLOP proxy: quantized parameters x output positions."""
-    params = sum(p.numel() for u in block.units for p in u.module.parameters())
-    out_elems = per_sample[block.name]["out"] / 4
-    channels = 1
-    for u in block.units:
-        for p in u.module.parameters():
-            channels = max(channels, p.shape[0])
-            break
-    return params * max(1.0, out_elems / max(channels, 1))
-
-
-def split_blocks(blocks: Sequence[Block], per_sample: dict, k: int) -> list[list[str]]:
-    """Longest-processing-time assignment of blocks to k workers."""
-    loads = [0.0] * k
-    parts: list[list[str]] = [[] for _ in range(k)]
-    for b in sorted(blocks, key=lambda b: -_block_cost(b, per_sample)):
-        i = min(range(k), key=lambda j: loads[j])
-        parts[i].append(b.name)
-        loads[i] += _block_cost(b, per_sample)
-    return parts
-
-
-def _worker(rank: int, device: str, unet_cls: str, unet_config: dict, state: dict, calib_tensors: dict, meta: dict,
-            block_names: list, specs: dict, opts: ReconConfig, skip: list, seed: int, fisher, out_path: str,
-            threads: int = 0, cap: Optional[int] = None, needs: Optional[dict] = None) -> None:
-    try:
-        import importlib
-
-        if threads > 0:
-            torch.set_num_threads(threads)  # the parent's CPU thread setting
-
-        mod_name, cls_name = unet_cls.rsplit(".", 1)
-        cls = getattr(importlib.import_module(mod_name), cls_name)
-        unet = cls.from_config(unet_config)
-        unet.load_state_dict(state)
-        if cap is not None and torch.device(device).type == "cuda":  # each worker holds to the cap on its own device
-            cap_cuda_memory(cap, device)
-        unet.to(device).eval().requires_grad_(False)
-        calib = CalibSet(meta=meta, **calib_tensors)
-        blocks = build_blocks(unet, skip)
-        per_sample = order_blocks(unet, blocks, calib, device)
-        mine = [b for b in blocks if b.name in set(block_names)]
-        names = [g for b in mine for g in b.layers]
-        weights = float_weights(unet, names)
-        my_specs = {g: specs[g] for g in names}
-        rtn_res, init_scales = layer_inits(weights, my_specs, opts, device)
-
-        def log(msg):
-            print(f"[{device}] {msg}", file=sys.stderr, flush=True)
-
-        walk = _Walk(torch.device(device), opts, cap, needs or {}, len(mine), log, bar=False)  # no bars from several processes
-        results = _run_independent(unet, calib, mine, per_sample, weights, my_specs, rtn_res, init_scales, opts, device, seed,
-                                   fisher, walk)
-        walk.close()
-        torch.save({"results": [dataclasses.asdict(r) for r in results]}, out_path)
-    except BaseException as e:  # noqa: BLE001 - reported to the parent
-        Path(out_path + ".err").write_text(f"{type(e).__name__}: {e}\n{traceback.format_exc()}", encoding="utf-8")
-        raise SystemExit(1)
-
-
-def _run_parallel(unet, calib, blocks, specs, opts, devices, skip, seed, fisher, log, cap=None, needs=None) -> list[BlockResult]:
-    import torch.multiprocessing as mp
-
-    per_sample = order_blocks(unet, blocks, calib, next(unet.parameters()).device)
-    real = [b for b in blocks if b.kind != "rest"]
-    parts = split_blocks(real, per_sample, len(devices))
-    _log(f"independent mode on {len(devices)} devices: " + ", ".join(f"{d}: {len(p)} blocks" for d, p in zip(devices, parts)), log)
-    ctx = mp.get_context("spawn")
-    state = {k: v.detach().cpu() for k, v in unet.state_dict().items()}
-    calib_tensors = {k: v.cpu() for k, v in calib.tensors().items()}
-    cls = f"{type(unet).__module__}.{type(unet).__qualname__}"
-    config = dict(unet.config)
-    procs = []
-    tmp = tempfile.mkdtemp(prefix="pocketdiff-calib-")
-    try:
-        for rank, (dev, part) in enumerate(zip(devices, parts)):
-            if not part:
-                continue
-            out_path = os.path.join(tmp, f"worker{rank}.pt")
-            my_fisher = None if fisher is None else {k: v.cpu() for k, v in fisher.items()}
-            p = ctx.Process(target=_worker, args=(rank, dev, cls, config, state, calib_tensors, dict(calib.meta), part, specs,
-                                                  opts, list(skip), seed, my_fisher, out_path, torch.get_num_threads(), cap,
-                                                  needs))
-            p.start()
-            procs.append((p, out_path, dev))
-        results: list[BlockResult] = []
-        errors = []
-        for p, out_path, dev in procs:
-            p.join()
-            if p.exitcode != 0 or not os.path.isfile(out_path):
-                err = Path(out_path + ".err")
-                msg = err.read_text(encoding="utf-8").splitlines()[0] if err.is_file() else f"exit code {p.exitcode}"
-                errors.append(f"{dev}: {msg}")
-                continue
-            data = torch.load(out_path, weights_only=True)
-            for r in data["results"]:
-                layers = {g: LayerResult(**lr) for g, lr in r["layers"].items()}
-                results.append(BlockResult(r["name"], r["kind"], layers, r["stats"]))
-        if errors:
-            raise PocketdiffError("calibration worker failed: " + "; ".join(errors))
-    finally:
-        for p, _, _ in procs:
-            if p.is_alive():
-                p.terminate()
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
-    order = {b.name: i for i, b in enumerate(blocks)}
-    results.sort(key=lambda r: order.get(r.name, 10 ** 9))
-    rest = [b for b in blocks if b.kind == "rest"]
-    if rest:
-        names = [g for b in rest for g in b.layers]
-        weights = float_weights(unet, names)
-        rtn_res, init_scales = layer_inits(weights, {g: specs[g] for g in names}, opts, "cpu")
-        for b in rest:
-            results.append(rest_block_result(b, weights, specs, rtn_res, init_scales))
-    for i, r in enumerate(results):
-        _log(_fmt(i + 1, len(results), r), log)
-    return results

@@ -59,9 +59,14 @@ INTERFACES: dict[str, dict[str, str]] = {
         "pocketdiff.train.loop": "recovery distillation reuses train's loop",
         "pocketdiff.train.losses": "recovery and Taylor importance use train's diffusion target",
         "pocketdiff.evaluate": "prune measures FD / CLIP through evaluate's public API",
+        "pocketdiff.runtime.memory": "prune's report gives the host peak RSS read as the runner reads its own",
+    },
+    "pocketdiff.compress.quant": {
+        "pocketdiff.runtime.memory": "calibrate checks its host cap and reports its host peak with the runner's RSS readers",
     },
     "pocketdiff.train": {
         "pocketdiff.evaluate": "distill evaluates its rounds through evaluate's public API",
+        "pocketdiff.runtime.memory": "the loop's report gives the host peak RSS read as the runner reads its own",
     },
     "pocketdiff.evaluate": {
         "pocketdiff.runtime.bundle_images": "evaluate's kind: bundle runs exported bundles",
