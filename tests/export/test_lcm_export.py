@@ -3,7 +3,7 @@ lcm scheduler block, the runner's consistency step against pocketdiff.sampling.c
 in torch (1 step: no noise; 2 steps: fed the runner's own noise), malformed lcm blocks named by
 field, and DDIM blocks unchanged.
 
-The student is built here: the shipped shapes teacher's weights in a w-conditioned UNet (the
+The student (tests/conftest.py, `lcm_student`): the shipped shapes teacher's weights in a w-conditioned UNet (the
 guidance embedding, time_cond_proj, small and random) under an LCMScheduler on a 10-point grid,
 the layout `pocketdiff distill` with `method: consistency` writes. Its predictions are the
 teacher's (sensible images), so the image comparison is not between two saturated clips."""
@@ -15,7 +15,6 @@ import re
 import numpy as np
 import pytest
 import torch
-import yaml
 
 from pocketdiff.cli import main as cli_main
 from pocketdiff.errors import PocketdiffError
@@ -28,33 +27,15 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")
-def student_dir(tmp_path_factory):
-    from diffusers import LCMScheduler, UNet2DConditionModel
-
-    from pocketdiff.models import ModelConfig, load_or_build, save_pipeline
-
-    pipe = load_or_build(ModelConfig(pretrained=TEACHER))
-    torch.manual_seed(0)
-    unet = UNet2DConditionModel(**{**dict(pipe.unet.config), "time_cond_proj_dim": 16})
-    missing, unexpected = unet.load_state_dict(pipe.unet.state_dict(), strict=False)
-    assert not unexpected and all("cond_proj" in k for k in missing) and missing
-    with torch.no_grad():
-        unet.time_embedding.cond_proj.weight.mul_(0.1)
-    pipe.unet = unet
-    pipe.scheduler = LCMScheduler.from_config(pipe.scheduler.config, original_inference_steps=10, timestep_scaling=10.0)
-    return save_pipeline(pipe, tmp_path_factory.mktemp("lcm") / "student")
+def student_dir(lcm_student):
+    return lcm_student  # tests/conftest.py: the teacher's weights, w-conditioned, under an LCMScheduler (10-point grid)
 
 
 @pytest.fixture(scope="module")
-def lcm_bundle(student_dir, tmp_path_factory):
-    root = tmp_path_factory.mktemp("lcm_export")
-    cfg = {"seed": 0, "model": {"pretrained": str(student_dir)}, "weights": "fp32", "guidance": "auto", "guidance_scale": SCALE,
-           "steps": 2, "verify": {"delegate": False}, "fp16_scan": {"enabled": False}}
-    (root / "export.yaml").write_text(yaml.safe_dump(cfg))
-    out = root / "bundle"
-    assert cli_main(["export", "--config", str(root / "export.yaml"), "--output", str(out)]) == 0
+def lcm_bundle(student_dir, export_lcm, tmp_path_factory):
     from pocketdiff.runtime.bundle import load_manifest
 
+    out = export_lcm(student_dir, tmp_path_factory.mktemp("lcm_export"), steps=2, guidance_scale=SCALE)
     return {"out": out, "manifest": json.loads((out / "manifest.json").read_text()), "loaded": load_manifest(out)}
 
 
