@@ -8,6 +8,9 @@
 4. fp16 overflow scan on calibration prompts (PyTorch hooks with fp16 emulation)
 5. bundle: manifest.json, tokenizer files, golden vectors, time-embedding table, sha256
 
+A consistency (LCM) student (its folder holds an LCMScheduler) gets a `scheduler.type: "lcm"` block
+(export/lcm_block.py) for the runners' consistency step (runtime/lcm_step.py); `steps` must be on its grid.
+
 With `vae_tiling.enabled` the decoder is two components, `vae_decoder_head` and `vae_up_tile`
 (export/tiled_export.py), checked by a tiled-decode PSNR against the whole torch decode.
 """
