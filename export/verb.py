@@ -8,6 +8,9 @@
 4. fp16 overflow scan on calibration prompts (PyTorch hooks with fp16 emulation)
 5. bundle: manifest.json, tokenizer files, golden vectors, time-embedding table, sha256
 
+A consistency (LCM) student (its folder holds an LCMScheduler) gets a `scheduler.type: "lcm"` block
+(export/lcm_block.py) for the runners' consistency step (runtime/lcm_step.py); `steps` must be on its grid.
+
 With `vae_tiling.enabled` the decoder is two components, `vae_decoder_head` and `vae_up_tile`
 (export/tiled_export.py), checked by a tiled-decode PSNR against the whole torch decode.
 """
@@ -253,13 +256,15 @@ def _golden_inputs(cfg: Config, pipe) -> GoldenInputs:
     from pocketdiff.consistency_sampling import is_consistency_scheduler
     from pocketdiff.sampling import default_w_embedding_fn, scheduler_timesteps
 
-    if is_consistency_scheduler(pipe.scheduler):  # the bundle's samplers (run-bundle, the web page) step DDIM only
-        raise PocketdiffError("model.pretrained: a consistency (LCM) student, whose LCMScheduler steps the bundle's DDIM "
-                              "samplers do not implement yet; export a progressive student, or evaluate this one with pocketdiff evaluate")
+    from .lcm_block import lcm_schedule_timesteps
+
     mode = _guidance_mode(cfg, pipe.unet)
     shapes = shapes_for(pipe, cfg.resolution, unet_batch=2 if mode == "cfg" else 1)
     T = int(pipe.scheduler.config.num_train_timesteps)
-    timesteps = scheduler_timesteps(pipe.scheduler, cfg.steps).tolist()
+    if is_consistency_scheduler(pipe.scheduler):  # a consistency (LCM) student: the manifest's scheduler block is lcm
+        timesteps = lcm_schedule_timesteps(pipe.scheduler, cfg.steps)
+    else:
+        timesteps = scheduler_timesteps(pipe.scheduler, cfg.steps).tolist()
     w_emb = None
     if mode == "embedded":
         fn = default_w_embedding_fn(pipe.unet)
@@ -342,34 +347,44 @@ def _tokenizer_entry(cfg: Config, tok, out: Path, ids_prompt) -> dict:
     }
 
 
+def _scheduler_block(cfg: Config, sched, timesteps: list) -> dict:
+    """The manifest's scheduler: DDIM's, or a consistency student's lcm block (export/lcm_block.py)."""
+    from pocketdiff.consistency_sampling import is_consistency_scheduler
+    from pocketdiff.sampling import final_alpha_cumprod
+
+    from .lcm_block import lcm_scheduler_block
+
+    alphas = sched.alphas_cumprod.to(torch.float64).numpy()
+    if is_consistency_scheduler(sched):
+        return lcm_scheduler_block(sched, cfg.steps, timesteps, alphas)
+    return {
+        "type": "ddim",
+        "prediction_type": str(sched.config.prediction_type),
+        "num_train_timesteps": int(sched.config.num_train_timesteps),
+        "steps": cfg.steps,
+        "timesteps": [int(t) for t in timesteps],
+        "alphas_cumprod": [float(a) for a in alphas],
+        "final_alpha_cumprod": float(final_alpha_cumprod(sched)),
+        "timestep_spacing": str(sched.config.get("timestep_spacing", "leading")),
+        "steps_offset": int(sched.config.get("steps_offset", 0)),
+        "eta": 0.0,
+    }
+
+
 def _manifest(cfg: Config, out: Path, sched, golden: GoldenInputs, model_cfg: ModelConfig, tokenizer_entry: dict,
               components: dict, split, tiling_report: dict, unet_chunks: Optional[dict] = None) -> dict:
     """manifest.json's content (time_embedding.npy written beside it when the table is outside the graph)."""
-    from pocketdiff.sampling import final_alpha_cumprod
-
     shapes, table = golden.shapes, golden.table
     te_entry = None
     if table is not None:
         np.save(out / "time_embedding.npy", table.astype(np.float32))
         te_entry = {**bundle_lib.file_entry(out, out / "time_embedding.npy"), "shape": list(table.shape), "dtype": "float32"}
-    alphas = sched.alphas_cumprod.to(torch.float64).numpy()
     return {
         "created_by": "pocketdiff export",
         "image": {"height": shapes.resolution, "width": shapes.resolution, "channels": 3, "range": [0, 1]},
         "latent": {"channels": shapes.latent_channels, "height": shapes.latent_size, "width": shapes.latent_size, "vae_factor": shapes.vae_factor},
         "guidance": {"mode": golden.mode, "scale": float(cfg.guidance_scale), "unet_batch": shapes.unet_batch},
-        "scheduler": {
-            "type": "ddim",
-            "prediction_type": str(sched.config.prediction_type),
-            "num_train_timesteps": int(sched.config.num_train_timesteps),
-            "steps": cfg.steps,
-            "timesteps": [int(t) for t in golden.timesteps],
-            "alphas_cumprod": [float(a) for a in alphas],
-            "final_alpha_cumprod": float(final_alpha_cumprod(sched)),
-            "timestep_spacing": str(sched.config.get("timestep_spacing", "leading")),
-            "steps_offset": int(sched.config.get("steps_offset", 0)),
-            "eta": 0.0,
-        },
+        "scheduler": _scheduler_block(cfg, sched, golden.timesteps),
         "unet_time_input": "time_embedding" if table is not None else "timestep",
         "tokenizer": tokenizer_entry,
         "time_embedding": te_entry,

@@ -5,7 +5,8 @@ each .tflite is a whole flatbuffer. This module checks what the runner relies on
 
 - fields: image / latent sizes (latent x vae_factor = image), guidance mode and UNet batch,
   the DDIM schedule (timesteps non-empty integers strictly inside [0, num_train_timesteps),
-  `steps` of them, exactly as `timestep_spacing` + `steps_offset` give them; alphas_cumprod
+  `steps` of them, exactly as `timestep_spacing` + `steps_offset` give them; an lcm one's on
+  its training grid, runtime/lcm_step.py; alphas_cumprod
   finite, in (0, 1], non-increasing, one per train timestep), tokenizer lengths and ids;
 - the components' declared inputs and outputs against each other (latent shape, text length
   and width, UNet batch, time input vs the time-embedding table);
@@ -33,6 +34,8 @@ import numpy as np
 
 from pocketdiff.errors import PocketdiffError
 
+from .lcm_step import LCM, check_lcm_block
+from .lcm_step import PREDICTION_TYPES as LCM_PREDICTION_TYPES
 from .onepass_decode import ONE_PASS, check_one_pass_block, one_pass_io
 from .tiled_decode import SCHEMES as TILING_SCHEMES
 from .unet_chunks import UNET, unet_components
@@ -42,6 +45,7 @@ RUNNER_COMPONENTS = ("text_encoder", "unet", "vae_decoder")
 TILED_DECODER = ("vae_decoder_head", "vae_up_tile")
 SPACINGS = ("leading", "trailing", "linspace")
 PREDICTION_TYPES = ("epsilon", "v_prediction")
+SCHEDULER_TYPES = ("ddim", LCM)
 GUIDANCE_BATCH = {"cfg": 2, "embedded": 1, "none": 1}
 
 
@@ -150,11 +154,14 @@ def _check_scheduler(man: dict, found: _Found) -> None:
     s = _section(man, "scheduler", found)
     if s is None:
         return
-    if s.get("type", "ddim") != "ddim":
-        found.add("scheduler.type", "value", f"only ddim is supported, got {s.get('type')!r}")
-    if s.get("prediction_type") not in PREDICTION_TYPES:
-        found.add("scheduler.prediction_type", "value", f"must be epsilon or v_prediction, got {s.get('prediction_type')!r}")
-    if s.get("eta", 0.0) != 0:
+    stype = s.get("type", "ddim")
+    if stype not in SCHEDULER_TYPES:
+        found.add("scheduler.type", "value", f"must be one of {', '.join(SCHEDULER_TYPES)}, got {stype!r}")
+        stype = "ddim"  # the remaining fields checked as ddim's
+    ptypes = LCM_PREDICTION_TYPES if stype == LCM else PREDICTION_TYPES
+    if s.get("prediction_type") not in ptypes:
+        found.add("scheduler.prediction_type", "value", f"must be {' or '.join(ptypes)}, got {s.get('prediction_type')!r}")
+    if stype == "ddim" and s.get("eta", 0.0) != 0:
         found.add("scheduler.eta", "value", f"the runner is deterministic DDIM (eta 0), got {s.get('eta')!r}")
     T, steps = s.get("num_train_timesteps"), s.get("steps")
     if not _is_int(T) or T <= 0:
@@ -184,6 +191,15 @@ def _check_scheduler(man: dict, found: _Found) -> None:
         if ts_ok and steps is not None and len(ts) != steps:
             found.add("scheduler.timesteps", "consistency", f"{len(ts)} timesteps but scheduler.steps is {steps}")
             ts_ok = False
+    if stype == LCM:
+        found.items += [Problem(*p) for p in check_lcm_block(s, T, steps, ts_ok)]
+    else:
+        _check_ddim_spacing(s, T, steps, ts_ok, found)
+    _check_alphas(s, T, stype, found)
+
+
+def _check_ddim_spacing(s: dict, T: Optional[int], steps: Optional[int], ts_ok: bool, found: _Found) -> None:
+    ts = s.get("timesteps")
     spacing, offset = s.get("timestep_spacing", "leading"), s.get("steps_offset", 0)
     if spacing not in SPACINGS:
         found.add("scheduler.timestep_spacing", "value", f"must be one of {', '.join(SPACINGS)}, got {spacing!r}")
@@ -196,6 +212,8 @@ def _check_scheduler(man: dict, found: _Found) -> None:
             found.add(f"scheduler.timesteps[{i}]", "spacing", f"{ts[i]}, but {spacing} spacing over {T} with steps_offset {offset} "
                       f"gives {want[i]} ({want[:8]}{' ...' if len(want) > 8 else ''})")
 
+
+def _check_alphas(s: dict, T: Optional[int], stype: str, found: _Found) -> None:
     alphas = s.get("alphas_cumprod")
     if not isinstance(alphas, list) or not alphas:
         found.add("scheduler.alphas_cumprod", "present", "must be a non-empty list")
@@ -216,7 +234,7 @@ def _check_scheduler(man: dict, found: _Found) -> None:
             if T is not None and len(alphas) != T:
                 found.add("scheduler.alphas_cumprod", "consistency", f"{len(alphas)} values, num_train_timesteps is {T}")
     final = s.get("final_alpha_cumprod")
-    if not _is_num(final) or not math.isfinite(final) or not 0 < final <= 1:
+    if stype == "ddim" and (not _is_num(final) or not math.isfinite(final) or not 0 < final <= 1):
         found.add("scheduler.final_alpha_cumprod", "range", f"must be finite in (0, 1], got {final!r}")
 
 

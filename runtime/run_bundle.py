@@ -2,7 +2,8 @@
 
 The reference runner of an exported bundle. It uses only the bundle's files, numpy,
 `tokenizers` (the bundle's tokenizer.json), ai-edge-litert and PIL (to write the PNG):
-no torch, no diffusers. DDIM with the manifest's timesteps, classifier-free guidance in one
+no torch, no diffusers. DDIM with the manifest's timesteps (or, for `scheduler.type: lcm`, the
+consistency step of runtime/lcm_step.py), classifier-free guidance in one
 batch-2 UNet call (or the student's embedded guidance), the time embedding looked up in the
 bundle's table when it was computed outside the graph.
 
@@ -31,6 +32,7 @@ import numpy as np
 from pocketdiff.errors import PocketdiffError
 
 from .manifest_check import TILED_DECODER, check_bundle, decoder_components
+from .lcm_step import LCM, lcm_sample
 from .litert_c import parse_gpu_option
 from .memory import PeakSampler, process_age_s, return_freed_memory, tune_allocator
 from .unet_chunks import UNET, run_unet, unet_components
@@ -360,17 +362,20 @@ class BundleRunner:
             self._release("text_encoder")
         return cond
 
-    def _denoise(self, x: np.ndarray, ehs: np.ndarray, latency: dict, stats: dict) -> np.ndarray:
+    def _denoise(self, x: np.ndarray, ehs: np.ndarray, latency: dict, stats: dict, rng: np.random.Generator) -> np.ndarray:
+        """The sampling loop: DDIM, or the consistency step (runtime/lcm_step.py) for `scheduler.type: lcm`,
+        whose re-noising draws from `rng` (the run's seeded generator, after the initial latents)."""
         man = self.man
         sched, guidance = man["scheduler"], man["guidance"]
         B = int(guidance["unet_batch"])
         parts = self._load_unet(latency)
         T, steps = int(sched["num_train_timesteps"]), int(sched["steps"])
         alphas = np.asarray(sched["alphas_cumprod"], dtype=np.float64)
-        final, scale = float(sched["final_alpha_cumprod"]), float(guidance["scale"])
+        scale = float(guidance["scale"])
         step_s = []
-        for i, t in enumerate(sched["timesteps"]):
-            if i == 0:
+
+        def unet(x: np.ndarray, t: int) -> np.ndarray:
+            if not step_s:
                 age = process_age_s()
                 stats["start_s"] = None if age is None else round(age, 3)  # process start -> the first step
             x_in = np.concatenate([x] * B) if B > 1 else x
@@ -385,12 +390,16 @@ class BundleRunner:
             step_s.append(sum(sum(m.run_s[n:]) for m, n in zip(parts, before)))
             for name in self.unet_parts:
                 self._ran(name)
-            if B == 2:
-                out = out[0:1] + scale * (out[1:2] - out[0:1])
-            prev = int(t) - T // steps
-            a_t = float(alphas[int(t)])
-            a_prev = float(alphas[prev]) if prev >= 0 else final
-            x = ddim_step(x, out, a_t, a_prev, sched["prediction_type"])
+            return out[0:1] + scale * (out[1:2] - out[0:1]) if B == 2 else out
+
+        if sched.get("type", "ddim") == LCM:
+            x = lcm_sample(x, unet, {**sched, "alphas_cumprod": alphas}, rng)
+        else:
+            for t in sched["timesteps"]:
+                out = unet(x, int(t))
+                prev = int(t) - T // steps
+                a_prev = float(alphas[prev]) if prev >= 0 else float(sched["final_alpha_cumprod"])
+                x = ddim_step(x, out, float(alphas[int(t)]), a_prev, sched["prediction_type"])
         latency["unet_steps"] = float(sum(step_s))
         latency["unet_step_mean"] = float(np.mean(step_s)) if step_s else 0.0
         if self.pipelined:
@@ -448,8 +457,10 @@ class BundleRunner:
                 self._load(name, latency)
         ehs = self._encode(ids, latency)
         shape = (1, int(lat["channels"]), int(lat["height"]), int(lat["width"]))
-        x = np.random.default_rng(seed).standard_normal(shape).astype(np.float32) if init_latents is None else np.asarray(init_latents, np.float32).reshape(shape)
-        x = self._denoise(x, ehs, latency, stats)
+        rng = np.random.default_rng(seed)  # the initial latents, then (lcm) the noise between steps
+        drawn = rng.standard_normal(shape).astype(np.float32)  # drawn even when given: the later draws stay the seed's
+        x = drawn if init_latents is None else np.asarray(init_latents, np.float32).reshape(shape)
+        x = self._denoise(x, ehs, latency, stats, rng)
         image = self._decode(x, latency, stats)
         stats["fully_accelerated"] = self.accelerator == "gpu" and all(self.accelerated.values())
         stats["fully_accelerated_by_component"] = dict(self.accelerated)

@@ -34,3 +34,44 @@ def gpu_delegate():
     if not ok:
         pytest.fail(f"no Vulkan driver for the LiteRT GPU delegate: {why}")
     return why
+
+
+@pytest.fixture(scope="session")
+def lcm_student(tmp_path_factory):
+    """A consistency (LCM) student folder, as `pocketdiff distill` with `method: consistency` lays it out:
+    the shipped shapes teacher's weights in a w-conditioned UNet (time_cond_proj, 16 wide, small random
+    weights) under an LCMScheduler on a 10-point grid (timestep_scaling 10). Its predictions are the
+    teacher's, so its images are real ones (tests/export/test_lcm_export.py, tests/web/test_check_lcm.py)."""
+    from diffusers import LCMScheduler, UNet2DConditionModel
+
+    from pocketdiff.models import ModelConfig, load_or_build, save_pipeline
+
+    pipe = load_or_build(ModelConfig(pretrained="pocketdiff:shapes-teacher"))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        unet = UNet2DConditionModel(**{**dict(pipe.unet.config), "time_cond_proj_dim": 16})
+    missing, unexpected = unet.load_state_dict(pipe.unet.state_dict(), strict=False)
+    assert not unexpected and missing and all("cond_proj" in k for k in missing)
+    with torch.no_grad():
+        unet.time_embedding.cond_proj.weight.mul_(0.1)
+    pipe.unet = unet
+    pipe.scheduler = LCMScheduler.from_config(pipe.scheduler.config, original_inference_steps=10, timestep_scaling=10.0)
+    return save_pipeline(pipe, tmp_path_factory.mktemp("lcm_student") / "student")
+
+
+@pytest.fixture(scope="session")
+def export_lcm():
+    """`export_lcm(student, root, steps, guidance_scale)` -> root/bundle: `pocketdiff export` with fp32 weights,
+    embedded guidance, no delegate run and no fp16 scan (the components are the usual ones; the sampler is tested)."""
+    import yaml
+
+    from pocketdiff.cli import main as cli_main
+
+    def export(student, root, steps: int, guidance_scale: float):
+        cfg = {"seed": 0, "model": {"pretrained": str(student)}, "weights": "fp32", "guidance": "auto",
+               "guidance_scale": guidance_scale, "steps": steps, "verify": {"delegate": False}, "fp16_scan": {"enabled": False}}
+        (root / "export.yaml").write_text(yaml.safe_dump(cfg))
+        assert cli_main(["export", "--config", str(root / "export.yaml"), "--output", str(root / "bundle")]) == 0
+        return root / "bundle"
+
+    return export

@@ -25,7 +25,7 @@ from pocketdiff.errors import PocketdiffError, require
 
 PAGE_DIR = "web"
 STATIC = Path(__file__).resolve().parent / "static"
-PAGE_FILES = ("index.html", "style.css", "app.js", "generate.js", "pipeline.js", "tiled.js", "bpe.js", "npy.js", "sha256.js")
+PAGE_FILES = ("index.html", "style.css", "app.js", "generate.js", "pipeline.js", "tiled.js", "lcm.js", "bpe.js", "npy.js", "sha256.js")
 LITERTJS_VERSION = "2.5.3"  # pinned in web/package.json
 # what the page loads from @litertjs: the ESM build, its wasm-utils import, and the wasm
 # builds loadLiteRt() picks without threads/JSPI (relaxed SIMD or the compat one)
@@ -78,20 +78,27 @@ def litertjs_files(folder: Optional[str | Path] = None) -> dict[str, Path]:
 
 
 def _reference(bundle: Path, man: dict, prompt: str, seed: int, accelerator: str, folder: Path) -> dict:
-    """run-bundle's image from numpy's seeded latents (exactly as `run-bundle --seed` draws them)."""
+    """run-bundle's image from numpy's seeded latents (exactly as `run-bundle --seed` draws them; an lcm
+    bundle's re-noising draws, the same generator's next ones, go to noise.bin)."""
     from PIL import Image
 
     from pocketdiff.runtime.run_bundle import generate
 
     lat = man["latent"]
     shape = (1, int(lat["channels"]), int(lat["height"]), int(lat["width"]))
-    latents = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+    rng = np.random.default_rng(seed)
+    latents = rng.standard_normal(shape).astype(np.float32)
+    sched = man["scheduler"]
+    renoisings = len(sched["timesteps"]) - 1 if sched.get("type", "ddim") == "lcm" else 0
+    noise = np.stack([rng.standard_normal(shape).astype(np.float32) for _ in range(renoisings)]) if renoisings else None
     t0 = time.perf_counter()
     image, stats = generate(bundle, prompt, seed=seed, accelerator=accelerator, init_latents=latents, manifest=man)
     if not stats["finite"]:
         raise PocketdiffError(f"bundle {bundle}: run-bundle's reference image has NaN/Inf values ({accelerator})")
     folder.mkdir(parents=True)
     latents.tofile(folder / "latents.bin")
+    if noise is not None:  # an lcm bundle's re-noising draws, as run-bundle takes them after the latents
+        noise.tofile(folder / "noise.bin")
     image.astype(np.float32).tofile(folder / "image.bin")  # HWC in [0, 1], as run-bundle clips it
     Image.fromarray((image * 255).round().astype(np.uint8)).save(folder / "image.png")
     ref = {
@@ -99,6 +106,7 @@ def _reference(bundle: Path, man: dict, prompt: str, seed: int, accelerator: str
         "seed": seed,
         "latents": "latents.bin",
         "latents_shape": list(shape),
+        **({"noise": "noise.bin", "noise_shape": list(noise.shape)} if noise is not None else {}),
         "image": "image.bin",
         "image_shape": list(image.shape),
         "png": "image.png",

@@ -106,20 +106,20 @@ def test_random_weight_stand_ins_refuse_a_real_checkpoint():
     assert Config(model=ModelConfig(pretrained="some/checkpoint")).perturb_norms is False
 
 
-def test_export_refuses_a_consistency_student(tmp_path, capsys):
-    """A folder whose scheduler is diffusers' LCMScheduler (a consistency student) is refused before any
-    conversion: the bundle's samplers step DDIM, and would sample it wrongly without a word."""
+def test_export_refuses_more_lcm_steps_than_the_students_grid(tmp_path, capsys):
+    """A consistency (LCM) student exports (tests/export/test_lcm_export.py) at 1 to original_inference_steps
+    steps; more is refused before any conversion, naming `steps`."""
     from diffusers import LCMScheduler
 
     from pocketdiff.models import ModelConfig, load_or_build, save_pipeline
 
     pipe = load_or_build(ModelConfig(pretrained=TEACHER))
-    pipe.scheduler = LCMScheduler.from_config(pipe.scheduler.config)
+    pipe.scheduler = LCMScheduler.from_config(pipe.scheduler.config, original_inference_steps=8)
     save_pipeline(pipe, tmp_path / "lcm")
     cfg_path = tmp_path / "export.yaml"
     cfg_path.write_text(yaml.safe_dump({"seed": 0, "model": {"pretrained": str(tmp_path / "lcm")}, "weights": "fp16",
-                                        "guidance": "cfg", "steps": 2}))
+                                        "guidance": "cfg", "steps": 9}))
     assert cli_main(["export", "--config", str(cfg_path), "--output", str(tmp_path / "bundle")]) == 2
     err = capsys.readouterr().err
-    assert "model.pretrained" in err and "LCM" in err
+    assert "steps" in err and "8-point grid" in err
     assert not (tmp_path / "bundle" / "manifest.json").exists()

@@ -1,4 +1,4 @@
-// Runs the page's plain modules (bpe.js, sha256.js, npy.js, tiled.js) under node for tests/web/test_js_modules.py.
+// Runs the page's plain modules (bpe.js, sha256.js, npy.js, tiled.js, lcm.js) under node for tests/web/test_js_modules.py.
 // argv: <static dir> <request json file>; prints one JSON answer.
 import { readFileSync } from 'node:fs';
 import { pathToFileURL } from 'node:url';
@@ -11,6 +11,7 @@ const { ClipBpe } = await load('bpe.js');
 const { sha256Js, sha256Hex } = await load('sha256.js');
 const { parseNpy, parseNpz } = await load('npy.js');
 const tiled = await load('tiled.js');
+const lcm = await load('lcm.js');
 
 const out = {};
 const tok = new ClipBpe(JSON.parse(readFileSync(req.tokenizer_json, 'utf8')), req.tokenizer);
@@ -53,4 +54,19 @@ for (const c of req.tiles || []) {
 }
 out.tiles = tiles;
 out.problems = (req.blocks || []).map((b) => tiled.tilingProblem(b));
+
+// lcm.js: grids, scheduler problems, and whole lcm loops with the stand-in model out = a x + b t / 1000
+// and the noise numpy drew (as generate.js runs them)
+out.lcm_grids = (req.lcm_grids || []).map(([T, K, N]) => lcm.lcmTimesteps(T, K, N));
+out.lcm_problems = (req.schedulers || []).map((s) => lcm.schedulerProblem(s));
+out.lcm_runs = (req.lcm_runs || []).map((r) => {
+  const s = r.sched, n = r.x.length, ts = s.timesteps;
+  let x = Float32Array.from(r.x);
+  ts.forEach((t, i) => {
+    const o = x.map((v) => r.a * v + (r.b * t) / 1000);
+    x = lcm.lcmStep(x, o, t, s.alphas_cumprod[t], s);
+    if (i < ts.length - 1) x = lcm.renoise(x, s.alphas_cumprod[ts[i + 1]], Float32Array.from(r.noise.slice(i * n, (i + 1) * n)));
+  });
+  return Array.from(x);
+});
 console.log(JSON.stringify(out));

@@ -144,3 +144,42 @@ def test_page_one_pass_tiling_matches_the_runner(node, tmp_path):
     assert ok is None
     assert "control_variate" in iterated and "not supported in the browser" in iterated and "one_pass" in iterated
     assert "tile must be an int or [rows, columns]" in bad_tile
+
+
+def _lcm_block(prediction_type: str, steps: int, clip=None) -> dict:
+    from pocketdiff.runtime.lcm_step import lcm_timesteps
+
+    betas = np.linspace(0.00085 ** 0.5, 0.012 ** 0.5, 1000) ** 2  # scaled_linear
+    return {"type": "lcm", "prediction_type": prediction_type, "num_train_timesteps": 1000, "steps": steps,
+            "timesteps": lcm_timesteps(1000, 10, steps), "alphas_cumprod": np.cumprod(1 - betas).tolist(),
+            "original_inference_steps": 10, "timestep_scaling": 10.0, "sigma_data": 0.5, "clip_sample_range": clip}
+
+
+def test_page_lcm_step_matches_the_runner(node, tmp_path):
+    """lcm.js against runtime/lcm_step.py: grids, and whole 1- and 3-step loops on a stand-in model
+    fed numpy's noise (every prediction type, clipping); its scheduler problems by name."""
+    from pocketdiff.runtime.lcm_step import lcm_sample, lcm_timesteps
+
+    grids = [[1000, 10, n] for n in range(1, 11)] + [[1000, 50, 4], [1000, 7, 3], [999, 4, 4]]
+    runs, wants = [], []
+    for i, (ptype, steps, clip) in enumerate([("epsilon", 1, None), ("epsilon", 3, None), ("v_prediction", 3, None), ("sample", 3, 1.5)]):
+        block = _lcm_block(ptype, steps, clip)
+        x = np.random.default_rng(i).standard_normal((1, 4, 3, 3)).astype(np.float32)
+        rng = np.random.default_rng(100 + i)
+        noise = np.random.default_rng(100 + i).standard_normal((steps - 1, *x.shape)).astype(np.float32) if steps > 1 else np.zeros(0)
+        wants.append(lcm_sample(x, lambda z, t: (0.7 * z + 0.3 * t / 1000).astype(np.float32), block, rng))
+        runs.append({"sched": block, "x": x.ravel().tolist(), "noise": noise.ravel().tolist(), "a": 0.7, "b": 0.3})
+    good = _lcm_block("epsilon", 2)
+    schedulers = [good, {**good, "type": "euler"}, {**good, "timesteps": [999, 500]}, {**good, "sigma_data": 0},
+                  {**good, "prediction_type": "flow"}, {"type": "ddim"}]
+    out = _run(node, tmp_path, {"tokenizer_json": str(STATIC.parents[1] / "pocketdiff/assets/shapes-teacher/tokenizer/tokenizer.json"),
+                                "tokenizer": {"max_length": 77, "pad_id": 593, "bos_id": 592, "eos_id": 593}, "prompts": [],
+                                "files": [], "npy": [], "npz": [], "lcm_grids": grids, "lcm_runs": runs, "schedulers": schedulers})
+    assert out["lcm_grids"] == [lcm_timesteps(*g) for g in grids]
+    for want, got in zip(wants, out["lcm_runs"]):
+        np.testing.assert_allclose(np.asarray(got, np.float32).reshape(want.shape), want, rtol=1e-5, atol=1e-5)
+    ok, euler, off_grid, sigma, ptype, ddim = out["lcm_problems"]
+    assert ok is None and ddim is None
+    assert '"euler"' in euler and "not supported by the page" in euler
+    assert "scheduler.timesteps" in off_grid and "[999,499]" in off_grid
+    assert "scheduler.sigma_data" in sigma and "scheduler.prediction_type" in ptype

@@ -38,6 +38,7 @@ async function loadReference() {
     const ref = await res.json();
     const bin = async (rel) => new Float32Array(await (await fetch(`reference/${rel}`)).arrayBuffer());
     ref.latentsData = await bin(ref.latents);
+    ref.noiseData = ref.noise ? await bin(ref.noise) : null; // an lcm bundle's re-noising draws
     ref.imageData = await bin(ref.image);
     return ref;
   } catch {
@@ -79,6 +80,7 @@ async function run(prompt, seed) {
   const res = await generate(bundle, {
     prompt, seed, scale, accelerator, goldens: CHECK,
     latents: useRef ? reference.latentsData : null,
+    noise: useRef ? reference.noiseData : null,
     onStage: showStage,
     onStep: (i, n, ms) => status(`denoising step ${i}/${n} (${ms.toFixed(0)} ms)`),
   });

@@ -1,5 +1,6 @@
 // One prompt through the bundle, pipelined as `run-bundle --pipelined` (a tiled decoder as tiled.js).
 import { BundleError, Component, ddimStep, pageNoise, parity, toHwc } from './pipeline.js';
+import { lcmStep, renoise } from './lcm.js';
 import { onePassDecode } from './tiled.js';
 
 /** Latents -> pixels [1, 3, H, W] through the whole decoder, or the tiled one's head and up tile (tiled.js). */
@@ -10,7 +11,8 @@ async function decode(man, decs, latents) {
 }
 
 /**
- * opts: {prompt, seed, scale, accelerator, latents (Float32Array|null), goldens (bool),
+ * opts: {prompt, seed, scale, accelerator, latents (Float32Array|null), noise (Float32Array|null: an lcm
+ *        bundle's re-noising draws, steps - 1 latents long), goldens (bool),
  *        onStage(name, info), onStep(i, n, ms)}
  * returns {image: {img, h, w, c, finite}, tokens, stages, golden, latency}
  */
@@ -111,6 +113,12 @@ export async function generate(bundle, opts) {
     const steps = sched.steps;
     const ts = sched.timesteps;
     const table = bundle.table;
+    // lcm: the noise between steps, run-bundle's draws when given (check mode), else the page's own
+    const stepNoise = (i) => {
+      const given = opts.noise ? opts.noise.subarray(i * n, (i + 1) * n) : null;
+      if (given && given.length !== n) throw new BundleError(`noise: ${opts.noise.length} values, too few for ${ts.length - 1} re-noisings of ${n}`);
+      return given ?? pageNoise((opts.seed + 0x9e3779b9 * (i + 1)) >>> 0, n);
+    };
     for (let i = 0; i < ts.length; i++) {
       const t = ts[i];
       if (i === ts.length - 1) { // the decoder (a tiled one's head and up tile) downloads during the last step
@@ -135,10 +143,15 @@ export async function generate(bundle, opts) {
         out = new Float32Array(n);
         for (let k = 0; k < n; k++) out[k] = res.data[k] + opts.scale * (res.data[n + k] - res.data[k]);
       }
-      const prev = t - Math.floor(T / steps);
-      const aT = sched.alphas_cumprod[t];
-      const aPrev = prev >= 0 ? sched.alphas_cumprod[prev] : sched.final_alpha_cumprod;
-      x = ddimStep(x, out, aT, aPrev, sched.prediction_type);
+      if (sched.type === 'lcm') {
+        x = lcmStep(x, out, t, sched.alphas_cumprod[t], sched);
+        if (i < ts.length - 1) x = renoise(x, sched.alphas_cumprod[ts[i + 1]], stepNoise(i));
+      } else {
+        const prev = t - Math.floor(T / steps);
+        const aT = sched.alphas_cumprod[t];
+        const aPrev = prev >= 0 ? sched.alphas_cumprod[prev] : sched.final_alpha_cumprod;
+        x = ddimStep(x, out, aT, aPrev, sched.prediction_type);
+      }
       if (opts.onStep) opts.onStep(i + 1, ts.length, unet.runMs[unet.runMs.length - 1]);
     }
     stages.unet.run_ms = unet.runMs.reduce((a, b) => a + b, 0);

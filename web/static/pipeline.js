@@ -1,6 +1,6 @@
 // The bundle in the browser: the same steps as `pocketdiff run-bundle` (runtime/run_bundle.py)
 // on LiteRT.js. Every file is checked against the manifest's sha256 before use; DDIM with the
-// manifest's timesteps and alphas; classifier-free guidance in one batch-2 UNet call or the
+// manifest's timesteps and alphas (or the lcm step, lcm.js); classifier-free guidance in one batch-2 UNet call or the
 // student's embedded guidance; the time embedding looked up in the bundle's table when it was
 // computed outside the graph. Pipelined loading as run-bundle --pipelined: the text encoder
 // loads and runs while the UNet compiles and is released after; the decoder (or the tiled
@@ -9,6 +9,7 @@ import { loadAndCompile, Tensor } from '@litertjs/core';
 import { ClipBpe } from './bpe.js';
 import { parseNpy, parseNpz } from './npy.js';
 import { sha256Hex } from './sha256.js';
+import { schedulerProblem } from './lcm.js';
 import { TILED_DECODER, tilingProblem } from './tiled.js';
 
 export class BundleError extends Error {}
@@ -52,6 +53,8 @@ export class Bundle {
       throw new BundleError(`bundle: the UNet is exported in ${parts.length} chunks (unet_chunks: ${parts.join(', ')}); the page runs a whole UNet only: export it with unet_chunks: 1`);
     }
     if (man.schema_version !== 1) throw new BundleError(`manifest.json: schema version ${man.schema_version} is not supported (expected 1)`);
+    const schedProblem = schedulerProblem(man.scheduler);
+    if (schedProblem) throw new BundleError(schedProblem);
     if (man.vae_tiling) {
       const problem = tilingProblem(man.vae_tiling);
       if (problem) throw new BundleError(problem);

@@ -1,0 +1,29 @@
+"""The page's check mode on a consistency (LCM) student's bundle in headless Chromium: 2 steps, so the
+page re-noises once with run-bundle's draw (reference/noise.bin), and its image matches run-bundle's.
+The bundle is exported here (tests/conftest.py's `lcm_student`). Skips only when Chromium is absent."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pocketdiff.web.headless import check_page
+from pocketdiff.web.page import PageConfig, write_page
+
+
+@pytest.fixture(scope="module")
+def checked(tmp_path_factory, chromium, lcm_student, export_lcm):
+    bundle = export_lcm(lcm_student, tmp_path_factory.mktemp("web_lcm"), steps=2, guidance_scale=2.0)
+    write_page(PageConfig(bundle=str(bundle)))
+    ref = json.loads((bundle / "web/reference/reference.json").read_text())
+    result = check_page(bundle, prompt=ref["prompt"], seed=ref["seed"], timeout_s=600, executable=chromium)
+    return {"result": result, "reference": ref, "manifest": json.loads((bundle / "manifest.json").read_text())}
+
+
+def test_page_runs_an_lcm_bundle_as_run_bundle_does(checked):
+    r, ref, man = checked["result"], checked["reference"], checked["manifest"]
+    assert man["scheduler"]["type"] == "lcm" and man["scheduler"]["steps"] == 2
+    assert ref["noise"] == "noise.bin" and ref["noise_shape"] == [1, *ref["latents_shape"]]
+    assert r["ok"] is True, r.get("failures") or r.get("error")
+    assert r["image"]["finite"] and r["image"]["psnr_db"] >= 30.0
+    assert len(r["latency_ms"]["unet_steps_ms"]) == 2
