@@ -19,6 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _proc_tree import TreePeak
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -47,6 +49,8 @@ def summarize(runs: list[dict]) -> dict:
         out["components"][c]["golden_cosine_min"] = min(r["components"][c]["golden"]["cosine"] for r in runs)
     out["image_psnr_db_min"] = min(r["image"].get("psnr_db", float("nan")) for r in runs)
     out["adapter"] = runs[0]["webgpu"].get("adapter")
+    if all("memory" in r for r in runs):
+        out["peak_pss_mb"] = _median([r["memory"]["peak_pss_mb"] for r in runs])
     return out
 
 
@@ -59,6 +63,7 @@ def main() -> int:
     ap.add_argument("--accelerators", default="webgpu,wasm")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/web_page_cpu.json"))
+    ap.add_argument("--timeout", type=float, default=900.0, help="seconds the page may take to report, per run")
     args = ap.parse_args()
     exe = find_chromium()
     if exe is None:
@@ -74,8 +79,20 @@ def main() -> int:
             runs = []
             for i in range(args.repeat):
                 t0 = time.perf_counter()
-                r = check_page(bundle, prompt=ref["prompt"], seed=ref["seed"], timeout_s=900, accelerator=acc)
-                r.pop("chromium_console", None)
+                sampler = TreePeak()  # this process (the page's server) + Chromium's processes
+                try:
+                    r = check_page(bundle, prompt=ref["prompt"], seed=ref["seed"], timeout_s=args.timeout, accelerator=acc)
+                finally:
+                    memory = sampler.stop()
+                console = r.pop("chromium_console", None) or []
+                r["memory"] = {**memory, "what": "peak of the summed PSS of this process (the page's server) and every "
+                                                 "process it started (Chromium's); SwiftShader's GPU buffers are host memory"}
+                r["wall_s"] = round(time.perf_counter() - t0, 1)
+                if "latency_ms" not in r:  # the page reported a failure: keep it (and the console's tail), and stop here
+                    r["console_tail"] = console[-40:]
+                    print(f"{acc} run {i + 1}: the page failed: {json.dumps(r)[:2000]}", flush=True)
+                    Path(args.out).write_text(json.dumps({"ok": False, "accelerator": acc, "report": r}, indent=1))
+                    return 1
                 runs.append(r)
                 print(f"{acc} run {i + 1}/{args.repeat}: ok={r.get('ok')} UNet {r['latency_ms']['unet_step_mean_ms']:.0f} ms/step, "
                       f"total {r['latency_ms']['total_ms']:.0f} ms ({time.perf_counter() - t0:.1f} s with goldens and startup)", flush=True)
