@@ -420,9 +420,9 @@ CASES = [
     # --- step counts
     Case("distill-final-steps-0", "step counts", lambda w: (verb("distill", w.out("s1"), "progressive.final_steps=0"), ["progressive.final_steps"])),
     Case("distill-start-above-half-T", "step counts", lambda w: (
-        verb("distill", w.out("s2"), "progressive.start_steps=1024", "progressive.final_steps=512"), ["progressive.start_steps=1024"])),
+        verb("distill", w.out("s2"), "progressive.start_steps=1024", "progressive.final_steps=512"), ["progressive.start_steps: 1024"])),
     Case("distill-6-to-4-steps", "step counts", lambda w: (
-        verb("distill", w.out("s3"), "progressive.start_steps=6", "progressive.final_steps=4"), ["progressive.final_steps=4", "start_steps=6"])),
+        verb("distill", w.out("s3"), "progressive.start_steps=6", "progressive.final_steps=4"), ["progressive.final_steps: 4", "start_steps=6"])),
     Case("calibrate-sampler-steps-0", "step counts", lambda w: (verb("calibrate", w.out("s4"), "calib.steps=0"), ["calib.steps"])),
     Case("evaluate-steps-0", "step counts", lambda w: (verb("evaluate", w.out("s5"), "steps=[4, 0]"), ["steps"])),
     # --- NaN / Inf weights
