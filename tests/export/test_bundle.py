@@ -17,25 +17,6 @@ TEACHER = "pocketdiff:shapes-teacher"
 
 
 @pytest.fixture(scope="module")
-def int8_checkpoint(tmp_path_factory):
-    from pocketdiff.compress.quant.int8_format import LayerRecipe, QuantRecipe, quantize_codes, rtn_scale, save_quantized
-    from pocketdiff.models import ModelConfig, load_or_build
-
-    pipe = load_or_build(ModelConfig(pretrained=TEACHER))
-    state = {k: v.detach().clone() for k, v in pipe.unet.state_dict().items()}
-    recipe = QuantRecipe(component="unet", extra={"method": "rtn"})
-    for name, m in pipe.unet.named_modules():
-        if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear)):
-            scale = rtn_scale(m.weight, 8)
-            state[f"{name}.weight"] = quantize_codes(m.weight, scale, 8)
-            state[f"{name}.weight_scale"] = scale
-            recipe.layers[name] = LayerRecipe(bits=8)
-    path = tmp_path_factory.mktemp("calib") / "unet_int8.safetensors"
-    save_quantized(state, recipe, path)
-    return path
-
-
-@pytest.fixture(scope="module")
 def exported(gpu_delegate, int8_checkpoint, tmp_path_factory):
     root = tmp_path_factory.mktemp("export")
     cfg = {

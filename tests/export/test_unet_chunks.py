@@ -80,21 +80,9 @@ def test_config_refuses_chunks_it_cannot_make(overrides, message):
 
 
 @pytest.fixture(scope="module")
-def bundles(gpu_delegate, tmp_path_factory):
-    from pocketdiff.compress.quant.int8_format import LayerRecipe, QuantRecipe, quantize_codes, rtn_scale, save_quantized
-    from pocketdiff.models import ModelConfig, load_or_build
-
+def bundles(gpu_delegate, int8_checkpoint, tmp_path_factory):
     root = tmp_path_factory.mktemp("chunks")
-    pipe = load_or_build(ModelConfig(pretrained=TEACHER))
-    state = {k: v.detach().clone() for k, v in pipe.unet.state_dict().items()}
-    recipe = QuantRecipe(component="unet", extra={"method": "rtn"})
-    for name, m in pipe.unet.named_modules():
-        if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear)):
-            scale = rtn_scale(m.weight, 8)
-            state[f"{name}.weight"], state[f"{name}.weight_scale"] = quantize_codes(m.weight, scale, 8), scale
-            recipe.layers[name] = LayerRecipe(bits=8)
-    ckpt = root / "unet_int8.safetensors"
-    save_quantized(state, recipe, ckpt)
+    ckpt = int8_checkpoint  # tests/export/conftest.py
     cfg = {"seed": 0, "model": {"pretrained": TEACHER}, "weights": "int8", "int8": {"checkpoint": str(ckpt)}, "guidance": "cfg",
            "guidance_scale": 3.0, "steps": 3, "fp16_scan": {"enabled": False}, "rewrites": {"residual_scale": 0.25}}
     out = {}

@@ -59,3 +59,24 @@ def chromium() -> str:
     if exe is None:
         pytest.skip("Chromium is not installed (scripts/setup.sh installs Debian's chromium; or set POCKETDIFF_CHROMIUM)")
     return exe
+
+
+@pytest.fixture(scope="session")
+def check_with_manifest(chromium):
+    """`check(bundle, edit)`: the page's check mode on `bundle` with its manifest changed by `edit(manifest)`
+    for that one run (the file is restored after), -> the page's report."""
+    import json
+
+    from pocketdiff.web.headless import check_page
+
+    def check(bundle: Path, edit) -> dict:
+        path = bundle / "manifest.json"
+        original = path.read_text()
+        man = json.loads(original)
+        edit(man)
+        path.write_text(json.dumps(man))
+        try:
+            return check_page(bundle, timeout_s=300, executable=chromium)
+        finally:
+            path.write_text(original)
+    return check

@@ -12,6 +12,7 @@ from pocketdiff.compress.quant import host_memory
 from pocketdiff.compress.quant.block_recon import ReconConfig
 from pocketdiff.compress.quant.cache_store import READ_CHUNK_BYTES, DiskRows, HostCache, Store
 from pocketdiff.compress.quant.reconstruct import reconstruct_unet
+from tiny_calib import tiny_unet_calib  # tests/compress/quant/tiny_calib.py
 
 ROOT = Path(__file__).parents[3]
 SMOKE = ROOT / "configs" / "smoke" / "calibrate.yaml"
@@ -76,7 +77,7 @@ def test_a_tight_cap_splits_the_caches_into_groups_and_a_tighter_one_moves_them_
 @pytest.mark.parametrize("mode", ["independent", "sequential"])
 def test_disk_caches_give_the_in_memory_result_bit_for_bit(tmp_path, mode):
     """float32 rows go to the file and come back unchanged, so every code and scale is equal."""
-    unet, calib, specs = _tiny()
+    unet, calib, specs = tiny_unet_calib()
     opts = ReconConfig(mode=mode, iters=3, batch_size=4, stream=True)
     memory, _ = reconstruct_unet(unet, calib, specs, opts, device="cpu", log=None)
     folder = tmp_path / "cache"
@@ -87,25 +88,6 @@ def test_disk_caches_give_the_in_memory_result_bit_for_bit(tmp_path, mode):
         for g in a.layers:
             assert torch.equal(a.layers[g].codes, b.layers[g].codes) and torch.equal(a.layers[g].scale, b.layers[g].scale), g
     assert not folder.exists()  # removed at the end
-
-
-def _tiny():
-    from diffusers import UNet2DConditionModel
-
-    from pocketdiff.compress.quant.blocks import CalibSet
-    from pocketdiff.compress.quant.quantizer import layer_specs, quantizable_layers
-    from pocketdiff.models import perturb_norm_affines, unet_config
-
-    torch.manual_seed(0)
-    unet = UNet2DConditionModel(**unet_config("tiny", resolution=32)).eval().requires_grad_(False)
-    perturb_norm_affines(unet, 0, scale=0.3)
-    g = torch.Generator().manual_seed(1)
-    side = unet.config.sample_size
-    calib = CalibSet(sample=torch.randn(8, unet.config.in_channels, side, side, generator=g),
-                     timestep=torch.randint(0, 1000, (8,), generator=g),
-                     encoder_hidden_states=torch.randn(8, 77, unet.config.cross_attention_dim, generator=g))
-    names = list(quantizable_layers(unet))
-    return unet, calib, layer_specs(names, {n: unet.get_submodule(n).weight.shape for n in names}, 8, None)
 
 
 def test_disk_rows_read_what_was_written_by_slices_and_index_tensors(tmp_path):

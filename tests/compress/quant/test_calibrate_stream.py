@@ -8,11 +8,10 @@ import torch
 from pocketdiff.cli import main
 from pocketdiff.compress.quant.block_recon import ReconConfig
 from pocketdiff.compress.quant.calibrate import Config
-from pocketdiff.compress.quant.quantizer import layer_specs, quantizable_layers
 from pocketdiff.compress.quant.reconstruct import block_need_bytes, module_bytes, reconstruct_unet
 from pocketdiff.config import load_config
 from pocketdiff.errors import PocketdiffError
-from pocketdiff.models import perturb_norm_affines
+from tiny_calib import tiny_unet_calib  # tests/compress/quant/tiny_calib.py
 
 PROMPTS = ["a red circle", "a blue square", "a green triangle"]
 
@@ -22,22 +21,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 @pytest.fixture(scope="module")
 def tiny():
     """A tiny UNet with trained-like norms and 8 random calibration inputs (no pipeline, no sampling)."""
-    from diffusers import UNet2DConditionModel
-
-    from pocketdiff.compress.quant.blocks import CalibSet
-    from pocketdiff.models import unet_config
-
-    torch.manual_seed(0)
-    unet = UNet2DConditionModel(**unet_config("tiny", resolution=32)).eval().requires_grad_(False)
-    perturb_norm_affines(unet, 0, scale=0.3)
-    g = torch.Generator().manual_seed(1)
-    side = unet.config.sample_size
-    calib = CalibSet(sample=torch.randn(8, unet.config.in_channels, side, side, generator=g),
-                     timestep=torch.randint(0, 1000, (8,), generator=g),
-                     encoder_hidden_states=torch.randn(8, 77, unet.config.cross_attention_dim, generator=g))
-    names = list(quantizable_layers(unet))
-    specs = layer_specs(names, {n: unet.get_submodule(n).weight.shape for n in names}, 8, None)
-    return unet, calib, specs
+    return tiny_unet_calib()
 
 
 @pytest.mark.parametrize("mode", ["independent", "sequential"])
