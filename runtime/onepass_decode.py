@@ -13,6 +13,7 @@ The manifest's `vae_tiling` block says `scheme: one_pass`; the up tile takes `fe
 """
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import numpy as np
@@ -88,26 +89,25 @@ def one_pass_io(block: dict, latent: list) -> dict:
             "vae_up_tile": ({"features": [1, F, th, tw]}, [[1, 3, th * f, tw * f]])}
 
 
+def timed(calls: dict, key: str, fn: Callable) -> Callable:
+    """`fn` that adds its wall time to `calls[key]` and counts itself in `calls[key + "_calls"]` (the decoders'
+    per-model latency keys)."""
+    def run(*args):
+        t0 = time.perf_counter()
+        out = fn(*args)
+        calls[key] += time.perf_counter() - t0
+        calls[f"{key}_calls"] = calls.get(f"{key}_calls", 0) + 1
+        return out
+    return run
+
+
 def one_pass_decode_loaded(head, up, block: dict, latents: np.ndarray) -> tuple[np.ndarray, dict]:
     """The runner's one-pass decode with its two loaded models (`head({"latents": z})` -> features,
     `up.run_all({"features": x})` -> [pixels]): ([1, 3, H, W] pixels, {latency_s, up_tile_calls}),
     with the timing keys of the iterated scheme's decode."""
-    import time
-
     calls = {"head": 0.0, "up": 0.0, "up_calls": 0}
-
-    def run_head(z):
-        t0 = time.perf_counter()
-        feats = head({"latents": z})
-        calls["head"] += time.perf_counter() - t0
-        return feats
-
-    def run_up(features):
-        t0 = time.perf_counter()
-        pixels = up.run_all({"features": features})[0]
-        calls["up"] += time.perf_counter() - t0
-        calls["up_calls"] += 1
-        return pixels
+    run_head = timed(calls, "head", lambda z: head({"latents": z}))
+    run_up = timed(calls, "up", lambda features: up.run_all({"features": features})[0])
 
     t0 = time.perf_counter()
     image = one_pass_decode(latents, run_head, run_up, block["tile"], int(block["overlap"]), int(block["factor"]), int(block.get("margin", 0)))

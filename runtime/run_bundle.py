@@ -35,6 +35,7 @@ from .manifest_check import TILED_DECODER, check_bundle, decoder_components
 from .lcm_step import LCM, lcm_sample
 from .litert_c import parse_gpu_option
 from .memory import PeakSampler, process_age_s, return_freed_memory, tune_allocator
+from .onepass_decode import one_pass_decode_loaded, timed
 from .unet_chunks import UNET, run_unet, unet_components
 
 
@@ -179,8 +180,6 @@ def tiled_decode_bundle(head: _Loaded, up: _Loaded, block: dict, latents: np.nda
     from .tiled_decode import tiled_decode_with_stats
 
     if block.get("scheme") == "one_pass":  # a norm-free up path: every tile once, no statistics (runtime/onepass_decode.py)
-        from .onepass_decode import one_pass_decode_loaded
-
         return one_pass_decode_loaded(head, up, block, latents)
     K, G = (int(v) for v in block["norms"])
     # the manifest declares (pixels, sums) in that order, with their shapes (runtime/manifest_check.py) and
@@ -190,18 +189,12 @@ def tiled_decode_bundle(head: _Loaded, up: _Loaded, block: dict, latents: np.nda
         raise PocketdiffError(f"vae_up_tile: outputs {up.out_names} in the .tflite, the manifest declares (pixels, sums) as {declared}")
     sums_at = up.out_names.index(declared[1])
     calls = {"head": 0.0, "up": 0.0, "up_calls": 0}
-
-    def run_head(z):
-        t0 = time.perf_counter()
-        feats = head({"latents": z})
-        calls["head"] += time.perf_counter() - t0
-        return feats
+    run_head = timed(calls, "head", lambda z: head({"latents": z}))
+    run_up_all = timed(calls, "up", lambda features, weight, stats, own: up.run_all(
+        {"features": features, "weight": weight, "stats": stats, "own": own}))
 
     def run_up(features, weight, stats, own):
-        t0 = time.perf_counter()
-        outs = up.run_all({"features": features, "weight": weight, "stats": stats, "own": own})
-        calls["up"] += time.perf_counter() - t0
-        calls["up_calls"] += 1
+        outs = run_up_all(features, weight, stats, own)
         return outs[1 - sums_at], outs[sums_at]
 
     t0 = time.perf_counter()
