@@ -66,29 +66,35 @@ def _feeds(specs) -> list:
     return out
 
 
+def _phase_recorder():
+    """(driver, sampler, phases, mark): the delegate set up in this process, a PeakSampler started, and
+    `mark(name)` appending {phase, t_s since now, host / GPU memory} to `phases`."""
+    from pocketdiff.runtime.delegate import prepare_in_process
+    from pocketdiff.runtime.memory import PeakSampler
+
+    t_start = time.perf_counter()
+    driver = prepare_in_process()
+    sampler, phases = PeakSampler(), []
+
+    def mark(name: str) -> None:
+        phases.append({"phase": name, "t_s": round(time.perf_counter() - t_start, 3), **sampler.mark()})
+
+    return driver, sampler, phases, mark
+
+
 def probe(path: str, options: dict, cache: str | None, key: str) -> dict:
     """One model, one process: the phases with their memory and time. `options` may hold "allocator":
     "trim" (malloc_trim after release) or "tuned" (mmap threshold set first, and trim)."""
     import numpy as np
 
-    from pocketdiff.runtime.delegate import prepare_in_process
     from pocketdiff.runtime.litert_c import CompiledModel, Environment
-    from pocketdiff.runtime.memory import PeakSampler
-
     from pocketdiff.runtime.memory import return_freed_memory, tune_allocator
 
     options = dict(options)
     allocator = options.pop("allocator", None)
     if allocator == "tuned":
         tune_allocator()
-    t_start = time.perf_counter()
-    driver = prepare_in_process()
-    sampler = PeakSampler()
-    phases = []
-
-    def mark(name: str) -> None:
-        phases.append({"phase": name, "t_s": round(time.perf_counter() - t_start, 3), **sampler.mark()})
-
+    driver, sampler, phases, mark = _phase_recorder()
     mark("start")
     env = Environment()
     mark("environment")
@@ -130,19 +136,11 @@ def chain(paths: list[str], options: dict, cache: str | None, key: str) -> dict:
     """A UNet's chunk files in one process, as `run-bundle --pipelined` holds them: compiled one after another in
     one environment (the freed heap returned after each compile), then run in sequence (each fed random inputs of
     its own shapes: memory and time, not values), released together. Phases per chunk."""
-    from pocketdiff.runtime.delegate import prepare_in_process
     from pocketdiff.runtime.litert_c import CompiledModel, Environment
-    from pocketdiff.runtime.memory import PeakSampler, return_freed_memory, tune_allocator
+    from pocketdiff.runtime.memory import return_freed_memory, tune_allocator
 
     tune_allocator()
-    t_start = time.perf_counter()
-    driver = prepare_in_process()
-    sampler = PeakSampler()
-    phases = []
-
-    def mark(name: str) -> None:
-        phases.append({"phase": name, "t_s": round(time.perf_counter() - t_start, 3), **sampler.mark()})
-
+    driver, sampler, phases, mark = _phase_recorder()
     env = Environment()
     mark("environment")
     models = []
