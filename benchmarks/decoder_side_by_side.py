@@ -36,8 +36,9 @@ def _named(model):
 def _rounds(whole, head, up, block: dict, latents: np.ndarray, repeats: int) -> dict:
     from pocketdiff.runtime.onepass_decode import one_pass_decode
 
-    head_fn = lambda z: _named(head)({"latents": z})[0]  # noqa: E731
-    up_fn = lambda x: _named(up)({"features": x})[0]  # noqa: E731
+    head_run, up_run = _named(head), _named(up)
+    head_fn = lambda z: head_run({"latents": z})[0]  # noqa: E731
+    up_fn = lambda x: up_run({"features": x})[0]  # noqa: E731
     tile, overlap, factor, margin = block["tile"], int(block["overlap"]), int(block["factor"]), int(block.get("margin", 0))
 
     def whole_decode():
