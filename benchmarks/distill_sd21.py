@@ -1,5 +1,5 @@
 """SD-2.1 size through `pocketdiff distill` and `pocketdiff prune`: the pieces of
-scripts/gpu/sd21_distill.sh (one GPU) and scripts/gpu/sd21_distill_2gpu.sh (two GPUs).
+scripts/gpu/sd21_distill.sh (one GPU) and scripts/gpu/sd21_distill_ngpu.sh (N GPUs).
 
     python benchmarks/distill_sd21.py teacher DIR [--arch sd21 --resolution 512]
         build an SD-size pipeline with random weights (once) and save it as a diffusers folder
@@ -10,8 +10,8 @@ scripts/gpu/sd21_distill.sh (one GPU) and scripts/gpu/sd21_distill_2gpu.sh (two 
         ours_guided, progressive rounds after it: ours_wcond) and their ratio; disk (du) of the
         run and of each round folder; the largest batch under the memory cap; prune's wall time,
         peak memory, and whether its output loads with our loader
-    python benchmarks/distill_sd21.py scaling --out S.json --one DIR --two DIR [--resumed DIR ...]
-        weak-scaling efficiency per round (2-GPU samples/s / (2 x 1-GPU samples/s)) and the loss
+    python benchmarks/distill_sd21.py scaling --out S.json --one DIR --multi DIR [--resumed DIR ...]
+        weak scaling per round (N-GPU samples/s / (N x 1-GPU samples/s)) and the loss
         trajectories of the resumed runs next to the uninterrupted one
 
 Every number comes from files the verbs wrote (report.json, logs.jsonl), not from this script's
@@ -227,33 +227,40 @@ def window_rate(rows: list[dict], round_index: int, batch, after_step: int):
     return samples / seconds if seconds else None
 
 
-def weak_scaling(one_gpu, two_gpus):
-    """Two processes' samples/s over twice one process's (None when either is missing)."""
-    return two_gpus / (2 * one_gpu) if one_gpu and two_gpus else None
+def weak_scaling(one_gpu, multi_gpu, processes):
+    """N processes' samples/s over N times one process's (None when either is missing)."""
+    return multi_gpu / (processes * one_gpu) if one_gpu and multi_gpu and processes else None
+
+
+def round_rows(one: dict, multi: dict, logs: dict, late: list[int]) -> list[dict]:
+    """Per round: both runs' steady samples/s, the weak scaling, and the same over later log windows."""
+    rounds = []
+    for a, b in zip(one.get("rounds", []), multi.get("rounds", [])):
+        ta, tb = a.get("timing") or {}, b.get("timing") or {}
+        s1, sn, n = ta.get("steady_samples_per_s"), tb.get("steady_samples_per_s"), tb.get("processes")
+        row = {"round": a["round"], "stage": a["stage"], "processes": n, "steps_run": tb.get("steps_run"), "steady_steps": tb.get("steady_steps"),
+               "one_gpu_samples_per_s": s1, "multi_gpu_samples_per_s": sn, "weak_scaling": weak_scaling(s1, sn, n),
+               "one_gpu_peak_gpu_mem_gib": ta.get("peak_gpu_mem_gib"), "multi_gpu_peak_gpu_mem_gib": tb.get("peak_gpu_mem_gib")}
+        for after in late:  # the same ratio over the log windows past a later step (the loop's rate starts at step 3)
+            l1, ln = (window_rate(rows, a["round"], stage_batch(cfg, a["stage"]), after) for rows, cfg in (logs["one"], logs["multi"]))
+            row[f"after_step_{after}"] = {"one_gpu_samples_per_s": l1, "multi_gpu_samples_per_s": ln,
+                                          "weak_scaling": weak_scaling(l1, ln, n)}
+        rounds.append(row)
+    return rounds
 
 
 def scaling(args) -> int:
-    one, two = read(Path(args.one) / "report.json"), read(Path(args.two) / "report.json")
-    logs = {k: (log_rows(Path(d)), read_config(Path(d))) for k, d in (("one", args.one), ("two", args.two))} if args.late else {}
-    rounds = []
-    for a, b in zip(one.get("rounds", []), two.get("rounds", [])):
-        ta, tb = a.get("timing") or {}, b.get("timing") or {}
-        s1, s2 = ta.get("steady_samples_per_s"), tb.get("steady_samples_per_s")
-        rounds.append({"round": a["round"], "stage": a["stage"], "one_gpu_samples_per_s": s1, "two_gpu_samples_per_s": s2,
-                       "two_gpu_processes": tb.get("processes"), "weak_scaling_efficiency": weak_scaling(s1, s2),
-                       "one_gpu_peak_gpu_mem_gib": ta.get("peak_gpu_mem_gib"), "two_gpu_peak_gpu_mem_gib": tb.get("peak_gpu_mem_gib")})
-        for after in args.late or []:  # the same ratio over the log windows past a later step (the loop's rate starts at step 3)
-            l1, l2 = (window_rate(rows, a["round"], stage_batch(cfg, a["stage"]), after) for rows, cfg in (logs["one"], logs["two"]))
-            rounds[-1][f"after_step_{after}"] = {"one_gpu_samples_per_s": l1, "two_gpu_samples_per_s": l2,
-                                                 "weak_scaling_efficiency": weak_scaling(l1, l2)}
+    one, two = read(Path(args.one) / "report.json"), read(Path(args.multi) / "report.json")
+    logs = {k: (log_rows(Path(d)), read_config(Path(d))) for k, d in (("one", args.one), ("multi", args.multi))} if args.late else {}
+    rounds = round_rows(one, two, logs, args.late or [])
     for spec in args.alt or []:  # more 2-GPU runs (other settings) against the same 1-GPU run
         name, _, folder = spec.partition("=")
         alt = read(Path(folder) / "report.json")
         for r, b in zip(rounds, alt.get("rounds", [])):
             tb = b.get("timing") or {}
-            r[f"two_gpu_{name}_samples_per_s"] = tb.get("steady_samples_per_s")
-            r[f"two_gpu_{name}_peak_gpu_mem_gib"] = tb.get("peak_gpu_mem_gib")
-            r[f"weak_scaling_efficiency_{name}"] = weak_scaling(r["one_gpu_samples_per_s"], tb.get("steady_samples_per_s"))
+            r[f"multi_gpu_{name}_samples_per_s"] = tb.get("steady_samples_per_s")
+            r[f"multi_gpu_{name}_peak_gpu_mem_gib"] = tb.get("peak_gpu_mem_gib")
+            r[f"weak_scaling_{name}"] = weak_scaling(r["one_gpu_samples_per_s"], tb.get("steady_samples_per_s"), tb.get("processes"))
     result = {"benchmark": "distill_sd21_scaling", "rounds": rounds, "meta": read(args.meta), "resumes": {}}
     ref = {r["round"]: r["losses"] for r in two.get("rounds", [])}
     for d in args.resumed or []:
@@ -275,13 +282,13 @@ def scaling(args) -> int:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(text + "\n")
     for r in rounds:
-        print(f"[distill_sd21] round {r['round']}: 1 GPU {r['one_gpu_samples_per_s'] or 0:.2f}, 2 GPUs {r['two_gpu_samples_per_s'] or 0:.2f} "
-              f"samples/s, weak-scaling efficiency {r['weak_scaling_efficiency'] or 0:.2f}"
+        print(f"[distill_sd21] round {r['round']}: 1 GPU {r['one_gpu_samples_per_s'] or 0:.2f}, {r['processes']} GPUs "
+              f"{r['multi_gpu_samples_per_s'] or 0:.2f} samples/s, weak scaling {r['weak_scaling'] or 0:.2f}"
               + (f", 1 GPU verb/bench {r['one_gpu_verb_over_bench']:.2f}" if r.get("one_gpu_verb_over_bench") else "")
-              + "".join(f", {k.removeprefix('weak_scaling_efficiency_')} {v:.2f}" for k, v in r.items()
-                        if k.startswith("weak_scaling_efficiency_") and v)
-              + "".join(f", {k} {v['weak_scaling_efficiency']:.2f}" for k, v in r.items()
-                        if k.startswith("after_step_") and v["weak_scaling_efficiency"]))
+              + "".join(f", {k.removeprefix('weak_scaling_')} {v:.2f}" for k, v in r.items()
+                        if k.startswith("weak_scaling_") and v)
+              + "".join(f", {k} {v['weak_scaling']:.2f}" for k, v in r.items()
+                        if k.startswith("after_step_") and v["weak_scaling"]))
     for name, r in result["resumes"].items():
         print(f"[distill_sd21] resume {name}: complete={r['complete']}")
     return 0
@@ -306,12 +313,12 @@ def main(argv=None) -> int:
     c = sub.add_parser("scaling")
     c.add_argument("--out", action="append", required=True)
     c.add_argument("--one", required=True)
-    c.add_argument("--two", required=True)
+    c.add_argument("--multi", "--two", dest="multi", required=True, help="the run under accelerate launch (N processes)")
     c.add_argument("--resumed", action="append")
     c.add_argument("--bench", help="distill_step.py JSON measured on the 1-GPU run's device")
     c.add_argument("--batch", type=int, help="the 1-GPU run's batch (the bench row it is compared with)")
     c.add_argument("--late", type=int, action="append", help="also the rates over the log windows ending after this step")
-    c.add_argument("--alt", action="append", help="NAME=DIR: another 2-GPU run (other settings) against the same 1-GPU run")
+    c.add_argument("--alt", action="append", help="NAME=DIR: another N-GPU run (other settings) against the same 1-GPU run")
     c.add_argument("--meta")
     args = p.parse_args(argv)
     return {"teacher": build_teacher, "summary": summary, "scaling": scaling}[args.cmd](args)

@@ -1,28 +1,29 @@
 #!/usr/bin/env bash
-# Two GPUs (nvidia-h200-x2, <= 9 min), repo root, .whl/ carried:
-#   bash scripts/gpu/sd21_distill_2gpu.sh
+# N GPUs of one host (NGPU=2 default; 4 on a four-GPU machine; <= 9 min), repo root, .whl/ carried:
+#   bash scripts/gpu/sd21_distill_ngpu.sh            NGPU=4 bash scripts/gpu/sd21_distill_ngpu.sh
 # The SD-2.1 distill smoke (configs/sd21/distill_smoke.yaml, eval off) through the verb on one GPU
-# at batch B, then under `accelerate launch --num_processes 2` at global batch 2B (weak scaling:
-# B per GPU); then resume of the 2-GPU run's last round from its checkpoint-3 on ONE GPU, and of
-# that 1-GPU run's checkpoint-3 back on TWO (hardlinked copies of the run folder, the last
-# round's folder and later checkpoints removed). -> $OUT/distill_sd21_2gpu.json (weak-scaling
+# at batch B, then under `accelerate launch --num_processes N` at global batch N*B (weak scaling:
+# B per GPU); then resume of the N-GPU run's last round from its first checkpoint on ONE GPU, and of
+# that 1-GPU run's first checkpoint back on N (hardlinked copies of the run folder, the last
+# round's folder and later checkpoints removed). -> $OUT/$NAME.json (weak-scaling
 # efficiency per round, loss trajectories of the resumed rounds next to the uninterrupted one).
-# Settings by environment: BUDGET=530 ARCH=sd21 RES=512 BATCH=16 (per GPU: the recipe's; 8 is host-bound, README) PY=python3 SKIP_ENV=1 EXTRA=
+# Settings by environment: NGPU=2 BUDGET=530 ARCH=sd21 RES=512 BATCH=16 (per GPU: the recipe's; 8 is host-bound, README) PY=python3 SKIP_ENV=1 EXTRA=
 #   BENCH_VARIANTS=ours_guided,ours_wcond (benchmarks/distill_step.py at batch B on GPU 0 alone first: the
 #   1-GPU run's verb/bench ratio; empty: none) RESUMES=1 (0: no resume runs, the speed figures only)
-#   ALT_TWO=NAME:overrides,... (more 2-GPU runs with overrides joined by ';', e.g. bf16:progressive.train.ddp_comm_hook=bf16:
+#   ALT_TWO=NAME:overrides,... (more N-GPU runs with overrides joined by ';', e.g. bf16:progressive.train.ddp_comm_hook=bf16:
 #   each one's weak-scaling efficiency against the same 1-GPU run) LATE=5,10 (the rates over the log windows past these
-#   steps too: the 2-GPU run's steps 3-5 are still warming up). With progressive.train.profile_steps=N in EXTRA, the last
+#   steps too: the N-GPU run's steps 3-5 are still warming up). With progressive.train.profile_steps=N in EXTRA, the last
 #   round's traces come back as $OUT/${NAME}_trace_<run>_<round>-rank<r>.json.gz (1-GPU rank 0, 2-GPU ranks 0 and 1, each
 #   ALT_TWO run's rank 0; ~6 MB each): python benchmarks/trace_summary.py on them
 set -u
 T0=$SECONDS; BUDGET=${BUDGET:-530}
 left() { echo $(( BUDGET - (SECONDS - T0) )); }
 if [ -z "${SKIP_ENV:-}" ]; then source scripts/gpu/env.sh; else REPO=$PWD; RUNS=${RUNS:-/tmp/runs}; mkdir -p $RUNS; cd $RUNS || exit 1; fi
-PY=${PY:-python3} ARCH=${ARCH:-sd21} RES=${RES:-512} BATCH=${BATCH:-16} EXTRA=${EXTRA:-} NAME=${NAME:-distill_sd21_2gpu}
+NGPU=${NGPU:-2} PY=${PY:-python3} ARCH=${ARCH:-sd21} RES=${RES:-512} BATCH=${BATCH:-16} EXTRA=${EXTRA:-}
+NAME=${NAME:-distill_sd21_${NGPU}gpu}
 ALT_TWO=${ALT_TWO:-} LATE=${LATE:-5,10}
 OUT=${OUT:-$RUNS/out}; mkdir -p $OUT
-L=$RUNS/sd21-2gpu && TEACHER=$RUNS/sd21-teacher-$ARCH-$RES && rm -rf $L && mkdir -p $L || exit 1
+L=$RUNS/sd21-${NGPU}gpu && TEACHER=$RUNS/sd21-teacher-$ARCH-$RES && rm -rf $L && mkdir -p $L || exit 1
 step() {  # step NAME SECONDS CMD...: with a watchdog (at most what is left)
   local name=$1 want=$2 t; shift 2; t=$(left); [ "$t" -gt "$want" ] && t=$want
   if [ "$t" -lt 20 ]; then echo "[$(date +%T)] skip $name: ${t} s left"; return 1; fi
@@ -32,11 +33,11 @@ step() {  # step NAME SECONDS CMD...: with a watchdog (at most what is left)
   return $rc
 }
 # an array, not a shell function: `timeout` (in step) runs programs only
-LAUNCH2=($PY -m accelerate.commands.launch --num_machines 1 --num_processes 2 --dynamo_backend no -m pocketdiff)
+LAUNCH2=($PY -m accelerate.commands.launch --num_machines 1 --num_processes $NGPU --dynamo_backend no -m pocketdiff)
 C="--config $REPO/configs/sd21/distill_smoke.yaml model.pretrained=$TEACHER data.resolution=$RES eval.enabled=false
   keep_round_checkpoints=true guided.train.checkpoint_every=3 progressive.train.checkpoint_every=3
   guided.train.checkpoints_total_limit=3 progressive.train.checkpoints_total_limit=3 $EXTRA"
-b2="guided.train.batch_size=$((2 * BATCH)) progressive.train.batch_size=$((2 * BATCH))"
+b2="guided.train.batch_size=$((NGPU * BATCH)) progressive.train.batch_size=$((NGPU * BATCH))"
 b1="guided.train.batch_size=$BATCH progressive.train.batch_size=$BATCH"
 
 step teacher 150 $PY $REPO/benchmarks/distill_sd21.py teacher $TEACHER --arch $ARCH --resolution $RES || exit 1
@@ -54,7 +55,7 @@ for spec in ${ALT_TWO//,/ }; do
   n=${spec%%:*}; o=${spec#*:}
   step two_$n 200 "${LAUNCH2[@]}" distill --output $L/two_$n $C $b2 ${o//;/ } && ALT+=(--alt "$n=$L/two_$n")
 done
-# resume the 2-GPU run's last round on one GPU (its global batch 2B now on one process: no cap)
+# resume the N-GPU run's last round on one GPU (its global batch N*B now on one process: no cap)
 last=$(ls -d $L/two/round-* 2>/dev/null | sort -V | tail -1)
 if [ -n "$last" ] && [ "${RESUMES:-1}" != 0 ]; then
   r=$(basename $last)
@@ -68,7 +69,7 @@ if [ -n "$last" ] && [ "${RESUMES:-1}" != 0 ]; then
     guided.train.memory_cap_gib=0 progressive.train.memory_cap_gib=0
 fi
 $PY $REPO/benchmarks/distill_sd21.py scaling --out $OUT/$NAME.json \
-  --one $L/one --two $L/two --resumed $L/two_to_one --resumed $L/one_to_two --bench $L/bench.json --batch $BATCH "${ALT[@]}" $(for a in ${LATE//,/ }; do echo --late $a; done)
+  --one $L/one --multi $L/two --resumed $L/two_to_one --resumed $L/one_to_two --bench $L/bench.json --batch $BATCH "${ALT[@]}" $(for a in ${LATE//,/ }; do echo --late $a; done)
 # profiler traces (train.profile_steps in EXTRA) come back on their own: the last round's, one per run and rank
 if [ -n "$last" ]; then
   r=$(basename $last)
