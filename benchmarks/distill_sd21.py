@@ -215,13 +215,14 @@ def summary(args) -> int:
     return 0
 
 
-def window_rate(rows: list[dict], round_index: int, batch, after_step: int):
-    """Samples/s of a run's log windows of round `round_index` that end after `after_step` (checkpoint
-    saves left out, as the loop leaves them out of each row's rate): the rate once later warm-up is over."""
+def window_rate(rows: list[dict], round_index: int, batch, after_step: int, until_step: int | None = None):
+    """Samples/s of a run's log windows of round `round_index` that end after `after_step` (and at or
+    before `until_step`; checkpoint saves left out, as the loop leaves them out of each row's rate): the
+    rate once later warm-up is over."""
     rows = [r for r in rows if r.get("phase") == f"round-{round_index}" and "loss" in r]
     samples = seconds = 0.0
     for prev, row in zip(rows, rows[1:]):
-        if row["step"] > after_step and row.get("samples_per_s") and batch:
+        if row["step"] > after_step and (until_step is None or row["step"] <= until_step) and row.get("samples_per_s") and batch:
             n = (row["step"] - prev["step"]) * batch
             samples, seconds = samples + n, seconds + n / row["samples_per_s"]
     return samples / seconds if seconds else None
@@ -232,7 +233,7 @@ def weak_scaling(one_gpu, multi_gpu, processes):
     return multi_gpu / (processes * one_gpu) if one_gpu and multi_gpu and processes else None
 
 
-def round_rows(one: dict, multi: dict, logs: dict, late: list[int]) -> list[dict]:
+def round_rows(one: dict, multi: dict, logs: dict, late: list[int], windows: list[str]) -> list[dict]:
     """Per round: both runs' steady samples/s, the weak scaling, and the same over later log windows."""
     rounds = []
     for a, b in zip(one.get("rounds", []), multi.get("rounds", [])):
@@ -241,18 +242,20 @@ def round_rows(one: dict, multi: dict, logs: dict, late: list[int]) -> list[dict
         row = {"round": a["round"], "stage": a["stage"], "processes": n, "steps_run": tb.get("steps_run"), "steady_steps": tb.get("steady_steps"),
                "one_gpu_samples_per_s": s1, "multi_gpu_samples_per_s": sn, "weak_scaling": weak_scaling(s1, sn, n),
                "one_gpu_peak_gpu_mem_gib": ta.get("peak_gpu_mem_gib"), "multi_gpu_peak_gpu_mem_gib": tb.get("peak_gpu_mem_gib")}
-        for after in late:  # the same ratio over the log windows past a later step (the loop's rate starts at step 3)
-            l1, ln = (window_rate(rows, a["round"], stage_batch(cfg, a["stage"]), after) for rows, cfg in (logs["one"], logs["multi"]))
-            row[f"after_step_{after}"] = {"one_gpu_samples_per_s": l1, "multi_gpu_samples_per_s": ln,
-                                          "weak_scaling": weak_scaling(l1, ln, n)}
+        spans = [(f"after_step_{after}", after, None) for after in late]  # the loop's own rate starts at step 3
+        spans += [(f"window_{w.replace(':', '_')}", int(w.split(":")[0]), int(w.split(":")[1])) for w in windows]
+        for key, after, until in spans:  # the same ratio over the log windows of a later span of steps
+            l1, ln = (window_rate(rows, a["round"], stage_batch(cfg, a["stage"]), after, until)
+                      for rows, cfg in (logs["one"], logs["multi"]))
+            row[key] = {"one_gpu_samples_per_s": l1, "multi_gpu_samples_per_s": ln, "weak_scaling": weak_scaling(l1, ln, n)}
         rounds.append(row)
     return rounds
 
 
 def scaling(args) -> int:
     one, two = read(Path(args.one) / "report.json"), read(Path(args.multi) / "report.json")
-    logs = {k: (log_rows(Path(d)), read_config(Path(d))) for k, d in (("one", args.one), ("multi", args.multi))} if args.late else {}
-    rounds = round_rows(one, two, logs, args.late or [])
+    logs = {k: (log_rows(Path(d)), read_config(Path(d))) for k, d in (("one", args.one), ("multi", args.multi))} if args.late or args.window else {}
+    rounds = round_rows(one, two, logs, args.late or [], args.window or [])
     for spec in args.alt or []:  # more 2-GPU runs (other settings) against the same 1-GPU run
         name, _, folder = spec.partition("=")
         alt = read(Path(folder) / "report.json")
@@ -288,7 +291,7 @@ def scaling(args) -> int:
               + "".join(f", {k.removeprefix('weak_scaling_')} {v:.2f}" for k, v in r.items()
                         if k.startswith("weak_scaling_") and v)
               + "".join(f", {k} {v['weak_scaling']:.2f}" for k, v in r.items()
-                        if k.startswith("after_step_") and v["weak_scaling"]))
+                        if k.startswith(("after_step_", "window_")) and v["weak_scaling"]))
     for name, r in result["resumes"].items():
         print(f"[distill_sd21] resume {name}: complete={r['complete']}")
     return 0
@@ -318,6 +321,7 @@ def main(argv=None) -> int:
     c.add_argument("--bench", help="distill_step.py JSON measured on the 1-GPU run's device")
     c.add_argument("--batch", type=int, help="the 1-GPU run's batch (the bench row it is compared with)")
     c.add_argument("--late", type=int, action="append", help="also the rates over the log windows ending after this step")
+    c.add_argument("--window", action="append", help="A:B: also the rates over the log windows ending in A < step <= B")
     c.add_argument("--alt", action="append", help="NAME=DIR: another N-GPU run (other settings) against the same 1-GPU run")
     c.add_argument("--meta")
     args = p.parse_args(argv)

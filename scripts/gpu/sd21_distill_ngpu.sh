@@ -9,9 +9,9 @@
 # efficiency per round, loss trajectories of the resumed rounds next to the uninterrupted one).
 # Settings by environment: NGPU=2 BUDGET=530 ARCH=sd21 RES=512 BATCH=16 (per GPU: the recipe's; 8 is host-bound, README) PY=python3 SKIP_ENV=1 EXTRA=
 #   BENCH_VARIANTS=ours_guided,ours_wcond (benchmarks/distill_step.py at batch B on GPU 0 alone first: the
-#   1-GPU run's verb/bench ratio; empty: none) RESUMES=1 (0: no resume runs, the speed figures only)
+#   1-GPU run's verb/bench ratio; empty: none) RESUMES=1 (0: no resume runs, the speed figures only; to_one: N -> 1 only)
 #   ALT_TWO=NAME:overrides,... (more N-GPU runs with overrides joined by ';', e.g. bf16:progressive.train.ddp_comm_hook=bf16:
-#   each one's weak-scaling efficiency against the same 1-GPU run) LATE=5,10 (the rates over the log windows past these
+#   each one's weak-scaling efficiency against the same 1-GPU run) WINDOWS=A:B,... (the rates over the log windows A < step <= B) LATE=5,10 (the rates over the log windows past these
 #   steps too: the N-GPU run's steps 3-5 are still warming up). With progressive.train.profile_steps=N in EXTRA, the last
 #   round's traces come back as $OUT/${NAME}_trace_<run>_<round>-rank<r>.json.gz (1-GPU rank 0, 2-GPU ranks 0 and 1, each
 #   ALT_TWO run's rank 0; ~6 MB each): python benchmarks/trace_summary.py on them
@@ -21,7 +21,7 @@ left() { echo $(( BUDGET - (SECONDS - T0) )); }
 if [ -z "${SKIP_ENV:-}" ]; then source scripts/gpu/env.sh; else REPO=$PWD; RUNS=${RUNS:-/tmp/runs}; mkdir -p $RUNS; cd $RUNS || exit 1; fi
 NGPU=${NGPU:-2} PY=${PY:-python3} ARCH=${ARCH:-sd21} RES=${RES:-512} BATCH=${BATCH:-16} EXTRA=${EXTRA:-}
 NAME=${NAME:-distill_sd21_${NGPU}gpu}
-ALT_TWO=${ALT_TWO:-} LATE=${LATE:-5,10}
+ALT_TWO=${ALT_TWO:-} LATE=${LATE:-5,10} WINDOWS=${WINDOWS:-}
 OUT=${OUT:-$RUNS/out}; mkdir -p $OUT
 L=$RUNS/sd21-${NGPU}gpu && TEACHER=$RUNS/sd21-teacher-$ARCH-$RES && rm -rf $L && mkdir -p $L || exit 1
 step() {  # step NAME SECONDS CMD...: with a watchdog (at most what is left)
@@ -61,15 +61,20 @@ if [ -n "$last" ] && [ "${RESUMES:-1}" != 0 ]; then
   r=$(basename $last)
   # keep only the round's first checkpoint (and the earlier rounds'): --resume latest then restarts mid-round
   keep_first() { ls -d $1/checkpoints/$r/checkpoint-* 2>/dev/null | sort -V | tail -n +2 | xargs -r rm -rf; rm -rf $1/$r; }
-  cp -al $L/two $L/two_to_one && keep_first $L/two_to_one
-  CUDA_VISIBLE_DEVICES=0 step two_to_one 100 $PY -m pocketdiff distill --output $L/two_to_one --resume latest $C $b2 \
+  # a hardlinked copy of run $1 as $2 whose small files (logs.jsonl, report.json: appended or rewritten
+  # in place) are real copies, so the resumed run cannot write into the uninterrupted run's files
+  fork_run() { cp -al $1 $2 && find $2 -type f -size -64M -exec sh -c 'cp -p "$0" "$0.c" && mv "$0.c" "$0"' {} \; && keep_first $2; }
+  fork_run $L/two $L/two_to_one
+  CUDA_VISIBLE_DEVICES=0 step two_to_one 160 $PY -m pocketdiff distill --output $L/two_to_one --resume latest $C $b2 \
     guided.train.memory_cap_gib=0 progressive.train.memory_cap_gib=0
-  cp -al $L/two_to_one $L/one_to_two && keep_first $L/one_to_two
-  step one_to_two 100 "${LAUNCH2[@]}" distill --output $L/one_to_two --resume latest $C $b2 \
-    guided.train.memory_cap_gib=0 progressive.train.memory_cap_gib=0
+  if [ "${RESUMES:-1}" != to_one ]; then
+    fork_run $L/two_to_one $L/one_to_two
+    step one_to_two 160 "${LAUNCH2[@]}" distill --output $L/one_to_two --resume latest $C $b2 \
+      guided.train.memory_cap_gib=0 progressive.train.memory_cap_gib=0
+  fi
 fi
 $PY $REPO/benchmarks/distill_sd21.py scaling --out $OUT/$NAME.json \
-  --one $L/one --multi $L/two --resumed $L/two_to_one --resumed $L/one_to_two --bench $L/bench.json --batch $BATCH "${ALT[@]}" $(for a in ${LATE//,/ }; do echo --late $a; done)
+  --one $L/one --multi $L/two --resumed $L/two_to_one --resumed $L/one_to_two --bench $L/bench.json --batch $BATCH "${ALT[@]}" $(for a in ${LATE//,/ }; do echo --late $a; done) $(for w in ${WINDOWS//,/ }; do echo --window $w; done)
 # profiler traces (train.profile_steps in EXTRA) come back on their own: the last round's, one per run and rank
 if [ -n "$last" ]; then
   r=$(basename $last)
