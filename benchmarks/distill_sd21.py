@@ -7,7 +7,8 @@ scripts/gpu/sd21_distill.sh (one GPU) and scripts/gpu/sd21_distill_ngpu.sh (N GP
         [--default-bench D.json] [--prune DIR] [--meta META.json]
         one JSON: per round the verb's steady samples/s, first step (compilation apart), peak GPU
         memory, next to distill_step.py's matching variant at the same batch (guided stage:
-        ours_guided, progressive rounds after it: ours_wcond) and their ratio; disk (du) of the
+        ours_guided, progressive rounds after it: ours_wcond, a consistency stage: ours_lcm) and
+        their ratio; disk (du) of the
         run and of each round folder; the largest batch under the memory cap; prune's wall time,
         peak memory, and whether its output loads with our loader
     python benchmarks/distill_sd21.py scaling --out S.json --one DIR --multi DIR [--resumed DIR ...]
@@ -49,9 +50,14 @@ def log_rows(run: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
 
+# the config section that trains each stage, and distill_step.py's variant that measures its step
+STAGE_SECTION = {"guided": "guided", "progressive": "progressive", "consistency": "consistency"}
+BENCH_VARIANT = {"guided": "ours_guided", "progressive": "ours_wcond", "consistency": "ours_lcm"}
+
+
 def stage_batch(cfg: dict, stage: str):
-    """The global batch of a distill stage ("guided" or "progressive") in a run's config."""
-    return (((cfg.get("guided") if stage == "guided" else cfg.get("progressive")) or {}).get("train") or {}).get("batch_size")
+    """The global batch of a distill stage ("guided", "progressive" or "consistency") in a run's config."""
+    return ((cfg.get(STAGE_SECTION[stage]) or {}).get("train") or {}).get("batch_size")
 
 
 def du_bytes(*paths) -> int:
@@ -95,7 +101,7 @@ def distill_summary(run: Path, bench: dict) -> dict:
     for r in report.get("rounds", []):
         t = r.get("timing") or {}
         steps_rows = [x for x in rows if x.get("phase") == f"round-{r['round']}" and "loss" in x]
-        variant = "ours_guided" if r["stage"] == "guided" else "ours_wcond"
+        variant = BENCH_VARIANT[r["stage"]]
         entry = {"round": r["round"], "stage": r["stage"], "steps": r["steps"], "train_steps": r["train_steps"],
                  "steady_samples_per_s": t.get("steady_samples_per_s"), "first_step_s": t.get("first_step_s"), "ema_setup_s": t.get("ema_setup_s"),
                  "warmup_steps": t.get("warmup_steps"), "warmup_s": t.get("warmup_s"),
@@ -105,6 +111,8 @@ def distill_summary(run: Path, bench: dict) -> dict:
                  "step_phases": [x for x in rows if x.get("phase") == f"round-{r['round']}" and x.get("event") == "step_phases"]}
         batch = stage_batch(cfg, r["stage"])
         entry["batch"] = batch
+        if r["stage"] == "consistency":  # one stage sampled at several counts: the grids it wrote
+            entry["sampled_steps"] = sorted(int(n) for n in (r.get("eval") or {}))
         ref = _bench_variant(bench, variant, batch) if batch else None
         if ref and entry["steady_samples_per_s"]:
             entry["bench_samples_per_s"] = ref["samples_per_s"]
@@ -112,7 +120,7 @@ def distill_summary(run: Path, bench: dict) -> dict:
             entry["bench_peak_mem_gib"] = ref.get("peak_mem_gib")
         entry["folder_bytes_standalone"] = du_bytes(run / f"round-{r['round']}")
         rounds.append(entry)
-    return {"complete": report.get("complete"), "rounds": rounds, "run_bytes": du_bytes(run),
+    return {"method": report.get("method"), "complete": report.get("complete"), "rounds": rounds, "run_bytes": du_bytes(run),
             "checkpoint_bytes": du_bytes(run / "checkpoints"),
             "peak_gpu_mem_gib": max((x["peak_gpu_mem_gib"] or 0 for x in rounds), default=None)}
 
@@ -200,6 +208,7 @@ def summary(args) -> int:
               f"(bench {r.get('bench_samples_per_s') or 0:.2f}, ratio {r.get('verb_over_bench') or 0:.2f}), "
               f"first step {r['first_step_s'] or 0:.1f} s, peak {r['peak_gpu_mem_gib']} GiB")
     if d:
+        print(f"[distill_sd21] method {d['method']}, peak {d['peak_gpu_mem_gib']} GiB")
         print(f"[distill_sd21] distill run on disk: {d['run_bytes'] / 2**30:.2f} GiB (checkpoints {d['checkpoint_bytes'] / 2**30:.2f} GiB)")
     if "largest_batch_under_cap" in result:
         print(f"[distill_sd21] largest batch under the cap: {result['largest_batch_under_cap']['batch']}")
@@ -276,7 +285,7 @@ def scaling(args) -> int:
     if bench:  # the 1-GPU run's rounds against the benchmark's matching variant, measured before it on the same GPU
         result["bench"] = {"settings": bench.get("settings"), "batch_sweep": bench.get("batch_sweep")}
         for r, a in zip(rounds, one.get("rounds", [])):
-            ref = _bench_variant(bench, "ours_guided" if a["stage"] == "guided" else "ours_wcond", args.batch)
+            ref = _bench_variant(bench, BENCH_VARIANT[a["stage"]], args.batch)
             if ref and r["one_gpu_samples_per_s"]:
                 r["bench_samples_per_s"] = ref["samples_per_s"]
                 r["one_gpu_verb_over_bench"] = r["one_gpu_samples_per_s"] / ref["samples_per_s"]

@@ -23,6 +23,11 @@ process:
 - `ours_cudnn` (optional): `ours` with attention forced onto cuDNN's fused SDPA kernel
   (`torch.nn.attention.sdpa_kernel(SDPBackend.CUDNN_ATTENTION)`) instead of PyTorch's default
   choice (flash attention 2 on Hopper).
+- `ours_lcm` (optional): the consistency stage's step (`distill.method: consistency`, the
+  trainer's `pocketdiff.train.consistency_loss.pair_loss`): one classifier-free-guided teacher
+  evaluation (cond + uncond) and its skipping DDIM step on a 50-point grid, the target network
+  (a float32 copy of the student, no gradient) at the step's end, the student at its start,
+  pseudo-Huber loss, then the target network's EMA update. Same switches as `ours`.
 - `ours_loop` (optional): `ours` through `pocketdiff.train.loop.train_loop` itself (Accelerate
   autocast/backward, gradient-finite check, EMA off), timed between successive steps.
 
@@ -42,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import gc
 import json
 import platform
@@ -58,6 +64,8 @@ use_checkout()
 
 from pocketdiff.models import default_resolution, perturb_norm_affines, scheduler_config, unet_config  # noqa: E402
 from pocketdiff.outputs import write_json  # noqa: E402
+from pocketdiff.train.consistency_loss import PairSettings, pair_loss  # noqa: E402
+from pocketdiff.train.consistency_targets import TargetNetwork, skipping_plan  # noqa: E402
 from pocketdiff.train.distill_targets import (  # noqa: E402
     GuidedTeacher,
     guided_x_target,
@@ -72,8 +80,11 @@ from pocketdiff.train.guidance_embedding import add_guidance_embedding  # noqa: 
 from pocketdiff.train.loop import in_default_layout, use_fused_adamw  # noqa: E402
 from pocketdiff.train.memory import apply_memory_cap, make_optimizer  # noqa: E402
 
-VARIANTS = ("eager", "ours_eager", "ours", "ours_guided", "ours_cudnn", "ours_wcond", "ours_loop")
+VARIANTS = ("eager", "ours_eager", "ours", "ours_guided", "ours_cudnn", "ours_wcond", "ours_lcm", "ours_loop")
 EMBED_DIM = 256  # the student's guidance-embedding width
+# ours_lcm: the consistency recipes' settings (configs/sd21/distill_lcm.yaml)
+LCM = PairSettings("v_prediction", timestep_scaling=10.0, huber_c=0.001, student_embed=EMBED_DIM)
+LCM_SOLVER_STEPS, LCM_TARGET_DECAY = 50, 0.95
 
 
 def build_unet(arch: str, latent: int, seed: int = 0):
@@ -131,6 +142,12 @@ class Batch:
         self.cond = (0.5 * torch.randn(batch, 77, dim, generator=g)).to(device)
         self.uncond = (0.5 * torch.randn(1, 77, dim, generator=g)).to(device)
         self.w = (1.0 + 7.0 * torch.rand(batch, generator=g)).to(device)
+        # ours_lcm: a pair (t_hi -> t_lo) of the skipping grid per sample, z at t_hi
+        lcm = skipping_plan(self.sched, LCM_SOLVER_STEPS)
+        n = torch.randint(0, len(lcm.t_hi), (batch,), generator=g)
+        self.hi = (lcm.t_hi[n].to(device), lcm.a_hi[n].to(device))
+        self.lo = (lcm.t_lo[n].to(device), lcm.a_lo[n].to(device))
+        self.z_hi = noisy_latents(x0, eps, lcm.a_hi[n]).to(device)
 
 
 def eager_step(teacher, student, opt, b: Batch, amp, embed_dim):
@@ -156,18 +173,25 @@ def eager_step(teacher, student, opt, b: Batch, amp, embed_dim):
     return loss
 
 
-def ours_step(teacher: GuidedTeacher, student, opt, b: Batch, amp, embed_dim, channels_last, uncond, guided: bool = False):
+def ours_step(teacher: GuidedTeacher, student, opt, b: Batch, amp, embed_dim, channels_last, uncond, guided: bool = False,
+              lcm_target: TargetNetwork | None = None):
     with amp():
-        if guided:  # round 0: one guided teacher evaluation at t
-            target = guided_x_target(teacher, b.z, b.t, b.a_t, b.cond, uncond.expand_as(b.cond), b.w)
+        if lcm_target is not None:  # the consistency stage (its own pair of timesteps and latents)
+            settings = dataclasses.replace(LCM, channels_last=channels_last, student_embed=embed_dim)
+            loss = pair_loss(student, teacher, lcm_target, settings, b.z_hi, b.hi, b.lo, b.cond, uncond.expand_as(b.cond), b.w)
         else:
-            target = two_step_x_target(teacher, b.z, b.t, b.t_mid, b.a_t, b.a_mid, b.a_prev, b.cond, uncond, b.w)
-        out = student_forward(student, b.z, b.t, b.cond, b.w, channels_last, embed_dim)
-        loss = x_space_loss(out, b.z, b.a_t, target, "v_prediction")
+            if guided:  # round 0: one guided teacher evaluation at t
+                target = guided_x_target(teacher, b.z, b.t, b.a_t, b.cond, uncond.expand_as(b.cond), b.w)
+            else:
+                target = two_step_x_target(teacher, b.z, b.t, b.t_mid, b.a_t, b.a_mid, b.a_prev, b.cond, uncond, b.w)
+            out = student_forward(student, b.z, b.t, b.cond, b.w, channels_last, embed_dim)
+            loss = x_space_loss(out, b.z, b.a_t, target, "v_prediction")
     loss.backward()
     torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
     opt.step()
     opt.zero_grad(set_to_none=True)
+    if lcm_target is not None:  # as train_loop's companion: after every optimizer step
+        lcm_target.after_update(student)
     return loss
 
 
@@ -193,7 +217,8 @@ def with_cudnn_attention(fn):
     return run
 
 
-def step_flops(name, base_unet, teacher_unet, student, opt, nb: int, latent: int, steps: int, device, amp, seed: int = 0):
+def step_flops(name, base_unet, teacher_unet, student, opt, nb: int, latent: int, steps: int, device, amp, seed: int = 0,
+               lcm_target: TargetNetwork | None = None):
     """(FLOPs of one step of variant `name` per sample, FLOPs of one UNet forward per sample):
     eager fp32 modules, math attention, counted on a batch of `nb` (every op is per sample); the
     optimizer step is not counted. `teacher_unet` is copied; `student`'s gradients are cleared."""
@@ -201,7 +226,7 @@ def step_flops(name, base_unet, teacher_unet, student, opt, nb: int, latent: int
     flop_teacher = GuidedTeacher(copy.deepcopy(teacher_unet), "v_prediction", dtype=torch.float32, device=device)
     uncond = None if name == "ours_wcond" else small.uncond
     per_sample = count_flops(lambda: ours_step(flop_teacher, student, opt, small, amp, EMBED_DIM, False, uncond,
-                                               guided=name == "ours_guided")) // nb
+                                               guided=name == "ours_guided", lcm_target=lcm_target)) // nb
     kw = {"timestep_cond": torch.zeros(1, EMBED_DIM, device=device)} if name == "ours_wcond" else {}
     with torch.no_grad():
         fwd = count_flops(lambda: flop_teacher.unet(small.z[:1], small.t[:1], encoder_hidden_states=small.cond[:1], **kw))
@@ -257,8 +282,10 @@ def measure(name, args, base_unet, device, amp_dtype):
     student = make_student(base_unet, embed_dim, device)
     if args.grad_ckpt:
         student.enable_gradient_checkpointing()
+    # ours_lcm: the target network starts as the student, before its layout changes (as in the trainer)
+    lcm_target = TargetNetwork(student, LCM_TARGET_DECAY, device=device) if name == "ours_lcm" else None
     ours = name != "eager"
-    compile_it = name in ("ours", "ours_guided", "ours_cudnn", "ours_wcond", "ours_loop") and args.compile
+    compile_it = name in ("ours", "ours_guided", "ours_cudnn", "ours_wcond", "ours_lcm", "ours_loop") and args.compile
     if ours:  # the trainer's student layout and optimizer; eager: default layout, PyTorch's default AdamW (foreach)
         set_student_layout(student, args.channels_last, compile_it)
     fused = (ours or args.fused_adam) and use_fused_adamw(student.parameters(), device)
@@ -273,7 +300,8 @@ def measure(name, args, base_unet, device, amp_dtype):
         torch.backends.cudnn.benchmark = ours
     teacher_dtype = (amp_dtype or torch.float32) if ours else torch.float32
     uncond = None if name == "ours_wcond" else b.uncond
-    per_sample, fwd = step_flops(name, base_unet, teacher_unet, student, opt, min(2, args.batch), args.latent, args.steps, device, amp)
+    per_sample, fwd = step_flops(name, base_unet, teacher_unet, student, opt, min(2, args.batch), args.latent, args.steps, device, amp,
+                                 lcm_target=lcm_target)
     flops = per_sample * args.batch
     if ours:
         teacher = GuidedTeacher(teacher_unet, "v_prediction", dtype=teacher_dtype, fused_cfg=True,
@@ -282,7 +310,7 @@ def measure(name, args, base_unet, device, amp_dtype):
         if compile_it:
             student.compile(mode=None if args.student_compile_mode == "default" else args.student_compile_mode)
         step = lambda: ours_step(teacher, student, opt, b, amp, embed_dim, args.channels_last, uncond,  # noqa: E731
-                                 guided=name == "ours_guided")
+                                 guided=name == "ours_guided", lcm_target=lcm_target)
         if name == "ours_cudnn":
             step = with_cudnn_attention(step)
     else:
@@ -311,7 +339,8 @@ def measure(name, args, base_unet, device, amp_dtype):
         "variant": name, "step_s": dt, "samples_per_s": args.batch / dt, "tflops_per_s": flops / dt / 1e12,
         "flops_per_step": flops, "flops_per_sample": flops / args.batch, "unet_forward_tflop_per_sample": fwd / 1e12,
         "forward_equivalents_per_sample": flops / args.batch / fwd, "first_step_s": first,
-        "loss": float(loss.detach()), "teacher_passes_per_step": 2 if name == "ours_wcond" else 4,
+        "loss": float(loss.detach()), "teacher_passes_per_step": 2 if name in ("ours_wcond", "ours_lcm") else 4,
+        "target_network_passes_per_step": 1 if name == "ours_lcm" else 0,
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
         "compiled": compile_it, "fused_adam": fused and args.optimizer == "adamw", "optimizer": args.optimizer,
         "grad_ckpt": args.grad_ckpt, "batch": args.batch,
@@ -319,7 +348,7 @@ def measure(name, args, base_unet, device, amp_dtype):
     }
     if args.profile:
         result["profile"] = profile_steps(step, args.profile, device)
-    del teacher, student, opt, step
+    del teacher, student, opt, step, lcm_target
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

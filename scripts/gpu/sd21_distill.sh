@@ -19,6 +19,9 @@
 #     round 8 -> 4 each at batch $BATCH, 8 steps, no checkpoint: which setting costs the verb its speed against the bench)
 #   DISTILL_CONFIG=configs/sd21/distill_smoke.yaml (step 2's recipe; configs/sd21/distill.yaml with EXTRA_DISTILL="data.source=shapes
 #     guided.train.max_steps=4 ..." runs the whole recipe's rounds and checkpoint rotation in a few steps each: its peak disk)
+#   DISTILL_CONFIG=configs/sd21/distill_lcm_smoke.yaml: a recipe with `method: consistency` (read from the file) gets BATCH and CAP in
+#     its consistency.train section, BENCH_VARIANTS=ours_lcm (the consistency step) and PARTS=distill,bench by default (prune,
+#     vsweep, default and ablate are the progressive smoke's)
 #   SKIP_ENV=1: no env.sh (a CPU dry run of the logic with tiny settings, see README "SD-2.1 size")
 set -u
 T0=$SECONDS; BUDGET=${BUDGET:-530}
@@ -26,7 +29,14 @@ left() { echo $(( BUDGET - (SECONDS - T0) )); }
 if [ -z "${SKIP_ENV:-}" ]; then source scripts/gpu/env.sh; else REPO=$PWD; RUNS=${RUNS:-/tmp/runs}; mkdir -p $RUNS; cd $RUNS || exit 1; fi
 PY=${PY:-python3} ARCH=${ARCH:-sd21} RES=${RES:-512} BATCH=${BATCH:-8} CAP=${CAP:-24} SWEEP=${SWEEP:-8,16,24,32} VSWEEP=${VSWEEP:-16,24,32}
 NAME=${NAME:-distill_sd21} LATENT=${LATENT:-$((RES / 8))} BENCH_OPT=${BENCH_OPT:-adamw8bit} BENCH_LIB=${BENCH_LIB:-bitsandbytes}
+DISTILL_CONFIG=${DISTILL_CONFIG:-configs/sd21/distill_smoke.yaml}
+if grep -q '^method: *consistency' $REPO/$DISTILL_CONFIG; then  # one consistency stage, its own train section and bench variant
+  STAGES=consistency; BENCH_VARIANTS=${BENCH_VARIANTS:-ours_lcm}; PARTS=${PARTS:-distill,bench}
+else
+  STAGES="guided progressive"; BENCH_VARIANTS=${BENCH_VARIANTS:-ours_guided,ours_wcond}
+fi
 EXTRA_DISTILL=${EXTRA_DISTILL:-} EXTRA_PRUNE=${EXTRA_PRUNE:-} PARTS=${PARTS:-distill,bench,prune,vsweep,default}  # more key=value overrides per verb (CPU dry runs)
+STAGE_OVR=$(for s in $STAGES; do echo -n "$s.train.batch_size=$BATCH $s.train.memory_cap_gib=$CAP "; done)  # step 2's batch and cap
 OUT=${OUT:-$RUNS/out}; mkdir -p $OUT
 L=$RUNS/sd21-$NAME && TEACHER=$RUNS/sd21-teacher-$ARCH-$RES && rm -rf $L && mkdir -p $L || exit 1
 META=$L/meta.json; echo "{}" > $META
@@ -61,9 +71,8 @@ meta teacher_bytes $(du -sb $TEACHER | cut -f1)
 # 2. distill through the verb, disk and GPU memory sampled
 if want distill; then
 w1=$(watch_disk $L/distill distill); g1=$(watch_gpu distill)
-step distill ${DISTILL_S:-270} $PY -m pocketdiff distill --config $REPO/${DISTILL_CONFIG:-configs/sd21/distill_smoke.yaml} --output $L/distill \
-  model.pretrained=$TEACHER data.resolution=$RES guided.train.batch_size=$BATCH progressive.train.batch_size=$BATCH \
-  guided.train.memory_cap_gib=$CAP progressive.train.memory_cap_gib=$CAP $EXTRA_DISTILL
+step distill ${DISTILL_S:-270} $PY -m pocketdiff distill --config $REPO/$DISTILL_CONFIG --output $L/distill \
+  model.pretrained=$TEACHER data.resolution=$RES $STAGE_OVR $EXTRA_DISTILL
 kill $w1 $g1 2>/dev/null
 v=$(sort -n $L/distill.du 2>/dev/null | tail -1); meta distill_peak_disk_bytes "${v:-null}"; meta distill_nvidia_smi_peak_mib "$(gpu_peak distill)"
 fi
@@ -71,7 +80,7 @@ fi
 # 3. the benchmark's matching variants and the batch sweep under the same cap; then the defaults without a cap
 if want bench; then
 (cd $REPO/benchmarks && step bench ${BENCH_S:-150} $PY distill_step.py --out $L/bench.json --arch $ARCH --latent $LATENT \
-  --variants ${BENCH_VARIANTS:-ours_guided,ours_wcond} --compile off --grad-ckpt --optimizer $BENCH_OPT --optimizer-lib $BENCH_LIB --memory-cap-gib $CAP \
+  --variants $BENCH_VARIANTS --compile off --grad-ckpt --optimizer $BENCH_OPT --optimizer-lib $BENCH_LIB --memory-cap-gib $CAP \
   --batches $SWEEP --iters 4 --warmup 2)
 fi
 # 3a. ablations through the verb at the distill run's batch
