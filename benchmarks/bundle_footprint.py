@@ -132,10 +132,11 @@ def probe(path: str, options: dict, cache: str | None, key: str) -> dict:
             "cache_files": sorted(f"{p.name}:{p.stat().st_size}" for p in Path(cache).iterdir()) if cache else None}
 
 
-def chain(paths: list[str], options: dict, cache: str | None, key: str) -> dict:
+def chain(paths: list[str], options: dict, cache: str | None, key: str, settle: bool = False) -> dict:
     """A UNet's chunk files in one process, as `run-bundle --pipelined` holds them: compiled one after another in
-    one environment (the freed heap returned after each compile), then run in sequence (each fed random inputs of
-    its own shapes: memory and time, not values), released together. Phases per chunk."""
+    one environment (the freed heap returned after each compile; `settle`: each chunk also run once right after
+    its compile, as the runner does), then run in sequence (each fed random inputs of its own shapes: memory and
+    time, not values), released together. Phases per chunk."""
     from pocketdiff.runtime.litert_c import CompiledModel, Environment
     from pocketdiff.runtime.memory import return_freed_memory, tune_allocator
 
@@ -151,6 +152,9 @@ def chain(paths: list[str], options: dict, cache: str | None, key: str) -> dict:
             Path(cache).mkdir(parents=True, exist_ok=True)
             opts.update(serialization_dir=str(cache), model_cache_key=f"{key}-{stem}")
         models.append((stem, CompiledModel(path, env, opts, on_phase=lambda ph, stem=stem: mark(f"{stem}.{ph}"))))
+        if settle:
+            models[-1][1].run(_feeds(models[-1][1].inputs))
+            mark(f"{stem}.settled")
         return_freed_memory()
         mark(f"{stem}.trimmed")
     feeds = [_feeds(m.inputs) for _, m in models]
@@ -278,6 +282,7 @@ def main(argv=None) -> int:
     c.add_argument("--options", default="{}")
     c.add_argument("--cache")
     c.add_argument("--key", default="chain")
+    c.add_argument("--settle", action="store_true", help="run each chunk once right after its compile (the runner does)")
     c.add_argument("--out", required=True)
     m = sub.add_parser("matrix")
     m.add_argument("model")
@@ -300,7 +305,7 @@ def main(argv=None) -> int:
         Path(a.out).write_text(json.dumps({"rows": rows}, indent=1))
         return 0
     if a.cmd == "chain":
-        row = chain(a.models, json.loads(a.options), a.cache, a.key)
+        row = chain(a.models, json.loads(a.options), a.cache, a.key, settle=a.settle)
         Path(a.out).write_text(json.dumps({"device": os.environ.get("DEVICE_NAME"), "rows": [row]}, indent=1))
         print(json.dumps({k: row.get(k) for k in ("models", "load_s", "host_peak_mb", "gpu_peak_mb", "steady_run_s")}))
         return 0

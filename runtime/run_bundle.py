@@ -407,11 +407,21 @@ class BundleRunner:
         for name in self.unet_parts:
             fresh = name not in self.loaded
             parts.append(self._load(name, latency))
-            if fresh and self.pipelined and len(self.unet_parts) > 1:
-                return_freed_memory()
+            if fresh and self.accelerator == "gpu" and len(self.unet_parts) > 1:
+                self._settle(name, parts[-1])
+                if self.pipelined:
+                    return_freed_memory()
         if len(parts) > 1 and all(f"{n}_load" in latency for n in self.unet_parts):
             latency["unet_load"] = float(sum(latency[f"{n}_load"] for n in self.unet_parts))
         return parts
+
+    def _settle(self, name: str, model: "_Loaded") -> None:
+        """One run of a fresh UNet chunk on zeros, before the next chunk compiles: LiteRT's GPU accelerator
+        keeps its host copies of a model's weights until the model's first run, so settling each chunk
+        keeps them from piling up under the next compile (the run's output is discarded)."""
+        model.run_all({n: np.zeros(d["shape"], _np_dtype(d["dtype"])) for n, d in model.in_details.items()})
+        model.run_s.pop()  # not a step: the latency report counts the sampling runs only
+        self._mark(name, "settled")
 
     def _decode(self, x: np.ndarray, latency: dict, stats: dict) -> np.ndarray:
         decoder = self.decoder

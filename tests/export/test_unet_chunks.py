@@ -163,6 +163,8 @@ def test_pipelined_compiles_one_chunk_at_a_time_and_keeps_them_for_every_step(bu
         assert phases[i + 1] == (phases[i][0], "compiled"), phases
     chunks = ["unet.0", "unet.1"]
     assert [c for c, ph in phases if ph == "compiled" and c in chunks] == chunks
+    # each chunk settled (one run on zeros, the accelerator's host copies let go) before the next one opens
+    assert phases.index(("unet.0", "compiled")) < phases.index(("unet.0", "settled")) < phases.index(("unet.1", "opened"))
     first_runs = [phases.index((c, "first_run")) for c in chunks]
     assert max(phases.index((c, "compiled")) for c in chunks) < min(first_runs)  # both resident before the first step
     assert all(phases.index((c, "released")) > phases.index(("unet.1", "steady_run")) for c in chunks)
