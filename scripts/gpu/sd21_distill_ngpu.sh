@@ -61,9 +61,9 @@ if [ -n "$last" ] && [ "${RESUMES:-1}" != 0 ]; then
   r=$(basename $last)
   # keep only the round's first checkpoint (and the earlier rounds'): --resume latest then restarts mid-round
   keep_first() { ls -d $1/checkpoints/$r/checkpoint-* 2>/dev/null | sort -V | tail -n +2 | xargs -r rm -rf; rm -rf $1/$r; }
-  # a hardlinked copy of run $1 as $2 whose small files (logs.jsonl, report.json: appended or rewritten
-  # in place) are real copies, so the resumed run cannot write into the uninterrupted run's files
-  fork_run() { cp -al $1 $2 && find $2 -type f -size -64M -exec sh -c 'cp -p "$0" "$0.c" && mv "$0.c" "$0"' {} \; && keep_first $2; }
+  # a hardlinked copy of run $1 as $2 whose small files (logs.jsonl: appended in place) are real copies, so the
+  # resumed run cannot write into the uninterrupted run's files; no report.json until the resumed run writes its own
+  fork_run() { cp -al $1 $2 && find $2 -type f -size -64M -exec sh -c 'cp -p "$0" "$0.c" && mv "$0.c" "$0"' {} \; && rm -f $2/report.json && keep_first $2; }
   fork_run $L/two $L/two_to_one
   CUDA_VISIBLE_DEVICES=0 step two_to_one 160 $PY -m pocketdiff distill --output $L/two_to_one --resume latest $C $b2 \
     guided.train.memory_cap_gib=0 progressive.train.memory_cap_gib=0
