@@ -8,6 +8,8 @@
 # the 8 x 8 latent). Only its files that differ from smoke_bundle's are kept there (the text
 # encoder, UNet, time embedding and tokenizer are byte-identical); tests/web/conftest.py puts
 # the two together, and the manifest's sha256 refuses a mix from different rebuilds.
+# And tests/web/smoke_bundle_chunked: the same recipe with the UNet in two chunks (unet_chunks=2), kept
+# the same way (its manifest, goldens, chunks and whatever else differs).
 # Rerun after a change to the bundle format (tests/web fail on a manifest they cannot read).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -20,13 +22,17 @@ TILING=(vae_tiling.enabled=true vae_tiling.scheme=one_pass vae_tiling.passes=1 v
         vae_tiling.tile=6 vae_tiling.overlap=2 vae_tiling.margin=1 vae_tiling.min_psnr_db=30)
 .venv/bin/pocketdiff export "${RECIPE[@]}" --output "$TMP/bundle"
 .venv/bin/pocketdiff export "${RECIPE[@]}" "${TILING[@]}" --output "$TMP/tiled"
-for B in bundle tiled; do rm -rf "$TMP/$B/_export" "$TMP/$B/report.json" "$TMP/$B/logs" "$TMP/$B/.pocketdiff-output.json"; done
+.venv/bin/pocketdiff export "${RECIPE[@]}" unet_chunks=2 --output "$TMP/chunked"
+for B in bundle tiled chunked; do rm -rf "$TMP/$B/_export" "$TMP/$B/report.json" "$TMP/$B/logs" "$TMP/$B/.pocketdiff-output.json"; done
 DST=tests/web/smoke_bundle
 find "$DST" -mindepth 1 -maxdepth 1 ! -name README.md -exec rm -rf {} +
 cp -r "$TMP/bundle/." "$DST/"
-TILED=tests/web/smoke_bundle_tiled
-find "$TILED" -mindepth 1 -maxdepth 1 ! -name README.md -exec rm -rf {} +
-(cd "$TMP/tiled" && find . -type f) | while read -r f; do
-  if ! cmp -s "$TMP/tiled/$f" "$DST/$f"; then mkdir -p "$(dirname "$TILED/$f")" && cp "$TMP/tiled/$f" "$TILED/$f"; fi
+for B in tiled chunked; do
+  TWIN=tests/web/smoke_bundle_$B
+  find "$TWIN" -mindepth 1 -maxdepth 1 ! -name README.md -exec rm -rf {} +
+  (cd "$TMP/$B" && find . -type f) | while read -r f; do
+    if ! cmp -s "$TMP/$B/$f" "$DST/$f"; then mkdir -p "$(dirname "$TWIN/$f")" && cp "$TMP/$B/$f" "$TWIN/$f"; fi
+  done
+  echo "rebuilt $TWIN ($(du -sh "$TWIN" | cut -f1), the rest from $DST)"
 done
-echo "rebuilt $DST ($(du -sh "$DST" | cut -f1)) and $TILED ($(du -sh "$TILED" | cut -f1), the rest from $DST)"
+echo "rebuilt $DST ($(du -sh "$DST" | cut -f1))"

@@ -1,6 +1,6 @@
-"""Shared fixtures of the web tests: the shipped smoke bundles (tests/web/smoke_bundle and its
-tiled-decoder twin smoke_bundle_tiled, made by `pocketdiff export`, see their READMEs) copied to a
-temporary folder, node and Chromium."""
+"""Shared fixtures of the web tests: the shipped smoke bundles (tests/web/smoke_bundle and its twins
+smoke_bundle_tiled, tiled decoder, and smoke_bundle_chunked, UNet in two chunks; made by `pocketdiff
+export`, see their READMEs) copied to a temporary folder, node and Chromium."""
 from __future__ import annotations
 
 import shutil
@@ -11,6 +11,7 @@ import pytest
 HERE = Path(__file__).resolve().parent
 SMOKE_BUNDLE = HERE / "smoke_bundle"
 TILED_SMOKE_BUNDLE = HERE / "smoke_bundle_tiled"
+CHUNKED_SMOKE_BUNDLE = HERE / "smoke_bundle_chunked"
 
 
 @pytest.fixture
@@ -21,26 +22,37 @@ def smoke_bundle(tmp_path) -> Path:
     return dst
 
 
-def assemble_tiled_smoke_bundle(dst: Path) -> Path:
-    """The one-pass tiled smoke bundle in `dst`: its manifest's files from smoke_bundle_tiled where
-    they are there, else from smoke_bundle (the files the two share are kept once)."""
+def assemble_twin_bundle(twin: Path, dst: Path) -> Path:
+    """A twin smoke bundle (`twin`: smoke_bundle_tiled or smoke_bundle_chunked) in `dst`: its manifest's
+    files from `twin` where they are there, else from smoke_bundle (the files they share are kept once)."""
     import json
 
-    man = json.loads((TILED_SMOKE_BUNDLE / "manifest.json").read_text())
+    man = json.loads((twin / "manifest.json").read_text())
     entries = [*man["tokenizer"]["files"].values(), *([man["time_embedding"]] if man.get("time_embedding") else [])]
-    for comp in man["components"].values():
-        entries += [comp, *([comp["golden"]] if comp.get("golden") else [])]
+    for comp in [*man["components"].values(), *([man["unet_chunks"]] if man.get("unet_chunks") else [])]:
+        entries += [*([comp] if comp.get("path") else []), *([comp["golden"]] if comp.get("golden") else [])]
     for rel in ["manifest.json", "config.yaml", *(e["path"] for e in entries)]:
-        src = TILED_SMOKE_BUNDLE / rel if (TILED_SMOKE_BUNDLE / rel).is_file() else SMOKE_BUNDLE / rel
+        src = twin / rel if (twin / rel).is_file() else SMOKE_BUNDLE / rel
         (dst / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(src, dst / rel)
     return dst
+
+
+def assemble_tiled_smoke_bundle(dst: Path) -> Path:
+    """The one-pass tiled smoke bundle in `dst`."""
+    return assemble_twin_bundle(TILED_SMOKE_BUNDLE, dst)
 
 
 @pytest.fixture(scope="session")
 def assemble_tiled():
     """`assemble_tiled_smoke_bundle` for module-scoped fixtures (tests/ is not a package)."""
     return assemble_tiled_smoke_bundle
+
+
+@pytest.fixture(scope="session")
+def assemble_chunked():
+    """The chunked-UNet smoke bundle (unet.0, unet.1) assembled in a folder, for module-scoped fixtures."""
+    return lambda dst: assemble_twin_bundle(CHUNKED_SMOKE_BUNDLE, dst)
 
 
 @pytest.fixture(scope="session")

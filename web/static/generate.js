@@ -1,5 +1,6 @@
 // One prompt through the bundle, pipelined as `run-bundle --pipelined` (a tiled decoder as tiled.js).
 import { BundleError, Component, ddimStep, pageNoise, parity, toHwc } from './pipeline.js';
+import { runUnet } from './chunks.js';
 import { lcmStep, renoise } from './lcm.js';
 import { onePassDecode } from './tiled.js';
 
@@ -51,11 +52,11 @@ export async function generate(bundle, opts) {
     if (!g) { golden[c.name] = { skipped: 'the manifest has no golden vectors for this component' }; return; }
     const feeds = {};
     for (const [k, v] of Object.entries(g)) if (k.startsWith('input_')) feeds[k.slice(6)] = v;
-    const out = await c.run(feeds);
+    const outs = await c.runAll(feeds);
     const firstRunMs = c.runMs.pop(); // golden runs are not part of the generation latency
     const precision = c.accelerator === 'webgpu' ? 'fp16' : 'fp32';
     const tol = man.components[c.name].golden.tolerances?.[precision] || {};
-    const m = parity(g.output_0.data, out.data);
+    const m = worstParity(outs.map((o, i) => parity(g[`output_${i}`].data, o.data))); // a UNet chunk has several outputs
     const pass = m.finite && m.cosine >= (tol.cosine_min ?? 0.999) && m.psnr_db >= (tol.psnr_min_db ?? 30);
     // the first run of a compiled model also builds its GPU pipelines (shader compilation)
     golden[c.name] = { ...m, precision, tolerances: tol, pass, first_run_ms: firstRunMs };
@@ -64,14 +65,14 @@ export async function generate(bundle, opts) {
   // text encoder and UNet download together; the text encoder compiles, runs and is released
   // before the UNet compiles (one model compiling at a time on the page's thread)
   const teFetch = Component.fetch(bundle, 'text_encoder');
-  // the UNet stays resident between prompts (as run-bundle --pipelined keeps it)
+  // the UNet (its chunks, one after another) stays resident between prompts (as run-bundle --pipelined keeps it)
   let kept = bundle.residentUnet;
-  if (kept && kept.accelerator !== opts.accelerator) {
-    kept.release();
+  if (kept && kept[0].accelerator !== opts.accelerator) {
+    for (const c of kept) c.release();
     kept = bundle.residentUnet = null;
   }
-  const unetFetch = kept ? null : Component.fetch(bundle, 'unet');
-  if (unetFetch) unetFetch.catch(() => {}); // awaited below; an early failure must not go unhandled
+  const unetFetch = kept ? null : bundle.unetParts.map((name) => Component.fetch(bundle, name));
+  for (const p of unetFetch || []) p.catch(() => {}); // awaited below; an early failure must not go unhandled
   const text = {};
   const te = await Component.compile(teFetch, opts.accelerator);
   record(te);
@@ -84,18 +85,23 @@ export async function generate(bundle, opts) {
   } finally {
     te.release();
   }
-  const unet = kept ?? await Component.compile(unetFetch, opts.accelerator);
+  const unet = kept ?? [];
   bundle.residentUnet = null; // held by this call until it ends
-  if (kept) {
-    unet.fetchMs = 0;
-    unet.compileMs = 0;
-    unet.runMs = [];
-  }
-  record(unet);
-  stages.unet.resident = Boolean(kept);
   let decoderP = null;
   try {
-    await checkGolden(unet);
+    if (!kept) for (const p of unetFetch) unet.push(await Component.compile(p, opts.accelerator));
+    for (const c of unet) {
+      if (kept) {
+        c.fetchMs = 0;
+        c.compileMs = 0;
+        c.runMs = [];
+      }
+      record(c);
+      stages[c.name].resident = Boolean(kept);
+    }
+    for (const c of unet) await checkGolden(c);
+    const declared = Object.fromEntries(unet.map((c) => [c.name, man.components[c.name].outputs]));
+    const stepMs = [];
     const h = text.cond.shape;
     let ehs = text.cond.data;
     let ehsShape = h;
@@ -137,7 +143,8 @@ export async function generate(bundle, opts) {
       } else {
         feeds.timestep = { data: new Float32Array(B).fill(t), shape: [B] };
       }
-      const res = await unet.run(feeds);
+      const res = await runUnet(unet, feeds, declared);
+      stepMs.push(unet.reduce((a, c) => a + c.runMs[c.runMs.length - 1], 0));
       let out = res.data;
       if (B === 2) {
         out = new Float32Array(n);
@@ -152,12 +159,14 @@ export async function generate(bundle, opts) {
         const aPrev = prev >= 0 ? sched.alphas_cumprod[prev] : sched.final_alpha_cumprod;
         x = ddimStep(x, out, aT, aPrev, sched.prediction_type);
       }
-      if (opts.onStep) opts.onStep(i + 1, ts.length, unet.runMs[unet.runMs.length - 1]);
+      if (opts.onStep) opts.onStep(i + 1, ts.length, stepMs[stepMs.length - 1]);
     }
-    stages.unet.run_ms = unet.runMs.reduce((a, b) => a + b, 0);
-    latency.unet_steps_ms = unet.runMs.slice();
-    latency.unet_step_mean_ms = stages.unet.run_ms / Math.max(1, unet.runMs.length);
-    note('unet', stages.unet);
+    for (const c of unet) {
+      stages[c.name].run_ms = c.runMs.reduce((a, b) => a + b, 0);
+      note(c.name, stages[c.name]);
+    }
+    latency.unet_steps_ms = stepMs;
+    latency.unet_step_mean_ms = stepMs.reduce((a, b) => a + b, 0) / Math.max(1, stepMs.length);
 
     // the decoder's models compile one after the other, run, and are released together (run-bundle --pipelined)
     const decs = [];
@@ -183,6 +192,16 @@ export async function generate(bundle, opts) {
     if (opts.goldens) latency.golden_checks_ms = goldenMs;
     return { image, tokens: enc, stages, golden, latency };
   } finally {
-    bundle.residentUnet = unet; // the text encoder and decoder were released after use
+    bundle.residentUnet = unet.length === bundle.unetParts.length ? unet : null; // the text encoder and decoder were released after use
+    if (!bundle.residentUnet) for (const c of unet) c.release(); // a chunk failed to compile: none is kept
   }
+}
+
+/** The worst of several outputs' parity (a UNet chunk returns the stream and the skip connections). */
+function worstParity(ms) {
+  if (ms.some((m) => !m.finite)) return ms.find((m) => !m.finite);
+  return {
+    finite: true, nonfinite: 0, cosine: Math.min(...ms.map((m) => m.cosine)),
+    psnr_db: Math.min(...ms.map((m) => m.psnr_db)), max_abs: Math.max(...ms.map((m) => m.max_abs)),
+  };
 }

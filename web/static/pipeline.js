@@ -2,8 +2,9 @@
 // on LiteRT.js. Every file is checked against the manifest's sha256 before use; DDIM with the
 // manifest's timesteps and alphas (or the lcm step, lcm.js); classifier-free guidance in one batch-2 UNet call or the
 // student's embedded guidance; the time embedding looked up in the bundle's table when it was
-// computed outside the graph. Pipelined loading as run-bundle --pipelined: the text encoder
-// loads and runs while the UNet compiles and is released after; the decoder (or the tiled
+// computed outside the graph; a UNet in chunks run in sequence (chunks.js). Pipelined loading as
+// run-bundle --pipelined: the text encoder loads and runs while the UNet downloads and is released
+// before the UNet compiles; the decoder (or the tiled
 // decoder's head and up tile, tiled.js) loads during the last denoising step.
 import { loadAndCompile, Tensor } from '@litertjs/core';
 import { ClipBpe } from './bpe.js';
@@ -11,6 +12,7 @@ import { parseNpy, parseNpz } from './npy.js';
 import { sha256Hex } from './sha256.js';
 import { schedulerProblem } from './lcm.js';
 import { TILED_DECODER, tilingProblem } from './tiled.js';
+import { unetParts, unetPartsProblem } from './chunks.js';
 
 export class BundleError extends Error {}
 
@@ -48,11 +50,9 @@ export class Bundle {
     const text = new TextDecoder().decode(await this.fetchBytes('manifest.json', 'manifest'));
     const man = JSON.parse(text);
     if (man.schema !== 'pocketdiff-bundle') throw new BundleError('manifest.json: not a pocketdiff bundle manifest');
-    if (man.unet_chunks) {
-      const parts = Array.isArray(man.unet_chunks.components) ? man.unet_chunks.components : [];
-      throw new BundleError(`bundle: the UNet is exported in ${parts.length} chunks (unet_chunks: ${parts.join(', ')}); the page runs a whole UNet only: export it with unet_chunks: 1`);
-    }
-    if (man.schema_version !== 1) throw new BundleError(`manifest.json: schema version ${man.schema_version} is not supported (expected 1)`);
+    const layoutProblem = unetPartsProblem(man);
+    if (layoutProblem) throw new BundleError(layoutProblem);
+    this.unetParts = unetParts(man); // ['unet'], or the chunks unet.0, unet.1, ... (chunks.js)
     const schedProblem = schedulerProblem(man.scheduler);
     if (schedProblem) throw new BundleError(schedProblem);
     if (man.vae_tiling) {
@@ -60,7 +60,7 @@ export class Bundle {
       if (problem) throw new BundleError(problem);
     }
     this.decoder = man.vae_tiling ? TILED_DECODER : ['vae_decoder'];
-    for (const need of ['text_encoder', 'unet', ...this.decoder]) {
+    for (const need of ['text_encoder', ...this.unetParts, ...this.decoder]) {
       if (!man.components?.[need]) throw new BundleError(`bundle: has no ${need} (exported with components=${Object.keys(man.components || {})})`);
     }
     this.man = man;
@@ -104,8 +104,13 @@ export class Component {
     return c;
   }
 
-  /** feeds: name -> {data: TypedArray, shape}; returns {data: Float32Array, shape}. */
+  /** feeds: name -> {data: TypedArray, shape}; returns the first output, {data: Float32Array, shape}. */
   async run(feeds) {
+    return (await this.runAll(feeds))[0];
+  }
+
+  /** Every output, in the model's order: [{data: Float32Array, shape}]. */
+  async runAll(feeds) {
     const names = Object.keys(feeds);
     const inputs = [];
     try {
@@ -123,12 +128,12 @@ export class Component {
       let dev = inputs;
       if (this.accelerator === 'webgpu') dev = await Promise.all(inputs.map((t) => t.copyTo('webgpu')));
       const outs = await this.model.run(dev);
-      const out = outs[0].accelerator === 'wasm' ? outs[0] : await outs[0].copyTo('wasm');
-      const data = Float32Array.from(out.toTypedArray());
+      const host = await Promise.all(outs.map((o) => (o.accelerator === 'wasm' ? o : o.copyTo('wasm'))));
+      const details = this.model.getOutputDetails();
+      const results = host.map((o, i) => ({ data: Float32Array.from(o.toTypedArray()), shape: Array.from(details[i].shape) }));
       this.runMs.push(performance.now() - t0);
-      const shape = Array.from(this.model.getOutputDetails()[0].shape);
-      for (const t of new Set([...dev, ...outs, out])) if (!t.deleted) t.delete();
-      return { data, shape };
+      for (const t of new Set([...dev, ...outs, ...host])) if (!t.deleted) t.delete();
+      return results;
     } finally {
       for (const t of inputs) if (!t.deleted) t.delete();
     }

@@ -1,0 +1,54 @@
+"""The page's check mode on the chunked-UNet smoke bundle (tests/web/smoke_bundle_chunked: export
+unet_chunks=2, schema_version 2) in headless Chromium: unet.0 and unet.1 compile one after another, run
+in sequence with their tensors passed by name (web/static/chunks.js), each passes its golden (every
+output of unet.0: the stream and the skip connections), and the image matches run-bundle's from the same
+latents at >= 40 dB; a malformed chunk block is refused naming the field."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pocketdiff.web.headless import check_page
+from pocketdiff.web.page import PageConfig, write_page
+
+MIN_IMAGE_PSNR_DB = 40.0
+ORDER = ["text_encoder", "unet.0", "unet.1", "vae_decoder"]  # loaded (and reported) in this order
+
+
+@pytest.fixture(scope="module")
+def checked(tmp_path_factory, chromium, assemble_chunked):
+    bundle = assemble_chunked(tmp_path_factory.mktemp("web_chunked") / "bundle")
+    write_page(PageConfig(bundle=str(bundle)))  # the reference image: run-bundle's, the chunks in sequence
+    ref = json.loads((bundle / "web/reference/reference.json").read_text())
+    result = check_page(bundle, prompt=ref["prompt"], seed=ref["seed"], timeout_s=600, executable=chromium,
+                        min_image_psnr=MIN_IMAGE_PSNR_DB)
+    return {"bundle": bundle, "result": result, "manifest": json.loads((bundle / "manifest.json").read_text())}
+
+
+def test_chunked_bundle_check_mode_passes_on_webgpu(checked):
+    r, man = checked["result"], checked["manifest"]
+    assert man["schema_version"] == 2 and man["unet_chunks"]["components"] == ["unet.0", "unet.1"]
+    assert "unet" not in man["components"] and len(man["components"]["unet.0"]["outputs"]) > 1
+    assert r["ok"] is True, r.get("failures") or r.get("error")
+    assert r["accelerator"] == "webgpu"
+    assert list(r["components"]) == ORDER
+    for name, c in r["components"].items():
+        assert c["accelerator"] == "webgpu" and c["fully_accelerated"] is True, name
+        assert c["golden"]["pass"] is True, (name, c["golden"])
+    assert len(r["latency_ms"]["unet_steps_ms"]) == man["scheduler"]["steps"]
+
+
+def test_chunked_page_image_matches_run_bundle_at_40_db(checked):
+    img = checked["result"]["image"]
+    assert img["min_psnr_db"] == MIN_IMAGE_PSNR_DB
+    assert img["finite"] and img["psnr_db"] >= MIN_IMAGE_PSNR_DB, img
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda man: man["unet_chunks"].update(components=["unet.1", "unet.0"]), "unet_chunks.components must list unet.0, unet.1"),
+    (lambda man: man.update(schema_version=1), "a bundle with unet_chunks has schema version 2, got 1"),
+])
+def test_page_refuses_a_malformed_chunk_block_naming_the_field(checked, check_with_manifest, edit, message):
+    r = check_with_manifest(checked["bundle"], edit)
+    assert r["ok"] is False and message in r["error"], r["error"]

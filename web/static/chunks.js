@@ -1,0 +1,61 @@
+// A UNet exported in chunks (export `unet_chunks: K`, manifest schema_version 2), as run-bundle runs it
+// (runtime/unet_chunks.py): unet.0 ... unet.K-1 in sequence, a table of named tensors between them (the
+// UNet's inputs first; each chunk reads its inputs from it by name and writes its outputs into it:
+// `hidden`, the stream; `skip_J`, the down path's skip connections); the last chunk's one output is the
+// UNet's output.
+// Errors here are plain Errors with the component or field named; pipeline.js turns a manifest problem
+// (unetPartsProblem) into its BundleError.
+
+export const CHUNKED_SCHEMA_VERSION = 2;
+
+/** What is wrong with the manifest's UNet layout (schema version, unet_chunks block), or null. */
+export function unetPartsProblem(man) {
+  const block = man.unet_chunks;
+  if (!block) {
+    return man.schema_version === 1 ? null
+      : `manifest.json: schema version ${man.schema_version} is not supported (expected 1, or ${CHUNKED_SCHEMA_VERSION} with unet_chunks)`;
+  }
+  const parts = block.components;
+  if (!Array.isArray(parts) || parts.length < 2 || parts.some((p, i) => p !== `unet.${i}`)) {
+    return `manifest: unet_chunks.components must list unet.0, unet.1, ... (at least two), got ${JSON.stringify(parts)}`;
+  }
+  if (man.schema_version !== CHUNKED_SCHEMA_VERSION) {
+    return `manifest.json: a bundle with unet_chunks has schema version ${CHUNKED_SCHEMA_VERSION}, got ${man.schema_version}`;
+  }
+  return null;
+}
+
+/** The UNet's component names in call order: ['unet'], or the chunks unet.0, unet.1, ... (after unetPartsProblem). */
+export function unetParts(man) {
+  return man.unet_chunks ? man.unet_chunks.components.slice() : ['unet'];
+}
+
+/** The names of a compiled chunk's outputs, in its run's order: the model's own names where they are the
+ *  manifest's declared ones, else the manifest's order (the exporter writes them from the same signature). */
+export function outputNames(component, declared) {
+  const own = component.model.getOutputDetails().map((d) => d.name);
+  const names = (declared || []).map((o) => o.name);
+  if (own.length === names.length && own.every((n) => names.includes(n))) return own;
+  if (own.length !== names.length) {
+    throw new Error(`${component.name}: the model has ${own.length} outputs, the manifest declares ${names.length}`);
+  }
+  return names;
+}
+
+/** The UNet's output {data, shape} from its compiled parts (one whole model, or the chunks in sequence);
+ *  `declared`: name -> the manifest's outputs of that component. */
+export async function runUnet(parts, feeds, declared) {
+  if (parts.length === 1) return parts[0].run(feeds);
+  const tensors = { ...feeds };
+  let outs = [];
+  for (const part of parts) {
+    const mine = {};
+    for (const d of part.model.getInputDetails()) {
+      if (!(d.name in tensors)) throw new Error(`${part.name}: no earlier chunk (nor the UNet's inputs) makes its input ${d.name}`);
+      mine[d.name] = tensors[d.name];
+    }
+    outs = await part.runAll(mine);
+    outputNames(part, declared[part.name]).forEach((name, i) => { tensors[name] = outs[i]; });
+  }
+  return outs[0];
+}
