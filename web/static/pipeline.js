@@ -139,8 +139,14 @@ export class Component {
     }
   }
 
+  /** Frees the compiled model. Never throws: a model LiteRT.js failed to prepare can fail to delete
+   *  ("null function"), and that must not hide the failure that brought the page here. */
   release() {
-    if (this.model && !this.model.deleted) this.model.delete();
+    try {
+      if (this.model && !this.model.deleted) this.model.delete();
+    } catch (e) {
+      console.warn(`${this.name}: releasing the model failed: ${e.message}`);
+    }
     this.model = null;
   }
 }
