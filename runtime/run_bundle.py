@@ -12,8 +12,9 @@ decoder: one at a time). Without it the three models are loaded up front (the na
 A bundle with a `vae_tiling` block decodes with its two decoder graphs (`vae_decoder_head` on the
 whole latent, `vae_up_tile` per tile: runtime/onepass_decode.py or, for the iterated schemes,
 runtime/tiled_decode.py); they load and release together where the decoder does. A UNet exported in chunks
-(`unet_chunks`: unet.0, unet.1, ...) loads chunk after chunk (pipelined: the heap each compile freed is returned
-before the next compiles, and the chunks share one environment), stays for every step, and runs in sequence
+(`unet_chunks`: unet.0, unet.1, ...) loads chunk after chunk, each run once on zeros on the GPU before the next
+compiles (the accelerator lets a model's host weight copies go at its first run; pipelined, the freed heap is also
+returned, and the chunks share one environment), stays for every step, and runs in sequence
 with its tensors passed by name (runtime/unet_chunks.py). On the GPU the
 models run through LiteRT's C API (runtime/litert_c.py) with the compiled-program cache
 (runtime/gpu_cache.py). The report has per-stage latency and the measured memory: host and GPU
