@@ -5,7 +5,8 @@
 
 For each file: the bundle's page is served (`pocketdiff web` writes it, without a reference image), LiteRT.js
 is loaded as the page loads it, the file is fetched and compiled with `loadAndCompile` on WebGPU (SwiftShader
-here), then (--run) run once on zeros; what LiteRT.js said (ok, or its error: its wasm heap is capped at 2 GB), the
+here), then (--run) run once on zeros; what LiteRT.js said (ok, or its error: its wasm heap is capped at 2 GB; a
+model XNNPACK failed to prepare counts as failed, from the console, as LiteRT.js returns from it anyway), the
 seconds, and the peak PSS of Chromium's processes (benchmarks/_proc_tree.py). A wasm abort ends LiteRT.js
 for the page, hence a fresh browser per file. Without --files: every .tflite the manifest lists.
 """
@@ -80,6 +81,11 @@ def probe(bundle: Path, rel: str, accelerator: str, timeout_s: float, run: bool)
         except Exception as e:  # an abort can take the page's renderer with it
             got = {"ok": False, "error": str(e)[:400]}
         row.update(got)
+        # LiteRT.js can return from loadAndCompile (and run in ~0 ms) when XNNPACK failed to prepare the model:
+        # only the console says so
+        failed = [ln for ln in chrome.console if "failed to prepare" in ln or "Failed to allocate tensors" in ln]
+        if failed and row.get("ok"):
+            row.update(ok=False, stage="prepare", error=failed[0][:300])
         row["console_tail"] = chrome.console[-6:]
         row["peak_pss_mb"] = peak.stop().get("peak_pss_mb")
     row["wall_s"] = round(time.perf_counter() - t0, 1)

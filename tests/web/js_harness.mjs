@@ -1,4 +1,4 @@
-// Runs the page's plain modules (bpe.js, sha256.js, npy.js, tiled.js, lcm.js) under node for tests/web/test_js_modules.py.
+// Runs the page's plain modules (bpe.js, sha256.js, npy.js, tiled.js, lcm.js, prepare.js, chunks.js) under node for tests/web/test_js_modules.py.
 // argv: <static dir> <request json file>; prints one JSON answer.
 import { readFileSync } from 'node:fs';
 import { pathToFileURL } from 'node:url';
@@ -12,6 +12,8 @@ const { sha256Js, sha256Hex } = await load('sha256.js');
 const { parseNpy, parseNpz } = await load('npy.js');
 const tiled = await load('tiled.js');
 const lcm = await load('lcm.js');
+const prepare = await load('prepare.js');
+const chunks = await load('chunks.js');
 
 const out = {};
 const tok = new ClipBpe(JSON.parse(readFileSync(req.tokenizer_json, 'utf8')), req.tokenizer);
@@ -69,4 +71,15 @@ out.lcm_runs = (req.lcm_runs || []).map((r) => {
   });
   return Array.from(x);
 });
+// prepare.js: the console lines LiteRT.js prints for a model it could not prepare, as the page records them
+if (req.console_lines) {
+  prepare.installConsoleTap();
+  const before = prepare.consoleMark();
+  for (const line of req.console_lines) console.error(line);
+  out.prepare_since = prepare.consoleSince(before);
+  out.prepare_failure = prepare.prepareFailure(out.prepare_since);
+  out.prepare_later = prepare.consoleSince(prepare.consoleMark());
+}
+// chunks.js: the manifest's UNet layout
+out.unet_layouts = (req.manifests || []).map((m) => ({ problem: chunks.unetPartsProblem(m), parts: chunks.unetPartsProblem(m) ? null : chunks.unetParts(m) }));
 console.log(JSON.stringify(out));

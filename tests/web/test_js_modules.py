@@ -183,3 +183,24 @@ def test_page_lcm_step_matches_the_runner(node, tmp_path):
     assert '"euler"' in euler and "not supported by the page" in euler
     assert "scheduler.timesteps" in off_grid and "[999,499]" in off_grid
     assert "scheduler.sigma_data" in sigma and "scheduler.prediction_type" in ptype
+
+
+def test_page_prepare_check_and_unet_layouts(node, tmp_path):
+    """prepare.js: after a mark, the lines LiteRT.js printed, and the one saying XNNPACK could not prepare a
+    model (what the page turns into an error naming the component); chunks.js: a whole UNet, chunks, and
+    the manifest problems it names."""
+    lines = ["INFO: Created TensorFlow Lite XNNPACK delegate for CPU.", "ERROR: failed to create XNNPACK runtime",
+             "ERROR: Node number 1906 (TfLiteXNNPackDelegate) failed to prepare."]
+    chunked = {"schema_version": 2, "unet_chunks": {"components": ["unet.0", "unet.1"]}}
+    manifests = [{"schema_version": 1}, chunked, {"schema_version": 2}, {**chunked, "schema_version": 1},
+                 {"schema_version": 2, "unet_chunks": {"components": ["unet.1", "unet.0"]}}]
+    out = _run(node, tmp_path, {"tokenizer_json": str(STATIC.parents[1] / "pocketdiff/assets/shapes-teacher/tokenizer/tokenizer.json"),
+                                "tokenizer": {"max_length": 77, "pad_id": 593, "bos_id": 592, "eos_id": 593}, "prompts": [],
+                                "files": [], "npy": [], "npz": [], "console_lines": lines, "manifests": manifests})
+    assert out["prepare_since"] == lines and out["prepare_later"] == []
+    assert out["prepare_failure"] == "ERROR: failed to create XNNPACK runtime"
+    whole, chunks, v2_whole, v1_chunks, unordered = out["unet_layouts"]
+    assert whole == {"problem": None, "parts": ["unet"]} and chunks == {"problem": None, "parts": ["unet.0", "unet.1"]}
+    assert "schema version 2 is not supported" in v2_whole["problem"]
+    assert "a bundle with unet_chunks has schema version 2, got 1" in v1_chunks["problem"]
+    assert "unet_chunks.components must list unet.0, unet.1" in unordered["problem"]

@@ -4,6 +4,9 @@
 import { loadLiteRt } from '@litertjs/core';
 import { Bundle, imagePsnr } from './pipeline.js';
 import { generate } from './generate.js';
+import { installConsoleTap } from './prepare.js';
+
+installConsoleTap(); // before LiteRT.js loads and binds console.error (prepare.js)
 
 const $ = (id) => document.getElementById(id);
 const params = new URLSearchParams(location.search);

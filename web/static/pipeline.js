@@ -13,6 +13,7 @@ import { sha256Hex } from './sha256.js';
 import { schedulerProblem } from './lcm.js';
 import { TILED_DECODER, tilingProblem } from './tiled.js';
 import { unetParts, unetPartsProblem } from './chunks.js';
+import { consoleMark, consoleSince, prepareFailure } from './prepare.js';
 
 export class BundleError extends Error {}
 
@@ -96,7 +97,14 @@ export class Component {
     c.name = name;
     c.accelerator = accelerator;
     const t1 = performance.now();
+    c.consoleMark = consoleMark(); // what LiteRT.js prints from here to the first run's end is checked (prepare.js)
     c.model = await loadAndCompile(new Uint8Array(bytes), { accelerator });
+    try {
+      c.checkPrepared();
+    } catch (e) {
+      c.release();
+      throw e;
+    }
     c.fetchMs = fetchMs;
     c.compileMs = performance.now() - t1;
     c.fullyAccelerated = accelerator === 'webgpu' ? Boolean(c.model.isFullyAccelerated) : false;
@@ -128,6 +136,7 @@ export class Component {
       let dev = inputs;
       if (this.accelerator === 'webgpu') dev = await Promise.all(inputs.map((t) => t.copyTo('webgpu')));
       const outs = await this.model.run(dev);
+      if (this.consoleMark !== null) this.checkPrepared(true); // the first run: XNNPACK may prepare lazily
       const host = await Promise.all(outs.map((o) => (o.accelerator === 'wasm' ? o : o.copyTo('wasm'))));
       const details = this.model.getOutputDetails();
       const results = host.map((o, i) => ({ data: Float32Array.from(o.toTypedArray()), shape: Array.from(details[i].shape) }));
@@ -136,6 +145,17 @@ export class Component {
       return results;
     } finally {
       for (const t of inputs) if (!t.deleted) t.delete();
+    }
+  }
+
+  /** A BundleError naming the component when LiteRT.js printed that it could not prepare the model; after
+   *  the first run (`done`) the console is no longer watched. */
+  checkPrepared(done = false) {
+    const bad = prepareFailure(consoleSince(this.consoleMark));
+    if (done) this.consoleMark = null;
+    if (bad) {
+      throw new BundleError(`${this.name}: LiteRT.js could not prepare the model on ${this.accelerator === 'webgpu' ? 'WebGPU' : 'the wasm CPU path'} `
+        + `(it said: ${bad.replace(/^\s*(error:\s*)?/, '').trim()}); a model this size does not fit LiteRT.js's 2 GB wasm heap`);
     }
   }
 
