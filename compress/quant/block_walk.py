@@ -212,24 +212,13 @@ def run_independent(unet, calib, blocks, per_sample, weights, specs, rtn_res, in
     real = [b for b in blocks if b.kind != "rest"]
     for group in group_by_budget(real, per_sample, n, budget, ("in", "out")):
         reqs = [Request(u, inputs=True, output=True) for b in group for u in b.units]
-        if opts.stream:
-            unet.to(device)
-        with precision(tf32):
-            caps = walk.capture(unet, calib, reqs, store, store_dtype, cap_ac, folder, span(group))
-        if opts.stream:  # only the block being reconstructed comes back to the device
-            unet.to("cpu")
-            empty_device_cache(device)
-        k = 0
-        for b in group:
-            nu = len(b.units)
-            mine = caps[k:k + nu]
-            k += nu
+        caps = capture_group(walk, unet, calib, reqs, (store, store_dtype, cap_ac, folder), span(group), opts, device, tf32)
+        for b, mine in per_block(group, caps):
             res = walk.block(b, mine, [c.output for c in mine], weights=weights, specs=specs, rtn_res=rtn_res,
                              init_scales=init_scales, fisher=fisher_for(b, fisher), seed=seed + b.order,
                              move_module=opts.stream)
             results.append(res)
             free_captures(mine)
-            caps[k - nu:k] = [None] * nu  # this block's cache goes now, not with its group
             del mine
         del caps
         empty_device_cache(device)
@@ -237,6 +226,30 @@ def run_independent(unet, calib, blocks, per_sample, weights, specs, rtn_res, in
         if b.kind == "rest":
             results.append(rest_block_result(b, weights, specs, rtn_res, init_scales))
     return results
+
+
+def capture_group(walk, unet, calib, reqs, stores: tuple, what: str, opts: ReconConfig, device, tf32) -> list:
+    """One group's captures (`stores`: store, store dtype, capture autocast, folder). Streamed, the UNet is on
+    the device only while it is captured: the block being reconstructed alone comes back after."""
+    if opts.stream:
+        unet.to(device)
+    with precision(tf32):
+        caps = walk.capture(unet, calib, reqs, *stores, what)
+    if opts.stream:
+        unet.to("cpu")
+        empty_device_cache(device)
+    return caps
+
+
+def per_block(group: Sequence[Block], caps: list):
+    """(block, its captures) for each block of a group, in order; once the caller is done with a block, its
+    slots in `caps` are cleared, so its cache goes then, not with its group."""
+    k = 0
+    for b in group:
+        nu = len(b.units)
+        yield b, caps[k:k + nu]
+        caps[k:k + nu] = [None] * nu
+        k += nu
 
 
 def free_captures(caps: Sequence[Captured]) -> None:

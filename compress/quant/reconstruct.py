@@ -37,8 +37,8 @@ from .block_recon import (DTYPES, BlockResult, LayerResult, ReconConfig, capture
                           rest_block_result)
 from .blocks import (Block, CalibSet, Request, build_blocks, first_tensor, group_by_budget, human_bytes, order_blocks,
                      unet_forward)
-from .block_walk import (LiveWeights, Walk, cache_stores, empty_device_cache, fisher_for, float_weights, free_captures,
-                         run_independent, span)
+from .block_walk import (LiveWeights, Walk, cache_stores, capture_group, empty_device_cache, fisher_for, float_weights,
+                         free_captures, per_block, run_independent, span)
 from .cache_store import HostCache
 from .quantizer import LayerSpec, dequant
 from .reconstruct_devices import run_parallel
@@ -244,18 +244,9 @@ def _run_sequential(unet, calib, blocks, per_sample, weights, specs, rtn_res, in
     results = []
     for group in groups:
         reqs = [Request(u, inputs=opts.qdrop > 0, output=True) for b in group for u in b.units]
-        if opts.stream:
-            unet.to(device)
-        with precision(tf32):
-            fcaps = walk.capture(unet, calib, reqs, store, store_dtype, cap_ac, folder, f"the float targets of {span(group)}")
-        if opts.stream:
-            unet.to("cpu")
-            empty_device_cache(device)
-        k = 0
-        for b in group:
-            nu = len(b.units)
-            mine = fcaps[k:k + nu]
-            k += nu
+        fcaps = capture_group(walk, unet, calib, reqs, (store, store_dtype, cap_ac, folder), f"the float targets of {span(group)}",
+                              opts, device, tf32)
+        for b, mine in per_block(group, fcaps):
             with precision(tf32):
                 qcaps = walk.capture(q_unet, calib, [Request(u, inputs=True) for u in b.units], store, store_dtype, cap_ac, folder,
                                      f"the inputs of {b.name}")
@@ -265,7 +256,6 @@ def _run_sequential(unet, calib, blocks, per_sample, weights, specs, rtn_res, in
             write_weights(q_unet, res.layers, specs)
             results.append(res)
             free_captures(qcaps + mine)
-            fcaps[k - nu:k] = [None] * nu  # this block's cache goes now, not with its group
             del qcaps, mine
         del fcaps
         empty_device_cache(device)
