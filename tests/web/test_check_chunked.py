@@ -5,25 +5,16 @@ output of unet.0: the stream and the skip connections), and the image matches ru
 latents at >= 40 dB; a malformed chunk block is refused naming the field."""
 from __future__ import annotations
 
-import json
-
 import pytest
-
-from pocketdiff.web.headless import check_page
-from pocketdiff.web.page import PageConfig, write_page
 
 MIN_IMAGE_PSNR_DB = 40.0
 ORDER = ["text_encoder", "unet.0", "unet.1", "vae_decoder"]  # loaded (and reported) in this order
 
 
 @pytest.fixture(scope="module")
-def checked(tmp_path_factory, chromium, assemble_chunked):
-    bundle = assemble_chunked(tmp_path_factory.mktemp("web_chunked") / "bundle")
-    write_page(PageConfig(bundle=str(bundle)))  # the reference image: run-bundle's, the chunks in sequence
-    ref = json.loads((bundle / "web/reference/reference.json").read_text())
-    result = check_page(bundle, prompt=ref["prompt"], seed=ref["seed"], timeout_s=600, executable=chromium,
-                        min_image_psnr=MIN_IMAGE_PSNR_DB)
-    return {"bundle": bundle, "result": result, "manifest": json.loads((bundle / "manifest.json").read_text())}
+def checked(tmp_path_factory, assemble_chunked, check_against_reference):
+    # the reference image: run-bundle's, the chunks in sequence
+    return check_against_reference(assemble_chunked(tmp_path_factory.mktemp("web_chunked") / "bundle"), MIN_IMAGE_PSNR_DB)
 
 
 def test_chunked_bundle_check_mode_passes_on_webgpu(checked):

@@ -3,21 +3,11 @@ page re-noises once with run-bundle's draw (reference/noise.bin), and its image 
 The bundle is exported here (tests/conftest.py's `lcm_student`). Skips only when Chromium is absent."""
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from pocketdiff.web.headless import check_page
-from pocketdiff.web.page import PageConfig, write_page
-
-
 @pytest.fixture(scope="module")
-def checked(tmp_path_factory, chromium, lcm_student, export_lcm):
-    bundle = export_lcm(lcm_student, tmp_path_factory.mktemp("web_lcm"), steps=2, guidance_scale=2.0)
-    write_page(PageConfig(bundle=str(bundle)))
-    ref = json.loads((bundle / "web/reference/reference.json").read_text())
-    result = check_page(bundle, prompt=ref["prompt"], seed=ref["seed"], timeout_s=600, executable=chromium)
-    return {"result": result, "reference": ref, "manifest": json.loads((bundle / "manifest.json").read_text())}
+def checked(tmp_path_factory, lcm_student, export_lcm, check_against_reference):
+    return check_against_reference(export_lcm(lcm_student, tmp_path_factory.mktemp("web_lcm"), steps=2, guidance_scale=2.0))
 
 
 def test_page_runs_an_lcm_bundle_as_run_bundle_does(checked):

@@ -8,21 +8,15 @@ import json
 import pytest
 
 from pocketdiff.web.headless import check_page
-from pocketdiff.web.page import PageConfig, write_page
 
 MIN_IMAGE_PSNR_DB = 40.0
 ORDER = ["text_encoder", "unet", "vae_decoder_head", "vae_up_tile"]  # loaded (and reported) in this order
 
 
 @pytest.fixture(scope="module")
-def checked(tmp_path_factory, chromium, assemble_tiled):
-    root = tmp_path_factory.mktemp("web_tiled")
-    bundle = assemble_tiled(root / "bundle")
-    write_page(PageConfig(bundle=str(bundle)))  # the reference image: run-bundle's one-pass decode (runtime/onepass_decode.py)
-    ref = json.loads((bundle / "web/reference/reference.json").read_text())
-    result = check_page(bundle, prompt=ref["prompt"], seed=ref["seed"], timeout_s=600, executable=chromium,
-                        min_image_psnr=MIN_IMAGE_PSNR_DB)
-    return {"bundle": bundle, "result": result, "manifest": json.loads((bundle / "manifest.json").read_text())}
+def checked(tmp_path_factory, assemble_tiled, check_against_reference):
+    # the reference image: run-bundle's one-pass decode (runtime/onepass_decode.py)
+    return check_against_reference(assemble_tiled(tmp_path_factory.mktemp("web_tiled") / "bundle"), MIN_IMAGE_PSNR_DB)
 
 
 def test_tiled_bundle_check_mode_passes_on_webgpu(checked):
