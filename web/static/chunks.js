@@ -43,19 +43,19 @@ export function outputNames(component, declared) {
 }
 
 /** The UNet's output {data, shape} from its compiled parts (one whole model, or the chunks in sequence);
- *  `declared`: name -> the manifest's outputs of that component. */
-export async function runUnet(parts, feeds, declared) {
+ *  `outNames`: each part's output names (outputNames, found once when the parts are compiled). */
+export async function runUnet(parts, feeds, outNames) {
   if (parts.length === 1) return parts[0].run(feeds);
   const tensors = { ...feeds };
   let outs = [];
-  for (const part of parts) {
+  for (const [k, part] of parts.entries()) {
     const mine = {};
     for (const d of part.model.getInputDetails()) {
       if (!(d.name in tensors)) throw new Error(`${part.name}: no earlier chunk (nor the UNet's inputs) makes its input ${d.name}`);
       mine[d.name] = tensors[d.name];
     }
     outs = await part.runAll(mine);
-    outputNames(part, declared[part.name]).forEach((name, i) => { tensors[name] = outs[i]; });
+    outNames[k].forEach((name, i) => { tensors[name] = outs[i]; });
   }
   return outs[0];
 }

@@ -1,6 +1,6 @@
 // One prompt through the bundle, pipelined as `run-bundle --pipelined` (a tiled decoder as tiled.js).
 import { BundleError, Component, ddimStep, pageNoise, parity, toHwc } from './pipeline.js';
-import { runUnet } from './chunks.js';
+import { outputNames, runUnet } from './chunks.js';
 import { lcmStep, renoise } from './lcm.js';
 import { onePassDecode } from './tiled.js';
 
@@ -100,7 +100,8 @@ export async function generate(bundle, opts) {
       stages[c.name].resident = Boolean(kept);
     }
     for (const c of unet) await checkGolden(c);
-    const declared = Object.fromEntries(unet.map((c) => [c.name, man.components[c.name].outputs]));
+    // a chunk's output names, found once (not per step); a whole UNet returns its one output
+    const outNames = unet.length > 1 ? unet.map((c) => outputNames(c, man.components[c.name].outputs)) : null;
     const stepMs = [];
     const h = text.cond.shape;
     let ehs = text.cond.data;
@@ -143,7 +144,7 @@ export async function generate(bundle, opts) {
       } else {
         feeds.timestep = { data: new Float32Array(B).fill(t), shape: [B] };
       }
-      const res = await runUnet(unet, feeds, declared);
+      const res = await runUnet(unet, feeds, outNames);
       stepMs.push(unet.reduce((a, c) => a + c.runMs[c.runMs.length - 1], 0));
       let out = res.data;
       if (B === 2) {
