@@ -18,7 +18,7 @@ import torch
 
 from pocketdiff.errors import ParityError, PocketdiffError
 from pocketdiff.runtime import parity as parity_lib
-from pocketdiff.runtime.manifest_check import tflite_signature
+from pocketdiff.runtime.manifest_check import shared_outputs, tflite_signature
 from pocketdiff.runtime.unet_chunks import UNET, chunk_name, chain_on_delegate
 
 from . import bundle as bundle_lib
@@ -67,6 +67,9 @@ def chunk_prepared(chunk, feed: dict, outs: dict, whole: Prepared, out: Path, wo
 def order_by_signature(prep: Prepared) -> None:
     """Declared outputs, golden output_J and output 0 in the converted file's signature order (its names)."""
     _, sig_outs = tflite_signature(prep.raw_path)
+    for names in shared_outputs(prep.raw_path):
+        raise PocketdiffError(f"{prep.name}: the converter returns {' and '.join(names)} as one tensor, which runners would read "
+                              "under one name only (the chunk must return each tensor once)")
     refs = prep.references_by_name
     if set(sig_outs) != set(refs):
         raise PocketdiffError(f"{prep.name}: the converter named its outputs {sorted(sig_outs)}, the chunk returns {sorted(refs)}")
@@ -106,7 +109,7 @@ def export_chunked_unet(ce, say) -> None:
         ce._finish(prep, info)
         prep.raw_path.unlink(missing_ok=True)
     del feeds, outs
-    paths = [(ce.out / f"{chunk_name(c.plan.index)}.tflite", list(c.plan.inputs)) for c in chunks]
+    paths = [(ce.out / f"{chunk_name(c.plan.index)}.tflite", list(c.plan.inputs), dict(c.plan.aliases)) for c in chunks]
     parity = None
     if cfg.verify.delegate:
         say(f"unet: the {k} chunks in sequence on the GPU delegate against the whole torch UNet ...")
@@ -131,5 +134,6 @@ def _block(ce, whole: Prepared, chunks, inputs: dict, parity) -> dict:
         "golden": {**bundle_lib.file_entry(ce.out, golden_path), "tolerances": tol},
         "stages": [list(c.plan.stages) for c in chunks],
         "params": [c.plan.params for c in chunks],
+        "aliases": [dict(c.plan.aliases) for c in chunks],
         "parity": parity,
     }

@@ -12,7 +12,8 @@ Between chunks the runner carries named tensors (runtime/unet_chunks.py): `hidde
 and `skip_J` (the J-th of the down path's skip connections, `skip_0` being conv_in's output),
 besides the UNet's own `timestep` (the time-embedding row: the time embedding is computed outside
 the graph) and `encoder_hidden_states`. The first chunk takes `sample`; the last one returns the
-UNet's output, `out`.
+UNet's output, `out`. A chunk that ends with a down block returns that block's last skip connection
+only as `hidden` (they are one tensor) and names it in its `aliases`.
 """
 from __future__ import annotations
 
@@ -106,6 +107,7 @@ class ChunkPlan:
     params: int
     inputs: list[str]  # tensor names, in the graph's argument order
     outputs: list[str]  # tensor names the chunk returns
+    aliases: dict[str, str] = dataclasses.field(default_factory=dict)  # name -> the output it is (not returned twice)
 
 
 def plan_chunks(unet: nn.Module, k: int) -> list[ChunkPlan]:
@@ -124,7 +126,13 @@ def plan_chunks(unet: nn.Module, k: int) -> list[ChunkPlan]:
         if any(s.cross for s in own):
             inputs.append("encoder_hidden_states")
         outputs = [OUTPUT] if c == k - 1 else [STREAM] + [skip_name(j) for j in sorted(made_here & taken_later)]
-        plans.append(ChunkPlan(c, k, [s.name for s in own], sum(s.params for s in own), inputs, outputs))
+        aliases = {}
+        if own[-1].kind == "down" and skip_name(own[-1].makes[-1]) in outputs:
+            # a down block's last skip connection is its output, the stream: one tensor, which a converter
+            # returns once (two signature names for one tensor), so the chunk returns it as `hidden` only
+            aliases[skip_name(own[-1].makes[-1])] = STREAM
+            outputs.remove(skip_name(own[-1].makes[-1]))
+        plans.append(ChunkPlan(c, k, [s.name for s in own], sum(s.params for s in own), inputs, outputs, aliases))
     return plans
 
 
@@ -162,6 +170,10 @@ class UNetChunk(nn.Module):
         out = {STREAM: h}
         for n in self.plan.outputs[1:]:
             out[n] = skips[_skip_index(n)]
+        for n, src in self.plan.aliases.items():
+            if skips[_skip_index(n)] is not out[src]:
+                raise PocketdiffError(f"unet_chunks: chunk {self.plan.index} takes {n} to be its output {src}, but the "
+                                      f"block {self.plan.stages[-1]} made them apart")
         return out
 
 
@@ -203,4 +215,5 @@ def run_chunks(chunks: list[UNetChunk], inputs: dict[str, torch.Tensor]) -> tupl
         feeds.append(feed)
         outs.append(out)
         tensors.update(out)
+        tensors.update({n: out[src] for n, src in c.plan.aliases.items()})
     return feeds, outs, outs[-1][OUTPUT]

@@ -14,7 +14,7 @@ manifest.json (schema `pocketdiff-bundle`, version 1; version 2 with `unet_chunk
                         outputs: [...], fully_accelerated, golden: {path, sha256, tolerances}}}
     vae_tiling: absent | {tile, overlap, passes, factor, norms: [K, G], features, components,
                           parity_psnr_db}  (the decoder as vae_decoder_head + vae_up_tile)
-    unet_chunks: absent | {components: [unet.0, ...], inputs, golden, stages, params, parity}
+    unet_chunks: absent | {components: [unet.0, ...], inputs, golden, stages, params, parity, aliases}
                  (schema_version 2: the UNet as K files run in sequence; runtime/unet_chunks.py)
     provenance: {source, arch, versions, config}
 

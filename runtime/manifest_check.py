@@ -465,6 +465,24 @@ def tflite_signature(path: str | Path) -> tuple[dict[str, dict], dict[str, dict]
     return ins, outs
 
 
+def shared_outputs(path: str | Path) -> list[list[str]]:
+    """Groups of a .tflite's first-signature output names that name one tensor (a converter returns a
+    tensor a graph gives twice once; runners then see one of the names)."""
+    import mmap
+
+    from ai_edge_litert import schema_py_generated as schema
+
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as raw:
+        model = schema.Model.GetRootAsModel(raw, 0)
+        if not model.SignatureDefsLength():
+            return []
+        sig = model.SignatureDefs(0)
+        by_tensor: dict[int, list[str]] = {}
+        for i in range(sig.OutputsLength()):
+            by_tensor.setdefault(sig.Outputs(i).TensorIndex(), []).append(sig.Outputs(i).Name().decode())
+    return [names for names in by_tensor.values() if len(names) > 1]
+
+
 def _check_files(bundle: Path, man: dict, found: _Found) -> None:
     from .bundle import resolve_in_bundle
 
@@ -588,6 +606,9 @@ def check_component_io(name: str, entry: dict, path: Optional[str | Path] = None
     """The manifest's inputs/outputs against the .tflite's signature (names, shapes, dtypes).
     Returns the .tflite's io. A single output is matched whatever its name (the converter's)."""
     io = tflite_io(path or entry["_path"])
+    for names in shared_outputs(path or entry["_path"]):
+        raise BundleCheckError(name, "io", f"outputs {' and '.join(names)} are one tensor in the .tflite, which runners return once "
+                               "(a chunk exported before pocketdiff named a down block's last skip an alias of hidden: re-export it)")
     for key in ("inputs", "outputs"):
         want = {i["name"]: i for i in _io_list(entry, name, key)}
         got = {i["name"]: i for i in io[key]}

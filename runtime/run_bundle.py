@@ -37,7 +37,7 @@ from .lcm_step import LCM, lcm_sample
 from .litert_c import parse_gpu_option
 from .memory import PeakSampler, process_age_s, return_freed_memory, tune_allocator
 from .onepass_decode import one_pass_decode_loaded, timed
-from .unet_chunks import UNET, run_unet, unet_components
+from .unet_chunks import UNET, chunk_aliases, run_unet, unet_components
 
 
 def _env_group(name: str) -> str:
@@ -363,6 +363,7 @@ class BundleRunner:
         sched, guidance = man["scheduler"], man["guidance"]
         B = int(guidance["unet_batch"])
         parts = self._load_unet(latency)
+        aliases = chunk_aliases(self.man)
         T, steps = int(sched["num_train_timesteps"]), int(sched["steps"])
         alphas = np.asarray(sched["alphas_cumprod"], dtype=np.float64)
         scale = float(guidance["scale"])
@@ -380,7 +381,7 @@ class BundleRunner:
                 feeds["timestep"] = np.full((B,), float(t), dtype=np.float32)
             feeds["encoder_hidden_states"] = ehs
             before = [len(m.run_s) for m in parts]
-            out = run_unet(parts, feeds)
+            out = run_unet(parts, feeds, aliases)
             step_s.append(sum(sum(m.run_s[n:]) for m, n in zip(parts, before)))
             for name in self.unet_parts:
                 self._ran(name)

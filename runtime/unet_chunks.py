@@ -5,12 +5,15 @@ The block (manifest schema_version 2):
 
     unet_chunks: {components: [unet.0, ..., unet.K-1], inputs: [{name, shape, dtype}] (the whole UNet's:
                   sample, timestep, encoder_hidden_states), golden: {path, sha256, tolerances} (the whole
-                  UNet's inputs and output), stages: [[block names] per chunk], parity: {...}}
+                  UNet's inputs and output), stages: [[block names] per chunk], parity: {...},
+                  aliases: [{name: output} per chunk] (optional)}
 
 Each `unet.k` is an ordinary component (file, sha256, io, golden). The runner keeps a table of named
 tensors: the whole UNet's inputs first; chunk k reads its declared inputs from it by name and writes its
-outputs into it (`hidden`, the stream; `skip_J`, a skip connection of the down path); the last chunk's
-single output is the UNet's output. numpy only.
+outputs into it (`hidden`, the stream; `skip_J`, a skip connection of the down path), then, per its
+`aliases` entry, each alias as a second name for one of its outputs (a chunk that ends with a down block
+returns that block's last skip only as `hidden`: one tensor, which converters return once); the last
+chunk's single output is the UNet's output. numpy only.
 """
 from __future__ import annotations
 
@@ -44,6 +47,13 @@ def unet_components(man: dict) -> tuple[str, ...]:
     return (UNET,)
 
 
+def chunk_aliases(man: dict) -> list[dict[str, str]]:
+    """Per chunk, {alias: the chunk's output it names} (empty where the block has no `aliases`)."""
+    block = man.get("unet_chunks") or {}
+    names, aliases = block.get("components") or [], block.get("aliases")
+    return [dict(a) for a in aliases] if isinstance(aliases, list) and len(aliases) == len(names) else [{} for _ in names]
+
+
 def check_block(man: dict, ios: dict, found, io_of: Callable) -> Optional[tuple[dict, dict]]:
     """The `unet_chunks` block against the components (`ios`: name -> (inputs, outputs) as declared):
     chunk names in order, each present, every chunk input made by the UNet's inputs or an earlier chunk
@@ -70,10 +80,21 @@ def check_block(man: dict, ios: dict, found, io_of: Callable) -> Optional[tuple[
             if n not in comps:
                 found.add(f"components.{n}", "present", f"missing: unet_chunks lists it (the bundle has {', '.join(comps)})")
         return None
-    return whole_in, _check_flow(names, whole_in, ios, found)
+    return whole_in, _check_flow(names, whole_in, ios, _aliases_of(block, names, found), found)
 
 
-def _check_flow(names: list[str], whole_in: dict, ios: dict, found) -> dict:
+def _aliases_of(block: dict, names: list[str], found) -> list[dict]:
+    aliases = block.get("aliases")
+    if aliases is None:
+        return [{} for _ in names]
+    if (not isinstance(aliases, list) or len(aliases) != len(names)
+            or not all(isinstance(a, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in a.items()) for a in aliases)):
+        found.add("unet_chunks.aliases", "value", f"must be one {{name: output}} object per chunk ({len(names)}), got {aliases!r}")
+        return [{} for _ in names]
+    return aliases
+
+
+def _check_flow(names: list[str], whole_in: dict, ios: dict, aliases: list[dict], found) -> dict:
     tensors = dict(whole_in)
     for k, name in enumerate(names):
         ins, outs = ios[name]
@@ -86,37 +107,55 @@ def _check_flow(names: list[str], whole_in: dict, ios: dict, found) -> dict:
         if k == len(names) - 1 and len(outs) != 1:
             found.add(f"components.{name}.outputs", "consistency", f"the last chunk returns the UNet's output only, it declares {sorted(outs)}")
         tensors.update(outs)
+        for alias, src in aliases[k].items():
+            if src not in outs:
+                found.add(f"unet_chunks.aliases.{k}.{alias}", "consistency", f"names {src}, which {name} does not return ({sorted(outs)})")
+            else:
+                tensors[alias] = outs[src]
     return ios[names[-1]][1]
 
 
-def run_unet(parts: Sequence, feeds: dict[str, np.ndarray]) -> np.ndarray:
+def run_unet(parts: Sequence, feeds: dict[str, np.ndarray], aliases: Sequence[dict] = ()) -> np.ndarray:
     """The UNet's output from its loaded parts (`run_all(feeds) -> outputs`, `in_names`, `out_names`): one
-    whole model, or the chunks in sequence with their tensors passed by name."""
+    whole model, or the chunks in sequence with their tensors passed by name (`aliases`: chunk_aliases)."""
     if len(parts) == 1:
         return parts[0](feeds)
     tensors = dict(feeds)
     outs: list = []
-    for m in parts:
+    for k, m in enumerate(parts):
+        missing = [n for n in m.in_names if n not in tensors]
+        if missing:
+            raise PocketdiffError(f"{chunk_name(k)}: no earlier chunk (nor the UNet's inputs) made its input {', '.join(missing)}")
         outs = m.run_all({n: tensors[n] for n in m.in_names})
-        tensors.update(zip(m.out_names, outs))
+        _take(tensors, m.out_names, outs, aliases[k] if k < len(aliases) else {})
     return outs[0]
 
 
-def chain_on_delegate(parts: Sequence[tuple[str | Path, Sequence[str]]], inputs: dict[str, np.ndarray], precision: str,
+def _take(tensors: dict, names: Sequence[str], outs: Sequence, aliases: dict) -> None:
+    """A chunk's outputs into the table by name, and their aliases."""
+    mine = dict(zip(names, outs))
+    tensors.update(mine)
+    tensors.update({a: mine[src] for a, src in aliases.items() if src in mine})
+
+
+def chain_on_delegate(parts: Sequence[tuple[str | Path, Sequence[str], dict]], inputs: dict[str, np.ndarray], precision: str,
                       **kw) -> tuple[np.ndarray, list]:
     """The chunk files in sequence on the delegate at one precision, each in its worker process and fed its
-    inputs (`parts`: (file, input names)) from the UNet's inputs and the previous chunks' delegate outputs:
-    (the UNet's output, each chunk's DelegateRun). `kw`: run_on_delegate's (accelerator, driver, timeout_s)."""
+    inputs (`parts`: (file, input names, aliases)) from the UNet's inputs and the previous chunks' delegate
+    outputs: (the UNet's output, each chunk's DelegateRun). `kw`: run_on_delegate's (accelerator, driver, timeout_s)."""
     from .delegate import run_on_delegate
 
     tensors = dict(inputs)
     runs, outs = [], []
-    for path, names in parts:
+    for path, names, aliases in parts:
+        missing = [n for n in names if n not in tensors]
+        if missing:
+            raise PocketdiffError(f"unet chunk {Path(path).name}: no earlier chunk (nor the UNet's inputs) made its input {', '.join(missing)}")
         run = run_on_delegate(path, {n: tensors[n] for n in names}, precisions=[precision], **kw)
         runs.append(run)
         got = run.outputs.get(precision) or (run.outputs.get("fp32") if kw.get("accelerator") == "cpu" else None)
         if not got:
             raise PocketdiffError(f"unet chunk {Path(path).name}: no {precision} output on the delegate ({run.error or 'did not run'})")
         outs = got
-        tensors.update(zip(run.output_names, outs))
+        _take(tensors, run.output_names, outs, aliases)
     return outs[0], runs

@@ -30,7 +30,7 @@ import numpy as np
 from pocketdiff.errors import PocketdiffError
 
 from .manifest_check import manifest_problems
-from .unet_chunks import UNET, chain_on_delegate
+from .unet_chunks import UNET, chain_on_delegate, chunk_aliases
 
 ACCELERATORS = ("gpu", "cpu")
 _CHECK_OF = {"signature": "io", "present": "files", "size": "files", "path": "files", "file": "files"}
@@ -224,7 +224,8 @@ def verify_chunk_chain(man: dict, accelerator: str, precisions: Sequence[str], t
     with np.load(golden["_path"], allow_pickle=False) as data:
         inputs = {i["name"]: data[f"input_{i['name']}"] for i in block["inputs"]}
         ref = data["output_0"]
-    paths = [(man["components"][n]["_path"], [i["name"] for i in man["components"][n]["inputs"]]) for n in block["components"]]
+    paths = [(man["components"][n]["_path"], [i["name"] for i in man["components"][n]["inputs"]], a)
+             for n, a in zip(block["components"], chunk_aliases(man))]
     rep: dict = {"checks": ["chain"], "chunks": list(block["components"]), "parity": {}}
     for p in (list(precisions) if accelerator == "gpu" else ["fp32"]):
         try:

@@ -1,5 +1,5 @@
 """The UNet exported in chunks (`unet_chunks`): the split in torch, the config's checks, and one tiny
-teacher exported whole and in two chunks (int8 from an RTN checkpoint in compress's format), run through
+teacher exported whole and in four chunks (the first ends with a down block, so it names an alias) (int8 from an RTN checkpoint in compress's format), run through
 run-bundle and verify-bundle on the lavapipe delegate and XNNPACK."""
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from pocketdiff.cli import main as cli_main
 from pocketdiff.errors import PocketdiffError
 
 TEACHER = "pocketdiff:shapes-teacher"
+CHUNKS = 4  # the tiny teacher's first chunk then ends with down_blocks.1 (an alias) and the mid block is a chunk alone
 PROMPT = "a red circle"
 
 
@@ -37,7 +38,7 @@ def teacher_unet():
     return unet, inputs, ref
 
 
-@pytest.mark.parametrize("k", [1, 2, 3, 5])
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 5])
 def test_chunks_in_sequence_equal_the_whole_unet_in_torch(teacher_unet, k):
     from pocketdiff.export.unet_chunks import run_chunks, split_unet, unet_stages
 
@@ -48,10 +49,42 @@ def test_chunks_in_sequence_equal_the_whole_unet_in_torch(teacher_unet, k):
     assert torch.equal(final, ref)
     for i, (c, out) in enumerate(zip(chunks, outs)):  # every skip a chunk reads was made by one earlier chunk; none made for nobody
         assert set(out) == set(c.plan.outputs) and ("hidden" in out) == (i < k - 1)
+        assert len({id(v) for v in out.values()}) == len(out)  # each tensor returned once (a converter would merge them)
         for n in (n for n in c.plan.inputs if n.startswith("skip_")):
-            assert sum(n in d.plan.outputs for d in chunks[:i]) == 1, (i, n)
-        for n in (n for n in c.plan.outputs if n.startswith("skip_")):
+            assert sum(n in d.plan.outputs or n in d.plan.aliases for d in chunks[:i]) == 1, (i, n)
+        for n in (n for n in [*c.plan.outputs, *c.plan.aliases] if n.startswith("skip_")):
             assert any(n in d.plan.inputs for d in chunks[i + 1:]), (i, n)
+
+
+def test_a_chunk_ending_with_a_down_block_returns_its_last_skip_as_hidden_once(teacher_unet):
+    """SD's 3 chunks cut after down_blocks.3; the tiny teacher's 4 after down_blocks.1, whose last skip is its output."""
+    from pocketdiff.export.unet_chunks import plan_chunks
+
+    first = plan_chunks(teacher_unet[0], 4)[0]
+    assert first.stages[-1] == "down_blocks.1" and first.aliases == {"skip_3": "hidden"}
+    assert "skip_3" not in first.outputs and first.outputs[0] == "hidden"
+    assert all(not p.aliases for p in plan_chunks(teacher_unet[0], 2))  # cut after mid_block: nothing to alias
+
+
+def test_a_tensor_the_converter_returns_under_two_names_is_refused(tmp_path):
+    """What SD's first chunk was before aliases: two signature names, one tensor; export and the runners refuse it."""
+    from torch import nn
+
+    from pocketdiff.export.exporter import convert_job
+    from pocketdiff.runtime.manifest_check import BundleCheckError, check_component_io, shared_outputs
+
+    class Twice(nn.Module):
+        def forward(self, x):
+            y = torch.relu(x) * 2.0
+            return {"hidden": y, "skip_3": y}
+
+    path = tmp_path / "twice.tflite"
+    convert_job(Twice().eval(), {"x": torch.randn(1, 4)}, path)
+    assert shared_outputs(path) == [["hidden", "skip_3"]]
+    entry = {"inputs": [{"name": "x", "shape": [1, 4], "dtype": "float32"}],
+             "outputs": [{"name": n, "shape": [1, 4], "dtype": "float32"} for n in ("hidden", "skip_3")]}
+    with pytest.raises(BundleCheckError, match="outputs hidden and skip_3 are one tensor"):
+        check_component_io("unet.0", entry, path)
 
 
 def test_bounds_minimise_the_heaviest_chunk():
@@ -86,22 +119,24 @@ def bundles(gpu_delegate, int8_checkpoint, tmp_path_factory):
     cfg = {"seed": 0, "model": {"pretrained": TEACHER}, "weights": "int8", "int8": {"checkpoint": str(ckpt)}, "guidance": "cfg",
            "guidance_scale": 3.0, "steps": 3, "fp16_scan": {"enabled": False}, "rewrites": {"residual_scale": 0.25}}
     out = {}
-    for k in (1, 2):
+    for k in (1, CHUNKS):
         (root / f"k{k}.yaml").write_text(yaml.safe_dump({**cfg, "unet_chunks": k}))
         out[k] = root / f"bundle{k}"
         assert cli_main(["export", "--config", str(root / f"k{k}.yaml"), "--output", str(out[k])]) == 0
-    return {"whole": out[1], "chunked": out[2], "checkpoint": ckpt, "root": root,
-            "report": json.loads((out[2] / "report.json").read_text())}
+    return {"whole": out[1], "chunked": out[CHUNKS], "checkpoint": ckpt, "root": root,
+            "report": json.loads((out[CHUNKS] / "report.json").read_text())}
 
 
 def test_manifest_lists_the_chunks_with_parity_per_chunk_and_end_to_end(bundles):
     man = json.loads((bundles["chunked"] / "manifest.json").read_text())
     assert man["schema_version"] == 2 and json.loads((bundles["whole"] / "manifest.json").read_text())["schema_version"] == 1
     block = man["unet_chunks"]
-    assert block["components"] == ["unet.0", "unet.1"] and "unet" not in man["components"]
+    assert block["components"] == [f"unet.{k}" for k in range(CHUNKS)] and "unet" not in man["components"]
+    assert block["aliases"] == [{"skip_3": "hidden"}, {}, {}, {}]
     assert [i["name"] for i in block["inputs"]] == ["sample", "timestep", "encoder_hidden_states"]
     assert [i["name"] for i in man["components"]["unet.1"]["inputs"]][0] == "hidden"
-    assert [o["name"] for o in man["components"]["unet.1"]["outputs"]] == ["out"]
+    assert [o["name"] for o in man["components"][f"unet.{CHUNKS - 1}"]["outputs"]] == ["out"]
+    assert "skip_3" not in [o["name"] for o in man["components"]["unet.0"]["outputs"]]
     rep = bundles["report"]["components"]
     for name in block["components"]:
         assert rep[name]["fully_accelerated"] is True and rep[name]["cosine"] >= 0.999, name
@@ -116,7 +151,7 @@ def test_int8_codes_in_every_chunk_equal_the_checkpoint_bit_for_bit(bundles):
 
     state, recipe = load_quantized(bundles["checkpoint"])
     carried: dict = {}
-    for k in (0, 1):
+    for k in range(CHUNKS):
         tensors = TfliteModel(bundles["chunked"] / f"unet.{k}.tflite").int8_weights()
         mapping = json.loads((bundles["chunked"] / "_export" / f"unet.{k}_int8_map.json").read_text())
         assert not set(mapping) & set(carried)  # each layer lives in one chunk
@@ -161,13 +196,13 @@ def test_pipelined_compiles_one_chunk_at_a_time_and_keeps_them_for_every_step(bu
     opened = [i for i, (_, ph) in enumerate(phases) if ph == "opened"]
     for i in opened:  # a model's compile ends before the next model opens
         assert phases[i + 1] == (phases[i][0], "compiled"), phases
-    chunks = ["unet.0", "unet.1"]
+    chunks = [f"unet.{k}" for k in range(CHUNKS)]
     assert [c for c, ph in phases if ph == "compiled" and c in chunks] == chunks
     # each chunk settled (one run on zeros, the accelerator's host copies let go) before the next one opens
     assert phases.index(("unet.0", "compiled")) < phases.index(("unet.0", "settled")) < phases.index(("unet.1", "opened"))
     first_runs = [phases.index((c, "first_run")) for c in chunks]
-    assert max(phases.index((c, "compiled")) for c in chunks) < min(first_runs)  # both resident before the first step
-    assert all(phases.index((c, "released")) > phases.index(("unet.1", "steady_run")) for c in chunks)
+    assert max(phases.index((c, "compiled")) for c in chunks) < min(first_runs)  # all resident before the first step
+    assert all(phases.index((c, "released")) > phases.index((chunks[-1], "steady_run")) for c in chunks)
     assert set(rep["memory"]["gpu_cache"]["hits"]) >= set(chunks)  # the program cache keyed per chunk
     assert rep["fully_accelerated"] is True and set(rep["fully_accelerated_by_component"]) >= set(chunks)
 
@@ -175,7 +210,7 @@ def test_pipelined_compiles_one_chunk_at_a_time_and_keeps_them_for_every_step(bu
 def test_verify_bundle_checks_each_chunk_and_the_chain(bundles, tmp_path):
     assert cli_main(["verify-bundle", str(bundles["chunked"]), "--json", str(tmp_path / "v.json")]) == 0
     comps = json.loads((tmp_path / "v.json").read_text())["components"]
-    assert {"unet.0", "unet.1", "unet"} <= set(comps) and all(c["ok"] for c in comps.values())
+    assert {"unet.0", f"unet.{CHUNKS - 1}", "unet"} <= set(comps) and all(c["ok"] for c in comps.values())
     assert comps["unet"]["checks"] == ["chain", "finite", "parity"] and comps["unet"]["parity"]["fp16"]["psnr_db"] >= 30
 
 
@@ -193,7 +228,10 @@ def _broken(bundles, tmp_path: Path, name: str, edit) -> Path:
     ("missing-entry", lambda b, m: m["components"].pop("unet.1"), "components.unet.1: missing"),
     ("version-1", lambda b, m: m.update(schema_version=1), "schema version 1 cannot hold unet_chunks"),
     ("shape", lambda b, m: m["components"]["unet.1"]["inputs"][0].update(shape=[2, 1, 1, 1]), "components.unet.1.inputs"),
-    ("order", lambda b, m: m["unet_chunks"].update(components=["unet.1", "unet.0"]), "unet_chunks.components: must list unet.0, unet.1"),
+    ("order", lambda b, m: m["unet_chunks"].update(components=["unet.1", "unet.0", "unet.2", "unet.3"]),
+     "unet_chunks.components: must list unet.0, unet.1"),
+    ("no-alias", lambda b, m: m["unet_chunks"].pop("aliases"), "components.unet.2.inputs.skip_3"),
+    ("bad-alias", lambda b, m: m["unet_chunks"]["aliases"][0].update(skip_3="nothing"), "unet_chunks.aliases.0.skip_3: names nothing"),
 ])
 def test_run_bundle_refuses_a_broken_chunked_manifest_naming_the_file(bundles, tmp_path, capsys, name, edit, message):
     b = _broken(bundles, tmp_path, name, edit)

@@ -82,4 +82,21 @@ if (req.console_lines) {
 }
 // chunks.js: the manifest's UNet layout
 out.unet_layouts = (req.manifests || []).map((m) => ({ problem: chunks.unetPartsProblem(m), parts: chunks.unetPartsProblem(m) ? null : chunks.unetParts(m) }));
+// chunks.js: runUnet over stand-in parts that add 1 to their inputs, with an alias between them (the
+// arithmetic, not LiteRT, is what is checked here; the page runs real chunks in test_check_chunked.py)
+if (req.chunk_chain) {
+  const part = (name, ins, outs) => ({
+    name,
+    model: { getInputDetails: () => ins.map((n) => ({ name: n })) },
+    runAll: async (feeds) => outs.map((o, i) => ({ data: Float32Array.from([ins.reduce((a, n) => a + feeds[n].data[0], 0) + i + 1]), shape: [1] })),
+  });
+  const parts = req.chunk_chain.parts.map((p) => part(p.name, p.inputs, p.outputs));
+  const feeds = { sample: { data: Float32Array.from([1]), shape: [1] } };
+  try {
+    const res = await chunks.runUnet(parts, feeds, req.chunk_chain.parts.map((p) => p.outputs), chunks.chunkAliases(req.chunk_chain.manifest));
+    out.chunk_chain = { value: res.data[0] };
+  } catch (e) {
+    out.chunk_chain = { error: String(e.message) };
+  }
+}
 console.log(JSON.stringify(out));

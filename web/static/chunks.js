@@ -1,8 +1,9 @@
 // A UNet exported in chunks (export `unet_chunks: K`, manifest schema_version 2), as run-bundle runs it
 // (runtime/unet_chunks.py): unet.0 ... unet.K-1 in sequence, a table of named tensors between them (the
 // UNet's inputs first; each chunk reads its inputs from it by name and writes its outputs into it:
-// `hidden`, the stream; `skip_J`, the down path's skip connections); the last chunk's one output is the
-// UNet's output.
+// `hidden`, the stream; `skip_J`, the down path's skip connections), then, per `unet_chunks.aliases`, a
+// second name for one of its outputs (a chunk ending with a down block returns that block's last skip only
+// as `hidden`); the last chunk's one output is the UNet's output.
 // Errors here are plain Errors with the component or field named; pipeline.js turns a manifest problem
 // (unetPartsProblem) into its BundleError.
 
@@ -42,9 +43,17 @@ export function outputNames(component, declared) {
   return names;
 }
 
+/** Per chunk, {alias: the chunk's output it names} ({} where the manifest has no aliases). */
+export function chunkAliases(man) {
+  const block = man.unet_chunks || {};
+  const n = (block.components || []).length;
+  return Array.isArray(block.aliases) && block.aliases.length === n ? block.aliases.map((a) => ({ ...a })) : Array.from({ length: n }, () => ({}));
+}
+
 /** The UNet's output {data, shape} from its compiled parts (one whole model, or the chunks in sequence);
- *  `outNames`: each part's output names (outputNames, found once when the parts are compiled). */
-export async function runUnet(parts, feeds, outNames) {
+ *  `outNames`: each part's output names (outputNames, found once when the parts are compiled);
+ *  `aliases`: chunkAliases(man). */
+export async function runUnet(parts, feeds, outNames, aliases = []) {
   if (parts.length === 1) return parts[0].run(feeds);
   const tensors = { ...feeds };
   let outs = [];
@@ -56,6 +65,10 @@ export async function runUnet(parts, feeds, outNames) {
     }
     outs = await part.runAll(mine);
     outNames[k].forEach((name, i) => { tensors[name] = outs[i]; });
+    for (const [alias, src] of Object.entries(aliases[k] || {})) {
+      if (!outNames[k].includes(src)) throw new Error(`${part.name}: unet_chunks.aliases names ${src}, which it does not return`);
+      tensors[alias] = tensors[src];
+    }
   }
   return outs[0];
 }

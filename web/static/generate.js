@@ -1,6 +1,6 @@
 // One prompt through the bundle, pipelined as `run-bundle --pipelined` (a tiled decoder as tiled.js).
 import { BundleError, Component, ddimStep, pageNoise, parity, toHwc } from './pipeline.js';
-import { outputNames, runUnet } from './chunks.js';
+import { chunkAliases, outputNames, runUnet } from './chunks.js';
 import { lcmStep, renoise } from './lcm.js';
 import { onePassDecode } from './tiled.js';
 
@@ -102,6 +102,7 @@ export async function generate(bundle, opts) {
     for (const c of unet) await checkGolden(c);
     // a chunk's output names, found once (not per step); a whole UNet returns its one output
     const outNames = unet.length > 1 ? unet.map((c) => outputNames(c, man.components[c.name].outputs)) : null;
+    const aliases = chunkAliases(man);
     const stepMs = [];
     const h = text.cond.shape;
     let ehs = text.cond.data;
@@ -144,7 +145,7 @@ export async function generate(bundle, opts) {
       } else {
         feeds.timestep = { data: new Float32Array(B).fill(t), shape: [B] };
       }
-      const res = await runUnet(unet, feeds, outNames);
+      const res = await runUnet(unet, feeds, outNames, aliases);
       stepMs.push(unet.reduce((a, c) => a + c.runMs[c.runMs.length - 1], 0));
       let out = res.data;
       if (B === 2) {
