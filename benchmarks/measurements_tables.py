@@ -277,18 +277,29 @@ def _phase(r: dict, component: str, phase: str, key: str):
 FOOTPRINTS = ("bundle_footprint_student_h100.json", "bundle_footprint_cfg_h100.json")
 
 
+RUN_HEADER = ["layout", "runner", "mode", "launch", "host peak", "GPU peak", "host + GPU at once", "host while UNet runs",
+              "load TE / UNet", "process start to 1st step", "to image"]
+
+
+def _run_row(r: dict) -> list[str]:
+    """One run-bundle run: its measured peaks, the UNet's host while it runs (the last chunk's, for chunks), loads and times."""
+    m = r["memory"]
+    mode = r["mode"] + {"nocache": " (no program cache)", "cache_only_compiled_programs": " (programs-only cache)"}.get(r.get("variant"), "")
+    gb = lambda v: "-" if v is None else f"{v / 1e3:.1f} GB"  # noqa: E731
+    unet = f"unet.{r['unet_chunks'] - 1}" if (r.get("unet_chunks") or 1) > 1 else "unet"
+    return [r["layout"], r["runner"], mode, r["launch"], gb(r["host_peak_mb"]), gb(r["gpu_peak_mb"]),
+            gb(m.get("host_plus_gpu_peak_at_once_mb")), gb(_phase(r, unet, "steady_run", "host_rss_mb")),
+            f"{r['latency_s']['text_encoder_load']:.1f} / {r['latency_s']['unet_load']:.1f} s",
+            f"{r['start_s']:.1f} s", f"{r['total_s']:.1f} s"]
+
+
 def bundle_footprint_runs() -> str:
-    rows = []
-    for r in (r for f in FOOTPRINTS for r in load(RESULTS / f)["runs"]):
-        m = r["memory"]
-        mode = r["mode"] + (" (no program cache)" if r.get("variant") == "nocache" else "")
-        gb = lambda v: "-" if v is None else f"{v / 1e3:.1f} GB"  # noqa: E731
-        rows.append([r["layout"], r["runner"], mode, r["launch"], gb(r["host_peak_mb"]), gb(r["gpu_peak_mb"]),
-                     gb(m.get("host_plus_gpu_peak_at_once_mb")), gb(_phase(r, "unet", "steady_run", "host_rss_mb")),
-                     f"{r['latency_s']['text_encoder_load']:.1f} / {r['latency_s']['unet_load']:.1f} s",
-                     f"{r['start_s']:.1f} s", f"{r['total_s']:.1f} s"])
-    return table(["layout", "runner", "mode", "launch", "host peak", "GPU peak", "host + GPU at once", "host while UNet runs",
-                  "load TE / UNet", "process start to 1st step", "to image"], rows)
+    return table(RUN_HEADER, [_run_row(r) for f in FOOTPRINTS for r in load(RESULTS / f)["runs"]])
+
+
+def bundle_footprint_chunks4() -> str:
+    """The 4-chunk UNet with the int8 text encoder against the whole UNet, end to end in one call."""
+    return table(RUN_HEADER, [_run_row(r) for r in load(RESULTS / "bundle_footprint_chunks4_h100.json")["runs"]])
 
 
 def bundle_footprint_unet() -> str:
@@ -346,6 +357,7 @@ TABLES = {
     "bundle-footprint-runs": bundle_footprint_runs,
     "bundle-footprint-unet": bundle_footprint_unet,
     "bundle-footprint-chunks": bundle_footprint_chunks,
+    "bundle-footprint-chunks4": bundle_footprint_chunks4,
 }
 
 
