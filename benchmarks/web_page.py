@@ -64,6 +64,8 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/web_page_cpu.json"))
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds the page may take to report, per run")
+    ap.add_argument("--unet", choices=("resident", "streamed"), default="resident",
+                    help="the page's unet option: a chunked UNet's chunks kept compiled, or compiled for each step")
     args = ap.parse_args()
     exe = find_chromium()
     if exe is None:
@@ -81,7 +83,8 @@ def main() -> int:
                 t0 = time.perf_counter()
                 sampler = TreePeak()  # this process (the page's server) + Chromium's processes
                 try:
-                    r = check_page(bundle, prompt=ref["prompt"], seed=ref["seed"], timeout_s=args.timeout, accelerator=acc)
+                    r = check_page(bundle, prompt=ref["prompt"], seed=ref["seed"], timeout_s=args.timeout, accelerator=acc,
+                                   **({"unet": "streamed"} if args.unet == "streamed" else {}))
                 finally:
                     memory = sampler.stop()
                 console = r.pop("chromium_console", None) or []
@@ -106,6 +109,7 @@ def main() -> int:
                    "weights": {k: v["weights"] for k, v in man["components"].items()},
                    "bytes": {k: v["bytes"] for k, v in man["components"].items()}},
         "repeat": args.repeat,
+        "unet": args.unet,
         "results": results,
     }
     for dest in [Path(args.out)] + ([Path(os.environ["OUT"]) / Path(args.out).name] if os.environ.get("OUT") else []):

@@ -2,7 +2,8 @@
 unet_chunks=2, schema_version 2) in headless Chromium: unet.0 and unet.1 compile one after another, run
 in sequence with their tensors passed by name (web/static/chunks.js), each passes its golden (every
 output of unet.0: the stream and the skip connections), and the image matches run-bundle's from the same
-latents at >= 40 dB; a malformed chunk block is refused naming the field."""
+latents at >= 40 dB, kept resident or streamed (`unet=streamed`: each chunk compiled for each step and
+released after it); a malformed chunk block is refused naming the field."""
 from __future__ import annotations
 
 import pytest
@@ -34,6 +35,21 @@ def test_chunked_page_image_matches_run_bundle_at_40_db(checked):
     img = checked["result"]["image"]
     assert img["min_psnr_db"] == MIN_IMAGE_PSNR_DB
     assert img["finite"] and img["psnr_db"] >= MIN_IMAGE_PSNR_DB, img
+
+
+def test_streamed_chunks_compile_for_every_step_and_give_the_same_image(checked, chromium):
+    """The page option for UNets whose chunks do not fit together (LiteRT.js's 2 GB wasm heap at SD size)."""
+    from pocketdiff.web.headless import check_page
+
+    ref, steps = checked["reference"], checked["manifest"]["scheduler"]["steps"]
+    r = check_page(checked["bundle"], prompt=ref["prompt"], seed=ref["seed"], timeout_s=600, executable=chromium,
+                   min_image_psnr=MIN_IMAGE_PSNR_DB, unet="streamed")
+    assert r["ok"] is True and r["unet"] == "streamed", r.get("failures") or r.get("error")
+    assert list(r["components"]) == ORDER
+    for name in ("unet.0", "unet.1"):
+        c = r["components"][name]
+        assert c["compiles"] == steps + 1 and c["golden"]["pass"] is True, (name, c)  # once for its golden, then once a step
+    assert r["image"]["psnr_db"] >= MIN_IMAGE_PSNR_DB and len(r["latency_ms"]["unet_steps_ms"]) == steps
 
 
 @pytest.mark.parametrize("edit, message", [

@@ -12,6 +12,8 @@ const $ = (id) => document.getElementById(id);
 const params = new URLSearchParams(location.search);
 const CHECK = params.get('check') === '1';
 const MIN_IMAGE_PSNR_DB = Number(params.get('min_image_psnr') ?? 30);
+// ?unet=streamed: a chunked UNet's chunks compiled for each step and released after it (they do not fit together)
+const STREAM_UNET = params.get('unet') === 'streamed';
 const bundle = new Bundle(new URL(params.get('bundle') || '../', location.href));
 let reference = null;
 let webgpu = { available: false, adapter: null, reason: null };
@@ -81,7 +83,7 @@ async function run(prompt, seed) {
   const useRef = reference && reference.seed === seed;
   $('stage-rows').innerHTML = '';
   const res = await generate(bundle, {
-    prompt, seed, scale, accelerator, goldens: CHECK,
+    prompt, seed, scale, accelerator, goldens: CHECK, streamUnet: STREAM_UNET,
     latents: useRef ? reference.latentsData : null,
     noise: useRef ? reference.noiseData : null,
     onStage: showStage,
@@ -134,6 +136,7 @@ function summary(prompt, seed, out, runtimeMs) {
     steps: man.scheduler.timesteps.length,
     guidance: { mode: man.guidance.mode, scale: Number($('guidance').value) },
     accelerator,
+    unet: STREAM_UNET ? 'streamed' : 'resident',
     webgpu,
     latents: out.latentsSource,
     tokenizer,

@@ -50,25 +50,67 @@ export function chunkAliases(man) {
   return Array.isArray(block.aliases) && block.aliases.length === n ? block.aliases.map((a) => ({ ...a })) : Array.from({ length: n }, () => ({}));
 }
 
-/** The UNet's output {data, shape} from its compiled parts (one whole model, or the chunks in sequence);
- *  `outNames`: each part's output names (outputNames, found once when the parts are compiled);
+/** The UNet's output {data, shape} from its parts (one whole model, or the chunks in sequence: compiled
+ *  Components kept resident, or StreamedChunks compiled for this use and released after it);
+ *  `outNames`: each part's output names (outputNames; found once, filled here for a streamed chunk);
  *  `aliases`: chunkAliases(man). */
 export async function runUnet(parts, feeds, outNames, aliases = []) {
-  if (parts.length === 1) return parts[0].run(feeds);
+  if (parts.length === 1 && !parts[0].open) return parts[0].run(feeds);
   const tensors = { ...feeds };
   let outs = [];
   for (const [k, part] of parts.entries()) {
-    const mine = {};
-    for (const d of part.model.getInputDetails()) {
-      if (!(d.name in tensors)) throw new Error(`${part.name}: no earlier chunk (nor the UNet's inputs) makes its input ${d.name}`);
-      mine[d.name] = tensors[d.name];
-    }
-    outs = await part.runAll(mine);
-    outNames[k].forEach((name, i) => { tensors[name] = outs[i]; });
-    for (const [alias, src] of Object.entries(aliases[k] || {})) {
-      if (!outNames[k].includes(src)) throw new Error(`${part.name}: unet_chunks.aliases names ${src}, which it does not return`);
-      tensors[alias] = tensors[src];
+    const c = part.open ? await part.open() : part;
+    try {
+      const mine = {};
+      for (const d of c.model.getInputDetails()) {
+        if (!(d.name in tensors)) throw new Error(`${c.name}: no earlier chunk (nor the UNet's inputs) makes its input ${d.name}`);
+        mine[d.name] = tensors[d.name];
+      }
+      outs = await c.runAll(mine);
+      const names = outNames[k] ?? (outNames[k] = part.outputNames(c));
+      names.forEach((name, i) => { tensors[name] = outs[i]; });
+      for (const [alias, src] of Object.entries(aliases[k] || {})) {
+        if (!names.includes(src)) throw new Error(`${c.name}: unet_chunks.aliases names ${src}, which it does not return`);
+        tensors[alias] = tensors[src];
+      }
+    } finally {
+      if (part.open) part.close();
     }
   }
   return outs[0];
+}
+
+/** A UNet chunk compiled for each use and released right after it (the page's `unet=streamed`): the chunks
+ *  of an SD-size UNet do not fit LiteRT.js's 2 GB wasm heap together, one at a time they do. The fetched
+ *  bytes stay in the page; `compile(fetched)` -> a Component; its compile and run times are gathered here. */
+export class StreamedChunk {
+  constructor(fetched, compile, declaredOutputs) {
+    this.fetched = fetched;
+    this.compile = compile;
+    this.declared = declaredOutputs;
+    this.name = fetched.name;
+    this.current = null;
+    this.compiles = 0;
+    this.compileMsAll = [];
+    this.runMs = [];
+  }
+
+  async open() {
+    const c = await this.compile(this.fetched);
+    this.current = c;
+    this.compiles += 1;
+    this.compileMsAll.push(c.compileMs);
+    return c;
+  }
+
+  close() {
+    if (!this.current) return;
+    this.runMs.push(...this.current.runMs);
+    this.current.release();
+    this.current = null;
+  }
+
+  outputNames(c) {
+    return outputNames(c, this.declared);
+  }
 }

@@ -1,6 +1,6 @@
 // One prompt through the bundle, pipelined as `run-bundle --pipelined` (a tiled decoder as tiled.js).
 import { BundleError, Component, ddimStep, pageNoise, parity, toHwc } from './pipeline.js';
-import { chunkAliases, outputNames, runUnet } from './chunks.js';
+import { StreamedChunk, chunkAliases, outputNames, runUnet } from './chunks.js';
 import { lcmStep, renoise } from './lcm.js';
 import { onePassDecode } from './tiled.js';
 
@@ -13,7 +13,8 @@ async function decode(man, decs, latents) {
 
 /**
  * opts: {prompt, seed, scale, accelerator, latents (Float32Array|null), noise (Float32Array|null: an lcm
- *        bundle's re-noising draws, steps - 1 latents long), goldens (bool),
+ *        bundle's re-noising draws, steps - 1 latents long), goldens (bool), streamUnet (bool: a chunked
+ *        UNet's chunks compiled one at a time for each step and released after it, instead of kept),
  *        onStage(name, info), onStep(i, n, ms)}
  * returns {image: {img, h, w, c, finite}, tokens, stages, golden, latency}
  */
@@ -65,9 +66,11 @@ export async function generate(bundle, opts) {
   // text encoder and UNet download together; the text encoder compiles, runs and is released
   // before the UNet compiles (one model compiling at a time on the page's thread)
   const teFetch = Component.fetch(bundle, 'text_encoder');
-  // the UNet (its chunks, one after another) stays resident between prompts (as run-bundle --pipelined keeps it)
+  // the UNet (its chunks, one after another) stays resident between prompts (as run-bundle --pipelined keeps it),
+  // unless its chunks are streamed (compiled for each use: they do not fit the page's memory together)
+  const streamed = Boolean(opts.streamUnet) && bundle.unetParts.length > 1;
   let kept = bundle.residentUnet;
-  if (kept && kept[0].accelerator !== opts.accelerator) {
+  if (kept && (streamed || kept[0].accelerator !== opts.accelerator)) {
     for (const c of kept) c.release();
     kept = bundle.residentUnet = null;
   }
@@ -89,19 +92,24 @@ export async function generate(bundle, opts) {
   bundle.residentUnet = null; // held by this call until it ends
   let decoderP = null;
   try {
-    if (!kept) for (const p of unetFetch) unet.push(await Component.compile(p, opts.accelerator));
-    for (const c of unet) {
-      if (kept) {
-        c.fetchMs = 0;
-        c.compileMs = 0;
-        c.runMs = [];
+    if (streamed) {
+      await openStreamedChunks(unet, unetFetch, (f) => Component.compile(f, opts.accelerator), man, record, checkGolden);
+    } else {
+      if (!kept) for (const p of unetFetch) unet.push(await Component.compile(p, opts.accelerator));
+      for (const c of unet) {
+        if (kept) {
+          c.fetchMs = 0;
+          c.compileMs = 0;
+          c.runMs = [];
+        }
+        record(c);
+        stages[c.name].resident = Boolean(kept);
       }
-      record(c);
-      stages[c.name].resident = Boolean(kept);
+      for (const c of unet) await checkGolden(c);
     }
-    for (const c of unet) await checkGolden(c);
-    // a chunk's output names, found once (not per step); a whole UNet returns its one output
-    const outNames = unet.length > 1 ? unet.map((c) => outputNames(c, man.components[c.name].outputs)) : null;
+    // a chunk's output names, found once (not per step; a streamed chunk's at its first use); a whole UNet
+    // returns its one output
+    const outNames = streamed ? new Array(unet.length) : (unet.length > 1 ? unet.map((c) => outputNames(c, man.components[c.name].outputs)) : null);
     const aliases = chunkAliases(man);
     const stepMs = [];
     const h = text.cond.shape;
@@ -165,6 +173,7 @@ export async function generate(bundle, opts) {
     }
     for (const c of unet) {
       stages[c.name].run_ms = c.runMs.reduce((a, b) => a + b, 0);
+      if (streamed) Object.assign(stages[c.name], { compiles: c.compiles, compile_ms_all: c.compileMsAll.reduce((a, b) => a + b, 0) });
       note(c.name, stages[c.name]);
     }
     latency.unet_steps_ms = stepMs;
@@ -194,8 +203,24 @@ export async function generate(bundle, opts) {
     if (opts.goldens) latency.golden_checks_ms = goldenMs;
     return { image, tokens: enc, stages, golden, latency };
   } finally {
-    bundle.residentUnet = unet.length === bundle.unetParts.length ? unet : null; // the text encoder and decoder were released after use
-    if (!bundle.residentUnet) for (const c of unet) c.release(); // a chunk failed to compile: none is kept
+    // the text encoder and decoder were released after use; a streamed UNet's chunks after each
+    bundle.residentUnet = !streamed && unet.length === bundle.unetParts.length ? unet : null;
+    if (!bundle.residentUnet) for (const c of unet) (streamed ? c.close() : c.release()); // a chunk failed to compile: none is kept
+  }
+}
+
+/** Streamed chunks (StreamedChunk) into `unet`, each compiled once here for its golden check and the stage
+ *  table (its first compile), then released until its first step. */
+async function openStreamedChunks(unet, fetches, compile, man, record, checkGolden) {
+  for (const p of fetches) unet.push(new StreamedChunk(await p, compile, man.components[(await p).name].outputs));
+  for (const part of unet) {
+    const c = await part.open();
+    try {
+      record(c);
+      await checkGolden(c);
+    } finally {
+      part.close();
+    }
   }
 }
 

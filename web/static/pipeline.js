@@ -155,7 +155,8 @@ export class Component {
     if (done) this.consoleMark = null;
     if (bad) {
       throw new BundleError(`${this.name}: LiteRT.js could not prepare the model on ${this.accelerator === 'webgpu' ? 'WebGPU' : 'the wasm CPU path'} `
-        + `(it said: ${bad.replace(/^\s*(error:\s*)?/, '').trim()}); a model this size does not fit LiteRT.js's 2 GB wasm heap`);
+        + `(it said: ${bad.replace(/^\s*(error:\s*)?/, '').trim()}); a model this size does not fit LiteRT.js's 2 GB wasm heap`
+        + (this.name.startsWith('unet.') ? ' (with the other chunks held: the page option unet=streamed compiles one chunk at a time)' : ''));
     }
   }
 
