@@ -87,14 +87,22 @@ out.unet_layouts = (req.manifests || []).map((m) => ({ problem: chunks.unetParts
 if (req.chunk_chain) {
   const part = (name, ins, outs) => ({
     name,
-    model: { getInputDetails: () => ins.map((n) => ({ name: n })) },
+    model: { getInputDetails: () => ins.map((n) => ({ name: n })), getOutputDetails: () => outs.map((n) => ({ name: n })) },
     runAll: async (feeds) => outs.map((o, i) => ({ data: Float32Array.from([ins.reduce((a, n) => a + feeds[n].data[0], 0) + i + 1]), shape: [1] })),
   });
-  const parts = req.chunk_chain.parts.map((p) => part(p.name, p.inputs, p.outputs));
+  const opened = [];
+  const streamedPart = (p) => new chunks.StreamedChunk({ name: p.name }, async () => {
+    const c = { ...part(p.name, p.inputs, p.outputs), runMs: [5], compileMs: 7, release() { opened.push(`-${p.name}`); } };
+    opened.push(`+${p.name}`);
+    return c;
+  }, p.outputs.map((name) => ({ name })));
+  const streamed = Boolean(req.chunk_chain.streamed);
+  const parts = req.chunk_chain.parts.map((p) => (streamed ? streamedPart(p) : part(p.name, p.inputs, p.outputs)));
   const feeds = { sample: { data: Float32Array.from([1]), shape: [1] } };
   try {
-    const res = await chunks.runUnet(parts, feeds, req.chunk_chain.parts.map((p) => p.outputs), chunks.chunkAliases(req.chunk_chain.manifest));
-    out.chunk_chain = { value: res.data[0] };
+    const names = streamed ? new Array(parts.length) : req.chunk_chain.parts.map((p) => p.outputs);
+    const res = await chunks.runUnet(parts, feeds, names, chunks.chunkAliases(req.chunk_chain.manifest));
+    out.chunk_chain = { value: res.data[0], opened, compiles: streamed ? parts.map((p) => p.compiles) : null };
   } catch (e) {
     out.chunk_chain = { error: String(e.message) };
   }

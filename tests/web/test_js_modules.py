@@ -206,14 +206,16 @@ def test_page_prepare_check_and_unet_layouts(node, tmp_path):
     assert "unet_chunks.components must list unet.0, unet.1" in unordered["problem"]
 
 
+@pytest.mark.parametrize("streamed", [False, True])
 @pytest.mark.parametrize("aliases,expect", [
     ([{"skip_1": "hidden"}, {}], 5.0),  # unet.0: hidden = 1 + 1 = 2; unet.1 reads hidden and skip_1 (= hidden): 2 + 2 + 1
     (None, "no earlier chunk (nor the UNet's inputs) makes its input skip_1"),
     ([{"skip_1": "nothing"}, {}], "unet_chunks.aliases names nothing"),
 ])
-def test_run_unet_passes_tensors_by_name_and_alias(node, tmp_path, aliases, expect):
+def test_run_unet_passes_tensors_by_name_and_alias(node, tmp_path, aliases, expect, streamed):
+    """Resident chunks, and streamed ones (each compiled for its use and released right after, even on a failure)."""
     block = {"components": ["unet.0", "unet.1"], **({"aliases": aliases} if aliases is not None else {})}
-    chain = {"manifest": {"schema_version": 2, "unet_chunks": block},
+    chain = {"streamed": streamed, "manifest": {"schema_version": 2, "unet_chunks": block},
              "parts": [{"name": "unet.0", "inputs": ["sample"], "outputs": ["hidden"]},
                        {"name": "unet.1", "inputs": ["hidden", "skip_1"], "outputs": ["out"]}]}
     out = _run(node, tmp_path, {"tokenizer_json": str(STATIC.parents[1] / "pocketdiff/assets/shapes-teacher/tokenizer/tokenizer.json"),
@@ -221,6 +223,8 @@ def test_run_unet_passes_tensors_by_name_and_alias(node, tmp_path, aliases, expe
                                 "files": [], "npy": [], "npz": [], "chunk_chain": chain})
     got = out["chunk_chain"]
     if isinstance(expect, float):
-        assert got == {"value": expect}
+        assert got.get("value") == expect, got
+        assert got["opened"] == (["+unet.0", "-unet.0", "+unet.1", "-unet.1"] if streamed else [])
+        assert got["compiles"] == ([1, 1] if streamed else None)
     else:
         assert expect in got["error"], got
