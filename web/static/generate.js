@@ -57,7 +57,11 @@ export async function generate(bundle, opts) {
     const firstRunMs = c.runMs.pop(); // golden runs are not part of the generation latency
     const precision = c.accelerator === 'webgpu' ? 'fp16' : 'fp32';
     const tol = man.components[c.name].golden.tolerances?.[precision] || {};
-    const m = worstParity(outs.map((o, i) => parity(g[`output_${i}`].data, o.data))); // a UNet chunk has several outputs
+    // a UNet chunk has several outputs, which the model may return in another order than the golden's output_J
+    // (the manifest's declared order): matched by name
+    const declared = (man.components[c.name].outputs || []).map((o) => o.name);
+    const at = outs.length > 1 ? outputNames(c, man.components[c.name].outputs).map((n) => declared.indexOf(n)) : [0];
+    const m = worstParity(outs.map((o, i) => parity(g[`output_${at[i]}`].data, o.data)));
     const pass = m.finite && m.cosine >= (tol.cosine_min ?? 0.999) && m.psnr_db >= (tol.psnr_min_db ?? 30);
     // the first run of a compiled model also builds its GPU pipelines (shader compilation)
     golden[c.name] = { ...m, precision, tolerances: tol, pass, first_run_ms: firstRunMs };
