@@ -82,6 +82,16 @@ if (req.console_lines) {
 }
 // chunks.js: the manifest's UNet layout
 out.unet_layouts = (req.manifests || []).map((m) => ({ problem: chunks.unetPartsProblem(m), parts: chunks.unetPartsProblem(m) ? null : chunks.unetParts(m) }));
+// chunks.js: which golden output_J each of a model's outputs is compared with
+if (req.golden_order) {
+  out.golden_order = req.golden_order.map(([names, declared]) => {
+    try {
+      return chunks.goldenIndices(names, declared.map((name) => ({ name })));
+    } catch (e) {
+      return String(e.message);
+    }
+  });
+}
 // chunks.js: runUnet over stand-in parts that add 1 to their inputs, with an alias between them (the
 // arithmetic, not LiteRT, is what is checked here; the page runs real chunks in test_check_chunked.py)
 if (req.chunk_chain) {

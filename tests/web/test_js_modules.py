@@ -228,3 +228,14 @@ def test_run_unet_passes_tensors_by_name_and_alias(node, tmp_path, aliases, expe
         assert got["compiles"] == ([1, 1] if streamed else None)
     else:
         assert expect in got["error"], got
+
+
+def test_golden_outputs_are_matched_by_name_not_position(node, tmp_path):
+    """SD's unet.0 comes back from LiteRT.js in another order than its golden's output_J (the declared order)."""
+    cases = [[["skip_0", "hidden", "skip_1"], ["hidden", "skip_0", "skip_1"]], [["hidden"], ["hidden"]], [["other"], ["hidden"]]]
+    out = _run(node, tmp_path, {"tokenizer_json": str(STATIC.parents[1] / "pocketdiff/assets/shapes-teacher/tokenizer/tokenizer.json"),
+                                "tokenizer": {"max_length": 77, "pad_id": 593, "bos_id": 592, "eos_id": 593}, "prompts": [],
+                                "files": [], "npy": [], "npz": [], "golden_order": cases})
+    reordered, same, unknown = out["golden_order"]
+    assert reordered == [1, 0, 2] and same == [0]
+    assert "output other is not among the manifest's declared outputs (hidden)" in unknown

@@ -50,6 +50,18 @@ export function chunkAliases(man) {
   return Array.isArray(block.aliases) && block.aliases.length === n ? block.aliases.map((a) => ({ ...a })) : Array.from({ length: n }, () => ({}));
 }
 
+/** For each of a model's outputs (`names`, in its run's order), the J of the golden's output_J: the
+ *  manifest's declared order, which the exporter writes from the file's signature; LiteRT.js may return a
+ *  chunk's outputs in another order (SD's unet.0 does). */
+export function goldenIndices(names, declared) {
+  const order = (declared || []).map((o) => o.name);
+  return names.map((n) => {
+    const j = order.indexOf(n);
+    if (j < 0) throw new Error(`output ${n} is not among the manifest's declared outputs (${order.join(', ')})`);
+    return j;
+  });
+}
+
 /** The UNet's output {data, shape} from its parts (one whole model, or the chunks in sequence: compiled
  *  Components kept resident, or StreamedChunks compiled for this use and released after it);
  *  `outNames`: each part's output names (outputNames; found once, filled here for a streamed chunk);

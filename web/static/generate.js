@@ -1,6 +1,6 @@
 // One prompt through the bundle, pipelined as `run-bundle --pipelined` (a tiled decoder as tiled.js).
 import { BundleError, Component, ddimStep, pageNoise, parity, toHwc } from './pipeline.js';
-import { StreamedChunk, chunkAliases, outputNames, runUnet } from './chunks.js';
+import { StreamedChunk, chunkAliases, goldenIndices, outputNames, runUnet } from './chunks.js';
 import { lcmStep, renoise } from './lcm.js';
 import { onePassDecode } from './tiled.js';
 
@@ -59,8 +59,7 @@ export async function generate(bundle, opts) {
     const tol = man.components[c.name].golden.tolerances?.[precision] || {};
     // a UNet chunk has several outputs, which the model may return in another order than the golden's output_J
     // (the manifest's declared order): matched by name
-    const declared = (man.components[c.name].outputs || []).map((o) => o.name);
-    const at = outs.length > 1 ? outputNames(c, man.components[c.name].outputs).map((n) => declared.indexOf(n)) : [0];
+    const at = outs.length > 1 ? goldenIndices(outputNames(c, man.components[c.name].outputs), man.components[c.name].outputs) : [0];
     const m = worstParity(outs.map((o, i) => parity(g[`output_${at[i]}`].data, o.data)));
     const pass = m.finite && m.cosine >= (tol.cosine_min ?? 0.999) && m.psnr_db >= (tol.psnr_min_db ?? 30);
     // the first run of a compiled model also builds its GPU pipelines (shader compilation)
