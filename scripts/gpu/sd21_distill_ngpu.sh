@@ -7,7 +7,7 @@
 # that 1-GPU run's first checkpoint back on N (hardlinked copies of the run folder, the last
 # round's folder and later checkpoints removed). -> $OUT/$NAME.json (weak-scaling
 # efficiency per round, loss trajectories of the resumed rounds next to the uninterrupted one).
-# Settings by environment: NGPU=2 BUDGET=530 ARCH=sd21 RES=512 BATCH=16 (per GPU: the recipe's; 8 is host-bound, README) PY=python3 SKIP_ENV=1 EXTRA=
+# Settings by environment: NGPU=2 BUDGET=530 RUN_S=240 (per training run) ARCH=sd21 RES=512 BATCH=16 (per GPU: the recipe's; 8 is host-bound, README) PY=python3 SKIP_ENV=1 EXTRA=
 #   BENCH_VARIANTS=ours_guided,ours_wcond (benchmarks/distill_step.py at batch B on GPU 0 alone first: the
 #   1-GPU run's verb/bench ratio; empty: none) RESUMES=1 (0: no resume runs, the speed figures only; to_one: N -> 1 only)
 #   ALT_TWO=NAME:overrides,... (more N-GPU runs with overrides joined by ';', e.g. bf16:progressive.train.ddp_comm_hook=bf16:
@@ -20,6 +20,7 @@ T0=$SECONDS; BUDGET=${BUDGET:-530}
 left() { echo $(( BUDGET - (SECONDS - T0) )); }
 if [ -z "${SKIP_ENV:-}" ]; then source scripts/gpu/env.sh; else REPO=$PWD; RUNS=${RUNS:-/tmp/runs}; mkdir -p $RUNS; cd $RUNS || exit 1; fi
 NGPU=${NGPU:-2} PY=${PY:-python3} ARCH=${ARCH:-sd21} RES=${RES:-512} BATCH=${BATCH:-16} EXTRA=${EXTRA:-}
+RUN_S=${RUN_S:-240}  # watchdog of each training run (a 70-step round on one H100 took 194 s)
 NAME=${NAME:-distill_sd21_${NGPU}gpu}
 ALT_TWO=${ALT_TWO:-} LATE=${LATE:-5,10} WINDOWS=${WINDOWS:-}
 OUT=${OUT:-$RUNS/out}; mkdir -p $OUT
@@ -48,12 +49,12 @@ if [ -n "$BENCH_VARIANTS" ]; then
     --variants $BENCH_VARIANTS --compile off --grad-ckpt --optimizer adamw8bit --optimizer-lib bitsandbytes --memory-cap-gib 24 \
     --batches $BATCH --iters 6 --warmup 2)
 fi
-CUDA_VISIBLE_DEVICES=0 step one 200 $PY -m pocketdiff distill --output $L/one $C $b1
-step two 200 "${LAUNCH2[@]}" distill --output $L/two $C $b2
+CUDA_VISIBLE_DEVICES=0 step one $RUN_S $PY -m pocketdiff distill --output $L/one $C $b1
+step two $RUN_S "${LAUNCH2[@]}" distill --output $L/two $C $b2
 ALT=()
 for spec in ${ALT_TWO//,/ }; do
   n=${spec%%:*}; o=${spec#*:}
-  step two_$n 200 "${LAUNCH2[@]}" distill --output $L/two_$n $C $b2 ${o//;/ } && ALT+=(--alt "$n=$L/two_$n")
+  step two_$n $RUN_S "${LAUNCH2[@]}" distill --output $L/two_$n $C $b2 ${o//;/ } && ALT+=(--alt "$n=$L/two_$n")
 done
 # resume the N-GPU run's last round on one GPU (its global batch N*B now on one process: no cap)
 last=$(ls -d $L/two/round-* 2>/dev/null | sort -V | tail -1)

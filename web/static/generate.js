@@ -215,7 +215,10 @@ export async function generate(bundle, opts) {
 /** Streamed chunks (StreamedChunk) into `unet`, each compiled once here for its golden check and the stage
  *  table (its first compile), then released until its first step. */
 async function openStreamedChunks(unet, fetches, compile, man, record, checkGolden) {
-  for (const p of fetches) unet.push(new StreamedChunk(await p, compile, man.components[(await p).name].outputs));
+  for (const p of fetches) {
+    const fetched = await p;
+    unet.push(new StreamedChunk(fetched, compile, man.components[fetched.name].outputs));
+  }
   for (const part of unet) {
     const c = await part.open();
     try {
