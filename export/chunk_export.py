@@ -18,7 +18,7 @@ import torch
 
 from pocketdiff.errors import ParityError, PocketdiffError
 from pocketdiff.runtime import parity as parity_lib
-from pocketdiff.runtime.manifest_check import shared_outputs, tflite_signature
+from pocketdiff.runtime.manifest_check import tflite_io
 from pocketdiff.runtime.unet_chunks import UNET, chunk_name, chain_on_delegate
 
 from . import bundle as bundle_lib
@@ -66,10 +66,11 @@ def chunk_prepared(chunk, feed: dict, outs: dict, whole: Prepared, out: Path, wo
 
 def order_by_signature(prep: Prepared) -> None:
     """Declared outputs, golden output_J and output 0 in the converted file's signature order (its names)."""
-    _, sig_outs = tflite_signature(prep.raw_path)
-    for names in shared_outputs(prep.raw_path):
-        raise PocketdiffError(f"{prep.name}: the converter returns {' and '.join(names)} as one tensor, which runners would read "
-                              "under one name only (the chunk must return each tensor once)")
+    io = tflite_io(prep.raw_path)
+    if io["shared_outputs"]:
+        raise PocketdiffError(f"{prep.name}: the converter returns {' and '.join(io['shared_outputs'][0])} as one tensor, which runners "
+                              "would read under one name only (the chunk must return each tensor once)")
+    sig_outs = [o["name"] for o in io["outputs"]]
     refs = prep.references_by_name
     if set(sig_outs) != set(refs):
         raise PocketdiffError(f"{prep.name}: the converter named its outputs {sorted(sig_outs)}, the chunk returns {sorted(refs)}")
@@ -78,7 +79,7 @@ def order_by_signature(prep: Prepared) -> None:
     prep.report["outputs"] = {n: {"shape": list(refs[n].shape), "dtype": "float32"} for n in sig_outs}
 
 
-def end_to_end_parity(paths: list[tuple[Path, list[str]]], inputs: dict, reference: np.ndarray, settings) -> dict:
+def end_to_end_parity(paths: list[tuple[Path, list[str], dict]], inputs: dict, reference: np.ndarray, settings) -> dict:
     """The chunk files in sequence on the delegate (per precision) against the whole torch UNet."""
     feeds = {n: _np(v) if v.is_floating_point() else v.numpy() for n, v in inputs.items()}
     result, fails = {}, []

@@ -438,6 +438,13 @@ def tflite_signature(path: str | Path) -> tuple[dict[str, dict], dict[str, dict]
     """(inputs, outputs) of a .tflite's first signature (or its first subgraph's inputs and
     outputs, named input_J / output_J, when it has none): name -> {shape, dtype}, in order.
     Reads the flatbuffer in place (no unpacking of weights)."""
+    ins, outs, _ = _read_signature(path)
+    return ins, outs
+
+
+def _read_signature(path: str | Path) -> tuple[dict[str, dict], dict[str, dict], list[list[str]]]:
+    """tflite_signature's (inputs, outputs), and the groups of output names that name one tensor (a
+    converter returns a tensor a graph gives twice once; runners then see one of the names)."""
     import mmap
 
     from ai_edge_litert import schema_py_generated as schema
@@ -457,30 +464,18 @@ def tflite_signature(path: str | Path) -> tuple[dict[str, dict], dict[str, dict]
             sig = model.SignatureDefs(0)
             graph = model.Subgraphs(sig.SubgraphIndex())
             ins = {sig.Inputs(i).Name().decode(): describe(graph, sig.Inputs(i).TensorIndex()) for i in range(sig.InputsLength())}
-            outs = {sig.Outputs(i).Name().decode(): describe(graph, sig.Outputs(i).TensorIndex()) for i in range(sig.OutputsLength())}
+            outs, by_tensor = {}, {}
+            for i in range(sig.OutputsLength()):
+                name, index = sig.Outputs(i).Name().decode(), sig.Outputs(i).TensorIndex()
+                outs[name] = describe(graph, index)
+                by_tensor.setdefault(index, []).append(name)
+            shared = [names for names in by_tensor.values() if len(names) > 1]
         else:
             graph = model.Subgraphs(0)
             ins = {f"input_{i}": describe(graph, graph.Inputs(i)) for i in range(graph.InputsLength())}
             outs = {f"output_{i}": describe(graph, graph.Outputs(i)) for i in range(graph.OutputsLength())}
-    return ins, outs
-
-
-def shared_outputs(path: str | Path) -> list[list[str]]:
-    """Groups of a .tflite's first-signature output names that name one tensor (a converter returns a
-    tensor a graph gives twice once; runners then see one of the names)."""
-    import mmap
-
-    from ai_edge_litert import schema_py_generated as schema
-
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as raw:
-        model = schema.Model.GetRootAsModel(raw, 0)
-        if not model.SignatureDefsLength():
-            return []
-        sig = model.SignatureDefs(0)
-        by_tensor: dict[int, list[str]] = {}
-        for i in range(sig.OutputsLength()):
-            by_tensor.setdefault(sig.Outputs(i).TensorIndex(), []).append(sig.Outputs(i).Name().decode())
-    return [names for names in by_tensor.values() if len(names) > 1]
+            shared = []
+    return ins, outs, shared
 
 
 def _check_files(bundle: Path, man: dict, found: _Found) -> None:
@@ -596,19 +591,21 @@ def _io_list(entry: Any, component: str, key: str) -> list[dict]:
     return items
 
 
-def tflite_io(path: str | Path) -> dict[str, list[dict]]:
-    """{"inputs": [...], "outputs": [...]} of a .tflite's first signature: name, shape, dtype."""
-    ins, outs = tflite_signature(path)
-    return {key: [{"name": n, **d} for n, d in io.items()] for key, io in (("inputs", ins), ("outputs", outs))}
+def tflite_io(path: str | Path) -> dict[str, list]:
+    """{"inputs": [...], "outputs": [...]} of a .tflite's first signature: name, shape, dtype; and
+    "shared_outputs": the groups of output names that name one tensor (none in a well-formed file)."""
+    ins, outs, shared = _read_signature(path)
+    return {**{key: [{"name": n, **d} for n, d in io.items()] for key, io in (("inputs", ins), ("outputs", outs))},
+            "shared_outputs": shared}
 
 
 def check_component_io(name: str, entry: dict, path: Optional[str | Path] = None) -> dict:
     """The manifest's inputs/outputs against the .tflite's signature (names, shapes, dtypes).
     Returns the .tflite's io. A single output is matched whatever its name (the converter's)."""
     io = tflite_io(path or entry["_path"])
-    for names in shared_outputs(path or entry["_path"]):
-        raise BundleCheckError(name, "io", f"outputs {' and '.join(names)} are one tensor in the .tflite, which runners return once "
-                               "(a chunk exported before pocketdiff named a down block's last skip an alias of hidden: re-export it)")
+    if io["shared_outputs"]:
+        raise BundleCheckError(name, "io", f"outputs {' and '.join(io['shared_outputs'][0])} are one tensor in the .tflite, which "
+                               "runners return under one name: re-export the bundle")
     for key in ("inputs", "outputs"):
         want = {i["name"]: i for i in _io_list(entry, name, key)}
         got = {i["name"]: i for i in io[key]}

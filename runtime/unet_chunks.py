@@ -48,10 +48,17 @@ def unet_components(man: dict) -> tuple[str, ...]:
 
 
 def chunk_aliases(man: dict) -> list[dict[str, str]]:
-    """Per chunk, {alias: the chunk's output it names} (empty where the block has no `aliases`)."""
+    """Per chunk, {alias: the chunk's output it names} (empty where the block has none or a malformed one,
+    which check_block reports)."""
     block = man.get("unet_chunks") or {}
     names, aliases = block.get("components") or [], block.get("aliases")
-    return [dict(a) for a in aliases] if isinstance(aliases, list) and len(aliases) == len(names) else [{} for _ in names]
+    return [dict(a) for a in aliases] if _aliases_ok(aliases, len(names)) else [{} for _ in names]
+
+
+def _aliases_ok(aliases, n: int) -> bool:
+    """One {name: output} object of strings per chunk."""
+    return (isinstance(aliases, list) and len(aliases) == n
+            and all(isinstance(a, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in a.items()) for a in aliases))
 
 
 def check_block(man: dict, ios: dict, found, io_of: Callable) -> Optional[tuple[dict, dict]]:
@@ -87,8 +94,7 @@ def _aliases_of(block: dict, names: list[str], found) -> list[dict]:
     aliases = block.get("aliases")
     if aliases is None:
         return [{} for _ in names]
-    if (not isinstance(aliases, list) or len(aliases) != len(names)
-            or not all(isinstance(a, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in a.items()) for a in aliases)):
+    if not _aliases_ok(aliases, len(names)):
         found.add("unet_chunks.aliases", "value", f"must be one {{name: output}} object per chunk ({len(names)}), got {aliases!r}")
         return [{} for _ in names]
     return aliases
@@ -122,10 +128,7 @@ def run_unet(parts: Sequence, feeds: dict[str, np.ndarray], aliases: Sequence[di
         return parts[0](feeds)
     tensors = dict(feeds)
     outs: list = []
-    for k, m in enumerate(parts):
-        missing = [n for n in m.in_names if n not in tensors]
-        if missing:
-            raise PocketdiffError(f"{chunk_name(k)}: no earlier chunk (nor the UNet's inputs) made its input {', '.join(missing)}")
+    for k, m in enumerate(parts):  # check_block proved at load that every input is made before it is read
         outs = m.run_all({n: tensors[n] for n in m.in_names})
         _take(tensors, m.out_names, outs, aliases[k] if k < len(aliases) else {})
     return outs[0]

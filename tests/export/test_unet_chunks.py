@@ -71,7 +71,7 @@ def test_a_tensor_the_converter_returns_under_two_names_is_refused(tmp_path):
     from torch import nn
 
     from pocketdiff.export.exporter import convert_job
-    from pocketdiff.runtime.manifest_check import BundleCheckError, check_component_io, shared_outputs
+    from pocketdiff.runtime.manifest_check import BundleCheckError, check_component_io, tflite_io
 
     class Twice(nn.Module):
         def forward(self, x):
@@ -80,7 +80,7 @@ def test_a_tensor_the_converter_returns_under_two_names_is_refused(tmp_path):
 
     path = tmp_path / "twice.tflite"
     convert_job(Twice().eval(), {"x": torch.randn(1, 4)}, path)
-    assert shared_outputs(path) == [["hidden", "skip_3"]]
+    assert tflite_io(path)["shared_outputs"] == [["hidden", "skip_3"]]
     entry = {"inputs": [{"name": "x", "shape": [1, 4], "dtype": "float32"}],
              "outputs": [{"name": n, "shape": [1, 4], "dtype": "float32"} for n in ("hidden", "skip_3")]}
     with pytest.raises(BundleCheckError, match="outputs hidden and skip_3 are one tensor"):
