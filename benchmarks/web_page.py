@@ -83,8 +83,7 @@ def main() -> int:
                 t0 = time.perf_counter()
                 sampler = TreePeak()  # this process (the page's server) + Chromium's processes
                 try:
-                    r = check_page(bundle, prompt=ref["prompt"], seed=ref["seed"], timeout_s=args.timeout, accelerator=acc,
-                                   **({"unet": "streamed"} if args.unet == "streamed" else {}))
+                    r = check_page(bundle, prompt=ref["prompt"], seed=ref["seed"], timeout_s=args.timeout, accelerator=acc, unet=args.unet)
                 finally:
                     memory = sampler.stop()
                 console = r.pop("chromium_console", None) or []

@@ -77,7 +77,11 @@ export async function generate(bundle, opts) {
     for (const c of kept) c.release();
     kept = bundle.residentUnet = null;
   }
-  const unetFetch = kept ? null : bundle.unetParts.map((name) => Component.fetch(bundle, name));
+  // streamed: the chunks' verified bytes, fetched once, serve every later prompt (bundle.streamedBytes)
+  if (!streamed) bundle.streamedBytes = null;
+  const unetFetch = kept ? null
+    : streamed && bundle.streamedBytes ? bundle.streamedBytes.map((f) => Promise.resolve({ ...f, fetchMs: 0 }))
+      : bundle.unetParts.map((name) => Component.fetch(bundle, name));
   for (const p of unetFetch || []) p.catch(() => {}); // awaited below; an early failure must not go unhandled
   const text = {};
   const te = await Component.compile(teFetch, opts.accelerator);
@@ -97,6 +101,7 @@ export async function generate(bundle, opts) {
   try {
     if (streamed) {
       await openStreamedChunks(unet, unetFetch, (f) => Component.compile(f, opts.accelerator), man, record, checkGolden);
+      bundle.streamedBytes = unet.map((part) => part.fetched);
     } else {
       if (!kept) for (const p of unetFetch) unet.push(await Component.compile(p, opts.accelerator));
       for (const c of unet) {
