@@ -57,18 +57,20 @@ def assemble_chunked():
 
 @pytest.fixture(scope="session")
 def check_against_reference(chromium):
-    """`check(bundle, min_image_psnr=None)`: the page written into `bundle` with run-bundle's reference image, then
-    its check mode on that reference's prompt and seed -> {bundle, result (the page's report), reference, manifest}
-    (min_image_psnr: the image's threshold in the page; None: the page's default)."""
+    """`check(bundle, min_image_psnr=None, **params)`: the page written into `bundle` with run-bundle's reference
+    image (once: a bundle checked again keeps its page), then its check mode on that reference's prompt and seed
+    -> {bundle, result (the page's report), reference, manifest} (min_image_psnr: the image's threshold in the
+    page, None: the page's default; params: more of the page's URL parameters)."""
     import json
 
     from pocketdiff.web.headless import check_page
     from pocketdiff.web.page import PageConfig, write_page
 
-    def check(bundle: Path, min_image_psnr=None) -> dict:
-        write_page(PageConfig(bundle=str(bundle)))
+    def check(bundle: Path, min_image_psnr=None, **params) -> dict:
+        if not (bundle / "web/reference/reference.json").is_file():
+            write_page(PageConfig(bundle=str(bundle)))
         ref = json.loads((bundle / "web/reference/reference.json").read_text())
-        extra = {} if min_image_psnr is None else {"min_image_psnr": min_image_psnr}
+        extra = {**params, **({} if min_image_psnr is None else {"min_image_psnr": min_image_psnr})}
         result = check_page(bundle, prompt=ref["prompt"], seed=ref["seed"], timeout_s=600, executable=chromium, **extra)
         return {"bundle": bundle, "result": result, "reference": ref,
                 "manifest": json.loads((bundle / "manifest.json").read_text())}

@@ -37,13 +37,10 @@ def test_chunked_page_image_matches_run_bundle_at_40_db(checked):
     assert img["finite"] and img["psnr_db"] >= MIN_IMAGE_PSNR_DB, img
 
 
-def test_streamed_chunks_compile_for_every_step_and_give_the_same_image(checked, chromium):
+def test_streamed_chunks_compile_for_every_step_and_give_the_same_image(checked, check_against_reference):
     """The page option for UNets whose chunks do not fit together (LiteRT.js's 2 GB wasm heap at SD size)."""
-    from pocketdiff.web.headless import check_page
-
-    ref, steps = checked["reference"], checked["manifest"]["scheduler"]["steps"]
-    r = check_page(checked["bundle"], prompt=ref["prompt"], seed=ref["seed"], timeout_s=600, executable=chromium,
-                   min_image_psnr=MIN_IMAGE_PSNR_DB, unet="streamed")
+    steps = checked["manifest"]["scheduler"]["steps"]
+    r = check_against_reference(checked["bundle"], MIN_IMAGE_PSNR_DB, unet="streamed")["result"]
     assert r["ok"] is True and r["unet"] == "streamed", r.get("failures") or r.get("error")
     assert list(r["components"]) == ORDER
     for name in ("unet.0", "unet.1"):
