@@ -5,7 +5,7 @@
 
 For each file: the bundle's page is served (`pocketdiff web` writes it, without a reference image), LiteRT.js
 is loaded as the page loads it, the file is fetched and compiled with `loadAndCompile` on WebGPU (SwiftShader
-here), then (--run) run once on zeros; what LiteRT.js said (ok, or its error: its wasm heap is capped at 2 GB; a
+here; the adapter WebGPU reports is recorded), then (--run) run once on zeros; what LiteRT.js said (ok, or its error: its wasm heap is capped at 2 GB; a
 model XNNPACK failed to prepare counts as failed, from the console, as LiteRT.js returns from it anyway), the
 seconds, and the peak PSS of Chromium's processes (benchmarks/_proc_tree.py). A wasm abort ends LiteRT.js
 for the page, hence a fresh browser per file. Without --files: every .tflite the manifest lists.
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -28,6 +27,9 @@ from pocketdiff.web.serve import PageServer  # noqa: E402
 
 PROBE_JS = """
 (async () => {
+  const ad = navigator.gpu ? await navigator.gpu.requestAdapter() : null;  // which GPU WebGPU runs on (SwiftShader or real)
+  const adapter = ad && ad.info ? { vendor: ad.info.vendor, architecture: ad.info.architecture, description: ad.info.description } : null;
+  return { adapter, ...(await (async () => {
   const t0 = performance.now();
   const m = await import('@litertjs/core');
   try {  // the page's app.js loads LiteRT.js at start; wait for it (or load it when the page did not)
@@ -62,6 +64,7 @@ PROBE_JS = """
   } catch (e) {
     return { ok: false, stage: 'run', error: String(e && e.message || e), fetch_ms: t1 - t0, compile_ms: t2 - t1 };
   }
+  })()) };
 })()
 """
 
@@ -113,7 +116,7 @@ def main(argv=None) -> int:
         print(f"{rel} ({r['file_mb']} MB): ok={r.get('ok')} compile {r.get('compile_ms') or 0:.0f} ms, peak PSS {r.get('peak_pss_mb')} MB"
               + (f", error: {r.get('error')}" if not r.get("ok") else ""), flush=True)
         Path(a.out).write_text(json.dumps({"bundle": str(bundle), "rows": rows, "date": time.strftime("%Y-%m-%d"),
-                                           "litertjs": "2.5.3", "gpu": "SwiftShader" if not os.environ.get("POCKETDIFF_REAL_GPU") else "real"}, indent=1))
+                                           "litertjs": "2.5.3", "gpu": rows[0].get("adapter") or "none (no WebGPU adapter)"}, indent=1))
     return 0
 
 
