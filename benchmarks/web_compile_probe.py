@@ -22,14 +22,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _proc_tree import TreePeak  # noqa: E402
 
 from pocketdiff.web.headless import Chromium  # noqa: E402
-from pocketdiff.web.page import PageConfig, write_page  # noqa: E402
+from pocketdiff.web.page import PAGE_FILES, STATIC, PageConfig, write_page  # noqa: E402
 from pocketdiff.web.serve import PageServer  # noqa: E402
 
 PROBE_JS = """
 (async () => {
   const ad = navigator.gpu ? await navigator.gpu.requestAdapter() : null;  // which GPU WebGPU runs on (SwiftShader or real)
   const adapter = ad && ad.info ? { vendor: ad.info.vendor, architecture: ad.info.architecture, description: ad.info.description } : null;
-  return { adapter, ...(await (async () => {
+  // the page's own reading of LiteRT.js's console (prepare.js; app.js tapped console.error before LiteRT.js loaded)
+  const prep = await import('./prepare.js');
+  const mark = prep.consoleMark();
+  const row = await (async () => {
   const t0 = performance.now();
   const m = await import('@litertjs/core');
   try {  // the page's app.js loads LiteRT.js at start; wait for it (or load it when the page did not)
@@ -64,7 +67,8 @@ PROBE_JS = """
   } catch (e) {
     return { ok: false, stage: 'run', error: String(e && e.message || e), fetch_ms: t1 - t0, compile_ms: t2 - t1 };
   }
-  })()) };
+  })();
+  return { adapter, prepare_failure: prep.prepareFailure(prep.consoleSince(mark)), ...row };
 })()
 """
 
@@ -85,10 +89,9 @@ def probe(bundle: Path, rel: str, accelerator: str, timeout_s: float, run: bool)
             got = {"ok": False, "error": str(e)[:400]}
         row.update(got)
         # LiteRT.js can return from loadAndCompile (and run in ~0 ms) when XNNPACK failed to prepare the model:
-        # only the console says so
-        failed = [ln for ln in chrome.console if "failed to prepare" in ln or "Failed to allocate tensors" in ln]
-        if failed and row.get("ok"):
-            row.update(ok=False, stage="prepare", error=failed[0][:300])
+        # only the console says so, as the page's prepare.js reads it
+        if row.get("prepare_failure") and row.get("ok"):
+            row.update(ok=False, stage="prepare", error=row["prepare_failure"][:300])
         row["console_tail"] = chrome.console[-6:]
         row["peak_pss_mb"] = peak.stop().get("peak_pss_mb")
     row["wall_s"] = round(time.perf_counter() - t0, 1)
@@ -109,6 +112,10 @@ def main(argv=None) -> int:
     files = a.files.split(",") if a.files else [c["path"] for c in man["components"].values()]
     if not (bundle / "web" / "index.html").is_file():
         write_page(PageConfig(bundle=str(bundle), reference=False))
+    stale = [f for f in PAGE_FILES if not (bundle / "web" / f).is_file() or (bundle / "web" / f).read_bytes() != (STATIC / f).read_bytes()]
+    if stale:  # the probe reads the console through the page's own prepare.js: the page must be this version's
+        print(f"{bundle}/web was written by another pocketdiff ({', '.join(stale)} differ): pocketdiff web {bundle} --overwrite", file=sys.stderr)
+        return 2
     rows = []
     for rel in files:
         rows.append(probe(bundle, rel, a.accelerator, a.timeout, a.run))
