@@ -154,7 +154,7 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
     folded_held = decode01(student, held_z)
 
     def loss_fn(model, batch, rng: BatchRandom):
-        mean, std = batch["mean"].to(rng.device), batch["std"].to(rng.device)  # the loop's batches stay on the host
+        mean, std = batch["mean"].to(rng.device), batch["std"].to(rng.device)  # on a CPU run the batch stays on the host
         z = mean + std * rng.randn(*mean.shape[1:])
         with torch.no_grad():
             target = teacher.decode(z).sample

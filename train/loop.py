@@ -37,7 +37,8 @@ from .memory import (
     oom_message,
     tensor_bytes,
 )
-from .step_reads import RATE_WARMUP_STEPS, PhaseClock, StepReads, read_step, step_profiler  # noqa: F401  (also this module's API)
+from .batch import BatchPlan, BatchRandom, batch_to_device, step_generator  # noqa: F401  (also this module's API)
+from .step_reads import RATE_WARMUP_STEPS, PhaseClock, SharedDeadline, StepReads, read_step, step_profiler  # noqa: F401  (also this module's API)
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
 MIXED_PRECISION = ("fp32", "fp16", "bf16")  # "fp32" = accelerate's "no" (YAML reads a bare no as false)
@@ -115,53 +116,6 @@ def make_accelerator(cfg: LoopConfig, project_dir: Path):
                       log_with="tensorboard" if cfg.tensorboard else None, project_dir=str(project_dir), kwargs_handlers=[ddp])
     apply_memory_cap(cfg.memory_cap_gib, acc.device)  # before any model reaches the GPU
     return acc
-
-
-def step_generator(seed: int, step: int) -> torch.Generator:
-    """The (CPU) generator for every random draw of optimizer step `step`."""
-    return torch.Generator().manual_seed((seed * 1_000_003 + step) % (2**63))
-
-
-class BatchRandom:
-    """Random draws for one micro-batch, identical whatever the number of processes.
-
-    Each draw is made for the whole global micro-batch from the step's generator and this
-    process keeps its rows `[rank::world]` (the same rows as its data), so one GPU and
-    several GPUs see the same noise for the same sample.
-    """
-
-    def __init__(self, generator: torch.Generator, global_batch: int, rank: int = 0, world: int = 1, device="cpu"):
-        self.generator, self.n, self.rank, self.world, self.device = generator, global_batch, rank, world, device
-
-    def _local(self, full: torch.Tensor) -> torch.Tensor:
-        return full[self.rank :: self.world].to(self.device)
-
-    def randn(self, *shape: int) -> torch.Tensor:
-        return self._local(torch.randn(self.n, *shape, generator=self.generator))
-
-    def rand(self, *shape: int) -> torch.Tensor:
-        return self._local(torch.rand(self.n, *shape, generator=self.generator))
-
-    def randint(self, low: int, high: int) -> torch.Tensor:
-        return self._local(torch.randint(low, high, (self.n,), generator=self.generator))
-
-
-class BatchPlan:
-    """Which dataset indices form micro-batch `m` (global), deterministic by seed."""
-
-    def __init__(self, num_items: int, batch_size: int, seed: int):
-        if num_items < batch_size:
-            raise PocketdiffError(f"dataset has {num_items} items, fewer than train.batch_size={batch_size}")
-        self.num_items, self.batch_size, self.seed = num_items, batch_size, seed
-        self.per_epoch = num_items // batch_size
-        self._epoch, self._perm = -1, None
-
-    def indices(self, micro_batch: int) -> list[int]:
-        epoch, pos = divmod(micro_batch, self.per_epoch)
-        if epoch != self._epoch:
-            g = torch.Generator().manual_seed(self.seed * 7919 + epoch)
-            self._epoch, self._perm = epoch, torch.randperm(self.num_items, generator=g)
-        return self._perm[pos * self.batch_size : (pos + 1) * self.batch_size].tolist()
 
 
 @dataclasses.dataclass
@@ -409,6 +363,7 @@ class _Loop:
         self.samples_per_step = cfg.batch_size * cfg.grad_accum
         self.times = _StepTimes()
         self.reads = StepReads()
+        self.deadline = SharedDeadline(acc, cfg.max_time_s, self.started)  # every process must agree on where to stop
         profile_dir = (log_path.parent if log_path else ckpt_dir.parent) / "profile"  # OUTPUT/profile beside logs.jsonl
         self.profiler = (step_profiler(cfg.profile_steps, RATE_WARMUP_STEPS + 1, profile_dir / f"{desc}-rank{self.rank}", memory.cuda)
                          if cfg.profile_steps and cfg.max_steps - start > RATE_WARMUP_STEPS + 1 else None)
@@ -433,12 +388,13 @@ class _Loop:
             return True  # skipped (nan_policy: skip)
         done = self.done = step + 1
         log_due = done % cfg.log_every == 0 or done == cfg.max_steps
-        save_due = done % cfg.checkpoint_every == 0 or done == cfg.max_steps  # or out of time (below)
+        save_due = done % cfg.checkpoint_every == 0 or done == cfg.max_steps  # or out of time
+        out_of_time = self.deadline.poll()
         if cfg.nan_policy == "stop":
             # read once the whole step is queued (the optimizer's host-side work overlaps the backward on
             # the device), and one step late unless this step is recorded or timed phase by phase
             self.reads.push(step, mean, grad_norm)
-            records = phases is not None or log_due or save_due or cfg.max_time_s > 0
+            records = phases is not None or log_due or save_due or out_of_time
             for at, loss, bad in self.reads.settle(keep=0 if records else 1):
                 self.last_loss = loss
                 if bad:  # no checkpoint or log row holds it: they settle first
@@ -449,10 +405,6 @@ class _Loop:
         self.bar.update(1)
         if self.profiler is not None:
             self.profiler.step()
-        out_of_time = False
-        if cfg.max_time_s > 0:  # every process must agree on where to stop
-            late = torch.tensor(float(time.time() - self.started > cfg.max_time_s), device=self.acc.device)
-            out_of_time = bool(self.acc.reduce(late, reduction="sum").item() > 0)
         if save_due or out_of_time:
             self._save(done)
         if out_of_time and done < cfg.max_steps:
@@ -464,11 +416,11 @@ class _Loop:
     def _forward_backward(self, step: int, phases: Optional[PhaseClock]):
         """The step's micro-batches through `loss_fn` and backward, then the gradient clip: (mean loss, grad norm)."""
         cfg, acc = self.cfg, self.acc
-        gen = step_generator(self.seed, step)
+        gen = step_generator(self.seed, step, acc.device)
         total = torch.zeros((), device=acc.device)
         for k in range(cfg.grad_accum):
             idx = self.plan.indices(step * cfg.grad_accum + k)[self.rank::self.world]
-            batch = self.collate([self.dataset[i] for i in idx])
+            batch = batch_to_device(self.collate([self.dataset[i] for i in idx]), acc.device)
             rng = BatchRandom(gen, cfg.batch_size, self.rank, self.world, acc.device)
             ctx = acc.no_sync(self.wrapped) if k < cfg.grad_accum - 1 else contextlib.nullcontext()
             try:

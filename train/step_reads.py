@@ -3,6 +3,7 @@ and gradient norm brought to the host (with what of them is non-finite), and the
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 from time import perf_counter
 from typing import Optional
@@ -101,3 +102,36 @@ class StepReads:
             loss, norm = host.tolist()
             out.append((step, loss, _classify(loss, norm)))
         return out
+
+
+class SharedDeadline:
+    """Whether any process has passed `max_time_s` (0: never), agreed by every process without
+    stalling the device.
+
+    `poll()` queues this step's vote (a sum over the processes of "past the limit") behind the
+    step's kernels and returns the verdict of the previous poll: every process stops at the same
+    step, one step after the first of them passed the limit, and the host only waits for a step the
+    device has (nearly) finished. Reading the vote at once made every step of a timed run a full
+    host-device synchronisation. Without CUDA the vote is read at once (there is nothing to wait for).
+    """
+
+    def __init__(self, acc, max_time_s: float, started: float):
+        self.acc, self.max_time_s, self.started = acc, max_time_s, started
+        self._pending = None  # (pinned host scalar, event) of the last poll
+
+    def poll(self) -> bool:
+        if self.max_time_s <= 0:
+            return False
+        late = torch.full((), float(time.time() - self.started > self.max_time_s), device=self.acc.device)
+        votes = self.acc.reduce(late, reduction="sum")
+        if not votes.is_cuda:
+            return bool(votes.item() > 0)
+        host = torch.empty((), dtype=torch.float32, pin_memory=True)
+        host.copy_(votes, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        pending, self._pending = self._pending, (host, event)
+        if pending is None:
+            return False
+        pending[1].synchronize()
+        return bool(pending[0].item() > 0)

@@ -2,14 +2,17 @@
 import dataclasses
 import json
 import math
+import time
 
 import pytest
 import torch
+from accelerate import Accelerator
 from safetensors.torch import load_file
 
 from pocketdiff.errors import PocketdiffError
 from pocketdiff.train.checkpoints import list_checkpoints, resolve_resume
-from pocketdiff.train.loop import BatchPlan, BatchRandom, LoopConfig, StepReads, read_step, train_loop
+from pocketdiff.train.loop import (BatchPlan, BatchRandom, LoopConfig, SharedDeadline, StepReads, batch_to_device, read_step,
+                                   step_generator, train_loop)
 
 
 class Toy(torch.utils.data.Dataset):
@@ -92,6 +95,36 @@ def test_randomness_independent_of_world_size():
     full = BatchRandom(g1, 4).randn(3)
     halves = BatchRandom(g2, 4, rank=1, world=2).randn(3)
     assert torch.equal(full[1::2], halves)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the step's draws are made on the GPU")
+def test_cuda_draws_on_device_and_independent_of_world_size():
+    full = BatchRandom(step_generator(5, 3, "cuda"), 4, device="cuda")
+    half = BatchRandom(step_generator(5, 3, "cuda"), 4, rank=1, world=2, device="cuda")
+    assert full.draw_on.type == "cuda"
+    for draw in (lambda r: r.randn(3, 2), lambda r: r.rand(), lambda r: r.randint(0, 1000)):
+        a, b = draw(full), draw(half)
+        assert a.is_cuda and b.is_contiguous()
+        assert torch.equal(a[1::2], b)
+    batch = {"x": torch.arange(6.0), "text": ["a", "b"]}
+    moved = batch_to_device(batch, "cuda")
+    assert moved["x"].is_cuda and torch.equal(moved["x"].cpu(), batch["x"]) and moved["text"] == ["a", "b"]
+    assert batch_to_device(batch, "cpu") is batch
+
+
+def test_shared_deadline_votes_past_the_limit():
+    acc = Accelerator(cpu=True)
+    assert not SharedDeadline(acc, 0, started=0.0).poll()  # 0: no limit
+    assert SharedDeadline(acc, 5, started=time.time() - 10).poll()
+    assert not SharedDeadline(acc, 3600, started=time.time()).poll()
+
+
+def test_time_limit_stops_with_a_checkpoint_and_resumes(tmp_path):
+    _, res = run(tmp_path, 8, max_time_s=1e-6)
+    assert res.stopped_early and res.steps == 1
+    assert [p.name for p in list_checkpoints(tmp_path / "ckpt")] == ["checkpoint-1"]
+    _, res = run(tmp_path, 3, resume="latest")
+    assert res.steps == 3 and not res.stopped_early
 
 
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
