@@ -181,11 +181,13 @@ def _save(ckpt_dir, step, model, optimizer, scheduler, ema, losses, skipped, tot
     check_free_space(ckpt_dir, checkpoint_bytes(ckpt_dir, model, optimizer, ema, companion), f"checkpoint-{step}",
                      kept=found[-1] if found else None)
     tmp = begin_checkpoint(ckpt_dir, step)
-    save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, str(tmp / "model.safetensors"))
+    # to the host first, then contiguous there: `.contiguous()` on the GPU copied every channels_last weight
+    # into new device memory, and the allocator, near its cap, freed and synchronised for steps after the save
+    save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, str(tmp / "model.safetensors"))
     if ema is not None:
-        save_file({k: v.contiguous().cpu() for k, v in ema.shadow.items()}, str(tmp / "ema.safetensors"))
+        save_file({k: v.cpu().contiguous() for k, v in ema.shadow.items()}, str(tmp / "ema.safetensors"))
     if companion is not None:
-        save_file({k: v.contiguous().cpu() for k, v in companion.state_dict().items()}, str(tmp / COMPANION_FILE))
+        save_file({k: v.detach().cpu().contiguous() for k, v in companion.state_dict().items()}, str(tmp / COMPANION_FILE))
     torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
     return commit_checkpoint(tmp, step, {"losses": losses, "skipped_steps": skipped, **extra}, total_limit)
 
