@@ -250,7 +250,9 @@ def round_rows(one: dict, multi: dict, logs: dict, late: list[int], windows: lis
         s1, sn, n = ta.get("steady_samples_per_s"), tb.get("steady_samples_per_s"), tb.get("processes")
         row = {"round": a["round"], "stage": a["stage"], "processes": n, "steps_run": tb.get("steps_run"), "steady_steps": tb.get("steady_steps"),
                "one_gpu_samples_per_s": s1, "multi_gpu_samples_per_s": sn, "weak_scaling": weak_scaling(s1, sn, n),
-               "one_gpu_peak_gpu_mem_gib": ta.get("peak_gpu_mem_gib"), "multi_gpu_peak_gpu_mem_gib": tb.get("peak_gpu_mem_gib")}
+               "one_gpu_peak_gpu_mem_gib": ta.get("peak_gpu_mem_gib"), "multi_gpu_peak_gpu_mem_gib": tb.get("peak_gpu_mem_gib"),
+               "slowest_steady_step": {"one_gpu": [ta.get("slowest_steady_step"), ta.get("slowest_steady_step_s")],
+                                       "multi_gpu": [tb.get("slowest_steady_step"), tb.get("slowest_steady_step_s")]}}
         spans = [(f"after_step_{after}", after, None) for after in late]  # the loop's own rate starts at step 3
         spans += [(f"window_{w.replace(':', '_')}", int(w.split(":")[0]), int(w.split(":")[1])) for w in windows]
         for key, after, until in spans:  # the same ratio over the log windows of a later span of steps

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import json
 import math
 import time
@@ -335,6 +336,8 @@ class _StepTimes:
     save_s: float = 0.0
     window_s: float = 0.0
     window_steps: int = 0
+    slowest_s: float = 0.0  # the slowest steady step (a straggler under DDP shows here)
+    slowest_step: Optional[int] = None
 
 
 class _Loop:
@@ -371,11 +374,17 @@ class _Loop:
                          if cfg.profile_steps and cfg.max_steps - start > RATE_WARMUP_STEPS + 1 else None)
 
     def run(self) -> None:
+        # Python's collector on the objects built before the loop (models, datasets) paused one process
+        # at a time, and under DDP every process waited for it: they are kept out of its scans
+        # (`gc.freeze`) and the garbage of a checkpoint is collected inside the save, on every process
+        gc.collect()
+        gc.freeze()
         try:
             for step in range(self.start, self.cfg.max_steps):
                 if not self._step(step):
                     break
         finally:
+            gc.unfreeze()
             self._close()
 
     def _step(self, step: int) -> bool:
@@ -484,6 +493,8 @@ class _Loop:
             t.warmup_s += step_s
         else:
             t.steady_s, t.steady_steps = t.steady_s + step_s, t.steady_steps + 1
+            if step_s > t.slowest_s:
+                t.slowest_s, t.slowest_step = step_s, done
             t.window_s, t.window_steps = t.window_s + step_s, t.window_steps + 1
 
     def _log_row(self, done: int) -> None:
@@ -508,6 +519,7 @@ class _Loop:
         if acc.is_main_process:
             _save(self.ckpt_dir, done, acc.unwrap_model(self.wrapped), self.optimizer, self.scheduler, self.ema, self.losses,
                   self.skipped, self.cfg.checkpoints_total_limit, self.extra_state or {}, self.companion)
+        gc.collect()
         acc.wait_for_everyone()
         self.times.save_s += perf_counter() - save_t0
 
@@ -529,6 +541,7 @@ class _Loop:
             "steps_run": done - start, "first_step_s": t.first_step_s, "warmup_steps": min(done - start, RATE_WARMUP_STEPS),
             "warmup_s": t.warmup_s, "steady_steps": t.steady_steps,
             "steady_samples_per_s": self.samples_per_step * t.steady_steps / t.steady_s if t.steady_steps else None,
+            "slowest_steady_step": t.slowest_step, "slowest_steady_step_s": round(t.slowest_s, 3) if t.slowest_step else None,
             "checkpoint_s": t.save_s, "wall_s": time.time() - self.started, "peak_gpu_mem_gib": self.memory.peak_gib(),
             "host_peak_rss_gb": round((host_peak_mb() or 0.0) / 1024, 3),  # GiB, this process's VmHWM so far
             "processes": self.world, "memory_cap_gib": cfg.memory_cap_gib or None,
