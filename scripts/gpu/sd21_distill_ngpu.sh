@@ -7,7 +7,7 @@
 # that 1-GPU run's first checkpoint back on N (hardlinked copies of the run folder, the last
 # round's folder and later checkpoints removed). -> $OUT/$NAME.json (weak-scaling
 # efficiency per round, loss trajectories of the resumed rounds next to the uninterrupted one).
-# Settings by environment: NGPU=2 BUDGET=530 RUN_S=240 (per training run) ARCH=sd21 RES=512 BATCH=16 (per GPU: the recipe's; 8 is host-bound, README) PY=python3 SKIP_ENV=1 EXTRA=
+# Settings by environment: NGPU=2 BUDGET=530 RUN_S=240 (per training run) RESUME_S=160 (per resumed run) ARCH=sd21 RES=512 BATCH=16 (per GPU: the recipe's; 8 is host-bound, README) PY=python3 SKIP_ENV=1 EXTRA=
 #   BENCH_VARIANTS=ours_guided,ours_wcond (benchmarks/distill_step.py at batch B on GPU 0 alone first: the
 #   1-GPU run's verb/bench ratio; empty: none) RESUMES=1 (0: no resume runs, the speed figures only; to_one: N -> 1 only)
 #   ALT_TWO=NAME:overrides,... (more N-GPU runs with overrides joined by ';', e.g. bf16:progressive.train.ddp_comm_hook=bf16:
@@ -21,6 +21,7 @@ left() { echo $(( BUDGET - (SECONDS - T0) )); }
 if [ -z "${SKIP_ENV:-}" ]; then source scripts/gpu/env.sh; else REPO=$PWD; RUNS=${RUNS:-/tmp/runs}; mkdir -p $RUNS; cd $RUNS || exit 1; fi
 NGPU=${NGPU:-2} PY=${PY:-python3} ARCH=${ARCH:-sd21} RES=${RES:-512} BATCH=${BATCH:-16} EXTRA=${EXTRA:-}
 RUN_S=${RUN_S:-240}  # watchdog of each training run (a 70-step round on one H100 took 194 s)
+RESUME_S=${RESUME_S:-160}  # watchdog of each resumed run (loading, the rest of the round, writing its folder)
 NAME=${NAME:-distill_sd21_${NGPU}gpu}
 ALT_TWO=${ALT_TWO:-} LATE=${LATE:-5,10} WINDOWS=${WINDOWS:-}
 OUT=${OUT:-$RUNS/out}; mkdir -p $OUT
@@ -66,11 +67,11 @@ if [ -n "$last" ] && [ "${RESUMES:-1}" != 0 ]; then
   # resumed run cannot write into the uninterrupted run's files; no report.json until the resumed run writes its own
   fork_run() { cp -al $1 $2 && find $2 -type f -size -64M -exec sh -c 'cp -p "$0" "$0.c" && mv "$0.c" "$0"' {} \; && rm -f $2/report.json && keep_first $2; }
   fork_run $L/two $L/two_to_one
-  CUDA_VISIBLE_DEVICES=0 step two_to_one 160 $PY -m pocketdiff distill --output $L/two_to_one --resume latest $C $b2 \
+  CUDA_VISIBLE_DEVICES=0 step two_to_one $RESUME_S $PY -m pocketdiff distill --output $L/two_to_one --resume latest $C $b2 \
     guided.train.memory_cap_gib=0 progressive.train.memory_cap_gib=0
   if [ "${RESUMES:-1}" != to_one ]; then
     fork_run $L/two_to_one $L/one_to_two
-    step one_to_two 160 "${LAUNCH2[@]}" distill --output $L/one_to_two --resume latest $C $b2 \
+    step one_to_two $RESUME_S "${LAUNCH2[@]}" distill --output $L/one_to_two --resume latest $C $b2 \
       guided.train.memory_cap_gib=0 progressive.train.memory_cap_gib=0
   fi
 fi
