@@ -127,6 +127,69 @@ def tiled_stats_path(vae, latents: torch.Tensor, tile: int, overlap: int, margin
     return Path_(f"tiled_stats_{passes}pass", graphs, decode, f"tile {tile}, overlap {overlap}, margin {margin}, {n} tiles x {passes} passes")
 
 
+def lowres_stats_path(vae, latents: torch.Tensor, tile: int, overlap: int, margin: int, down: int) -> Path_:
+    """The head once, the up path once on its features pooled by `down` (the norms' statistics), then
+    every tile once with those statistics (the user's decoder, no training)."""
+    from pocketdiff.runtime.tiled_decode import first_pass_corrections, lowres_stats, tile_starts, tiled_decode_with_stats
+    from pocketdiff.export.tiled_vae import VaeDecoderHead, VaeUpPathTile
+
+    _, _, h, w = latents.shape
+    tile = min(tile, h)
+    head, up, low = VaeDecoderHead(vae).eval(), VaeUpPathTile(vae, tile).eval(), VaeUpPathTile(vae, h // down).eval()
+    n = len(tile_starts(h, tile, overlap)) * len(tile_starts(w, tile, overlap))
+    F = vae.config.block_out_channels[-1]
+    norms = (up.num_norms, up.groups)
+    corr = torch.from_numpy(first_pass_corrections(norms))
+    low_in = {"features": torch.zeros(1, F, h // down, w // down), "weight": torch.ones(h // down, w // down), "stats": corr, "own": torch.ones(1)}
+    up_in = {"features": torch.zeros(1, F, tile, tile), "weight": torch.ones(tile, tile), "stats": corr, "own": torch.zeros(1)}
+    graphs = [Graph("vae_decoder_head", head, {"latents": latents}, 1), Graph("vae_up_stats", low, low_in, 1),
+              Graph("vae_up_tile", up, up_in, n)]
+    fac = int(vae_factor(vae))
+
+    def decode(z):
+        feats = _np_fn(head)(z)
+        given = lowres_stats(feats, _np_fn(low), down, norms)
+        return tiled_decode_with_stats(z, lambda _: feats, _np_fn(up), tile, overlap, fac, norms, 1, margin=margin, given=given)
+
+    return Path_(f"lowres_stats_d{down}_t{tile}", graphs, decode,
+                 f"statistics from the up path on features pooled {down}x, then tile {tile}, overlap {overlap}, margin {margin}, {n} tiles, 1 pass; the user's decoder")
+
+
+def lowres_cv_path(vae, latents: torch.Tensor, tile: int, overlap: int, margin: int, down: int) -> Path_:
+    """As lowres_stats, but each tile keeps its own statistics, shifted and scaled by the pooled pass's
+    whole-image statistics against those of the tile's own region (one more pooled run per tile)."""
+    from pocketdiff.runtime.tiled_decode import control_variate, first_pass_corrections, lowres_stats, tile_starts, tiled_decode_with_stats
+    from pocketdiff.export.tiled_vae import VaeDecoderHead, VaeUpPathTile
+
+    _, _, h, w = latents.shape
+    tile = min(tile, h)
+    head, up = VaeDecoderHead(vae).eval(), VaeUpPathTile(vae, tile).eval()
+    low, region = VaeUpPathTile(vae, h // down).eval(), VaeUpPathTile(vae, tile // down).eval()
+    n = len(tile_starts(h, tile, overlap)) * len(tile_starts(w, tile, overlap))
+    F = vae.config.block_out_channels[-1]
+    norms = (up.num_norms, up.groups)
+    corr = torch.from_numpy(first_pass_corrections(norms))
+    low_in = {"features": torch.zeros(1, F, h // down, w // down), "weight": torch.ones(h // down, w // down), "stats": corr, "own": torch.ones(1)}
+    reg_in = {"features": torch.zeros(1, F, tile // down, tile // down), "weight": torch.ones(tile // down, tile // down), "stats": corr, "own": torch.ones(1)}
+    up_in = {"features": torch.zeros(1, F, tile, tile), "weight": torch.ones(tile, tile), "stats": corr, "own": torch.ones(1)}
+    graphs = [Graph("vae_decoder_head", head, {"latents": latents}, 1), Graph("vae_up_stats", low, low_in, 1),
+              Graph("vae_up_region", region, reg_in, n), Graph("vae_up_tile", up, up_in, n)]
+    fac = int(vae_factor(vae))
+
+    def decode(z):
+        feats = _np_fn(head)(z)
+        given = lowres_stats(feats, _np_fn(low), down, norms)
+
+        def first(y, x):
+            own = lowres_stats(feats[:, :, y:y + tile, x:x + tile], _np_fn(region), down, norms)
+            return control_variate(given, own)
+
+        return tiled_decode_with_stats(z, lambda _: feats, _np_fn(up), tile, overlap, fac, norms, 1, margin=margin, first=first)
+
+    return Path_(f"lowres_cv_d{down}_t{tile}", graphs, decode,
+                 f"own statistics corrected by a {down}x-pooled pass (whole against the tile's region), tile {tile}, overlap {overlap}, margin {margin}, {n} tiles, 1 pass")
+
+
 def one_pass_path(student, latents: torch.Tensor, tile, overlap: int, margin: int, notes: str) -> Path_:
     """The tiled one-pass decode of a norm-free decoder (`tile`: [rows, columns] of latents)."""
     from pocketdiff.export.components import VaeDecoderGraph
@@ -320,6 +383,8 @@ def main() -> None:
     p.add_argument("--stats-margin", type=int, default=8)
     p.add_argument("--stats-passes", type=int, default=8)
     p.add_argument("--stats-psnr", action="store_true", help="also decode tiled_stats for PSNR (slow at SD size)")
+    p.add_argument("--lowres-stats", nargs="*", type=int, default=[2, 4], metavar="DOWN",
+                   help="statistics-pass pooling factors of the lowres_stats paths (tiles as --stats-tile/overlap/margin)")
     p.add_argument("--clip", help="a domain CLIP folder (pocketdiff train-clip): FD of each path's decodes against the real held-out images")
     p.add_argument("--calibration-latents", type=int, default=4)
     p.add_argument("--delegate", action="store_true", help="convert and time every graph on the LiteRT GPU delegate")
@@ -339,6 +404,8 @@ def main() -> None:
         rows_cols = [int(v) for v in tile.split("x")]
         ones.append(one_pass_path(student, z0, rows_cols, int(overlap), int(margin), how))
     paths = [whole, tiled_stats_path(vae, z0, args.stats_tile, args.stats_overlap, args.stats_margin, args.stats_passes, args.stats_psnr),
+             *[lowres_stats_path(vae, z0, args.stats_tile, args.stats_overlap, args.stats_margin, d) for d in args.lowres_stats],
+             *[lowres_cv_path(vae, z0, args.stats_tile, args.stats_overlap, args.stats_margin, d) for d in args.lowres_stats],
              norm_free_untiled(student, z0), *ones, tiny_path(vae, z0)]
     rows = measure(paths, latents, whole.decode, args.delegate, args.repeats)
     untiled = next(r for r in rows if r["name"] == "norm_free_untiled")

@@ -143,7 +143,8 @@ def control_variate(given: np.ndarray, own_before: np.ndarray, eps: float = 1e-6
 
 def tiled_decode_with_stats(latents: np.ndarray, head: Callable[[np.ndarray], np.ndarray], up_tile: Callable,
                             tile: int, overlap: int, factor: int, norms: tuple[int, int], passes: int, margin: int = 0,
-                            scheme: str = "plain", on_pass: Optional[Callable[[int, np.ndarray], None]] = None) -> np.ndarray:
+                            scheme: str = "plain", on_pass: Optional[Callable[[int, np.ndarray], None]] = None,
+                            given: Optional[np.ndarray] = None, first: Optional[Callable[[int, int], np.ndarray]] = None) -> np.ndarray:
     """[1, C, H, W] latents -> [1, 3, H * factor, W * factor] pixels that match the whole decode.
 
     `head(latents)` -> features [1, F, H, W] (the whole latent, once); `up_tile(features_tile,
@@ -163,7 +164,11 @@ def tiled_decode_with_stats(latents: np.ndarray, head: Callable[[np.ndarray], np
     The blend weights (`axis_weights`) are zero `margin` latents deep at tile edges facing a
     neighbour, where the up path's receptive field is cut by the tile (on the SD VAE the error falls
     ~8 dB per latent from the edge), and the same at every resolution: both the image and the
-    statistics come from tile interiors. `on_pass(p, image)` sees each pass's image (benchmarks)."""
+    statistics come from tile interiors. `on_pass(p, image)` sees each pass's image (benchmarks).
+
+    `given` [K, 2, G]: statistics known before the first pass (`lowres_stats`); every pass then
+    normalises with them (own = 0), so one pass suffices. `first(y, x)`: instead, the first pass's
+    corrections of the tile at latent (y, x) to its own statistics (own = 1)."""
     if passes < 1:
         raise PocketdiffError(f"tiled decode: passes must be at least 1, got {passes}")
     if scheme not in SCHEMES:
@@ -174,8 +179,9 @@ def tiled_decode_with_stats(latents: np.ndarray, head: Callable[[np.ndarray], np
     feats = np.asarray(head(np.asarray(latents, dtype=np.float32)), dtype=np.float32)
     if feats.ndim != 4 or feats.shape[0] != 1 or feats.shape[-2:] != np.asarray(latents).shape[-2:]:
         raise PocketdiffError(f"tiled decode: the head returned {list(feats.shape)} for latents {list(np.shape(latents))}")
-    own = np.ones((1,), dtype=np.float32)
-    corrections = {(iy, ix): first_pass_corrections(norms) for iy in range(len(ys)) for ix in range(len(xs))}
+    own = np.ones((1,), dtype=np.float32) if given is None else np.zeros((1,), dtype=np.float32)
+    start = first_pass_corrections(norms) if given is None else np.asarray(given, dtype=np.float32)
+    corrections = {(iy, ix): start if first is None else first(ys[iy], xs[ix]) for iy in range(len(ys)) for ix in range(len(xs))}
     # each tile's blend weights, at latent resolution (a graph input) and at pixel resolution: the same every pass
     weights = {key: np.outer(wys[key[0]], wxs[key[1]]).astype(np.float32) for key in corrections}
     blends = {key: np.kron(w.astype(np.float64), np.ones((factor, factor))) for key, w in weights.items()}
@@ -205,3 +211,17 @@ def tiled_decode_with_stats(latents: np.ndarray, head: Callable[[np.ndarray], np
         else:
             corrections = {key: control_variate(given, owns[key]) for key in corrections}
     return (image / wsum).astype(np.float32)
+
+
+def lowres_stats(features: np.ndarray, up_low: Callable, down: int, norms: tuple[int, int]) -> np.ndarray:
+    """[K, 2, G] statistics of every up-path norm, estimated from one run of the up path on the head's
+    features average-pooled by `down` (1 / down^2 of its work): `up_low` is the up-path graph at the
+    pooled size (`export.tiled_vae.VaeUpPathTile`), run with its own statistics and unit weights."""
+    f = np.asarray(features, dtype=np.float32)
+    _, c, h, w = f.shape
+    if h % down or w % down:
+        raise PocketdiffError(f"tiled decode: features {h}x{w} do not divide by the statistics pass's factor {down}")
+    pooled = f.reshape(1, c, h // down, down, w // down, down).mean(axis=(3, 5), dtype=np.float64).astype(np.float32)
+    weight = np.ones((h // down, w // down), dtype=np.float32)
+    _, sums = up_low(np.ascontiguousarray(pooled), weight, first_pass_corrections(norms), np.ones((1,), dtype=np.float32))
+    return stats_from_sums(np.asarray(sums, dtype=np.float64)[:, :3])
