@@ -5,6 +5,10 @@ Paths (each a list of graphs with their calls per image):
 - `whole`: the whole decoder (VaeDecoderGraph) once: the reference of every ratio.
 - `tiled_stats`: the head once, then `passes` x tiles runs of the up path with norm statistics fed in
   (export/tiled_vae.py, control-variate scheme), as configs/sd21/export*.yaml had it.
+- `lowres_stats` (`--lowres-stats DOWN ...`): the head once, the up path once on its features
+  average-pooled by DOWN (every norm's statistics, 1/DOWN^2 of the work), then every tile once with them.
+- `lowres_cv`: the same, but each tile keeps its own statistics, corrected by the pooled pass's
+  whole-image ones against those of the tile's own region (one more pooled run per tile).
 - `one_pass`: the head once, then every tile once through a norm-free up path (pocketdiff/normfree.py,
   runtime/onepass_decode.py). With `--student DIR` (a `pocketdiff distill-decoder` output) its decoder,
   else the user's decoder folded on calibration latents here (no fine-tune: mechanics at random weights).
@@ -192,7 +196,6 @@ def lowres_cv_path(vae, latents: torch.Tensor, tile: int, overlap: int, margin: 
 
 def one_pass_path(student, latents: torch.Tensor, tile, overlap: int, margin: int, notes: str) -> Path_:
     """The tiled one-pass decode of a norm-free decoder (`tile`: [rows, columns] of latents)."""
-    from pocketdiff.export.components import VaeDecoderGraph
     from pocketdiff.runtime.onepass_decode import one_pass_decode
     from pocketdiff.runtime.tiled_decode import tile_starts
     from pocketdiff.export.tiled_vae import VaeDecoderHead
@@ -405,7 +408,8 @@ def main() -> None:
         ones.append(one_pass_path(student, z0, rows_cols, int(overlap), int(margin), how))
     paths = [whole, tiled_stats_path(vae, z0, args.stats_tile, args.stats_overlap, args.stats_margin, args.stats_passes, args.stats_psnr),
              *[lowres_stats_path(vae, z0, args.stats_tile, args.stats_overlap, args.stats_margin, d) for d in args.lowres_stats],
-             *[lowres_cv_path(vae, z0, args.stats_tile, args.stats_overlap, args.stats_margin, d) for d in args.lowres_stats],
+             *[lowres_cv_path(vae, z0, args.stats_tile, args.stats_overlap, args.stats_margin, d) for d in args.lowres_stats
+               if min(args.stats_tile, z0.shape[-1]) % d == 0],  # its per-tile regions are pooled by d as well
              norm_free_untiled(student, z0), *ones, tiny_path(vae, z0)]
     rows = measure(paths, latents, whole.decode, args.delegate, args.repeats)
     untiled = next(r for r in rows if r["name"] == "norm_free_untiled")
