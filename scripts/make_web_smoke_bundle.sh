@@ -9,7 +9,9 @@
 # encoder, UNet, time embedding and tokenizer are byte-identical); tests/web/conftest.py puts
 # the two together, and the manifest's sha256 refuses a mix from different rebuilds.
 # And tests/web/smoke_bundle_chunked: the same recipe with the UNet in two chunks (unet_chunks=2), kept
-# the same way (its manifest, goldens, chunks and whatever else differs).
+# the same way (its manifest, goldens, chunks and whatever else differs); and tests/web/smoke_bundle_tiled_stats:
+# a tiled decoder with iterated norm statistics (vae_tiling.scheme control_variate, 3 passes, the
+# teacher's GroupNorms kept; same tiles).
 # Rerun after a change to the bundle format (tests/web fail on a manifest they cannot read).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -23,11 +25,13 @@ TILING=(vae_tiling.enabled=true vae_tiling.scheme=one_pass vae_tiling.passes=1 v
 .venv/bin/pocketdiff export "${RECIPE[@]}" --output "$TMP/bundle"
 .venv/bin/pocketdiff export "${RECIPE[@]}" "${TILING[@]}" --output "$TMP/tiled"
 .venv/bin/pocketdiff export "${RECIPE[@]}" unet_chunks=2 --output "$TMP/chunked"
-for B in bundle tiled chunked; do rm -rf "$TMP/$B/_export" "$TMP/$B/report.json" "$TMP/$B/logs" "$TMP/$B/.pocketdiff-output.json"; done
+.venv/bin/pocketdiff export "${RECIPE[@]}" vae_tiling.enabled=true vae_tiling.scheme=control_variate vae_tiling.passes=3 \
+  vae_tiling.tile=6 vae_tiling.overlap=2 vae_tiling.margin=1 vae_tiling.min_psnr_db=30 --output "$TMP/tiled_stats"
+for B in bundle tiled chunked tiled_stats; do rm -rf "$TMP/$B/_export" "$TMP/$B/report.json" "$TMP/$B/logs" "$TMP/$B/.pocketdiff-output.json"; done
 DST=tests/web/smoke_bundle
 find "$DST" -mindepth 1 -maxdepth 1 ! -name README.md -exec rm -rf {} +
 cp -r "$TMP/bundle/." "$DST/"
-for B in tiled chunked; do
+for B in tiled chunked tiled_stats; do
   TWIN=tests/web/smoke_bundle_$B
   find "$TWIN" -mindepth 1 -maxdepth 1 ! -name README.md -exec rm -rf {} +
   (cd "$TMP/$B" && find . -type f) | while read -r f; do

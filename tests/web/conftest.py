@@ -1,5 +1,6 @@
 """Shared fixtures of the web tests: the shipped smoke bundles (tests/web/smoke_bundle and its twins
-smoke_bundle_tiled, tiled decoder, and smoke_bundle_chunked, UNet in two chunks; made by `pocketdiff
+smoke_bundle_tiled, one-pass tiled decoder, smoke_bundle_tiled_stats, tiled decoder with iterated norm
+statistics, and smoke_bundle_chunked, UNet in two chunks; made by `pocketdiff
 export`, see their READMEs) copied to a temporary folder, node and Chromium."""
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ HERE = Path(__file__).resolve().parent
 SMOKE_BUNDLE = HERE / "smoke_bundle"
 TILED_SMOKE_BUNDLE = HERE / "smoke_bundle_tiled"
 CHUNKED_SMOKE_BUNDLE = HERE / "smoke_bundle_chunked"
+TILED_STATS_SMOKE_BUNDLE = HERE / "smoke_bundle_tiled_stats"
 
 
 @pytest.fixture
@@ -47,6 +49,12 @@ def assemble_tiled_smoke_bundle(dst: Path) -> Path:
 def assemble_tiled():
     """`assemble_tiled_smoke_bundle` for module-scoped fixtures (tests/ is not a package)."""
     return assemble_tiled_smoke_bundle
+
+
+@pytest.fixture(scope="session")
+def assemble_tiled_stats():
+    """The iterated-statistics tiled smoke bundle (control_variate, 3 passes) assembled in a folder."""
+    return lambda dst: assemble_twin_bundle(TILED_STATS_SMOKE_BUNDLE, dst)
 
 
 @pytest.fixture(scope="session")

@@ -55,6 +55,38 @@ for (const c of req.tiles || []) {
   tiles.push(r);
 }
 out.tiles = tiles;
+
+// tiled.js statsDecode with a synthetic up tile that tests/web/test_js_modules.py gives numpy too: K
+// chained "norms" of one channel per group over the features (F = G): each records its input's
+// blend-weighted sums and the tile's own mean and variance (each / the tile's latents), then
+// normalises with own * tile statistics + stats (tiled_vae's rule) and maps x -> 0.5 x + 0.1 (k + 1);
+// pixels: nearest x f of the first 3 channels
+const statsUp = (c) => async (features, weight, stats, own) => {
+  const [, F, t] = features.shape, n = t * t, K = c.K, o = own.data[0];
+  let x = Array.from(features.data);
+  const sums = new Float32Array(K * 5 * F);
+  for (let k = 0; k < K; k++) {
+    for (let g = 0; g < F; g++) {
+      let s0 = 0, s1 = 0, s2 = 0, m = 0, q = 0;
+      for (let i = 0; i < n; i++) { const v = x[g * n + i], w = weight.data[i]; s0 += w * v; s1 += w * v * v; s2 += w; m += v; q += v * v; }
+      m /= n; q = q / n - m * m;
+      [s0 / n, s1 / n, s2 / n, m, q].forEach((v, r) => { sums[(k * 5 + r) * F + g] = v; });
+      const mean = o * m + stats.data[(k * 2) * F + g], vr = (o * q + 1 - o) * stats.data[(k * 2 + 1) * F + g];
+      for (let i = 0; i < n; i++) x[g * n + i] = 0.5 * (x[g * n + i] - mean) / Math.sqrt(vr + 1e-5) + 0.1 * (k + 1);
+    }
+  }
+  const f = c.factor, T = t * f, px = new Float32Array(3 * T * T);
+  for (let ch = 0; ch < 3; ch++) for (let r = 0; r < T; r++) for (let q = 0; q < T; q++) px[(ch * T + r) * T + q] = x[ch * n + Math.floor(r / f) * t + Math.floor(q / f)];
+  return { pixels: { data: px, shape: [1, 3, T, T] }, sums: { data: sums, shape: [K, 5, F] } };
+};
+out.stats_decodes = [];
+for (const c of req.stats_cases || []) {
+  const lat = { data: Float32Array.from(c.latents), shape: [1, c.channels, c.height, c.width] };
+  const head = async (z) => ({ data: z.data.map((v) => 2 * v), shape: z.shape });
+  const block = { tile: c.tile, overlap: c.overlap, margin: c.margin, factor: c.factor, scheme: c.scheme, passes: c.passes, norms: [c.K, c.channels] };
+  const d = await tiled.statsDecode(lat, head, statsUp(c), block);
+  out.stats_decodes.push({ image: Array.from(d.data), shape: d.shape, calls: d.calls });
+}
 out.problems = (req.blocks || []).map((b) => tiled.tilingProblem(b));
 
 // lcm.js: grids, scheduler problems, and whole lcm loops with the stand-in model out = a x + b t / 1000

@@ -123,8 +123,11 @@ def test_page_one_pass_tiling_matches_the_runner(node, tmp_path):
         cases.append({"height": h, "width": w, "tile": tile, "overlap": overlap, "margin": margin, "factor": factor,
                       "channels": 4, "latents": lat.ravel().tolist()})
     blocks = [{"scheme": "one_pass", "tile": 6, "overlap": 2, "margin": 1, "factor": 4, "passes": 1},
-              {"scheme": "control_variate", "tile": 6, "overlap": 2, "margin": 1, "factor": 4, "passes": 3},
-              {"scheme": "one_pass", "tile": [6, 6, 6], "overlap": 2, "margin": 1, "factor": 4, "passes": 1}]
+              {"scheme": "control_variate", "tile": 6, "overlap": 2, "margin": 1, "factor": 4, "passes": 3, "norms": [3, 2]},
+              {"scheme": "one_pass", "tile": [6, 6, 6], "overlap": 2, "margin": 1, "factor": 4, "passes": 1},
+              {"scheme": "plain", "tile": 6, "overlap": 2, "margin": 1, "factor": 4, "passes": 3, "norms": [3]},
+              {"scheme": "plain", "tile": 6, "overlap": 2, "margin": 1, "factor": 4, "passes": 0, "norms": [3, 2]},
+              {"scheme": "per_tile", "tile": 6, "overlap": 2, "margin": 1, "factor": 4, "passes": 1}]
     out = _run(node, tmp_path, {"tokenizer_json": str(STATIC.parents[1] / "pocketdiff/assets/shapes-teacher/tokenizer/tokenizer.json"),
                                 "tokenizer": {"max_length": 77, "pad_id": 593, "bos_id": 592, "eos_id": 593}, "prompts": [],
                                 "files": [], "npy": [], "npz": [], "tiles": cases, "blocks": blocks})
@@ -140,10 +143,65 @@ def test_page_one_pass_tiling_matches_the_runner(node, tmp_path):
         assert got["shape"] == list(want.shape)
         np.testing.assert_allclose(np.asarray(got["image"], dtype=np.float32).reshape(want.shape), want, rtol=0, atol=1e-5)
     assert len(out["tiles"][0]["origins"]) == 4 and len(out["tiles"][1]["origins"]) == 1
-    ok, iterated, bad_tile = out["problems"]
-    assert ok is None
-    assert "control_variate" in iterated and "not supported in the browser" in iterated and "one_pass" in iterated
+    ok, iterated, bad_tile, *refused = out["problems"]
+    assert ok is None and iterated is None
     assert "tile must be an int or [rows, columns]" in bad_tile
+    assert "vae_tiling.norms must be [K, G]" in refused[0] and "passes must be at least 1" in refused[1]
+    assert "not one the page runs" in refused[2] and "one_pass, plain, control_variate" in refused[2]
+
+
+def _synthetic_stats_up(K: int, factor: int):
+    """The harness's up tile for statsDecode, in numpy (see js_harness.mjs)."""
+    def up(features, weight, stats, own):
+        x = features[0].astype(np.float64)
+        F, t, _ = x.shape
+        w, o, n = weight.astype(np.float64), float(own[0]), t * t
+        sums = np.zeros((K, 5, F))
+        for k in range(K):
+            for g in range(F):
+                v = x[g]
+                m, q = v.mean(), (v * v).mean() - v.mean() ** 2
+                sums[k, :, g] = [(w * v).sum() / n, (w * v * v).sum() / n, w.sum() / n, m, q]
+                mean, var = o * m + stats[k, 0, g], (o * q + 1 - o) * stats[k, 1, g]
+                x[g] = 0.5 * (v - mean) / np.sqrt(var + 1e-5) + 0.1 * (k + 1)
+        pixels = np.kron(x[None, :3], np.ones((factor, factor)))
+        return pixels.astype(np.float32), sums.astype(np.float32)
+    return up
+
+
+STATS_CASES = [  # (h, w, tile, overlap, margin, factor, scheme, passes)
+    (10, 10, 6, 2, 1, 2, "control_variate", 3),
+    (13, 9, 5, 2, 1, 2, "plain", 2),
+    (8, 8, 8, 0, 0, 2, "control_variate", 2),  # one tile: its own statistics are the image's
+]
+
+
+def test_page_iterated_statistics_decode_matches_the_runner(node, tmp_path):
+    from pocketdiff.runtime.tiled_decode import tiled_decode_with_stats
+
+    rng, K, C = np.random.default_rng(1), 2, 4
+    cases = [{"height": h, "width": w, "tile": t, "overlap": ov, "margin": m, "factor": f, "scheme": sc, "passes": ps, "K": K,
+              "channels": C, "latents": rng.standard_normal((1, C, h, w)).astype(np.float32).ravel().tolist()}
+             for h, w, t, ov, m, f, sc, ps in STATS_CASES]
+    out = _run(node, tmp_path, {"tokenizer_json": str(STATIC.parents[1] / "pocketdiff/assets/shapes-teacher/tokenizer/tokenizer.json"),
+                                "tokenizer": {"max_length": 77, "pad_id": 593, "bos_id": 592, "eos_id": 593}, "prompts": [],
+                                "files": [], "npy": [], "npz": [], "stats_cases": cases})
+    for case, got in zip(cases, out["stats_decodes"]):
+        lat = np.asarray(case["latents"], dtype=np.float32).reshape(1, C, case["height"], case["width"])
+        want = tiled_decode_with_stats(lat, lambda z: 2 * z, _synthetic_stats_up(K, case["factor"]), case["tile"], case["overlap"],
+                                       case["factor"], (K, C), case["passes"], margin=case["margin"], scheme=case["scheme"])
+        assert got["shape"] == list(want.shape)
+        np.testing.assert_allclose(np.asarray(got["image"], dtype=np.float32).reshape(want.shape), want, rtol=0, atol=2e-4)
+        n_tiles = len(tile_starts_of(case, "height")) * len(tile_starts_of(case, "width"))
+        assert got["calls"] == case["passes"] * n_tiles
+    one_tile = out["stats_decodes"][2]["image"]
+    assert np.isfinite(one_tile).all()
+
+
+def tile_starts_of(case: dict, axis: str) -> list:
+    from pocketdiff.runtime.tiled_decode import tile_starts
+
+    return tile_starts(case[axis], case["tile"], case["overlap"])
 
 
 def _lcm_block(prediction_type: str, steps: int, clip=None) -> dict:

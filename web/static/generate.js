@@ -2,13 +2,23 @@
 import { BundleError, Component, ddimStep, pageNoise, parity, toHwc } from './pipeline.js';
 import { StreamedChunk, chunkAliases, goldenIndices, outputNames, runUnet } from './chunks.js';
 import { lcmStep, renoise } from './lcm.js';
-import { onePassDecode } from './tiled.js';
+import { ONE_PASS, onePassDecode, statsDecode } from './tiled.js';
 
 /** Latents -> pixels [1, 3, H, W] through the whole decoder, or the tiled one's head and up tile (tiled.js). */
 async function decode(man, decs, latents) {
   if (decs.length === 1) return decs[0].run({ latents });
   const [head, up] = decs;
-  return onePassDecode(latents, (z) => head.run({ latents: z }), (t) => up.run({ features: t }), man.vae_tiling);
+  const block = man.vae_tiling;
+  const runHead = (z) => head.run({ latents: z });
+  if ((block.scheme ?? 'plain') === ONE_PASS) return onePassDecode(latents, runHead, (t) => up.run({ features: t }), block);
+  // the manifest declares (pixels, sums) in that order; the model may return them in the other
+  const declared = man.components.vae_up_tile.outputs;
+  const names = outputNames(up, declared);
+  const [pixelsAt, sumsAt] = declared.map((o) => names.indexOf(o.name));
+  return statsDecode(latents, runHead, async (features, weight, stats, own) => {
+    const outs = await up.runAll({ features, weight, stats, own });
+    return { pixels: outs[pixelsAt], sums: outs[sumsAt] };
+  }, block);
 }
 
 /**

@@ -1,13 +1,15 @@
-// The tiled VAE decoder in the page: `vae_tiling.scheme: one_pass`, as run-bundle decodes it
-// (runtime/onepass_decode.py, with the tile origins and blend weights of runtime/tiled_decode.py).
-// The head runs once on the whole latent -> features [1, F, H, W]; every tile of the features
-// runs once through the up path -> pixels [1, 3, th*f, tw*f]; the tiles are summed with blend
-// weights that are zero `margin` latents deep at edges facing a neighbour and ramp linearly
-// across the rest of the overlap, normalised to a partition of unity (no division at the end).
-// The iterated-statistics schemes (plain, control_variate) run several passes with norm
-// statistics fed back into a two-output up tile; the page refuses them (`tilingProblem`).
+// The tiled VAE decoder in the page, as run-bundle decodes it (runtime/onepass_decode.py and
+// runtime/tiled_decode.py). The head runs once on the whole latent -> features [1, F, H, W].
+// `vae_tiling.scheme: one_pass`: every tile of the features runs once through a norm-free up path
+// -> pixels [1, 3, th*f, tw*f]; the tiles are summed with blend weights that are zero `margin`
+// latents deep at edges facing a neighbour and ramp linearly across the rest of the overlap,
+// normalised to a partition of unity. The iterated-statistics schemes (plain, control_variate:
+// `statsDecode`) run the square up tile `passes` times over the tiles, each run taking its blend
+// weights, the norms' statistics (or corrections) and `own`, and returning pixels and the norms'
+// sums [K, 5, G], whose totals give the next pass its statistics.
 
 export const ONE_PASS = 'one_pass';
+export const STATS_SCHEMES = ['plain', 'control_variate']; // runtime/tiled_decode.SCHEMES
 export const TILED_DECODER = ['vae_decoder_head', 'vae_up_tile'];
 
 class TilingError extends Error {}
@@ -75,13 +77,20 @@ export function tileHw(tile) {
 /** Why the page cannot run this manifest's vae_tiling block, or null when it can. */
 export function tilingProblem(block) {
   const scheme = block.scheme ?? 'plain';
-  if (scheme !== ONE_PASS) {
-    return `bundle: vae_tiling.scheme ${JSON.stringify(scheme)} (iterated norm statistics over ${block.passes} passes) is not supported in the browser; `
-      + 'the page runs scheme one_pass (export with vae_tiling.scheme: one_pass, fold_norms: true or a distill-decoder VAE)';
+  if (![ONE_PASS, ...STATS_SCHEMES].includes(scheme)) {
+    return `bundle: vae_tiling.scheme ${JSON.stringify(scheme)} is not one the page runs (${[ONE_PASS, ...STATS_SCHEMES].join(', ')})`;
   }
   const ints = { overlap: block.overlap, factor: block.factor, margin: block.margin ?? 0, passes: block.passes ?? 1 };
   for (const [k, v] of Object.entries(ints)) if (!Number.isInteger(v) || v < 0) return `bundle: vae_tiling.${k} must be a non-negative int, got ${JSON.stringify(v)}`;
-  if (ints.passes !== 1) return `bundle: vae_tiling.passes must be 1 for scheme one_pass, got ${ints.passes}`;
+  if (scheme === ONE_PASS && ints.passes !== 1) return `bundle: vae_tiling.passes must be 1 for scheme one_pass, got ${ints.passes}`;
+  if (scheme !== ONE_PASS) {
+    if (ints.passes < 1) return `bundle: vae_tiling.passes must be at least 1, got ${ints.passes}`;
+    const norms = block.norms;
+    if (!Array.isArray(norms) || norms.length !== 2 || !norms.every((v) => Number.isInteger(v) && v >= 1)) {
+      return `bundle: vae_tiling.norms must be [K, G] positive ints for scheme ${scheme}, got ${JSON.stringify(norms)}`;
+    }
+    if (!Number.isInteger(block.tile) || block.tile < 1) return `bundle: vae_tiling.tile must be a positive int for scheme ${scheme}, got ${JSON.stringify(block.tile)}`;
+  }
   let hw;
   try { hw = tileHw(block.tile); } catch (e) { return `bundle: ${e.message}`; }
   if (!hw.every((v) => Number.isInteger(v) && v >= 1)) return `bundle: vae_tiling.tile must be positive ints, got ${JSON.stringify(block.tile)}`;
@@ -141,4 +150,110 @@ export async function onePassDecode(latents, head, upTile, block) {
     }
   }
   return { data: Float32Array.from(image), shape: [1, channels, PH, PW], calls };
+}
+
+/** [K, R, G] sums (blend-weighted sum, sum of squares, weight; rows past 3 ignored) -> [K, 2, G]
+ *  (mean, variance) as Float32Array (tiled_decode.stats_from_sums). */
+export function statsFromSums(sums, K, R, G) {
+  const out = new Float32Array(K * 2 * G);
+  for (let k = 0; k < K; k++) for (let g = 0; g < G; g++) {
+    const at = (r) => sums[(k * R + r) * G + g];
+    const mean = at(0) / at(2);
+    out[(k * 2) * G + g] = mean;
+    out[(k * 2 + 1) * G + g] = Math.max(at(1) / at(2) - mean * mean, 0);
+  }
+  return out;
+}
+
+/** [K, 2, G] corrections that leave every tile's own statistics as they are (shift 0, ratio 1). */
+function firstPassCorrections(K, G) {
+  const out = new Float32Array(K * 2 * G);
+  for (let k = 0; k < K; k++) out.fill(1, (k * 2 + 1) * G, (k * 2 + 2) * G);
+  return out;
+}
+
+/** The whole image's statistics `given` against a tile's own `ownBefore` (both [K, 2, G]) as a mean
+ *  shift and a variance ratio (tiled_decode.control_variate). */
+export function controlVariate(given, ownBefore, K, G, eps = 1e-6) {
+  const out = new Float32Array(K * 2 * G);
+  for (let k = 0; k < K; k++) for (let g = 0; g < G; g++) {
+    const m = (k * 2) * G + g, v = (k * 2 + 1) * G + g;
+    out[m] = given[m] - ownBefore[m];
+    out[v] = (Math.max(given[v], 0) + eps) / (Math.max(ownBefore[v], 0) + eps);
+  }
+  return out;
+}
+
+/**
+ * Iterated-statistics tiled decode (tiled_decode.tiled_decode_with_stats, schemes plain and
+ * control_variate): latents {data, shape [1, C, H, W]}; head(latents) -> features and
+ * upTile(features tile, weight [t, t], stats [K, 2, G], own [1]) -> {pixels, sums [K, 5, G]}, async,
+ * all {data, shape}. Returns {data: Float32Array, shape: [1, 3, H*f, W*f], calls}.
+ */
+export async function statsDecode(latents, head, upTile, block) {
+  const [, , H, W] = latents.shape;
+  const t = block.tile, f = block.factor, margin = block.margin ?? 0, passes = block.passes;
+  const [K, G] = block.norms;
+  if (t > H || t > W) throw new TilingError(`tiled decode: tile ${t} is larger than the latent ${H}x${W}`);
+  const ys = tileStarts(H, t, block.overlap), xs = tileStarts(W, t, block.overlap);
+  const wys = axisWeights(ys, t, margin), wxs = axisWeights(xs, t, margin);
+  const feats = await head(latents);
+  if (feats.shape.length !== 4 || feats.shape[0] !== 1 || feats.shape[2] !== H || feats.shape[3] !== W) {
+    throw new TilingError(`tiled decode: the head returned [${feats.shape}] for latents [${latents.shape}]`);
+  }
+  const tiles = ys.flatMap((y, iy) => xs.map((x, ix) => {
+    const weight = new Float32Array(t * t); // the graph's input, and (as float64) the pixels' blend
+    for (let r = 0; r < t; r++) for (let q = 0; q < t; q++) weight[r * t + q] = wys[iy][r] * wxs[ix][q];
+    return { y, x, weight, features: crop(feats, y, x, t, t) };
+  }));
+  const T = t * f, PH = H * f, PW = W * f;
+  let corrections = tiles.map(() => firstPassCorrections(K, G));
+  let own = 1, image = null, wsum = null, channels = 0, calls = 0;
+  for (let p = 1; p <= passes; p++) {
+    wsum = new Float64Array(PH * PW);
+    image = null;
+    const totals = new Float64Array(K * 3 * G), owns = [];
+    for (let i = 0; i < tiles.length; i++) {
+      const { y, x, weight, features } = tiles[i];
+      const { pixels, sums } = await upTile(features, { data: weight, shape: [t, t] }, { data: corrections[i], shape: [K, 2, G] },
+        { data: Float32Array.of(own), shape: [1] });
+      calls++;
+      if (pixels.shape[0] !== 1 || pixels.shape[2] !== T || pixels.shape[3] !== T) {
+        throw new TilingError(`tiled decode: the up tile returned pixels [${pixels.shape}], expected [1, C, ${T}, ${T}]`);
+      }
+      if (sums.shape.join(',') !== [K, 5, G].join(',')) {
+        throw new TilingError(`tiled decode: the up tile returned sums [${sums.shape}], expected [${K}, 5, ${G}]`);
+      }
+      if (!image) { channels = pixels.shape[1]; image = new Float64Array(channels * PH * PW); }
+      blendInto(image, wsum, pixels.data, weight, { y, x, t, f, channels, PH, PW });
+      const own2 = new Float32Array(K * 2 * G);
+      for (let k = 0; k < K; k++) for (let r = 0; r < 5; r++) for (let g = 0; g < G; g++) {
+        const v = sums.data[(k * 5 + r) * G + g];
+        if (r < 3) totals[(k * 3 + r) * G + g] += v;
+        else own2[(k * 2 + r - 3) * G + g] = v;
+      }
+      owns.push(own2);
+    }
+    const given = statsFromSums(totals, K, 3, G);
+    if ((block.scheme ?? 'plain') === 'plain') {
+      corrections = tiles.map(() => given);
+      own = 0;
+    } else {
+      corrections = owns.map((o) => controlVariate(given, o, K, G));
+    }
+  }
+  const out = new Float32Array(image.length);
+  for (let c = 0; c < channels; c++) for (let k = 0; k < PH * PW; k++) out[c * PH * PW + k] = image[c * PH * PW + k] / wsum[k];
+  return { data: out, shape: [1, channels, PH, PW], calls };
+}
+
+/** image += pixels * blend, wsum += blend over one tile (blend: the tile's weights, each latent's f x f pixels). */
+function blendInto(image, wsum, pixels, weight, { y, x, t, f, channels, PH, PW }) {
+  const T = t * f;
+  for (let r = 0; r < T; r++) for (let q = 0; q < T; q++) {
+    const b = weight[Math.floor(r / f) * t + Math.floor(q / f)];
+    const at = (y * f + r) * PW + x * f + q;
+    wsum[at] += b;
+    for (let c = 0; c < channels; c++) image[c * PH * PW + at] += pixels[(c * T + r) * T + q] * b;
+  }
 }
