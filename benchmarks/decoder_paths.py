@@ -15,6 +15,10 @@ Paths (each a list of graphs with their calls per image):
 - `tiny`: diffusers' AutoencoderTiny decoder (TAESD layout) for the same latent channels and factor,
   untrained: its cost only.
 
+`--latents-from PIPELINE` decodes that model's samples for the held-out captions instead of the images'
+own latents (FD against the real images: a decoder's cost on what users decode, where the generator's own
+FD is the scale).
+
 FLOPs and the largest tensor come from meta tensors (torch.utils.flop_counter; no compute), so SD size
 costs seconds; PSNR is of [0, 1] images against the whole decode on the same latents: images of
 `--data` encoded by the VAE (held-out items after `--train-items` of the seed-0 shuffle), or the
@@ -332,10 +336,19 @@ def _data_latents(vae, args) -> list:
 
     ds = load_captioned_dataset(DataConfig(source=args.data, resolution=args.resolution, max_samples=args.train_items + args.images))
     items = ImageCaptionDataset(ds)
-    x = collate([items[i] for i in range(args.train_items, len(ds))])["pixel_values"].float()
+    held = collate([items[i] for i in range(args.train_items, len(ds))])
+    x = held["pixel_values"].float()
     args.real_images = ((x + 1) / 2).clamp(0, 1)  # [-1, 1] -> [0, 1]: the FD reference set (--clip)
-    with torch.no_grad():
-        z = vae.encode(x).latent_dist.mean * float(vae.config.scaling_factor)
+    if args.latents_from:  # what users decode: a model's samples for the held-out captions
+        from pocketdiff.models import load_pipeline
+        from pocketdiff.sampling import generate
+
+        pipe = load_pipeline(args.latents_from)
+        z = generate(pipe, list(held["text"]), steps=args.latent_steps, guidance_scale=args.latent_guidance, seed=args.seed,
+                     output_type="latent", progress=True)
+    else:
+        with torch.no_grad():
+            z = vae.encode(x).latent_dist.mean * float(vae.config.scaling_factor)
     return [z[i:i + 1].contiguous() for i in range(z.shape[0])]
 
 
@@ -379,6 +392,10 @@ def main() -> None:
     p.add_argument("--data", help="dataset source (pocketdiff.data) for held-out images; else the scene")
     p.add_argument("--train-items", type=int, default=4000)
     p.add_argument("--images", type=int, default=64, help="held-out images with --data")
+    p.add_argument("--latents-from", help="a pipeline folder (a teacher or distilled student): decode its samples for the "
+                   "held-out captions instead of the images' own latents (FD against the real images, PSNR against the whole decode)")
+    p.add_argument("--latent-steps", type=int, default=4, help="sampling steps of --latents-from")
+    p.add_argument("--latent-guidance", type=float, default=3.0, help="guidance scale of --latents-from")
     p.add_argument("--one-pass", nargs="+", default=["32x64/16/8", "36x36/8/4"], metavar="RxC/OVERLAP/MARGIN",
                    help="one-pass tile geometries in latents (rows x columns, overlap, margin)")
     p.add_argument("--stats-tile", type=int, default=40)
@@ -395,6 +412,9 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)
     args = p.parse_args()
+    if args.latents_from and not args.data:
+        p.error("--latents-from needs --data (its captions, and the real images FD compares with)")
+    args.vae = args.vae or args.latents_from  # the sampled latents are that pipeline's VAE's
     torch.manual_seed(args.seed)
     vae = _load(args)
     latents = _data_latents(vae, args) if args.data else _scene_latents(vae, args)
@@ -426,7 +446,9 @@ def main() -> None:
 
     result = {"benchmark": "decoder_paths", "vae": args.vae or f"built:{args.arch} (random, perturbed norm affines)",
               "student": how, "resolution": args.resolution, "latent": list(z0.shape),
-              "images": len(latents), "latents_from": f"{args.data} held-out items {args.train_items}.." if args.data else "the parity scene",
+              "images": len(latents), "latents_from": (f"{args.latents_from} ({args.latent_steps} steps, guidance {args.latent_guidance}) "
+                                                       f"for the captions of {args.data} held-out items {args.train_items}.." if args.data and args.latents_from
+                                                       else f"{args.data} held-out items {args.train_items}.." if args.data else "the parity scene"),
               "phone_profile": PROFILES["phone"], "max_tensor_note": "MB = 2**20 bytes at fp16, largest tensor a module takes or returns (torch)",
               "fd_note": fd_note,
               "host": platform.node(), "torch_threads": torch.get_num_threads(), "paths": rows}

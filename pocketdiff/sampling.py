@@ -446,13 +446,14 @@ def generate(
     Image i starts from noise drawn by ``torch.Generator("cpu").manual_seed(seed + i)``, so
     results do not depend on `batch_size`. `unet` replaces ``pipe.unet`` (a student, a
     pruned or quantized model); `resolution` defaults to the UNet's sample size times the VAE
-    factor. Returns float [N, 3, H, W] in [0, 1] on the CPU (`output_type="pt"`) or a list of
-    PIL images (`"pil"`).
+    factor. Returns float [N, 3, H, W] in [0, 1] on the CPU (`output_type="pt"`), a list of
+    PIL images (`"pil"`), or the sampler's latents [N, C, h, w] before decoding (`"latent"`, float32,
+    on the CPU: what a decoder takes).
     """
     from .models import check_resolution, vae_scale_factor
 
-    if output_type not in ("pt", "pil"):
-        raise PocketdiffError(f"output_type must be 'pt' or 'pil', got {output_type!r}")
+    if output_type not in ("pt", "pil", "latent"):
+        raise PocketdiffError(f"output_type must be 'pt', 'pil' or 'latent', got {output_type!r}")
     if batch_size < 1:
         raise PocketdiffError(f"batch_size must be >= 1, got {batch_size}")
     if isinstance(prompts, str):
@@ -479,6 +480,8 @@ def generate(
         else:
             latents = ddim_sample(unet, pipe.scheduler, cond, uncond, steps=steps, guidance_scale=guidance_scale, latents=noise,
                                   progress=progress)
-        results.append(decode_latents(pipe.vae, latents).cpu())
+        results.append(latents.float().cpu() if output_type == "latent" else decode_latents(pipe.vae, latents).cpu())
+    if output_type == "latent":
+        return torch.cat(results) if results else torch.empty(0, channels, side, side)
     images = torch.cat(results) if results else torch.empty(0, 3, resolution, resolution)
     return to_pil(images) if output_type == "pil" else images

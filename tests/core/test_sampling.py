@@ -219,6 +219,9 @@ def test_generate_matches_stock_pipeline_and_pil(eps_pipe):
     torch.testing.assert_close(imgs, ref, atol=1e-5, rtol=0)
     pil = generate(eps_pipe, PROMPTS[:1], steps=2, output_type="pil", resolution=64)
     assert len(pil) == 1 and pil[0].size == (64, 64) and pil[0].mode == "RGB"
+    latents = generate(eps_pipe, PROMPTS, steps=5, guidance_scale=2.5, seed=3, output_type="latent")
+    assert latents.shape[:2] == (2, eps_pipe.unet.config.in_channels)
+    torch.testing.assert_close(decode_latents(eps_pipe.vae, latents), imgs, atol=1e-5, rtol=0)  # the same samples, undecoded
     # a replacement UNet (student / pruned / quantized) is used instead of pipe.unet
     other = UNet2DConditionModel.from_config(eps_pipe.unet.config)
     alt = generate(eps_pipe, PROMPTS, steps=5, guidance_scale=2.5, seed=3, unet=other)
