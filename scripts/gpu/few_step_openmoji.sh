@@ -16,6 +16,12 @@
 #       8 -> 4 -> 2 -> 1 (PD_ROUNDS: 350, 350, 400, 400), progressive.top_step_input=noise; per round FD
 #       and CLIP score of the student and the teacher's DDIM at its count and at 64. Back: pd_reports.tgz
 #
+#   bash scripts/gpu/few_step_openmoji.sh decoder   # call 4, on the machine the lcm phase left warm (its student
+#       in outputs/lcm): issue 33 item 2 on what users decode. distill-decoder on the teacher's VAE
+#       (configs/decoder/openmoji.yaml, the rest of the budget), then benchmarks/decoder_paths.py on the LCM
+#       student's 2-step samples for the 495 held-out captions (--latents-from): PSNR against the whole decode and
+#       FD (openmoji-CLIP) against the real images, per decoder path. Back: decoder_paths_student_openmoji.json
+#
 # Then, on any machine: python3 scripts/gpu/few_step_table.py --lcm LCM_RUN --pd PD_RUN --out
 # benchmarks/results/few_step_openmoji_h100.json (LCM_RUN, PD_RUN: the unpacked report folders).
 #
@@ -27,7 +33,7 @@
 # Carry sizes: teacher16 ~26 MB, clip16 ~5 MB, OpenMoji (.devdata) ~18 MB; with ~27 MB of tracked files
 # that is at the 64 MiB limit, so keep .whl to what the machine lacks.
 set -u
-PHASE=${1:?usage: few_step_openmoji.sh teacher|lcm|pd}
+PHASE=${1:?usage: few_step_openmoji.sh teacher|lcm|pd|decoder}
 source scripts/gpu/env.sh
 C=$REPO/configs S=$REPO/.carry/few_step L=$RUNS/few_step
 mkdir -p $L outputs
@@ -86,6 +92,18 @@ case $PHASE in
     restore
     distill pd $C/distill/openmoji.yaml progressive.start_steps=16 progressive.final_steps=1 progressive.top_step_input=noise \
       guided.train.max_steps=$GUIDED_STEPS progressive.round_max_steps=$PD_ROUNDS ;;
-  *) echo "unknown phase $PHASE (teacher | lcm | pd)"; exit 2 ;;
+  decoder)
+    restore
+    student=$(ls -d outputs/lcm/*/model_index.json 2>/dev/null | head -1 | xargs -r dirname)
+    [ -n "$student" ] || { echo "no LCM student in outputs/lcm: run the lcm phase on this machine first"; exit 1; }
+    stamp "distill-decoder on the teacher's VAE ($(left) s left)"
+    python3 -m pocketdiff distill-decoder --config $C/decoder/openmoji.yaml --output outputs/decoder --resume latest \
+      vae=outputs/teacher-openmoji/pipeline train.max_time_s=$(( $(left) - ${PATHS_S:-180} )) > $L/decoder.log 2>&1 || { tail -20 $L/decoder.log; exit 1; }
+    stamp "decoder paths on $student's samples"
+    python3 $REPO/benchmarks/decoder_paths.py --latents-from $student --latent-steps 2 --latent-guidance ${GUIDANCE:-3.0} \
+      --student outputs/decoder/vae --data openmoji --resolution 64 --images 495 --one-pass 8x16/4/2 \
+      --clip outputs/clip-openmoji/clip --out $OUT/decoder_paths_student_openmoji.json > $L/paths.log 2>&1 || tail -20 $L/paths.log
+    cp $L/decoder.log $L/paths.log $L/timeline.log $OUT/ ;;
+  *) echo "unknown phase $PHASE (teacher | lcm | pd | decoder)"; exit 2 ;;
 esac
 ls -la $OUT
