@@ -374,9 +374,10 @@ class _Loop:
                          if cfg.profile_steps and cfg.max_steps - start > RATE_WARMUP_STEPS + 1 else None)
 
     def run(self) -> None:
-        # Python's collector on the objects built before the loop (models, datasets) paused one process
-        # at a time, and under DDP every process waited for it: they are kept out of its scans
-        # (`gc.freeze`) and the garbage of a checkpoint is collected inside the save, on every process
+        # a collection by Python's collector pauses one process, and under DDP every other one waits for it:
+        # the objects built before the loop (models, datasets) are kept out of its scans (`gc.freeze`), and a
+        # checkpoint's garbage is collected inside the save, on every process (on four GPUs the slow steps
+        # right after a checkpoint went away with this: docs/MEASUREMENTS.md)
         gc.collect()
         gc.freeze()
         try:
