@@ -25,6 +25,9 @@
 # Then, on any machine: python3 scripts/gpu/few_step_table.py --lcm LCM_RUN --pd PD_RUN --out
 # benchmarks/results/few_step_openmoji_h100.json (LCM_RUN, PD_RUN: the unpacked report folders).
 #
+# A phase whose run stops at BUDGET_S goes on with RESUME=1 in the next call of the same warm machine
+# (outputs/ stays in /tmp/runs; the distill verb resumes from its last checkpoint, metrics included).
+#
 # Cut to fit ~30 minutes of one H100 (against configs/distill/openmoji.yaml's full recipe): the teacher
 # trains 300 s (not 30,000 steps); the CLIP is narrower and shorter; PD starts from 16 steps, not 64
 # (no 32- and 16-step rounds), with 350-400 steps per round; LCM trains 1,200 steps, not 3,000;
@@ -58,7 +61,9 @@ save_pipeline(load_pipeline(sys.argv[1]), sys.argv[2])" /tmp/teacher16 outputs/t
 distill() {  # distill NAME CONFIG ARGS...: one distill run, time-boxed, its reports into $OUT/NAME_reports.tgz
   local name=$1 config=$2; shift 2
   stamp "start $name ($(left) s left)"
-  timeout $(( $(left) + 60 )) python3 -m pocketdiff distill --config $config --output outputs/$name --overwrite \
+  local again=--overwrite  # RESUME=1: carry on a run an earlier call of this warm machine stopped at its budget
+  [ -n "${RESUME:-}" ] && [ -d outputs/$name/checkpoints ] && again="--resume latest"
+  timeout $(( $(left) + 60 )) python3 -m pocketdiff distill --config $config --output outputs/$name $again \
     max_time_s=$(left) $METRICS "$@" > $L/$name.log 2>&1
   stamp "end $name exit $?"
   nvidia-smi --query-gpu=name,memory.used --format=csv,noheader >> $L/timeline.log
