@@ -258,8 +258,8 @@ def runs(bundles: list[tuple[str, str]], cache_root: str, timeout: float, modes:
             folder = Path(cache_root) / f"{layout}-{mode}-{tag}"
             shutil.rmtree(folder, ignore_errors=True)
             for launch in ("cold", "warm"):
-                r = _run_bundle(bundle, f"/tmp/footprint-{layout}-{mode}-{launch}", mode == "pipelined", str(folder / "programs"),
-                                str(folder / "driver"), timeout, extra)
+                r = _run_bundle(bundle, f"/tmp/footprint-{layout}-{mode}-{launch}", mode != "plain", str(folder / "programs"),
+                                str(folder / "driver"), timeout, extra + (["--stream-unet"] if mode == "streamed" else []))
                 rows.append({"layout": layout, "resolution": resolution, "mode": mode, "launch": launch, "device": device,
                              "variant": tag, "gpu_options": gpu_options, "unet_chunks": chunks,
                              "steps": len(man["scheduler"]["timesteps"]), **r})
@@ -294,14 +294,17 @@ def main(argv=None) -> int:
     r.add_argument("bundles", nargs="+", help="FOLDER:LAYOUT")
     r.add_argument("--cache-root", default="/tmp/pd-cache")
     r.add_argument("--timeout", type=float, default=240)
-    r.add_argument("--modes", default="plain,pipelined")
+    r.add_argument("--modes", default="plain,pipelined", help="of plain, pipelined, streamed (--pipelined --stream-unet: a chunked UNet)")
     r.add_argument("--gpu-option", action="append", default=[], help="KEY=VALUE passed to run-bundle")
     r.add_argument("--tag", default="default", help="names this variant in the rows")
     r.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     if a.cmd == "runs":
         pairs = [tuple(b.rsplit(":", 1)) for b in a.bundles]
-        rows = runs(pairs, a.cache_root, a.timeout, a.modes.split(","), a.gpu_option, a.tag)
+        modes = a.modes.split(",")
+        if set(modes) - {"plain", "pipelined", "streamed"}:
+            ap.error(f"--modes: {a.modes!r}, expected a comma list of plain, pipelined, streamed")
+        rows = runs(pairs, a.cache_root, a.timeout, modes, a.gpu_option, a.tag)
         Path(a.out).write_text(json.dumps({"rows": rows}, indent=1))
         return 0
     if a.cmd == "chain":

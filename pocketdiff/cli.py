@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--accelerator", choices=["cpu", "gpu"], default="gpu")
             p.add_argument("--pipelined", action="store_true",
                            help="load each model just before its use and release it after (lowest peak memory)")
+            p.add_argument("--stream-unet", action="store_true",
+                           help="with --pipelined and a UNet in chunks: load each chunk for each step and release it after "
+                                "(one chunk in memory at a time; a load per chunk and step)")
             p.add_argument("--gpu-cache", metavar="DIR",
                            help="folder for the GPU accelerator's compiled programs (default: one per bundle under "
                                 "$XDG_CACHE_HOME/pocketdiff/gpu); a second launch loads without compiling")

@@ -15,13 +15,15 @@ runtime/tiled_decode.py); they load and release together where the decoder does.
 (`unet_chunks`: unet.0, unet.1, ...) loads chunk after chunk, each run once on zeros on the GPU before the next
 compiles (the accelerator lets a model's host weight copies go at its first run; pipelined, the freed heap is also
 returned, and the chunks share one environment), stays for every step, and runs in sequence
-with its tensors passed by name (runtime/unet_chunks.py). On the GPU the
+with its tensors passed by name (runtime/unet_chunks.py); with `--stream-unet` (and `--pipelined`) each
+chunk is instead loaded for each step and released after it (one chunk in memory at a time). On the GPU the
 models run through LiteRT's C API (runtime/litert_c.py) with the compiled-program cache
 (runtime/gpu_cache.py). The report has per-stage latency and the measured memory: host and GPU
 peaks and every model's phases (runtime/memory.py).
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -37,7 +39,7 @@ from .lcm_step import LCM, lcm_sample
 from .litert_c import parse_gpu_option
 from .memory import PeakSampler, process_age_s, return_freed_memory, tune_allocator
 from .onepass_decode import one_pass_decode_loaded, timed
-from .unet_chunks import UNET, chunk_aliases, run_unet, unet_components
+from .unet_chunks import UNET, StreamedPart, chunk_aliases, run_unet, unet_components
 
 
 def _env_group(name: str) -> str:
@@ -235,14 +237,20 @@ class BundleRunner:
     """
 
     def __init__(self, bundle: str | Path, accelerator: str = "gpu", pipelined: bool = False, manifest: Optional[dict] = None,
-                 gpu_cache: Union[str, Path, None, bool] = None, gpu_options: Optional[dict] = None):
+                 gpu_cache: Union[str, Path, None, bool] = None, gpu_options: Optional[dict] = None, stream_unet: bool = False):
         if accelerator not in ("cpu", "gpu"):
             raise PocketdiffError(f"accelerator must be cpu or gpu, got {accelerator!r}")
-        self.bundle, self.accelerator, self.pipelined = bundle, accelerator, pipelined
+        if stream_unet and not pipelined:
+            raise PocketdiffError("--stream-unet loads each UNet chunk for each step: it needs --pipelined (the other models "
+                                  "are then loaded just in time too)")
+        self.bundle, self.accelerator, self.pipelined, self.stream_unet = bundle, accelerator, pipelined, stream_unet
         self.man = manifest or check_bundle(bundle)  # fields, sizes and every .tflite's signature, before anything runs
         self.comps = self.man["components"]
         self.decoder = decoder_components(self.man)
         self.unet_parts = unet_components(self.man)  # ("unet",) or the chunks unet.0, unet.1, ... (runtime/unet_chunks.py)
+        if stream_unet and len(self.unet_parts) == 1:
+            raise PocketdiffError(f"bundle {bundle}: --stream-unet streams a UNet exported in chunks; this one is one model "
+                                  "(export with unet_chunks=N)")
         for need in ("text_encoder", *self.unet_parts, *self.decoder):
             if need not in self.comps:
                 raise PocketdiffError(f"bundle {bundle}: has no {need} (exported with components={list(self.comps)})")
@@ -362,7 +370,7 @@ class BundleRunner:
         man = self.man
         sched, guidance = man["scheduler"], man["guidance"]
         B = int(guidance["unet_batch"])
-        parts = self._load_unet(latency)
+        parts = self._streamed_unet(latency) if self.stream_unet else self._load_unet(latency)
         aliases = chunk_aliases(self.man)
         T, steps = int(sched["num_train_timesteps"]), int(sched["steps"])
         alphas = np.asarray(sched["alphas_cumprod"], dtype=np.float64)
@@ -416,6 +424,19 @@ class BundleRunner:
         if len(parts) > 1 and all(f"{n}_load" in latency for n in self.unet_parts):
             latency["unet_load"] = float(sum(latency[f"{n}_load"] for n in self.unet_parts))
         return parts
+
+    def _streamed_unet(self, latency: dict) -> list:
+        """The UNet's chunks as StreamedParts: each loaded for each step and released after it (one chunk in
+        memory at a time; `unet_streamed_loads` sums their load seconds)."""
+        latency["unet_streamed_loads"] = 0.0
+
+        def load(name: str) -> _Loaded:
+            model = self._load(name, latency)
+            latency["unet_streamed_loads"] += model.load_s
+            return model
+
+        return [StreamedPart([i["name"] for i in self.comps[name]["inputs"]], functools.partial(load, name),
+                             functools.partial(self._release, name)) for name in self.unet_parts]
 
     def _settle(self, name: str, model: "_Loaded") -> None:
         """One run of a fresh UNet chunk on zeros, before the next chunk compiles: LiteRT's GPU accelerator
@@ -512,7 +533,8 @@ def main(args) -> int:
     fully = None
     try:
         cache = False if getattr(args, "no_gpu_cache", False) else getattr(args, "gpu_cache", None)
-        with BundleRunner(args.bundle, args.accelerator, args.pipelined, man, gpu_cache=cache, gpu_options=gpu_options) as runner:
+        with BundleRunner(args.bundle, args.accelerator, args.pipelined, man, gpu_cache=cache, gpu_options=gpu_options,
+                          stream_unet=getattr(args, "stream_unet", False)) as runner:
             image, stats = runner.run(args.prompt, seed=args.seed)
         if not stats["finite"]:
             raise PocketdiffError(f"bundle {args.bundle}: the image has NaN/Inf values ({args.accelerator})")
@@ -533,6 +555,7 @@ def main(args) -> int:
         "accelerator": args.accelerator,
         "driver": stats["driver"],
         "pipelined": bool(args.pipelined),
+        "stream_unet": bool(getattr(args, "stream_unet", False)),
         "fully_accelerated": fully,
         "fully_accelerated_by_component": stats["fully_accelerated_by_component"],
         "latency_s": {k: round(v, 4) for k, v in stats["latency_s"].items()},

@@ -134,6 +134,28 @@ def run_unet(parts: Sequence, feeds: dict[str, np.ndarray], aliases: Sequence[di
     return outs[0]
 
 
+class StreamedPart:
+    """A UNet chunk loaded for each run and released right after it (run-bundle --stream-unet), as the
+    page's `?unet=streamed`: one chunk in memory at a time, a load per chunk and step. `load()` -> the
+    loaded model (`run_all`, `out_names`, `run_s`), `release()` frees it; `in_names` come from the manifest
+    (check_component_io proved them the file's), `out_names` from the model once it has run."""
+
+    def __init__(self, in_names: Sequence[str], load, release):
+        self.in_names, self._load, self._release = list(in_names), load, release
+        self.out_names: list = []
+        self.run_s: list = []
+
+    def run_all(self, feeds: dict[str, np.ndarray]) -> list:
+        model = self._load()
+        try:
+            outs = model.run_all(feeds)
+            self.out_names = list(model.out_names)
+            self.run_s.append(model.run_s[-1])
+        finally:
+            self._release()
+        return outs
+
+
 def _take(tensors: dict, names: Sequence[str], outs: Sequence, aliases: dict) -> None:
     """A chunk's outputs into the table by name, and their aliases."""
     mine = dict(zip(names, outs))

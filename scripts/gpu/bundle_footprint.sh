@@ -4,7 +4,7 @@
 # and the few wheels the image lacks), .gl/ (Vulkan loader debs), .devbundle/ (benchmarks/sd21_bundle.py pack).
 #   PARTS=probe  per UNet file (each chunk of a chunked UNet alone) and the text encoder, each option set of the
 #                accelerator in its own process (host RSS, GPU, time per phase)
-#   PARTS=runs   pocketdiff run-bundle end to end: plain / --pipelined, cold / warm launch, per layout
+#   PARTS=runs   pocketdiff run-bundle end to end: plain / --pipelined (/ streamed: --stream-unet, a chunked UNet), cold / warm launch, per layout
 # Writes $OUT/probe_<layout>_<unet file>.json, $OUT/probe_text_encoder.json, $OUT/runs_<tag>.json, $OUT/bundle_footprint.log.
 #   PARTS=probe,runs bash scripts/gpu/bundle_footprint.sh
 set -u

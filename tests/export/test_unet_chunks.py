@@ -207,6 +207,30 @@ def test_pipelined_compiles_one_chunk_at_a_time_and_keeps_them_for_every_step(bu
     assert rep["fully_accelerated"] is True and set(rep["fully_accelerated_by_component"]) >= set(chunks)
 
 
+def test_streamed_chunks_load_for_every_step_one_at_a_time_and_give_the_same_image(bundles, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    kept = _run(bundles["chunked"], tmp_path / "kept", "--pipelined")
+    rep = _run(bundles["chunked"], tmp_path / "streamed", "--pipelined", "--stream-unet")
+    assert rep["stream_unet"] is True and np.array_equal(_image(rep), _image(kept))
+    phases = [(p["component"], p["phase"]) for p in rep["memory"]["phases"]]
+    chunks, steps = [f"unet.{k}" for k in range(CHUNKS)], rep["steps"]
+    for c in chunks:  # loaded and released once per step
+        assert phases.count((c, "compiled")) == phases.count((c, "released")) == steps, (c, phases)
+    unet = [(c, ph) for c, ph in phases if c in chunks and ph in ("opened", "released")]
+    assert all(a[0] == b[0] and (a[1], b[1]) == ("opened", "released") for a, b in zip(unet[::2], unet[1::2])), unet  # one at a time
+    assert rep["latency_s"]["unet_streamed_loads"] > 0
+
+
+@pytest.mark.parametrize("bundle, flags, message", [
+    ("chunked", ("--stream-unet",), "needs --pipelined"),
+    ("whole", ("--pipelined", "--stream-unet"), "export with unet_chunks=N"),
+])
+def test_stream_unet_refuses_what_it_cannot_stream(bundles, tmp_path, capsys, bundle, flags, message):
+    out = tmp_path / "out"
+    assert cli_main(["run-bundle", str(bundles[bundle]), "--prompt", PROMPT, "--output", str(out), *flags]) == 2
+    assert message in capsys.readouterr().err and not out.exists()
+
+
 def test_verify_bundle_checks_each_chunk_and_the_chain(bundles, tmp_path):
     assert cli_main(["verify-bundle", str(bundles["chunked"]), "--json", str(tmp_path / "v.json")]) == 0
     comps = json.loads((tmp_path / "v.json").read_text())["components"]
