@@ -99,8 +99,8 @@ def export_chunked_unet(ce, say) -> None:
     graph, inputs = ce._graph_for(UNET)
     say(f"unet ({ce.weights_of[UNET]}, {k} chunks): rewrites and PyTorch reference ...")
     whole = prepare_component(UNET, graph, inputs, ce.out / "unet.tflite", ce.rewrites_of[UNET], ce.weights_of[UNET], ce.quantized.get(UNET))
-    chunks = split_unet(whole.rewritten.unet, k)
-    feeds, outs, chain_parity = compose_check(split_unet(graph.unet, k), chunks, inputs, whole.reference)
+    chunks = split_unet(whole.rewritten.unet, k, cfg.unet_chunk_cut)
+    feeds, outs, chain_parity = compose_check(split_unet(graph.unet, k, cfg.unet_chunk_cut), chunks, inputs, whole.reference)
     whole.report["chunks_rewrite_parity"] = chain_parity
     for chunk, feed, out in zip(chunks, feeds, outs):
         prep = chunk_prepared(chunk, feed, out, whole, ce.out, ce.work)

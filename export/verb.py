@@ -44,7 +44,7 @@ from .parity import ParityConfig
 from .rewrites import RewriteConfig
 from .onepass_export import split_one_pass
 from .tiled_export import expand_components, parity_latents, split_decoder
-from .unet_chunks import MAX_CHUNKS
+from .unet_chunks import CUTS, MAX_CHUNKS
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +125,7 @@ class Config:
     jobs: int = 1  # conversions in parallel worker processes (each holds a copy of its component)
     vae_tiling: VaeTilingConfig = dataclasses.field(default_factory=VaeTilingConfig)  # enabled: head + up-path tile instead of vae_decoder
     unet_chunks: int = 1  # > 1: the UNet as that many .tflite files cut at block boundaries, weights balanced (export/unet_chunks.py)
+    unet_chunk_cut: str = "block"  # block | layer: also between a down/up block's layers (lighter chunks, more of them)
 
     def __post_init__(self) -> None:
         require(self.jobs >= 1, "jobs", f"must be >= 1, got {self.jobs}")
@@ -150,6 +151,7 @@ class Config:
                 "tiles the vae_decoder component, which components does not list")
         require(isinstance(self.unet_chunks, int) and not isinstance(self.unet_chunks, bool) and 1 <= self.unet_chunks <= MAX_CHUNKS,
                 "unet_chunks", f"must be an int from 1 to {MAX_CHUNKS}, got {self.unet_chunks!r}")
+        require(self.unet_chunk_cut in CUTS, "unet_chunk_cut", f"must be one of {', '.join(CUTS)}, got {self.unet_chunk_cut!r}")
         if self.unet_chunks > 1:
             require("unet" in self.components, "unet_chunks", "splits the unet component, which components does not list")
             require(self.rewrites.time_embedding_outside, "unet_chunks",

@@ -18,6 +18,7 @@ from pocketdiff.errors import PocketdiffError
 TEACHER = "pocketdiff:shapes-teacher"
 CHUNKS = 4  # the tiny teacher's first chunk then ends with down_blocks.1 (an alias) and the mid block is a chunk alone
 PROMPT = "a red circle"
+LAYER_CHUNKS = 6  # unet_chunk_cut: layer, the tiny teacher's 9 stages (layers and the mid block) in 6 chunks
 
 
 @pytest.fixture(scope="module")
@@ -38,14 +39,15 @@ def teacher_unet():
     return unet, inputs, ref
 
 
-@pytest.mark.parametrize("k", [1, 2, 3, 4, 5])
-def test_chunks_in_sequence_equal_the_whole_unet_in_torch(teacher_unet, k):
+@pytest.mark.parametrize("k, cut", [(1, "block"), (2, "block"), (3, "block"), (4, "block"), (5, "block"),
+                                    (2, "layer"), (5, "layer"), (7, "layer"), (9, "layer")])
+def test_chunks_in_sequence_equal_the_whole_unet_in_torch(teacher_unet, k, cut):
     from pocketdiff.export.unet_chunks import run_chunks, split_unet, unet_stages
 
     unet, inputs, ref = teacher_unet
-    chunks = split_unet(unet, k)
+    chunks = split_unet(unet, k, cut)
     _, outs, final = run_chunks(chunks, inputs)
-    assert len(chunks) == k and [s for c in chunks for s in c.plan.stages] == [s.name for s in unet_stages(unet)]
+    assert len(chunks) == k and [s for c in chunks for s in c.plan.stages] == [s.name for s in unet_stages(unet, cut)]
     assert torch.equal(final, ref)
     for i, (c, out) in enumerate(zip(chunks, outs)):  # every skip a chunk reads was made by one earlier chunk; none made for nobody
         assert set(out) == set(c.plan.outputs) and ("hidden" in out) == (i < k - 1)
@@ -88,6 +90,8 @@ def test_a_tensor_the_converter_returns_under_two_names_is_refused(tmp_path):
 
 
 def test_bounds_minimise_the_heaviest_chunk():
+    import itertools
+
     from pocketdiff.export.unet_chunks import balanced_bounds
 
     assert balanced_bounds([9, 1, 1, 1, 1], 2) == [(0, 1), (1, 5)]
@@ -95,6 +99,28 @@ def test_bounds_minimise_the_heaviest_chunk():
     assert balanced_bounds([1, 5, 1, 1, 5, 1], 3) == [(0, 2), (2, 4), (4, 6)]
     with pytest.raises(PocketdiffError, match="unet_chunks: 6 chunks, but the UNet has 5 blocks"):
         balanced_bounds([1] * 5, 6)
+    rng = np.random.default_rng(0)  # the search over every cut, which the dynamic programme replaces
+    for _ in range(40):
+        w, k = rng.integers(1, 9, rng.integers(1, 10)).tolist(), 0
+        k = int(rng.integers(1, len(w) + 1))
+        best = min(itertools.combinations(range(1, len(w)), k - 1), key=lambda cuts: (
+            max(sums := [sum(w[a:b]) for a, b in zip((0, *cuts), (*cuts, len(w)))]), sum(x * x for x in sums)))
+        edges = (0, *best, len(w))
+        assert balanced_bounds(w, k) == list(zip(edges, edges[1:])), (w, k)
+
+
+def test_layer_cuts_split_the_heaviest_block_into_its_layers(teacher_unet):
+    from pocketdiff.export.unet_chunks import plan_chunks, unet_stages
+
+    unet, _, _ = teacher_unet
+    blocks, layers = unet_stages(unet), unet_stages(unet, "layer")
+    assert sum(s.params for s in blocks) == sum(s.params for s in layers) == sum(p.numel() for p in unet.parameters()) - sum(
+        p.numel() for n, p in unet.named_parameters() if n.startswith("time_embedding"))
+    assert len(layers) > len(blocks) and "up_blocks.1.layers.0" in [s.name for s in layers] and "mid_block" in [s.name for s in layers]
+    k = len(blocks)
+    assert max(p.params for p in plan_chunks(unet, k, "layer")) < max(p.params for p in plan_chunks(unet, k))
+    with pytest.raises(PocketdiffError, match="cut must be one of block, layer"):
+        unet_stages(unet, "resnet")
 
 
 @pytest.mark.parametrize("overrides,message", [
@@ -102,6 +128,7 @@ def test_bounds_minimise_the_heaviest_chunk():
     (["unet_chunks=2", "jobs=2"], "unet_chunks: converts the chunks one after another: needs jobs: 1"),
     (["unet_chunks=2", "components=[text_encoder,vae_decoder]"], "unet_chunks: splits the unet component"),
     (["unet_chunks=2", "rewrites.time_embedding_outside=false"], "unet_chunks: needs rewrites.time_embedding_outside"),
+    (["unet_chunks=2", "unet_chunk_cut=resnet"], "unet_chunk_cut: must be one of block, layer"),
 ])
 def test_config_refuses_chunks_it_cannot_make(overrides, message):
     from pocketdiff.config import load_config
@@ -119,12 +146,12 @@ def bundles(gpu_delegate, int8_checkpoint, tmp_path_factory):
     cfg = {"seed": 0, "model": {"pretrained": TEACHER}, "weights": "int8", "int8": {"checkpoint": str(ckpt)}, "guidance": "cfg",
            "guidance_scale": 3.0, "steps": 3, "fp16_scan": {"enabled": False}, "rewrites": {"residual_scale": 0.25}}
     out = {}
-    for k in (1, CHUNKS):
-        (root / f"k{k}.yaml").write_text(yaml.safe_dump({**cfg, "unet_chunks": k}))
-        out[k] = root / f"bundle{k}"
-        assert cli_main(["export", "--config", str(root / f"k{k}.yaml"), "--output", str(out[k])]) == 0
-    return {"whole": out[1], "chunked": out[CHUNKS], "checkpoint": ckpt, "root": root,
-            "report": json.loads((out[CHUNKS] / "report.json").read_text())}
+    for name, extra in (("whole", {"unet_chunks": 1}), ("chunked", {"unet_chunks": CHUNKS}),
+                        ("layered", {"unet_chunks": LAYER_CHUNKS, "unet_chunk_cut": "layer"})):
+        (root / f"{name}.yaml").write_text(yaml.safe_dump({**cfg, **extra}))
+        out[name] = root / f"bundle_{name}"
+        assert cli_main(["export", "--config", str(root / f"{name}.yaml"), "--output", str(out[name])]) == 0
+    return {**out, "checkpoint": ckpt, "root": root, "report": json.loads((out["chunked"] / "report.json").read_text())}
 
 
 def test_manifest_lists_the_chunks_with_parity_per_chunk_and_end_to_end(bundles):
@@ -187,6 +214,25 @@ def test_chunked_image_equals_the_whole_unets(bundles, tmp_path, monkeypatch):
         assert m["cosine"] >= 0.999 and m["psnr_db"] >= 30, (flags, m)
     cpu = [_image(_run(bundles[b], tmp_path / f"cpu_{b}", "--accelerator", "cpu")) for b in ("whole", "chunked")]
     assert np.abs(cpu[0] - cpu[1]).max() <= 1 / 255
+
+
+def test_layer_cut_chunks_export_and_run_as_the_whole_unet(bundles, tmp_path, monkeypatch):
+    """Chunks cut inside blocks (unet_chunk_cut: layer): every one fully accelerated, the chain's parity on the
+    delegate, and run-bundle's image (chunks kept, and streamed) as the whole UNet's."""
+    from pocketdiff.runtime.parity import metrics
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    man = json.loads((bundles["layered"] / "manifest.json").read_text())
+    stages = man["unet_chunks"]["stages"]
+    assert len(stages) == LAYER_CHUNKS and any(".layers." in n for c in stages for n in c)
+    rep = json.loads((bundles["layered"] / "report.json").read_text())["components"]
+    assert all(rep[c]["fully_accelerated"] is True for c in man["unet_chunks"]["components"])
+    e2e = rep["unet"]["details"]["end_to_end_parity"]
+    assert e2e["fp16"]["cosine"] >= 0.999 and e2e["fp32"]["psnr_db"] >= 60, e2e
+    whole = _image(_run(bundles["whole"], tmp_path / "whole"))
+    for flags in (("--pipelined",), ("--pipelined", "--stream-unet")):
+        m = metrics(whole, _image(_run(bundles["layered"], tmp_path / f"layered{len(flags)}", *flags)))
+        assert m["cosine"] >= 0.999 and m["psnr_db"] >= 30, (flags, m)
 
 
 def test_pipelined_compiles_one_chunk_at_a_time_and_keeps_them_for_every_step(bundles, tmp_path, monkeypatch):
