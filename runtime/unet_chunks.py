@@ -5,7 +5,7 @@ The block (manifest schema_version 2):
 
     unet_chunks: {components: [unet.0, ..., unet.K-1], inputs: [{name, shape, dtype}] (the whole UNet's:
                   sample, timestep, encoder_hidden_states), golden: {path, sha256, tolerances} (the whole
-                  UNet's inputs and output), stages: [[block names] per chunk], parity: {...},
+                  UNet's inputs and output), stages: [[block or layer names, e.g. up_blocks.1.layers.0] per chunk], parity: {...},
                   aliases: [{name: output} per chunk] (optional)}
 
 Each `unet.k` is an ordinary component (file, sha256, io, golden). The runner keeps a table of named
