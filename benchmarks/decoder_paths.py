@@ -127,12 +127,13 @@ def tiled_stats_path(vae, latents: torch.Tensor, tile: int, overlap: int, margin
     up_in = {"features": torch.zeros(1, F, tile, tile), "weight": torch.ones(tile, tile),
              "stats": torch.from_numpy(first_pass_corrections(norms)), "own": torch.ones(1)}
     graphs = [Graph("vae_decoder_head", head, {"latents": latents}, 1), Graph("vae_up_tile", up, up_in, passes * n)]
-    decode = None
-    if with_psnr:
-        def decode(z):
-            return tiled_decode_with_stats(z, _np_fn(head), _np_fn(up), tile, overlap, int(vae_factor(vae)), norms, passes,
-                                           margin=margin, scheme="control_variate")
-    return Path_(f"tiled_stats_{passes}pass", graphs, decode, f"tile {tile}, overlap {overlap}, margin {margin}, {n} tiles x {passes} passes")
+
+    def decode(z):
+        return tiled_decode_with_stats(z, _np_fn(head), _np_fn(up), tile, overlap, int(vae_factor(vae)), norms, passes,
+                                       margin=margin, scheme="control_variate")
+
+    return Path_(f"tiled_stats_{passes}pass", graphs, decode if with_psnr else None,
+                 f"tile {tile}, overlap {overlap}, margin {margin}, {n} tiles x {passes} passes")
 
 
 def lowres_stats_path(vae, latents: torch.Tensor, tile: int, overlap: int, margin: int, down: int) -> Path_:
