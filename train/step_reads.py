@@ -66,6 +66,25 @@ def read_step(mean_loss: torch.Tensor, grad_norm: Optional[torch.Tensor]) -> tup
     return loss, _classify(loss, norm)
 
 
+def host_copy_later(values: torch.Tensor) -> tuple[torch.Tensor, Optional["torch.cuda.Event"]]:
+    """(host tensor, event): a CUDA tensor's copy into pinned host memory queued behind the kernels that
+    make it, and the event that marks it landed (read it with `read_host_copy`); a host tensor as it is."""
+    if not values.is_cuda:
+        return values.cpu(), None
+    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    host.copy_(values, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
+
+
+def read_host_copy(host: torch.Tensor, event: Optional["torch.cuda.Event"]) -> torch.Tensor:
+    """The host copy once it has landed (waits for the device only as far as its event)."""
+    if event is not None:
+        event.synchronize()
+    return host
+
+
 class StepReads:
     """Each step's mean loss and gradient norm, brought to the host without stalling the device.
 
@@ -82,24 +101,14 @@ class StepReads:
         self._queue = []  # (step, host tensor [2], event or None)
 
     def push(self, step: int, mean_loss: torch.Tensor, grad_norm: Optional[torch.Tensor]) -> None:
-        values = _loss_and_norm(mean_loss, grad_norm)
-        if not values.is_cuda:
-            self._queue.append((step, values.cpu(), None))
-            return
-        host = torch.empty(2, dtype=torch.float32, pin_memory=True)
-        host.copy_(values, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self._queue.append((step, host, event))
+        self._queue.append((step, *host_copy_later(_loss_and_norm(mean_loss, grad_norm))))
 
     def settle(self, keep: int = 0) -> list[tuple[int, float, Optional[str]]]:
         """(step, loss, what is non-finite or None) of every pushed step but the newest `keep`, oldest first."""
         out = []
         while len(self._queue) > keep:
             step, host, event = self._queue.pop(0)
-            if event is not None:
-                event.synchronize()
-            loss, norm = host.tolist()
+            loss, norm = read_host_copy(host, event).tolist()
             out.append((step, loss, _classify(loss, norm)))
         return out
 
@@ -123,15 +132,8 @@ class SharedDeadline:
         if self.max_time_s <= 0:
             return False
         late = torch.full((), float(time.time() - self.started > self.max_time_s), device=self.acc.device)
-        votes = self.acc.reduce(late, reduction="sum")
-        if not votes.is_cuda:
-            return bool(votes.item() > 0)
-        host = torch.empty((), dtype=torch.float32, pin_memory=True)
-        host.copy_(votes, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        pending, self._pending = self._pending, (host, event)
-        if pending is None:
-            return False
-        pending[1].synchronize()
-        return bool(pending[0].item() > 0)
+        votes = host_copy_later(self.acc.reduce(late, reduction="sum"))
+        if votes[1] is None:
+            return bool(votes[0].item() > 0)
+        pending, self._pending = self._pending, votes
+        return pending is not None and bool(read_host_copy(*pending).item() > 0)
