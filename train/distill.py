@@ -34,6 +34,7 @@ The recipe's dataclasses are in `distill_config`, the round plan and resume chec
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import shutil
@@ -70,7 +71,7 @@ from .distill_report import RoundEvaluator, _write_page, _write_round_folder
 from .distill_rounds import RoundSpec, _check_resume, _plan_record, completed_rounds, plan_rounds, round_schedule  # noqa: F401
 from .distill_targets import DTYPES, GuidedTeacher, round_plan, set_student_layout
 from .guidance_embedding import USAGE, add_guidance_embedding, is_w_conditioned, w_condition, w_embedding_fn  # noqa: F401
-from .loop import make_accelerator, train_loop, use_ema_weights
+from .loop import CheckpointHook, make_accelerator, train_loop, use_ema_weights
 
 log = logging.getLogger(__name__)
 
@@ -226,8 +227,9 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
                     break
             # a named checkpoint belongs to the first round trained here; later rounds continue their own
             round_resume = resume if position == done or resume is None else "latest"
+            hook = _curve_hook(cfg, spec, evaluator, s_sched, out) if acc.is_main_process else None
             entry = _train_round(cfg, spec, acc, pipe, teacher_unet, t_sched, s_sched, tdtype, uncond,
-                                 dataset, prev_folder, out, round_resume, budget)
+                                 dataset, prev_folder, out, round_resume, budget, hook)
             if entry is None:
                 report["stopped_early"] = f"max_time_s={cfg.max_time_s} reached during {spec.name}; --resume latest continues"
                 break
@@ -263,6 +265,34 @@ def _evaluate_round(cfg: Config, spec: RoundSpec, evaluator: RoundEvaluator, ent
     entry["eval"] = results[spec.steps] if spec.stage != "consistency" else {str(n): r for n, r in results.items()}
 
 
+def _curve_hook(cfg: Config, spec: RoundSpec, evaluator: RoundEvaluator, s_sched, out: Path) -> Optional[CheckpointHook]:
+    """eval.curve_steps: at each checkpoint of a consistency stage, FD and CLIP score of its EMA weights at those
+    counts, one JSON per checkpoint and count in DIR/eval/<round>-curve/ (what `_curve_points` gathers)."""
+    if spec.stage != "consistency" or not cfg.eval.curve_steps:
+        return None
+
+    def hook(step: int, model, ema, train_s: float) -> None:
+        unet = copy.deepcopy(model)
+        if ema is not None:
+            ema.copy_to(unet)
+        for n in cfg.eval.curve_steps:
+            metrics = evaluator.checkpoint_metrics(f"{spec.name}-curve", unet, s_sched, n, step)
+            write_json(out / "eval" / f"{spec.name}-curve" / f"step{step}-{n}steps.json",
+                       {"step": step, "train_seconds": train_s, "steps": n, "metrics": metrics})
+        del unet
+
+    return hook
+
+
+def _curve_points(out: Path, spec: RoundSpec) -> Optional[list]:
+    """The round's curve points (by training step, then count), or None when it has none."""
+    folder = out / "eval" / f"{spec.name}-curve"
+    if not folder.is_dir():
+        return None
+    points = [read_json(p, "the curve") for p in folder.glob("step*-*steps.json")]
+    return sorted(points, key=lambda p: (p["step"], p["steps"]))
+
+
 def _round_models(cfg: Config, spec: RoundSpec, teacher_unet, t_sched, s_sched, tdtype, uncond, prev_folder: Optional[Path], device):
     """(teacher, student, the teacher's unconditional embedding or None) of one round."""
     compile_mode = cfg.speed.teacher_compile_mode if cfg.speed.compile_teacher else None
@@ -291,7 +321,8 @@ def _round_loss(cfg: Config, spec: RoundSpec, teacher, student, pipe, s_sched, t
 
 
 def _train_round(cfg: Config, spec: RoundSpec, acc, pipe, teacher_unet, t_sched, s_sched, tdtype, uncond, dataset,
-                 prev_folder: Optional[Path], out: Path, resume: Optional[str], budget: Optional[float] = None) -> Optional[dict]:
+                 prev_folder: Optional[Path], out: Path, resume: Optional[str], budget: Optional[float] = None,
+                 on_checkpoint: Optional[CheckpointHook] = None) -> Optional[dict]:
     """Train one round (one `train_loop` call), write its pipeline folder atomically, return its report
     (None when the time budget stopped the round: its checkpoint is kept, no folder is written)."""
     device = acc.device
@@ -311,8 +342,12 @@ def _train_round(cfg: Config, spec: RoundSpec, acc, pipe, teacher_unet, t_sched,
                         ckpt_dir=out / "checkpoints" / spec.name, seed=cfg.seed + 1000 * spec.index, resume=resume,
                         desc=spec.name, log_path=out / "logs.jsonl", accelerator=acc,
                         extra_state={"round": spec.index, "stage": spec.stage, "student_steps": spec.steps},
-                        lr_scale=embed_lr_scale(cfg, spec), companion=companion)
-    seconds = time.time() - t0
+                        lr_scale=embed_lr_scale(cfg, spec), companion=companion, on_checkpoint=on_checkpoint)
+    # this invocation's seconds without the curve's evaluations; the round's: the loop's time over every
+    # invocation (from its checkpoints) plus this invocation's set-up before the loop
+    elapsed, timing = time.time() - t0, result.timing
+    here_s = elapsed - timing["paused_s"]
+    seconds = timing["train_s"] + max(0.0, elapsed - timing["wall_s"])
     acc.free_memory()
     del teacher, loss_fn, companion
     if getattr(result, "stopped_early", False):
@@ -325,7 +360,8 @@ def _train_round(cfg: Config, spec: RoundSpec, acc, pipe, teacher_unet, t_sched,
         "train_steps": result.steps, "final_loss": result.final_loss, "losses": result.losses,
         "skipped_steps": result.skipped_steps, "pipeline_dir": str(folder),
         "train_seconds": seconds, "processes": acc.num_processes,
-        "samples_per_s": loop_cfg.batch_size * loop_cfg.grad_accum * max(result.steps - start_step, 1) / max(seconds, 1e-9),
+        "samples_per_s": loop_cfg.batch_size * loop_cfg.grad_accum * max(result.steps - start_step, 1) / max(here_s, 1e-9),
+        "curve": _curve_points(out, spec) if on_checkpoint is not None else None,
         # the loop's own clock: first step (compilation) apart, steady-state rate without checkpoint saves
         "timing": result.timing,
         "transitions": rplan.rows() if rplan is not None else None,

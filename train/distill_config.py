@@ -147,6 +147,10 @@ class EvalConfig:
     clip: Optional[str] = None  # CLIP folder or hub id (null: pocketdiff.evaluate's shipped shapes CLIP)
     num_images: int = 256  # images per model and seed: the first num_images captions of the data
     metric_seeds: list[int] = dataclasses.field(default_factory=lambda: [0])
+    # consistency stage: FD and CLIP score of the EMA student at these step counts at every checkpoint
+    # (consistency.train.checkpoint_every), with the training seconds so far: the round report's `curve`
+    # of quality against GPU time. Needs metrics: true; [] = only at the end.
+    curve_steps: list[int] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         require(self.reference_steps >= 0, "eval.reference_steps", "must be >= 0")
@@ -154,6 +158,9 @@ class EvalConfig:
         require(self.batch_size > 0, "eval.batch_size", "must be positive")
         require(self.features in ("clip", "inception"), "eval.features", "must be clip or inception")
         require(len(self.metric_seeds) > 0, "eval.metric_seeds", "must not be empty")
+        for n in self.curve_steps:
+            require(isinstance(n, int) and n >= 1, "eval.curve_steps", f"must be step counts >= 1, got {self.curve_steps}")
+        require(not self.curve_steps or self.metrics, "eval.curve_steps", "needs eval.metrics: true")
 
 
 @dataclasses.dataclass
@@ -183,7 +190,12 @@ class Config:
         require(self.timestep_spacing in SPACINGS, "timestep_spacing", f"must be one of {SPACINGS}")
         require(self.max_time_s >= 0, "max_time_s", f"must be >= 0, got {self.max_time_s}")
         require(self.loss_weighting in WEIGHTINGS, "loss_weighting", f"must be one of {WEIGHTINGS}")
+        require(not self.eval.curve_steps or self.method == "consistency", "eval.curve_steps",
+                "is for method: consistency (a progressive run's rounds are its points)")
         if self.method == "consistency":
+            for n in self.eval.curve_steps:
+                require(n <= self.consistency.solver_steps, "eval.curve_steps",
+                        f"{n} is more than consistency.solver_steps ({self.consistency.solver_steps}) can sample")
             return  # one stage: the guided and progressive sections are not used
         require(self.guided.train.mixed_precision == self.progressive.train.mixed_precision, "guided.train.mixed_precision",
                 f"must equal progressive.train.mixed_precision ({self.progressive.train.mixed_precision}): one Accelerator runs every round")

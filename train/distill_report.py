@@ -164,6 +164,13 @@ class RoundEvaluator:
         return {"student": student, "teacher_same_steps": self.teacher_metrics(spec.steps),
                 "teacher_reference": self.teacher_metrics(self.ref_steps)}
 
+    def checkpoint_metrics(self, where: str, unet, sched, steps: int, step: int) -> dict:
+        """FD and CLIP score of an in-memory student (a checkpoint's weights) at `steps` (eval.curve_steps)."""
+        unet.eval()
+        with torch.no_grad():
+            return self._evaluate([(f"step {step}", _student_pipe(self.pipe, unet, sched))], steps,
+                                  self.out / "eval" / where / f"step{step}-{steps}steps")[0]
+
     def _images(self, sp, steps: int, w: float) -> torch.Tensor:
         return generate(sp, self.prompts, steps=steps, guidance_scale=w, seed=self.cfg.eval.seed,
                         resolution=self.cfg.data.resolution, batch_size=self.cfg.eval.batch_size)

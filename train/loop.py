@@ -153,6 +153,7 @@ def use_ema_weights(result: LoopResult, model: torch.nn.Module) -> None:
 
 
 LossFn = Callable[[torch.nn.Module, dict, BatchRandom], torch.Tensor]
+CheckpointHook = Callable[[int, torch.nn.Module, Optional[EMA], float], None]  # (step, model, ema, train_s)
 COMPANION_FILE = "companion.safetensors"
 
 
@@ -266,6 +267,7 @@ def train_loop(
     extra_state: Optional[dict] = None,
     lr_scale: Optional[dict] = None,
     companion: Optional[Companion] = None,
+    on_checkpoint: Optional[CheckpointHook] = None,
 ) -> LoopResult:
     """Optimise the trainable parameters of `model` on `loss_fn` for `cfg.max_steps` steps.
 
@@ -276,25 +278,34 @@ def train_loop(
     `lr_scale` maps parameter-name prefixes to learning-rate multipliers (their own AdamW
     param group; the warm-up applies to every group alike).
     `companion` (a `Companion`) is updated after every optimizer step and checkpointed with the model.
+    `on_checkpoint(step, model, ema, train_s)` runs on the main process after each checkpoint is saved
+    (`train_s`: the training seconds so far, earlier invocations included); its own time counts neither
+    there nor in the timing (`timing["paused_s"]`).
     """
     # 1. accelerator, model on its device, optimizer, warm-up schedule, EMA
     acc = accelerator or make_accelerator(cfg, ckpt_dir.parent)
+    if cfg.ema_decay > 0 and cfg.ema_decay ** cfg.max_steps > 0.05:
+        acc.print(f"[{desc}] warning: train.ema_decay={cfg.ema_decay} over train.max_steps={cfg.max_steps} leaves "
+                  f"{cfg.ema_decay ** cfg.max_steps:.0%} of the starting weights in the saved (EMA) weights; "
+                  "a shorter run needs a lower ema_decay")
     apply_memory_cap(cfg.memory_cap_gib, acc.device)
     memory = GpuMemory(acc.device)
     memory.reset()
     params, optimizer, scheduler, ema = _optimisation(cfg, model, acc, lr_scale)
 
     # 2. resume from a checkpoint
-    start, losses, skipped = 0, [], 0
+    start, losses, skipped, prior_s = 0, [], 0, 0.0
     ckpt = resolve_resume(ckpt_dir, resume)
     if ckpt is not None:
         state = _load(ckpt, model, optimizer, scheduler, ema, companion)
         start, losses, skipped = state["step"], state.get("losses", []), state.get("skipped_steps", 0)
+        prior_s = state.get("train_s", 0.0)  # checkpoints of older versions: this invocation's time only
         acc.print(f"[{desc}] resumed from {ckpt} at step {start}")
 
     # 3. the steps (4. the timing summary: `_Loop.result`)
     loop = _Loop(cfg, acc, memory, model, params, optimizer, scheduler, ema, dataset, collate, loss_fn, ckpt_dir, seed,
                  desc, log_path, extra_state, start, losses, skipped, companion)
+    loop.prior_s, loop.on_checkpoint = prior_s, on_checkpoint
     loop.run()
     return loop.result()
 
@@ -365,6 +376,8 @@ class _Loop:
         self.bar = tqdm(total=cfg.max_steps, initial=start, desc=desc, disable=not acc.is_main_process, dynamic_ncols=True)
         self.last_loss = losses[-1][1] if losses else float("nan")
         self.started, self.done, self.stopped_early = time.time(), start, False
+        self.prior_s, self.paused_s = 0.0, 0.0  # training seconds of earlier invocations; time in on_checkpoint
+        self.on_checkpoint: Optional[CheckpointHook] = None
         self.samples_per_step = cfg.batch_size * cfg.grad_accum
         self.times = _StepTimes()
         self.reads = StepReads()
@@ -513,13 +526,23 @@ class _Loop:
         if self.cfg.tensorboard:
             self.acc.log({f"{self.desc}/loss": self.last_loss}, step=done)
 
+    def train_s(self) -> float:
+        """Training seconds so far: this invocation's wall time without on_checkpoint's, plus earlier invocations'."""
+        return self.prior_s + time.time() - self.started - self.paused_s
+
     def _save(self, done: int) -> None:
         acc = self.acc
         save_t0 = perf_counter()
         acc.wait_for_everyone()
         if acc.is_main_process:
-            _save(self.ckpt_dir, done, acc.unwrap_model(self.wrapped), self.optimizer, self.scheduler, self.ema, self.losses,
-                  self.skipped, self.cfg.checkpoints_total_limit, self.extra_state or {}, self.companion)
+            model, train_s = acc.unwrap_model(self.wrapped), self.train_s()
+            _save(self.ckpt_dir, done, model, self.optimizer, self.scheduler, self.ema, self.losses,
+                  self.skipped, self.cfg.checkpoints_total_limit, {**(self.extra_state or {}), "train_s": train_s}, self.companion)
+            if self.on_checkpoint is not None:
+                hook_t0 = perf_counter()
+                self.on_checkpoint(done, model, self.ema, train_s)
+                self.paused_s += perf_counter() - hook_t0
+                save_t0 += perf_counter() - hook_t0
         gc.collect()
         acc.wait_for_everyone()
         self.times.save_s += perf_counter() - save_t0
@@ -544,6 +567,7 @@ class _Loop:
             "steady_samples_per_s": self.samples_per_step * t.steady_steps / t.steady_s if t.steady_steps else None,
             "slowest_steady_step": t.slowest_step, "slowest_steady_step_s": round(t.slowest_s, 3) if t.slowest_step else None,
             "checkpoint_s": t.save_s, "wall_s": time.time() - self.started, "peak_gpu_mem_gib": self.memory.peak_gib(),
+            "train_s": self.train_s(), "paused_s": self.paused_s,  # train_s: earlier invocations' included, on_checkpoint's not
             "host_peak_rss_gb": round((host_peak_mb() or 0.0) / 1024, 3),  # GiB, this process's VmHWM so far
             "processes": self.world, "memory_cap_gib": cfg.memory_cap_gib or None,
             "ema_setup_s": round(ema.setup_s, 3) if ema is not None else None,  # pinning the host EMA's block, before step 1

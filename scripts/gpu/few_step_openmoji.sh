@@ -10,10 +10,11 @@
 #       clip16.tgz, teacher_reports.tgz. Put teacher16.tgz.* and clip16.tgz in .carry/few_step/.
 #   bash scripts/gpu/few_step_openmoji.sh lcm       # call 2: carry .whl .devdata .carry/few_step
 #       configs/distill/openmoji_lcm.yaml, LCM_STEPS (1,200) steps at batch 128, FD (openmoji-CLIP) and
-#       CLIP score at 1, 2, 4, 8 steps and the teacher's DDIM at 1, 2, 4, 8, 64. Back: lcm_reports.tgz
+#       CLIP score at 1, 2, 4, 8 steps and the teacher's DDIM at 1, 2, 4, 8, 64; FD at 2 steps at every 200th step
+#       (eval.curve_steps: the GPU-hours to the target). Back: lcm_reports.tgz
 #   bash scripts/gpu/few_step_openmoji.sh pd        # call 3: carry .whl .devdata .carry/few_step
 #       configs/distill/openmoji.yaml from a 16-step grid: guided stage GUIDED_STEPS (400), rounds
-#       8 -> 4 -> 2 -> 1 (PD_ROUNDS: 350, 350, 400, 400), progressive.top_step_input=noise; per round FD
+#       8 -> 4 -> 2 -> 1 (PD_ROUNDS: 350, 350, 400, 400), EMA decay PD_EMA (0.99), progressive.top_step_input=noise; per round FD
 #       and CLIP score of the student and the teacher's DDIM at its count and at 64. Back: pd_reports.tgz
 #
 #   bash scripts/gpu/few_step_openmoji.sh decoder   # call 4, on the machine the lcm phase left warm (its student
@@ -41,6 +42,9 @@ source scripts/gpu/env.sh
 C=$REPO/configs S=$REPO/.carry/few_step L=$RUNS/few_step
 mkdir -p $L outputs
 LCM_STEPS=${LCM_STEPS:-1200} GUIDED_STEPS=${GUIDED_STEPS:-400} PD_ROUNDS=${PD_ROUNDS:-[350,350,400,400]}
+# the recipe's 0.999 is for rounds of 4,000-8,000 steps: over 350-400 it leaves 67-70 % of each round's starting
+# weights in the saved EMA (the stop-38 PD students kept the unguided start: CLIP score 4 against 10); 0.99 leaves 2-3 %
+PD_EMA=${PD_EMA:-0.99}
 BUDGET_S=${BUDGET_S:-540}  # this call's training budget: the distill verb stops (with a checkpoint) past it
 CLIP_SMALL="model.vision_width=128 model.text_width=128 model.projection_dim=128 model.vision_heads=4 model.text_heads=4 train.steps=2000"
 METRICS="eval.metrics=true eval.num_images=1024 eval.metric_seeds=[0] eval.reference_steps=64 eval.clip=outputs/clip-openmoji/clip"
@@ -92,11 +96,13 @@ case $PHASE in
     tail -2 $L/teacher.log $L/clip.log ;;
   lcm)
     restore
-    distill lcm $C/distill/openmoji_lcm.yaml consistency.train.max_steps=$LCM_STEPS ;;
+    distill lcm $C/distill/openmoji_lcm.yaml consistency.train.max_steps=$LCM_STEPS \
+      consistency.train.checkpoint_every=${CURVE_EVERY:-200} eval.curve_steps=[2] ;;
   pd)
     restore
     distill pd $C/distill/openmoji.yaml progressive.start_steps=16 progressive.final_steps=1 progressive.top_step_input=noise \
-      guided.train.max_steps=$GUIDED_STEPS progressive.round_max_steps=$PD_ROUNDS ;;
+      guided.train.max_steps=$GUIDED_STEPS progressive.round_max_steps=$PD_ROUNDS \
+      guided.train.ema_decay=$PD_EMA progressive.train.ema_decay=$PD_EMA ;;
   decoder)
     restore
     student=$(ls -d outputs/lcm/*/model_index.json 2>/dev/null | head -1 | xargs -r dirname)

@@ -6,7 +6,9 @@
 RUNS/lcm, RUNS/pd: the distill output folders (unpacked from lcm_reports.tgz, pd_reports.tgz); each
 holds report.json with per-round `train_seconds` and FD / CLIP score (`eval`). Rows: method, steps,
 fd, clip_score, gpu_hours (training wall time on the one GPU up to that student, metrics excluded;
-null for the teacher's DDIM rows, which cost no distillation).
+null for the teacher's DDIM rows, which cost no distillation). A consistency run measured with
+`eval.curve_steps` adds its checkpoints' points (`curve`: FD against GPU-hours), from which the summary
+reads each method's GPU-hours to the issue's target (a 2-step student within 1.15x of the teacher-64 FD).
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import json
 from pathlib import Path
 
 COUNTS = (1, 2, 4, 8)
+TARGET = 1.15  # x the teacher's 64-step DDIM FD, at 2 steps
 
 
 def _metrics_by_count(round_report: dict) -> dict:
@@ -42,11 +45,50 @@ def rows_of(report: dict, method: str, run: str) -> tuple[list[dict], dict]:
     return rows, teacher
 
 
-def summary(rows: list[dict]) -> dict:
+def curve_of(report: dict, method: str) -> list[dict]:
+    """The checkpoints' points of a run measured with eval.curve_steps (GPU-hours: training seconds up to each)."""
+    points, before = [], 0.0
+    for r in report["rounds"]:
+        for p in r.get("curve") or []:
+            m = p["metrics"]
+            points.append({"method": method, "steps": p["steps"], "train_step": p["step"], "fd": m.get("fd"),
+                           "clip_score": m.get("clip_score"), "gpu_hours": round((before + p["train_seconds"]) / 3600, 5)})
+        before += r.get("train_seconds") or 0.0
+    return points
+
+
+def hours_to_target(points: list[dict], target: float) -> float | None:
+    """The fewest GPU-hours at which a 2-step student of these points met `target` FD (None: never)."""
+    met = [p["gpu_hours"] for p in points if p["steps"] == 2 and p["fd"] is not None and p["fd"] <= target and p["gpu_hours"] is not None]
+    return min(met) if met else None
+
+
+def target_summary(rows: list[dict], curve: list[dict], ref: float) -> dict:
+    """GPU-hours of each method to the target, and LCM's share of PD's; where PD never met it, its hours
+    spent to 2 steps bound its hours to the target from below, so LCM's share is at most the bound."""
+    target = TARGET * ref
+    out = {"target_fd": round(target, 4)}
+    for method in ("lcm", "pd"):
+        out[f"{method}_gpu_hours_to_target"] = hours_to_target([r for r in rows + curve if r["method"] == method], target)
+    lcm, pd = out["lcm_gpu_hours_to_target"], out["pd_gpu_hours_to_target"]
+    pd_spent = max((r["gpu_hours"] for r in rows if r["method"] == "pd" and r["steps"] == 2 and r["gpu_hours"]), default=None)
+    if lcm and pd:
+        out["lcm_over_pd_gpu_hours_to_target"] = round(lcm / pd, 4)
+        out["target_met"] = lcm <= 0.5 * pd
+    elif lcm and pd_spent:
+        out["lcm_over_pd_gpu_hours_to_target_at_most"] = round(lcm / pd_spent, 4)
+        out["pd_note"] = f"PD's 2-step student did not meet the target after {pd_spent} GPU-hours"
+        out["target_met"] = lcm <= 0.5 * pd_spent
+    return out
+
+
+def summary(rows: list[dict], curve: list[dict] = ()) -> dict:
     """The issue's target: a 2-step student within 1.15x of the teacher-64 FD, in at most half of PD's GPU-hours."""
     get = {(r["method"], r["steps"]): r for r in rows}
     ref = get.get(("teacher_ddim", 64), {}).get("fd")
     out = {"teacher_ddim_64_fd": ref}
+    if ref:
+        out.update(target_summary(rows, list(curve), ref))
     for method in ("lcm", "pd"):
         two = get.get((method, 2))
         if two and ref and two["fd"] is not None:
@@ -57,14 +99,30 @@ def summary(rows: list[dict]) -> dict:
     return out
 
 
-def plot(rows: list[dict], path: Path) -> Path:
-    """FD and CLIP score against steps, one line per method (log2 step axis), side by side in one PNG."""
+def plot_hours(ax, rows: list[dict], curve: list[dict], target: float | None) -> None:
+    """FD of the 2-step students against GPU-hours: LCM's checkpoints and PD's 2-step round."""
+    for method, label, marker in (("lcm", "consistency (checkpoints)", "o"), ("pd", "progressive", "s")):
+        pts = sorted((p["gpu_hours"], p["fd"]) for p in list(curve) + rows
+                     if p["method"] == method and p["steps"] == 2 and p["fd"] is not None and p["gpu_hours"] is not None)
+        if pts:
+            ax.plot(*zip(*pts), marker=marker, label=label)
+    if target:
+        ax.axhline(target, color="grey", linestyle="--", label=f"target ({TARGET}x teacher DDIM-64)")
+    ax.set_xlabel("GPU-hours (training)")
+    ax.set_title("FD at 2 steps against GPU-hours")
+    ax.legend()
+
+
+def plot(rows: list[dict], path: Path, curve: list[dict] = (), target: float | None = None) -> Path:
+    """FD and CLIP score against steps, one line per method (log2 step axis), and FD at 2 steps against
+    GPU-hours, side by side in one PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    plot_hours(axes[2], rows, list(curve), target)
     for ax, key, label in ((axes[0], "fd", "FD (OpenMoji-CLIP), lower is better"), (axes[1], "clip_score", "CLIP score, higher is better")):
         for method in ("teacher_ddim", "pd", "lcm"):
             pts = sorted((r["steps"], r[key]) for r in rows if r["method"] == method and r[key] is not None)
@@ -88,21 +146,22 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--conditions", default="", help="a line on how the runs were cut (kept in the JSON)")
     args = ap.parse_args()
-    rows, teacher = [], {}
+    rows, teacher, curve = [], {}, []
     for method, folder in (("lcm", args.lcm), ("pd", args.pd)):
         report = json.loads((folder / "report.json").read_text())
         got, t = rows_of(report, method, folder.name)
         rows += got
+        curve += curve_of(report, method)
         for steps, m in t.items():
             teacher.setdefault(steps, (m, folder.name))  # the LCM run's teacher rows first, PD's for other counts
     rows += [_row("teacher_ddim", steps, m, None, run) for steps, (m, run) in sorted(teacher.items())]
     result = {"what": "OpenMoji few-step students: progressive distillation (pd) vs consistency distillation (lcm) vs the teacher's DDIM",
               "device": args.device, "features": "FD on OpenMoji-CLIP image embeddings; CLIP score with the same CLIP",
               "script": "scripts/gpu/few_step_openmoji.sh (teacher, lcm, pd) + scripts/gpu/few_step_table.py",
-              "conditions": args.conditions, "rows": rows, "summary": summary(rows),
+              "conditions": args.conditions, "rows": rows, "curve": curve, "summary": summary(rows, curve),
               "plot": args.out.with_suffix(".png").name}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    plot(rows, args.out.with_suffix(".png"))
+    plot(rows, args.out.with_suffix(".png"), curve, result["summary"].get("target_fd"))
     args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     print(json.dumps(result["summary"], indent=2))
 

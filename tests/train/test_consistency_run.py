@@ -124,6 +124,39 @@ def test_consistency_resume_mid_stage_equals_the_uninterrupted_run(teacher_dir, 
                     tmp_path, resume="latest")
 
 
+def test_curve_steps_measure_each_checkpoint_and_resume_keeps_the_training_seconds(teacher_dir, clip_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("POCKETDIFF_CACHE", str(tmp_path / "metric-cache"))
+    cfg = _cfg(teacher_dir, "eval.metrics=true", f"eval.clip={clip_dir}", "eval.num_images=4", "eval.curve_steps=[2]",
+               "consistency.train.checkpoint_every=2", "consistency.sample_steps=[2]")
+    real_loop = distill.train_loop
+
+    def interrupted_loop(loop_cfg, **kw):
+        real_loop(dataclasses.replace(loop_cfg, max_steps=2), **kw)
+        raise Interrupted
+
+    monkeypatch.setattr(distill, "train_loop", interrupted_loop)
+    with pytest.raises(Interrupted):
+        distill.run(cfg, tmp_path)
+    first_s = json.loads((tmp_path / "checkpoints" / "round-0" / "checkpoint-2" / "trainer_state.json").read_text())["train_s"]
+    monkeypatch.setattr(distill, "train_loop", real_loop)
+    [r] = distill.run(cfg, tmp_path, resume="latest")["rounds"]
+    assert first_s > 0 and r["train_seconds"] > first_s  # the first invocation's seconds count in the round's
+    assert [(p["step"], p["steps"]) for p in r["curve"]] == [(2, 2), (4, 2)]
+    assert 0 < r["curve"][0]["train_seconds"] <= first_s < r["curve"][1]["train_seconds"] <= r["train_seconds"]
+    # the last checkpoint's weights are the folder's: its curve point is the round's own measurement at 2 steps
+    last, final = r["curve"][1]["metrics"], r["eval"]["2"]["metrics"]["student"]
+    assert last["fd"] == pytest.approx(final["fd"], rel=1e-4) and last["clip_score"] == pytest.approx(final["clip_score"], rel=1e-4)
+
+
+def test_curve_steps_are_refused_where_they_cannot_apply(teacher_dir):
+    with pytest.raises(PocketdiffError, match="eval.curve_steps: needs eval.metrics"):
+        _cfg(teacher_dir, "eval.curve_steps=[2]")
+    with pytest.raises(PocketdiffError, match="eval.curve_steps: 20 is more than consistency.solver_steps"):
+        _cfg(teacher_dir, "eval.metrics=true", "eval.curve_steps=[20]")
+    with pytest.raises(PocketdiffError, match="eval.curve_steps: is for method: consistency"):
+        _cfg(teacher_dir, "method=progressive", "eval.metrics=true", "eval.curve_steps=[2]")
+
+
 def test_a_resume_without_the_target_network_is_refused(teacher_dir, tmp_path, monkeypatch):
     cfg = _cfg(teacher_dir, "eval.enabled=false")
     real_loop = distill.train_loop

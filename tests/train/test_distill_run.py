@@ -41,23 +41,6 @@ def _cfg(teacher_dir, *extra):
 
 
 @pytest.fixture(scope="module")
-def clip_dir(tmp_path_factory):
-    """A tiny random CLIP folder for the metrics path (pocketdiff.evaluate's own builders)."""
-    train_clip = pytest.importorskip("pocketdiff.evaluate.train_clip")
-    from pocketdiff.config import DataConfig
-    from pocketdiff.data import load_captions
-    from pocketdiff.tokenizer import build_clip_tokenizer
-
-    tok = build_clip_tokenizer(load_captions(DataConfig(source="shapes", shapes_count=64, resolution=32)), vocab_size=560, model_max_length=16)
-    mcfg = train_clip.ClipModelConfig(image_size=32, patch_size=8, vision_width=32, vision_layers=1, vision_heads=2, text_width=32,
-                                      text_layers=1, text_heads=2, max_length=16, projection_dim=16, vocab_size=560)
-    model, processor = train_clip.build_clip(mcfg, tok, seed=0)
-    out = tmp_path_factory.mktemp("clip") / "clip"
-    train_clip.save_clip(model, processor, out, {"domain": "test", "label": "test-CLIP"})
-    return out
-
-
-@pytest.fixture(scope="module")
 def full_run(teacher_dir, clip_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("full")
     cfg = _cfg(teacher_dir, "eval.enabled=true", "eval.prompts=[a red circle]", "eval.metrics=true", f"eval.clip={clip_dir}",

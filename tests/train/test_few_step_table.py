@@ -42,3 +42,27 @@ def test_rows_gpu_hours_and_summary(tmp_path):
     assert rows[("teacher_ddim", 16)]["run"] == "pd" and rows[("teacher_ddim", 64)]["gpu_hours"] is None
     s = result["summary"]
     assert s["lcm_2step_fd_over_teacher64"] == 1.4 and s["lcm_over_pd_gpu_hours_to_2_steps"] == 1.25
+
+
+def test_curve_points_give_each_methods_gpu_hours_to_the_target(tmp_path):
+    # teacher-64 FD 10 -> target 11.5 at 2 steps; LCM's checkpoints meet it at 180 s, PD's 2-step round never does
+    curve = [{"step": k, "steps": 2, "train_seconds": 90.0 * k / 100, "metrics": _m(2, fd)}
+             for k, fd in ((100, 30.0), (200, 11.4), (300, 11.0), (400, 10.9))]
+    lcm = {"rounds": [{"stage": "consistency", "steps": 8, "train_seconds": 360.0, "curve": curve,
+                       "eval": {str(n): _metrics(n, 10.9, 20.0) for n in (1, 2, 4, 8)}}]}
+    pd = {"rounds": [{"stage": "guided", "steps": 4, "train_seconds": 360.0, "eval": _metrics(4, 11.0, 12.0)},
+                     {"stage": "progressive", "steps": 2, "train_seconds": 360.0, "eval": _metrics(2, 14.0, 30.0)}]}
+    for name, rep in (("lcm", lcm), ("pd", pd)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "report.json").write_text(json.dumps(rep))
+    out = tmp_path / "t.json"
+    import sys
+
+    sys.argv = ["x", "--lcm", str(tmp_path / "lcm"), "--pd", str(tmp_path / "pd"), "--out", str(out)]
+    _table().main()
+    result = json.loads(out.read_text())
+    assert [(p["train_step"], p["gpu_hours"]) for p in result["curve"]] == [(100, 0.025), (200, 0.05), (300, 0.075), (400, 0.1)]
+    s = result["summary"]
+    assert s["target_fd"] == 11.5 and s["lcm_gpu_hours_to_target"] == 0.05 and s["pd_gpu_hours_to_target"] is None
+    assert s["lcm_over_pd_gpu_hours_to_target_at_most"] == 0.25 and s["target_met"] is True  # PD spent 0.2 h to 2 steps
+    assert out.with_suffix(".png").is_file()

@@ -42,8 +42,8 @@ def make_model():
 
 
 def run(tmp, steps, resume=None, model=None, **kw):
-    cfg = LoopConfig(max_steps=steps, batch_size=4, grad_accum=2, lr=1e-2, ema_decay=0.9, checkpoint_every=2,
-                     checkpoints_total_limit=2, log_every=1, **kw)
+    cfg = LoopConfig(**{"max_steps": steps, "batch_size": 4, "grad_accum": 2, "lr": 1e-2, "ema_decay": 0.9, "checkpoint_every": 2,
+                        "checkpoints_total_limit": 2, "log_every": 1, **kw})
     model = model or make_model()
     res = train_loop(cfg, model=model, loss_fn=loss_fn, dataset=Toy(), collate=collate, ckpt_dir=tmp / "ckpt",
                      seed=3, resume=resume)
@@ -361,3 +361,10 @@ def test_phase_clock_synchronises_at_every_mark(monkeypatch):
         clock.mark(name)
     assert list(clock.seconds) == ["forward_backward_s", "optimizer_s", "ema_s"] and len(calls) == 3
     assert all(v >= 0 for v in clock.seconds.values())
+
+
+def test_an_ema_too_slow_for_the_run_is_named(tmp_path, capsys):
+    run(tmp_path / "slow", 3, ema_decay=0.999)
+    assert "train.ema_decay=0.999 over train.max_steps=3 leaves 100% of the starting weights" in capsys.readouterr().out
+    run(tmp_path / "fit", 3, ema_decay=0.1)
+    assert "ema_decay" not in capsys.readouterr().out
