@@ -18,6 +18,7 @@ from pathlib import Path
 
 COUNTS = (1, 2, 4, 8)
 TARGET = 1.15  # x the teacher's 64-step DDIM FD, at 2 steps
+COLORS = {"teacher_ddim": "tab:blue", "pd": "tab:orange", "lcm": "tab:green"}  # one colour per method in every panel
 
 
 def _metrics_by_count(round_report: dict) -> dict:
@@ -79,6 +80,12 @@ def target_summary(rows: list[dict], curve: list[dict], ref: float) -> dict:
         out["lcm_over_pd_gpu_hours_to_target_at_most"] = round(lcm / pd_spent, 4)
         out["pd_note"] = f"PD's 2-step student did not meet the target after {pd_spent} GPU-hours"
         out["target_met"] = lcm <= 0.5 * pd_spent
+    elif not lcm:
+        two = [p for p in rows + curve if p["method"] == "lcm" and p["steps"] == 2 and p["fd"] is not None]
+        best = min(two, key=lambda p: p["fd"]) if two else None
+        out["target_met"] = False
+        out["lcm_note"] = ("LCM's 2-step student did not meet the target" + (
+            f"; its best: FD {best['fd']:.2f} ({best['fd'] / ref:.3f}x) at {best['gpu_hours']} GPU-hours" if best else ""))
     return out
 
 
@@ -105,7 +112,7 @@ def plot_hours(ax, rows: list[dict], curve: list[dict], target: float | None) ->
         pts = sorted((p["gpu_hours"], p["fd"]) for p in list(curve) + rows
                      if p["method"] == method and p["steps"] == 2 and p["fd"] is not None and p["gpu_hours"] is not None)
         if pts:
-            ax.plot(*zip(*pts), marker=marker, label=label)
+            ax.plot(*zip(*pts), marker=marker, label=label, color=COLORS[method])
     if target:
         ax.axhline(target, color="grey", linestyle="--", label=f"target ({TARGET}x teacher DDIM-64)")
     ax.set_xlabel("GPU-hours (training)")
@@ -127,7 +134,7 @@ def plot(rows: list[dict], path: Path, curve: list[dict] = (), target: float | N
         for method in ("teacher_ddim", "pd", "lcm"):
             pts = sorted((r["steps"], r[key]) for r in rows if r["method"] == method and r[key] is not None)
             if pts:
-                ax.plot(*zip(*pts), marker="o", label={"teacher_ddim": "teacher DDIM", "pd": "progressive", "lcm": "consistency"}[method])
+                ax.plot(*zip(*pts), marker="o", color=COLORS[method], label={"teacher_ddim": "teacher DDIM", "pd": "progressive", "lcm": "consistency"}[method])
         ax.set_xscale("log", base=2)
         ax.set_xlabel("sampling steps")
         ax.set_title(label)
