@@ -136,10 +136,27 @@ def tiled_stats_path(vae, latents: torch.Tensor, tile: int, overlap: int, margin
                  f"tile {tile}, overlap {overlap}, margin {margin}, {n} tiles x {passes} passes")
 
 
+def lowres_stats(features: np.ndarray, up_low, down: int, norms: tuple[int, int]) -> np.ndarray:
+    """[K, 2, G] statistics of every up-path norm, estimated from one run of the up path on the head's
+    features average-pooled by `down` (1 / down^2 of its work): `up_low` is the up-path graph at the
+    pooled size (`export.tiled_vae.VaeUpPathTile`), run with its own statistics and unit weights."""
+    from pocketdiff.errors import PocketdiffError
+    from pocketdiff.runtime.tiled_decode import first_pass_corrections, stats_from_sums
+
+    f = np.asarray(features, dtype=np.float32)
+    _, c, h, w = f.shape
+    if h % down or w % down:
+        raise PocketdiffError(f"lowres_stats: features {h}x{w} do not divide by the statistics pass's factor {down}")
+    pooled = f.reshape(1, c, h // down, down, w // down, down).mean(axis=(3, 5), dtype=np.float64).astype(np.float32)
+    weight = np.ones((h // down, w // down), dtype=np.float32)
+    _, sums = up_low(np.ascontiguousarray(pooled), weight, first_pass_corrections(norms), np.ones((1,), dtype=np.float32))
+    return stats_from_sums(np.asarray(sums, dtype=np.float64)[:, :3])
+
+
 def lowres_stats_path(vae, latents: torch.Tensor, tile: int, overlap: int, margin: int, down: int) -> Path_:
     """The head once, the up path once on its features pooled by `down` (the norms' statistics), then
     every tile once with those statistics (the user's decoder, no training)."""
-    from pocketdiff.runtime.tiled_decode import first_pass_corrections, lowres_stats, tile_starts, tiled_decode_with_stats
+    from pocketdiff.runtime.tiled_decode import first_pass_corrections, tile_starts, tiled_decode_with_stats
     from pocketdiff.export.tiled_vae import VaeDecoderHead, VaeUpPathTile
 
     _, _, h, w = latents.shape
@@ -167,7 +184,7 @@ def lowres_stats_path(vae, latents: torch.Tensor, tile: int, overlap: int, margi
 def lowres_cv_path(vae, latents: torch.Tensor, tile: int, overlap: int, margin: int, down: int) -> Path_:
     """As lowres_stats, but each tile keeps its own statistics, shifted and scaled by the pooled pass's
     whole-image statistics against those of the tile's own region (one more pooled run per tile)."""
-    from pocketdiff.runtime.tiled_decode import control_variate, first_pass_corrections, lowres_stats, tile_starts, tiled_decode_with_stats
+    from pocketdiff.runtime.tiled_decode import control_variate, first_pass_corrections, tile_starts, tiled_decode_with_stats
     from pocketdiff.export.tiled_vae import VaeDecoderHead, VaeUpPathTile
 
     _, _, h, w = latents.shape

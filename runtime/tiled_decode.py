@@ -166,7 +166,8 @@ def tiled_decode_with_stats(latents: np.ndarray, head: Callable[[np.ndarray], np
     ~8 dB per latent from the edge), and the same at every resolution: both the image and the
     statistics come from tile interiors. `on_pass(p, image)` sees each pass's image (benchmarks).
 
-    `given` [K, 2, G]: statistics known before the first pass (`lowres_stats`); every pass then
+    `given` [K, 2, G]: statistics known before the first pass (a pooled pass's:
+    benchmarks/decoder_paths.py `lowres_stats`); every pass then
     normalises with them (own = 0), so one pass suffices. `first(y, x)`: instead, the first pass's
     corrections of the tile at latent (y, x) to its own statistics (own = 1)."""
     if passes < 1:
@@ -211,17 +212,3 @@ def tiled_decode_with_stats(latents: np.ndarray, head: Callable[[np.ndarray], np
         else:
             corrections = {key: control_variate(given, owns[key]) for key in corrections}
     return (image / wsum).astype(np.float32)
-
-
-def lowres_stats(features: np.ndarray, up_low: Callable, down: int, norms: tuple[int, int]) -> np.ndarray:
-    """[K, 2, G] statistics of every up-path norm, estimated from one run of the up path on the head's
-    features average-pooled by `down` (1 / down^2 of its work): `up_low` is the up-path graph at the
-    pooled size (`export.tiled_vae.VaeUpPathTile`), run with its own statistics and unit weights."""
-    f = np.asarray(features, dtype=np.float32)
-    _, c, h, w = f.shape
-    if h % down or w % down:
-        raise PocketdiffError(f"tiled decode: features {h}x{w} do not divide by the statistics pass's factor {down}")
-    pooled = f.reshape(1, c, h // down, down, w // down, down).mean(axis=(3, 5), dtype=np.float64).astype(np.float32)
-    weight = np.ones((h // down, w // down), dtype=np.float32)
-    _, sums = up_low(np.ascontiguousarray(pooled), weight, first_pass_corrections(norms), np.ones((1,), dtype=np.float32))
-    return stats_from_sums(np.asarray(sums, dtype=np.float64)[:, :3])
