@@ -34,8 +34,11 @@
 # (no 32- and 16-step rounds), with 350-400 steps per round; LCM trains 1,200 steps, not 3,000;
 # metrics on 1,024 captions x 1 seed (not 2,048 x 2). GPU-seconds are the distill reports' training
 # wall time (`train_seconds`, metrics and grids excluded), summed over the rounds up to each count.
-# Carry sizes: teacher16 ~26 MB, clip16 ~5 MB, OpenMoji (.devdata) ~18 MB; with ~27 MB of tracked files
-# that is at the 64 MiB limit, so keep .whl to what the machine lacks.
+# Carry sizes: teacher16 ~23 MB, clip16 ~4 MB, OpenMoji (.devdata) ~19 MB, the wheels this needs ~8 MB (no ai-edge-litert,
+# no bitsandbytes); with ~33 MB of tracked files a fresh machine cannot take the teacher, the data and the wheels
+# at once (64 MiB). So chain the calls on one warm machine (each next call within its 30 s idle release; the wheels,
+# the data and outputs/ stay in /tmp): teacher with .whl .devdata, then lcm, pd, decoder with .whl only
+# (2026-11-27: teacher 455 s, lcm 516 s, pd 546 s + RESUME=1 93 s of command time on one H100).
 set -u
 PHASE=${1:?usage: few_step_openmoji.sh teacher|lcm|pd|decoder}
 source scripts/gpu/env.sh
@@ -93,7 +96,7 @@ case $PHASE in
     tar czf $OUT/clip16.tgz -C outputs/clip-openmoji clip
     cp $L/*.log outputs/teacher-openmoji/; tar czf $OUT/teacher_reports.tgz -C outputs --exclude='*.safetensors' \
       --exclude=checkpoints --exclude='*.pt' teacher-openmoji clip-openmoji
-    tail -2 $L/teacher.log $L/clip.log ;;
+    tail -n 2 $L/teacher.log $L/clip.log ;;
   lcm)
     restore
     distill lcm $C/distill/openmoji_lcm.yaml consistency.train.max_steps=$LCM_STEPS \
