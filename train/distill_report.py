@@ -234,6 +234,11 @@ def _write_page(out: Path, report: dict) -> None:
     if curves:
         plot_curves(curves, out / "loss.png", "step", "loss", "distillation loss (x space, weighted; consistency: pseudo-Huber)", logy=True)
         sections.append(("Loss per round", img("loss.png")))
+    fd_curves = {f"{r['stage']} at {n} steps": [(p["train_seconds"], p["metrics"]["fd"]) for p in r["curve"] if p["steps"] == n]
+                 for r in report["rounds"] if r.get("curve") for n in sorted({p["steps"] for p in r["curve"]})}
+    if fd_curves:  # eval.curve_steps
+        plot_curves(fd_curves, out / "curve.png", "training seconds", "FD", "FD at every checkpoint (eval.curve_steps)")
+        sections.append(("FD against training time", img("curve.png")))
     rows = [[r["round"], r["stage"], r["steps"], r["teacher_steps"] or "-", r["train_steps"], r["final_loss"], Path(r["pipeline_dir"]).name]
             for r in report["rounds"]]
     sections.append(("Rounds", table(["round", "stage", "student steps", "teacher steps", "train steps", "final loss", "folder"], rows)))

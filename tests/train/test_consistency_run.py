@@ -146,6 +146,7 @@ def test_curve_steps_measure_each_checkpoint_and_resume_keeps_the_training_secon
     # the last checkpoint's weights are the folder's: its curve point is the round's own measurement at 2 steps
     last, final = r["curve"][1]["metrics"], r["eval"]["2"]["metrics"]["student"]
     assert last["fd"] == pytest.approx(final["fd"], rel=1e-4) and last["clip_score"] == pytest.approx(final["clip_score"], rel=1e-4)
+    assert (tmp_path / "curve.png").is_file() and "curve.png" in (tmp_path / "index.html").read_text()
 
 
 def test_curve_steps_are_refused_where_they_cannot_apply(teacher_dir):
