@@ -2,7 +2,8 @@
 
 1. load the user's VAE (AutoencoderKL folder or pipeline folder) and captioned images; the first
    `data.max_samples` items of the seed's shuffle train, the next `holdout` items are held out
-2. encode every image once (posterior mean and std)
+2. encode every image once (posterior mean and std); with `samples.pipeline`, also generate latents with that
+   pipeline (the teacher or a distilled student) for the training captions: what users decode
 3. fold the up path's GroupNorms into per-channel affines with statistics pooled over
    `calibration_images` training latents (pocketdiff/normfree.py)
 4. fine-tune the folded decoder to the original decoder's outputs on posterior samples (MSE),
@@ -35,6 +36,23 @@ STUDENTS = ("norm_free",)
 
 
 @dataclasses.dataclass
+class SamplesConfig:
+    """Latents a pipeline generates, trained on beside the images' posteriors (a decoder distilled on encoded
+    images alone decodes a generator's latents worse: docs/MEASUREMENTS.md)."""
+
+    pipeline: Optional[str] = None  # a pipeline folder (the teacher or a distilled student) whose VAE is `vae`; null: images only
+    count: int = 512  # generated for the first `count` training captions (and up to 64 held-out captions for the report)
+    steps: int = 16
+    guidance_scale: float = 3.0
+    batch_size: int = 64
+
+    def __post_init__(self) -> None:
+        require(self.count >= 1, "samples.count", f"must be >= 1, got {self.count}")
+        require(self.steps >= 1, "samples.steps", f"must be >= 1, got {self.steps}")
+        require(self.batch_size >= 1, "samples.batch_size", f"must be >= 1, got {self.batch_size}")
+
+
+@dataclasses.dataclass
 class Config:
     seed: int = 0
     vae: Optional[str] = None  # the user's VAE: AutoencoderKL folder or pipeline folder
@@ -45,6 +63,7 @@ class Config:
     calibration_images: int = 256  # training latents whose pooled statistics the fold uses
     train: LoopConfig = dataclasses.field(default_factory=LoopConfig)
     report_images: int = 8
+    samples: SamplesConfig = dataclasses.field(default_factory=SamplesConfig)
 
     def __post_init__(self) -> None:
         require((self.vae is None) != (self.arch is None), "vae", "give exactly one of vae (a folder) and arch (a built random VAE)")
@@ -86,15 +105,32 @@ class _Decoder(torch.nn.Module):
         return self.vae.decode(z).sample
 
 
-def _images(cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
-    """([N, 3, r, r] training images, [holdout, 3, r, r] held-out images) in [-1, 1]."""
+def _images(cfg: Config) -> tuple[torch.Tensor, torch.Tensor, list, list]:
+    """([N, 3, r, r] training images, [holdout, 3, r, r] held-out images) in [-1, 1], and their captions."""
     n = int(cfg.data.max_samples)
     ds = load_captioned_dataset(dataclasses.replace(cfg.data, max_samples=n + cfg.holdout))
     if len(ds) < n + cfg.holdout:
         raise PocketdiffError(f"data: {len(ds)} items, fewer than data.max_samples={n} + holdout={cfg.holdout}")
     items = InMemoryImageCaptionDataset(ImageCaptionDataset(ds))
-    x = collate([items[i] for i in range(len(ds))])["pixel_values"].float()
-    return x[:n], x[n:]
+    batch = collate([items[i] for i in range(len(ds))])
+    x, text = batch["pixel_values"].float(), list(batch["text"])
+    return x[:n], x[n:], text[:n], text[n:]
+
+
+def generated_latents(cfg: Config, captions: list, like: torch.Tensor) -> torch.Tensor:
+    """[len(captions), C, h, w] unscaled latents that `samples.pipeline` generates for `captions` (seeded by
+    cfg.seed); refused when its latents are not the shape of `like`'s (another VAE, another resolution)."""
+    from pocketdiff.models import load_pipeline
+    from pocketdiff.sampling import generate
+
+    s = cfg.samples
+    pipe = load_pipeline(s.pipeline)
+    z = generate(pipe, captions, steps=s.steps, guidance_scale=s.guidance_scale, seed=cfg.seed, resolution=cfg.data.resolution,
+                 output_type="latent", batch_size=s.batch_size, progress=True)
+    if tuple(z.shape[1:]) != tuple(like.shape[1:]):
+        raise PocketdiffError(f"samples.pipeline: {s.pipeline} generates latents {tuple(z.shape[1:])}, the VAE {cfg.vae} "
+                              f"encodes {tuple(like.shape[1:])} at data.resolution={cfg.data.resolution}")
+    return z / float(pipe.vae.config.scaling_factor)
 
 
 @torch.no_grad()
@@ -113,9 +149,20 @@ def decode01(vae, z: torch.Tensor, batch: int = 64) -> torch.Tensor:
     return torch.cat([(vae.decode(z[i:i + batch]).sample * 0.5 + 0.5).clamp(0, 1) for i in range(0, z.shape[0], batch)])
 
 
+def _mean_min(v: np.ndarray) -> dict:
+    return {"mean": round(float(v.mean()), 3), "min": round(float(v.min()), 3)}
+
+
 def psnr_per_image(ref: torch.Tensor, out: torch.Tensor) -> np.ndarray:
     mse = ((ref.double() - out.double()) ** 2).flatten(1).mean(1).clamp_min(1e-12)
     return (10.0 * torch.log10(1.0 / mse)).numpy()
+
+
+def _with_samples(mean: torch.Tensor, std: torch.Tensor, generated: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The posteriors and the generated latents (std 0: used as they are) in one seeded random order, so that
+    the fold's calibration latents (the first ones) mix both in proportion."""
+    order = torch.randperm(mean.shape[0] + generated.shape[0], generator=torch.Generator().manual_seed(seed))
+    return torch.cat([mean, generated])[order], torch.cat([std, torch.zeros_like(generated)])[order]
 
 
 def fold_student(teacher, latents: torch.Tensor, calibration_images: int, batch: int = 64):
@@ -146,12 +193,16 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
     teacher = teacher.float().eval().requires_grad_(False)
     factor = vae_scale_factor(teacher)
     require(cfg.data.resolution % factor == 0, "data.resolution", f"must be a multiple of the VAE's factor {factor}")
-    x_train, x_held = _images(cfg)
+    x_train, x_held, text_train, text_held = _images(cfg)
     mean, std = _encode(teacher, x_train)
-    held_z = _encode(teacher, x_held)[0]
+    held = {"images": _encode(teacher, x_held)[0]}  # held-out latents: the images' posterior means (and generated ones)
+    if cfg.samples.pipeline:
+        mean, std = _with_samples(mean, std, generated_latents(cfg, text_train[:cfg.samples.count], mean), cfg.seed)
+        held["samples"] = generated_latents(cfg, text_held[:64], mean)
     student, names = fold_student(teacher, mean, cfg.calibration_images)
-    whole_held = decode01(teacher, held_z)
-    folded_held = decode01(student, held_z)
+    whole = {k: decode01(teacher, z) for k, z in held.items()}
+    folded = {k: decode01(student, z) for k, z in held.items()}
+    whole_held, folded_held = whole["images"], folded["images"]
 
     def loss_fn(model, batch, rng: BatchRandom):
         mean, std = batch["mean"].to(rng.device), batch["std"].to(rng.device)  # on a CPU run the batch stays on the host
@@ -168,7 +219,8 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
                         log_path=out / "logs.jsonl", accelerator=acc)
     student.eval().requires_grad_(False).to("cpu")
     teacher.to("cpu")
-    tuned_held = decode01(student, held_z)
+    tuned = {k: decode01(student, z) for k, z in held.items()}
+    tuned_held = tuned["images"]
     vae_dir = out / "vae"
     student.save_pretrained(str(vae_dir), safe_serialization=True)
 
@@ -179,10 +231,14 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
         "folded_norms": len(names), "params": count_params(student.decoder), "factor": factor,
         "latent_channels": int(teacher.config.latent_channels),
         "data": {"source": cfg.data.source, "train_items": int(x_train.shape[0]), "held_out_items": int(x_held.shape[0]),
+                 "train_latents": int(mean.shape[0]),  # the items' posteriors and the generated latents
                  "resolution": cfg.data.resolution},
         "steps": result.steps, "final_loss": result.final_loss, "stopped_early": result.stopped_early,
-        "held_out_psnr_db": {  # against the whole decode of the same latents (posterior means), [0, 1] images
-            k: {"mean": round(float(v.mean()), 3), "min": round(float(v.min()), 3)} for k, v in psnr.items()},
+        "held_out_psnr_db": {k: _mean_min(v) for k, v in psnr.items()},  # against the whole decode of the same latents (posterior means)
+        "samples": dataclasses.asdict(cfg.samples) if cfg.samples.pipeline else None,
+        "held_out_samples_psnr_db": {  # the same on latents generated for held-out captions
+            "folded": _mean_min(psnr_per_image(whole["samples"], folded["samples"])),
+            "fine_tuned": _mean_min(psnr_per_image(whole["samples"], tuned["samples"]))} if "samples" in held else None,
         "reconstruction_psnr_db": {  # against the images themselves: what the VAE itself loses
             "whole": round(float(psnr_per_image(images01, whole_held).mean()), 3),
             "fine_tuned": round(float(psnr_per_image(images01, tuned_held).mean()), 3)},
@@ -192,6 +248,7 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
     grid = _side_by_side(out, x_held[:k], whole_held[:k], folded_held[:k], tuned_held[:k])
     plot_curves({"decoder": result.losses}, out / "loss.png", "step", "MSE to the whole decoder", "fine-tune loss", logy=True)
     rows = [[k2, v["mean"], v["min"]] for k2, v in report["held_out_psnr_db"].items()]
+    rows += [[f"{k2}, generated latents", v["mean"], v["min"]] for k2, v in (report["held_out_samples_psnr_db"] or {}).items()]
     write_page(out / "index.html", "pocketdiff distill-decoder", [
         ("Held-out PSNR against the whole decoder (dB)", table(["decoder", "mean", "min"], rows)),
         ("Held-out images: image, whole decoder, folded (before fine-tune), fine-tuned", img(grid)),

@@ -40,6 +40,20 @@ def test_resume_continues_from_the_checkpoint(run):
     assert json.loads((run / "report.json").read_text())["steps"] == 4
 
 
+def test_generated_latents_train_beside_the_images(tmp_path):
+    from pocketdiff.shipped import resolve_shipped
+
+    teacher = resolve_shipped("pocketdiff:shapes-teacher")
+    out = tmp_path / "out"
+    assert cli_main(["distill-decoder", "--config", SMOKE, "--output", str(out), "arch=null", f"vae={teacher}",
+                     f"samples.pipeline={teacher}", "samples.count=8", "samples.steps=2", "train.max_steps=2", "train.lr=1e-5"]) == 0
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["data"]["train_latents"] == 32 + 8 and rep["samples"]["count"] == 8
+    psnr = rep["held_out_samples_psnr_db"]
+    assert set(psnr) == {"folded", "fine_tuned"} and psnr["fine_tuned"]["mean"] > 20.0  # the 8 held-out captions' latents
+    assert "generated latents" in (out / "index.html").read_text()
+
+
 @pytest.mark.parametrize("over, field", [({"vae": "x", "arch": "tiny"}, "vae"), ({"student": "tiny"}, "student"),
                                          ({"holdout": 0}, "holdout")])
 def test_config_errors_name_the_field(over, field):
@@ -49,3 +63,10 @@ def test_config_errors_name_the_field(over, field):
     base = {"arch": "tiny", "data": DataConfig(max_samples=8)}
     with pytest.raises(ConfigError, match=field):
         Config(**{**base, **over})
+
+
+def test_a_bad_samples_field_is_named():
+    from pocketdiff.train.decoder_distill import SamplesConfig
+
+    with pytest.raises(ConfigError, match="samples.count"):
+        SamplesConfig(pipeline="x", count=0)
