@@ -18,8 +18,8 @@
 #       and CLIP score of the student and the teacher's DDIM at its count and at 64. Back: pd_reports.tgz
 #
 #   bash scripts/gpu/few_step_openmoji.sh decoder   # call 4, on the machine the lcm phase left warm (its student
-#       in outputs/lcm): issue 33 item 2 on what users decode. distill-decoder on the teacher's VAE
-#       (configs/decoder/openmoji.yaml, the rest of the budget), then benchmarks/decoder_paths.py on the LCM
+#       in outputs/lcm): issue 33 item 2 on what users decode. distill-decoder on the teacher's VAE and the LCM student's
+#       2-step samples (configs/decoder/openmoji.yaml samples.pipeline, the rest of the budget), then benchmarks/decoder_paths.py on the LCM
 #       student's 2-step samples for the 495 held-out captions (--latents-from): PSNR against the whole decode and
 #       FD (openmoji-CLIP) against the real images, per decoder path. Back: decoder_paths_student_openmoji.json
 #
@@ -112,7 +112,8 @@ case $PHASE in
     [ -n "$student" ] || { echo "no LCM student in outputs/lcm: run the lcm phase on this machine first"; exit 1; }
     stamp "distill-decoder on the teacher's VAE ($(left) s left)"
     python3 -m pocketdiff distill-decoder --config $C/decoder/openmoji.yaml --output outputs/decoder --resume latest \
-      vae=outputs/teacher-openmoji/pipeline train.max_time_s=$(( $(left) - ${PATHS_S:-180} )) > $L/decoder.log 2>&1 || { tail -20 $L/decoder.log; exit 1; }
+      vae=outputs/teacher-openmoji/pipeline samples.pipeline=$student samples.steps=2 samples.guidance_scale=${GUIDANCE:-3.0} \
+      train.max_time_s=$(( $(left) - ${PATHS_S:-180} )) > $L/decoder.log 2>&1 || { tail -20 $L/decoder.log; exit 1; }
     stamp "decoder paths on $student's samples"
     python3 $REPO/benchmarks/decoder_paths.py --latents-from $student --latent-steps 2 --latent-guidance ${GUIDANCE:-3.0} \
       --student outputs/decoder/vae --data openmoji --resolution 64 --images 495 --one-pass 8x16/4/2 \

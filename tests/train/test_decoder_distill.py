@@ -6,7 +6,7 @@ import json
 import pytest
 
 from pocketdiff.cli import main as cli_main
-from pocketdiff.errors import ConfigError
+from pocketdiff.errors import ConfigError, PocketdiffError
 from pocketdiff.models import load_vae
 from pocketdiff.normfree import has_group_norm_up_path, norm_free_names
 
@@ -70,3 +70,18 @@ def test_a_bad_samples_field_is_named():
 
     with pytest.raises(ConfigError, match="samples.count"):
         SamplesConfig(pipeline="x", count=0)
+
+
+def test_generated_latents_of_another_shape_are_refused(monkeypatch):
+    import torch
+
+    import pocketdiff.sampling
+    from pocketdiff.config import DataConfig
+    from pocketdiff.shipped import resolve_shipped
+    from pocketdiff.train.decoder_distill import Config, SamplesConfig, generated_latents
+
+    teacher = str(resolve_shipped("pocketdiff:shapes-teacher"))
+    monkeypatch.setattr(pocketdiff.sampling, "generate", lambda *a, **k: torch.zeros(2, 8, 8, 8))  # 8 latent channels
+    cfg = Config(vae=teacher, data=DataConfig(source="shapes", resolution=32, max_samples=8), samples=SamplesConfig(pipeline=teacher))
+    with pytest.raises(PocketdiffError, match=r"samples.pipeline: .* generates latents \(8, 8, 8\), the VAE .* encodes \(4, 8, 8\)"):
+        generated_latents(cfg, ["a", "b"], torch.zeros(2, 4, 8, 8))
