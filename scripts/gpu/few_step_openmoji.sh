@@ -17,9 +17,10 @@
 #       8 -> 4 -> 2 -> 1 (PD_ROUNDS: 350, 350, 400, 400), EMA decay PD_EMA (0.99), progressive.top_step_input=noise; per round FD
 #       and CLIP score of the student and the teacher's DDIM at its count and at 64. Back: pd_reports.tgz
 #
-#   bash scripts/gpu/few_step_openmoji.sh decoder   # call 4, on the machine the lcm phase left warm (its student
-#       in outputs/lcm): issue 33 item 2 on what users decode. distill-decoder on the teacher's VAE and the LCM student's
-#       2-step samples (configs/decoder/openmoji.yaml samples.pipeline, the rest of the budget), then benchmarks/decoder_paths.py on the LCM
+#   bash scripts/gpu/few_step_openmoji.sh decoder   # call 5, on the machine the pd (or lcm) phase left warm (its student
+#       in outputs/pd, or outputs/lcm with DECODER_FROM=lcm): issue 33 item 2 on what users decode. distill-decoder on the
+#       teacher's VAE and the 2-step student's samples (configs/decoder/openmoji.yaml samples.pipeline, the rest of the
+#       budget), then benchmarks/decoder_paths.py on the
 #       student's 2-step samples for the 495 held-out captions (--latents-from): PSNR against the whole decode and
 #       FD (openmoji-CLIP) against the real images, per decoder path. Back: decoder_paths_student_openmoji.json
 #
@@ -108,8 +109,12 @@ case $PHASE in
       guided.train.ema_decay=$PD_EMA progressive.train.ema_decay=$PD_EMA ;;
   decoder)
     restore
-    student=$(ls -d outputs/lcm/*/model_index.json 2>/dev/null | head -1 | xargs -r dirname)
-    [ -n "$student" ] || { echo "no LCM student in outputs/lcm: run the lcm phase on this machine first"; exit 1; }
+    FROM=${DECODER_FROM:-pd}  # whose 2-step student's samples: pd (the recommended method) or lcm
+    student=$(python3 -c "import glob, json, os, sys
+found = [os.path.dirname(p) for p in sorted(glob.glob(f'outputs/{sys.argv[1]}/round-*/distill.json'))
+         if json.load(open(p)).get('num_inference_steps') == 2 or json.load(open(p)).get('method') == 'consistency']
+print(found[0] if found else '')" $FROM)
+    [ -n "$student" ] || { echo "no 2-step $FROM student in outputs/$FROM: run the $FROM phase on this machine first"; exit 1; }
     stamp "distill-decoder on the teacher's VAE ($(left) s left)"
     python3 -m pocketdiff distill-decoder --config $C/decoder/openmoji.yaml --output outputs/decoder --resume latest \
       vae=outputs/teacher-openmoji/pipeline samples.pipeline=$student samples.steps=2 samples.guidance_scale=${GUIDANCE:-3.0} \
