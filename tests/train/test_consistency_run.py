@@ -43,6 +43,23 @@ def _cfg(teacher_dir, *extra):
         "eval.prompts=[a red circle]", "eval.reference_steps=8", *extra])
 
 
+def _run_interrupted(cfg, out, monkeypatch, steps: int, after=None) -> None:
+    """`distill.run` whose training loop stops after `steps` steps (`after(kw)` then sees the loop's arguments),
+    as a killed run would; the real loop is back in place for the resume."""
+    real_loop = distill.train_loop
+
+    def interrupted_loop(loop_cfg, **kw):
+        real_loop(dataclasses.replace(loop_cfg, max_steps=steps), **kw)
+        if after is not None:
+            after(kw)
+        raise Interrupted
+
+    monkeypatch.setattr(distill, "train_loop", interrupted_loop)
+    with pytest.raises(Interrupted):
+        distill.run(cfg, out)
+    monkeypatch.setattr(distill, "train_loop", real_loop)
+
+
 @pytest.fixture(scope="module")
 def lcm_run(teacher_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("lcm")
@@ -101,20 +118,11 @@ def test_evaluate_samples_the_lcm_student_at_every_measured_count(lcm_run):
 def test_consistency_resume_mid_stage_equals_the_uninterrupted_run(teacher_dir, lcm_run, tmp_path, monkeypatch):
     full_out, full_report = lcm_run
     cfg = _cfg(teacher_dir, "eval.enabled=false", "keep_round_checkpoints=true")
-    real_loop = distill.train_loop
     seen = {}
-
-    def interrupted_loop(loop_cfg, **kw):
-        real_loop(dataclasses.replace(loop_cfg, max_steps=2), **kw)
-        seen["target"] = {k: v.clone() for k, v in kw["companion"].state_dict().items()}
-        raise Interrupted
-
-    monkeypatch.setattr(distill, "train_loop", interrupted_loop)
-    with pytest.raises(Interrupted):
-        distill.run(cfg, tmp_path)
+    _run_interrupted(cfg, tmp_path, monkeypatch, 2,
+                     after=lambda kw: seen.update(target={k: v.clone() for k, v in kw["companion"].state_dict().items()}))
     saved = load_file(str(tmp_path / "checkpoints" / "round-0" / "checkpoint-2" / "companion.safetensors"))
     assert all(torch.equal(saved[k], seen["target"][k].cpu()) for k in saved)
-    monkeypatch.setattr(distill, "train_loop", real_loop)
     report = distill.run(cfg, tmp_path, resume="latest")
     a, b = load_file(str(full_out / "round-0" / UNET)), load_file(str(tmp_path / "round-0" / UNET))
     assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
@@ -128,17 +136,8 @@ def test_curve_steps_measure_each_checkpoint_and_resume_keeps_the_training_secon
     monkeypatch.setenv("POCKETDIFF_CACHE", str(tmp_path / "metric-cache"))
     cfg = _cfg(teacher_dir, "eval.metrics=true", f"eval.clip={clip_dir}", "eval.num_images=4", "eval.curve_steps=[2]",
                "consistency.train.checkpoint_every=2", "consistency.sample_steps=[2]")
-    real_loop = distill.train_loop
-
-    def interrupted_loop(loop_cfg, **kw):
-        real_loop(dataclasses.replace(loop_cfg, max_steps=2), **kw)
-        raise Interrupted
-
-    monkeypatch.setattr(distill, "train_loop", interrupted_loop)
-    with pytest.raises(Interrupted):
-        distill.run(cfg, tmp_path)
+    _run_interrupted(cfg, tmp_path, monkeypatch, 2)
     first_s = json.loads((tmp_path / "checkpoints" / "round-0" / "checkpoint-2" / "trainer_state.json").read_text())["train_s"]
-    monkeypatch.setattr(distill, "train_loop", real_loop)
     [r] = distill.run(cfg, tmp_path, resume="latest")["rounds"]
     assert first_s > 0 and r["train_seconds"] > first_s  # the first invocation's seconds count in the round's
     assert [(p["step"], p["steps"]) for p in r["curve"]] == [(2, 2), (4, 2)]
@@ -160,16 +159,7 @@ def test_curve_steps_are_refused_where_they_cannot_apply(teacher_dir):
 
 def test_a_resume_without_the_target_network_is_refused(teacher_dir, tmp_path, monkeypatch):
     cfg = _cfg(teacher_dir, "eval.enabled=false")
-    real_loop = distill.train_loop
-
-    def interrupted_loop(loop_cfg, **kw):
-        real_loop(dataclasses.replace(loop_cfg, max_steps=1), **kw)
-        raise Interrupted
-
-    monkeypatch.setattr(distill, "train_loop", interrupted_loop)
-    with pytest.raises(Interrupted):
-        distill.run(cfg, tmp_path)
-    monkeypatch.setattr(distill, "train_loop", real_loop)
+    _run_interrupted(cfg, tmp_path, monkeypatch, 1)
     (tmp_path / "checkpoints" / "round-0" / "checkpoint-1" / "companion.safetensors").unlink()
     with pytest.raises(PocketdiffError, match="companion.safetensors"):
         distill.run(cfg, tmp_path, resume="latest")
