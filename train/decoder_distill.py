@@ -33,6 +33,7 @@ from pocketdiff.report import img, plot_curves, save_grid, table, write_page
 from .loop import BatchRandom, LoopConfig, make_accelerator, train_loop
 
 STUDENTS = ("norm_free",)
+HELD_SAMPLES = 64  # held-out captions whose generated latents the report measures (samples.pipeline)
 
 
 @dataclasses.dataclass
@@ -41,7 +42,7 @@ class SamplesConfig:
     images alone decodes a generator's latents worse: docs/MEASUREMENTS.md)."""
 
     pipeline: Optional[str] = None  # a pipeline folder (the teacher or a distilled student) whose VAE is `vae`; null: images only
-    count: int = 512  # generated for the first `count` training captions (and up to 64 held-out captions for the report)
+    count: int = 512  # generated for the first `count` training captions (and up to HELD_SAMPLES held-out captions for the report)
     steps: int = 16
     guidance_scale: float = 3.0
     batch_size: int = 64
@@ -196,9 +197,11 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
     x_train, x_held, text_train, text_held = _images(cfg)
     mean, std = _encode(teacher, x_train)
     held = {"images": _encode(teacher, x_held)[0]}  # held-out latents: the images' posterior means (and generated ones)
-    if cfg.samples.pipeline:
-        mean, std = _with_samples(mean, std, generated_latents(cfg, text_train[:cfg.samples.count], mean), cfg.seed)
-        held["samples"] = generated_latents(cfg, text_held[:64], mean)
+    if cfg.samples.pipeline:  # one pipeline load, one sampling run: the training captions', then the held-out ones'
+        train_text = text_train[:cfg.samples.count]
+        z = generated_latents(cfg, train_text + text_held[:HELD_SAMPLES], mean)
+        mean, std = _with_samples(mean, std, z[:len(train_text)], cfg.seed)
+        held["samples"] = z[len(train_text):]
     student, names = fold_student(teacher, mean, cfg.calibration_images)
     whole = {k: decode01(teacher, z) for k, z in held.items()}
     folded = {k: decode01(student, z) for k, z in held.items()}

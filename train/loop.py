@@ -304,8 +304,7 @@ def train_loop(
 
     # 3. the steps (4. the timing summary: `_Loop.result`)
     loop = _Loop(cfg, acc, memory, model, params, optimizer, scheduler, ema, dataset, collate, loss_fn, ckpt_dir, seed,
-                 desc, log_path, extra_state, start, losses, skipped, companion)
-    loop.prior_s, loop.on_checkpoint = prior_s, on_checkpoint
+                 desc, log_path, extra_state, start, losses, skipped, companion, prior_s=prior_s, on_checkpoint=on_checkpoint)
     loop.run()
     return loop.result()
 
@@ -357,7 +356,8 @@ class _Loop:
 
     def __init__(self, cfg: LoopConfig, acc, memory: GpuMemory, model, params, optimizer, scheduler, ema, dataset,
                  collate: Callable, loss_fn: LossFn, ckpt_dir: Path, seed: int, desc: str, log_path: Optional[Path],
-                 extra_state: Optional[dict], start: int, losses: list, skipped: int, companion: Optional[Companion] = None):
+                 extra_state: Optional[dict], start: int, losses: list, skipped: int, companion: Optional[Companion] = None,
+                 prior_s: float = 0.0, on_checkpoint: Optional[CheckpointHook] = None):
         self.cfg, self.acc, self.memory, self.model, self.params = cfg, acc, memory, model, params
         self.scheduler, self.ema, self.dataset, self.collate, self.loss_fn = scheduler, ema, dataset, collate, loss_fn
         self.ckpt_dir, self.seed, self.desc, self.extra_state = ckpt_dir, seed, desc, extra_state
@@ -376,8 +376,8 @@ class _Loop:
         self.bar = tqdm(total=cfg.max_steps, initial=start, desc=desc, disable=not acc.is_main_process, dynamic_ncols=True)
         self.last_loss = losses[-1][1] if losses else float("nan")
         self.started, self.done, self.stopped_early = time.time(), start, False
-        self.prior_s, self.paused_s = 0.0, 0.0  # training seconds of earlier invocations; time in on_checkpoint
-        self.on_checkpoint: Optional[CheckpointHook] = None
+        self.prior_s, self.paused_s = prior_s, 0.0  # training seconds of earlier invocations; time in on_checkpoint
+        self.on_checkpoint = on_checkpoint
         self.samples_per_step = cfg.batch_size * cfg.grad_accum
         self.times = _StepTimes()
         self.reads = StepReads()
