@@ -58,9 +58,14 @@ def curve_of(report: dict, method: str) -> list[dict]:
     return points
 
 
+def two_step(points, method: str) -> list[dict]:
+    """`method`'s 2-step points (rows or curve points) that have an FD and GPU-hours."""
+    return [p for p in points if p["method"] == method and p["steps"] == 2 and p["fd"] is not None and p["gpu_hours"] is not None]
+
+
 def hours_to_target(points: list[dict], target: float) -> float | None:
     """The fewest GPU-hours at which a 2-step student of these points met `target` FD (None: never)."""
-    met = [p["gpu_hours"] for p in points if p["steps"] == 2 and p["fd"] is not None and p["fd"] <= target and p["gpu_hours"] is not None]
+    met = [p["gpu_hours"] for p in points if p["fd"] <= target]
     return min(met) if met else None
 
 
@@ -70,9 +75,9 @@ def target_summary(rows: list[dict], curve: list[dict], ref: float) -> dict:
     target = TARGET * ref
     out = {"target_fd": round(target, 4)}
     for method in ("lcm", "pd"):
-        out[f"{method}_gpu_hours_to_target"] = hours_to_target([r for r in rows + curve if r["method"] == method], target)
+        out[f"{method}_gpu_hours_to_target"] = hours_to_target(two_step(rows + curve, method), target)
     lcm, pd = out["lcm_gpu_hours_to_target"], out["pd_gpu_hours_to_target"]
-    pd_spent = max((r["gpu_hours"] for r in rows if r["method"] == "pd" and r["steps"] == 2 and r["gpu_hours"]), default=None)
+    pd_spent = max((r["gpu_hours"] for r in two_step(rows, "pd")), default=None)
     if lcm and pd:
         out["lcm_over_pd_gpu_hours_to_target"] = round(lcm / pd, 4)
         out["target_met"] = lcm <= 0.5 * pd
@@ -81,7 +86,7 @@ def target_summary(rows: list[dict], curve: list[dict], ref: float) -> dict:
         out["pd_note"] = f"PD's 2-step student did not meet the target after {pd_spent} GPU-hours"
         out["target_met"] = lcm <= 0.5 * pd_spent
     elif not lcm:
-        two = [p for p in rows + curve if p["method"] == "lcm" and p["steps"] == 2 and p["fd"] is not None]
+        two = two_step(rows + curve, "lcm")
         best = min(two, key=lambda p: p["fd"]) if two else None
         out["target_met"] = False
         out["lcm_note"] = ("LCM's 2-step student did not meet the target" + (
@@ -109,8 +114,7 @@ def summary(rows: list[dict], curve: list[dict] = ()) -> dict:
 def plot_hours(ax, rows: list[dict], curve: list[dict], target: float | None) -> None:
     """FD of the 2-step students against GPU-hours: LCM's checkpoints and PD's 2-step round."""
     for method, label, marker in (("lcm", "consistency (checkpoints)", "o"), ("pd", "progressive", "s")):
-        pts = sorted((p["gpu_hours"], p["fd"]) for p in list(curve) + rows
-                     if p["method"] == method and p["steps"] == 2 and p["fd"] is not None and p["gpu_hours"] is not None)
+        pts = sorted((p["gpu_hours"], p["fd"]) for p in two_step(list(curve) + rows, method))
         if pts:
             ax.plot(*zip(*pts), marker=marker, label=label, color=COLORS[method])
     if target:
