@@ -252,6 +252,7 @@ def runs(bundles: list[tuple[str, str]], cache_root: str, timeout: float, modes:
         man = json.loads((Path(bundle) / "manifest.json").read_text())
         resolution = int(man["latent"]["height"]) * int(man["latent"]["vae_factor"])
         chunks = len((man.get("unet_chunks") or {}).get("components") or ["unet"])  # 1: a whole UNet
+        te_chunks = len((man.get("text_encoder_chunks") or {}).get("components") or ["text_encoder"])
         extra = [a for o in gpu_options if o != "no-gpu-cache" for a in ("--gpu-option", o)]
         extra += ["--no-gpu-cache"] if "no-gpu-cache" in gpu_options else []
         for mode in modes:
@@ -261,7 +262,7 @@ def runs(bundles: list[tuple[str, str]], cache_root: str, timeout: float, modes:
                 r = _run_bundle(bundle, f"/tmp/footprint-{layout}-{mode}-{launch}", mode != "plain", str(folder / "programs"),
                                 str(folder / "driver"), timeout, extra + (["--stream-unet"] if mode == "streamed" else []))
                 rows.append({"layout": layout, "resolution": resolution, "mode": mode, "launch": launch, "device": device,
-                             "variant": tag, "gpu_options": gpu_options, "unet_chunks": chunks,
+                             "variant": tag, "gpu_options": gpu_options, "unet_chunks": chunks, "text_encoder_chunks": te_chunks,
                              "steps": len(man["scheduler"]["timesteps"]), **r})
                 print(json.dumps({k: rows[-1].get(k) for k in ("layout", "mode", "launch", "host_peak_mb", "gpu_peak_mb",
                                                                "start_s", "total_s", "error")}), flush=True)

@@ -11,7 +11,7 @@ from pathlib import Path
 from pocketdiff.outputs import write_json
 from pocketdiff.runtime.bundle import MANIFEST, SCHEMA, SCHEMA_VERSION
 from pocketdiff.runtime.tflite_file import sha256_file
-from pocketdiff.runtime.unet_chunks import CHUNKED_SCHEMA_VERSION
+from pocketdiff.runtime.chunks import CHUNKED_SCHEMA_VERSION, has_chunks
 
 
 def file_entry(bundle: Path, path: Path) -> dict:
@@ -19,7 +19,7 @@ def file_entry(bundle: Path, path: Path) -> dict:
 
 
 def write_manifest(bundle: Path, manifest: dict) -> Path:
-    version = CHUNKED_SCHEMA_VERSION if manifest.get("unet_chunks") else SCHEMA_VERSION  # version 1 readers refuse chunked UNets
+    version = CHUNKED_SCHEMA_VERSION if has_chunks(manifest) else SCHEMA_VERSION  # version 1 readers refuse chunked models
     manifest = {"schema": SCHEMA, "schema_version": version, **manifest}
     path = bundle / MANIFEST
     write_json(path, manifest)

@@ -18,7 +18,7 @@ from pocketdiff.outputs import write_json
 from pocketdiff.runtime.memory import host_peak_mb, reset_host_peak
 
 from . import bundle as bundle_lib
-from .chunk_export import export_chunked_unet
+from .chunk_export import export_chunked
 from .components import Shapes, TextEncoderGraph, UNetGraph, VaeDecoderGraph
 from .device_profile import check_component
 from .exporter import convert_job, finish_component, peak_rss_mb, prepare_component
@@ -53,7 +53,7 @@ class ComponentExport:
     def __init__(self, *, out: Path, work: Path, pipe, names: list[str], golden: GoldenInputs, rewrites_of: dict,
                  weights_of: dict, quantized: dict, split, tiled: tuple, settings: Any, timings: dict):
         """`settings`: the export Config (rewrites, verify, parity, int8.float_storage, device_profile,
-        vae_tiling, jobs, unet_chunks); `split`: the tiled decoder's graphs or None; `tiled`: its component names."""
+        vae_tiling, jobs, unet_chunks, text_encoder_chunks); `split`: the tiled decoder's graphs or None; `tiled`: its component names."""
         self.out, self.work, self.pipe, self.names, self.golden = out, work, pipe, names, golden
         self.rewrites_of, self.weights_of, self.quantized, self.split, self.tiled = rewrites_of, weights_of, quantized, split, tiled
         self.cfg, self.timings = settings, timings
@@ -61,7 +61,7 @@ class ComponentExport:
         self.reports: dict = {}
         self.manifest: dict = {}
         self.tiling_report: dict = {}
-        self.unet_chunks: Optional[dict] = None  # the manifest's unet_chunks block (unet_chunks > 1)
+        self.chunk_blocks: dict[str, dict] = {}  # the manifest's <base>_chunks blocks (unet_chunks, text_encoder_chunks > 1)
 
     def run(self) -> None:
         (self.out / "golden").mkdir(exist_ok=True)
@@ -76,8 +76,9 @@ class ComponentExport:
         module_attr = {"text_encoder": "text_encoder", "unet": "unet", "vae_decoder": "vae", UP_TILE: "vae"}  # the head: the VAE stays
         for name in sorted(self.names, key=lambda n: n == "unet"):  # one component in memory at a time
             reset = reset_host_peak()
-            if name == "unet" and self.cfg.unet_chunks > 1:  # K files, one converted after another (export/chunk_export.py)
-                export_chunked_unet(self, say)
+            chunks = {"unet": self.cfg.unet_chunks, "text_encoder": self.cfg.text_encoder_chunks}.get(name, 1)
+            if chunks > 1:  # K files, one converted after another (export/chunk_export.py)
+                export_chunked(self, name, chunks, say)
             else:
                 prep = self._prepare(name)
                 say(f"{name}: converting with litert-torch ...")

@@ -11,7 +11,7 @@ down and up blocks are cut further, into their layers (a resnet with its attenti
 the mid block stays whole): SD-2.1's heaviest block, up_blocks.1 (260 M parameters), becomes three
 layers of ~87 M and a resampler, so more chunks keep making each one lighter.
 
-Between chunks the runner carries named tensors (runtime/unet_chunks.py): `hidden` (the stream)
+Between chunks the runner carries named tensors (runtime/chunks.py): `hidden` (the stream)
 and `skip_J` (the J-th of the down path's skip connections, `skip_0` being conv_in's output),
 besides the UNet's own `timestep` (the time-embedding row: the time embedding is computed outside
 the graph) and `encoder_hidden_states`. The first chunk takes `sample`; the last one returns the
@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from pocketdiff.errors import PocketdiffError
-from pocketdiff.runtime.unet_chunks import OUTPUT, SKIP_PREFIX, STREAM, skip_name
+from pocketdiff.runtime.chunks import OUTPUT, SKIP_PREFIX, STREAM, skip_name
 
 MAX_CHUNKS = 16
 CUTS = ("block", "layer")  # where chunks may be cut: between blocks, or also between a block's layers

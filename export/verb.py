@@ -30,6 +30,7 @@ from pocketdiff.errors import PocketdiffError, require
 from pocketdiff.models import ModelConfig, load_or_build, perturb_norm_affines
 from pocketdiff.outputs import write_json
 from pocketdiff.runtime.bundle import MANIFEST, load_manifest
+from pocketdiff.runtime.chunks import block_key
 from pocketdiff.runtime.manifest_check import TILED_DECODER
 from pocketdiff.runtime.onepass_decode import ONE_PASS
 from pocketdiff.runtime.tiled_decode import SCHEMES as TILING_SCHEMES
@@ -126,6 +127,7 @@ class Config:
     vae_tiling: VaeTilingConfig = dataclasses.field(default_factory=VaeTilingConfig)  # enabled: head + up-path tile instead of vae_decoder
     unet_chunks: int = 1  # > 1: the UNet as that many .tflite files cut at block boundaries, weights balanced (export/unet_chunks.py)
     unet_chunk_cut: str = "block"  # block | layer: also between a down/up block's layers (lighter chunks, more of them)
+    text_encoder_chunks: int = 1  # > 1: the text encoder as that many .tflite files cut between its layers (export/text_encoder_chunks.py)
 
     def __post_init__(self) -> None:
         require(self.jobs >= 1, "jobs", f"must be >= 1, got {self.jobs}")
@@ -157,6 +159,11 @@ class Config:
             require(self.rewrites.time_embedding_outside, "unet_chunks",
                     "needs rewrites.time_embedding_outside: true (the chunks take the time embedding as an input)")
             require(self.jobs == 1, "unet_chunks", f"converts the chunks one after another: needs jobs: 1, got {self.jobs}")
+        require(isinstance(self.text_encoder_chunks, int) and not isinstance(self.text_encoder_chunks, bool)
+                and 1 <= self.text_encoder_chunks <= MAX_CHUNKS, "text_encoder_chunks", f"must be an int from 1 to {MAX_CHUNKS}, got {self.text_encoder_chunks!r}")
+        if self.text_encoder_chunks > 1:
+            require("text_encoder" in self.components, "text_encoder_chunks", "splits the text_encoder component, which components does not list")
+            require(self.jobs == 1, "text_encoder_chunks", f"converts the chunks one after another: needs jobs: 1, got {self.jobs}")
         require(not self.rewrites.residual_scale_auto or self.fp16_scan.enabled, "rewrites.residual_scale_auto",
                 "needs fp16_scan.enabled: true (the scan measures the residual stream)")
         conv_input = self.device_profile.budgets()["conv_input_mb"]
@@ -374,7 +381,7 @@ def _scheduler_block(cfg: Config, sched, timesteps: list) -> dict:
 
 
 def _manifest(cfg: Config, out: Path, sched, golden: GoldenInputs, model_cfg: ModelConfig, tokenizer_entry: dict,
-              components: dict, split, tiling_report: dict, unet_chunks: Optional[dict] = None) -> dict:
+              components: dict, split, tiling_report: dict, chunk_blocks: Optional[dict] = None) -> dict:
     """manifest.json's content (time_embedding.npy written beside it when the table is outside the graph)."""
     shapes, table = golden.shapes, golden.table
     te_entry = None
@@ -392,7 +399,7 @@ def _manifest(cfg: Config, out: Path, sched, golden: GoldenInputs, model_cfg: Mo
         "time_embedding": te_entry,
         "components": components,
         **({"vae_tiling": {**split.block, "parity_psnr_db": tiling_report["psnr_db"]}} if split is not None else {}),
-        **({"unet_chunks": unet_chunks} if unet_chunks else {}),
+        **{block_key(base): block for base, block in (chunk_blocks or {}).items()},
         "provenance": {
             "source": model_cfg.pretrained or f"built:{model_cfg.arch}",
             "arch": None if model_cfg.pretrained else model_cfg.arch,
@@ -444,7 +451,7 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
     if runner_ids.tolist() != golden.ids_prompt[0].tolist():
         raise PocketdiffError("the bundle's tokenizer.json does not reproduce the pipeline tokenizer's ids for the golden prompt")
     manifest = _manifest(cfg, out, pipe.scheduler, golden, model_cfg, tokenizer_entry, comps.manifest, split, tiling_report,
-                         comps.unet_chunks)
+                         comps.chunk_blocks)
     bundle_lib.write_manifest(out, manifest)
     load_manifest(out)  # the bundle we wrote must pass the runner's checks
     from pocketdiff.runtime.verify_bundle import verify_bundle

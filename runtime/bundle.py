@@ -32,7 +32,7 @@ from pocketdiff.errors import PocketdiffError
 from pocketdiff.outputs import read_json
 
 from .tflite_file import check_tflite_file, sha256_file
-from .unet_chunks import CHUNKED_SCHEMA_VERSION
+from .chunks import CHUNKABLE, CHUNKED_SCHEMA_VERSION, block_key, has_chunks
 
 SCHEMA = "pocketdiff-bundle"
 SCHEMA_VERSION = 1
@@ -70,13 +70,13 @@ def _check_entry(bundle: Path, entry: dict, what: str, verify_sha: bool) -> Path
 
 
 def _check_version(mpath: Path, manifest: dict) -> None:
-    """Version 1, or 2 for a UNet in chunks (`unet_chunks`): each version with its own layout only."""
-    version, chunked = manifest.get("schema_version"), "unet_chunks" in manifest
+    """Version 1, or 2 for a model in chunks (`unet_chunks`, `text_encoder_chunks`): each version with its own layout only."""
+    version, chunked = manifest.get("schema_version"), has_chunks(manifest)
     if version not in (SCHEMA_VERSION, CHUNKED_SCHEMA_VERSION):
         raise PocketdiffError(f"{mpath}: schema version {version!r} is not supported (expected {SCHEMA_VERSION} or {CHUNKED_SCHEMA_VERSION})")
     if chunked != (version == CHUNKED_SCHEMA_VERSION):
-        raise PocketdiffError(f"{mpath}: schema version {version} " + ("is for a UNet in chunks (unet_chunks), which this manifest lacks"
-                              if not chunked else f"cannot hold unet_chunks (a chunked UNet is version {CHUNKED_SCHEMA_VERSION})"))
+        raise PocketdiffError(f"{mpath}: schema version {version} " + ("is for a model in chunks (unet_chunks or text_encoder_chunks), which this manifest lacks"
+                              if not chunked else f"cannot hold {' or '.join(k for k in manifest if k.endswith('_chunks'))} (a chunked model is version {CHUNKED_SCHEMA_VERSION})"))
 
 
 def load_manifest(bundle: str | Path, verify_sha: bool = True, components: Optional[list[str]] = None) -> dict:
@@ -109,8 +109,9 @@ def load_manifest(bundle: str | Path, verify_sha: bool = True, components: Optio
     te = manifest.get("time_embedding")
     if te:
         te["_path"] = str(_check_entry(bundle, te, "time embedding table", verify_sha))
-    chunks = manifest.get("unet_chunks")
-    if isinstance(chunks, dict) and isinstance(chunks.get("golden"), dict):
-        chunks["golden"]["_path"] = str(_check_entry(bundle, chunks["golden"], "golden of the chunked unet", verify_sha))
+    for base in CHUNKABLE:
+        chunks = manifest.get(block_key(base))
+        if isinstance(chunks, dict) and isinstance(chunks.get("golden"), dict):
+            chunks["golden"]["_path"] = str(_check_entry(bundle, chunks["golden"], f"golden of the chunked {base}", verify_sha))
     manifest["_bundle"] = str(bundle.resolve())
     return manifest

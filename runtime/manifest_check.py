@@ -10,8 +10,9 @@ each .tflite is a whole flatbuffer. This module checks what the runner relies on
   finite, in (0, 1], non-increasing, one per train timestep), tokenizer lengths and ids;
 - the components' declared inputs and outputs against each other (latent shape, text length
   and width, UNet batch, time input vs the time-embedding table);
-- a UNet in chunks (`unet_chunks`, runtime/unet_chunks.py): every chunk present, each chunk's inputs
-  made earlier with the same shape and dtype, then the chunks as one UNet against the contract;
+- a UNet or text encoder in chunks (`unet_chunks`, `text_encoder_chunks`, runtime/chunks.py): every chunk
+  present, each chunk's inputs made earlier with the same shape and dtype, then the chunks as one model
+  against the contract;
 - a tiled decoder (`vae_tiling`: tile, overlap, passes, factor, norms [K, G], features F):
   both of its components present, the block's values against the latent, their io against it;
 - files: every declared `bytes` equals the file's size; every .tflite's signature (input
@@ -38,8 +39,8 @@ from .lcm_step import LCM, check_lcm_block
 from .lcm_step import PREDICTION_TYPES as LCM_PREDICTION_TYPES
 from .onepass_decode import ONE_PASS, check_one_pass_block, one_pass_io
 from .tiled_decode import SCHEMES as TILING_SCHEMES
-from .unet_chunks import UNET, unet_components
-from .unet_chunks import check_block as check_chunks_block
+from .chunks import CHUNKABLE, TEXT_ENCODER, block_key, parts_of
+from .chunks import check_block as check_chunks_block
 
 RUNNER_COMPONENTS = ("text_encoder", "unet", "vae_decoder")
 TILED_DECODER = ("vae_decoder_head", "vae_up_tile")
@@ -301,8 +302,11 @@ def _check_components(man: dict, need: Iterable[str], found: _Found) -> None:
         ins, outs = _io(entry, "inputs", name, found), _io(entry, "outputs", name, found)
         if ins is not None and outs is not None:
             ios[name] = (ins, outs)
-    whole_unet = check_chunks_block(man, ios, found, _io)  # a UNet in chunks: checked as one UNet below
-    _check_contract(man, {**ios, UNET: whole_unet} if whole_unet else ios, found)
+    for base in CHUNKABLE:  # a model in chunks: checked as one model below
+        whole = check_chunks_block(man, ios, found, _io, base)
+        if whole:
+            ios[base] = whole
+    _check_contract(man, ios, found)
 
 
 def _check_contract(man: dict, ios: dict, found: _Found) -> None:
@@ -364,7 +368,7 @@ def decoder_components(man: dict) -> tuple[str, ...]:
 
 def runner_components(man: dict) -> tuple[str, ...]:
     """The components run-bundle needs."""
-    return ("text_encoder", *unet_components(man), *decoder_components(man))
+    return (*parts_of(man, TEXT_ENCODER), *parts_of(man), *decoder_components(man))
 
 
 def _check_tiling(man: dict, ios: dict, latent: list, found: _Found) -> None:
@@ -491,8 +495,10 @@ def _check_files(bundle: Path, man: dict, found: _Found) -> None:
         entries.append((f"tokenizer file {fname}", entry, False))
     if isinstance(man.get("time_embedding"), dict):
         entries.append(("time embedding table", man["time_embedding"], False))
-    if isinstance(man.get("unet_chunks"), dict) and isinstance(man["unet_chunks"].get("golden"), dict):
-        entries.append(("golden of the chunked unet", man["unet_chunks"]["golden"], False))
+    for base in CHUNKABLE:
+        block = man.get(block_key(base))
+        if isinstance(block, dict) and isinstance(block.get("golden"), dict):
+            entries.append((f"golden of the chunked {base}", block["golden"], False))
     for what, entry, is_model in entries:
         try:
             path = Path(entry["_path"]) if "_path" in entry else resolve_in_bundle(bundle, entry.get("path"), what)

@@ -15,8 +15,10 @@ runtime/tiled_decode.py); they load and release together where the decoder does.
 (`unet_chunks`: unet.0, unet.1, ...) loads chunk after chunk, each run once on zeros on the GPU before the next
 compiles (the accelerator lets a model's host weight copies go at its first run; pipelined, the freed heap is also
 returned, and the chunks share one environment), stays for every step, and runs in sequence
-with its tensors passed by name (runtime/unet_chunks.py); with `--stream-unet` (and `--pipelined`) each
-chunk is instead loaded for each step and released after it (one chunk in memory at a time). On the GPU the
+with its tensors passed by name (runtime/chunks.py); with `--stream-unet` (and `--pipelined`) each
+chunk is instead loaded for each step and released after it (one chunk in memory at a time). A text encoder
+in chunks (`text_encoder_chunks`) runs chunk after chunk on the prompt; pipelined, each is released before the
+next loads. On the GPU the
 models run through LiteRT's C API (runtime/litert_c.py) with the compiled-program cache
 (runtime/gpu_cache.py). The report has per-stage latency and the measured memory: host and GPU
 peaks and every model's phases (runtime/memory.py).
@@ -39,12 +41,9 @@ from .lcm_step import LCM, lcm_sample
 from .litert_c import parse_gpu_option
 from .memory import PeakSampler, process_age_s, return_freed_memory, tune_allocator
 from .onepass_decode import one_pass_decode_loaded, timed
-from .unet_chunks import UNET, StreamedPart, chunk_aliases, run_unet, unet_components
+from .chunks import TEXT_ENCODER, StreamedPart, base_of, chunk_aliases, parts_of, run_into, run_parts
 
-
-def _env_group(name: str) -> str:
-    """The LiteRT environment a model shares when pipelined: a UNet chunk's is the UNet's."""
-    return UNET if name.startswith(f"{UNET}.") else name
+_env_group = base_of  # the LiteRT environment a model shares when pipelined: a chunk's is its model's
 
 
 def bundle_tokenizer(tokenizer_json: str | Path, tok: dict):
@@ -247,11 +246,12 @@ class BundleRunner:
         self.man = manifest or check_bundle(bundle)  # fields, sizes and every .tflite's signature, before anything runs
         self.comps = self.man["components"]
         self.decoder = decoder_components(self.man)
-        self.unet_parts = unet_components(self.man)  # ("unet",) or the chunks unet.0, unet.1, ... (runtime/unet_chunks.py)
+        self.te_parts = parts_of(self.man, TEXT_ENCODER)  # ("text_encoder",) or its chunks (runtime/chunks.py)
+        self.unet_parts = parts_of(self.man)  # ("unet",) or the chunks unet.0, unet.1, ...
         if stream_unet and len(self.unet_parts) == 1:
             raise PocketdiffError(f"bundle {bundle}: --stream-unet streams a UNet exported in chunks; this one is one model "
                                   "(export with unet_chunks=N)")
-        for need in ("text_encoder", *self.unet_parts, *self.decoder):
+        for need in (*self.te_parts, *self.unet_parts, *self.decoder):
             if need not in self.comps:
                 raise PocketdiffError(f"bundle {bundle}: has no {need} (exported with components={list(self.comps)})")
         tune_allocator()  # large buffers the accelerator frees go back to the system at once (runtime/memory.py)
@@ -351,18 +351,24 @@ class BundleRunner:
             self._mark(name, "first_run" if n == 1 else "steady_run")
 
     def _encode(self, ids: np.ndarray, latency: dict) -> np.ndarray:
-        te = self._load("text_encoder", latency)
-        before = len(te.run_s)
-        cond = te({"input_ids": ids[None]})
-        self._ran("text_encoder")
-        if self.ids_empty is not None:
-            uncond = te({"input_ids": self.ids_empty[None]})
-            self._ran("text_encoder")
-            cond = np.concatenate([uncond, cond])
-        latency["text_encoder_run"] = float(sum(te.run_s[before:]))
-        if self.pipelined:
-            self._release("text_encoder")
-        return cond
+        """The prompt's (and, for CFG, the empty prompt's) text embeddings. A text encoder in chunks runs chunk
+        after chunk on both; pipelined, each chunk is released before the next one loads (one in memory)."""
+        tables = [{"input_ids": ids[None]}] + ([{"input_ids": self.ids_empty[None]}] if self.ids_empty is not None else [])
+        aliases = chunk_aliases(self.man, TEXT_ENCODER)
+        run_s, outs = 0.0, []
+        for k, name in enumerate(self.te_parts):
+            m = self._load(name, latency)
+            before = len(m.run_s)
+            outs = [run_into(t, m, aliases[k] if k < len(aliases) else {})[0] for t in tables]
+            for _ in tables:
+                self._ran(name)
+            run_s += sum(m.run_s[before:])
+            if self.pipelined:
+                self._release(name)
+        if len(self.te_parts) > 1 and all(f"{n}_load" in latency for n in self.te_parts):
+            latency["text_encoder_load"] = float(sum(latency[f"{n}_load"] for n in self.te_parts))
+        latency["text_encoder_run"] = float(run_s)
+        return outs[0] if len(outs) == 1 else np.concatenate([outs[1], outs[0]])
 
     def _denoise(self, x: np.ndarray, ehs: np.ndarray, latency: dict, stats: dict, rng: np.random.Generator) -> np.ndarray:
         """The sampling loop: DDIM, or the consistency step (runtime/lcm_step.py) for `scheduler.type: lcm`,
@@ -389,7 +395,7 @@ class BundleRunner:
                 feeds["timestep"] = np.full((B,), float(t), dtype=np.float32)
             feeds["encoder_hidden_states"] = ehs
             before = [len(m.run_s) for m in parts]
-            out = run_unet(parts, feeds, aliases)
+            out = run_parts(parts, feeds, aliases)
             step_s.append(sum(sum(m.run_s[n:]) for m, n in zip(parts, before)))
             for name in self.unet_parts:
                 self._ran(name)
@@ -479,7 +485,7 @@ class BundleRunner:
         ids = _ids(self.tokenizer, prompt, tok)
         latency["tokenize"] = time.perf_counter() - t0
         if not self.pipelined:  # the naive app: everything up front
-            for name in ("text_encoder", *self.unet_parts, *self.decoder):
+            for name in (*self.te_parts, *self.unet_parts, *self.decoder):
                 self._load(name, latency)
         ehs = self._encode(ids, latency)
         shape = (1, int(lat["channels"]), int(lat["height"]), int(lat["width"]))

@@ -30,7 +30,7 @@ import numpy as np
 from pocketdiff.errors import PocketdiffError
 
 from .manifest_check import manifest_problems
-from .unet_chunks import UNET, chain_on_delegate, chunk_aliases
+from .chunks import CHUNKABLE, base_of, block_key, chain_on_delegate, chunk_aliases
 
 ACCELERATORS = ("gpu", "cpu")
 _CHECK_OF = {"signature": "io", "present": "files", "size": "files", "path": "files", "file": "files"}
@@ -201,8 +201,8 @@ def check_parity(name: str, p: str, m: dict, tol: dict, what: str, say_what: boo
 
 
 def _chunk_references(name: str, entry: dict) -> list:
-    """A UNet chunk's golden outputs in the declared (signature) order; empty for other components."""
-    if not name.startswith(f"{UNET}.") or len(entry["outputs"]) < 2:
+    """A chunk's golden outputs in the declared (signature) order; empty for other components."""
+    if base_of(name) == name or len(entry["outputs"]) < 2:
         return []
     with np.load(entry["golden"]["_path"], allow_pickle=False) as data:
         keys = [f"output_{j}" for j in range(len(entry["outputs"]))]
@@ -212,28 +212,29 @@ def _chunk_references(name: str, entry: dict) -> list:
         return [data[k] for k in keys]
 
 
-def verify_chunk_chain(man: dict, accelerator: str, precisions: Sequence[str], timeout_s: float, driver: Optional[str]) -> dict:
-    """A chunked UNet end to end: the chunks in sequence (each fed the previous chunks' outputs on this
-    accelerator) against the whole UNet's golden output, at the manifest's tolerances."""
+def verify_chunk_chain(man: dict, accelerator: str, precisions: Sequence[str], timeout_s: float, driver: Optional[str],
+                       base: str) -> dict:
+    """A chunked model (`base`: unet, text_encoder) end to end: the chunks in sequence (each fed the previous
+    chunks' outputs on this accelerator) against the whole model's golden output, at the manifest's tolerances."""
     from . import parity as parity_lib
 
-    block = man["unet_chunks"]
+    block = man[block_key(base)]
     golden = block.get("golden") or {}
     if "_path" not in golden:
-        raise BundleCheckError(UNET, "golden", "the unet_chunks block lists no golden file")
+        raise BundleCheckError(base, "golden", f"the {block_key(base)} block lists no golden file")
     with np.load(golden["_path"], allow_pickle=False) as data:
         inputs = {i["name"]: data[f"input_{i['name']}"] for i in block["inputs"]}
         ref = data["output_0"]
     paths = [(man["components"][n]["_path"], [i["name"] for i in man["components"][n]["inputs"]], a)
-             for n, a in zip(block["components"], chunk_aliases(man))]
+             for n, a in zip(block["components"], chunk_aliases(man, base))]
     rep: dict = {"checks": ["chain"], "chunks": list(block["components"]), "parity": {}}
     for p in (list(precisions) if accelerator == "gpu" else ["fp32"]):
         try:
             y, _ = chain_on_delegate(paths, inputs, p, accelerator=accelerator, timeout_s=timeout_s, driver=driver)
         except PocketdiffError as e:
-            raise BundleCheckError(UNET, "compile", str(e)) from None
+            raise BundleCheckError(base, "compile", str(e)) from None
         m = rep["parity"][p] = parity_lib.metrics(ref, y)
-        check_parity(UNET, p, m, golden.get("tolerances", {}), f"the {len(paths)} chunks in sequence, {accelerator} {p}")
+        check_parity(base, p, m, golden.get("tolerances", {}), f"the {len(paths)} chunks in sequence, {accelerator} {p}")
     rep["checks"] += ["finite", "parity"]
     return rep
 
@@ -288,14 +289,20 @@ def verify_bundle(bundle: str | Path, accelerator: str = "gpu", precisions: Sequ
 
 def _verify_chain_into(report: dict, man: dict, names: list, run: bool, accelerator: str, precisions, timeout_s: float,
                        driver: Optional[str], keep_going: bool) -> None:
-    """With every chunk of a chunked UNet checked and passed: the chunks end to end, as report["components"]["unet"]."""
-    chunks = (man.get("unet_chunks") or {}).get("components") or []
-    if not run or not chunks or not all(report["components"].get(n, {}).get("ok") for n in chunks):
-        return
+    """With every chunk of a chunked model checked and passed: the chunks end to end, as report["components"][base]
+    (base: unet, text_encoder)."""
+    for base in CHUNKABLE:
+        chunks = (man.get(block_key(base)) or {}).get("components") or []
+        if run and chunks and all(report["components"].get(n, {}).get("ok") for n in chunks):
+            _verify_one_chain(report, man, base, accelerator, precisions, timeout_s, driver, keep_going)
+
+
+def _verify_one_chain(report: dict, man: dict, base: str, accelerator: str, precisions, timeout_s: float, driver: Optional[str],
+                      keep_going: bool) -> None:
     try:
-        report["components"][UNET] = {**verify_chunk_chain(man, accelerator, precisions, timeout_s, driver), "ok": True}
+        report["components"][base] = {**verify_chunk_chain(man, accelerator, precisions, timeout_s, driver, base), "ok": True}
     except BundleCheckError as e:
-        report["components"][UNET] = {"ok": False, "failed_check": e.check, "error": e.detail}
+        report["components"][base] = {"ok": False, "failed_check": e.check, "error": e.detail}
         report["failures"].append(str(e))
         if not keep_going:
             raise

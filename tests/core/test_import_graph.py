@@ -53,7 +53,7 @@ INTERFACES: dict[str, dict[str, str]] = {
         "pocketdiff.runtime.run_bundle": "export's tokenizer golden and tiled parity come from the reference runner",
         "pocketdiff.runtime.verify_bundle": "export runs verify-bundle's no-run checks on the bundle it wrote",
         "pocketdiff.runtime.memory": "export measures each component's peak RSS as the runner measures its own",
-        "pocketdiff.runtime.unet_chunks": "a chunked UNet is exported under the names and order the runner passes tensors by",
+        "pocketdiff.runtime.chunks": "a chunked UNet or text encoder is exported under the names and order the runner passes tensors by",
     },
     "pocketdiff.compress.prune": {
         "pocketdiff.train.loop": "recovery distillation reuses train's loop",

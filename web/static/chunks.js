@@ -1,5 +1,5 @@
 // A UNet exported in chunks (export `unet_chunks: K`, manifest schema_version 2), as run-bundle runs it
-// (runtime/unet_chunks.py): unet.0 ... unet.K-1 in sequence, a table of named tensors between them (the
+// (runtime/chunks.py): unet.0 ... unet.K-1 in sequence, a table of named tensors between them (the
 // UNet's inputs first; each chunk reads its inputs from it by name and writes its outputs into it:
 // `hidden`, the stream; `skip_J`, the down path's skip connections), then, per `unet_chunks.aliases`, a
 // second name for one of its outputs (a chunk ending with a down block returns that block's last skip only
