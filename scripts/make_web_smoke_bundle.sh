@@ -8,30 +8,45 @@
 # the 8 x 8 latent). Only its files that differ from smoke_bundle's are kept there (the text
 # encoder, UNet, time embedding and tokenizer are byte-identical); tests/web/conftest.py puts
 # the two together, and the manifest's sha256 refuses a mix from different rebuilds.
-# And tests/web/smoke_bundle_chunked: the same recipe with the UNet in two chunks (unet_chunks=2), kept
-# the same way (its manifest, goldens, chunks and whatever else differs); and tests/web/smoke_bundle_tiled_stats:
-# a tiled decoder with iterated norm statistics (vae_tiling.scheme control_variate, 3 passes, the
-# teacher's GroupNorms kept; same tiles).
+# And tests/web/smoke_bundle_chunked: the same recipe with the UNet and the text encoder each in two
+# chunks (unet_chunks=2 text_encoder_chunks=2), kept the same way (its manifest, goldens, chunks and
+# whatever else differs); and tests/web/smoke_bundle_tiled_stats: a tiled decoder with iterated norm
+# statistics (vae_tiling.scheme control_variate, 3 passes, the teacher's GroupNorms kept; same tiles).
+# Usage: make_web_smoke_bundle.sh [bundle] [tiled] [chunked] [tiled_stats] (default: all four). A twin
+# rebuilt without `bundle` keeps the files that differ from the committed tests/web/smoke_bundle's.
 # Rerun after a change to the bundle format (tests/web fail on a manifest they cannot read).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
+[ $# -gt 0 ] || set -- bundle tiled chunked tiled_stats
+for B in "$@"; do
+  case "$B" in bundle|tiled|chunked|tiled_stats) ;; *) echo "make_web_smoke_bundle: unknown bundle $B (bundle, tiled, chunked, tiled_stats)" >&2; exit 2 ;; esac
+done
 bash scripts/setup.sh
 TMP="$(mktemp -d)"
 trap 'rm -rf "$TMP"' EXIT
 RECIPE=(--config configs/smoke/export.yaml steps=4 weights=int8 int8.rtn=true)
-TILING=(vae_tiling.enabled=true vae_tiling.scheme=one_pass vae_tiling.passes=1 vae_tiling.fold_norms=true
-        vae_tiling.tile=6 vae_tiling.overlap=2 vae_tiling.margin=1 vae_tiling.min_psnr_db=30)
-.venv/bin/pocketdiff export "${RECIPE[@]}" --output "$TMP/bundle"
-.venv/bin/pocketdiff export "${RECIPE[@]}" "${TILING[@]}" --output "$TMP/tiled"
-.venv/bin/pocketdiff export "${RECIPE[@]}" unet_chunks=2 --output "$TMP/chunked"
-.venv/bin/pocketdiff export "${RECIPE[@]}" vae_tiling.enabled=true vae_tiling.scheme=control_variate vae_tiling.passes=3 \
-  vae_tiling.tile=6 vae_tiling.overlap=2 vae_tiling.margin=1 vae_tiling.min_psnr_db=30 --output "$TMP/tiled_stats"
-for B in bundle tiled chunked tiled_stats; do rm -rf "$TMP/$B/_export" "$TMP/$B/report.json" "$TMP/$B/logs" "$TMP/$B/.pocketdiff-output.json"; done
+declare -A SETS=(
+  [bundle]=""
+  [tiled]="vae_tiling.enabled=true vae_tiling.scheme=one_pass vae_tiling.passes=1 vae_tiling.fold_norms=true
+           vae_tiling.tile=6 vae_tiling.overlap=2 vae_tiling.margin=1 vae_tiling.min_psnr_db=30"
+  [chunked]="unet_chunks=2 text_encoder_chunks=2"
+  [tiled_stats]="vae_tiling.enabled=true vae_tiling.scheme=control_variate vae_tiling.passes=3
+                 vae_tiling.tile=6 vae_tiling.overlap=2 vae_tiling.margin=1 vae_tiling.min_psnr_db=30"
+)
+for B in "$@"; do
+  # shellcheck disable=SC2086  # the sets are words
+  .venv/bin/pocketdiff export "${RECIPE[@]}" ${SETS[$B]} --output "$TMP/$B"
+  rm -rf "$TMP/$B/_export" "$TMP/$B/report.json" "$TMP/$B/logs" "$TMP/$B/.pocketdiff-output.json"
+done
 DST=tests/web/smoke_bundle
-find "$DST" -mindepth 1 -maxdepth 1 ! -name README.md -exec rm -rf {} +
-cp -r "$TMP/bundle/." "$DST/"
-for B in tiled chunked tiled_stats; do
+if [ -d "$TMP/bundle" ]; then
+  find "$DST" -mindepth 1 -maxdepth 1 ! -name README.md -exec rm -rf {} +
+  cp -r "$TMP/bundle/." "$DST/"
+  echo "rebuilt $DST ($(du -sh "$DST" | cut -f1))"
+fi
+for B in "$@"; do
+  [ "$B" != bundle ] || continue
   TWIN=tests/web/smoke_bundle_$B
   find "$TWIN" -mindepth 1 -maxdepth 1 ! -name README.md -exec rm -rf {} +
   (cd "$TMP/$B" && find . -type f) | while read -r f; do
@@ -39,4 +54,3 @@ for B in tiled chunked tiled_stats; do
   done
   echo "rebuilt $TWIN ($(du -sh "$TWIN" | cut -f1), the rest from $DST)"
 done
-echo "rebuilt $DST ($(du -sh "$DST" | cut -f1))"

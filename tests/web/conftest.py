@@ -1,6 +1,6 @@
 """Shared fixtures of the web tests: the shipped smoke bundles (tests/web/smoke_bundle and its twins
 smoke_bundle_tiled, one-pass tiled decoder, smoke_bundle_tiled_stats, tiled decoder with iterated norm
-statistics, and smoke_bundle_chunked, UNet in two chunks; made by `pocketdiff
+statistics, and smoke_bundle_chunked, UNet and text encoder each in two chunks; made by `pocketdiff
 export`, see their READMEs) copied to a temporary folder, node and Chromium."""
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ def assemble_twin_bundle(twin: Path, dst: Path) -> Path:
 
     man = json.loads((twin / "manifest.json").read_text())
     entries = [*man["tokenizer"]["files"].values(), *([man["time_embedding"]] if man.get("time_embedding") else [])]
-    for comp in [*man["components"].values(), *([man["unet_chunks"]] if man.get("unet_chunks") else [])]:
+    blocks = [man[key] for key in ("text_encoder_chunks", "unet_chunks") if man.get(key)]  # their whole models' goldens
+    for comp in [*man["components"].values(), *blocks]:
         entries += [*([comp] if comp.get("path") else []), *([comp["golden"]] if comp.get("golden") else [])]
     for rel in ["manifest.json", "config.yaml", *(e["path"] for e in entries)]:
         src = twin / rel if (twin / rel).is_file() else SMOKE_BUNDLE / rel
@@ -59,7 +60,8 @@ def assemble_tiled_stats():
 
 @pytest.fixture(scope="session")
 def assemble_chunked():
-    """The chunked-UNet smoke bundle (unet.0, unet.1) assembled in a folder, for module-scoped fixtures."""
+    """The chunked smoke bundle (text_encoder.0, text_encoder.1, unet.0, unet.1) assembled in a folder, for
+    module-scoped fixtures."""
     return lambda dst: assemble_twin_bundle(CHUNKED_SMOKE_BUNDLE, dst)
 
 

@@ -112,8 +112,11 @@ if (req.console_lines) {
   out.prepare_failure = prepare.prepareFailure(out.prepare_since);
   out.prepare_later = prepare.consoleSince(prepare.consoleMark());
 }
-// chunks.js: the manifest's UNet layout
-out.unet_layouts = (req.manifests || []).map((m) => ({ problem: chunks.unetPartsProblem(m), parts: chunks.unetPartsProblem(m) ? null : chunks.unetParts(m) }));
+// chunks.js: a model's layout in the manifest ({manifest, base}: 'unet' or 'text_encoder'), and the whole manifest's
+out.layouts = (req.layouts || []).map(({ manifest, base }) => {
+  const problem = chunks.partsProblem(manifest, base);
+  return { problem, parts: problem ? null : chunks.modelParts(manifest, base), layout: chunks.layoutProblem(manifest) };
+});
 // chunks.js: which golden output_J each of a model's outputs is compared with
 if (req.golden_order) {
   out.golden_order = req.golden_order.map(([names, declared]) => {
@@ -124,29 +127,43 @@ if (req.golden_order) {
     }
   });
 }
-// chunks.js: runUnet over stand-in parts that add 1 to their inputs, with an alias between them (the
-// arithmetic, not LiteRT, is what is checked here; the page runs real chunks in test_check_chunked.py)
+// chunks.js: runParts (one feed) or runPartsOnEach (chain.feeds_list: each feed through a chunk before the next
+// opens, as the page runs a chunked text encoder) over stand-in parts that add 1 to their inputs, with aliases
+// between them (the arithmetic, not LiteRT, is what is checked here; the page runs real chunks in
+// test_check_chunked.py); `opened`: +name at a compile, run:name at a run, -name at a release, in order
 if (req.chunk_chain) {
+  const chain = req.chunk_chain;
+  const opened = [];
   const part = (name, ins, outs) => ({
     name,
     model: { getInputDetails: () => ins.map((n) => ({ name: n })), getOutputDetails: () => outs.map((n) => ({ name: n })) },
-    runAll: async (feeds) => outs.map((o, i) => ({ data: Float32Array.from([ins.reduce((a, n) => a + feeds[n].data[0], 0) + i + 1]), shape: [1] })),
+    runAll: async (feeds) => {
+      if (chain.log_runs) opened.push(`run:${name}`);
+      return outs.map((o, i) => ({ data: Float32Array.from([ins.reduce((a, n) => a + feeds[n].data[0], 0) + i + 1]), shape: [1] }));
+    },
+    run: async (feeds) => ({ data: Float32Array.from([Object.values(feeds).reduce((a, f) => a + f.data[0], 0) + 1]), shape: [1] }),
   });
-  const opened = [];
   const streamedPart = (p) => new chunks.StreamedChunk({ name: p.name }, async () => {
     const c = { ...part(p.name, p.inputs, p.outputs), runMs: [5], compileMs: 7, release() { opened.push(`-${p.name}`); } };
     opened.push(`+${p.name}`);
     return c;
   }, p.outputs.map((name) => ({ name })));
-  const streamed = Boolean(req.chunk_chain.streamed);
-  const parts = req.chunk_chain.parts.map((p) => (streamed ? streamedPart(p) : part(p.name, p.inputs, p.outputs)));
-  const feeds = { sample: { data: Float32Array.from([1]), shape: [1] } };
+  const streamed = Boolean(chain.streamed) || Boolean(chain.feeds_list);
+  const parts = chain.parts.map((p) => (streamed ? streamedPart(p) : part(p.name, p.inputs, p.outputs)));
+  const value = (feeds) => Object.fromEntries(Object.entries(feeds).map(([k, v]) => [k, { data: Float32Array.from([v]), shape: [1] }]));
+  const base = chain.base ?? 'unet';
+  const aliases = chunks.chunkAliases(chain.manifest, base);
   try {
-    const names = streamed ? new Array(parts.length) : req.chunk_chain.parts.map((p) => p.outputs);
-    const res = await chunks.runUnet(parts, feeds, names, chunks.chunkAliases(req.chunk_chain.manifest));
-    out.chunk_chain = { value: res.data[0], opened, compiles: streamed ? parts.map((p) => p.compiles) : null };
+    if (chain.feeds_list) {
+      const res = await chunks.runPartsOnEach(parts, chain.feeds_list.map(value), aliases, base);
+      out.chunk_chain = { values: res.map((r) => r.data[0]), opened, compiles: parts.map((p) => p.compiles) };
+    } else {
+      const names = streamed ? new Array(parts.length) : chain.parts.map((p) => p.outputs);
+      const res = await chunks.runParts(parts, value(chain.feeds ?? { sample: 1 }), names, aliases, base);
+      out.chunk_chain = { value: res.data[0], opened, compiles: streamed ? parts.map((p) => p.compiles) : null };
+    }
   } catch (e) {
-    out.chunk_chain = { error: String(e.message) };
+    out.chunk_chain = { error: String(e.message), opened };
   }
 }
 console.log(JSON.stringify(out));

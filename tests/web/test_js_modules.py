@@ -243,6 +243,13 @@ def test_page_lcm_step_matches_the_runner(node, tmp_path):
     assert "scheduler.sigma_data" in sigma and "scheduler.prediction_type" in ptype
 
 
+def _plain_request(**more) -> dict:
+    """A harness request that runs only what `more` asks for (the tokenizer and readers on nothing)."""
+    return {"tokenizer_json": str(STATIC.parents[1] / "pocketdiff/assets/shapes-teacher/tokenizer/tokenizer.json"),
+            "tokenizer": {"max_length": 77, "pad_id": 593, "bos_id": 592, "eos_id": 593}, "prompts": [],
+            "files": [], "npy": [], "npz": [], **more}
+
+
 def test_page_prepare_check_and_unet_layouts(node, tmp_path):
     """prepare.js: after a mark, the lines LiteRT.js printed, and the one saying XNNPACK could not prepare a
     model (what the page turns into an error naming the component); chunks.js: a whole UNet, chunks, and
@@ -252,16 +259,47 @@ def test_page_prepare_check_and_unet_layouts(node, tmp_path):
     chunked = {"schema_version": 2, "unet_chunks": {"components": ["unet.0", "unet.1"]}}
     manifests = [{"schema_version": 1}, chunked, {"schema_version": 2}, {**chunked, "schema_version": 1},
                  {"schema_version": 2, "unet_chunks": {"components": ["unet.1", "unet.0"]}}]
-    out = _run(node, tmp_path, {"tokenizer_json": str(STATIC.parents[1] / "pocketdiff/assets/shapes-teacher/tokenizer/tokenizer.json"),
-                                "tokenizer": {"max_length": 77, "pad_id": 593, "bos_id": 592, "eos_id": 593}, "prompts": [],
-                                "files": [], "npy": [], "npz": [], "console_lines": lines, "manifests": manifests})
+    out = _run(node, tmp_path, _plain_request(console_lines=lines, layouts=[{"manifest": m, "base": "unet"} for m in manifests]))
     assert out["prepare_since"] == lines and out["prepare_later"] == []
     assert out["prepare_failure"] == "ERROR: failed to create XNNPACK runtime"
-    whole, chunks, v2_whole, v1_chunks, unordered = out["unet_layouts"]
-    assert whole == {"problem": None, "parts": ["unet"]} and chunks == {"problem": None, "parts": ["unet.0", "unet.1"]}
-    assert "schema version 2 is not supported" in v2_whole["problem"]
+    whole, chunks, v2_whole, v1_chunks, unordered = out["layouts"]
+    assert whole == {"problem": None, "parts": ["unet"], "layout": None}
+    assert chunks == {"problem": None, "parts": ["unet.0", "unet.1"], "layout": None}
+    assert "schema version 2 is not supported" in v2_whole["problem"] and v2_whole["layout"] == v2_whole["problem"]
+    assert "(expected 1, or 2 with unet_chunks or text_encoder_chunks)" in v2_whole["problem"]
     assert "a bundle with unet_chunks has schema version 2, got 1" in v1_chunks["problem"]
     assert "unet_chunks.components must list unet.0, unet.1" in unordered["problem"]
+
+
+TE_CHUNKS = {"components": ["text_encoder.0", "text_encoder.1"]}
+
+
+def test_text_encoder_layouts_name_their_own_block(node, tmp_path):
+    """chunks.js on text_encoder_chunks: its chunks in order, the UNet's layout beside it, and its problems in
+    the UNet's words with the text encoder's names; the whole manifest's layout reports either block's."""
+    te_only = {"schema_version": 2, "text_encoder_chunks": TE_CHUNKS}
+    both = {**te_only, "unet_chunks": {"components": ["unet.0", "unet.1", "unet.2"]}}
+    cases = [(te_only, "text_encoder"), (te_only, "unet"), (both, "text_encoder"), (both, "unet"),
+             ({"schema_version": 1}, "text_encoder"),
+             ({"schema_version": 2, "text_encoder_chunks": {"components": ["text_encoder.1", "text_encoder.0"]}}, "text_encoder"),
+             ({"schema_version": 2, "text_encoder_chunks": {"components": ["text_encoder.0"]}}, "text_encoder"),
+             ({"schema_version": 2, "text_encoder_chunks": {"components": ["unet.0", "unet.1"]}}, "text_encoder"),
+             ({**te_only, "schema_version": 1}, "text_encoder"),
+             ({**both, "text_encoder_chunks": {"components": "text_encoder.0"}}, "unet")]
+    out = _run(node, tmp_path, _plain_request(layouts=[{"manifest": m, "base": b} for m, b in cases]))
+    te, unet_beside, both_te, both_unet, v1_whole, unordered, one, other_names, v1_chunks, bad_te_beside = out["layouts"]
+    assert te == {"problem": None, "parts": ["text_encoder.0", "text_encoder.1"], "layout": None}
+    assert unet_beside == {"problem": None, "parts": ["unet"], "layout": None}  # schema 2 for the text encoder's block
+    assert both_te["parts"] == ["text_encoder.0", "text_encoder.1"] and both_te["layout"] is None
+    assert both_unet["parts"] == ["unet.0", "unet.1", "unet.2"]
+    assert v1_whole == {"problem": None, "parts": ["text_encoder"], "layout": None}
+    for bad in (unordered, one, other_names):
+        assert "manifest: text_encoder_chunks.components must list text_encoder.0, text_encoder.1, ... (at least two)" in bad["problem"], bad
+        assert bad["parts"] is None and bad["layout"] == bad["problem"]
+    assert '["text_encoder.1","text_encoder.0"]' in unordered["problem"] and '["unet.0","unet.1"]' in other_names["problem"]
+    assert v1_chunks["problem"] == "manifest.json: a bundle with text_encoder_chunks has schema version 2, got 1"
+    # the UNet's own block is fine, the manifest is not: the page refuses it for the text encoder's
+    assert bad_te_beside["problem"] is None and "text_encoder_chunks.components must list" in bad_te_beside["layout"]
 
 
 @pytest.mark.parametrize("streamed", [False, True])
@@ -276,16 +314,69 @@ def test_run_unet_passes_tensors_by_name_and_alias(node, tmp_path, aliases, expe
     chain = {"streamed": streamed, "manifest": {"schema_version": 2, "unet_chunks": block},
              "parts": [{"name": "unet.0", "inputs": ["sample"], "outputs": ["hidden"]},
                        {"name": "unet.1", "inputs": ["hidden", "skip_1"], "outputs": ["out"]}]}
-    out = _run(node, tmp_path, {"tokenizer_json": str(STATIC.parents[1] / "pocketdiff/assets/shapes-teacher/tokenizer/tokenizer.json"),
-                                "tokenizer": {"max_length": 77, "pad_id": 593, "bos_id": 592, "eos_id": 593}, "prompts": [],
-                                "files": [], "npy": [], "npz": [], "chunk_chain": chain})
-    got = out["chunk_chain"]
+    got = _run(node, tmp_path, _plain_request(chunk_chain=chain))["chunk_chain"]
     if isinstance(expect, float):
         assert got.get("value") == expect, got
         assert got["opened"] == (["+unet.0", "-unet.0", "+unet.1", "-unet.1"] if streamed else [])
         assert got["compiles"] == ([1, 1] if streamed else None)
     else:
         assert expect in got["error"], got
+        if streamed:  # the chunk that failed (named first in the error) was released all the same
+            assert got["opened"] == ["+unet.0", "-unet.0", "+unet.1", "-unet.1"][:len(got["opened"])], got
+            assert got["opened"][-1] == "-" + got["error"].split(":")[0], got
+
+
+TE_PARTS = [{"name": "text_encoder.0", "inputs": ["input_ids"], "outputs": ["hidden"]},
+            {"name": "text_encoder.1", "inputs": ["hidden"], "outputs": ["out"]}]
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+@pytest.mark.parametrize("aliases,second_inputs,expect", [
+    (None, ["hidden"], 3.0),  # text_encoder.0: hidden = 1 + 1; text_encoder.1: out = 2 + 1
+    ([{"first": "hidden"}, {}], ["hidden", "first"], 5.0),  # 2 + 2 + 1
+    (None, ["hidden", "skip_1"], "text_encoder.1: no earlier chunk (nor the text encoder's inputs) makes its input skip_1"),
+    ([{"first": "nothing"}, {}], ["hidden"], "text_encoder.0: text_encoder_chunks.aliases names nothing, which it does not return"),
+])
+def test_run_parts_chains_text_encoder_chunks(node, tmp_path, aliases, second_inputs, expect, streamed):
+    """runParts on a text_encoder_chunks block: the text encoder's input_ids in, its chunks' tensors by name and
+    alias, its errors in its own words."""
+    block = {**TE_CHUNKS, **({"aliases": aliases} if aliases is not None else {})}
+    chain = {"streamed": streamed, "base": "text_encoder", "feeds": {"input_ids": 1},
+             "manifest": {"schema_version": 2, "text_encoder_chunks": block},
+             "parts": [TE_PARTS[0], {**TE_PARTS[1], "inputs": second_inputs}]}
+    got = _run(node, tmp_path, _plain_request(chunk_chain=chain))["chunk_chain"]
+    if isinstance(expect, float):
+        assert got.get("value") == expect, got
+        assert got["opened"] == (["+text_encoder.0", "-text_encoder.0", "+text_encoder.1", "-text_encoder.1"] if streamed else [])
+    else:
+        assert expect in got["error"], got
+
+
+def test_text_encoder_chunks_run_on_both_prompts_one_chunk_at_a_time(node, tmp_path):
+    """runPartsOnEach, as the page runs a chunked text encoder with classifier-free guidance: chunk k compiled,
+    run on the prompt and on the empty prompt, released, then chunk k + 1; each prompt's tensors kept apart."""
+    chain = {"base": "text_encoder", "log_runs": True, "feeds_list": [{"input_ids": 1}, {"input_ids": 10}],
+             "manifest": {"schema_version": 2, "text_encoder_chunks": TE_CHUNKS}, "parts": TE_PARTS}
+    got = _run(node, tmp_path, _plain_request(chunk_chain=chain))["chunk_chain"]
+    assert got.get("values") == [3.0, 12.0], got  # (1 + 1) + 1 and (10 + 1) + 1
+    assert got["opened"] == ["+text_encoder.0", "run:text_encoder.0", "run:text_encoder.0", "-text_encoder.0",
+                             "+text_encoder.1", "run:text_encoder.1", "run:text_encoder.1", "-text_encoder.1"]
+    assert got["compiles"] == [1, 1]
+
+
+def test_whole_text_encoder_runs_on_each_prompt_and_a_failing_chunk_is_released(node, tmp_path):
+    """A whole text encoder through the same path (its one model on each prompt); a chunk that fails on its
+    input is released before the error reaches the page."""
+    whole = {"base": "text_encoder", "log_runs": True, "feeds_list": [{"input_ids": 1}, {"input_ids": 10}],
+             "manifest": {"schema_version": 1}, "parts": [{"name": "text_encoder", "inputs": ["input_ids"], "outputs": ["out"]}]}
+    got = _run(node, tmp_path, _plain_request(chunk_chain=whole))["chunk_chain"]
+    assert got.get("values") == [2.0, 11.0] and got["opened"] == ["+text_encoder", "-text_encoder"], got
+    broken = {**whole, "manifest": {"schema_version": 2, "text_encoder_chunks": TE_CHUNKS},
+              "parts": [TE_PARTS[0], {**TE_PARTS[1], "inputs": ["hidden", "mask"]}]}
+    got = _run(node, tmp_path, _plain_request(chunk_chain=broken))["chunk_chain"]
+    assert "text_encoder.1: no earlier chunk (nor the text encoder's inputs) makes its input mask" in got["error"], got
+    assert got["opened"] == ["+text_encoder.0", "run:text_encoder.0", "run:text_encoder.0", "-text_encoder.0",
+                             "+text_encoder.1", "-text_encoder.1"]
 
 
 def test_golden_outputs_are_matched_by_name_not_position(node, tmp_path):

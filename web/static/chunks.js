@@ -1,34 +1,59 @@
-// A UNet exported in chunks (export `unet_chunks: K`, manifest schema_version 2), as run-bundle runs it
-// (runtime/chunks.py): unet.0 ... unet.K-1 in sequence, a table of named tensors between them (the
-// UNet's inputs first; each chunk reads its inputs from it by name and writes its outputs into it:
-// `hidden`, the stream; `skip_J`, the down path's skip connections), then, per `unet_chunks.aliases`, a
-// second name for one of its outputs (a chunk ending with a down block returns that block's last skip only
-// as `hidden`); the last chunk's one output is the UNet's output.
+// A model exported in chunks (export `unet_chunks: K`, `text_encoder_chunks: K`, manifest schema_version 2),
+// as run-bundle runs it (runtime/chunks.py). `base` names the model: 'unet' or 'text_encoder'; its block
+// is the manifest's `<base>_chunks`. <base>.0 ... <base>.K-1 run in sequence, a table of named tensors
+// between them (the model's inputs first: the UNet's sample, timestep, encoder_hidden_states; the text
+// encoder's input_ids; each chunk reads its inputs from it by name and writes its outputs into it:
+// `hidden`, the stream; the UNet's `skip_J`, the down path's skip connections), then, per the block's
+// `aliases`, a second name for one of its outputs (a UNet chunk ending with a down block returns that
+// block's last skip only as `hidden`); the last chunk's one output is the model's output.
 // Errors here are plain Errors with the component or field named; pipeline.js turns a manifest problem
-// (unetPartsProblem) into its BundleError.
+// (layoutProblem) into its BundleError.
 
 export const CHUNKED_SCHEMA_VERSION = 2;
+export const UNET = 'unet';
+export const TEXT_ENCODER = 'text_encoder';
+/** The models a bundle may hold in chunks (a manifest's layout checked in this order: the UNet's first). */
+export const CHUNKABLE = [UNET, TEXT_ENCODER];
+const SPOKEN = { [UNET]: 'UNet', [TEXT_ENCODER]: 'text encoder' };
 
-/** What is wrong with the manifest's UNet layout (schema version, unet_chunks block), or null. */
-export function unetPartsProblem(man) {
-  const block = man.unet_chunks;
+/** The manifest key of `base`'s chunks block: unet_chunks, text_encoder_chunks. */
+export function blockKey(base) {
+  return `${base}_chunks`;
+}
+
+/** What is wrong with the manifest's layout of `base` (its `<base>_chunks` block, and the schema version
+ *  that goes with it: 2 iff the manifest has a chunks block), or null. */
+export function partsProblem(man, base = UNET) {
+  const key = blockKey(base);
+  const block = man[key];
   if (!block) {
+    if (CHUNKABLE.some((b) => man[blockKey(b)])) return null; // another model's block: its own check
     return man.schema_version === 1 ? null
-      : `manifest.json: schema version ${man.schema_version} is not supported (expected 1, or ${CHUNKED_SCHEMA_VERSION} with unet_chunks)`;
+      : `manifest.json: schema version ${man.schema_version} is not supported (expected 1, or ${CHUNKED_SCHEMA_VERSION} with ${CHUNKABLE.map(blockKey).join(' or ')})`;
   }
   const parts = block.components;
-  if (!Array.isArray(parts) || parts.length < 2 || parts.some((p, i) => p !== `unet.${i}`)) {
-    return `manifest: unet_chunks.components must list unet.0, unet.1, ... (at least two), got ${JSON.stringify(parts)}`;
+  if (!Array.isArray(parts) || parts.length < 2 || parts.some((p, i) => p !== `${base}.${i}`)) {
+    return `manifest: ${key}.components must list ${base}.0, ${base}.1, ... (at least two), got ${JSON.stringify(parts)}`;
   }
   if (man.schema_version !== CHUNKED_SCHEMA_VERSION) {
-    return `manifest.json: a bundle with unet_chunks has schema version ${CHUNKED_SCHEMA_VERSION}, got ${man.schema_version}`;
+    return `manifest.json: a bundle with ${key} has schema version ${CHUNKED_SCHEMA_VERSION}, got ${man.schema_version}`;
   }
   return null;
 }
 
-/** The UNet's component names in call order: ['unet'], or the chunks unet.0, unet.1, ... (after unetPartsProblem). */
-export function unetParts(man) {
-  return man.unet_chunks ? man.unet_chunks.components.slice() : ['unet'];
+/** The first problem of the manifest's layout (each chunkable model's, CHUNKABLE's order), or null. */
+export function layoutProblem(man) {
+  for (const base of CHUNKABLE) {
+    const problem = partsProblem(man, base);
+    if (problem) return problem;
+  }
+  return null;
+}
+
+/** A model's component names in call order: [base], or its chunks base.0, base.1, ... (after partsProblem). */
+export function modelParts(man, base = UNET) {
+  const block = man[blockKey(base)];
+  return block ? block.components.slice() : [base];
 }
 
 /** The names of a compiled chunk's outputs, in its run's order: the model's own names where they are the
@@ -43,9 +68,9 @@ export function outputNames(component, declared) {
   return names;
 }
 
-/** Per chunk, {alias: the chunk's output it names} ({} where the manifest has no aliases). */
-export function chunkAliases(man) {
-  const block = man.unet_chunks || {};
+/** Per chunk of `base`, {alias: the chunk's output it names} ({} where the manifest has no aliases). */
+export function chunkAliases(man, base = UNET) {
+  const block = man[blockKey(base)] || {};
   const n = (block.components || []).length;
   return Array.isArray(block.aliases) && block.aliases.length === n ? block.aliases.map((a) => ({ ...a })) : Array.from({ length: n }, () => ({}));
 }
@@ -62,29 +87,37 @@ export function goldenIndices(names, declared) {
   });
 }
 
-/** The UNet's output {data, shape} from its parts (one whole model, or the chunks in sequence: compiled
+/** One compiled chunk `c` of `base` run on its inputs from the table of named tensors (`tensors`, changed
+ *  here): its outputs (`names`, in its run's order) and their `aliases` written back into the table;
+ *  returns its outputs. */
+export async function runChunk(tensors, c, names, aliases = {}, base = UNET) {
+  const mine = {};
+  for (const d of c.model.getInputDetails()) {
+    if (!(d.name in tensors)) throw new Error(`${c.name}: no earlier chunk (nor the ${SPOKEN[base] ?? base}'s inputs) makes its input ${d.name}`);
+    mine[d.name] = tensors[d.name];
+  }
+  const outs = await c.runAll(mine);
+  names.forEach((name, i) => { tensors[name] = outs[i]; });
+  for (const [alias, src] of Object.entries(aliases || {})) {
+    if (!names.includes(src)) throw new Error(`${c.name}: ${blockKey(base)}.aliases names ${src}, which it does not return`);
+    tensors[alias] = tensors[src];
+  }
+  return outs;
+}
+
+/** A model's output {data, shape} from its parts (one whole model, or the chunks in sequence: compiled
  *  Components kept resident, or StreamedChunks compiled for this use and released after it);
  *  `outNames`: each part's output names (outputNames; found once, filled here for a streamed chunk);
- *  `aliases`: chunkAliases(man). */
-export async function runUnet(parts, feeds, outNames, aliases = []) {
+ *  `aliases`: chunkAliases(man, base). */
+export async function runParts(parts, feeds, outNames, aliases = [], base = UNET) {
   if (parts.length === 1 && !parts[0].open) return parts[0].run(feeds);
   const tensors = { ...feeds };
   let outs = [];
   for (const [k, part] of parts.entries()) {
     const c = part.open ? await part.open() : part;
     try {
-      const mine = {};
-      for (const d of c.model.getInputDetails()) {
-        if (!(d.name in tensors)) throw new Error(`${c.name}: no earlier chunk (nor the UNet's inputs) makes its input ${d.name}`);
-        mine[d.name] = tensors[d.name];
-      }
-      outs = await c.runAll(mine);
       const names = outNames[k] ?? (outNames[k] = part.outputNames(c));
-      names.forEach((name, i) => { tensors[name] = outs[i]; });
-      for (const [alias, src] of Object.entries(aliases[k] || {})) {
-        if (!names.includes(src)) throw new Error(`${c.name}: unet_chunks.aliases names ${src}, which it does not return`);
-        tensors[alias] = tensors[src];
-      }
+      outs = await runChunk(tensors, c, names, aliases[k], base);
     } finally {
       if (part.open) part.close();
     }
@@ -92,7 +125,33 @@ export async function runUnet(parts, feeds, outNames, aliases = []) {
   return outs[0];
 }
 
-/** A UNet chunk compiled for each use and released right after it (the page's `unet=streamed`): the chunks
+/** Each feed's output {data, shape} through a model's parts opened one at a time (StreamedChunk's
+ *  protocol: `open()` -> a compiled Component, `close()` releases what it compiled, called also when open
+ *  or a run fails; `outputNames(c)`): part k runs on every feed before part k + 1 opens (a chunked text
+ *  encoder on the prompt and the empty prompt, one chunk in memory, as run-bundle's _encode), each feed's
+ *  tensors passed between the chunks by name as runParts passes them; one whole model runs on each feed.
+ *  `aliases`: chunkAliases(man, base). */
+export async function runPartsOnEach(parts, feedsList, aliases = [], base = UNET) {
+  const tables = feedsList.map((feeds) => ({ ...feeds }));
+  let outs = [];
+  for (const [k, part] of parts.entries()) {
+    try {
+      const c = await part.open();
+      outs = [];
+      if (parts.length === 1) {
+        for (const feeds of tables) outs.push(await c.run(feeds));
+      } else {
+        const names = part.outputNames(c);
+        for (const tensors of tables) outs.push((await runChunk(tensors, c, names, aliases[k], base))[0]);
+      }
+    } finally {
+      part.close();
+    }
+  }
+  return outs;
+}
+
+/** A chunk compiled for each use and released right after it (the page's `unet=streamed`): the chunks
  *  of an SD-size UNet do not fit LiteRT.js's 2 GB wasm heap together, one at a time they do. The fetched
  *  bytes stay in the page; `compile(fetched)` -> a Component; its compile and run times are gathered here. */
 export class StreamedChunk {

@@ -1,6 +1,7 @@
-// One prompt through the bundle, pipelined as `run-bundle --pipelined` (a tiled decoder as tiled.js).
+// One prompt through the bundle, pipelined as `run-bundle --pipelined` (a tiled decoder as tiled.js, a UNet or a
+// text encoder in chunks as chunks.js).
 import { BundleError, Component, ddimStep, pageNoise, parity, toHwc } from './pipeline.js';
-import { StreamedChunk, chunkAliases, goldenIndices, outputNames, runUnet } from './chunks.js';
+import { StreamedChunk, TEXT_ENCODER, UNET, chunkAliases, goldenIndices, outputNames, runParts, runPartsOnEach } from './chunks.js';
 import { lcmStep, renoise } from './lcm.js';
 import { ONE_PASS, onePassDecode, statsDecode } from './tiled.js';
 
@@ -77,8 +78,10 @@ export async function generate(bundle, opts) {
   };
 
   // text encoder and UNet download together; the text encoder compiles, runs and is released
-  // before the UNet compiles (one model compiling at a time on the page's thread)
-  const teFetch = Component.fetch(bundle, 'text_encoder');
+  // before the UNet compiles (one model compiling at a time on the page's thread); a text encoder in
+  // chunks compiles, runs and releases one chunk after another
+  const teFetch = bundle.teParts.map((name) => Component.fetch(bundle, name));
+  for (const p of teFetch) p.catch(() => {}); // awaited below; an early failure must not go unhandled
   // the UNet (its chunks, one after another) stays resident between prompts (as run-bundle --pipelined keeps it),
   // unless its chunks are streamed (compiled for each use: they do not fit the page's memory together)
   const streamed = Boolean(opts.streamUnet) && bundle.unetParts.length > 1;
@@ -93,18 +96,31 @@ export async function generate(bundle, opts) {
     : streamed && bundle.streamedBytes ? bundle.streamedBytes.map((f) => Promise.resolve({ ...f, fetchMs: 0 }))
       : bundle.unetParts.map((name) => Component.fetch(bundle, name));
   for (const p of unetFetch || []) p.catch(() => {}); // awaited below; an early failure must not go unhandled
-  const text = {};
-  const te = await Component.compile(teFetch, opts.accelerator);
-  record(te);
-  try {
-    await checkGolden(te);
-    text.cond = await te.run({ input_ids: { data: enc.ids, shape: [1, enc.ids.length] } });
-    if (empty) text.uncond = await te.run({ input_ids: { data: empty.ids, shape: [1, empty.ids.length] } });
-    stages.text_encoder.run_ms = te.runMs.reduce((a, b) => a + b, 0);
-    note('text_encoder', stages.text_encoder);
-  } finally {
-    te.release();
-  }
+  // each part compiled in turn, checked against its golden, run on the prompt (and the empty prompt), and
+  // released before the next one compiles (chunks.js runPartsOnEach)
+  const teParts = teFetch.map((fetched) => {
+    let c = null;
+    return {
+      async open() {
+        c = await Component.compile(fetched, opts.accelerator);
+        record(c);
+        await checkGolden(c);
+        return c;
+      },
+      close() {
+        if (!c) return;
+        stages[c.name].run_ms = c.runMs.reduce((a, b) => a + b, 0);
+        note(c.name, stages[c.name]);
+        c.release();
+        c = null;
+      },
+      outputNames: (comp) => outputNames(comp, man.components[comp.name].outputs),
+    };
+  });
+  const prompts = empty ? [enc, empty] : [enc];
+  const [cond, uncond] = await runPartsOnEach(teParts, prompts.map((p) => ({ input_ids: { data: p.ids, shape: [1, p.ids.length] } })),
+    chunkAliases(man, TEXT_ENCODER), TEXT_ENCODER);
+  const text = { cond, uncond };
   const unet = kept ?? [];
   bundle.residentUnet = null; // held by this call until it ends
   let decoderP = null;
@@ -128,7 +144,7 @@ export async function generate(bundle, opts) {
     // a chunk's output names, found once (not per step; a streamed chunk's at its first use); a whole UNet
     // returns its one output
     const outNames = streamed ? new Array(unet.length) : (unet.length > 1 ? unet.map((c) => outputNames(c, man.components[c.name].outputs)) : null);
-    const aliases = chunkAliases(man);
+    const aliases = chunkAliases(man, UNET);
     const stepMs = [];
     const h = text.cond.shape;
     let ehs = text.cond.data;
@@ -171,7 +187,7 @@ export async function generate(bundle, opts) {
       } else {
         feeds.timestep = { data: new Float32Array(B).fill(t), shape: [B] };
       }
-      const res = await runUnet(unet, feeds, outNames, aliases);
+      const res = await runParts(unet, feeds, outNames, aliases, UNET);
       stepMs.push(unet.reduce((a, c) => a + c.runMs[c.runMs.length - 1], 0));
       let out = res.data;
       if (B === 2) {

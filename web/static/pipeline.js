@@ -2,9 +2,9 @@
 // on LiteRT.js. Every file is checked against the manifest's sha256 before use; DDIM with the
 // manifest's timesteps and alphas (or the lcm step, lcm.js); classifier-free guidance in one batch-2 UNet call or the
 // student's embedded guidance; the time embedding looked up in the bundle's table when it was
-// computed outside the graph; a UNet in chunks run in sequence (chunks.js). Pipelined loading as
-// run-bundle --pipelined: the text encoder loads and runs while the UNet downloads and is released
-// before the UNet compiles; the decoder (or the tiled
+// computed outside the graph; a UNet or a text encoder in chunks run in sequence (chunks.js). Pipelined
+// loading as run-bundle --pipelined: the text encoder (its chunks one after another) loads and runs while
+// the UNet downloads and is released before the UNet compiles; the decoder (or the tiled
 // decoder's head and up tile, tiled.js) loads during the last denoising step.
 import { loadAndCompile, Tensor } from '@litertjs/core';
 import { ClipBpe } from './bpe.js';
@@ -12,7 +12,7 @@ import { parseNpy, parseNpz } from './npy.js';
 import { sha256Hex } from './sha256.js';
 import { schedulerProblem } from './lcm.js';
 import { TILED_DECODER, tilingProblem } from './tiled.js';
-import { unetParts, unetPartsProblem } from './chunks.js';
+import { TEXT_ENCODER, UNET, layoutProblem, modelParts } from './chunks.js';
 import { consoleMark, consoleSince, prepareFailure } from './prepare.js';
 
 export class BundleError extends Error {}
@@ -51,9 +51,10 @@ export class Bundle {
     const text = new TextDecoder().decode(await this.fetchBytes('manifest.json', 'manifest'));
     const man = JSON.parse(text);
     if (man.schema !== 'pocketdiff-bundle') throw new BundleError('manifest.json: not a pocketdiff bundle manifest');
-    const layoutProblem = unetPartsProblem(man);
-    if (layoutProblem) throw new BundleError(layoutProblem);
-    this.unetParts = unetParts(man); // ['unet'], or the chunks unet.0, unet.1, ... (chunks.js)
+    const layout = layoutProblem(man);
+    if (layout) throw new BundleError(layout);
+    this.teParts = modelParts(man, TEXT_ENCODER); // ['text_encoder'], or the chunks text_encoder.0, ... (chunks.js)
+    this.unetParts = modelParts(man, UNET); // ['unet'], or the chunks unet.0, unet.1, ...
     const schedProblem = schedulerProblem(man.scheduler);
     if (schedProblem) throw new BundleError(schedProblem);
     if (man.vae_tiling) {
@@ -61,7 +62,7 @@ export class Bundle {
       if (problem) throw new BundleError(problem);
     }
     this.decoder = man.vae_tiling ? TILED_DECODER : ['vae_decoder'];
-    for (const need of ['text_encoder', ...this.unetParts, ...this.decoder]) {
+    for (const need of [...this.teParts, ...this.unetParts, ...this.decoder]) {
       if (!man.components?.[need]) throw new BundleError(`bundle: has no ${need} (exported with components=${Object.keys(man.components || {})})`);
     }
     this.man = man;
