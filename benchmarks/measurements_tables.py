@@ -274,6 +274,14 @@ def _phase(r: dict, component: str, phase: str, key: str):
     return next((p[key] for p in r["memory"]["phases"] if p["component"] == component and p["phase"] == phase), None)
 
 
+def _loaded_phase(r: dict, component: str, phase: str, key: str):
+    """`_phase`, or None where the runner marked it after the component's release (runner v2's streamed chunks)."""
+    mine = [p["phase"] for p in r["memory"]["phases"] if p["component"] == component]
+    if phase not in mine or "released" in mine[:mine.index(phase)][-1:]:
+        return None
+    return _phase(r, component, phase, key)
+
+
 FOOTPRINTS = ("bundle_footprint_student_h100.json", "bundle_footprint_cfg_h100.json")
 
 
@@ -287,10 +295,11 @@ def _run_row(r: dict) -> list[str]:
     mode = r["mode"] + {"nocache": " (no program cache)", "cache_only_compiled_programs": " (programs-only cache)"}.get(r.get("variant"), "")
     gb = lambda v: "-" if v is None else f"{v / 1e3:.1f} GB"  # noqa: E731
     unet = f"unet.{r['unet_chunks'] - 1}" if (r.get("unet_chunks") or 1) > 1 else "unet"
+    lat = r["latency_s"]
+    unet_load = f"{lat['unet_load']:.1f} s" if "unet_load" in lat else f"{lat['unet_streamed_loads']:.1f} s in {r['unet_chunks'] * r['steps']} loads"
     return [r["layout"], r["runner"], mode, r["launch"], gb(r["host_peak_mb"]), gb(r["gpu_peak_mb"]),
-            gb(m.get("host_plus_gpu_peak_at_once_mb")), gb(_phase(r, unet, "steady_run", "host_rss_mb")),
-            f"{r['latency_s']['text_encoder_load']:.1f} / {r['latency_s']['unet_load']:.1f} s",
-            f"{r['start_s']:.1f} s", f"{r['total_s']:.1f} s"]
+            gb(m.get("host_plus_gpu_peak_at_once_mb")), gb(_loaded_phase(r, unet, "steady_run", "host_rss_mb")),
+            f"{lat['text_encoder_load']:.1f} / {unet_load}", f"{r['start_s']:.1f} s", f"{r['total_s']:.1f} s"]
 
 
 def bundle_footprint_runs() -> str:
@@ -300,6 +309,18 @@ def bundle_footprint_runs() -> str:
 def bundle_footprint_chunks4() -> str:
     """The 4-chunk UNet with the int8 text encoder against the whole UNet, end to end in one call."""
     return table(RUN_HEADER, [_run_row(r) for r in load(RESULTS / "bundle_footprint_chunks4_h100.json")["runs"]])
+
+
+def bundle_footprint_layer() -> str:
+    """Layer-cut UNet chunks (and the text encoder in chunks): kept, streamed, plain; cold and warm."""
+    return table(RUN_HEADER, [_run_row(r) for r in load(RESULTS / "bundle_footprint_layer_h100.json")["runs"]])
+
+
+def bundle_footprint_chunk_probe() -> str:
+    """One layer-cut chunk's load per accelerator option set, cold and warm program cache, each a fresh process."""
+    rows = [[r["set"], r["launch"], f"{r['load_s']:.2f} s", f"{r['host_peak_mb'] / 1e3:.2f} GB", f"{r['gpu_peak_mb'] / 1e3:.2f} GB"]
+            for r in load(RESULTS / "bundle_footprint_layer_h100.json")["probes"]]
+    return table(["option set", "program cache", "load (open to compiled)", "host peak", "GPU"], rows)
 
 
 def bundle_footprint_unet() -> str:
@@ -358,6 +379,8 @@ TABLES = {
     "bundle-footprint-unet": bundle_footprint_unet,
     "bundle-footprint-chunks": bundle_footprint_chunks,
     "bundle-footprint-chunks4": bundle_footprint_chunks4,
+    "bundle-footprint-layer": bundle_footprint_layer,
+    "bundle-footprint-chunk-probe": bundle_footprint_chunk_probe,
 }
 
 

@@ -163,13 +163,14 @@ def run_into(tensors: dict[str, np.ndarray], model, aliases: dict) -> list:
 
 
 class StreamedPart:
-    """A chunk loaded for each run and released right after it (run-bundle --stream-unet, and a chunked text
-    encoder when pipelined), as the page's `?unet=streamed`: one chunk in memory at a time, a load per run. `load()` -> the
-    loaded model (`run_all`, `out_names`, `run_s`), `release()` frees it; `in_names` come from the manifest
-    (check_component_io proved them the file's), `out_names` from the model once it has run."""
+    """A UNet chunk loaded for each run and released right after it (run-bundle --stream-unet), as the page's
+    `?unet=streamed`: one chunk in memory at a time, a load per run. `load()` -> the loaded model (`run_all`,
+    `out_names`, `run_s`); `ran()` is called after each run while the model is still loaded (the runner's memory
+    marks); `release()` frees it. `in_names` come from the manifest (check_component_io proved them the
+    file's), `out_names` from the model once it has run."""
 
-    def __init__(self, in_names: Sequence[str], load, release):
-        self.in_names, self._load, self._release = list(in_names), load, release
+    def __init__(self, in_names: Sequence[str], load, ran, release):
+        self.in_names, self._load, self._ran, self._release = list(in_names), load, ran, release
         self.out_names: list = []
         self.run_s: list = []
 
@@ -179,6 +180,7 @@ class StreamedPart:
             outs = model.run_all(feeds)
             self.out_names = list(model.out_names)
             self.run_s.append(model.run_s[-1])
+            self._ran()
         finally:
             self._release()
         return outs

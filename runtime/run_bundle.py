@@ -40,7 +40,7 @@ from .manifest_check import TILED_DECODER, check_bundle, decoder_components
 from .lcm_step import LCM, lcm_sample
 from .litert_c import parse_gpu_option
 from .memory import PeakSampler, process_age_s, return_freed_memory, tune_allocator
-from .onepass_decode import one_pass_decode_loaded, timed
+from .onepass_decode import ONE_PASS, one_pass_decode_loaded, timed
 from .chunks import TEXT_ENCODER, StreamedPart, base_of, chunk_aliases, parts_of, run_into, run_parts
 
 _env_group = base_of  # the LiteRT environment a model shares when pipelined: a chunk's is its model's
@@ -397,8 +397,9 @@ class BundleRunner:
             before = [len(m.run_s) for m in parts]
             out = run_parts(parts, feeds, aliases)
             step_s.append(sum(sum(m.run_s[n:]) for m, n in zip(parts, before)))
-            for name in self.unet_parts:
-                self._ran(name)
+            if not self.stream_unet:  # a streamed chunk marks its runs itself, before its release
+                for name in self.unet_parts:
+                    self._ran(name)
             return out[0:1] + scale * (out[1:2] - out[0:1]) if B == 2 else out
 
         if sched.get("type", "ddim") == LCM:
@@ -442,7 +443,7 @@ class BundleRunner:
             return model
 
         return [StreamedPart([i["name"] for i in self.comps[name]["inputs"]], functools.partial(load, name),
-                             functools.partial(self._release, name)) for name in self.unet_parts]
+                             functools.partial(self._ran, name), functools.partial(self._release, name)) for name in self.unet_parts]
 
     def _settle(self, name: str, model: "_Loaded") -> None:
         """One run of a fresh UNet chunk on zeros, before the next chunk compiles: LiteRT's GPU accelerator
@@ -454,6 +455,8 @@ class BundleRunner:
 
     def _decode(self, x: np.ndarray, latency: dict, stats: dict) -> np.ndarray:
         decoder = self.decoder
+        if self.pipelined and decoder == TILED_DECODER and self.man["vae_tiling"].get("scheme") == ONE_PASS:
+            return self._decode_one_pass_in_turn(x, latency, stats)
         for name in decoder:
             self._load(name, latency)
         if decoder == TILED_DECODER:
@@ -472,6 +475,24 @@ class BundleRunner:
             for name in decoder:
                 self._release(name)
         return image
+
+    def _decode_one_pass_in_turn(self, x: np.ndarray, latency: dict, stats: dict) -> np.ndarray:
+        """Pipelined one-pass decode, one graph at a time: the head runs on the whole latent and is released
+        before the up tile loads (the features wait in host memory), so the two never share the GPU."""
+        head_name, up_name = TILED_DECODER
+        head = self._load(head_name, latency)
+        features = head({"latents": x})
+        head_s = head.run_s[-1]
+        self._ran(head_name)
+        self._release(head_name)
+        up = self._load(up_name, latency)
+        pixels, timing = one_pass_decode_loaded(lambda feeds: features, up, self.man["vae_tiling"], x)
+        timing["latency_s"].update(vae_decoder_head_run=head_s, vae_tiled_decode=timing["latency_s"]["vae_tiled_decode"] + head_s)
+        latency.update(timing["latency_s"])
+        stats["vae_up_tile_calls"] = timing["up_tile_calls"]
+        self._ran(up_name)
+        self._release(up_name)
+        return pixels[0].transpose(1, 2, 0)
 
     def run(self, prompt: str, seed: int = 0, init_latents: Optional[np.ndarray] = None) -> tuple[np.ndarray, dict]:
         """One prompt: (image [H, W, 3] float32 in [0, 1], stats). Loads what is not resident;

@@ -264,6 +264,8 @@ def test_streamed_chunks_load_for_every_step_one_at_a_time_and_give_the_same_ima
     unet = [(c, ph) for c, ph in phases if c in chunks and ph in ("opened", "released")]
     assert all(a[0] == b[0] and (a[1], b[1]) == ("opened", "released") for a, b in zip(unet[::2], unet[1::2])), unet  # one at a time
     assert rep["latency_s"]["unet_streamed_loads"] > 0
+    for c in chunks:  # each chunk's runs are marked while it is loaded (its memory then), before its release
+        assert phases.index((c, "first_run")) < phases.index((c, "released")), (c, phases)
 
 
 @pytest.mark.parametrize("bundle, flags, message", [
