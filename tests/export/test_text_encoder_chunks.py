@@ -128,8 +128,8 @@ def test_pipelined_holds_one_text_encoder_chunk_at_a_time_and_gives_the_plain_im
     for name in ("text_encoder.0", "text_encoder.1"):  # run on the prompt and the empty prompt, then released
         assert phases.index((name, "steady_run")) < phases.index((name, "released")), phases
     assert phases.index(("text_encoder.0", "released")) < phases.index(("text_encoder.1", "opened"))
-    assert pipe["latency_s"]["text_encoder_load"] == pytest.approx(
-        pipe["latency_s"]["text_encoder.0_load"] + pipe["latency_s"]["text_encoder.1_load"])
+    assert pipe["latency_s"]["text_encoder_load"] == pytest.approx(  # the report rounds each to 0.1 ms
+        pipe["latency_s"]["text_encoder.0_load"] + pipe["latency_s"]["text_encoder.1_load"], abs=2e-4)
     assert pipe["fully_accelerated"] is True and {"text_encoder.0", "text_encoder.1"} <= set(pipe["fully_accelerated_by_component"])
 
 
