@@ -11,7 +11,7 @@ bundle's table when it was computed outside the graph.
 decoder: one at a time). Without it the three models are loaded up front (the naive app).
 A bundle with a `vae_tiling` block decodes with its two decoder graphs (`vae_decoder_head` on the
 whole latent, `vae_up_tile` per tile: runtime/onepass_decode.py or, for the iterated schemes,
-runtime/tiled_decode.py); they load and release together where the decoder does. A UNet exported in chunks
+runtime/tiled_decode.py); pipelined, the head runs and is released before the up tile loads. A UNet exported in chunks
 (`unet_chunks`: unet.0, unet.1, ...) loads chunk after chunk, each run once on zeros on the GPU before the next
 compiles (the accelerator lets a model's host weight copies go at its first run; pipelined, the freed heap is also
 returned, and the chunks share one environment), stays for every step, and runs in sequence
@@ -40,7 +40,7 @@ from .manifest_check import TILED_DECODER, check_bundle, decoder_components
 from .lcm_step import LCM, lcm_sample
 from .litert_c import parse_gpu_option
 from .memory import PeakSampler, process_age_s, return_freed_memory, tune_allocator
-from .onepass_decode import ONE_PASS, one_pass_decode_loaded, timed
+from .onepass_decode import one_pass_decode_loaded, timed
 from .chunks import TEXT_ENCODER, StreamedPart, base_of, chunk_aliases, parts_of, run_into, run_parts
 
 _env_group = base_of  # the LiteRT environment a model shares when pipelined: a chunk's is its model's
@@ -454,44 +454,37 @@ class BundleRunner:
         self._mark(name, "settled")
 
     def _decode(self, x: np.ndarray, latency: dict, stats: dict) -> np.ndarray:
-        decoder = self.decoder
-        if self.pipelined and decoder == TILED_DECODER and self.man["vae_tiling"].get("scheme") == ONE_PASS:
-            return self._decode_one_pass_in_turn(x, latency, stats)
-        for name in decoder:
-            self._load(name, latency)
-        if decoder == TILED_DECODER:
-            pixels, timing = tiled_decode_bundle(self.loaded[decoder[0]], self.loaded[decoder[1]], self.man["vae_tiling"], x)
-            image = pixels[0].transpose(1, 2, 0)
-            latency.update(timing["latency_s"])
-            stats["vae_up_tile_calls"] = timing["up_tile_calls"]
-        else:
-            dec = self.loaded["vae_decoder"]
-            before = len(dec.run_s)
-            image = dec({"latents": x})[0].transpose(1, 2, 0)
-            latency["vae_decoder_run"] = float(sum(dec.run_s[before:]))
-        for name in decoder:
-            self._ran(name)
+        if self.decoder == TILED_DECODER:
+            return self._decode_tiled(x, latency, stats)
+        dec = self._load("vae_decoder", latency)
+        before = len(dec.run_s)
+        image = dec({"latents": x})[0].transpose(1, 2, 0)
+        latency["vae_decoder_run"] = float(sum(dec.run_s[before:]))
+        self._ran("vae_decoder")
         if self.pipelined:
-            for name in decoder:
-                self._release(name)
+            self._release("vae_decoder")
         return image
 
-    def _decode_one_pass_in_turn(self, x: np.ndarray, latency: dict, stats: dict) -> np.ndarray:
-        """Pipelined one-pass decode, one graph at a time: the head runs on the whole latent and is released
-        before the up tile loads (the features wait in host memory), so the two never share the GPU."""
+    def _decode_tiled(self, x: np.ndarray, latency: dict, stats: dict) -> np.ndarray:
+        """The tiled decoder: its head once on the whole latent (every scheme runs it once, first), then the up
+        tile over the tiles. Pipelined, the head is released before the up tile loads, so the two never share
+        the GPU (the features wait in host memory)."""
         head_name, up_name = TILED_DECODER
         head = self._load(head_name, latency)
         features = head({"latents": x})
         head_s = head.run_s[-1]
         self._ran(head_name)
-        self._release(head_name)
+        if self.pipelined:
+            self._release(head_name)
         up = self._load(up_name, latency)
-        pixels, timing = one_pass_decode_loaded(lambda feeds: features, up, self.man["vae_tiling"], x)
-        timing["latency_s"].update(vae_decoder_head_run=head_s, vae_tiled_decode=timing["latency_s"]["vae_tiled_decode"] + head_s)
-        latency.update(timing["latency_s"])
+        pixels, timing = tiled_decode_bundle(lambda feeds: features, up, self.man["vae_tiling"], x)
+        tiles = timing["latency_s"]
+        tiles.update(vae_decoder_head_run=head_s, vae_tiled_decode=tiles["vae_tiled_decode"] + head_s)
+        latency.update(tiles)
         stats["vae_up_tile_calls"] = timing["up_tile_calls"]
         self._ran(up_name)
-        self._release(up_name)
+        if self.pipelined:
+            self._release(up_name)
         return pixels[0].transpose(1, 2, 0)
 
     def run(self, prompt: str, seed: int = 0, init_latents: Optional[np.ndarray] = None) -> tuple[np.ndarray, dict]:

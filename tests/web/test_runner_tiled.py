@@ -1,7 +1,9 @@
-"""run-bundle on the one-pass tiled smoke bundle (tests/web/smoke_bundle_tiled), the reference the page's tiled
-decode is compared with: pipelined, the decoder head runs and is released before the up tile loads (never both
-on the GPU), and the image is plain's."""
+"""run-bundle on the tiled smoke bundles (one-pass: tests/web/smoke_bundle_tiled; iterated statistics:
+smoke_bundle_tiled_stats), the reference the page's tiled decode is compared with: pipelined, the decoder head
+runs and is released before the up tile loads (never both on the GPU), and the image is plain's."""
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
@@ -9,12 +11,15 @@ import pytest
 HEAD, UP = "vae_decoder_head", "vae_up_tile"
 
 
-@pytest.fixture(scope="module")
-def tiled_bundle(tmp_path_factory, assemble_tiled):
-    return assemble_tiled(tmp_path_factory.mktemp("runner_tiled"))
+@pytest.fixture(scope="module", params=["one_pass", "control_variate"])
+def tiled_bundle(request, tmp_path_factory, assemble_tiled, assemble_tiled_stats):
+    assemble = assemble_tiled if request.param == "one_pass" else assemble_tiled_stats
+    bundle = assemble(tmp_path_factory.mktemp(f"runner_{request.param}"))
+    assert json.loads((bundle / "manifest.json").read_text())["vae_tiling"]["scheme"] == request.param
+    return bundle
 
 
-def test_pipelined_one_pass_decode_holds_one_decoder_graph_at_a_time(tiled_bundle, gpu_delegate):
+def test_pipelined_tiled_decode_holds_one_decoder_graph_at_a_time(tiled_bundle, gpu_delegate):
     from pocketdiff.runtime.run_bundle import BundleRunner
 
     images, reports = {}, {}
