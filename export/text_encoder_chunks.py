@@ -44,22 +44,19 @@ def _params(*mods: nn.Module) -> int:
     return int(sum(p.numel() for m in mods for p in m.parameters()))
 
 
-def plan_text_encoder_chunks(text_encoder: nn.Module, k: int) -> list[ChunkPlan]:
-    """The K chunks of the text encoder, cut between layers and balanced by parameter count."""
+def plan_text_encoder_chunks(text_encoder: nn.Module, k: int) -> list[tuple[ChunkPlan, tuple[int, int]]]:
+    """The K chunks of the text encoder, cut between layers and balanced by parameter count: each chunk's plan
+    and its [start, end) run of layers."""
     parts = clip_parts(text_encoder)
-    n = len(parts.layers)
     weights = [_params(layer) for layer in parts.layers]
     weights[0] += _params(parts.embeddings)
     weights[-1] += _params(parts.final_layer_norm)
-    try:
-        bounds = balanced_bounds(weights, k, "layers")
-    except PocketdiffError:
-        raise PocketdiffError(f"text_encoder_chunks: {k} chunks, but the text encoder has {n} layers to cut between (1 to {n})") from None
+    bounds = balanced_bounds(weights, k, "layers", "the text encoder", "text_encoder_chunks")
     plans = []
     for c, (a, b) in enumerate(bounds):
         stages = (["embeddings"] if c == 0 else []) + [f"encoder.layers.{i}" for i in range(a, b)] + (["final_layer_norm"] if c == k - 1 else [])
-        plans.append(ChunkPlan(c, k, stages, sum(weights[a:b]), ["input_ids"] if c == 0 else [STREAM],
-                               [OUTPUT] if c == k - 1 else [STREAM], {}, "layer"))
+        plans.append((ChunkPlan(c, k, stages, sum(weights[a:b]), ["input_ids"] if c == 0 else [STREAM],
+                                [OUTPUT] if c == k - 1 else [STREAM], {}, "layer"), (a, b)))
     return plans
 
 
@@ -90,13 +87,4 @@ class TextEncoderChunk(nn.Module):
 
 def split_text_encoder(text_encoder: nn.Module, k: int) -> list[TextEncoderChunk]:
     """The K chunk graphs of `text_encoder` (sharing its modules)."""
-    plans = plan_text_encoder_chunks(text_encoder, k)
-    n = len(clip_parts(text_encoder).layers)
-    starts = [sum(1 for s in p.stages if s.startswith("encoder.layers.")) for p in plans]
-    bounds, a = [], 0
-    for c in starts:
-        bounds.append((a, a + c))
-        a += c
-    if a != n:
-        raise PocketdiffError(f"text_encoder_chunks: the chunks hold {a} of the text encoder's {n} layers")
-    return [TextEncoderChunk(text_encoder, p, b) for p, b in zip(plans, bounds)]
+    return [TextEncoderChunk(text_encoder, plan, bounds) for plan, bounds in plan_text_encoder_chunks(text_encoder, k)]

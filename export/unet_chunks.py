@@ -108,13 +108,13 @@ def _cross(block: nn.Module) -> bool:
     return bool(getattr(block, "has_cross_attention", False))
 
 
-def balanced_bounds(weights: list[int], k: int, what: str = "blocks") -> list[tuple[int, int]]:
+def balanced_bounds(weights: list[int], k: int, what: str = "blocks", model: str = "the UNet", key: str = "unet_chunks") -> list[tuple[int, int]]:
     """K contiguous [start, end) runs of `weights` whose heaviest run is as light as possible; of those,
     the least sum of squares (the most even spread), then the earliest cuts. Every run holds at least one
     stage. Exact, by dynamic programming over the suffixes (a layer cut of SD has ~27 stages)."""
     n = len(weights)
     if not 1 <= k <= n:
-        raise PocketdiffError(f"unet_chunks: {k} chunks, but the UNet has {n} {what} to cut between (1 to {n})")
+        raise PocketdiffError(f"{key}: {k} chunks, but {model} has {n} {what} to cut between (1 to {n})")
     pre = list(itertools.accumulate(weights, initial=0))
 
     def run(i: int, j: int) -> int:
