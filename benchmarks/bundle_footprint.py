@@ -244,6 +244,7 @@ def _run_bundle(bundle: str, out: str, pipelined: bool, cache: str, driver_cache
 
 def runs(bundles: list[tuple[str, str]], cache_root: str, timeout: float, modes: list[str], gpu_options: list[str], tag: str) -> list[dict]:
     """Per layout: plain then pipelined, each cold (empty caches) then warm (the same caches)."""
+    from pocketdiff.runtime.chunks import TEXT_ENCODER, UNET, parts_of
     from pocketdiff.runtime.memory import GpuMemory
 
     device = GpuMemory().name
@@ -251,8 +252,7 @@ def runs(bundles: list[tuple[str, str]], cache_root: str, timeout: float, modes:
     for bundle, layout in bundles:
         man = json.loads((Path(bundle) / "manifest.json").read_text())
         resolution = int(man["latent"]["height"]) * int(man["latent"]["vae_factor"])
-        chunks = len((man.get("unet_chunks") or {}).get("components") or ["unet"])  # 1: a whole UNet
-        te_chunks = len((man.get("text_encoder_chunks") or {}).get("components") or ["text_encoder"])
+        chunks, te_chunks = len(parts_of(man, UNET)), len(parts_of(man, TEXT_ENCODER))  # 1: a whole model
         extra = [a for o in gpu_options if o != "no-gpu-cache" for a in ("--gpu-option", o)]
         extra += ["--no-gpu-cache"] if "no-gpu-cache" in gpu_options else []
         for mode in modes:

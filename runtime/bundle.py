@@ -76,7 +76,7 @@ def _check_version(mpath: Path, manifest: dict) -> None:
         raise PocketdiffError(f"{mpath}: schema version {version!r} is not supported (expected {SCHEMA_VERSION} or {CHUNKED_SCHEMA_VERSION})")
     if chunked != (version == CHUNKED_SCHEMA_VERSION):
         raise PocketdiffError(f"{mpath}: schema version {version} " + ("is for a model in chunks (unet_chunks or text_encoder_chunks), which this manifest lacks"
-                              if not chunked else f"cannot hold {' or '.join(k for k in manifest if k.endswith('_chunks'))} (a chunked model is version {CHUNKED_SCHEMA_VERSION})"))
+                              if not chunked else f"cannot hold {' or '.join(block_key(b) for b in CHUNKABLE if block_key(b) in manifest)} (a chunked model is version {CHUNKED_SCHEMA_VERSION})"))
 
 
 def load_manifest(bundle: str | Path, verify_sha: bool = True, components: Optional[list[str]] = None) -> dict:

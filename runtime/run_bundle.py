@@ -41,9 +41,15 @@ from .lcm_step import LCM, lcm_sample
 from .litert_c import parse_gpu_option
 from .memory import PeakSampler, process_age_s, return_freed_memory, tune_allocator
 from .onepass_decode import one_pass_decode_loaded, timed
-from .chunks import TEXT_ENCODER, StreamedPart, base_of, chunk_aliases, parts_of, run_into, run_parts
+from .chunks import TEXT_ENCODER, UNET, StreamedPart, base_of, chunk_aliases, parts_of, run_into, run_parts
 
 _env_group = base_of  # the LiteRT environment a model shares when pipelined: a chunk's is its model's
+
+
+def _sum_chunk_loads(latency: dict, base: str, parts: tuple) -> None:
+    """`<base>_load`: the load seconds of a chunked model's parts, when this prompt loaded them all."""
+    if len(parts) > 1 and all(f"{n}_load" in latency for n in parts):
+        latency[f"{base}_load"] = float(sum(latency[f"{n}_load"] for n in parts))
 
 
 def bundle_tokenizer(tokenizer_json: str | Path, tok: dict):
@@ -365,8 +371,7 @@ class BundleRunner:
             run_s += sum(m.run_s[before:])
             if self.pipelined:
                 self._release(name)
-        if len(self.te_parts) > 1 and all(f"{n}_load" in latency for n in self.te_parts):
-            latency["text_encoder_load"] = float(sum(latency[f"{n}_load"] for n in self.te_parts))
+        _sum_chunk_loads(latency, TEXT_ENCODER, self.te_parts)
         latency["text_encoder_run"] = float(run_s)
         return outs[0] if len(outs) == 1 else np.concatenate([outs[1], outs[0]])
 
@@ -428,8 +433,7 @@ class BundleRunner:
                 self._settle(name, parts[-1])
                 if self.pipelined:
                     return_freed_memory()
-        if len(parts) > 1 and all(f"{n}_load" in latency for n in self.unet_parts):
-            latency["unet_load"] = float(sum(latency[f"{n}_load"] for n in self.unet_parts))
+        _sum_chunk_loads(latency, UNET, self.unet_parts)
         return parts
 
     def _streamed_unet(self, latency: dict) -> list:
