@@ -129,6 +129,15 @@ class Config:
     unet_chunk_cut: str = "block"  # block | layer: also between a down/up block's layers (lighter chunks, more of them)
     text_encoder_chunks: int = 1  # > 1: the text encoder as that many .tflite files cut between its layers (export/text_encoder_chunks.py)
 
+    def _check_chunks(self, component: str) -> None:
+        """`<component>_chunks`: an int from 1 to MAX_CHUNKS; above 1, the component exported, one conversion at a time."""
+        key = block_key(component)
+        k = getattr(self, key)
+        require(isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= MAX_CHUNKS, key, f"must be an int from 1 to {MAX_CHUNKS}, got {k!r}")
+        if k > 1:
+            require(component in self.components, key, f"splits the {component} component, which components does not list")
+            require(self.jobs == 1, key, f"converts the chunks one after another: needs jobs: 1, got {self.jobs}")
+
     def __post_init__(self) -> None:
         require(self.jobs >= 1, "jobs", f"must be >= 1, got {self.jobs}")
         require(self.synthetic_weights in (None, "tiled"), "synthetic_weights", f"must be null or tiled, got {self.synthetic_weights!r}")
@@ -151,19 +160,12 @@ class Config:
             require(self.int8.checkpoint is not None or self.int8.rtn, "int8.checkpoint", "weights=int8 needs a checkpoint (or int8.rtn: true)")
         require(not self.vae_tiling.enabled or "vae_decoder" in self.components, "vae_tiling.enabled",
                 "tiles the vae_decoder component, which components does not list")
-        require(isinstance(self.unet_chunks, int) and not isinstance(self.unet_chunks, bool) and 1 <= self.unet_chunks <= MAX_CHUNKS,
-                "unet_chunks", f"must be an int from 1 to {MAX_CHUNKS}, got {self.unet_chunks!r}")
         require(self.unet_chunk_cut in CUTS, "unet_chunk_cut", f"must be one of {', '.join(CUTS)}, got {self.unet_chunk_cut!r}")
+        for component in ("unet", "text_encoder"):
+            self._check_chunks(component)
         if self.unet_chunks > 1:
-            require("unet" in self.components, "unet_chunks", "splits the unet component, which components does not list")
             require(self.rewrites.time_embedding_outside, "unet_chunks",
                     "needs rewrites.time_embedding_outside: true (the chunks take the time embedding as an input)")
-            require(self.jobs == 1, "unet_chunks", f"converts the chunks one after another: needs jobs: 1, got {self.jobs}")
-        require(isinstance(self.text_encoder_chunks, int) and not isinstance(self.text_encoder_chunks, bool)
-                and 1 <= self.text_encoder_chunks <= MAX_CHUNKS, "text_encoder_chunks", f"must be an int from 1 to {MAX_CHUNKS}, got {self.text_encoder_chunks!r}")
-        if self.text_encoder_chunks > 1:
-            require("text_encoder" in self.components, "text_encoder_chunks", "splits the text_encoder component, which components does not list")
-            require(self.jobs == 1, "text_encoder_chunks", f"converts the chunks one after another: needs jobs: 1, got {self.jobs}")
         require(not self.rewrites.residual_scale_auto or self.fp16_scan.enabled, "rewrites.residual_scale_auto",
                 "needs fp16_scan.enabled: true (the scan measures the residual stream)")
         conv_input = self.device_profile.budgets()["conv_input_mb"]

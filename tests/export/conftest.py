@@ -25,3 +25,18 @@ def int8_checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("calib") / "unet_int8.safetensors"
     save_quantized(state, recipe, path)
     return path
+
+
+@pytest.fixture(scope="session")
+def export_config_error():
+    """The one-line refusal `pocketdiff export` gives for these config overrides (it must refuse them)."""
+    from pocketdiff.config import load_config
+    from pocketdiff.errors import PocketdiffError
+    from pocketdiff.export.verb import Config
+
+    def error(overrides: list[str]) -> str:
+        with pytest.raises(PocketdiffError) as e:
+            load_config(Config, None, overrides)
+        return str(e.value)
+
+    return error
