@@ -66,6 +66,7 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds the page may take to report, per run")
     ap.add_argument("--unet", choices=("resident", "streamed"), default="resident",
                     help="the page's unet option: a chunked UNet's chunks kept compiled, or compiled for each step")
+    ap.add_argument("--echo", action="store_true", help="print the page's console lines (its status included) as they arrive")
     args = ap.parse_args()
     exe = find_chromium()
     if exe is None:
@@ -83,7 +84,9 @@ def main() -> int:
                 t0 = time.perf_counter()
                 sampler = TreePeak()  # this process (the page's server) + Chromium's processes
                 try:
-                    r = check_page(bundle, prompt=ref["prompt"], seed=ref["seed"], timeout_s=args.timeout, accelerator=acc, unet=args.unet)
+                    echo = (lambda line, t=t0: print(f"[{time.perf_counter() - t:7.1f} s] {line[:300]}", flush=True)) if args.echo else None
+                    r = check_page(bundle, prompt=ref["prompt"], seed=ref["seed"], timeout_s=args.timeout, accelerator=acc,
+                                   unet=args.unet, echo=echo)
                 finally:
                     memory = sampler.stop()
                 console = r.pop("chromium_console", None) or []

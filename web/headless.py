@@ -16,7 +16,7 @@ import threading
 import time
 import urllib.parse
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from pocketdiff.errors import PocketdiffError
 
@@ -181,9 +181,11 @@ def check_url(base: str, prompt: Optional[str], seed: Optional[int], report: str
 
 def check_page(bundle: str | Path, prompt: Optional[str] = None, seed: Optional[int] = None, timeout_s: float = 300.0,
                screenshot: Optional[str | Path] = None, executable: Optional[str] = None,
-               chromium_args: tuple[str, ...] = (), env: Optional[dict] = None, webgpu: bool = True, **extra) -> dict:
+               chromium_args: tuple[str, ...] = (), env: Optional[dict] = None, webgpu: bool = True,
+               echo: Optional[Callable[[str], None]] = None, **extra) -> dict:
     """Serve BUNDLE, open its page in check mode in headless Chromium, return the POSTed JSON
-    (with `chromium_console`, and `screenshot` when one was taken)."""
+    (with `chromium_console`, and `screenshot` when one was taken). ECHO, when given, is called with
+    each console line as it arrives (a long check can be followed)."""
     import queue
 
     from .serve import PageServer
@@ -192,8 +194,13 @@ def check_page(bundle: str | Path, prompt: Optional[str] = None, seed: Optional[
     with PageServer(bundle, host="127.0.0.1", port=0) as srv, Chromium(executable, extra_args=chromium_args, env=env, webgpu=webgpu) as chrome:
         chrome.navigate(check_url(srv.url, prompt, seed, **extra))
         deadline = time.monotonic() + timeout_s
-        result = None
+        result, echoed = None, 0
         while result is None:
+            if echo is not None:
+                lines = chrome.console[echoed:]
+                echoed += len(lines)
+                for line in lines:
+                    echo(line)
             try:
                 _, result = srv.reports.get(timeout=1.0)
             except queue.Empty:

@@ -20,6 +20,7 @@ let webgpu = { available: false, adapter: null, reason: null };
 
 function status(text, cls = '') {
   $('status').textContent = text;
+  if (CHECK) console.info(`status: ${text}`); // a headless runner can follow a long check
   $('status').className = cls;
 }
 
