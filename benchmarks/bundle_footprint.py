@@ -9,6 +9,8 @@
            used: which options move the memory and the load time, side by side in one run.
   chain    a UNet's chunk files (export unet_chunks: K) in one process: compiled one after another, run in
            sequence; beside `probe` of each chunk alone and of the whole unet.tflite.
+  parallel a bundle's model files compiled by N threads at once in one process (one environment), cold then warm
+           program cache, per thread count: whether LiteRT's per-model load (host work on one core) overlaps.
   runs     `pocketdiff run-bundle` end to end (its own report: per-phase memory, start_s, total_s), plain
            and --pipelined, cold (empty cache folder) then warm (the same folder), per bundle layout.
 The committed benchmarks/results/bundle_footprint_*.json hold these rows as they came back (`runs`: layout,
@@ -182,6 +184,76 @@ def chain(paths: list[str], options: dict, cache: str | None, key: str, settle: 
             "steady_run_s": round(sorted(times)[2], 4), "phases": phases, **totals}
 
 
+def load_together(paths: list[str], threads: int, cache: str) -> dict:
+    """Every model compiled by THREADS threads at once in one environment (the program cache in CACHE, one key per
+    file), each then run once on its own random inputs; the wall time of the loads, each load's seconds, the peaks,
+    and where the LiteRT libraries sit in memory (to read a native profile of this process)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+
+    from pocketdiff.runtime.litert_c import CompiledModel, Environment
+    from pocketdiff.runtime.memory import tune_allocator
+
+    tune_allocator()
+    driver, sampler, phases, mark = _phase_recorder()
+    env = Environment()
+    mark("environment")
+    Path(cache).mkdir(parents=True, exist_ok=True)
+
+    def load(path: str):
+        t0 = time.perf_counter()
+        model = CompiledModel(path, env, {**CACHED, "serialization_dir": cache, "model_cache_key": Path(path).stem})
+        return model, round(time.perf_counter() - t0, 2)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        loaded = list(pool.map(load, paths))
+    wall = time.perf_counter() - t0
+    mark("compiled")
+    def run_once(model) -> bool | str:
+        try:
+            return all(bool(np.isfinite(o).all()) for o in model.run(_feeds(model.inputs)))
+        except Exception as e:  # noqa: BLE001 - a model that cannot run is a row's finding, not the end of the run
+            return f"run failed: {e}"
+
+    finite = [run_once(m) for m, _ in loaded]
+    mark("first_run")
+    fully = all(m.fully_accelerated() for m, _ in loaded)
+    for m, _ in loaded:
+        m.close()
+    env.close()
+    mark("released")
+    totals = sampler.totals()
+    sampler.close()
+    maps = sorted({line.split()[-1]: line.split("-")[0] for line in open("/proc/self/maps")
+                   if "libLiteRt" in line and " r-xp " in line}.items())
+    return {"models": [Path(p).name for p in paths], "threads": threads, "driver": driver, "load_wall_s": round(wall, 2),
+            "load_each_s": [s for _, s in loaded], "load_sum_s": round(sum(s for _, s in loaded), 2), "finite": finite,
+            "fully_accelerated": fully, "phases": phases, **totals, "code_at": dict(maps)}
+
+
+def parallel(paths: list[str], thread_counts: list[int], cache_root: str, timeout: float) -> list[dict]:
+    """Per thread count, a fresh cache folder (LiteRT's and the driver's): a cold process, then a warm one."""
+    rows = []
+    for threads in thread_counts:
+        folder = Path(tempfile.mkdtemp(prefix=f"pd-par{threads}-", dir=cache_root))
+        env = dict(os.environ, __GL_SHADER_DISK_CACHE_PATH=str(folder / "driver"), MESA_SHADER_CACHE_DIR=str(folder / "driver"))
+        for launch in ("cold", "warm"):
+            cmd = [sys.executable, __file__, "together", *paths, "--threads", str(threads), "--cache", str(folder / "programs")]
+            try:
+                p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+                line = next((l for l in reversed(p.stdout.splitlines()) if l.startswith("{")), None)
+                row = json.loads(line) if p.returncode == 0 and line else {"error": f"exit {p.returncode}", "stderr_tail": p.stderr[-1500:]}
+            except subprocess.TimeoutExpired:
+                row = {"error": f"timeout after {timeout} s"}
+            rows.append({"threads": threads, "launch": launch, **row})
+            print(json.dumps({k: rows[-1].get(k) for k in ("threads", "launch", "load_wall_s", "load_sum_s", "host_peak_mb",
+                                                           "gpu_peak_mb", "finite", "error")}), flush=True)
+        shutil.rmtree(folder, ignore_errors=True)
+    return rows
+
+
 def _child(path: str, options: dict, cache: str | None, key: str, timeout: float) -> dict:
     cmd = [sys.executable, __file__, "probe", path, "--options", json.dumps(options), "--key", key, "--json", "-"]
     if cache:
@@ -291,6 +363,16 @@ def main(argv=None) -> int:
     m.add_argument("--timeout", type=float, default=180)
     m.add_argument("--cache-root")
     m.add_argument("--out", required=True)
+    t = sub.add_parser("together", help="one process: MODELS compiled by --threads threads at once (parallel's child)")
+    t.add_argument("models", nargs="+")
+    t.add_argument("--threads", type=int, default=1)
+    t.add_argument("--cache", required=True)
+    q = sub.add_parser("parallel", help="`together` per thread count, cold then warm, each in its own process")
+    q.add_argument("models", nargs="+")
+    q.add_argument("--threads", default="1,4,8", help="comma list of thread counts")
+    q.add_argument("--timeout", type=float, default=600)
+    q.add_argument("--cache-root")
+    q.add_argument("--out", required=True)
     r = sub.add_parser("runs")
     r.add_argument("bundles", nargs="+", help="FOLDER:LAYOUT")
     r.add_argument("--cache-root", default="/tmp/pd-cache")
@@ -312,6 +394,13 @@ def main(argv=None) -> int:
         row = chain(a.models, json.loads(a.options), a.cache, a.key, settle=a.settle)
         Path(a.out).write_text(json.dumps({"device": os.environ.get("DEVICE_NAME"), "rows": [row]}, indent=1))
         print(json.dumps({k: row.get(k) for k in ("models", "load_s", "host_peak_mb", "gpu_peak_mb", "steady_run_s")}))
+        return 0
+    if a.cmd == "together":
+        print(json.dumps(load_together(a.models, a.threads, a.cache)))
+        return 0
+    if a.cmd == "parallel":
+        rows = parallel(a.models, [int(t) for t in a.threads.split(",")], a.cache_root, a.timeout)
+        Path(a.out).write_text(json.dumps({"device": os.environ.get("DEVICE_NAME"), "rows": rows}, indent=1))
         return 0
     if a.cmd == "probe":
         row = probe(a.model, json.loads(a.options), a.cache, a.key)

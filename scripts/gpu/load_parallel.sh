@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Where an SD bundle's load seconds go on a GPU machine's LiteRT GPU delegate (real Vulkan driver), through
+# benchmarks/bundle_footprint.py. Repo root, carried: .whl/ (ai-edge-litert, py-spy and the few wheels the image
+# lacks), .gl/ (Vulkan loader debs), .devbundle/ (benchmarks/sd21_bundle.py pack of one layout).
+#   1. `parallel`: every model file of the layout compiled by 1, 4, 8 threads at once (THREADS), cold then warm
+#      program cache: whether LiteRT's per-model load overlaps across cores.
+#   2. PROFILE=1: a native profile (py-spy, 200 Hz) of one warm load of the first UNet file, and that warm load
+#      with the NVIDIA driver's own shader cache off (does the driver's cache matter once LiteRT's is warm?).
+# Writes $OUT/parallel_<layout>.json, $OUT/profile_*.json, $OUT/profile_warm.txt (py-spy raw stacks), a log.
+#   THREADS=1,4,8 PROFILE=1 bash scripts/gpu/load_parallel.sh
+set -u
+REPO=$PWD
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+exec > >(tee -a "$OUT/load_parallel.log") 2>&1
+say() { echo "[$(date +%H:%M:%S)] $*"; }
+source "$REPO/scripts/gpu/vulkan_env.sh"
+source "$REPO/scripts/gpu/env.sh" || exit 3
+cd "$REPO" || exit 3
+PY=python3
+BUNDLES=/tmp/sd21_bundles
+[ -d "$BUNDLES" ] || $PY benchmarks/sd21_bundle.py unpack .devbundle "$BUNDLES" || exit 5
+L=${LAYOUT:-$(ls "$BUNDLES" | head -1)}
+B=$BUNDLES/$L
+FILES=$(ls "$B"/text_encoder*.tflite "$B"/unet*.tflite "$B"/vae_*.tflite | sort -V)
+say "== parallel $L (threads ${THREADS:-1,4,8}): $(echo $FILES | xargs -n1 basename | tr '\n' ' ')"
+$PY benchmarks/bundle_footprint.py parallel $FILES --threads "${THREADS:-1,4,8}" --cache-root /tmp --out "$OUT/parallel_$L.json"
+if [ "${PROFILE:-1}" = 1 ]; then
+  F=$(ls "$B"/unet.0.tflite "$B"/unet.tflite 2>/dev/null | head -1)
+  C=/tmp/profile-cache; rm -rf $C
+  say "== profile $(basename $F): cold, warm under py-spy, warm with the driver's cache off"
+  $PY benchmarks/bundle_footprint.py together "$F" --cache $C > "$OUT/profile_cold.json"
+  /tmp/site/bin/py-spy record --native -r 200 -f raw -o "$OUT/profile_warm.txt" -- \
+    $PY benchmarks/bundle_footprint.py together "$F" --cache $C > "$OUT/profile_warm.json"
+  $PY benchmarks/bundle_footprint.py together "$F" --cache $C > "$OUT/profile_warm_again.json"
+  __GL_SHADER_DISK_CACHE=0 $PY benchmarks/bundle_footprint.py together "$F" --cache $C > "$OUT/profile_warm_no_driver_cache.json"
+  for f in "$OUT"/profile_*.json; do echo "$(basename $f): $(grep -o '"load_wall_s": [0-9.]*' $f)"; done
+fi
+say "done"
