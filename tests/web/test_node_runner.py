@@ -1,0 +1,59 @@
+"""web/node_runner.mjs: the page's pipeline in Node.js on WebGPU through Dawn's Node bindings (npm webgpu),
+here on the lavapipe Vulkan driver of setup (on a GPU machine the real one): the smoke bundle's image against
+run-bundle's reference, the goldens, the report, the PNG, and its refusals."""
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+RUNNER = Path(__file__).resolve().parents[2] / "web" / "node_runner.mjs"
+
+
+@pytest.fixture(scope="module")
+def dawn(node) -> str:
+    if not (RUNNER.parent / "node_modules" / "webgpu" / "package.json").is_file():
+        pytest.skip("npm webgpu is not in web/node_modules (bash scripts/setup.sh installs it)")
+    return node
+
+
+def _run(node: str, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    from pocketdiff.runtime.delegate import delegate_env
+
+    env, _ = delegate_env()
+    return subprocess.run([node, str(RUNNER), *args], capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def test_the_smoke_bundle_through_the_pages_pipeline_on_webgpu_matches_run_bundle(dawn, smoke_bundle, tmp_path):
+    from pocketdiff.web.page import PageConfig, write_page
+
+    write_page(PageConfig(bundle=str(smoke_bundle)))  # web/reference/: run-bundle's image from the same latents
+    out, png = tmp_path / "report.json", tmp_path / "image.png"
+    p = _run(dawn, str(smoke_bundle), "--out", str(out), "--image", str(png))
+    if p.returncode == 2 and "no WebGPU adapter" in p.stderr:
+        pytest.skip("Dawn found no Vulkan device here (scripts/setup_vulkan.sh unpacks lavapipe)")
+    assert p.returncode == 0, p.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["ok"] and report["failures"] == []
+    assert report["runner"] == "node" and report["adapter"]["vendor"]
+    assert set(report["components"]) == {"text_encoder", "unet", "vae_decoder"}
+    for name, c in report["components"].items():
+        assert c["accelerator"] == "webgpu" and c["fully_accelerated"], name
+        assert c["golden"]["pass"], (name, c["golden"])
+    assert report["image"]["psnr_db"] >= 40  # the same latents as run-bundle's reference, fp16 on the GPU
+    assert report["latency_ms"]["unet_steps_ms"] and len(report["latency_ms"]["unet_steps_ms"]) == report["steps"]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_folder_without_a_manifest_is_refused_with_exit_2(dawn, tmp_path):
+    p = _run(dawn, str(tmp_path), timeout=60)
+    assert p.returncode == 2
+    assert "has no manifest.json" in p.stderr and str(tmp_path) in p.stderr
+
+
+def test_an_unknown_unet_mode_is_refused_naming_the_option(dawn, smoke_bundle):
+    p = _run(dawn, str(smoke_bundle), "--unet", "sideways", timeout=60)
+    assert p.returncode == 2
+    assert "--unet: sideways" in p.stderr

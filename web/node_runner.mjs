@@ -1,0 +1,203 @@
+#!/usr/bin/env node
+// The web page's pipeline (static/generate.js, unchanged) in Node.js, on a GPU through Dawn's Node bindings
+// (npm `webgpu`): the same LiteRT.js and the same WebGPU path as the page, without a browser, so a machine with a
+// GPU and no display runs the page's code on its real GPU (Vulkan here, Metal / D3D12 elsewhere). It checks like
+// the page's check mode: every component fully accelerated, each golden within its tolerance, and the image
+// against run-bundle's reference (`pocketdiff web` writes BUNDLE/web/reference/).
+//
+//   node web/node_runner.mjs BUNDLE [--unet resident|streamed] [--out report.json] [--image image.png]
+//        [--prompt P] [--seed S] [--no-goldens] [--min-image-psnr 30]
+// Exit 0 when every check passed, 1 when one failed (the report says which), 2 on bad input or no GPU.
+import fs from 'node:fs';
+import path from 'node:path';
+import vm from 'node:vm';
+import zlib from 'node:zlib';
+import { createRequire } from 'node:module';
+import { fileURLToPath, pathToFileURL } from 'node:url';
+import { parseArgs } from 'node:util';
+
+const HERE = path.dirname(fileURLToPath(import.meta.url));
+const WASM_DIR = path.join(HERE, 'node_modules', '@litertjs', 'core', 'wasm');
+
+class UsageError extends Error {}
+
+function options() {
+  const { values, positionals } = parseArgs({
+    allowPositionals: true,
+    options: {
+      unet: { type: 'string', default: 'resident' }, out: { type: 'string' }, image: { type: 'string' },
+      prompt: { type: 'string' }, seed: { type: 'string' }, 'no-goldens': { type: 'boolean', default: false },
+      'min-image-psnr': { type: 'string', default: '30' },
+    },
+  });
+  if (positionals.length !== 1) throw new UsageError('usage: node web/node_runner.mjs BUNDLE [--unet resident|streamed] [--out report.json] [--image image.png]');
+  const bundle = path.resolve(positionals[0]);
+  if (!fs.existsSync(path.join(bundle, 'manifest.json'))) throw new UsageError(`BUNDLE: ${bundle} has no manifest.json`);
+  if (!['resident', 'streamed'].includes(values.unet)) throw new UsageError(`--unet: ${values.unet}, expected resident or streamed`);
+  const minPsnr = Number(values['min-image-psnr']);
+  if (!Number.isFinite(minPsnr)) throw new UsageError(`--min-image-psnr: ${values['min-image-psnr']} is not a number`);
+  const seed = values.seed === undefined ? undefined : Number(values.seed);
+  if (seed !== undefined && !Number.isInteger(seed)) throw new UsageError(`--seed: ${values.seed} is not an integer`);
+  return { ...values, bundle, seed, minPsnr, goldens: !values['no-goldens'] };
+}
+
+/** navigator.gpu and the WebGPU constants from Dawn's Node bindings; the adapter, or a UsageError naming why not. */
+async function installWebGpu() {
+  let webgpu;
+  try {
+    webgpu = await import('webgpu');
+  } catch (e) {
+    throw new UsageError(`npm package webgpu (Dawn's Node bindings) is missing: bash scripts/setup.sh installs it (${e.message})`);
+  }
+  Object.assign(globalThis, webgpu.globals);
+  globalThis.navigator = { gpu: webgpu.create([]), userAgent: `node ${process.version} (webgpu)` };
+  const adapter = await navigator.gpu.requestAdapter();
+  if (!adapter) throw new UsageError('no WebGPU adapter: Dawn found no Vulkan (or Metal / D3D12) device');
+  const info = adapter.info || {};
+  return { vendor: info.vendor, architecture: info.architecture, description: info.description, device: info.device };
+}
+
+/** What LiteRT.js's loader expects of a browser (classic scripts, `self`), and fetch of file: URLs. */
+function installBrowserShims() {
+  globalThis.self = globalThis;
+  globalThis.require = createRequire(import.meta.url);
+  globalThis.__dirname = WASM_DIR + path.sep;
+  globalThis.__filename = path.join(WASM_DIR, 'loader.js');
+  globalThis.importScripts = (url) => {
+    const file = String(url).startsWith('file:') ? fileURLToPath(url) : String(url);
+    vm.runInThisContext(fs.readFileSync(file, 'utf8'), { filename: file });
+  };
+  const netFetch = globalThis.fetch;
+  globalThis.fetch = async (resource, init) => {
+    const url = new URL(resource instanceof Request ? resource.url : String(resource));
+    if (url.protocol !== 'file:') return netFetch(resource, init);
+    try {
+      return new Response(await fs.promises.readFile(fileURLToPath(url)));
+    } catch (e) {
+      return new Response(null, { status: e.code === 'ENOENT' ? 404 : 500 });
+    }
+  };
+}
+
+/** run-bundle's reference (latents, re-noising draws, image) from BUNDLE/web/reference/, or null. */
+function loadReference(bundle) {
+  const dir = path.join(bundle, 'web', 'reference');
+  if (!fs.existsSync(path.join(dir, 'reference.json'))) return null;
+  const ref = JSON.parse(fs.readFileSync(path.join(dir, 'reference.json'), 'utf8'));
+  const f32 = (rel) => { const b = fs.readFileSync(path.join(dir, rel)); return new Float32Array(b.buffer, b.byteOffset, b.byteLength / 4); };
+  ref.latentsData = f32(ref.latents);
+  ref.noiseData = ref.noise ? f32(ref.noise) : null;
+  ref.imageData = f32(ref.image);
+  return ref;
+}
+
+function crc32(buf) {
+  let c, crc = 0xffffffff;
+  for (let n = 0; n < buf.length; n++) {
+    c = (crc ^ buf[n]) & 0xff;
+    for (let k = 0; k < 8; k++) c = c & 1 ? 0xedb88320 ^ (c >>> 1) : c >>> 1;
+    crc = (crc >>> 8) ^ c;
+  }
+  return (crc ^ 0xffffffff) >>> 0;
+}
+
+/** An 8-bit RGB PNG of the image ({img: HWC floats in [0, 1], h, w, c}). */
+function writePng(file, image) {
+  const raw = Buffer.alloc(image.h * (1 + image.w * 3));
+  for (let y = 0; y < image.h; y++) {
+    for (let x = 0; x < image.w; x++) {
+      for (let k = 0; k < 3; k++) {
+        const v = image.img[(y * image.w + x) * image.c + k];
+        raw[y * (1 + image.w * 3) + 1 + x * 3 + k] = Math.max(0, Math.min(255, Math.round(v * 255)));
+      }
+    }
+  }
+  const chunk = (type, data) => {
+    const head = Buffer.alloc(8);
+    head.writeUInt32BE(data.length, 0);
+    head.write(type, 4, 'ascii');
+    const crc = Buffer.alloc(4);
+    crc.writeUInt32BE(crc32(Buffer.concat([head.subarray(4), data])), 0);
+    return Buffer.concat([head, data, crc]);
+  };
+  const ihdr = Buffer.alloc(13);
+  ihdr.writeUInt32BE(image.w, 0);
+  ihdr.writeUInt32BE(image.h, 4);
+  ihdr.set([8, 2, 0, 0, 0], 8);
+  fs.writeFileSync(file, Buffer.concat([Buffer.from([137, 80, 78, 71, 13, 10, 26, 10]), chunk('IHDR', ihdr),
+    chunk('IDAT', zlib.deflateSync(raw)), chunk('IEND', Buffer.alloc(0))]));
+}
+
+function hostPeakMb() {
+  try {
+    const m = /VmHWM:\s+(\d+) kB/.exec(fs.readFileSync('/proc/self/status', 'utf8'));
+    return m ? Math.round(Number(m[1]) / 1024) : null;
+  } catch {
+    return null;
+  }
+}
+
+/** The checks of the page's check mode on generate()'s result; the list of failures. */
+function failuresOf(res, image) {
+  const failures = [];
+  for (const [name, s] of Object.entries(res.stages)) {
+    const g = res.golden[name];
+    if (!s.fully_accelerated) failures.push(`${name}: not fully accelerated`);
+    if (g && !g.skipped && !g.pass) failures.push(`${name}: golden vector cosine ${g.cosine} / PSNR ${g.psnr_db} dB outside the ${g.precision} tolerances`);
+  }
+  if (!image.finite) failures.push('image: NaN/Inf values');
+  if (image.psnr_db !== undefined && !(image.psnr_db >= image.min_psnr_db)) {
+    failures.push(`image: PSNR ${image.psnr_db.toFixed(2)} dB against the reference < ${image.min_psnr_db}`);
+  }
+  return failures;
+}
+
+async function main() {
+  const opts = options();
+  const t0 = performance.now();
+  const adapter = await installWebGpu();
+  installBrowserShims();
+  const { installConsoleTap } = await import('./static/prepare.js');
+  installConsoleTap();
+  const { loadLiteRt } = await import('@litertjs/core');
+  await loadLiteRt(WASM_DIR + path.sep);
+  const runtimeMs = performance.now() - t0;
+  const { Bundle, imagePsnr } = await import('./static/pipeline.js');
+  const { generate } = await import('./static/generate.js');
+  const bundle = new Bundle(pathToFileURL(opts.bundle).href + '/');
+  const man = await bundle.open();
+  const ref = loadReference(opts.bundle);
+  const prompt = opts.prompt ?? ref?.prompt ?? man.tokenizer.golden?.prompt ?? 'a photograph of an astronaut riding a horse';
+  const seed = opts.seed ?? ref?.seed ?? 0;
+  const useRef = ref && ref.prompt === prompt && ref.seed === seed;
+  const say = (text) => process.stderr.write(`[${((performance.now() - t0) / 1000).toFixed(1)} s] ${text}\n`);
+  const res = await generate(bundle, {
+    prompt, seed, scale: man.guidance.scale, accelerator: 'webgpu', goldens: opts.goldens, streamUnet: opts.unet === 'streamed',
+    latents: useRef ? ref.latentsData : null, noise: useRef ? ref.noiseData : null,
+    onStage: (name, s) => say(`${name}: compiled in ${(s.compile_ms ?? 0).toFixed(0)} ms${s.run_ms ? `, ran ${s.run_ms.toFixed(0)} ms` : ''}`),
+    onStep: (i, n, ms) => say(`denoising step ${i}/${n} (${ms.toFixed(0)} ms)`),
+  });
+  const image = { finite: res.image.finite, height: res.image.h, width: res.image.w, min_psnr_db: opts.minPsnr };
+  if (useRef) image.psnr_db = imagePsnr(ref.imageData, res.image.img);
+  else image.skipped = ref ? `the reference is for prompt ${JSON.stringify(ref.prompt)}, seed ${ref.seed}` : 'no web/reference/ in the bundle (pocketdiff web writes it)';
+  if (opts.image) writePng(opts.image, res.image);
+  const failures = failuresOf(res, image);
+  const components = Object.fromEntries(Object.entries(res.stages).map(([n, s]) => [n, { ...s, golden: res.golden[n] || { skipped: 'not run' } }]));
+  const report = {
+    ok: failures.length === 0, failures, runner: 'node', node: process.version, adapter, prompt, seed,
+    steps: man.scheduler.timesteps.length, resolution: man.image.width, unet: opts.unet,
+    latents: useRef ? 'reference/' + ref.latents : 'page noise (seeded)', components, image,
+    latency_ms: { runtime_ready: runtimeMs, ...res.latency }, host_peak_mb: hostPeakMb(),
+    wall_s: Number(((performance.now() - t0) / 1000).toFixed(2)),
+  };
+  const text = JSON.stringify(report, null, 1);
+  if (opts.out) fs.writeFileSync(opts.out, text);
+  else process.stdout.write(text + '\n');
+  say(report.ok ? 'ok' : `failed: ${failures.join('; ')}`);
+  return report.ok ? 0 : 1;
+}
+
+main().then((code) => process.exit(code), (e) => {
+  process.stderr.write(`node_runner: ${e instanceof UsageError || e?.constructor?.name === 'BundleError' ? e.message : e?.stack || e}\n`);
+  process.exit(2);
+});
