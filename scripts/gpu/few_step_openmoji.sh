@@ -14,8 +14,9 @@
 #       (eval.curve_steps: the GPU-hours to the target). Back: lcm_reports.tgz
 #   bash scripts/gpu/few_step_openmoji.sh pd        # call 3: carry .whl .devdata .carry/few_step
 #       configs/distill/openmoji.yaml from a 16-step grid: guided stage GUIDED_STEPS (400), rounds
-#       8 -> 4 -> 2 -> 1 (PD_ROUNDS: 350, 350, 400, 400), EMA decay PD_EMA (0.99), progressive.top_step_input=noise; per round FD
-#       and CLIP score of the student and the teacher's DDIM at its count and at 64. Back: pd_reports.tgz
+#       8 -> 4 -> 2 -> 1 (PD_ROUNDS: 350, 350, 400, 400; PD_FINAL=2 stops at 2), EMA decay PD_EMA (0.99),
+#       progressive.top_step_input=noise; per round FD and CLIP score of the student and the teacher's DDIM at its count
+#       and at 64 (NO_METRICS=1: none). Back: pd_reports.tgz
 #
 #   bash scripts/gpu/few_step_openmoji.sh decoder   # call 5, on the machine the pd (or lcm) phase left warm (its student
 #       in outputs/pd, or outputs/lcm with DECODER_FROM=lcm): issue 33 item 2 on what users decode. distill-decoder on the
@@ -52,6 +53,8 @@ PD_EMA=${PD_EMA:-0.99}
 BUDGET_S=${BUDGET_S:-540}  # this call's training budget: the distill verb stops (with a checkpoint) past it
 CLIP_SMALL="model.vision_width=128 model.text_width=128 model.projection_dim=128 model.vision_heads=4 model.text_heads=4 train.steps=2000"
 METRICS="eval.metrics=true eval.num_images=1024 eval.metric_seeds=[0] eval.reference_steps=64 eval.clip=outputs/clip-openmoji/clip"
+# NO_METRICS=1: no FD / CLIP score per round (a pd run that only has to give the decoder phase its 2-step student)
+[ -n "${NO_METRICS:-}" ] && METRICS="eval.metrics=false"
 T0=$(date +%s)
 left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
 stamp() { echo "[$(date +%T)] $*" | tee -a $L/timeline.log; }
@@ -104,7 +107,7 @@ case $PHASE in
       consistency.train.checkpoint_every=${CURVE_EVERY:-200} eval.curve_steps=[2] ;;
   pd)
     restore
-    distill pd $C/distill/openmoji.yaml progressive.start_steps=16 progressive.final_steps=1 progressive.top_step_input=noise \
+    distill pd $C/distill/openmoji.yaml progressive.start_steps=16 progressive.final_steps=${PD_FINAL:-1} progressive.top_step_input=noise \
       guided.train.max_steps=$GUIDED_STEPS progressive.round_max_steps=$PD_ROUNDS \
       guided.train.ema_decay=$PD_EMA progressive.train.ema_decay=$PD_EMA ;;
   decoder)
