@@ -138,8 +138,9 @@ function hostPeakMb() {
 }
 
 /** The checks of the page's check mode on generate()'s result; the list of failures. */
-function failuresOf(res, image) {
+function failuresOf(res, image, tokenizer) {
   const failures = [];
+  if (tokenizer.golden_ids_match === false) failures.push('tokenizer: the golden prompt\'s ids differ from the manifest\'s');
   for (const [name, s] of Object.entries(res.stages)) {
     const g = res.golden[name];
     if (!s.fully_accelerated) failures.push(`${name}: not fully accelerated`);
@@ -181,12 +182,15 @@ async function main() {
   if (useRef) image.psnr_db = imagePsnr(ref.imageData, res.image.img);
   else image.skipped = ref ? `the reference is for prompt ${JSON.stringify(ref.prompt)}, seed ${ref.seed}` : 'no web/reference/ in the bundle (pocketdiff web writes it)';
   if (opts.image) writePng(opts.image, res.image);
-  const failures = failuresOf(res, image);
+  const golden = man.tokenizer.golden;
+  const tokenizer = { tokens: res.tokens.tokens, truncated: res.tokens.truncated,
+    golden_ids_match: golden ? Array.from(bundle.tokenizer.encode(golden.prompt).ids).join(',') === golden.ids.join(',') : null };
+  const failures = failuresOf(res, image, tokenizer);
   const components = Object.fromEntries(Object.entries(res.stages).map(([n, s]) => [n, { ...s, golden: res.golden[n] || { skipped: 'not run' } }]));
   const report = {
     ok: failures.length === 0, failures, runner: 'node', node: process.version, adapter, prompt, seed,
     steps: man.scheduler.timesteps.length, resolution: man.image.width, unet: opts.unet,
-    latents: useRef ? 'reference/' + ref.latents : 'page noise (seeded)', components, image,
+    latents: useRef ? 'reference/' + ref.latents : 'page noise (seeded)', tokenizer, components, image,
     latency_ms: { runtime_ready: runtimeMs, ...res.latency }, host_peak_mb: hostPeakMb(),
     wall_s: Number(((performance.now() - t0) / 1000).toFixed(2)),
   };

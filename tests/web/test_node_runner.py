@@ -38,6 +38,7 @@ def test_the_smoke_bundle_through_the_pages_pipeline_on_webgpu_matches_run_bundl
     report = json.loads(out.read_text())
     assert report["ok"] and report["failures"] == []
     assert report["runner"] == "node" and report["adapter"]["vendor"]
+    assert report["tokenizer"]["golden_ids_match"] is True
     assert set(report["components"]) == {"text_encoder", "unet", "vae_decoder"}
     for name, c in report["components"].items():
         assert c["accelerator"] == "webgpu" and c["fully_accelerated"], name
