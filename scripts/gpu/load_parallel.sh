@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Where an SD bundle's load seconds go on a GPU machine's LiteRT GPU delegate (real Vulkan driver), through
-# benchmarks/bundle_footprint.py. Repo root, carried: .whl/ (ai-edge-litert, py-spy and the few wheels the image
-# lacks), .gl/ (Vulkan loader debs), .devbundle/ (benchmarks/sd21_bundle.py pack of one layout).
+# benchmarks/bundle_footprint.py. Repo root, carried: .whl/ (ai-edge-litert and the few wheels the image lacks),
+# .gl/ (Vulkan loader debs), .devbundle/ (benchmarks/sd21_bundle.py pack of one layout), and for PROFILE=1 the py-spy
+# binary in .pyspy/ (from its wheel's py_spy-*.data/scripts/: pip --target does not install a wheel's scripts).
 #   1. `parallel`: every model file of the layout compiled by 1, 4, 8 threads at once (THREADS), cold then warm
 #      program cache: whether LiteRT's per-model load overlaps across cores.
 #   2. PROFILE=1: a native profile (py-spy, 200 Hz) of one warm load of the first UNet file, and that warm load
@@ -30,7 +31,8 @@ if [ "${PROFILE:-1}" = 1 ]; then
   C=/tmp/profile-cache; rm -rf $C
   say "== profile $(basename $F): cold, warm under py-spy, warm with the driver's cache off"
   $PY benchmarks/bundle_footprint.py together "$F" --cache $C > "$OUT/profile_cold.json"
-  /tmp/site/bin/py-spy record --native -r 200 -f raw -o "$OUT/profile_warm.txt" -- \
+  [ -x "${PYSPY:-.pyspy/py-spy}" ] || { say "no py-spy binary at ${PYSPY:-.pyspy/py-spy}: carry .pyspy/"; exit 4; }
+  "${PYSPY:-.pyspy/py-spy}" record --native -r 200 -f raw -o "$OUT/profile_warm.txt" -- \
     $PY benchmarks/bundle_footprint.py together "$F" --cache $C > "$OUT/profile_warm.json"
   $PY benchmarks/bundle_footprint.py together "$F" --cache $C > "$OUT/profile_warm_again.json"
   __GL_SHADER_DISK_CACHE=0 $PY benchmarks/bundle_footprint.py together "$F" --cache $C > "$OUT/profile_warm_no_driver_cache.json"
