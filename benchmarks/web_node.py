@@ -19,7 +19,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -28,32 +27,9 @@ from _proc_tree import TreePeak
 ROOT = Path(__file__).resolve().parents[1]
 
 
-class GpuPeak:
-    """Peak NVML GPU memory of one process, polled every `every_s` (None where there is no NVIDIA driver)."""
-
-    def __init__(self, pid: int, every_s: float = 0.2):
-        from pocketdiff.runtime.memory import GpuMemory
-
-        self.gpu, self.peak, self._stop = GpuMemory(pid), None, threading.Event()
-        self._thread = threading.Thread(target=self._poll, daemon=True)
-        self._thread.start()
-
-    def _poll(self) -> None:
-        while not self._stop.is_set():
-            used = self.gpu.used_mb()
-            if used is not None:
-                self.peak = max(self.peak or 0.0, used)
-            self._stop.wait(0.2)
-
-    def stop(self) -> dict:
-        self._stop.set()
-        self._thread.join()
-        return {"gpu_peak_mb": round(self.peak, 1) if self.peak is not None else None, "gpu_source": self.gpu.source,
-                "gpu_name": self.gpu.name}
-
-
 def run_node(bundle: Path, unet: str, timeout: float, out: Path) -> dict:
     from pocketdiff.runtime.delegate import delegate_env
+    from pocketdiff.runtime.memory import GpuMemory, PeakSampler
 
     env, driver = delegate_env()  # the system's Vulkan driver where there is one, else the lavapipe of setup
     cmd = ["node", str(ROOT / "web/node_runner.mjs"), str(bundle), "--unet", unet, "--out", str(out / "report.json"),
@@ -61,13 +37,15 @@ def run_node(bundle: Path, unet: str, timeout: float, out: Path) -> dict:
     t0 = time.perf_counter()
     with open(out / "node.log", "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-        tree, gpu = TreePeak(proc.pid), GpuPeak(proc.pid)
+        tree, gpu = TreePeak(proc.pid), PeakSampler(GpuMemory(proc.pid), every_s=0.2)  # the node process's GPU
         try:
             code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             proc.kill()
             code = proc.wait()
-        memory = {**tree.stop(), **gpu.stop()}
+        gpu_totals = gpu.totals()
+        gpu.close()
+        memory = {**tree.stop(), **{k: gpu_totals[k] for k in ("gpu_peak_mb", "gpu_source", "gpu_name")}}
     wall = round(time.perf_counter() - t0, 1)
     report = json.loads((out / "report.json").read_text()) if (out / "report.json").exists() else None
     tail = (out / "node.log").read_text().splitlines()
