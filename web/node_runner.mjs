@@ -138,21 +138,6 @@ function hostPeakMb() {
 }
 
 /** The checks of the page's check mode on generate()'s result; the list of failures. */
-function failuresOf(res, image, tokenizer) {
-  const failures = [];
-  if (tokenizer.golden_ids_match === false) failures.push('tokenizer: the golden prompt\'s ids differ from the manifest\'s');
-  for (const [name, s] of Object.entries(res.stages)) {
-    const g = res.golden[name];
-    if (!s.fully_accelerated) failures.push(`${name}: not fully accelerated`);
-    if (g && !g.skipped && !g.pass) failures.push(`${name}: golden vector cosine ${g.cosine} / PSNR ${g.psnr_db} dB outside the ${g.precision} tolerances`);
-  }
-  if (!image.finite) failures.push('image: NaN/Inf values');
-  if (image.psnr_db !== undefined && !(image.psnr_db >= image.min_psnr_db)) {
-    failures.push(`image: PSNR ${image.psnr_db.toFixed(2)} dB against the reference < ${image.min_psnr_db}`);
-  }
-  return failures;
-}
-
 async function main() {
   const opts = options();
   const t0 = performance.now();
@@ -163,7 +148,7 @@ async function main() {
   const { loadLiteRt } = await import('@litertjs/core');
   await loadLiteRt(WASM_DIR + path.sep);
   const runtimeMs = performance.now() - t0;
-  const { Bundle, imagePsnr } = await import('./static/pipeline.js');
+  const { Bundle, imagePsnr, tokenizerCheck, checkFailures } = await import('./static/pipeline.js');
   const { generate } = await import('./static/generate.js');
   const bundle = new Bundle(pathToFileURL(opts.bundle).href + '/');
   const man = await bundle.open();
@@ -182,10 +167,8 @@ async function main() {
   if (useRef) image.psnr_db = imagePsnr(ref.imageData, res.image.img);
   else image.skipped = ref ? `the reference is for prompt ${JSON.stringify(ref.prompt)}, seed ${ref.seed}` : 'no web/reference/ in the bundle (pocketdiff web writes it)';
   if (opts.image) writePng(opts.image, res.image);
-  const golden = man.tokenizer.golden;
-  const tokenizer = { tokens: res.tokens.tokens, truncated: res.tokens.truncated,
-    golden_ids_match: golden ? Array.from(bundle.tokenizer.encode(golden.prompt).ids).join(',') === golden.ids.join(',') : null };
-  const failures = failuresOf(res, image, tokenizer);
+  const tokenizer = tokenizerCheck(bundle, res.tokens);
+  const failures = checkFailures(res, tokenizer, image);
   const components = Object.fromEntries(Object.entries(res.stages).map(([n, s]) => [n, { ...s, golden: res.golden[n] || { skipped: 'not run' } }]));
   const report = {
     ok: failures.length === 0, failures, runner: 'node', node: process.version, adapter, prompt, seed,

@@ -2,7 +2,7 @@
 // index.html?check=1&prompt=P&seed=S runs on its own and writes a JSON summary into #result;
 // with report=PATH it also POSTs that JSON to PATH on the serving origin.
 import { loadLiteRt } from '@litertjs/core';
-import { Bundle, imagePsnr } from './pipeline.js';
+import { Bundle, imagePsnr, tokenizerCheck, checkFailures } from './pipeline.js';
 import { generate } from './generate.js';
 import { installConsoleTap } from './prepare.js';
 
@@ -108,27 +108,17 @@ function summary(prompt, seed, out, runtimeMs) {
   const failures = [];
   const accelerator = $('accelerator').value;
   if (accelerator !== 'webgpu') failures.push(`ran on ${accelerator}, not WebGPU (${webgpu.reason || 'chosen on the page'})`);
-  const components = {};
-  for (const [name, s] of Object.entries(res.stages)) {
-    const g = res.golden[name] || { skipped: 'not run' };
-    components[name] = { ...s, golden: g };
-    if (accelerator === 'webgpu' && !s.fully_accelerated) failures.push(`${name}: not fully accelerated`);
-    if (!g.skipped && !g.pass) failures.push(`${name}: golden vector cosine ${g.cosine} / PSNR ${g.psnr_db} dB outside the ${g.precision} tolerances`);
-  }
-  const golden = man.tokenizer.golden;
-  const goldenIds = golden ? Array.from(bundle.tokenizer.encode(golden.prompt).ids) : null;
-  const tokenizer = { tokens: res.tokens.tokens, truncated: res.tokens.truncated, golden_ids_match: golden ? goldenIds.join(',') === golden.ids.join(',') : null };
-  if (tokenizer.golden_ids_match === false) failures.push('tokenizer: the golden prompt\'s ids differ from the manifest\'s');
+  const components = Object.fromEntries(Object.entries(res.stages).map(([name, s]) => [name, { ...s, golden: res.golden[name] || { skipped: 'not run' } }]));
+  const tokenizer = tokenizerCheck(bundle, res.tokens);
   const image = { finite: res.image.finite, height: res.image.h, width: res.image.w, min_psnr_db: MIN_IMAGE_PSNR_DB };
-  if (!res.image.finite) failures.push('image: NaN/Inf values');
   if (reference && reference.prompt === prompt && reference.seed === seed) {
     image.reference = `reference/${reference.image}`;
     image.reference_made_by = reference.made_by;
     image.psnr_db = imagePsnr(reference.imageData, res.image.img);
-    if (!(image.psnr_db >= MIN_IMAGE_PSNR_DB)) failures.push(`image: PSNR ${image.psnr_db.toFixed(2)} dB against the reference < ${MIN_IMAGE_PSNR_DB}`);
   } else {
     image.skipped = reference ? `the reference is for prompt ${JSON.stringify(reference.prompt)}, seed ${reference.seed}` : 'no reference/ in this page (pocketdiff web --no-reference)';
   }
+  failures.push(...checkFailures(res, tokenizer, image, { accelerated: accelerator === 'webgpu' }));
   const nav = performance.getEntriesByType('navigation')[0];
   return {
     ok: failures.length === 0,

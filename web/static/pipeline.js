@@ -201,6 +201,33 @@ export function imagePsnr(ref, out) {
   return mse === 0 ? Infinity : 10 * Math.log10(1 / mse);
 }
 
+/** The tokenizer's part of a check: its tokens for the prompt, and whether the manifest's golden
+ *  prompt still encodes to the manifest's ids (null when the bundle has none). */
+export function tokenizerCheck(bundle, tokens) {
+  const golden = bundle.man.tokenizer.golden;
+  const ids = golden ? Array.from(bundle.tokenizer.encode(golden.prompt).ids) : null;
+  return { tokens: tokens.tokens, truncated: tokens.truncated, golden_ids_match: golden ? ids.join(',') === golden.ids.join(',') : null };
+}
+
+/** What a check run failed on, one line each: a stage not fully accelerated (when `accelerated`
+ *  is asked), a golden vector outside its tolerances, the tokenizer's golden ids, a non-finite
+ *  image, and the image's PSNR against the reference where one was compared. Shared by the
+ *  page's check mode (app.js) and the Node runner, so both judge alike. */
+export function checkFailures(res, tokenizer, image, { accelerated = true } = {}) {
+  const failures = [];
+  for (const [name, s] of Object.entries(res.stages)) {
+    const g = res.golden[name];
+    if (accelerated && !s.fully_accelerated) failures.push(`${name}: not fully accelerated`);
+    if (g && !g.skipped && !g.pass) failures.push(`${name}: golden vector cosine ${g.cosine} / PSNR ${g.psnr_db} dB outside the ${g.precision} tolerances`);
+  }
+  if (tokenizer.golden_ids_match === false) failures.push('tokenizer: the golden prompt\'s ids differ from the manifest\'s');
+  if (!image.finite) failures.push('image: NaN/Inf values');
+  if (image.psnr_db !== undefined && !(image.psnr_db >= image.min_psnr_db)) {
+    failures.push(`image: PSNR ${image.psnr_db.toFixed(2)} dB against the reference < ${image.min_psnr_db}`);
+  }
+  return failures;
+}
+
 /** Seeded standard normal noise (mulberry32 + Box-Muller). Not numpy's stream: a page and
  *  run-bundle share noise only through a latents file (the reference's). */
 export function pageNoise(seed, n) {
