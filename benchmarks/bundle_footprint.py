@@ -9,8 +9,9 @@
            used: which options move the memory and the load time, side by side in one run.
   chain    a UNet's chunk files (export unet_chunks: K) in one process: compiled one after another, run in
            sequence; beside `probe` of each chunk alone and of the whole unet.tflite.
-  parallel a bundle's model files compiled by N threads at once in one process (one environment), cold then warm
-           program cache, per thread count: whether LiteRT's per-model load (host work on one core) overlaps.
+  parallel a bundle's model files compiled by N threads at once in one process (one environment, or one per model
+           with --env-each), or split over P processes started at once (--procs), cold then warm program cache:
+           whether LiteRT's per-model load (host work on one core) overlaps.
   runs     `pocketdiff run-bundle` end to end (its own report: per-phase memory, start_s, total_s), plain
            and --pipelined, cold (empty cache folder) then warm (the same folder), per bundle layout.
 The committed benchmarks/results/bundle_footprint_*.json hold these rows as they came back (`runs`: layout,
@@ -184,10 +185,11 @@ def chain(paths: list[str], options: dict, cache: str | None, key: str, settle: 
             "steady_run_s": round(sorted(times)[2], 4), "phases": phases, **totals}
 
 
-def load_together(paths: list[str], threads: int, cache: str) -> dict:
-    """Every model compiled by THREADS threads at once in one environment (the program cache in CACHE, one key per
-    file), each then run once on its own random inputs; the wall time of the loads, each load's seconds, the peaks,
-    and where the LiteRT libraries sit in memory (to read a native profile of this process)."""
+def load_together(paths: list[str], threads: int, cache: str, env_each: bool = False) -> dict:
+    """Every model compiled by THREADS threads at once in one environment (`env_each`: an environment per model, as
+    run-bundle --pipelined makes them), the program cache in CACHE (one key per file), each then run once on its
+    own random inputs; the wall time of the loads (and their wall-clock window, to line up several processes), each
+    load's seconds, the peaks, and where the LiteRT libraries sit in memory (to read a native profile)."""
     from concurrent.futures import ThreadPoolExecutor
 
     import numpy as np
@@ -200,16 +202,21 @@ def load_together(paths: list[str], threads: int, cache: str) -> dict:
     env = Environment()
     mark("environment")
     Path(cache).mkdir(parents=True, exist_ok=True)
+    envs = [env]
 
     def load(path: str):
         t0 = time.perf_counter()
-        model = CompiledModel(path, env, {**CACHED, "serialization_dir": cache, "model_cache_key": Path(path).stem})
+        own = env
+        if env_each:
+            own = Environment()
+            envs.append(own)
+        model = CompiledModel(path, own, {**CACHED, "serialization_dir": cache, "model_cache_key": Path(path).stem})
         return model, round(time.perf_counter() - t0, 2)
 
-    t0 = time.perf_counter()
+    t0, unix0 = time.perf_counter(), time.time()
     with ThreadPoolExecutor(threads) as pool:
         loaded = list(pool.map(load, paths))
-    wall = time.perf_counter() - t0
+    wall, unix1 = time.perf_counter() - t0, time.time()
     mark("compiled")
     def run_once(model) -> bool | str:
         try:
@@ -222,34 +229,73 @@ def load_together(paths: list[str], threads: int, cache: str) -> dict:
     fully = all(m.fully_accelerated() for m, _ in loaded)
     for m, _ in loaded:
         m.close()
-    env.close()
+    for e in envs:
+        e.close()
     mark("released")
     totals = sampler.totals()
     sampler.close()
     maps = sorted({line.split()[-1]: line.split("-")[0] for line in open("/proc/self/maps")
                    if "libLiteRt" in line and " r-xp " in line}.items())
-    return {"models": [Path(p).name for p in paths], "threads": threads, "driver": driver, "load_wall_s": round(wall, 2),
+    return {"models": [Path(p).name for p in paths], "threads": threads, "environments": "each" if env_each else "shared",
+            "driver": driver, "load_wall_s": round(wall, 2), "load_window_unix": [round(unix0, 3), round(unix1, 3)],
             "load_each_s": [s for _, s in loaded], "load_sum_s": round(sum(s for _, s in loaded), 2), "finite": finite,
             "fully_accelerated": fully, "phases": phases, **totals, "code_at": dict(maps)}
 
 
-def parallel(paths: list[str], thread_counts: list[int], cache_root: str, timeout: float) -> list[dict]:
-    """Per thread count, a fresh cache folder (LiteRT's and the driver's): a cold process, then a warm one."""
+def _together_processes(groups: list[list[str]], threads: int, env_each: bool, folder: Path, timeout: float) -> dict:
+    """One `together` process per group of files, all started at once; each one's row, and the window from the first
+    load's start to the last load's end across them (`load_wall_s`), or an error naming the process that failed."""
+    env = dict(os.environ, __GL_SHADER_DISK_CACHE_PATH=str(folder / "driver"), MESA_SHADER_CACHE_DIR=str(folder / "driver"))
+    cmds = [[sys.executable, __file__, "together", *group, "--threads", str(threads), "--cache", str(folder / "programs")]
+            + (["--env-each"] if env_each else []) for group in groups]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for cmd in cmds]
+    children = []
+    for i, p in enumerate(procs):
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            return {"error": f"process {i} timed out after {timeout} s"}
+        line = next((l for l in reversed(out.splitlines()) if l.startswith("{")), None)
+        if p.returncode != 0 or line is None:
+            return {"error": f"process {i} exit {p.returncode}", "stderr_tail": err[-1500:]}
+        children.append(json.loads(line))
+    if len(children) == 1:
+        return children[0]
+    t0 = min(c["load_window_unix"][0] for c in children)
+    t1 = max(c["load_window_unix"][1] for c in children)
+    return {"load_wall_s": round(t1 - t0, 2), "load_sum_s": round(sum(c["load_sum_s"] for c in children), 2),
+            "host_peak_mb": round(sum(c["host_peak_mb"] for c in children), 1),
+            "gpu_peak_mb": None if all(c.get("gpu_peak_mb") is None for c in children)
+            else round(sum(c.get("gpu_peak_mb") or 0 for c in children), 1),
+            "finite": [f for c in children for f in c["finite"]], "children": children}
+
+
+def _balanced(paths: list[str], n: int) -> list[list[str]]:
+    """PATHS in N groups of about equal bytes (largest file first into the lightest group)."""
+    groups: list[list] = [[0, []] for _ in range(min(n, len(paths)))]
+    for path in sorted(paths, key=lambda q: -Path(q).stat().st_size):
+        lightest = min(groups, key=lambda g: g[0])
+        lightest[0] += Path(path).stat().st_size
+        lightest[1].append(path)
+    return [sorted(g[1]) for g in groups]
+
+
+def parallel(paths: list[str], thread_counts: list[int], cache_root: str, timeout: float, env_each: bool = False,
+             proc_counts: tuple = ()) -> list[dict]:
+    """Per thread count (one process), then per process count (the files split by bytes over that many processes of
+    one thread each, started at once), a fresh cache folder (LiteRT's and the driver's): cold, then warm."""
     rows = []
-    for threads in thread_counts:
-        folder = Path(tempfile.mkdtemp(prefix=f"pd-par{threads}-", dir=cache_root))
-        env = dict(os.environ, __GL_SHADER_DISK_CACHE_PATH=str(folder / "driver"), MESA_SHADER_CACHE_DIR=str(folder / "driver"))
+    configs = [(t, 1) for t in thread_counts] + [(1, n) for n in proc_counts]
+    for threads, procs in configs:
+        folder = Path(tempfile.mkdtemp(prefix=f"pd-par{threads}x{procs}-", dir=cache_root))
         for launch in ("cold", "warm"):
-            cmd = [sys.executable, __file__, "together", *paths, "--threads", str(threads), "--cache", str(folder / "programs")]
-            try:
-                p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-                line = next((l for l in reversed(p.stdout.splitlines()) if l.startswith("{")), None)
-                row = json.loads(line) if p.returncode == 0 and line else {"error": f"exit {p.returncode}", "stderr_tail": p.stderr[-1500:]}
-            except subprocess.TimeoutExpired:
-                row = {"error": f"timeout after {timeout} s"}
-            rows.append({"threads": threads, "launch": launch, **row})
-            print(json.dumps({k: rows[-1].get(k) for k in ("threads", "launch", "load_wall_s", "load_sum_s", "host_peak_mb",
-                                                           "gpu_peak_mb", "finite", "error")}), flush=True)
+            row = _together_processes(_balanced(paths, procs), threads, env_each, folder, timeout)
+            rows.append({"threads": threads, "processes": procs, "environments": "each" if env_each else "shared",
+                         "launch": launch, **row})
+            print(json.dumps({k: rows[-1].get(k) for k in ("threads", "processes", "environments", "launch", "load_wall_s",
+                                                           "load_sum_s", "host_peak_mb", "gpu_peak_mb", "error")}), flush=True)
         shutil.rmtree(folder, ignore_errors=True)
     return rows
 
@@ -367,9 +413,12 @@ def main(argv=None) -> int:
     t.add_argument("models", nargs="+")
     t.add_argument("--threads", type=int, default=1)
     t.add_argument("--cache", required=True)
+    t.add_argument("--env-each", action="store_true", help="an environment per model (run-bundle --pipelined's way)")
     q = sub.add_parser("parallel", help="`together` per thread count, cold then warm, each in its own process")
     q.add_argument("models", nargs="+")
-    q.add_argument("--threads", default="1,4,8", help="comma list of thread counts")
+    q.add_argument("--threads", default="1,4,8", help="comma list of thread counts (one process each)")
+    q.add_argument("--procs", default="", help="comma list of process counts (the files split over them, one thread each)")
+    q.add_argument("--env-each", action="store_true", help="an environment per model")
     q.add_argument("--timeout", type=float, default=600)
     q.add_argument("--cache-root")
     q.add_argument("--out", required=True)
@@ -396,10 +445,11 @@ def main(argv=None) -> int:
         print(json.dumps({k: row.get(k) for k in ("models", "load_s", "host_peak_mb", "gpu_peak_mb", "steady_run_s")}))
         return 0
     if a.cmd == "together":
-        print(json.dumps(load_together(a.models, a.threads, a.cache)))
+        print(json.dumps(load_together(a.models, a.threads, a.cache, a.env_each)))
         return 0
     if a.cmd == "parallel":
-        rows = parallel(a.models, [int(t) for t in a.threads.split(",")], a.cache_root, a.timeout)
+        rows = parallel(a.models, [int(t) for t in a.threads.split(",") if t], a.cache_root, a.timeout, a.env_each,
+                        tuple(int(n) for n in a.procs.split(",") if n))
         Path(a.out).write_text(json.dumps({"device": os.environ.get("DEVICE_NAME"), "rows": rows}, indent=1))
         return 0
     if a.cmd == "probe":

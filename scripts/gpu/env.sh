@@ -5,7 +5,9 @@
 REPO=$PWD
 if [ -z "${POCKETDIFF_ENV_READY:-}" ]; then  # a script started by an already set-up script must not reinstall under running jobs
   if [ ! -f /tmp/site/.wheels-installed ] || [ -n "${REINSTALL:-}" ]; then  # later calls of a warm machine need not carry .whl
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+    if ls .whl/*.whl > /dev/null 2>&1; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+    fi
     for t in .whl/*.tar.xz; do  # a slimmed package (e.g. ai-edge-litert without its NPU plugins) that the size limit needs
       [ -f "$t" ] && { python3 -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])" "$t" /tmp/site || exit 1; }
     done

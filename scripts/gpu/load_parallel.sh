@@ -7,6 +7,10 @@
 #      program cache: whether LiteRT's per-model load overlaps across cores.
 #   2. PROFILE=1: a native profile (py-spy, 200 Hz) of one warm load of the first UNet file, and that warm load
 #      with the NVIDIA driver's own shader cache off (does the driver's cache matter once LiteRT's is warm?).
+#   ENV_EACH=1: an environment per model; PROCS=2,4: the files also split over that many processes started at once
+#   (is the serialisation per environment, per process, or the device's?). LITERT=nightly: LiteRT's libraries from
+#   the carried .nightly/litert_nightly.tar.xz (ai-edge-litert-nightly's ai_edge_litert/ with its two .so files)
+#   instead of the pinned wheel's, for the same runs side by side.
 # Writes $OUT/parallel_<layout>.json, $OUT/profile_*.json, $OUT/profile_warm.txt (py-spy raw stacks), a log.
 #   THREADS=1,4,8 PROFILE=1 bash scripts/gpu/load_parallel.sh
 set -u
@@ -25,7 +29,16 @@ L=${LAYOUT:-$(ls "$BUNDLES" | head -1)}
 B=$BUNDLES/$L
 FILES=$(ls "$B"/text_encoder*.tflite "$B"/unet*.tflite "$B"/vae_*.tflite | sort -V)
 say "== parallel $L (threads ${THREADS:-1,4,8}): $(echo $FILES | xargs -n1 basename | tr '\n' ' ')"
-$PY benchmarks/bundle_footprint.py parallel $FILES --threads "${THREADS:-1,4,8}" --cache-root /tmp --out "$OUT/parallel_$L.json"
+if [ "${LITERT:-}" = nightly ]; then
+  [ -d /tmp/litert_nightly ] || $PY -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])" \
+    "$REPO/.nightly/litert_nightly.tar.xz" /tmp/litert_nightly_x || exit 4
+  [ -d /tmp/litert_nightly ] || mv /tmp/litert_nightly_x/ai_edge_litert_nightly /tmp/litert_nightly
+  export PYTHONPATH=/tmp/litert_nightly:$PYTHONPATH
+fi
+say "LiteRT: $($PY -c 'import ai_edge_litert as a; print(a.__version__, a.__file__)')"
+TAG=${TAG:-$L}
+$PY benchmarks/bundle_footprint.py parallel $FILES --threads "${THREADS:-1,4,8}" --procs "${PROCS:-}" \
+  ${ENV_EACH:+--env-each} --cache-root /tmp --out "$OUT/parallel_$TAG.json"
 if [ "${PROFILE:-1}" = 1 ]; then
   F=$(ls "$B"/unet.0.tflite "$B"/unet.tflite 2>/dev/null | head -1)
   C=/tmp/profile-cache; rm -rf $C
