@@ -3,11 +3,7 @@
 `load_manifest` (bundle.py) checks the files exist inside the bundle, their sha256 and that
 each .tflite is a whole flatbuffer. This module checks what the runner relies on:
 
-- fields: image / latent sizes (latent x vae_factor = image), guidance mode and UNet batch,
-  the DDIM schedule (timesteps non-empty integers strictly inside [0, num_train_timesteps),
-  `steps` of them, exactly as `timestep_spacing` + `steps_offset` give them; an lcm one's on
-  its training grid, runtime/lcm_step.py; alphas_cumprod
-  finite, in (0, 1], non-increasing, one per train timestep), tokenizer lengths and ids;
+- fields: sizes, guidance, the schedule, the tokenizer (runtime/manifest_fields.py);
 - the components' declared inputs and outputs against each other (latent shape, text length
   and width, UNet batch, time input vs the time-embedding table);
 - a UNet or text encoder in chunks (`unet_chunks`, `text_encoder_chunks`, runtime/chunks.py): every chunk
@@ -26,17 +22,14 @@ only: no torch, the runner's footprint.
 """
 from __future__ import annotations
 
-import dataclasses
-import math
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Iterable, Optional
 
 import numpy as np
 
 from pocketdiff.errors import PocketdiffError
 
-from .lcm_step import LCM, check_lcm_block
-from .lcm_step import PREDICTION_TYPES as LCM_PREDICTION_TYPES
+from .manifest_fields import FIELD_CHECKS, Found, Problem, is_int, positive_ints
 from .onepass_decode import ONE_PASS, check_one_pass_block, one_pass_io
 from .tiled_decode import SCHEMES as TILING_SCHEMES
 from .chunks import CHUNKABLE, TEXT_ENCODER, block_key, parts_of
@@ -44,10 +37,6 @@ from .chunks import check_block as check_chunks_block
 
 RUNNER_COMPONENTS = ("text_encoder", "unet", "vae_decoder")
 TILED_DECODER = ("vae_decoder_head", "vae_up_tile")
-SPACINGS = ("leading", "trailing", "linspace")
-PREDICTION_TYPES = ("epsilon", "v_prediction")
-SCHEDULER_TYPES = ("ddim", LCM)
-GUIDANCE_BATCH = {"cfg": 2, "embedded": 1, "none": 1}
 
 
 class BundleCheckError(PocketdiffError):
@@ -58,203 +47,7 @@ class BundleCheckError(PocketdiffError):
         super().__init__(f"{component}: {check}: {detail}")
 
 
-@dataclasses.dataclass(frozen=True)
-class Problem:
-    where: str  # manifest field (scheduler.timesteps[3]) or file (unet.tflite)
-    check: str  # short name of the check (range, order, signature, size, ...)
-    message: str
-
-    def line(self, bundle: str | Path) -> str:
-        return f"bundle {bundle}: {self.where}: {self.message} ({self.check} check)"
-
-
-class _Found:
-    def __init__(self):
-        self.items: list[Problem] = []
-
-    def add(self, where: str, check: str, message: str) -> None:
-        self.items.append(Problem(where, check, message))
-
-
-# ------------------------------------------------------------------------------- helpers
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
-
-
-def _is_num(v: Any) -> bool:
-    return isinstance(v, (int, float, np.number)) and not isinstance(v, bool)
-
-
-def _section(man: dict, key: str, found: _Found) -> Optional[dict]:
-    sec = man.get(key)
-    if not isinstance(sec, dict):
-        found.add(key, "present", "missing or not an object")
-        return None
-    return sec
-
-
-def _positive_ints(sec: dict, prefix: str, keys: Iterable[str], found: _Found) -> bool:
-    ok = True
-    for k in keys:
-        v = sec.get(k)
-        if not _is_int(v) or v <= 0:
-            found.add(f"{prefix}.{k}", "type", f"must be a positive integer, got {v!r}")
-            ok = False
-    return ok
-
-
-def spacing_timesteps(num_train_timesteps: int, steps: int, spacing: str, steps_offset: int = 0) -> list[int]:
-    """Descending DDIM timesteps as `DDIMScheduler.set_timesteps` gives them (numpy only; the
-    same rule as pocketdiff.sampling.ddim_timesteps)."""
-    T = int(num_train_timesteps)
-    if spacing == "leading":
-        ts = (np.arange(0, steps) * (T // steps)).round()[::-1].astype(np.int64) + int(steps_offset)
-    elif spacing == "trailing":
-        ts = np.round(np.arange(T, 0, -T / steps)).astype(np.int64) - 1
-    elif spacing == "linspace":
-        ts = np.linspace(0, T - 1, steps).round()[::-1].astype(np.int64)
-    else:
-        raise ValueError(f"unknown timestep spacing {spacing!r}")
-    return [int(t) for t in ts]
-
-
-# ------------------------------------------------------------------------------- field checks
-
-
-def _check_sizes(man: dict, found: _Found) -> None:
-    image, latent = _section(man, "image", found), _section(man, "latent", found)
-    if image is None or latent is None:
-        return
-    img_ok = _positive_ints(image, "image", ("height", "width", "channels"), found)
-    lat_ok = _positive_ints(latent, "latent", ("channels", "height", "width", "vae_factor"), found)
-    if img_ok and image["channels"] != 3:
-        found.add("image.channels", "value", f"must be 3 (RGB), got {image['channels']}")
-    if img_ok and lat_ok:
-        for k in ("height", "width"):
-            if latent[k] * latent["vae_factor"] != image[k]:
-                found.add(f"latent.{k}", "consistency", f"{latent[k]} x vae_factor {latent['vae_factor']} != image.{k} {image[k]}")
-
-
-def _check_guidance(man: dict, found: _Found) -> None:
-    g = _section(man, "guidance", found)
-    if g is None:
-        return
-    mode = g.get("mode")
-    if mode not in GUIDANCE_BATCH:
-        found.add("guidance.mode", "value", f"must be one of {', '.join(GUIDANCE_BATCH)}, got {mode!r}")
-    elif g.get("unet_batch") != GUIDANCE_BATCH[mode]:
-        found.add("guidance.unet_batch", "consistency", f"must be {GUIDANCE_BATCH[mode]} with mode {mode}, got {g.get('unet_batch')!r}")
-    scale = g.get("scale")
-    if not _is_num(scale) or not math.isfinite(scale):
-        found.add("guidance.scale", "value", f"must be a finite number, got {scale!r}")
-
-
-def _check_scheduler(man: dict, found: _Found) -> None:
-    s = _section(man, "scheduler", found)
-    if s is None:
-        return
-    stype = s.get("type", "ddim")
-    if stype not in SCHEDULER_TYPES:
-        found.add("scheduler.type", "value", f"must be one of {', '.join(SCHEDULER_TYPES)}, got {stype!r}")
-        stype = "ddim"  # the remaining fields checked as ddim's
-    ptypes = LCM_PREDICTION_TYPES if stype == LCM else PREDICTION_TYPES
-    if s.get("prediction_type") not in ptypes:
-        found.add("scheduler.prediction_type", "value", f"must be {' or '.join(ptypes)}, got {s.get('prediction_type')!r}")
-    if stype == "ddim" and s.get("eta", 0.0) != 0:
-        found.add("scheduler.eta", "value", f"the runner is deterministic DDIM (eta 0), got {s.get('eta')!r}")
-    T, steps = s.get("num_train_timesteps"), s.get("steps")
-    if not _is_int(T) or T <= 0:
-        found.add("scheduler.num_train_timesteps", "type", f"must be a positive integer, got {T!r}")
-        T = None
-    if not _is_int(steps) or steps <= 0:
-        found.add("scheduler.steps", "type", f"must be a positive integer, got {steps!r}")
-        steps = None
-
-    ts = s.get("timesteps")
-    ts_ok = False
-    if not isinstance(ts, list) or not ts:
-        found.add("scheduler.timesteps", "present", f"must be a non-empty list, got {ts!r}")
-    else:
-        ts_ok = True
-        for i, t in enumerate(ts):
-            if not _is_int(t):
-                found.add(f"scheduler.timesteps[{i}]", "type", f"must be an integer, got {t!r}")
-                ts_ok = False
-            elif T is not None and not 0 <= t < T:
-                found.add(f"scheduler.timesteps[{i}]", "range", f"{t} is outside [0, {T}) (num_train_timesteps)")
-                ts_ok = False
-        if ts_ok and any(a <= b for a, b in zip(ts, ts[1:])):
-            i = next(i for i, (a, b) in enumerate(zip(ts, ts[1:])) if a <= b)
-            found.add(f"scheduler.timesteps[{i + 1}]", "order", f"{ts[i + 1]} after {ts[i]}: timesteps must strictly decrease")
-            ts_ok = False
-        if ts_ok and steps is not None and len(ts) != steps:
-            found.add("scheduler.timesteps", "consistency", f"{len(ts)} timesteps but scheduler.steps is {steps}")
-            ts_ok = False
-    if stype == LCM:
-        found.items += [Problem(*p) for p in check_lcm_block(s, T, steps, ts_ok)]
-    else:
-        _check_ddim_spacing(s, T, steps, ts_ok, found)
-    _check_alphas(s, T, stype, found)
-
-
-def _check_ddim_spacing(s: dict, T: Optional[int], steps: Optional[int], ts_ok: bool, found: _Found) -> None:
-    ts = s.get("timesteps")
-    spacing, offset = s.get("timestep_spacing", "leading"), s.get("steps_offset", 0)
-    if spacing not in SPACINGS:
-        found.add("scheduler.timestep_spacing", "value", f"must be one of {', '.join(SPACINGS)}, got {spacing!r}")
-    elif not _is_int(offset) or offset < 0:
-        found.add("scheduler.steps_offset", "type", f"must be a non-negative integer, got {offset!r}")
-    elif ts_ok and T is not None and steps is not None and steps <= T:
-        want = spacing_timesteps(T, steps, spacing, offset)
-        if list(ts) != want:
-            i = next(i for i, (a, b) in enumerate(zip(ts, want)) if a != b)
-            found.add(f"scheduler.timesteps[{i}]", "spacing", f"{ts[i]}, but {spacing} spacing over {T} with steps_offset {offset} "
-                      f"gives {want[i]} ({want[:8]}{' ...' if len(want) > 8 else ''})")
-
-
-def _check_alphas(s: dict, T: Optional[int], stype: str, found: _Found) -> None:
-    alphas = s.get("alphas_cumprod")
-    if not isinstance(alphas, list) or not alphas:
-        found.add("scheduler.alphas_cumprod", "present", "must be a non-empty list")
-    else:
-        bad = next((i for i, a in enumerate(alphas) if not _is_num(a)), None)
-        if bad is not None:
-            found.add(f"scheduler.alphas_cumprod[{bad}]", "type", f"must be a number, got {alphas[bad]!r}")
-        else:
-            a = np.asarray(alphas, dtype=np.float64)
-            wrong = np.flatnonzero(~np.isfinite(a) | (a <= 0) | (a > 1))
-            if wrong.size:
-                i = int(wrong[0])
-                more = f" ({wrong.size} such values)" if wrong.size > 1 else ""
-                found.add(f"scheduler.alphas_cumprod[{i}]", "range", f"{alphas[i]!r} is not finite in (0, 1]{more}")
-            elif np.any(np.diff(a) > 0):
-                i = int(np.flatnonzero(np.diff(a) > 0)[0]) + 1
-                found.add(f"scheduler.alphas_cumprod[{i}]", "order", f"{alphas[i]} rises above {alphas[i - 1]}: a cumulative product never increases")
-            if T is not None and len(alphas) != T:
-                found.add("scheduler.alphas_cumprod", "consistency", f"{len(alphas)} values, num_train_timesteps is {T}")
-    final = s.get("final_alpha_cumprod")
-    if stype == "ddim" and (not _is_num(final) or not math.isfinite(final) or not 0 < final <= 1):
-        found.add("scheduler.final_alpha_cumprod", "range", f"must be finite in (0, 1], got {final!r}")
-
-
-def _check_tokenizer(man: dict, found: _Found) -> None:
-    tok = _section(man, "tokenizer", found)
-    if tok is None:
-        return
-    _positive_ints(tok, "tokenizer", ("max_length",), found)
-    for k in ("pad_id", "bos_id", "eos_id"):
-        if k in tok or k == "pad_id":
-            v = tok.get(k)
-            if not _is_int(v) or v < 0:
-                found.add(f"tokenizer.{k}", "type", f"must be a non-negative integer, got {v!r}")
-    files = tok.get("files")
-    if not isinstance(files, dict) or "tokenizer.json" not in files:
-        found.add("tokenizer.files", "present", "must list tokenizer.json")
-
-
-def _io(entry: dict, key: str, name: str, found: _Found) -> Optional[dict[str, dict]]:
+def _io(entry: dict, key: str, name: str, found: Found) -> Optional[dict[str, dict]]:
     """name -> {shape, dtype} of a component's declared inputs or outputs (None when malformed)."""
     items = entry.get(key)
     where = f"components.{name}.{key}"
@@ -267,7 +60,7 @@ def _io(entry: dict, key: str, name: str, found: _Found) -> Optional[dict[str, d
             found.add(f"{where}[{i}]", "type", "must be an object with a name")
             return None
         shape, dtype = it.get("shape"), it.get("dtype")
-        if not isinstance(shape, list) or not all(_is_int(d) and d > 0 for d in shape):
+        if not isinstance(shape, list) or not all(is_int(d) and d > 0 for d in shape):
             found.add(f"{where}[{i}].shape", "type", f"must be a list of positive integers, got {shape!r}")
             return None
         try:
@@ -279,12 +72,12 @@ def _io(entry: dict, key: str, name: str, found: _Found) -> Optional[dict[str, d
     return io
 
 
-def _expect(found: _Found, where: str, got: list, want: list, what: str) -> None:
+def _expect(found: Found, where: str, got: list, want: list, what: str) -> None:
     if got != want:
         found.add(where, "consistency", f"shape {got}, but {what} gives {want}")
 
 
-def _check_components(man: dict, need: Iterable[str], found: _Found) -> None:
+def _check_components(man: dict, need: Iterable[str], found: Found) -> None:
     comps = man.get("components")
     if not isinstance(comps, dict) or not comps:
         found.add("components", "present", "missing or empty")
@@ -297,7 +90,7 @@ def _check_components(man: dict, need: Iterable[str], found: _Found) -> None:
         if not isinstance(entry, dict):
             found.add(f"components.{name}", "type", "must be an object")
             continue
-        if "bytes" in entry and (not _is_int(entry["bytes"]) or entry["bytes"] <= 0):
+        if "bytes" in entry and (not is_int(entry["bytes"]) or entry["bytes"] <= 0):
             found.add(f"components.{name}.bytes", "type", f"must be a positive integer, got {entry['bytes']!r}")
         ins, outs = _io(entry, "inputs", name, found), _io(entry, "outputs", name, found)
         if ins is not None and outs is not None:
@@ -309,7 +102,7 @@ def _check_components(man: dict, need: Iterable[str], found: _Found) -> None:
     _check_contract(man, ios, found)
 
 
-def _check_contract(man: dict, ios: dict, found: _Found) -> None:
+def _check_contract(man: dict, ios: dict, found: Found) -> None:
     """The shapes the runner feeds and reads, from the manifest's sizes, against each component."""
     lat, g, tok, s = (man.get(k) if isinstance(man.get(k), dict) else {} for k in ("latent", "guidance", "tokenizer", "scheduler"))
     image = man.get("image") if isinstance(man.get("image"), dict) else {}
@@ -340,7 +133,7 @@ def _check_contract(man: dict, ios: dict, found: _Found) -> None:
             te = man.get("time_embedding")
             if te:
                 shape = te.get("shape") if isinstance(te, dict) else None
-                if not isinstance(shape, list) or len(shape) != 2 or not all(_is_int(d) and d > 0 for d in shape):
+                if not isinstance(shape, list) or len(shape) != 2 or not all(is_int(d) and d > 0 for d in shape):
                     found.add("time_embedding.shape", "type", f"must be [num_train_timesteps, width], got {shape!r}")
                 else:
                     if shape[0] != s.get("num_train_timesteps"):
@@ -371,7 +164,7 @@ def runner_components(man: dict) -> tuple[str, ...]:
     return (*parts_of(man, TEXT_ENCODER), *parts_of(man), *decoder_components(man))
 
 
-def _check_tiling(man: dict, ios: dict, latent: list, found: _Found) -> None:
+def _check_tiling(man: dict, ios: dict, latent: list, found: Found) -> None:
     """The vae_tiling block (tile, overlap, passes, factor, norms [K, G], features F; margin and scheme
     optional) against the latent and the two tiled components' io; a tiled component without the
     block is refused."""
@@ -390,25 +183,25 @@ def _check_tiling(man: dict, ios: dict, latent: list, found: _Found) -> None:
             found.add(f"components.{name}", "present", f"missing: vae_tiling needs {' and '.join(TILED_DECODER)} (the bundle has {', '.join(comps)})")
     if "vae_decoder" in comps:
         found.add("components.vae_decoder", "consistency", "a tiled bundle decodes with vae_decoder_head + vae_up_tile, not vae_decoder")
-    if not _positive_ints(block, "vae_tiling", ("tile", "passes", "factor", "features"), found):
+    if not positive_ints(block, "vae_tiling", ("tile", "passes", "factor", "features"), found):
         return
     t, o, f = block["tile"], block.get("overlap"), block["factor"]
-    if not _is_int(o) or not 0 <= o < t:
+    if not is_int(o) or not 0 <= o < t:
         found.add("vae_tiling.overlap", "range", f"must be an integer in [0, tile={t}), got {o!r}")
     m = block.get("margin", 0)  # bundles from before the margin decode with none
-    if not _is_int(m) or m < 0 or (_is_int(o) and 2 * m > o):
+    if not is_int(m) or m < 0 or (is_int(o) and 2 * m > o):
         found.add("vae_tiling.margin", "range", f"must be an integer with 0 <= 2 * margin <= overlap={o!r}, got {m!r}")
     one_pass = block.get("scheme") == ONE_PASS
     if block.get("scheme", "plain") not in TILING_SCHEMES + (ONE_PASS,):
         found.add("vae_tiling.scheme", "value", f"must be one of {', '.join(TILING_SCHEMES + (ONE_PASS,))}, got {block.get('scheme')!r}")
     norms = block.get("norms")
-    if not one_pass and (not isinstance(norms, list) or len(norms) != 2 or not all(_is_int(v) and v > 0 for v in norms)):
+    if not one_pass and (not isinstance(norms, list) or len(norms) != 2 or not all(is_int(v) and v > 0 for v in norms)):
         found.add("vae_tiling.norms", "type", f"must be [norm count K, groups G] (positive integers), got {norms!r}")
         return
     lat = man.get("latent") if isinstance(man.get("latent"), dict) else {}
     if f != lat.get("vae_factor"):
         found.add("vae_tiling.factor", "consistency", f"{f}, but latent.vae_factor is {lat.get('vae_factor')!r}")
-    if all(_is_int(d) for d in latent[1:]) and t > min(latent[1:]):
+    if all(is_int(d) for d in latent[1:]) and t > min(latent[1:]):
         found.add("vae_tiling.tile", "range", f"{t} latents is larger than the latent {latent[1]}x{latent[2]}")
     if one_pass:  # runtime/onepass_decode.py: features in, pixels out, one pass
         for key, message in check_one_pass_block(block, latent):
@@ -432,7 +225,6 @@ def _check_tiling(man: dict, ios: dict, latent: list, found: _Found) -> None:
             found.add(f"components.{name}.outputs", "consistency", f"shapes {got_out}, but vae_tiling and latent give {want_out}")
 
 
-FIELD_CHECKS: tuple[Callable[[dict, _Found], None], ...] = (_check_sizes, _check_guidance, _check_scheduler, _check_tokenizer)
 
 
 # ------------------------------------------------------------------------------- file checks
@@ -482,7 +274,7 @@ def _read_signature(path: str | Path) -> tuple[dict[str, dict], dict[str, dict],
     return ins, outs, shared
 
 
-def _check_files(bundle: Path, man: dict, found: _Found) -> None:
+def _check_files(bundle: Path, man: dict, found: Found) -> None:
     from .bundle import resolve_in_bundle
 
     entries = []
@@ -509,7 +301,7 @@ def _check_files(bundle: Path, man: dict, found: _Found) -> None:
             found.add(str(entry.get("path")), "present", f"{what} file is missing")
             continue
         size = path.stat().st_size
-        if _is_int(entry.get("bytes")) and entry["bytes"] != size:
+        if is_int(entry.get("bytes")) and entry["bytes"] != size:
             found.add(str(entry.get("path")), "size", f"{size} bytes, the manifest says {entry['bytes']} ({what})")
         if is_model:
             _check_signature(path, entry, what.split()[-1], found)
@@ -518,7 +310,7 @@ def _check_files(bundle: Path, man: dict, found: _Found) -> None:
         _check_npy(bundle, te, found)
 
 
-def _check_signature(path: Path, entry: dict, name: str, found: _Found) -> None:
+def _check_signature(path: Path, entry: dict, name: str, found: Found) -> None:
     try:
         check_component_io(name, entry, path)
     except BundleCheckError as e:
@@ -528,7 +320,7 @@ def _check_signature(path: Path, entry: dict, name: str, found: _Found) -> None:
         found.add(str(entry.get("path")), "signature", f"cannot read the model's inputs and outputs ({type(e).__name__}: {e})")
 
 
-def _check_npy(bundle: Path, te: dict, found: _Found) -> None:
+def _check_npy(bundle: Path, te: dict, found: Found) -> None:
     from .bundle import resolve_in_bundle
 
     rel = str(te.get("path"))
@@ -555,7 +347,7 @@ def manifest_problems(bundle: str | Path, manifest: dict, need: Optional[Iterabl
     """Every problem of `manifest` (as `load_manifest` returns it, or the raw JSON) and, with
     `files`, of the files it names. `need`: components that must be present (default: what the
     runner needs, `runner_components`)."""
-    found = _Found()
+    found = Found()
     for check in FIELD_CHECKS:
         check(manifest, found)
     _check_components(manifest, runner_components(manifest) if need is None else need, found)
@@ -588,7 +380,7 @@ def _io_list(entry: Any, component: str, key: str) -> list[dict]:
         if not isinstance(it, dict) or not isinstance(it.get("name"), str):
             raise BundleCheckError(component, "manifest", f"{key}[{i}] has no name")
         shape = it.get("shape")
-        if not isinstance(shape, list) or not all(_is_int(d) and d > 0 for d in shape):
+        if not isinstance(shape, list) or not all(is_int(d) and d > 0 for d in shape):
             raise BundleCheckError(component, "manifest", f"{key}[{i}] ({it['name']}): shape must be a list of positive ints, got {shape!r}")
         try:
             np.dtype(it.get("dtype"))

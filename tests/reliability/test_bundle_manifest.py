@@ -21,7 +21,8 @@ import pytest
 from bundle_builders import IO, T, sha256, signature_tflite
 
 from pocketdiff.cli import main
-from pocketdiff.runtime.manifest_check import check_bundle, manifest_problems, spacing_timesteps
+from pocketdiff.runtime.manifest_check import check_bundle, manifest_problems
+from pocketdiff.runtime.manifest_fields import spacing_timesteps
 
 
 def _rehash(b: Path, entry: dict) -> None:
