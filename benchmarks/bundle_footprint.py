@@ -13,7 +13,8 @@
            with --env-each), or split over P processes started at once (--procs), cold then warm program cache:
            whether LiteRT's per-model load (host work on one core) overlaps.
   runs     `pocketdiff run-bundle` end to end (its own report: per-phase memory, start_s, total_s), plain
-           and --pipelined, cold (empty cache folder) then warm (the same folder), per bundle layout.
+           and --pipelined (and --stream-unet, --load-workers N), cold (empty cache folder) then warm (the same
+           folder), per bundle layout.
 The committed benchmarks/results/bundle_footprint_*.json hold these rows as they came back (`runs`: layout,
 resolution, mode, launch, unet_chunks, host_peak_mb, gpu_peak_mb, start_s, total_s, device, memory.phases (a UNet in
 chunks: per chunk, unet.0, unet.1, ...); `probes`: per model file, each chunk alone), each tagged with the device call and the runner version it came from.
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -376,10 +378,13 @@ def runs(bundles: list[tuple[str, str]], cache_root: str, timeout: float, modes:
         for mode in modes:
             folder = Path(cache_root) / f"{layout}-{mode}-{tag}"
             shutil.rmtree(folder, ignore_errors=True)
+            workers = int(mode[len("workers"):]) if mode.startswith("workers") else 0  # plain, its loads in N processes
+            flags = {"streamed": ["--stream-unet"], "plain": []}.get(mode, ["--load-workers", str(workers)] if workers else [])
             for launch in ("cold", "warm"):
-                r = _run_bundle(bundle, f"/tmp/footprint-{layout}-{mode}-{launch}", mode != "plain", str(folder / "programs"),
-                                str(folder / "driver"), timeout, extra + (["--stream-unet"] if mode == "streamed" else []))
+                r = _run_bundle(bundle, f"/tmp/footprint-{layout}-{mode}-{launch}", mode in ("pipelined", "streamed"),
+                                str(folder / "programs"), str(folder / "driver"), timeout, extra + flags)
                 rows.append({"layout": layout, "resolution": resolution, "mode": mode, "launch": launch, "device": device,
+                             "load_workers": workers,
                              "variant": tag, "gpu_options": gpu_options, "unet_chunks": chunks, "text_encoder_chunks": te_chunks,
                              "steps": len(man["scheduler"]["timesteps"]), **r})
                 print(json.dumps({k: rows[-1].get(k) for k in ("layout", "mode", "launch", "host_peak_mb", "gpu_peak_mb",
@@ -426,7 +431,8 @@ def main(argv=None) -> int:
     r.add_argument("bundles", nargs="+", help="FOLDER:LAYOUT")
     r.add_argument("--cache-root", default="/tmp/pd-cache")
     r.add_argument("--timeout", type=float, default=240)
-    r.add_argument("--modes", default="plain,pipelined", help="of plain, pipelined, streamed (--pipelined --stream-unet: a chunked UNet)")
+    r.add_argument("--modes", default="plain,pipelined", help="of plain, pipelined, streamed (--pipelined --stream-unet: a "
+                   "chunked UNet), workersN (plain with --load-workers N)")
     r.add_argument("--gpu-option", action="append", default=[], help="KEY=VALUE passed to run-bundle")
     r.add_argument("--tag", default="default", help="names this variant in the rows")
     r.add_argument("--out", required=True)
@@ -434,8 +440,8 @@ def main(argv=None) -> int:
     if a.cmd == "runs":
         pairs = [tuple(b.rsplit(":", 1)) for b in a.bundles]
         modes = a.modes.split(",")
-        if set(modes) - {"plain", "pipelined", "streamed"}:
-            ap.error(f"--modes: {a.modes!r}, expected a comma list of plain, pipelined, streamed")
+        if any(m not in ("plain", "pipelined", "streamed") and not re.fullmatch(r"workers[1-9][0-9]*", m) for m in modes):
+            ap.error(f"--modes: {a.modes!r}, expected a comma list of plain, pipelined, streamed, workersN")
         rows = runs(pairs, a.cache_root, a.timeout, modes, a.gpu_option, a.tag)
         Path(a.out).write_text(json.dumps({"rows": rows}, indent=1))
         return 0

@@ -19,9 +19,9 @@ import time
 from typing import Optional
 
 
-def _status_kb(field: str) -> Optional[float]:
+def _status_kb(field: str, pid="self") -> Optional[float]:
     try:
-        with open("/proc/self/status") as f:
+        with open(f"/proc/{pid}/status") as f:
             for line in f:
                 if line.startswith(field + ":"):
                     return float(line.split()[1])
@@ -30,8 +30,8 @@ def _status_kb(field: str) -> Optional[float]:
     return None
 
 
-def host_rss_mb() -> Optional[float]:
-    kb = _status_kb("VmRSS")
+def host_rss_mb(pid="self") -> Optional[float]:
+    kb = _status_kb("VmRSS", pid)
     return None if kb is None else kb / 1024.0
 
 
@@ -45,10 +45,10 @@ def host_peak_mb() -> Optional[float]:
     return kb / 1024.0
 
 
-def reset_host_peak() -> bool:
-    """Set VmHWM back to the current RSS (Linux >= 4.0: write 5 to /proc/self/clear_refs)."""
+def reset_host_peak(pid="self") -> bool:
+    """Set VmHWM back to the current RSS (Linux >= 4.0: write 5 to /proc/<pid>/clear_refs)."""
     try:
-        with open("/proc/self/clear_refs", "w") as f:
+        with open(f"/proc/{pid}/clear_refs", "w") as f:
             f.write("5")
         return True
     except OSError:
@@ -126,7 +126,9 @@ class GpuMemory:
 
 
 class PeakSampler:
-    """Background polling of GPU memory (and host RSS) for peaks between `mark()` calls."""
+    """Background polling of GPU memory (and host RSS) for peaks between `mark()` calls. Processes that work for
+    this one (run-bundle's load workers) are added with `add_process`: from then on every figure is the sum over
+    this process and them (host: each one's own high-water mark, added)."""
 
     def __init__(self, gpu: Optional[GpuMemory] = None, every_s: float = 0.02):
         self.gpu = gpu if gpu is not None else GpuMemory()
@@ -135,16 +137,42 @@ class PeakSampler:
         self.gpu_window_peak_mb = 0.0
         self.host_peak_total_mb = host_peak_mb() or 0.0
         self.sum_peak_mb = 0.0  # polled: the largest host RSS + GPU at one moment
+        self.others: dict[int, dict] = {}  # pid -> its GpuMemory and the largest VmHWM seen
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._poll, name="memory-sampler", daemon=True)
         self._thread.start()
 
+    def add_process(self, pid: int) -> None:
+        self.others[pid] = {"gpu": GpuMemory(pid) if self.gpu.available else None, "peak_mb": 0.0}
+
+    def _gpu_used_mb(self) -> Optional[float]:
+        if not self.gpu.available:
+            return None
+        return (self.gpu.used_mb() or 0.0) + sum(o["gpu"].used_mb() or 0.0 for o in list(self.others.values()) if o["gpu"])
+
+    def _host_rss_mb(self) -> Optional[float]:
+        own = host_rss_mb()
+        return None if own is None else own + sum(host_rss_mb(pid) or 0.0 for pid in list(self.others))
+
+    def _others_peak_mb(self, reset: bool) -> float:
+        """The added processes' high-water marks (each one's largest seen so far is kept after it exits)."""
+        total = 0.0
+        for pid, o in list(self.others.items()):
+            kb = _status_kb("VmHWM", pid)
+            if kb is not None:
+                o["peak_mb"] = max(o["peak_mb"], kb / 1024.0)
+                o["window_mb"] = kb / 1024.0
+                if reset:
+                    reset_host_peak(pid)
+            total += o.get("window_mb", 0.0) if reset else o["peak_mb"]
+        return total
+
     def _poll(self) -> None:
         while not self._stop.is_set():
-            used = self.gpu.used_mb() if self.gpu.available else None
+            used = self._gpu_used_mb()
             if used is not None:
-                both = used + (host_rss_mb() or 0.0)
+                both = used + (self._host_rss_mb() or 0.0)
                 with self._lock:
                     self.gpu_peak_mb = max(self.gpu_peak_mb, used)
                     self.gpu_window_peak_mb = max(self.gpu_window_peak_mb, used)
@@ -154,23 +182,25 @@ class PeakSampler:
     def mark(self) -> dict:
         """Now and the peaks since the last mark: host RSS, host peak (VmHWM, then reset so the next mark
         sees its own window; `host_peak_total_mb` keeps the whole run's), GPU."""
-        gpu_now = self.gpu.used_mb() if self.gpu.available else None
+        gpu_now = self._gpu_used_mb()
         with self._lock:
             window = max(self.gpu_window_peak_mb, gpu_now or 0.0) if gpu_now is not None else None
             self.gpu_window_peak_mb = gpu_now or 0.0
             if gpu_now is not None:
                 self.gpu_peak_mb = max(self.gpu_peak_mb, gpu_now)
-        peak = host_peak_mb()
-        self.host_peak_total_mb = max(self.host_peak_total_mb, peak or 0.0)
+        own = host_peak_mb()
+        self.host_peak_total_mb = max(self.host_peak_total_mb, own or 0.0)
         reset_host_peak()
-        return {"host_rss_mb": _r(host_rss_mb()), "host_peak_mb": _r(peak), "gpu_mb": _r(gpu_now), "gpu_peak_mb": _r(window)}
+        peak = None if own is None else own + self._others_peak_mb(reset=True)
+        return {"host_rss_mb": _r(self._host_rss_mb()), "host_peak_mb": _r(peak), "gpu_mb": _r(gpu_now), "gpu_peak_mb": _r(window)}
 
     def totals(self) -> dict:
         """The whole run's peaks so far (host: the kernel's high-water mark; GPU: polled)."""
         self.host_peak_total_mb = max(self.host_peak_total_mb, host_peak_mb() or 0.0)
+        host = self.host_peak_total_mb + self._others_peak_mb(reset=False)  # workers: each one's peak, added
         gpu = self.gpu_peak_mb if self.gpu.available else None
-        both = None if gpu is None else self.host_peak_total_mb + gpu
-        return {"host_peak_mb": _r(self.host_peak_total_mb), "gpu_peak_mb": _r(gpu),
+        both = None if gpu is None else host + gpu
+        return {"host_peak_mb": _r(host), "gpu_peak_mb": _r(gpu), "processes": 1 + len(self.others),
                 "host_plus_gpu_peak_mb": _r(both),  # the two peaks added: an upper bound, whenever each came
                 "host_plus_gpu_peak_at_once_mb": _r(self.sum_peak_mb) if gpu is not None else None,  # polled
                 "gpu_source": self.gpu.source, "gpu_name": self.gpu.name}

@@ -239,15 +239,21 @@ class BundleRunner:
     memory only with its environment). The accelerator's compiled programs are kept in a cache folder
     (`gpu_cache`: a folder, None for the default one per bundle, False for none; runtime/gpu_cache.py),
     so a second launch loads without compiling. Memory is measured per phase (runtime/memory.py).
+    `load_workers` N (plain, GPU): the models are compiled in N worker processes at once, whose loads overlap
+    where one process's do not (runtime/load_workers.py); their memory is counted with this process's.
     """
 
     def __init__(self, bundle: str | Path, accelerator: str = "gpu", pipelined: bool = False, manifest: Optional[dict] = None,
-                 gpu_cache: Union[str, Path, None, bool] = None, gpu_options: Optional[dict] = None, stream_unet: bool = False):
+                 gpu_cache: Union[str, Path, None, bool] = None, gpu_options: Optional[dict] = None, stream_unet: bool = False,
+                 load_workers: int = 0):
         if accelerator not in ("cpu", "gpu"):
             raise PocketdiffError(f"accelerator must be cpu or gpu, got {accelerator!r}")
         if stream_unet and not pipelined:
             raise PocketdiffError("--stream-unet loads each UNet chunk for each step: it needs --pipelined (the other models "
                                   "are then loaded just in time too)")
+        if load_workers and (pipelined or accelerator != "gpu"):
+            raise PocketdiffError("--load-workers compiles every model at once in worker processes: it needs --accelerator gpu "
+                                  "and no --pipelined (which loads one model at a time)")
         self.bundle, self.accelerator, self.pipelined, self.stream_unet = bundle, accelerator, pipelined, stream_unet
         self.man = manifest or check_bundle(bundle)  # fields, sizes and every .tflite's signature, before anything runs
         self.comps = self.man["components"]
@@ -269,6 +275,11 @@ class BundleRunner:
         self.gpu_options = dict(gpu_options or {})  # the accelerator's options (runtime/litert_c.py: GPU_OPTION_KEYS)
         if accelerator == "gpu":
             self._prepare_gpu(gpu_cache)
+        self.workers = None
+        if load_workers:
+            from .load_workers import LoadWorkers
+
+            self.workers = LoadWorkers(load_workers, on_start=self.sampler.add_process)
         self.loaded: dict[str, _Loaded] = {}
         self.accelerated: dict[str, bool] = {}  # every model loaded so far: fully on the GPU delegate
         # what every prompt shares, read once: the tokenizer, the unconditional ids (CFG), the time-embedding table
@@ -305,19 +316,28 @@ class BundleRunner:
     def close(self) -> None:
         for name in list(self.loaded):
             self._release(name)
+        if self.workers is not None:
+            self.workers.close()
+            self.workers = None
         if self.env is not None:
             self.env.close()
             self.env = None
         self.sampler.close()
 
+    def _options_for(self, name: str) -> dict:
+        options = dict(self.gpu_options)
+        if self.cache is not None:
+            options.update(self.cache.options_for(name, self.comps[name]))
+        return options
+
     def _load(self, name: str, latency: dict) -> _Loaded:
         if name not in self.loaded:
-            options = dict(self.gpu_options)
-            if self.cache is not None:
-                options.update(self.cache.options_for(name, self.comps[name]))
-            env = self._environment_for(name)
-            m = _Loaded(name, self.comps[name], self.accelerator, env=env, gpu_options=options,
-                        on_phase=lambda phase: self._mark(name, phase))
+            if self.workers is not None:
+                m = self.workers.get(name)
+                self._mark(name, "compiled")
+            else:
+                m = _Loaded(name, self.comps[name], self.accelerator, env=self._environment_for(name),
+                            gpu_options=self._options_for(name), on_phase=lambda phase: self._mark(name, phase))
             if self.cache is not None:
                 self.cache.record(name)
             self.loaded[name] = m
@@ -503,7 +523,10 @@ class BundleRunner:
         ids = _ids(self.tokenizer, prompt, tok)
         latency["tokenize"] = time.perf_counter() - t0
         if not self.pipelined:  # the naive app: everything up front
-            for name in (*self.te_parts, *self.unet_parts, *self.decoder):
+            names = (*self.te_parts, *self.unet_parts, *self.decoder)
+            if self.workers is not None:  # all at once, spread over the workers in the order of use
+                self.workers.submit([(n, self.comps[n], self._options_for(n)) for n in names if n not in self.loaded])
+            for name in names:
                 self._load(name, latency)
         ehs = self._encode(ids, latency)
         shape = (1, int(lat["channels"]), int(lat["height"]), int(lat["width"]))
@@ -558,7 +581,7 @@ def main(args) -> int:
     try:
         cache = False if getattr(args, "no_gpu_cache", False) else getattr(args, "gpu_cache", None)
         with BundleRunner(args.bundle, args.accelerator, args.pipelined, man, gpu_cache=cache, gpu_options=gpu_options,
-                          stream_unet=getattr(args, "stream_unet", False)) as runner:
+                          stream_unet=getattr(args, "stream_unet", False), load_workers=getattr(args, "load_workers", 0)) as runner:
             image, stats = runner.run(args.prompt, seed=args.seed)
         if not stats["finite"]:
             raise PocketdiffError(f"bundle {args.bundle}: the image has NaN/Inf values ({args.accelerator})")
@@ -580,6 +603,7 @@ def main(args) -> int:
         "driver": stats["driver"],
         "pipelined": bool(args.pipelined),
         "stream_unet": bool(getattr(args, "stream_unet", False)),
+        "load_workers": int(getattr(args, "load_workers", 0) or 0),
         "fully_accelerated": fully,
         "fully_accelerated_by_component": stats["fully_accelerated_by_component"],
         "latency_s": {k: round(v, 4) for k, v in stats["latency_s"].items()},

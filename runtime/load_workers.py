@@ -1,0 +1,169 @@
+"""A bundle's models compiled in worker processes, so that their loads overlap (run-bundle --load-workers N).
+
+Why: LiteRT's GPU accelerator compiles one model at a time per process. Measured on one H200 (ai-edge-litert
+2.3.0 and the 2.4 nightly alike; `benchmarks/bundle_footprint.py parallel`): 4 threads of one process, with one
+environment or one per model, take as long as 1, while 4 processes started at once load the same 15 files in
+2-3x less wall time. Most of a warm load is per-weight host work on one core (docs/MEASUREMENTS.md, the load
+profile), so separate processes are the way to several cores.
+
+Each worker owns one LiteRT environment and the models given to it, compiles them in the order they were
+submitted, and runs them on request; inputs and outputs cross as numpy arrays over a pipe (our own processes:
+nothing from a user's file is unpickled). The runner holds `RemoteModel`s, which answer like its local models
+(`in_names`, `out_names`, `run_all`, `run_s`, `load_s`). The cost is memory: every worker is a process with its
+own runtime and GPU context, and what it holds is measured with the runner's (`PeakSampler.add_process`).
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from typing import Optional
+
+import numpy as np
+
+from pocketdiff.errors import PocketdiffError
+
+
+def _serve(conn) -> None:
+    """A worker: one environment; ("load", name, entry, options) compiles, ("run", name, arrays) runs,
+    ("close", name) frees one model, ("stop",) all of them and the environment."""
+    from .delegate import prepare_in_process
+    from .litert_c import Environment
+    from .memory import tune_allocator
+    from .run_bundle import _Loaded
+
+    prepare_in_process()
+    tune_allocator()
+    env = Environment()
+    models: dict = {}
+    while True:
+        msg = conn.recv()
+        op, name = msg[0], msg[1] if len(msg) > 1 else None
+        try:
+            if op == "load":
+                m = models[name] = _Loaded(name, msg[2], "gpu", env=env, gpu_options=msg[3])
+                conn.send(("loaded", name, {"load_s": m.load_s, "fully_accelerated": m.fully_accelerated, "in_names": m.in_names,
+                                            "out_names": m.out_names, "in_details": m.in_details, "out_details": m.out_details}))
+            elif op == "run":
+                t0 = time.perf_counter()
+                outs = models[name].model.run(msg[2])
+                conn.send(("ran", name, outs, time.perf_counter() - t0))
+            elif op == "close":
+                models.pop(name).close()
+                conn.send(("closed", name))
+            elif op == "stop":
+                break
+        except Exception as e:  # noqa: BLE001 - the runner raises it, naming the model
+            conn.send(("error", name, f"{type(e).__name__}: {e}"))
+    for m in models.values():
+        m.close()
+    env.close()
+
+
+class RemoteModel:
+    """A model compiled in a worker, used like the runner's local `_Loaded` (same attributes and calls)."""
+
+    def __init__(self, workers: "LoadWorkers", worker: int, name: str, entry: dict, info: dict):
+        self.workers, self.worker, self.name, self.entry = workers, worker, name, entry
+        self.accelerator = "gpu"
+        self.load_s = info["load_s"]
+        self.fully_accelerated = info["fully_accelerated"]
+        self.in_names, self.out_names = info["in_names"], info["out_names"]
+        self.in_details, self.out_details = info["in_details"], info["out_details"]
+        self.run_s: list[float] = []
+
+    from .run_bundle import _Loaded as _local
+
+    _ordered = _local._ordered  # the same input checks and dtype casts as a local model
+    __call__ = _local.__call__
+    del _local
+
+    def run_all(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        outs, seconds = self.workers.call(self.worker, ("run", self.name, self._ordered(feeds)), "ran")
+        self.run_s.append(seconds)  # the worker's run, as a local model counts it (the pipe's copies are not in it)
+        return outs
+
+    def close(self) -> None:
+        if self.workers is not None:
+            self.workers.call(self.worker, ("close", self.name), "closed")
+            self.workers = None
+
+
+class LoadWorkers:
+    """N worker processes (spawned: a fresh interpreter each, no inherited GPU state). `submit` hands every model
+    to a worker at once, round-robin in the order given (the order they are first used), so each worker compiles
+    its share while the others compile theirs; `get` waits for one."""
+
+    def __init__(self, n: int, on_start=None):
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise PocketdiffError(f"--load-workers must be a positive integer, got {n!r}")
+        ctx = mp.get_context("spawn")
+        self.conns, self.procs = [], []
+        for i in range(n):
+            here, there = ctx.Pipe()
+            p = ctx.Process(target=_serve, args=(there,), name=f"pocketdiff-load-worker-{i}", daemon=True)
+            p.start()
+            there.close()
+            self.conns.append(here)
+            self.procs.append(p)
+            if on_start is not None:
+                on_start(p.pid)
+        self.where: dict[str, int] = {}
+        self.ready: dict[str, RemoteModel] = {}
+        self.entries: dict[str, dict] = {}
+
+    def submit(self, models: list[tuple[str, dict, dict]]) -> None:
+        """(name, manifest entry, accelerator options) for each model, in the order of first use."""
+        for k, (name, entry, options) in enumerate(models):
+            if name in self.where:
+                continue
+            w = k % len(self.conns)
+            self.where[name], self.entries[name] = w, entry
+            self.conns[w].send(("load", name, entry, options))
+
+    def get(self, name: str) -> RemoteModel:
+        """The compiled model NAME (waiting for its worker to reach it); a PocketdiffError naming it if it failed."""
+        if name not in self.ready:
+            if name not in self.where:
+                raise PocketdiffError(f"{name}: not submitted to a load worker")
+            w = self.where[name]
+            while name not in self.ready:
+                got = self._recv(w)
+                if got[0] != "loaded":
+                    raise PocketdiffError(f"load worker {w}: expected a compiled model, got {got[0]}")
+                self.ready[got[1]] = RemoteModel(self, w, got[1], self.entries[got[1]], got[2])
+        return self.ready[name]
+
+    def call(self, w: int, msg: tuple, want: str):
+        """Send MSG to worker W and wait for its answer (any pending load answers before it are kept)."""
+        self.conns[w].send(msg)
+        while True:
+            got = self._recv(w)
+            if got[0] == "loaded":
+                self.ready[got[1]] = RemoteModel(self, w, got[1], self.entries[got[1]], got[2])
+                continue
+            if got[0] != want:
+                raise PocketdiffError(f"load worker {w}: expected {want}, got {got[0]}")
+            return got[2:]
+
+    def _recv(self, w: int) -> tuple:
+        try:
+            got = self.conns[w].recv()
+        except EOFError:
+            raise PocketdiffError(f"load worker {w} (pid {self.procs[w].pid}) exited (exit code {self.procs[w].exitcode})") from None
+        if got[0] == "error":
+            raise PocketdiffError(f"{got[1]}: in load worker {w}: {got[2]}")
+        return got
+
+    def close(self, timeout: Optional[float] = 30.0) -> None:
+        for conn in self.conns:
+            try:
+                conn.send(("stop",))
+            except (BrokenPipeError, OSError):
+                pass
+        for p in self.procs:
+            p.join(timeout)
+            if p.is_alive():
+                p.kill()
+        for conn in self.conns:
+            conn.close()
+        self.conns, self.procs = [], []
