@@ -143,13 +143,22 @@ class PeakSampler:
         self._thread = threading.Thread(target=self._poll, name="memory-sampler", daemon=True)
         self._thread.start()
 
-    def add_process(self, pid: int) -> None:
-        self.others[pid] = {"gpu": GpuMemory(pid) if self.gpu.available else None, "peak_mb": 0.0}
+    def add_process(self, pid: int, gpu: Optional[GpuMemory] = None) -> None:
+        self.others[pid] = {"gpu": gpu or (GpuMemory(pid) if self.gpu.available else None), "peak_mb": 0.0}
 
     def _gpu_used_mb(self) -> Optional[float]:
+        """This process's GPU memory and the added ones': NVML's per-process figures added where NVML lists any of
+        them (one absent from the list holds none), else the device's used memory minus its baseline, once."""
         if not self.gpu.available:
             return None
-        return (self.gpu.used_mb() or 0.0) + sum(o["gpu"].used_mb() or 0.0 for o in list(self.others.values()) if o["gpu"])
+        if not self.others:
+            return self.gpu.used_mb()
+        listed = [g._listed_mb() for g in (self.gpu, *(o["gpu"] for o in list(self.others.values()))) if g is not None]
+        if any(v is not None for v in listed):
+            self.gpu.source = "nvml process list"
+            return sum(v or 0.0 for v in listed)
+        self.gpu.source = "nvml device used minus baseline"
+        return max(0.0, self.gpu.device_used_mb() - self.gpu.baseline_mb)
 
     def _host_rss_mb(self) -> Optional[float]:
         own = host_rss_mb()

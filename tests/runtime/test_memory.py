@@ -1,0 +1,63 @@
+"""runtime/memory.py's sums over processes (run-bundle's load workers): each process's GPU memory counted once,
+whether NVML lists processes or only tells the device's use, and the workers' host memory added to the runner's."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from pocketdiff.runtime.memory import PeakSampler
+
+
+class _FakeGpu:
+    """A GpuMemory as NVML would answer for one process: its listed MB (None: not in NVML's lists), the device's use."""
+
+    available, name = True, "fake"
+
+    def __init__(self, listed, device_mb=0.0, baseline_mb=0.0):
+        self.listed, self.device, self.baseline_mb, self.source = listed, device_mb, baseline_mb, None
+
+    def _listed_mb(self):
+        return self.listed
+
+    def used_mb(self):
+        return self.listed if self.listed is not None else self.device - self.baseline_mb
+
+    def device_used_mb(self):
+        return self.device
+
+
+def test_gpu_of_added_processes_is_counted_once():
+    # the runner itself holds no GPU memory (absent from NVML's list); two workers hold 300 and 400 MB
+    sampler = PeakSampler(gpu=_FakeGpu(None, device_mb=1800.0, baseline_mb=1000.0), every_s=10)
+    try:
+        assert sampler._gpu_used_mb() == 800.0  # alone: the device minus its baseline
+        sampler.add_process(11, gpu=_FakeGpu(300.0))
+        sampler.add_process(12, gpu=_FakeGpu(400.0))
+        assert sampler._gpu_used_mb() == 700.0 and sampler.gpu.source == "nvml process list"
+        # NVML lists nobody (a sandbox): the device's use once, not once per process
+        for o in sampler.others.values():
+            o["gpu"].listed = None
+        assert sampler._gpu_used_mb() == 800.0 and sampler.gpu.source == "nvml device used minus baseline"
+    finally:
+        sampler.close()
+
+
+def test_host_memory_of_an_added_process_is_added():
+    child = subprocess.Popen([sys.executable, "-c", "b = bytearray(200 * 2**20); b[::4096] = b'x' * len(b[::4096]); "
+                              "import sys; print('ready', flush=True); sys.stdin.read()"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        sampler = PeakSampler(gpu=_FakeGpu(None), every_s=10)
+        try:
+            alone = sampler._host_rss_mb()
+            sampler.add_process(child.pid, gpu=_FakeGpu(0.0))
+            assert sampler._host_rss_mb() > alone + 190
+            mark = sampler.mark()
+            assert mark["host_peak_mb"] > alone + 190
+            assert sampler.totals()["host_peak_mb"] > alone + 190 and sampler.totals()["processes"] == 2
+        finally:
+            sampler.close()
+    finally:
+        child.stdin.close()
+        child.wait(timeout=30)
