@@ -24,6 +24,7 @@
 #       budget), then benchmarks/decoder_paths.py on the
 #       student's 2-step samples for the 495 held-out captions (--latents-from): PSNR against the whole decode and
 #       FD (openmoji-CLIP) against the real images, per decoder path. Back: decoder_paths_student_openmoji.json
+#       DECODER_ARGS: more overrides of distill-decoder (e.g. "train.max_steps=12000 samples.count=2048")
 #
 # Then, on any machine: python3 scripts/gpu/few_step_table.py --lcm LCM_RUN --pd PD_RUN --out
 # benchmarks/results/few_step_openmoji_h100.json (LCM_RUN, PD_RUN: the unpacked report folders).
@@ -121,7 +122,7 @@ print(found[0] if found else '')" $FROM)
     stamp "distill-decoder on the teacher's VAE ($(left) s left)"
     python3 -m pocketdiff distill-decoder --config $C/decoder/openmoji.yaml --output outputs/decoder --resume latest \
       vae=outputs/teacher-openmoji/pipeline samples.pipeline=$student samples.steps=2 samples.guidance_scale=${GUIDANCE:-3.0} \
-      train.max_time_s=$(( $(left) - ${PATHS_S:-180} )) > $L/decoder.log 2>&1 || { tail -20 $L/decoder.log; exit 1; }
+      train.max_time_s=$(( $(left) - ${PATHS_S:-180} )) ${DECODER_ARGS:-} > $L/decoder.log 2>&1 || { tail -20 $L/decoder.log; exit 1; }
     stamp "decoder paths on $student's samples"
     python3 $REPO/benchmarks/decoder_paths.py --latents-from $student --latent-steps 2 --latent-guidance ${GUIDANCE:-3.0} \
       --student outputs/decoder/vae --data openmoji --resolution 64 --images 495 --one-pass 8x16/4/2 \
