@@ -387,6 +387,29 @@ def load_parallel() -> str:
     return table(["threads", "program cache", "all 15 loads (wall)", "sum of each load's seconds", "host peak"], rows)
 
 
+def load_procs() -> str:
+    """The layout's 15 model files loaded by threads, environments or processes, LiteRT 2.3.0 and the 2.4 nightly."""
+    rows = []
+    for r in load(RESULTS / "load_procs_layer10te3_h200.json")["rows"]:
+        how = f"{r['processes']} processes x 1 thread" if r["processes"] > 1 else f"1 process x {r['threads']} thread{'s' * (r['threads'] > 1)}"
+        rows.append([r["litert"], how, r["environments"], r["launch"], f"{r['load_wall_s']:.1f} s", f"{r['load_sum_s']:.1f} s",
+                     f"{r['host_peak_mb'] / 1e3:.2f} GB"])
+    return table(["LiteRT", "loaded by", "environments", "program cache", "all 15 loads (wall)", "sum of each load's seconds",
+                  "host peak (processes added)"], rows)
+
+
+def bundle_footprint_workers() -> str:
+    """run-bundle plain in one process against --load-workers N, cold and warm."""
+    rows = []
+    for r in load(RESULTS / "bundle_footprint_workers_h200.json")["rows"]:
+        mode = "plain" if not r["load_workers"] else f"plain, --load-workers {r['load_workers']}"
+        gpu = f"{r['gpu_peak_mb'] / 1e3:.1f} GB" if r.get("gpu_peak_mb") is not None else "(not kept)"
+        rows.append([mode, r["launch"], f"{r['start_s']:.1f} s", f"{r['total_s']:.1f} s", f"{r['host_peak_mb'] / 1e3:.2f} GB", gpu,
+                     f"{r['latency_s']['unet_steps']:.2f} s"])
+    return table(["run-bundle", "launch", "process start to 1st step", "to image", "host peak (processes added)", "GPU peak",
+                  "4 UNet steps"], rows)
+
+
 def load_profile() -> str:
     """Shares of one warm chunk load's CPU samples, with and without the driver's shader cache."""
     run = load(RESULTS / "load_parallel_layer10te3_h200.json")
@@ -418,6 +441,8 @@ TABLES = {
     "web-node-sd21": web_node_sd21,
     "load-parallel": load_parallel,
     "load-profile": load_profile,
+    "load-procs": load_procs,
+    "bundle-footprint-workers": bundle_footprint_workers,
 }
 
 
