@@ -9,6 +9,8 @@
            used: which options move the memory and the load time, side by side in one run.
   chain    a UNet's chunk files (export unet_chunks: K) in one process: compiled one after another, run in
            sequence; beside `probe` of each chunk alone and of the whole unet.tflite.
+  stream   a UNet's chunks loaded, run once and released in turn, over several rounds, in one environment kept
+           throughout or one per load (run-bundle --stream-unet's way): time per load, GPU left after each release.
   parallel a bundle's model files compiled by N threads at once in one process (one environment, or one per model
            with --env-each), or split over P processes started at once (--procs), cold then warm program cache:
            whether LiteRT's per-model load (host work on one core) overlaps.
@@ -185,6 +187,45 @@ def chain(paths: list[str], options: dict, cache: str | None, key: str, settle: 
             "options": options, "cache": bool(cache), "driver": driver, "fully_accelerated": fully,
             "load_s": round(next(p["t_s"] for p in phases if p["phase"] == f"{models[-1][0]}.trimmed") - phases[0]["t_s"], 2),
             "steady_run_s": round(sorted(times)[2], 4), "phases": phases, **totals}
+
+
+def stream(paths: list[str], rounds: int, env_each: bool, cache: str) -> dict:
+    """A UNet's chunks as `run-bundle --stream-unet` uses them, ROUNDS times over: each loaded (program cache in
+    CACHE), run once, released, before the next loads; in one environment kept throughout, or (`env_each`, what the
+    runner does) an environment per load, destroyed with the model. Per load its seconds; the GPU and host peaks
+    (does a kept environment pile up what the released chunks held, or reuse it?)."""
+    from pocketdiff.runtime.litert_c import CompiledModel, Environment
+    from pocketdiff.runtime.memory import return_freed_memory, tune_allocator
+
+    tune_allocator()
+    driver, sampler, phases, mark = _phase_recorder()
+    Path(cache).mkdir(parents=True, exist_ok=True)
+    shared = None if env_each else Environment()
+    loads, gpu_after = [], []
+    t0 = time.perf_counter()
+    for r in range(rounds):
+        for path in paths:
+            stem = Path(path).stem
+            env = Environment() if env_each else shared
+            t1 = time.perf_counter()
+            model = CompiledModel(path, env, {**CACHED, "serialization_dir": cache, "model_cache_key": stem})
+            loads.append(round(time.perf_counter() - t1, 3))
+            model.run(_feeds(model.inputs))
+            model.close()
+            if env_each:
+                env.close()
+            return_freed_memory()
+            mark(f"{r}.{stem}.released")
+            gpu_after.append(phases[-1]["gpu_mb"])
+    wall = time.perf_counter() - t0
+    if shared is not None:
+        shared.close()
+    mark("end")
+    totals = sampler.totals()
+    sampler.close()
+    return {"models": [Path(p).name for p in paths], "rounds": rounds, "environments": "each" if env_each else "shared",
+            "driver": driver, "wall_s": round(wall, 2), "load_s": loads, "load_sum_s": round(sum(loads), 2),
+            "gpu_mb_after_each_release": gpu_after, "phases": phases, **totals}
 
 
 def load_together(paths: list[str], threads: int, cache: str, env_each: bool = False) -> dict:
@@ -419,6 +460,11 @@ def main(argv=None) -> int:
     t.add_argument("--threads", type=int, default=1)
     t.add_argument("--cache", required=True)
     t.add_argument("--env-each", action="store_true", help="an environment per model (run-bundle --pipelined's way)")
+    st = sub.add_parser("stream", help="chunks loaded, run once and released in turn, ROUNDS times: one environment or one each")
+    st.add_argument("models", nargs="+")
+    st.add_argument("--rounds", type=int, default=2)
+    st.add_argument("--env-each", action="store_true")
+    st.add_argument("--cache", required=True)
     q = sub.add_parser("parallel", help="`together` per thread count, cold then warm, each in its own process")
     q.add_argument("models", nargs="+")
     q.add_argument("--threads", default="1,4,8", help="comma list of thread counts (one process each)")
@@ -452,6 +498,10 @@ def main(argv=None) -> int:
         return 0
     if a.cmd == "together":
         print(json.dumps(load_together(a.models, a.threads, a.cache, a.env_each)))
+        return 0
+    if a.cmd == "stream":
+        row = stream(a.models, a.rounds, a.env_each, a.cache)
+        print(json.dumps(row))
         return 0
     if a.cmd == "parallel":
         rows = parallel(a.models, [int(t) for t in a.threads.split(",") if t], a.cache_root, a.timeout, a.env_each,

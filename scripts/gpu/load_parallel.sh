@@ -10,7 +10,8 @@
 #   ENV_EACH=1: an environment per model; PROCS=2,4: the files also split over that many processes started at once
 #   (is the serialisation per environment, per process, or the device's?). LITERT=nightly: LiteRT's libraries from
 #   the carried .nightly/litert_nightly.tar.xz (ai-edge-litert-nightly's ai_edge_litert/ with its two .so files)
-#   instead of the pinned wheel's, for the same runs side by side.
+#   instead of the pinned wheel's, for the same runs side by side. STREAM=1: the UNet chunks streamed (each loaded, run,
+#   released; 2 rounds) with an environment per load (run-bundle --stream-unet's way) and with one kept throughout.
 # Writes $OUT/parallel_<layout>.json, $OUT/profile_*.json, $OUT/profile_warm.txt (py-spy raw stacks), a log.
 #   THREADS=1,4,8 PROFILE=1 bash scripts/gpu/load_parallel.sh
 set -u
@@ -37,8 +38,19 @@ if [ "${LITERT:-}" = nightly ]; then
 fi
 say "LiteRT: $($PY -c 'import ai_edge_litert as a; print(a.__version__, a.__file__)')"
 TAG=${TAG:-$L}
-$PY benchmarks/bundle_footprint.py parallel $FILES --threads "${THREADS:-1,4,8}" --procs "${PROCS:-}" \
-  ${ENV_EACH:+--env-each} --cache-root /tmp --out "$OUT/parallel_$TAG.json"
+if [ "${THREADS:-}" != none ]; then  # THREADS=none: no parallel step
+  $PY benchmarks/bundle_footprint.py parallel $FILES --threads "${THREADS:-1,4,8}" --procs "${PROCS:-}" \
+    ${ENV_EACH:+--env-each} --cache-root /tmp --out "$OUT/parallel_$TAG.json"
+fi
+if [ -n "${STREAM:-}" ]; then  # STREAM=1: the UNet chunks loaded, run, released in turn (2 rounds), env per load vs one kept
+  U=$(ls "$B"/unet.[0-9]*.tflite | sort -V); C=/tmp/stream-cache; rm -rf $C
+  for how in "--env-each cold" "--env-each warm" "shared warm" "--env-each again"; do
+    set -- $how; flag=$1; [ "$flag" = shared ] && flag=""
+    say "== stream $L ${flag:-one environment} ($2)"
+    $PY benchmarks/bundle_footprint.py stream $U --rounds 2 $flag --cache $C > "$OUT/stream_${1#--}_$2.json"
+    $PY -c "import json, sys; d = json.loads(open(sys.argv[1]).read().splitlines()[-1]); print({k: d.get(k) for k in ('environments', 'wall_s', 'load_sum_s', 'host_peak_mb', 'gpu_peak_mb', 'gpu_mb_after_each_release')})" "$OUT/stream_${1#--}_$2.json"
+  done
+fi
 if [ "${PROFILE:-1}" = 1 ]; then
   F=$(ls "$B"/unet.0.tflite "$B"/unet.tflite 2>/dev/null | head -1)
   C=/tmp/profile-cache; rm -rf $C

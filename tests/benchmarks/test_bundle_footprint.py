@@ -48,3 +48,16 @@ def test_parallel_in_processes_loads_every_file_and_lines_up_one_window(bench, g
     assert sorted(m for c in split["children"] for m in c["models"]) == ["text_encoder.tflite", "unet.tflite"]
     assert split["load_wall_s"] >= max(c["load_wall_s"] for c in split["children"]) - 0.01
     assert split["host_peak_mb"] == pytest.approx(sum(c["host_peak_mb"] for c in split["children"]), abs=0.2)
+
+
+def test_stream_loads_runs_and_releases_each_chunk_per_round(bench, gpu_delegate, tmp_path):
+    from pocketdiff.runtime.delegate import prepare_in_process
+
+    prepare_in_process()
+    files = [str(SMOKE / "text_encoder.tflite"), str(SMOKE / "unet.tflite")]
+    for env_each in (True, False):
+        row = bench.stream(files, rounds=2, env_each=env_each, cache=str(tmp_path / "cache"))
+        assert row["environments"] == ("each" if env_each else "shared")
+        assert len(row["load_s"]) == 4 and all(s > 0 for s in row["load_s"])
+        released = [p["phase"] for p in row["phases"] if p["phase"].endswith(".released")]
+        assert released == ["0.text_encoder.released", "0.unet.released", "1.text_encoder.released", "1.unet.released"]
