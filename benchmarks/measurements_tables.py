@@ -398,11 +398,23 @@ def load_procs() -> str:
                   "host peak (processes added)"], rows)
 
 
+def load_stream() -> str:
+    """The UNet's chunks streamed (loaded, run, released in turn) with an environment per load or one kept."""
+    rows = []
+    for r in load(RESULTS / "load_procs_layer10te3_h200.json")["stream_probe"]["rows"]:
+        after = r["gpu_mb_after_each_release"]
+        rows.append([r["run"].split("_")[0].replace("env-each", "one per load").replace("shared", "one kept"), r["run"].split("_")[1],
+                     f"{r['load_sum_s']:.1f} s", f"{r['load_sum_s'] / len(r['load_s']):.2f} s", f"{r['gpu_peak_mb'] / 1e3:.2f} GB",
+                     f"{after[0] / 1e3:.2f} -> {after[-1] / 1e3:.2f} GB", f"{r['host_peak_mb'] / 1e3:.2f} GB"])
+    return table(["environment", "program cache", "20 loads", "a load", "GPU peak", "GPU held after each release (first -> last)",
+                  "host peak"], rows)
+
+
 def bundle_footprint_workers() -> str:
     """run-bundle plain in one process against --load-workers N, cold and warm."""
     rows = []
     for r in load(RESULTS / "bundle_footprint_workers_h200.json")["rows"]:
-        mode = "plain" if not r["load_workers"] else f"plain, --load-workers {r['load_workers']}"
+        mode = {"plain": "plain", "streamed": "--pipelined --stream-unet"}.get(r["mode"], f"plain, --load-workers {r['load_workers']}")
         gpu = f"{r['gpu_peak_mb'] / 1e3:.1f} GB" if r.get("gpu_peak_mb") is not None else "(not kept)"
         rows.append([mode, r["launch"], f"{r['start_s']:.1f} s", f"{r['total_s']:.1f} s", f"{r['host_peak_mb'] / 1e3:.2f} GB", gpu,
                      f"{r['latency_s']['unet_steps']:.2f} s"])
@@ -443,6 +455,7 @@ TABLES = {
     "load-profile": load_profile,
     "load-procs": load_procs,
     "bundle-footprint-workers": bundle_footprint_workers,
+    "load-stream": load_stream,
 }
 
 
