@@ -22,6 +22,8 @@ import numpy as np
 
 from pocketdiff.errors import PocketdiffError
 
+from .loaded_model import LoadedModel
+
 
 def _serve(conn) -> None:
     """A worker: one environment; ("load", name, entry, options) compiles, ("run", name, arrays) runs,
@@ -29,7 +31,6 @@ def _serve(conn) -> None:
     from .delegate import prepare_in_process
     from .litert_c import Environment
     from .memory import tune_allocator
-    from .run_bundle import _Loaded
 
     prepare_in_process()
     tune_allocator()
@@ -40,7 +41,7 @@ def _serve(conn) -> None:
         op, name = msg[0], msg[1] if len(msg) > 1 else None
         try:
             if op == "load":
-                m = models[name] = _Loaded(name, msg[2], "gpu", env=env, gpu_options=msg[3])
+                m = models[name] = LoadedModel(name, msg[2], "gpu", env=env, gpu_options=msg[3])
                 conn.send(("loaded", name, {"load_s": m.load_s, "fully_accelerated": m.fully_accelerated, "in_names": m.in_names,
                                             "out_names": m.out_names, "in_details": m.in_details, "out_details": m.out_details}))
             elif op == "run":
@@ -60,7 +61,7 @@ def _serve(conn) -> None:
 
 
 class RemoteModel:
-    """A model compiled in a worker, used like the runner's local `_Loaded` (same attributes and calls)."""
+    """A model compiled in a worker, used like the runner's local `LoadedModel` (same attributes and calls)."""
 
     def __init__(self, workers: "LoadWorkers", worker: int, name: str, entry: dict, info: dict):
         self.workers, self.worker, self.name, self.entry = workers, worker, name, entry
@@ -71,11 +72,8 @@ class RemoteModel:
         self.in_details, self.out_details = info["in_details"], info["out_details"]
         self.run_s: list[float] = []
 
-    from .run_bundle import _Loaded as _local
-
-    _ordered = _local._ordered  # the same input checks and dtype casts as a local model
-    __call__ = _local.__call__
-    del _local
+    _ordered = LoadedModel._ordered  # the same input checks and dtype casts as a local model
+    __call__ = LoadedModel.__call__
 
     def run_all(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         outs, seconds = self.workers.call(self.worker, ("run", self.name, self._ordered(feeds)), "ran")

@@ -37,6 +37,7 @@ import numpy as np
 from pocketdiff.errors import PocketdiffError
 
 from .manifest_check import TILED_DECODER, check_bundle, decoder_components
+from .loaded_model import LoadedModel, np_dtype
 from .lcm_step import LCM, lcm_sample
 from .litert_c import parse_gpu_option
 from .memory import PeakSampler, process_age_s, return_freed_memory, tune_allocator
@@ -79,110 +80,11 @@ def check_seed(seed, what: str = "seed") -> int:
     return int(seed)
 
 
-def _np_dtype(name: str):
-    return np.dtype(name)
+def load_tiled_decoder(entries: dict, accelerator: str) -> tuple[LoadedModel, LoadedModel]:
+    return tuple(LoadedModel(n, entries[n], accelerator) for n in TILED_DECODER)
 
 
-class _Loaded:
-    """A compiled model with its buffers. GPU: through LiteRT's C API (`litert_c`), sharing the runner's
-    environment, with the accelerator options the runner gives (its program cache among them); CPU:
-    ai-edge-litert's `CompiledModel` (XNNPACK). `on_phase(name)` is called when the file is opened and
-    when the model is compiled."""
-
-    def __init__(self, name: str, entry: dict, accelerator: str, cpu_int8_as_fp16: bool = True,
-                 env=None, gpu_options: Optional[dict] = None, on_phase=None):
-        t0 = time.perf_counter()
-        path = entry["_path"]
-        self._tmp = None
-        self.name, self.entry, self.accelerator = name, entry, accelerator
-        self.run_s: list[float] = []
-        if accelerator == "gpu":
-            from .litert_c import CompiledModel as CModel
-
-            self.model = CModel(path, env, gpu_options or {}, on_phase=on_phase)
-            self.fully_accelerated = self.model.fully_accelerated()
-            self.in_names = [t.name for t in self.model.inputs]
-            self.out_names = [t.name for t in self.model.outputs]
-            self.in_details = {t.name: {"shape": list(t.shape), "dtype": t.dtype} for t in self.model.inputs}
-            self.out_details = {t.name: {"shape": list(t.shape), "dtype": t.dtype} for t in self.model.outputs}
-        else:
-            if cpu_int8_as_fp16 and entry.get("weights") == "int8":
-                import tempfile
-
-                from .cpu_variant import fp16_variant
-
-                self._tmp = tempfile.TemporaryDirectory(prefix="pocketdiff-cpu-")
-                path = str(Path(self._tmp.name) / Path(path).name)
-                fp16_variant(entry["_path"], path)  # XNNPACK: fp16 storage runs ~fp16-file speed, int8 DEQUANTIZE does not
-            self._load_cpu(path, on_phase)
-        self.load_s = time.perf_counter() - t0
-
-    def _load_cpu(self, path: str, on_phase) -> None:
-        from ai_edge_litert.compiled_model import CompiledModel, HardwareAccelerator, Options
-
-        if on_phase:
-            on_phase("opened")
-        self.model = CompiledModel.from_file(path, options=Options(hardware_accelerators=HardwareAccelerator.CPU))
-        self.fully_accelerated = False
-        sigs = self.model.get_signature_list()
-        self.sig = next(iter(sigs))
-        self.in_names = list(sigs[self.sig]["inputs"])
-        self.out_names = list(sigs[self.sig]["outputs"])
-        self.in_details = self.model.get_input_tensor_details(self.sig)
-        self.out_details = self.model.get_output_tensor_details(self.sig)
-        self.in_bufs = self.model.create_input_buffers(0)
-        self.out_bufs = self.model.create_output_buffers(0)
-        if on_phase:
-            on_phase("compiled")
-
-    def __call__(self, feeds: dict[str, np.ndarray]) -> np.ndarray:
-        return self.run_all(feeds)[0]
-
-    def _ordered(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-        names = list(feeds)
-        arrays = []
-        for i, name in enumerate(self.in_names):
-            key = name if name in feeds else names[i]
-            det = self.in_details[name]
-            arr = np.ascontiguousarray(np.asarray(feeds[key]).astype(_np_dtype(det["dtype"])))
-            if list(arr.shape) != [int(s) for s in det["shape"]]:
-                raise PocketdiffError(f"{self.name}: input {name} has shape {list(arr.shape)}, the model takes {list(det['shape'])}")
-            arrays.append(arr)
-        return arrays
-
-    def run_all(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-        """Every output, in the signature's order."""
-        arrays = self._ordered(feeds)
-        t0 = time.perf_counter()
-        if self.accelerator == "gpu":
-            outs = self.model.run(arrays)
-            self.run_s.append(time.perf_counter() - t0)
-            return outs
-        for buf, arr in zip(self.in_bufs, arrays):
-            buf.write(arr)
-        self.model.run_by_index(0, self.in_bufs, self.out_bufs)
-        self.run_s.append(time.perf_counter() - t0)
-        outs = []
-        for buf, name in zip(self.out_bufs, self.out_names):
-            shape = [int(s) for s in self.out_details[name]["shape"]]
-            outs.append(np.asarray(buf.read(int(np.prod(shape)), _np_dtype(self.out_details[name]["dtype"]))).reshape(shape))
-        return outs
-
-    def close(self) -> None:
-        if self.accelerator == "gpu" and self.model is not None:
-            self.model.close()
-        self.in_bufs = self.out_bufs = None
-        self.model = None
-        if self._tmp is not None:
-            self._tmp.cleanup()
-            self._tmp = None
-
-
-def load_tiled_decoder(entries: dict, accelerator: str) -> tuple[_Loaded, _Loaded]:
-    return tuple(_Loaded(n, entries[n], accelerator) for n in TILED_DECODER)
-
-
-def tiled_decode_bundle(head: _Loaded, up: _Loaded, block: dict, latents: np.ndarray) -> tuple[np.ndarray, dict]:
+def tiled_decode_bundle(head: LoadedModel, up: LoadedModel, block: dict, latents: np.ndarray) -> tuple[np.ndarray, dict]:
     """[1, C, h, w] latents -> ([1, 3, H, W] pixels, {latency_s, up_tile_calls}) through the two tiled models, with
     the manifest's vae_tiling block (tile, overlap, passes, factor, norms [K, G], margin, scheme)."""
     from .tiled_decode import tiled_decode_with_stats
@@ -280,7 +182,7 @@ class BundleRunner:
             from .load_workers import LoadWorkers
 
             self.workers = LoadWorkers(load_workers, on_start=self.sampler.add_process)
-        self.loaded: dict[str, _Loaded] = {}
+        self.loaded: dict[str, LoadedModel] = {}
         self.accelerated: dict[str, bool] = {}  # every model loaded so far: fully on the GPU delegate
         # what every prompt shares, read once: the tokenizer, the unconditional ids (CFG), the time-embedding table
         tok = self.man["tokenizer"]
@@ -330,13 +232,13 @@ class BundleRunner:
             options.update(self.cache.options_for(name, self.comps[name]))
         return options
 
-    def _load(self, name: str, latency: dict) -> _Loaded:
+    def _load(self, name: str, latency: dict) -> LoadedModel:
         if name not in self.loaded:
             if self.workers is not None:
                 m = self.workers.get(name)
                 self._mark(name, "compiled")
             else:
-                m = _Loaded(name, self.comps[name], self.accelerator, env=self._environment_for(name),
+                m = LoadedModel(name, self.comps[name], self.accelerator, env=self._environment_for(name),
                             gpu_options=self._options_for(name), on_phase=lambda phase: self._mark(name, phase))
             if self.cache is not None:
                 self.cache.record(name)
@@ -461,7 +363,7 @@ class BundleRunner:
         memory at a time; `unet_streamed_loads` sums their load seconds)."""
         latency["unet_streamed_loads"] = 0.0
 
-        def load(name: str) -> _Loaded:
+        def load(name: str) -> LoadedModel:
             model = self._load(name, latency)
             latency["unet_streamed_loads"] += model.load_s
             return model
@@ -469,11 +371,11 @@ class BundleRunner:
         return [StreamedPart([i["name"] for i in self.comps[name]["inputs"]], functools.partial(load, name),
                              functools.partial(self._ran, name), functools.partial(self._release, name)) for name in self.unet_parts]
 
-    def _settle(self, name: str, model: "_Loaded") -> None:
+    def _settle(self, name: str, model: "LoadedModel") -> None:
         """One run of a fresh UNet chunk on zeros, before the next chunk compiles: LiteRT's GPU accelerator
         keeps its host copies of a model's weights until the model's first run, so settling each chunk
         keeps them from piling up under the next compile (the run's output is discarded)."""
-        model.run_all({n: np.zeros(d["shape"], _np_dtype(d["dtype"])) for n, d in model.in_details.items()})
+        model.run_all({n: np.zeros(d["shape"], np_dtype(d["dtype"])) for n, d in model.in_details.items()})
         model.run_s.pop()  # not a step: the latency report counts the sampling runs only
         self._mark(name, "settled")
 

@@ -1,0 +1,111 @@
+"""One compiled model of a bundle with its buffers, as the runner uses it: on the GPU through LiteRT's C API
+(runtime/litert_c.py), on the CPU through ai-edge-litert's `CompiledModel` (XNNPACK). run-bundle holds these, and
+so does each of its load workers (runtime/load_workers.py)."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from pocketdiff.errors import PocketdiffError
+
+
+def np_dtype(name: str):
+    return np.dtype(name)
+
+
+class LoadedModel:
+    """A compiled model with its buffers. GPU: through LiteRT's C API (`litert_c`), sharing the runner's
+    environment, with the accelerator options the runner gives (its program cache among them); CPU:
+    ai-edge-litert's `CompiledModel` (XNNPACK). `on_phase(name)` is called when the file is opened and
+    when the model is compiled."""
+
+    def __init__(self, name: str, entry: dict, accelerator: str, cpu_int8_as_fp16: bool = True,
+                 env=None, gpu_options: Optional[dict] = None, on_phase=None):
+        t0 = time.perf_counter()
+        path = entry["_path"]
+        self._tmp = None
+        self.name, self.entry, self.accelerator = name, entry, accelerator
+        self.run_s: list[float] = []
+        if accelerator == "gpu":
+            from .litert_c import CompiledModel as CModel
+
+            self.model = CModel(path, env, gpu_options or {}, on_phase=on_phase)
+            self.fully_accelerated = self.model.fully_accelerated()
+            self.in_names = [t.name for t in self.model.inputs]
+            self.out_names = [t.name for t in self.model.outputs]
+            self.in_details = {t.name: {"shape": list(t.shape), "dtype": t.dtype} for t in self.model.inputs}
+            self.out_details = {t.name: {"shape": list(t.shape), "dtype": t.dtype} for t in self.model.outputs}
+        else:
+            if cpu_int8_as_fp16 and entry.get("weights") == "int8":
+                import tempfile
+
+                from .cpu_variant import fp16_variant
+
+                self._tmp = tempfile.TemporaryDirectory(prefix="pocketdiff-cpu-")
+                path = str(Path(self._tmp.name) / Path(path).name)
+                fp16_variant(entry["_path"], path)  # XNNPACK: fp16 storage runs ~fp16-file speed, int8 DEQUANTIZE does not
+            self._load_cpu(path, on_phase)
+        self.load_s = time.perf_counter() - t0
+
+    def _load_cpu(self, path: str, on_phase) -> None:
+        from ai_edge_litert.compiled_model import CompiledModel, HardwareAccelerator, Options
+
+        if on_phase:
+            on_phase("opened")
+        self.model = CompiledModel.from_file(path, options=Options(hardware_accelerators=HardwareAccelerator.CPU))
+        self.fully_accelerated = False
+        sigs = self.model.get_signature_list()
+        self.sig = next(iter(sigs))
+        self.in_names = list(sigs[self.sig]["inputs"])
+        self.out_names = list(sigs[self.sig]["outputs"])
+        self.in_details = self.model.get_input_tensor_details(self.sig)
+        self.out_details = self.model.get_output_tensor_details(self.sig)
+        self.in_bufs = self.model.create_input_buffers(0)
+        self.out_bufs = self.model.create_output_buffers(0)
+        if on_phase:
+            on_phase("compiled")
+
+    def __call__(self, feeds: dict[str, np.ndarray]) -> np.ndarray:
+        return self.run_all(feeds)[0]
+
+    def _ordered(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        names = list(feeds)
+        arrays = []
+        for i, name in enumerate(self.in_names):
+            key = name if name in feeds else names[i]
+            det = self.in_details[name]
+            arr = np.ascontiguousarray(np.asarray(feeds[key]).astype(np_dtype(det["dtype"])))
+            if list(arr.shape) != [int(s) for s in det["shape"]]:
+                raise PocketdiffError(f"{self.name}: input {name} has shape {list(arr.shape)}, the model takes {list(det['shape'])}")
+            arrays.append(arr)
+        return arrays
+
+    def run_all(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        """Every output, in the signature's order."""
+        arrays = self._ordered(feeds)
+        t0 = time.perf_counter()
+        if self.accelerator == "gpu":
+            outs = self.model.run(arrays)
+            self.run_s.append(time.perf_counter() - t0)
+            return outs
+        for buf, arr in zip(self.in_bufs, arrays):
+            buf.write(arr)
+        self.model.run_by_index(0, self.in_bufs, self.out_bufs)
+        self.run_s.append(time.perf_counter() - t0)
+        outs = []
+        for buf, name in zip(self.out_bufs, self.out_names):
+            shape = [int(s) for s in self.out_details[name]["shape"]]
+            outs.append(np.asarray(buf.read(int(np.prod(shape)), np_dtype(self.out_details[name]["dtype"]))).reshape(shape))
+        return outs
+
+    def close(self) -> None:
+        if self.accelerator == "gpu" and self.model is not None:
+            self.model.close()
+        self.in_bufs = self.out_bufs = None
+        self.model = None
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
