@@ -9,7 +9,8 @@ Public entry points:
   the io contract, sizes, each .tflite's signature (the bundle contract, as code)
 - `run_bundle.BundleRunner(folder).run(prompt, seed)` and `run_bundle.generate(...)`: the
   reference runner (tokenize, text encoder, DDIM + CFG / embedded guidance, decoder);
-  `run_bundle.main` is `pocketdiff run-bundle`
+  `run_bundle.main` is `pocketdiff run-bundle`; `load_workers.LoadWorkers`: its models compiled and run in worker
+  processes (`--load-workers N`); `memory.PeakSampler`: the measured memory of its reports
 - `tiled_decode.tiled_decode_with_stats`: the tiled VAE decode in numpy
 - `verify_bundle.verify_bundle(folder)`: `pocketdiff verify-bundle` (files, io, full delegation,
   golden parity)
