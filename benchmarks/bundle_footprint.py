@@ -189,11 +189,12 @@ def chain(paths: list[str], options: dict, cache: str | None, key: str, settle: 
             "steady_run_s": round(sorted(times)[2], 4), "phases": phases, **totals}
 
 
-def stream(paths: list[str], rounds: int, env_each: bool, cache: str) -> dict:
+def stream(paths: list[str], rounds: int, env_each: bool, cache: str, marks: bool = False) -> dict:
     """A UNet's chunks as `run-bundle --stream-unet` uses them, ROUNDS times over: each loaded (program cache in
     CACHE), run once, released, before the next loads; in one environment kept throughout, or (`env_each`, what the
     runner does) an environment per load, destroyed with the model. Per load its seconds; the GPU and host peaks
-    (does a kept environment pile up what the released chunks held, or reuse it?)."""
+    (does a kept environment pile up what the released chunks held, or reuse it?). `marks`: a memory mark between
+    the file's opening and its compile, as run-bundle's per-phase report makes one."""
     from pocketdiff.runtime.litert_c import CompiledModel, Environment
     from pocketdiff.runtime.memory import return_freed_memory, tune_allocator
 
@@ -208,7 +209,8 @@ def stream(paths: list[str], rounds: int, env_each: bool, cache: str) -> dict:
             stem = Path(path).stem
             env = Environment() if env_each else shared
             t1 = time.perf_counter()
-            model = CompiledModel(path, env, {**CACHED, "serialization_dir": cache, "model_cache_key": stem})
+            on_phase = (lambda ph, stem=stem, r=r: mark(f"{r}.{stem}.{ph}")) if marks else None
+            model = CompiledModel(path, env, {**CACHED, "serialization_dir": cache, "model_cache_key": stem}, on_phase=on_phase)
             loads.append(round(time.perf_counter() - t1, 3))
             model.run(_feeds(model.inputs))
             model.close()
@@ -223,7 +225,7 @@ def stream(paths: list[str], rounds: int, env_each: bool, cache: str) -> dict:
     mark("end")
     totals = sampler.totals()
     sampler.close()
-    return {"models": [Path(p).name for p in paths], "rounds": rounds, "environments": "each" if env_each else "shared",
+    return {"models": [Path(p).name for p in paths], "rounds": rounds, "environments": "each" if env_each else "shared", "marks": marks,
             "driver": driver, "wall_s": round(wall, 2), "load_s": loads, "load_sum_s": round(sum(loads), 2),
             "gpu_mb_after_each_release": gpu_after, "phases": phases, **totals}
 
@@ -464,6 +466,7 @@ def main(argv=None) -> int:
     st.add_argument("models", nargs="+")
     st.add_argument("--rounds", type=int, default=2)
     st.add_argument("--env-each", action="store_true")
+    st.add_argument("--marks", action="store_true", help="a memory mark between opening and compiling each file (run-bundle's phases)")
     st.add_argument("--cache", required=True)
     q = sub.add_parser("parallel", help="`together` per thread count, cold then warm, each in its own process")
     q.add_argument("models", nargs="+")
@@ -500,7 +503,7 @@ def main(argv=None) -> int:
         print(json.dumps(load_together(a.models, a.threads, a.cache, a.env_each)))
         return 0
     if a.cmd == "stream":
-        row = stream(a.models, a.rounds, a.env_each, a.cache)
+        row = stream(a.models, a.rounds, a.env_each, a.cache, a.marks)
         print(json.dumps(row))
         return 0
     if a.cmd == "parallel":

@@ -51,6 +51,14 @@ if [ -n "${STREAM:-}" ]; then  # STREAM=1: the UNet chunks loaded, run, released
     $PY -c "import json, sys; d = json.loads(open(sys.argv[1]).read().splitlines()[-1]); print({k: d.get(k) for k in ('environments', 'wall_s', 'load_sum_s', 'host_peak_mb', 'gpu_peak_mb', 'gpu_mb_after_each_release')})" "$OUT/stream_${1#--}_$2.json"
   done
 fi
+if [ -n "${STREAM_AB:-}" ]; then  # STREAM_AB=1: why run-bundle's streamed loads take ~2x the stream probe's (same files)
+  U=$(ls "$B"/unet.[0-9]*.tflite | sort -V); C=/tmp/streamab-cache; rm -rf $C /tmp/streamab-driver
+  run() { local tag=$1; shift; say "== stream A/B: $tag"; "$@" $PY benchmarks/bundle_footprint.py stream $U --rounds 1 --env-each --cache $C \
+    ${MARKS:-} > "$OUT/streamab_$tag.json"; $PY -c "import json, sys; d = json.loads(open(sys.argv[1]).read().splitlines()[-1]); print(sys.argv[2], d['load_sum_s'], d['load_s'])" "$OUT/streamab_$tag.json" $tag; }
+  run cold env; run warm env; MARKS=--marks run warm_marks env; MARKS=
+  run driverdir_cold env __GL_SHADER_DISK_CACHE_PATH=/tmp/streamab-driver; run driverdir_warm env __GL_SHADER_DISK_CACHE_PATH=/tmp/streamab-driver
+  MARKS=--marks run driverdir_warm_marks env __GL_SHADER_DISK_CACHE_PATH=/tmp/streamab-driver
+fi
 if [ "${PROFILE:-1}" = 1 ]; then
   F=$(ls "$B"/unet.0.tflite "$B"/unet.tflite 2>/dev/null | head -1)
   C=/tmp/profile-cache; rm -rf $C
