@@ -61,3 +61,5 @@ def test_stream_loads_runs_and_releases_each_chunk_per_round(bench, gpu_delegate
         assert len(row["load_s"]) == 4 and all(s > 0 for s in row["load_s"])
         released = [p["phase"] for p in row["phases"] if p["phase"].endswith(".released")]
         assert released == ["0.text_encoder.released", "0.unet.released", "1.text_encoder.released", "1.unet.released"]
+    marked = bench.stream(files[:1], rounds=1, env_each=True, cache=str(tmp_path / "cache"), marks=True)
+    assert [p["phase"] for p in marked["phases"]][:3] == ["0.text_encoder.opened", "0.text_encoder.compiled", "0.text_encoder.released"]
