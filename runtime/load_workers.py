@@ -11,6 +11,10 @@ submitted, and runs them on request; inputs and outputs cross as numpy arrays ov
 nothing from a user's file is unpickled). The runner holds `RemoteModel`s, which answer like its local models
 (`in_names`, `out_names`, `run_all`, `run_s`, `load_s`). The cost is memory: every worker is a process with its
 own runtime and GPU context, and what it holds is measured with the runner's (`PeakSampler.add_process`).
+
+The workers are spawned (a fresh interpreter each, no inherited GPU state), so a script of yours that makes a
+`BundleRunner(..., load_workers=N)` must guard its entry point with `if __name__ == "__main__":`, as any
+multiprocessing program must: each worker imports the main module.
 """
 from __future__ import annotations
 
