@@ -177,11 +177,6 @@ class BundleRunner:
         self.gpu_options = dict(gpu_options or {})  # the accelerator's options (runtime/litert_c.py: GPU_OPTION_KEYS)
         if accelerator == "gpu":
             self._prepare_gpu(gpu_cache)
-        self.workers = None
-        if load_workers:
-            from .load_workers import LoadWorkers
-
-            self.workers = LoadWorkers(load_workers, on_start=self.sampler.add_process)
         self.loaded: dict[str, LoadedModel] = {}
         self.accelerated: dict[str, bool] = {}  # every model loaded so far: fully on the GPU delegate
         # what every prompt shares, read once: the tokenizer, the unconditional ids (CFG), the time-embedding table
@@ -189,6 +184,11 @@ class BundleRunner:
         self.tokenizer = bundle_tokenizer(tok["files"]["tokenizer.json"]["_path"], tok)
         self.ids_empty = _ids(self.tokenizer, "", tok) if int(self.man["guidance"]["unet_batch"]) == 2 else None
         self.table = np.load(self.man["time_embedding"]["_path"]) if self.man.get("time_embedding") else None
+        self.workers = None
+        if load_workers:  # last: nothing after this can fail and leave them running
+            from .load_workers import LoadWorkers
+
+            self.workers = LoadWorkers(load_workers, on_start=self.sampler.add_process)
         self._mark("runner", "ready")
 
     def _prepare_gpu(self, gpu_cache) -> None:
