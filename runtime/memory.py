@@ -64,10 +64,12 @@ class _MemoryInfo(C.Structure):
 
 
 class GpuMemory:
-    """GPU memory of this process through NVML; `available` is False where there is none."""
+    """GPU memory of this process (or `pid`) through NVML, and of the processes `add_pid` adds (their sum); `available`
+    is False where there is none."""
 
     def __init__(self, pid: Optional[int] = None):
         self.pid = pid or os.getpid()
+        self.pids = {self.pid}
         self.available = False
         self.name = None
         self.source = None
@@ -98,8 +100,13 @@ class GpuMemory:
         self.nvml.nvmlDeviceGetMemoryInfo(self.device, C.byref(info))
         return info.used / 2**20
 
-    def _listed_mb(self) -> Optional[float]:
-        total, seen = 0, False
+    def add_pid(self, pid: int) -> None:
+        """Count another process too (run-bundle's load workers)."""
+        self.pids.add(pid)
+
+    def _process_list(self) -> dict[int, int]:
+        """pid -> bytes, for every process NVML lists on the device (graphics and compute lists)."""
+        listed: dict[int, int] = {}
         for fn in ("nvmlDeviceGetGraphicsRunningProcesses_v3", "nvmlDeviceGetComputeRunningProcesses_v3"):
             f = getattr(self.nvml, fn, None)
             if f is None:
@@ -109,12 +116,19 @@ class GpuMemory:
             if f(self.device, C.byref(n), procs) != 0:
                 continue
             for p in procs[: n.value]:
-                if p.pid == self.pid and p.usedGpuMemory < (1 << 62):
-                    total, seen = total + p.usedGpuMemory, True
-        return total / 2**20 if seen else None
+                if p.usedGpuMemory < (1 << 62):
+                    listed[p.pid] = listed.get(p.pid, 0) + p.usedGpuMemory
+        return listed
+
+    def _listed_mb(self) -> Optional[float]:
+        """Our processes' GPU memory from NVML's lists (one of them absent holds none), None when none is listed."""
+        listed = self._process_list()
+        mine = [listed[p] for p in self.pids if p in listed]
+        return sum(mine) / 2**20 if mine else None
 
     def used_mb(self) -> Optional[float]:
-        """This process's GPU memory now (MB), or None where NVML is absent."""
+        """Our processes' GPU memory now (MB): NVML's per-process figures added, or where it lists none of them the
+        device's used memory minus its baseline (counted once); None where NVML is absent."""
         if not self.available:
             return None
         listed = self._listed_mb()
@@ -137,28 +151,18 @@ class PeakSampler:
         self.gpu_window_peak_mb = 0.0
         self.host_peak_total_mb = host_peak_mb() or 0.0
         self.sum_peak_mb = 0.0  # polled: the largest host RSS + GPU at one moment
-        self.others: dict[int, dict] = {}  # pid -> its GpuMemory and the largest VmHWM seen
+        self.others: dict[int, dict] = {}  # pid -> the largest VmHWM seen
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._poll, name="memory-sampler", daemon=True)
         self._thread.start()
 
-    def add_process(self, pid: int, gpu: Optional[GpuMemory] = None) -> None:
-        self.others[pid] = {"gpu": gpu or (GpuMemory(pid) if self.gpu.available else None), "peak_mb": 0.0}
+    def add_process(self, pid: int) -> None:
+        self.others[pid] = {"peak_mb": 0.0}
+        self.gpu.add_pid(pid)
 
     def _gpu_used_mb(self) -> Optional[float]:
-        """This process's GPU memory and the added ones': NVML's per-process figures added where NVML lists any of
-        them (one absent from the list holds none), else the device's used memory minus its baseline, once."""
-        if not self.gpu.available:
-            return None
-        if not self.others:
-            return self.gpu.used_mb()
-        listed = [g._listed_mb() for g in (self.gpu, *(o["gpu"] for o in list(self.others.values()))) if g is not None]
-        if any(v is not None for v in listed):
-            self.gpu.source = "nvml process list"
-            return sum(v or 0.0 for v in listed)
-        self.gpu.source = "nvml device used minus baseline"
-        return max(0.0, self.gpu.device_used_mb() - self.gpu.baseline_mb)
+        return self.gpu.used_mb() if self.gpu.available else None
 
     def _host_rss_mb(self) -> Optional[float]:
         own = host_rss_mb()

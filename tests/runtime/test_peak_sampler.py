@@ -5,22 +5,18 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from pocketdiff.runtime.memory import PeakSampler
+from pocketdiff.runtime.memory import GpuMemory, PeakSampler
 
 
-class _FakeGpu:
-    """A GpuMemory as NVML would answer for one process: its listed MB (None: not in NVML's lists), the device's use."""
+class _FakeNvml(GpuMemory):
+    """GpuMemory with NVML's answers given: `listed` pid -> MB in its process lists, the device's used MB."""
 
-    available, name = True, "fake"
+    def __init__(self, pid, listed, device_mb=0.0, baseline_mb=0.0):
+        self.pid, self.pids, self.available, self.name, self.source = pid, {pid}, True, "fake", None
+        self.listed, self.device, self.baseline_mb = listed, device_mb, baseline_mb
 
-    def __init__(self, listed, device_mb=0.0, baseline_mb=0.0):
-        self.listed, self.device, self.baseline_mb, self.source = listed, device_mb, baseline_mb, None
-
-    def _listed_mb(self):
-        return self.listed
-
-    def used_mb(self):
-        return self.listed if self.listed is not None else self.device - self.baseline_mb
+    def _process_list(self):
+        return {p: int(mb * 2**20) for p, mb in self.listed.items()}
 
     def device_used_mb(self):
         return self.device
@@ -28,15 +24,15 @@ class _FakeGpu:
 
 def test_gpu_of_added_processes_is_counted_once():
     # the runner itself holds no GPU memory (absent from NVML's list); two workers hold 300 and 400 MB
-    sampler = PeakSampler(gpu=_FakeGpu(None, device_mb=1800.0, baseline_mb=1000.0), every_s=10)
+    sampler = PeakSampler(gpu=_FakeNvml(1, {}, device_mb=1800.0, baseline_mb=1000.0), every_s=10)
     try:
         assert sampler._gpu_used_mb() == 800.0  # alone: the device minus its baseline
-        sampler.add_process(11, gpu=_FakeGpu(300.0))
-        sampler.add_process(12, gpu=_FakeGpu(400.0))
+        sampler.add_process(11)
+        sampler.add_process(12)
+        sampler.gpu.listed = {11: 300.0, 12: 400.0, 99: 5000.0}  # 99: another program on the GPU, not ours
         assert sampler._gpu_used_mb() == 700.0 and sampler.gpu.source == "nvml process list"
         # NVML lists nobody (a sandbox): the device's use once, not once per process
-        for o in sampler.others.values():
-            o["gpu"].listed = None
+        sampler.gpu.listed = {}
         assert sampler._gpu_used_mb() == 800.0 and sampler.gpu.source == "nvml device used minus baseline"
     finally:
         sampler.close()
@@ -48,10 +44,10 @@ def test_host_memory_of_an_added_process_is_added():
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline().strip() == "ready"
-        sampler = PeakSampler(gpu=_FakeGpu(None), every_s=10)
+        sampler = PeakSampler(gpu=_FakeNvml(1, {}), every_s=10)
         try:
             alone = sampler._host_rss_mb()
-            sampler.add_process(child.pid, gpu=_FakeGpu(0.0))
+            sampler.add_process(child.pid)
             assert sampler._host_rss_mb() > alone + 190
             mark = sampler.mark()
             assert mark["host_peak_mb"] > alone + 190
