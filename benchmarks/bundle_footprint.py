@@ -287,25 +287,38 @@ def load_together(paths: list[str], threads: int, cache: str, env_each: bool = F
             "fully_accelerated": fully, "phases": phases, **totals, "code_at": dict(maps)}
 
 
+def _last_json(stdout: str) -> dict | None:
+    """The last JSON object line a child printed (LiteRT's own lines go before it), or None."""
+    line = next((l for l in reversed(stdout.splitlines()) if l.startswith("{")), None)
+    return None if line is None else json.loads(line)
+
+
 def _together_processes(groups: list[list[str]], threads: int, env_each: bool, folder: Path, timeout: float) -> dict:
     """One `together` process per group of files, all started at once; each one's row, and the window from the first
     load's start to the last load's end across them (`load_wall_s`), or an error naming the process that failed."""
     env = dict(os.environ, __GL_SHADER_DISK_CACHE_PATH=str(folder / "driver"), MESA_SHADER_CACHE_DIR=str(folder / "driver"))
     cmds = [[sys.executable, __file__, "together", *group, "--threads", str(threads), "--cache", str(folder / "programs")]
             + (["--env-each"] if env_each else []) for group in groups]
-    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for cmd in cmds]
+    # each child's LiteRT log goes to a file: waited on one at a time, a child writing to a full pipe would stall
+    logs = [open(folder / f"together-{i}.log", "w+") for i in range(len(cmds))]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env) for cmd, log in zip(cmds, logs)]
     children = []
-    for i, p in enumerate(procs):
-        try:
-            out, err = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            return {"error": f"process {i} timed out after {timeout} s"}
-        line = next((l for l in reversed(out.splitlines()) if l.startswith("{")), None)
-        if p.returncode != 0 or line is None:
-            return {"error": f"process {i} exit {p.returncode}", "stderr_tail": err[-1500:]}
-        children.append(json.loads(line))
+    try:
+        for i, p in enumerate(procs):
+            try:
+                out, _ = p.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                for q in procs:
+                    q.kill()
+                return {"error": f"process {i} timed out after {timeout} s"}
+            row = _last_json(out)
+            if p.returncode != 0 or row is None:
+                logs[i].seek(0)
+                return {"error": f"process {i} exit {p.returncode}", "stderr_tail": logs[i].read()[-1500:]}
+            children.append(row)
+    finally:
+        for log in logs:
+            log.close()
     if len(children) == 1:
         return children[0]
     t0 = min(c["load_window_unix"][0] for c in children)
@@ -355,10 +368,9 @@ def _child(path: str, options: dict, cache: str | None, key: str, timeout: float
     except subprocess.TimeoutExpired:
         return {"model": Path(path).name, "options": options, "error": f"timeout after {timeout} s"}
     wall = round(time.perf_counter() - t0, 2)
-    line = next((l for l in reversed(p.stdout.splitlines()) if l.startswith("{")), None)
-    if p.returncode != 0 or line is None:
+    row = _last_json(p.stdout)
+    if p.returncode != 0 or row is None:
         return {"model": Path(path).name, "options": options, "error": f"exit {p.returncode}", "stderr_tail": p.stderr[-1500:]}
-    row = json.loads(line)
     row["process_wall_s"] = wall
     return row
 
@@ -422,7 +434,7 @@ def runs(bundles: list[tuple[str, str]], cache_root: str, timeout: float, modes:
             folder = Path(cache_root) / f"{layout}-{mode}-{tag}"
             shutil.rmtree(folder, ignore_errors=True)
             workers = int(mode[len("workers"):]) if mode.startswith("workers") else 0  # plain, its loads in N processes
-            flags = {"streamed": ["--stream-unet"], "plain": []}.get(mode, ["--load-workers", str(workers)] if workers else [])
+            flags = ["--stream-unet"] if mode == "streamed" else ["--load-workers", str(workers)] if workers else []
             for launch in ("cold", "warm"):
                 r = _run_bundle(bundle, f"/tmp/footprint-{layout}-{mode}-{launch}", mode in ("pipelined", "streamed"),
                                 str(folder / "programs"), str(folder / "driver"), timeout, extra + flags)
@@ -468,6 +480,7 @@ def main(argv=None) -> int:
     st.add_argument("--env-each", action="store_true")
     st.add_argument("--marks", action="store_true", help="a memory mark between opening and compiling each file (run-bundle's phases)")
     st.add_argument("--cache", required=True)
+    st.add_argument("--out", required=True)
     q = sub.add_parser("parallel", help="`together` per thread count, cold then warm, each in its own process")
     q.add_argument("models", nargs="+")
     q.add_argument("--threads", default="1,4,8", help="comma list of thread counts (one process each)")
@@ -504,7 +517,9 @@ def main(argv=None) -> int:
         return 0
     if a.cmd == "stream":
         row = stream(a.models, a.rounds, a.env_each, a.cache, a.marks)
-        print(json.dumps(row))
+        Path(a.out).write_text(json.dumps(row))
+        print(json.dumps({k: row[k] for k in ("environments", "marks", "wall_s", "load_sum_s", "load_s", "host_peak_mb",
+                                              "gpu_peak_mb", "gpu_mb_after_each_release")}))
         return 0
     if a.cmd == "parallel":
         rows = parallel(a.models, [int(t) for t in a.threads.split(",") if t], a.cache_root, a.timeout, a.env_each,

@@ -29,7 +29,6 @@ BUNDLES=/tmp/sd21_bundles
 L=${LAYOUT:-$(ls "$BUNDLES" | head -1)}
 B=$BUNDLES/$L
 FILES=$(ls "$B"/text_encoder*.tflite "$B"/unet*.tflite "$B"/vae_*.tflite | sort -V)
-say "== parallel $L (threads ${THREADS:-1,4,8}): $(echo $FILES | xargs -n1 basename | tr '\n' ' ')"
 if [ "${LITERT:-}" = nightly ]; then
   [ -d /tmp/litert_nightly ] || $PY -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])" \
     "$REPO/.nightly/litert_nightly.tar.xz" /tmp/litert_nightly_x || exit 4
@@ -39,6 +38,7 @@ fi
 say "LiteRT: $($PY -c 'import ai_edge_litert as a; print(a.__version__, a.__file__)')"
 TAG=${TAG:-$L}
 if [ "${THREADS:-}" != none ]; then  # THREADS=none: no parallel step
+  say "== parallel $L (threads ${THREADS:-1,4,8}, processes ${PROCS:-none}): $(echo $FILES | xargs -n1 basename | tr '\n' ' ')"
   $PY benchmarks/bundle_footprint.py parallel $FILES --threads "${THREADS:-1,4,8}" --procs "${PROCS:-}" \
     ${ENV_EACH:+--env-each} --cache-root /tmp --out "$OUT/parallel_$TAG.json"
 fi
@@ -47,17 +47,17 @@ if [ -n "${STREAM:-}" ]; then  # STREAM=1: the UNet chunks loaded, run, released
   for how in "--env-each cold" "--env-each warm" "shared warm" "--env-each again"; do
     set -- $how; flag=$1; [ "$flag" = shared ] && flag=""
     say "== stream $L ${flag:-one environment} ($2)"
-    $PY benchmarks/bundle_footprint.py stream $U --rounds 2 $flag --cache $C > "$OUT/stream_${1#--}_$2.json"
-    $PY -c "import json, sys; d = json.loads(open(sys.argv[1]).read().splitlines()[-1]); print({k: d.get(k) for k in ('environments', 'wall_s', 'load_sum_s', 'host_peak_mb', 'gpu_peak_mb', 'gpu_mb_after_each_release')})" "$OUT/stream_${1#--}_$2.json"
+    $PY benchmarks/bundle_footprint.py stream $U --rounds 2 $flag --cache $C --out "$OUT/stream_${1#--}_$2.json" | tail -1
   done
 fi
 if [ -n "${STREAM_AB:-}" ]; then  # STREAM_AB=1: why run-bundle's streamed loads take ~2x the stream probe's (same files)
   U=$(ls "$B"/unet.[0-9]*.tflite | sort -V); C=/tmp/streamab-cache; rm -rf $C /tmp/streamab-driver
-  run() { local tag=$1; shift; say "== stream A/B: $tag"; "$@" $PY benchmarks/bundle_footprint.py stream $U --rounds 1 --env-each --cache $C \
-    ${MARKS:-} > "$OUT/streamab_$tag.json"; $PY -c "import json, sys; d = json.loads(open(sys.argv[1]).read().splitlines()[-1]); print(sys.argv[2], d['load_sum_s'], d['load_s'])" "$OUT/streamab_$tag.json" $tag; }
-  run cold env; run warm env; MARKS=--marks run warm_marks env; MARKS=
-  run driverdir_cold env __GL_SHADER_DISK_CACHE_PATH=/tmp/streamab-driver; run driverdir_warm env __GL_SHADER_DISK_CACHE_PATH=/tmp/streamab-driver
-  MARKS=--marks run driverdir_warm_marks env __GL_SHADER_DISK_CACHE_PATH=/tmp/streamab-driver
+  ab() { local tag=$1; shift; say "== stream A/B: $tag"  # ab TAG [--marks] [env VAR=VALUE]
+    local marks=; [ "${1:-}" = --marks ] && { marks=--marks; shift; }
+    "$@" $PY benchmarks/bundle_footprint.py stream $U --rounds 1 --env-each $marks --cache $C --out "$OUT/streamab_$tag.json" | tail -1; }
+  D="env __GL_SHADER_DISK_CACHE_PATH=/tmp/streamab-driver"
+  ab cold; ab warm; ab warm_marks --marks
+  ab driverdir_cold $D; ab driverdir_warm $D; ab driverdir_warm_marks --marks $D
 fi
 if [ "${PROFILE:-1}" = 1 ]; then
   F=$(ls "$B"/unet.0.tflite "$B"/unet.tflite 2>/dev/null | head -1)
