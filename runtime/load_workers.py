@@ -29,6 +29,13 @@ from pocketdiff.errors import PocketdiffError
 from .loaded_model import LoadedModel
 
 
+def check_count(n) -> int:
+    """N as a worker count, or a PocketdiffError naming the option."""
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise PocketdiffError(f"--load-workers must be a positive integer, got {n!r}")
+    return n
+
+
 def _serve(conn) -> None:
     """A worker: one environment; ("load", name, entry, options) compiles, ("run", name, arrays) runs,
     ("close", name) frees one model, ("stop",) all of them and the environment."""
@@ -96,8 +103,7 @@ class LoadWorkers:
     its share while the others compile theirs; `get` waits for one."""
 
     def __init__(self, n: int, on_start=None):
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise PocketdiffError(f"--load-workers must be a positive integer, got {n!r}")
+        check_count(n)
         ctx = mp.get_context("spawn")
         self.conns, self.procs = [], []
         for i in range(n):

@@ -37,6 +37,7 @@ import numpy as np
 from pocketdiff.errors import PocketdiffError
 
 from .manifest_check import TILED_DECODER, check_bundle, decoder_components
+from .load_workers import LoadWorkers, check_count
 from .loaded_model import LoadedModel, np_dtype
 from .lcm_step import LCM, lcm_sample
 from .litert_c import parse_gpu_option
@@ -156,6 +157,8 @@ class BundleRunner:
         if load_workers and (pipelined or accelerator != "gpu"):
             raise PocketdiffError("--load-workers compiles every model at once in worker processes: it needs --accelerator gpu "
                                   "and no --pipelined (which loads one model at a time)")
+        if load_workers:
+            check_count(load_workers)  # before the bundle is read or the GPU set up
         self.bundle, self.accelerator, self.pipelined, self.stream_unet = bundle, accelerator, pipelined, stream_unet
         self.man = manifest or check_bundle(bundle)  # fields, sizes and every .tflite's signature, before anything runs
         self.comps = self.man["components"]
@@ -186,8 +189,6 @@ class BundleRunner:
         self.table = np.load(self.man["time_embedding"]["_path"]) if self.man.get("time_embedding") else None
         self.workers = None
         if load_workers:  # last: nothing after this can fail and leave them running
-            from .load_workers import LoadWorkers
-
             self.workers = LoadWorkers(load_workers, on_start=self.sampler.add_process)
         self._mark("runner", "ready")
 
