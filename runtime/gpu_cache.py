@@ -49,7 +49,8 @@ def bundle_cache_folder(bundle: str | Path, components: dict, root: Optional[Pat
 
 def _fingerprint(path: Path) -> str:
     """Size and CRC-32 of a cache file, in one read: enough to catch a truncated or damaged file (not a
-    forgery), at several times sha256's speed: the UNet's file is 1.7 GB and is checked on every load."""
+    forgery), at several times sha256's speed: the UNet's file is 1.7 GB. Read once per launch and component
+    (a streamed chunk loads once per step)."""
     crc, size = 0, 0
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 24), b""):
@@ -78,6 +79,7 @@ class GpuProgramCache:
         self.index = self._read_index() if self.enabled else {}
         self.keys: dict[str, str] = {}
         self.hits: dict[str, bool] = {}
+        self.settled: set[str] = set()  # components whose files this process verified or recorded: not read again
 
     def _writable(self) -> bool:
         try:
@@ -125,6 +127,8 @@ class GpuProgramCache:
         if not self.enabled:
             return {}
         key = self.key(name, entry)
+        if name in self.settled and self.keys.get(name) == key:  # a streamed chunk's next load: checked already
+            return {"serialization_dir": str(self.folder), "model_cache_key": key, "serialize_program_cache": True}
         self.keys[name] = key
         old = self.index.get(name)
         hit = False
@@ -139,6 +143,7 @@ class GpuProgramCache:
                 self._drop(name, old)
             else:
                 hit = True
+                self.settled.add(name)
         if not hit:
             self._remove_files(lambda f: f.startswith(key + "_"))  # stray files of an unrecorded run
         self.hits[name] = hit
@@ -154,13 +159,14 @@ class GpuProgramCache:
 
     def record(self, name: str) -> None:
         """After a load: the files the accelerator wrote for this component, with their size and CRC-32."""
-        if not self.enabled or name not in self.keys or self.hits.get(name):
+        if not self.enabled or name not in self.keys or self.hits.get(name) or name in self.settled:
             return
         key = self.keys[name]
         files = {p.name: _fingerprint(p) for p in sorted(self.folder.iterdir()) if p.is_file() and p.name.startswith(key + "_")}
         if files:
             self.index[name] = {"key": key, "files": files}
             self._write_index()
+            self.settled.add(name)
 
     def summary(self) -> dict:
         return {"folder": str(self.folder) if self.enabled else None, "hits": dict(self.hits)}

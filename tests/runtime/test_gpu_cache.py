@@ -107,3 +107,26 @@ def test_run_bundle_with_a_corrupted_cache_gives_the_same_image(tmp_path, capsys
     assert np.abs(cold - warm).max() < 1e-6 and np.abs(cold - rebuilt).max() < 1e-6
     index = json.loads((folder / "index.json").read_text())
     assert set(index) == {"text_encoder", "unet", "vae_decoder"}
+
+
+def test_a_component_loaded_again_in_one_launch_reads_its_files_once(tmp_path, monkeypatch):
+    """A streamed UNet chunk loads once per step: its cache files are fingerprinted once per launch, not per load."""
+    import pocketdiff.runtime.gpu_cache as gpu_cache
+
+    reads = []
+    real = gpu_cache._fingerprint
+    monkeypatch.setattr(gpu_cache, "_fingerprint", lambda path: reads.append(path.name) or real(path))
+    cold = _cache(tmp_path)
+    _accelerator_writes(cold, "unet.0")  # compiled and recorded: one read
+    for _ in range(3):
+        cold.options_for("unet.0", ENTRY)
+        cold.record("unet.0")
+    assert len(reads) == 1 and cold.hits == {"unet.0": False}
+    warm = _cache(tmp_path)
+    opts = [warm.options_for("unet.0", ENTRY) for _ in range(4)]
+    assert len(reads) == 2 and warm.hits == {"unet.0": True}  # verified once
+    assert all(o == opts[0] for o in opts)
+    # another model under the same name is still caught: its key differs, so it is checked afresh
+    other = {"sha256": "cd" * 32}
+    warm.options_for("unet.0", other)
+    assert warm.hits == {"unet.0": False}
