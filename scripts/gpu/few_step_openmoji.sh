@@ -43,7 +43,7 @@
 # the data and outputs/ stay in /tmp): teacher with .whl .devdata, then lcm, pd, decoder with .whl only
 # (2026-11-27: teacher 455 s, lcm 516 s, pd 546 s + RESUME=1 93 s of command time on one H100).
 set -u
-PHASE=${1:?usage: few_step_openmoji.sh teacher|lcm|pd|decoder}
+PHASE=${1:?usage: few_step_openmoji.sh setup|teacher|lcm|sweep|pd|decoder}
 source scripts/gpu/env.sh
 C=$REPO/configs S=$REPO/.carry/few_step L=$RUNS/few_step
 mkdir -p $L outputs
@@ -102,10 +102,21 @@ case $PHASE in
     cp $L/*.log outputs/teacher-openmoji/; tar czf $OUT/teacher_reports.tgz -C outputs --exclude='*.safetensors' \
       --exclude=checkpoints --exclude='*.pt' teacher-openmoji clip-openmoji
     tail -n 2 $L/teacher.log $L/clip.log ;;
+  setup)  # only the wheels and the data into /tmp (a first call that carries .whl .devdata; the next carries .carry/few_step)
+    echo "set up: $(ls /tmp/site | wc -l) entries in /tmp/site, $(ls /tmp/devdata) in /tmp/devdata" ;;
   lcm)
     restore
-    distill lcm $C/distill/openmoji_lcm.yaml consistency.train.max_steps=$LCM_STEPS \
-      consistency.train.checkpoint_every=${CURVE_EVERY:-200} eval.curve_steps=[2] ;;
+    distill ${LCM_NAME:-lcm} $C/distill/openmoji_lcm.yaml consistency.train.max_steps=$LCM_STEPS \
+      consistency.train.checkpoint_every=${CURVE_EVERY:-200} eval.curve_steps=[2] ${LCM_ARGS:-} ;;
+  sweep)  # consistency variants side by side on one GPU: FD at 2 steps against training steps (not GPU-hours: they share it)
+    restore
+    IFS=';' read -ra variants <<< "${SWEEP:?SWEEP='name:overrides;name:overrides'}"
+    for v in "${variants[@]}"; do
+      # shellcheck disable=SC2086  # the overrides are words
+      distill ${v%%:*} $C/distill/openmoji_lcm.yaml consistency.train.max_steps=$LCM_STEPS consistency.sample_steps=[2] \
+        consistency.train.checkpoint_every=${CURVE_EVERY:-100} eval.curve_steps=[2] ${v#*:} &
+    done
+    wait ;;
   pd)
     restore
     distill pd $C/distill/openmoji.yaml progressive.start_steps=16 progressive.final_steps=${PD_FINAL:-1} progressive.top_step_input=noise \
@@ -128,6 +139,6 @@ print(found[0] if found else '')" $FROM)
       --student outputs/decoder/vae --data openmoji --resolution 64 --images 495 --one-pass 8x16/4/2 \
       --clip outputs/clip-openmoji/clip --out $OUT/decoder_paths_student_openmoji.json > $L/paths.log 2>&1 || tail -20 $L/paths.log
     cp $L/decoder.log $L/paths.log $L/timeline.log $OUT/ ;;
-  *) echo "unknown phase $PHASE (teacher | lcm | pd | decoder)"; exit 2 ;;
+  *) echo "unknown phase $PHASE (setup | teacher | lcm | sweep | pd | decoder)"; exit 2 ;;
 esac
 ls -la $OUT
