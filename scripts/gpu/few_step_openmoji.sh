@@ -64,7 +64,7 @@ fp16() {  # fp16 SRC DST: a pipeline folder in float16 (loads back as float32)
 p = load_pipeline(sys.argv[1]); p.to(torch.float16); save_pipeline(p, sys.argv[2])" "$1" "$2"
 }
 restore() {  # the carried teacher (back to float32, as restore_teacher does) and CLIP; kept from an earlier call of a warm machine
-  [ -f outputs/teacher-openmoji/pipeline/model_index.json ] && [ -f outputs/clip-openmoji/report.json ] && return 0
+  [ -f outputs/teacher-openmoji/pipeline/model_index.json ] && [ -d outputs/clip-openmoji/clip ] && return 0
   ls $S/teacher16.tgz.* > /dev/null 2>&1 || { echo "no .carry/few_step/teacher16.tgz.*: run the teacher phase first"; exit 1; }
   cat $S/teacher16.tgz.* | tar xzf - -C /tmp && python3 -c "import sys; from pocketdiff.models import load_pipeline, save_pipeline
 save_pipeline(load_pipeline(sys.argv[1]), sys.argv[2])" /tmp/teacher16 outputs/teacher-openmoji/pipeline || exit 1

@@ -8,7 +8,8 @@ holds report.json with per-round `train_seconds` and FD / CLIP score (`eval`). R
 fd, clip_score, gpu_hours (training wall time on the one GPU up to that student, metrics excluded;
 null for the teacher's DDIM rows, which cost no distillation). A consistency run measured with
 `eval.curve_steps` adds its checkpoints' points (`curve`: FD against GPU-hours), from which the summary
-reads each method's GPU-hours to the issue's target (a 2-step student within 1.15x of the teacher-64 FD).
+reads each method's GPU-hours to the issue's target (a 2-step student within 1.15x of the teacher-64 FD),
+and to the same target with PD's 2-step CLIP score as a floor (`*_at_pd_clip`).
 """
 from __future__ import annotations
 
@@ -63,10 +64,29 @@ def two_step(points, method: str) -> list[dict]:
     return [p for p in points if p["method"] == method and p["steps"] == 2 and p["fd"] is not None and p["gpu_hours"] is not None]
 
 
-def hours_to_target(points: list[dict], target: float) -> float | None:
-    """The fewest GPU-hours at which a 2-step student of these points met `target` FD (None: never)."""
-    met = [p["gpu_hours"] for p in points if p["fd"] <= target]
+def hours_to_target(points: list[dict], target: float, min_clip: float | None = None) -> float | None:
+    """The fewest GPU-hours at which a 2-step student of these points met `target` FD, and, with `min_clip`,
+    a CLIP score of at least that as well (None: never)."""
+    met = [p["gpu_hours"] for p in points
+           if p["fd"] <= target and (min_clip is None or (p.get("clip_score") is not None and p["clip_score"] >= min_clip))]
     return min(met) if met else None
+
+
+def clip_criterion(rows: list[dict], curve: list[dict], target: float) -> dict:
+    """The target with PD's 2-step CLIP score as a floor: FD alone rewards an under-guided student (a consistency
+    student's early checkpoints sample closer to the unguided teacher's spread, at a CLIP score well below
+    the guided ones'), so LCM's GPU-hours to the FD target and to PD's prompt adherence are given side by side."""
+    pd_two = [r for r in two_step(rows, "pd") if r.get("clip_score") is not None]
+    if not pd_two:
+        return {}
+    floor = max(pd_two, key=lambda r: r["gpu_hours"])["clip_score"]
+    hours = hours_to_target(two_step(rows + curve, "lcm"), target, floor)
+    pd = hours_to_target(two_step(rows, "pd"), target, floor)
+    out = {"pd_2step_clip_score": floor, "lcm_gpu_hours_to_target_at_pd_clip": hours}
+    if hours and pd:
+        out["lcm_over_pd_gpu_hours_to_target_at_pd_clip"] = round(hours / pd, 4)
+        out["target_met_at_pd_clip"] = hours <= 0.5 * pd
+    return out
 
 
 def target_summary(rows: list[dict], curve: list[dict], ref: float) -> dict:
@@ -91,6 +111,7 @@ def target_summary(rows: list[dict], curve: list[dict], ref: float) -> dict:
         out["target_met"] = False
         out["lcm_note"] = ("LCM's 2-step student did not meet the target" + (
             f"; its best: FD {best['fd']:.2f} ({best['fd'] / ref:.3f}x) at {best['gpu_hours']} GPU-hours" if best else ""))
+    out.update(clip_criterion(rows, curve, target))
     return out
 
 
@@ -109,6 +130,56 @@ def summary(rows: list[dict], curve: list[dict] = ()) -> dict:
     if out.get("lcm_2step_gpu_hours") and out.get("pd_2step_gpu_hours"):
         out["lcm_over_pd_gpu_hours_to_2_steps"] = round(out["lcm_2step_gpu_hours"] / out["pd_2step_gpu_hours"], 4)
     return out
+
+
+SWEPT = {"solver_steps": ("consistency", "solver_steps"), "target_ema_decay": ("consistency", "target_ema_decay"),
+         "lr": ("consistency", "train", "lr"), "warmup_steps": ("consistency", "train", "warmup_steps"),
+         "ema_decay": ("consistency", "train", "ema_decay"), "embed_lr_scale": ("guidance", "embed_lr_scale")}
+
+
+def sweep_of(folder: Path) -> dict:
+    """One variant of `few_step_openmoji.sh sweep`: its consistency settings (from the run's config.yaml) and its
+    2-step checkpoints by training step (the curve's files: a variant cut by the call's time has no final report).
+    Its seconds are not GPU-hours: the variants shared one GPU."""
+    import yaml
+
+    config = yaml.safe_load((folder / "config.yaml").read_text())
+    settings = {}
+    for key, path in SWEPT.items():
+        value = config
+        for part in path:
+            value = value[part]
+        settings[key] = value
+    found = [json.loads(p.read_text()) for p in sorted(folder.glob("eval/round-0-curve/step*-2steps.json"))]
+    if not found:
+        raise SystemExit(f"{folder}: no eval/round-0-curve/step*-2steps.json (run the sweep with eval.curve_steps=[2])")
+    points = [{"train_step": p["step"], "fd": p["metrics"]["fd"], "clip_score": p["metrics"]["clip_score"]} for p in found]
+    return {"run": folder.name, "settings": settings, "points": sorted(points, key=lambda p: p["train_step"])}
+
+
+def plot_sweep(sweep: list[dict], path: Path, target: float | None) -> Path:
+    """FD and CLIP score at 2 steps against training steps, one line per variant."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    for v in sweep:
+        s = v["settings"]
+        label = f"{v['run']}: N={s['solver_steps']} lr={s['lr']:g} target={s['target_ema_decay']:g}"
+        for ax, key in zip(axes, ("fd", "clip_score")):
+            ax.plot([p["train_step"] for p in v["points"]], [p[key] for p in v["points"]], marker=".", label=label)
+    if target:
+        axes[0].axhline(target, color="grey", linestyle="--", label=f"target ({TARGET}x teacher DDIM-64)")
+    for ax, title in zip(axes, ("FD at 2 steps (lower is better)", "CLIP score at 2 steps (higher is better)")):
+        ax.set_xlabel("training step")
+        ax.set_title(title)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def plot_hours(ax, rows: list[dict], curve: list[dict], target: float | None) -> None:
@@ -156,6 +227,8 @@ def main() -> None:
     ap.add_argument("--device", default="one H100 80GB")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--conditions", default="", help="a line on how the runs were cut (kept in the JSON)")
+    ap.add_argument("--sweep", type=Path, nargs="*", default=[],
+                    help="run folders of `few_step_openmoji.sh sweep` (variants side by side on one GPU): their curves by training step")
     args = ap.parse_args()
     rows, teacher, curve = [], {}, []
     for method, folder in (("lcm", args.lcm), ("pd", args.pd)):
@@ -173,6 +246,10 @@ def main() -> None:
               "plot": args.out.with_suffix(".png").name}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     plot(rows, args.out.with_suffix(".png"), curve, result["summary"].get("target_fd"))
+    if args.sweep:
+        result["sweep"] = [sweep_of(folder) for folder in args.sweep]
+        result["sweep_plot"] = plot_sweep(result["sweep"], args.out.with_name(args.out.stem + "_sweep.png"),
+                                          result["summary"].get("target_fd")).name
     args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     print(json.dumps(result["summary"], indent=2))
 

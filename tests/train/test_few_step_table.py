@@ -72,3 +72,14 @@ def test_a_consistency_run_that_never_meets_the_target_is_said_so():
     s = _table().target_summary(rows, curve, 10.0)
     assert s["pd_gpu_hours_to_target"] == 0.1 and s["lcm_gpu_hours_to_target"] is None and s["target_met"] is False
     assert s["lcm_note"].endswith("its best: FD 11.80 (1.180x) at 0.1 GPU-hours")
+
+
+def test_the_clip_floor_moves_the_consistency_hours_to_the_first_point_as_guided_as_pd():
+    # target 11.5: LCM's FD meets it at 0.05 h but under-guided (CLIP 7); PD's 2-step CLIP 9 is first reached at 0.15 h
+    rows = [{"method": "pd", "steps": 2, "fd": 11.0, "clip_score": 9.0, "gpu_hours": 0.4}]
+    curve = [{"method": "lcm", "steps": 2, "fd": fd, "clip_score": c, "gpu_hours": h}
+             for fd, c, h in ((11.2, 7.0, 0.05), (11.4, 8.9, 0.1), (11.3, 9.1, 0.15), (12.0, 9.5, 0.2))]
+    s = _table().target_summary(rows, curve, 10.0)
+    assert s["lcm_gpu_hours_to_target"] == 0.05 and s["lcm_over_pd_gpu_hours_to_target"] == 0.125
+    assert s["pd_2step_clip_score"] == 9.0 and s["lcm_gpu_hours_to_target_at_pd_clip"] == 0.15
+    assert s["lcm_over_pd_gpu_hours_to_target_at_pd_clip"] == 0.375 and s["target_met_at_pd_clip"] is True
