@@ -84,7 +84,7 @@ VARIANTS = ("eager", "ours_eager", "ours", "ours_guided", "ours_cudnn", "ours_wc
 EMBED_DIM = 256  # the student's guidance-embedding width
 # ours_lcm: the consistency recipes' settings (configs/sd21/distill_lcm.yaml)
 LCM = PairSettings("v_prediction", timestep_scaling=10.0, huber_c=0.001, student_embed=EMBED_DIM)
-LCM_SOLVER_STEPS, LCM_TARGET_DECAY = 50, 0.95
+LCM_SOLVER_STEPS, LCM_TARGET_DECAY = 10, 0.0  # decay 0: the target is the live student (no copy)
 
 
 def build_unet(arch: str, latent: int, seed: int = 0):

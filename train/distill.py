@@ -314,7 +314,7 @@ def _round_loss(cfg: Config, spec: RoundSpec, teacher, student, pipe, s_sched, t
         target = TargetNetwork(student, cfg.consistency.target_ema_decay, device=device)
         loss_fn = make_consistency_loss_fn(cfg, teacher, target, skipping_plan(s_sched, cfg.consistency.solver_steps), pipe, s_sched,
                                            t_uncond, embed, device)
-        return loss_fn, cfg.consistency.train, target, None
+        return loss_fn, cfg.consistency.train, None if target.live else target, None  # a live target has no state of its own
     rplan = round_plan(s_sched, spec.steps, spec.teacher_steps) if spec.stage == "progressive" else None
     loss_fn = make_loss_fn(cfg, spec, teacher, rplan, pipe, s_sched, t_uncond, embed, device)
     return loss_fn, cfg.guided.train if spec.stage == "guided" else cfg.progressive.train, None, rplan

@@ -9,9 +9,13 @@
 #       width 128, 2,000 steps: 5 MB in fp16, so that it travels with the teacher). Back: teacher16.tgz.*,
 #       clip16.tgz, teacher_reports.tgz. Put teacher16.tgz.* and clip16.tgz in .carry/few_step/.
 #   bash scripts/gpu/few_step_openmoji.sh lcm       # call 2: carry .whl .devdata .carry/few_step
-#       configs/distill/openmoji_lcm.yaml, LCM_STEPS (1,200) steps at batch 128, FD (openmoji-CLIP) and
-#       CLIP score at 1, 2, 4, 8 steps and the teacher's DDIM at 1, 2, 4, 8, 64; FD at 2 steps at every 200th step
+#       configs/distill/openmoji_lcm.yaml, LCM_STEPS (600) steps at batch 128, FD (openmoji-CLIP) and
+#       CLIP score at 1, 2, 4, 8 steps and the teacher's DDIM at 1, 2, 4, 8, 64; FD at 2 steps at every CURVE_EVERY-th (100) step; LCM_ARGS: more overrides, LCM_NAME: the run's name
 #       (eval.curve_steps: the GPU-hours to the target). Back: lcm_reports.tgz
+#   SWEEP='NAME:overrides;NAME:overrides' bash scripts/gpu/few_step_openmoji.sh sweep   # carry .carry/few_step (after setup)
+#       consistency variants side by side on the one GPU (FD and CLIP score at 2 steps every CURVE_EVERY steps; their seconds
+#       are not GPU-hours); few_step_table.py --sweep gathers them. `setup` (carry .whl .devdata) readies a fresh machine
+#       whose next call carries the teacher: the three do not fit one call's 64 MiB.
 #   bash scripts/gpu/few_step_openmoji.sh pd        # call 3: carry .whl .devdata .carry/few_step
 #       configs/distill/openmoji.yaml from a 16-step grid: guided stage GUIDED_STEPS (400), rounds
 #       8 -> 4 -> 2 -> 1 (PD_ROUNDS: 350, 350, 400, 400; PD_FINAL=2 stops at 2), EMA decay PD_EMA (0.99),
@@ -34,20 +38,21 @@
 #
 # Cut to fit ~30 minutes of one H100 (against configs/distill/openmoji.yaml's full recipe): the teacher
 # trains 300 s (not 30,000 steps); the CLIP is narrower and shorter; PD starts from 16 steps, not 64
-# (no 32- and 16-step rounds), with 350-400 steps per round; LCM trains 1,200 steps, not 3,000;
+# (no 32- and 16-step rounds), with 350-400 steps per round; LCM trains 600 steps (the recipe's);
 # metrics on 1,024 captions x 1 seed (not 2,048 x 2). GPU-seconds are the distill reports' training
 # wall time (`train_seconds`, metrics and grids excluded), summed over the rounds up to each count.
 # Carry sizes: teacher16 ~23 MB, clip16 ~4 MB, OpenMoji (.devdata) ~19 MB, the wheels this needs ~8 MB (no ai-edge-litert,
 # no bitsandbytes); with ~33 MB of tracked files a fresh machine cannot take the teacher, the data and the wheels
 # at once (64 MiB). So chain the calls on one warm machine (each next call within its 30 s idle release; the wheels,
 # the data and outputs/ stay in /tmp): teacher with .whl .devdata, then lcm, pd, decoder with .whl only
-# (2026-11-27: teacher 455 s, lcm 516 s, pd 546 s + RESUME=1 93 s of command time on one H100).
+# (2026-11-27, one H100: teacher 455 s, lcm 516 s, pd 546 s + RESUME=1 93 s of command time; later that day, one H200:
+# setup 5 s, sweep 479 s, pd with PD_FINAL=2 425 s, lcm (600 steps) 290 s).
 set -u
 PHASE=${1:?usage: few_step_openmoji.sh setup|teacher|lcm|sweep|pd|decoder}
 source scripts/gpu/env.sh
 C=$REPO/configs S=$REPO/.carry/few_step L=$RUNS/few_step
 mkdir -p $L outputs
-LCM_STEPS=${LCM_STEPS:-1200} GUIDED_STEPS=${GUIDED_STEPS:-400} PD_ROUNDS=${PD_ROUNDS:-[350,350,400,400]}
+LCM_STEPS=${LCM_STEPS:-600} GUIDED_STEPS=${GUIDED_STEPS:-400} PD_ROUNDS=${PD_ROUNDS:-[350,350,400,400]}
 # the recipe's 0.999 is for rounds of 4,000-8,000 steps: over 350-400 it leaves 67-70 % of each round's starting
 # weights in the saved EMA (the stop-38 PD students kept the unguided start: CLIP score 4 against 10); 0.99 leaves 2-3 %
 PD_EMA=${PD_EMA:-0.99}
@@ -107,7 +112,7 @@ case $PHASE in
   lcm)
     restore
     distill ${LCM_NAME:-lcm} $C/distill/openmoji_lcm.yaml consistency.train.max_steps=$LCM_STEPS \
-      consistency.train.checkpoint_every=${CURVE_EVERY:-200} eval.curve_steps=[2] ${LCM_ARGS:-} ;;
+      consistency.train.checkpoint_every=${CURVE_EVERY:-100} eval.curve_steps=[2] ${LCM_ARGS:-} ;;
   sweep)  # consistency variants side by side on one GPU: FD at 2 steps against training steps (not GPU-hours: they share it)
     restore
     IFS=';' read -ra variants <<< "${SWEEP:?SWEEP='name:overrides;name:overrides'}"

@@ -133,6 +133,24 @@ def test_target_network_is_an_ema_of_the_student_and_round_trips(tiny_student):
                 p.sub_(1.0)
 
 
+def test_a_decay_zero_target_is_the_live_student_with_no_copy(tiny_student):
+    live, copy = TargetNetwork(tiny_student, decay=0.0), TargetNetwork(tiny_student, decay=0.5)
+    assert live.live and live.net is tiny_student and not copy.live and copy.net is not tiny_student
+    torch.manual_seed(1)
+    z, t, cond, w = torch.randn(2, 4, 8, 8), torch.tensor([10, 500]), torch.randn(2, 3, 8), torch.randn(2, 8)
+    assert torch.allclose(live(z, t, cond, w), copy(z, t, cond, w), atol=1e-6)  # the copy equals the student until it moves
+    with torch.no_grad():
+        next(tiny_student.parameters()).add_(1.0)
+    try:
+        live.after_update(tiny_student)
+        copy.after_update(tiny_student)
+        moved = tiny_student(z, t, encoder_hidden_states=cond, timestep_cond=w, return_dict=False)[0]
+        assert torch.equal(live(z, t, cond, w), moved) and not torch.allclose(copy(z, t, cond, w), moved, atol=1e-4)
+    finally:
+        with torch.no_grad():
+            next(tiny_student.parameters()).sub_(1.0)
+
+
 # ------------------------------------------------------------------ the recipe
 
 def test_consistency_plan_is_one_stage_and_progressive_reaches_one_step():

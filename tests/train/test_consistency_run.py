@@ -165,6 +165,17 @@ def test_a_resume_without_the_target_network_is_refused(teacher_dir, tmp_path, m
         distill.run(cfg, tmp_path, resume="latest")
 
 
+def test_a_live_target_checkpoints_no_copy_and_resumes_to_the_uninterrupted_run(teacher_dir, tmp_path, monkeypatch):
+    cfg = _cfg(teacher_dir, "eval.enabled=false", "consistency.target_ema_decay=0")
+    full = distill.run(cfg, tmp_path / "full")
+    _run_interrupted(cfg, tmp_path / "cut", monkeypatch, 2)
+    assert not (tmp_path / "cut" / "checkpoints" / "round-0" / "checkpoint-2" / "companion.safetensors").exists()
+    resumed = distill.run(cfg, tmp_path / "cut", resume="latest")
+    a, b = load_file(str(tmp_path / "full" / "round-0" / UNET)), load_file(str(tmp_path / "cut" / "round-0" / UNET))
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    assert resumed["rounds"][0]["losses"] == full["rounds"][0]["losses"]
+
+
 def test_solver_steps_above_the_teachers_timesteps_fail_before_training(teacher_dir, tmp_path):
     with pytest.raises(PocketdiffError, match="consistency.solver_steps: 2000"):
         distill.run(_cfg(teacher_dir, "consistency.solver_steps=2000"), tmp_path)
