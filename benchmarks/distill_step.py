@@ -25,9 +25,9 @@ process:
   choice (flash attention 2 on Hopper).
 - `ours_lcm` (optional): the consistency stage's step (`distill.method: consistency`, the
   trainer's `pocketdiff.train.consistency_loss.pair_loss`): one classifier-free-guided teacher
-  evaluation (cond + uncond) and its skipping DDIM step on a 50-point grid, the target network
-  (a float32 copy of the student, no gradient) at the step's end, the student at its start,
-  pseudo-Huber loss, then the target network's EMA update. Same switches as `ours`.
+  evaluation (cond + uncond) and its skipping DDIM step on the recipes' 10-point grid, the target
+  (with the recipes' decay 0 the student itself, no gradient) at the step's end, the student at its
+  start, pseudo-Huber loss. Same switches as `ours`.
 - `ours_loop` (optional): `ours` through `pocketdiff.train.loop.train_loop` itself (Accelerate
   autocast/backward, gradient-finite check, EMA off), timed between successive steps.
 

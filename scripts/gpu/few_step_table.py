@@ -143,6 +143,9 @@ def sweep_of(folder: Path) -> dict:
     Its seconds are not GPU-hours: the variants shared one GPU."""
     import yaml
 
+    found = [json.loads(p.read_text()) for p in sorted(folder.glob("eval/round-0-curve/step*-2steps.json"))]
+    if not found:
+        raise SystemExit(f"{folder}: no eval/round-0-curve/step*-2steps.json (run the sweep with eval.curve_steps=[2])")
     config = yaml.safe_load((folder / "config.yaml").read_text())
     settings = {}
     for key, path in SWEPT.items():
@@ -150,11 +153,14 @@ def sweep_of(folder: Path) -> dict:
         for part in path:
             value = value[part]
         settings[key] = value
-    found = [json.loads(p.read_text()) for p in sorted(folder.glob("eval/round-0-curve/step*-2steps.json"))]
-    if not found:
-        raise SystemExit(f"{folder}: no eval/round-0-curve/step*-2steps.json (run the sweep with eval.curve_steps=[2])")
     points = [{"train_step": p["step"], "fd": p["metrics"]["fd"], "clip_score": p["metrics"]["clip_score"]} for p in found]
     return {"run": folder.name, "settings": settings, "points": sorted(points, key=lambda p: p["train_step"])}
+
+
+def first_step_within(sweep: list[dict], target: float) -> None:
+    """Each variant's first checkpoint whose 2-step FD met `target` (None: none did), kept beside its points."""
+    for v in sweep:
+        v["first_step_within_target"] = next((p["train_step"] for p in v["points"] if p["fd"] <= target), None)
 
 
 def plot_sweep(sweep: list[dict], path: Path, target: float | None) -> Path:
@@ -248,6 +254,8 @@ def main() -> None:
     plot(rows, args.out.with_suffix(".png"), curve, result["summary"].get("target_fd"))
     if args.sweep:
         result["sweep"] = [sweep_of(folder) for folder in args.sweep]
+        if result["summary"].get("target_fd"):
+            first_step_within(result["sweep"], result["summary"]["target_fd"])
         result["sweep_plot"] = plot_sweep(result["sweep"], args.out.with_name(args.out.stem + "_sweep.png"),
                                           result["summary"].get("target_fd")).name
     args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")

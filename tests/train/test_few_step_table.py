@@ -4,6 +4,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -83,3 +85,21 @@ def test_the_clip_floor_moves_the_consistency_hours_to_the_first_point_as_guided
     assert s["lcm_gpu_hours_to_target"] == 0.05 and s["lcm_over_pd_gpu_hours_to_target"] == 0.125
     assert s["pd_2step_clip_score"] == 9.0 and s["lcm_gpu_hours_to_target_at_pd_clip"] == 0.15
     assert s["lcm_over_pd_gpu_hours_to_target_at_pd_clip"] == 0.375 and s["target_met_at_pd_clip"] is True
+
+
+def test_a_sweep_variant_reads_its_settings_and_curve_files_and_its_first_step_at_the_target(tmp_path):
+    folder = tmp_path / "n10"
+    (folder / "eval" / "round-0-curve").mkdir(parents=True)
+    (folder / "config.yaml").write_text("consistency:\n  solver_steps: 10\n  target_ema_decay: 0.0\n  train:\n    lr: 0.0002\n"
+                                        "    warmup_steps: 50\n    ema_decay: 0.99\nguidance:\n  embed_lr_scale: 1.0\n")
+    for step, fd in ((300, 11.0), (100, 12.0), (200, 11.6)):  # written out of order: the points come back by step
+        (folder / "eval" / "round-0-curve" / f"step{step}-2steps.json").write_text(
+            json.dumps({"step": step, "steps": 2, "metrics": {"fd": fd, "clip_score": 9.0}}))
+    table = _table()
+    sweep = [table.sweep_of(folder)]
+    table.first_step_within(sweep, 11.5)
+    assert sweep[0]["settings"] == {"solver_steps": 10, "target_ema_decay": 0.0, "lr": 0.0002, "warmup_steps": 50,
+                                    "ema_decay": 0.99, "embed_lr_scale": 1.0}
+    assert [p["train_step"] for p in sweep[0]["points"]] == [100, 200, 300] and sweep[0]["first_step_within_target"] == 300
+    with pytest.raises(SystemExit, match="no eval/round-0-curve"):
+        table.sweep_of(tmp_path)
