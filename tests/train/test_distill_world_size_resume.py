@@ -93,3 +93,24 @@ def test_two_process_run_resumes_on_one_and_back(teacher, tmp_path):
     start = load_file(str(two / "round-0" / "unet" / "diffusion_pytorch_model.safetensors"))
     assert max(float((ref[k] - start[k]).abs().max()) for k in ref if k in start) > 1e-4
     assert torch.isfinite(torch.cat([v.flatten() for v in ref.values()])).all()
+
+
+def test_a_live_target_consistency_run_on_two_processes_matches_one(teacher, tmp_path):
+    # target decay 0: each process's target is its own (DDP-equal) student, no copy to keep in step
+    lcm = ["method=consistency", "student_prediction_type=teacher", "consistency.solver_steps=10", "consistency.sample_steps=[2]",
+           "consistency.target_ema_decay=0", "consistency.train.max_steps=3", "consistency.train.batch_size=4",
+           "consistency.train.lr=1e-3", "consistency.train.log_every=1", "consistency.train.checkpoint_every=10"]
+    _distill(1, tmp_path / "one", teacher, *lcm)
+    _distill(2, tmp_path / "two", teacher, *lcm)
+    from safetensors.torch import load_file
+
+    one, two = (load_file(str(tmp_path / r / "round-0" / "unet" / "diffusion_pytorch_model.safetensors")) for r in ("one", "two"))
+    # the losses agree to the all-reduce's rounding; a few weights differ by up to ~lr: Adam's first updates are
+    # about lr * g / |g|, so a gradient element near 0 whose rounding differs moves by a fraction of lr either way
+    worst = max(float((one[k] - two[k]).abs().max()) for k in one)
+    mean = sum(float((one[k] - two[k]).abs().sum()) for k in one) / sum(v.numel() for v in one.values())
+    assert one.keys() == two.keys() and worst <= 2e-3 and mean < 1e-5, (worst, mean)
+    start = load_file(str(teacher / "unet" / "diffusion_pytorch_model.safetensors"))
+    assert max(float((one[k] - start[k]).abs().max()) for k in one if k in start) > 1e-4  # it trained
+    a, b = _losses(tmp_path / "one")[0], _losses(tmp_path / "two")[0]
+    assert [s for s, _ in a] == [1, 2, 3] and all(abs(x - y) <= 1e-4 * max(1.0, abs(y)) for (_, x), (_, y) in zip(a, b))
