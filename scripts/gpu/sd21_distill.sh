@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
 # SD-2.1 size through the verbs in ONE call (one H100, <= 9 min), repo root, .whl/ carried:
+#   (adamw8bit needs bitsandbytes, which the GPU image lacks and whose 43 MB wheel does not fit beside the repo:
+#   carry .whl/bitsandbytes_slim.tar.xz, the wheel's files with only its libbitsandbytes_cuda128/130/132.so, 10 MB;
+#   env.sh unpacks any .whl/*.tar.xz. A warm machine that already installed the wheels needs REINSTALL=1.)
 #   bash scripts/gpu/sd21_distill.sh
 # 1. an SD-2.1-size pipeline with random weights, saved once as a diffusers folder (the teacher)
 # 2. `pocketdiff distill` with configs/sd21/distill_smoke.yaml (guided stage + rounds 8 -> 4 -> 2,
