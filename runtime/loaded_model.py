@@ -12,10 +12,6 @@ import numpy as np
 from pocketdiff.errors import PocketdiffError
 
 
-def np_dtype(name: str):
-    return np.dtype(name)
-
-
 class LoadedModel:
     """A compiled model with its buffers. GPU: through LiteRT's C API (`litert_c`), sharing the runner's
     environment, with the accelerator options the runner gives (its program cache among them); CPU:
@@ -77,7 +73,7 @@ class LoadedModel:
         for i, name in enumerate(self.in_names):
             key = name if name in feeds else names[i]
             det = self.in_details[name]
-            arr = np.ascontiguousarray(np.asarray(feeds[key]).astype(np_dtype(det["dtype"])))
+            arr = np.ascontiguousarray(np.asarray(feeds[key]).astype(np.dtype(det["dtype"])))
             if list(arr.shape) != [int(s) for s in det["shape"]]:
                 raise PocketdiffError(f"{self.name}: input {name} has shape {list(arr.shape)}, the model takes {list(det['shape'])}")
             arrays.append(arr)
@@ -98,7 +94,7 @@ class LoadedModel:
         outs = []
         for buf, name in zip(self.out_bufs, self.out_names):
             shape = [int(s) for s in self.out_details[name]["shape"]]
-            outs.append(np.asarray(buf.read(int(np.prod(shape)), np_dtype(self.out_details[name]["dtype"]))).reshape(shape))
+            outs.append(np.asarray(buf.read(int(np.prod(shape)), np.dtype(self.out_details[name]["dtype"]))).reshape(shape))
         return outs
 
     def close(self) -> None:

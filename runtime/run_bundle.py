@@ -38,7 +38,7 @@ from pocketdiff.errors import PocketdiffError
 
 from .manifest_check import TILED_DECODER, check_bundle, decoder_components
 from .load_workers import LoadWorkers, check_count
-from .loaded_model import LoadedModel, np_dtype
+from .loaded_model import LoadedModel
 from .lcm_step import LCM, lcm_sample
 from .litert_c import parse_gpu_option
 from .memory import PeakSampler, process_age_s, return_freed_memory, tune_allocator
@@ -376,7 +376,7 @@ class BundleRunner:
         """One run of a fresh UNet chunk on zeros, before the next chunk compiles: LiteRT's GPU accelerator
         keeps its host copies of a model's weights until the model's first run, so settling each chunk
         keeps them from piling up under the next compile (the run's output is discarded)."""
-        model.run_all({n: np.zeros(d["shape"], np_dtype(d["dtype"])) for n, d in model.in_details.items()})
+        model.run_all({n: np.zeros(d["shape"], np.dtype(d["dtype"])) for n, d in model.in_details.items()})
         model.run_s.pop()  # not a step: the latency report counts the sampling runs only
         self._mark(name, "settled")
 
