@@ -128,7 +128,7 @@ class GpuProgramCache:
             return {}
         key = self.key(name, entry)
         if name in self.settled and self.keys.get(name) == key:  # a streamed chunk's next load: checked already
-            return {"serialization_dir": str(self.folder), "model_cache_key": key, "serialize_program_cache": True}
+            return self._options(key)
         self.keys[name] = key
         old = self.index.get(name)
         hit = False
@@ -147,6 +147,9 @@ class GpuProgramCache:
         if not hit:
             self._remove_files(lambda f: f.startswith(key + "_"))  # stray files of an unrecorded run
         self.hits[name] = hit
+        return self._options(key)
+
+    def _options(self, key: str) -> dict:
         return {"serialization_dir": str(self.folder), "model_cache_key": key, "serialize_program_cache": True}
 
     def _drop(self, name: str, old: dict) -> None:
