@@ -138,8 +138,12 @@ class LoadWorkers:
                 got = self._recv(w)
                 if got[0] != "loaded":
                     raise PocketdiffError(f"load worker {w}: expected a compiled model, got {got[0]}")
-                self.ready[got[1]] = RemoteModel(self, w, got[1], self.entries[got[1]], got[2])
+                self._keep(w, got)
         return self.ready[name]
+
+    def _keep(self, w: int, got: tuple) -> None:
+        """A ("loaded", name, info) answer of worker W: the model, ready to run there."""
+        self.ready[got[1]] = RemoteModel(self, w, got[1], self.entries[got[1]], got[2])
 
     def call(self, w: int, msg: tuple, want: str):
         """Send MSG to worker W and wait for its answer (any pending load answers before it are kept)."""
@@ -147,7 +151,7 @@ class LoadWorkers:
         while True:
             got = self._recv(w)
             if got[0] == "loaded":
-                self.ready[got[1]] = RemoteModel(self, w, got[1], self.entries[got[1]], got[2])
+                self._keep(w, got)
                 continue
             if got[0] != want:
                 raise PocketdiffError(f"load worker {w}: expected {want}, got {got[0]}")
