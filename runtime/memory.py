@@ -169,16 +169,16 @@ class PeakSampler:
         return None if own is None else own + sum(host_rss_mb(pid) or 0.0 for pid in list(self.others))
 
     def _others_peak_mb(self, reset: bool) -> float:
-        """The added processes' high-water marks (each one's largest seen so far is kept after it exits)."""
+        """The added processes' high-water marks: with `reset`, each one's since the last mark (then reset; a process
+        gone since holds nothing in this window), else each one's largest seen so far (kept after it exits)."""
         total = 0.0
         for pid, o in list(self.others.items()):
             kb = _status_kb("VmHWM", pid)
-            if kb is not None:
-                o["peak_mb"] = max(o["peak_mb"], kb / 1024.0)
-                o["window_mb"] = kb / 1024.0
-                if reset:
-                    reset_host_peak(pid)
-            total += o.get("window_mb", 0.0) if reset else o["peak_mb"]
+            window = 0.0 if kb is None else kb / 1024.0
+            o["peak_mb"] = max(o["peak_mb"], window)
+            if reset and kb is not None:
+                reset_host_peak(pid)
+            total += window if reset else o["peak_mb"]
         return total
 
     def _poll(self) -> None:

@@ -57,3 +57,23 @@ def test_host_memory_of_an_added_process_is_added():
     finally:
         child.stdin.close()
         child.wait(timeout=30)
+
+
+def test_a_process_gone_since_the_last_mark_adds_nothing_to_the_next_window_but_stays_in_the_totals():
+    child = subprocess.Popen([sys.executable, "-c", "b = bytearray(200 * 2**20); b[::4096] = b'x' * len(b[::4096]); "
+                              "import sys; print('ready', flush=True); sys.stdin.read()"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "ready"
+    sampler = PeakSampler(gpu=_FakeNvml(1, {}), every_s=10)
+    try:
+        sampler.add_process(child.pid)
+        with_child = sampler.mark()["host_peak_mb"]
+        child.stdin.close()
+        child.wait(timeout=30)
+        without = sampler.mark()["host_peak_mb"]
+        assert without < with_child - 190, (with_child, without)  # its last window is not counted again
+        assert sampler.totals()["host_peak_mb"] > without + 190  # the run's peak keeps what it held
+    finally:
+        sampler.close()
+        if child.poll() is None:
+            child.kill()
