@@ -137,7 +137,6 @@ function hostPeakMb() {
   }
 }
 
-/** The checks of the page's check mode on generate()'s result; the list of failures. */
 async function main() {
   const opts = options();
   const t0 = performance.now();
@@ -148,7 +147,7 @@ async function main() {
   const { loadLiteRt } = await import('@litertjs/core');
   await loadLiteRt(WASM_DIR + path.sep);
   const runtimeMs = performance.now() - t0;
-  const { Bundle, imagePsnr, tokenizerCheck, checkFailures } = await import('./static/pipeline.js');
+  const { Bundle, imagePsnr, tokenizerCheck, checkFailures, componentReports } = await import('./static/pipeline.js');
   const { generate } = await import('./static/generate.js');
   const bundle = new Bundle(pathToFileURL(opts.bundle).href + '/');
   const man = await bundle.open();
@@ -169,7 +168,7 @@ async function main() {
   if (opts.image) writePng(opts.image, res.image);
   const tokenizer = tokenizerCheck(bundle, res.tokens);
   const failures = checkFailures(res, tokenizer, image);
-  const components = Object.fromEntries(Object.entries(res.stages).map(([n, s]) => [n, { ...s, golden: res.golden[n] || { skipped: 'not run' } }]));
+  const components = componentReports(res);
   const report = {
     ok: failures.length === 0, failures, runner: 'node', node: process.version, adapter, prompt, seed,
     steps: man.scheduler.timesteps.length, resolution: man.image.width, unet: opts.unet,

@@ -2,7 +2,7 @@
 // index.html?check=1&prompt=P&seed=S runs on its own and writes a JSON summary into #result;
 // with report=PATH it also POSTs that JSON to PATH on the serving origin.
 import { loadLiteRt } from '@litertjs/core';
-import { Bundle, imagePsnr, tokenizerCheck, checkFailures } from './pipeline.js';
+import { Bundle, imagePsnr, tokenizerCheck, checkFailures, componentReports } from './pipeline.js';
 import { generate } from './generate.js';
 import { installConsoleTap } from './prepare.js';
 
@@ -108,7 +108,7 @@ function summary(prompt, seed, out, runtimeMs) {
   const failures = [];
   const accelerator = $('accelerator').value;
   if (accelerator !== 'webgpu') failures.push(`ran on ${accelerator}, not WebGPU (${webgpu.reason || 'chosen on the page'})`);
-  const components = Object.fromEntries(Object.entries(res.stages).map(([name, s]) => [name, { ...s, golden: res.golden[name] || { skipped: 'not run' } }]));
+  const components = componentReports(res);
   const tokenizer = tokenizerCheck(bundle, res.tokens);
   const image = { finite: res.image.finite, height: res.image.h, width: res.image.w, min_psnr_db: MIN_IMAGE_PSNR_DB };
   if (reference && reference.prompt === prompt && reference.seed === seed) {

@@ -209,6 +209,11 @@ export function tokenizerCheck(bundle, tokens) {
   return { tokens: tokens.tokens, truncated: tokens.truncated, golden_ids_match: golden ? ids.join(',') === golden.ids.join(',') : null };
 }
 
+/** Each stage's report with its golden-vector check (or why there was none), as a check run reports them. */
+export function componentReports(res) {
+  return Object.fromEntries(Object.entries(res.stages).map(([name, s]) => [name, { ...s, golden: res.golden[name] || { skipped: 'not run' } }]));
+}
+
 /** What a check run failed on, one line each: a stage not fully accelerated (when `accelerated`
  *  is asked), a golden vector outside its tolerances, the tokenizer's golden ids, a non-finite
  *  image, and the image's PSNR against the reference where one was compared. Shared by the
