@@ -13,15 +13,23 @@ again. This module owns that folder for a runner:
   files are removed, and the component is compiled afresh (and cached again). A corrupt file is thus
   never handed to the accelerator.
 - a folder that cannot be created or written: one warning line, and the run goes on without a cache.
+- launches sharing the folder at once: a component compiled afresh is written into the launch's own private
+  subfolder (`.tmp-<pid>-<component>`), then moved into the folder together with its index entry under an
+  exclusive lock on `.lock` (the index re-read and merged there, so no launch's entries are lost and no entry
+  fingerprints a file another launch is still writing). A file found changed against an index read earlier
+  is checked again against the index on disk, under the lock, before it is called corrupt.
 
 Default folder: `$POCKETDIFF_CACHE` or `$XDG_CACHE_HOME/pocketdiff/gpu` (`~/.cache/...`), one subfolder
 per bundle (its name and a hash of its components' sha256), so two bundles never evict each other.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
+import shutil
 import sys
 import tempfile
 import zlib
@@ -29,6 +37,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 INDEX = "index.json"
+LOCK = ".lock"
+PRIVATE = ".tmp-"
 SUFFIXES = ("_mldrift_program_cache.bin", "_mldrift_weight_cache.bin", "_mldrift_compiled_cache.bin")
 
 
@@ -58,6 +68,16 @@ def _fingerprint(path: Path) -> str:
     return f"{size}:{crc:08x}"
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def litert_version() -> str:
     try:
         from importlib.metadata import version
@@ -75,7 +95,10 @@ class GpuProgramCache:
         self.folder = Path(folder)
         self.identity = identity  # GPU, driver, LiteRT version, options: what else the programs depend on
         self.warn = warn or (lambda msg: print(f"warning: {msg}", file=sys.stderr))
+        self.token = os.urandom(4).hex()  # two caches of one process (tests, workers) keep apart too
         self.enabled = self._writable()
+        if self.enabled:
+            self._remove_orphans()
         self.index = self._read_index() if self.enabled else {}
         self.keys: dict[str, str] = {}
         self.hits: dict[str, bool] = {}
@@ -90,6 +113,26 @@ class GpuProgramCache:
         except OSError as e:
             self.warn(f"gpu cache {self.folder}: not writable ({e.strerror or e}); running without a program cache")
             return False
+
+    @contextlib.contextmanager
+    def _locked(self):
+        """An exclusive lock on the folder (another launch's move and index update wait for it)."""
+        with open(self.folder / LOCK, "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+    def _private(self, name: str) -> Path:
+        return self.folder / f"{PRIVATE}{os.getpid()}-{self.token}-{name}"
+
+    def _remove_orphans(self) -> None:
+        """Private subfolders of launches that are gone (killed mid-compile)."""
+        for p in self.folder.glob(f"{PRIVATE}*"):
+            pid = p.name[len(PRIVATE):].split("-", 1)[0]
+            if p.is_dir() and pid.isdigit() and not _alive(int(pid)):
+                shutil.rmtree(p, ignore_errors=True)
 
     def _read_index(self) -> dict:
         path = self.folder / INDEX
@@ -106,7 +149,7 @@ class GpuProgramCache:
             return {}
 
     def _write_index(self) -> None:
-        tmp = self.folder / f".{INDEX}.tmp"
+        tmp = self.folder / f".{INDEX}.{os.getpid()}-{self.token}.tmp"
         try:
             tmp.write_text(json.dumps(self.index, indent=1, sort_keys=True))
             os.replace(tmp, self.folder / INDEX)
@@ -136,40 +179,61 @@ class GpuProgramCache:
             self.warn(f"gpu cache {self.folder}: {name}'s programs were made for another model, driver or LiteRT version; rebuilding")
             self._drop(name, old)
         elif old is not None:
-            bad = [f for f, mark in (old.get("files") or {}).items()
-                   if not (self.folder / f).is_file() or _fingerprint(self.folder / f) != mark]
+            bad = self._bad_files(old)
+            if bad:  # another launch may have replaced the files since this one read the index: ask the disk
+                with self._locked():
+                    old = self._read_index().get(name) or old
+                    bad = self._bad_files(old) if old.get("key") == key else bad
             if bad or not old.get("files"):
                 self.warn(f"gpu cache {self.folder}: {name}'s cached programs are corrupt or missing ({', '.join(bad) or 'no files'}); rebuilding")
                 self._drop(name, old)
             else:
                 hit = True
                 self.settled.add(name)
-        if not hit:
-            self._remove_files(lambda f: f.startswith(key + "_"))  # stray files of an unrecorded run
         self.hits[name] = hit
-        return self._options(key)
+        if hit:
+            return self._options(key)
+        private = self._private(name)  # compiled afresh: written apart, moved in by record()
+        shutil.rmtree(private, ignore_errors=True)
+        private.mkdir()
+        return self._options(key, private)
 
-    def _options(self, key: str) -> dict:
-        return {"serialization_dir": str(self.folder), "model_cache_key": key, "serialize_program_cache": True}
+    def _bad_files(self, entry: dict) -> list[str]:
+        return [f for f, mark in (entry.get("files") or {}).items()
+                if not (self.folder / f).is_file() or _fingerprint(self.folder / f) != mark]
+
+    def _options(self, key: str, folder: Optional[Path] = None) -> dict:
+        return {"serialization_dir": str(folder or self.folder), "model_cache_key": key, "serialize_program_cache": True}
 
     def _drop(self, name: str, old: dict) -> None:
         key = old.get("key", "")
-        self._remove_files(lambda f: bool(key) and f.startswith(key + "_"))
-        for f in old.get("files") or {}:
-            (self.folder / Path(f).name).unlink(missing_ok=True)
-        self.index.pop(name, None)
-        self._write_index()
+        with self._locked():
+            self.index = self._read_index()
+            current = self.index.get(name)
+            if current is not None and current != old:
+                return  # another launch rebuilt it meanwhile: its files stand
+            self._remove_files(lambda f: bool(key) and f.startswith(key + "_"))
+            for f in old.get("files") or {}:
+                (self.folder / Path(f).name).unlink(missing_ok=True)
+            self.index.pop(name, None)
+            self._write_index()
 
     def record(self, name: str) -> None:
         """After a load: the files the accelerator wrote for this component, with their size and CRC-32."""
         if not self.enabled or name not in self.keys or self.hits.get(name) or name in self.settled:
             return
-        key = self.keys[name]
-        files = {p.name: _fingerprint(p) for p in sorted(self.folder.iterdir()) if p.is_file() and p.name.startswith(key + "_")}
+        key, private = self.keys[name], self._private(name)
+        made = sorted(p for p in private.iterdir() if p.is_file() and p.name.startswith(key + "_")) if private.is_dir() else []
+        files = {p.name: _fingerprint(p) for p in made}
         if files:
-            self.index[name] = {"key": key, "files": files}
-            self._write_index()
+            with self._locked():  # files and their index entry together, merged into the index on disk
+                self.index = self._read_index()
+                for p in made:
+                    os.replace(p, self.folder / p.name)
+                self.index[name] = {"key": key, "files": files}
+                self._write_index()
             self.settled.add(name)
+        shutil.rmtree(private, ignore_errors=True)
 
     def summary(self) -> dict:
         return {"folder": str(self.folder) if self.enabled else None, "hits": dict(self.hits)}

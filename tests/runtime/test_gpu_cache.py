@@ -19,12 +19,19 @@ def _cache(folder, identity="gpu-a", warnings=None):
     return GpuProgramCache(folder, identity, warn=(warnings if warnings is not None else []).append)
 
 
-def _accelerator_writes(cache: GpuProgramCache, name: str, payload: bytes = b"programs") -> Path:
+def _compile(cache: GpuProgramCache, name: str, payload: bytes = b"programs") -> Path:
+    """What the accelerator does at a load: write its programs where the options say."""
     opts = cache.options_for(name, ENTRY)
     path = Path(opts["serialization_dir"]) / f"{opts['model_cache_key']}_mldrift_program_cache.bin"
-    path.write_bytes(payload)
-    cache.record(name)
+    if not path.exists():
+        path.write_bytes(payload)
     return path
+
+
+def _accelerator_writes(cache: GpuProgramCache, name: str, payload: bytes = b"programs") -> Path:
+    path = _compile(cache, name, payload)
+    cache.record(name)
+    return cache.folder / path.name
 
 
 def test_second_launch_hits_and_keys_depend_on_model_and_identity(tmp_path):
@@ -130,3 +137,58 @@ def test_a_component_loaded_again_in_one_launch_reads_its_files_once(tmp_path, m
     other = {"sha256": "cd" * 32}
     warm.options_for("unet.0", other)
     assert warm.hits == {"unet.0": False}
+
+
+def test_launches_compiling_at_once_leave_a_consistent_cache(tmp_path):
+    """Two launches compile the same component at once (each writes its own bytes), and a third read the index
+    before the second finished: every later launch hits without a warning, and the index names the file there."""
+    a, b = _cache(tmp_path), _cache(tmp_path)
+    pa, pb = _compile(a, "unet", b"programs-a"), _compile(b, "unet", b"programs-b")
+    assert pa.parent != pb.parent != tmp_path  # each compiles into its own private folder
+    a.record("unet")
+    warnings = []
+    early = _cache(tmp_path, warnings=warnings)  # its index holds a's entry
+    b.record("unet")  # b's file replaces a's, with its entry
+    early.options_for("unet", ENTRY)
+    late = _cache(tmp_path, warnings=warnings)
+    late.options_for("unet", ENTRY)
+    assert early.hits == late.hits == {"unet": True} and not warnings
+    files = list(tmp_path.glob("unet-*_mldrift_program_cache.bin"))
+    assert len(files) == 1 and files[0].read_bytes() == b"programs-b"
+    assert not list(tmp_path.glob(".tmp-*"))  # private folders gone once recorded
+
+
+def test_entries_of_launches_recording_at_once_are_merged(tmp_path):
+    a, b = _cache(tmp_path), _cache(tmp_path)
+    _compile(a, "text_encoder"), _compile(b, "unet")
+    a.record("text_encoder")
+    b.record("unet")  # b read the index before a wrote its entry: merged, not overwritten
+    assert set(json.loads((tmp_path / "index.json").read_text())) == {"text_encoder", "unet"}
+
+
+def test_a_private_folder_left_by_a_killed_launch_is_removed(tmp_path):
+    orphan = tmp_path / ".tmp-999999999-dead-unet"
+    orphan.mkdir(parents=True)
+    (orphan / "x_mldrift_program_cache.bin").write_bytes(b"half")
+    _cache(tmp_path)
+    assert not orphan.exists()
+
+
+def test_three_run_bundles_at_once_then_a_fourth_reads_the_cache_without_a_warning(tmp_path):
+    """Issue 49's bad input: launches sharing one cache folder at once (the real delegate, three processes)."""
+    import subprocess
+    import sys
+
+    folder = tmp_path / "programs"
+    cmd = lambda i: [sys.executable, "-m", "pocketdiff.cli", "run-bundle", str(BUNDLE), "--prompt", "a red circle",
+                     "--seed", "1", "--gpu-cache", str(folder), "--output", str(tmp_path / f"img{i}")]
+    procs = [subprocess.Popen(cmd(i), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(3)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1][-800:] for o in outs]
+    fourth = subprocess.run(cmd(3), capture_output=True, text=True, timeout=600)
+    assert fourth.returncode == 0, fourth.stderr[-800:]
+    assert "gpu cache" not in fourth.stderr, fourth.stderr[-800:]
+    report = json.loads((tmp_path / "img3" / "report.json").read_text())
+    assert all(report["memory"]["gpu_cache"]["hits"].values()), report["memory"]["gpu_cache"]
+    images = [np.asarray(__import__("PIL.Image", fromlist=["Image"]).open(next((tmp_path / f"img{i}").glob("*.png")))) for i in range(4)]
+    assert all(np.array_equal(images[0], im) for im in images[1:])
