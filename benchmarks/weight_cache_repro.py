@@ -76,7 +76,7 @@ def _env(site: str) -> dict:
 def _version(site: str) -> str:
     code = "import importlib.metadata as m, ai_edge_litert as a, os; print(os.path.dirname(a.__file__)); " \
            "print(next((d.version for d in m.distributions() if (d.metadata['Name'] or '').startswith('ai-edge-litert')), '?'))"
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(site))
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, errors="replace", env=_env(site))
     return " ".join(p.stdout.split()) or p.stderr.strip()[-200:]
 
 
@@ -92,7 +92,7 @@ def _backtrace(cmd: list[str], site: str, timeout: float) -> str | None:
     full = [gdb, "-q", "-batch", "-ex", "set pagination off", "-ex", "set print thread-events off", "-ex", "run",
             "-ex", "bt 40", "-ex", "info registers rip", "--args"] + cmd
     try:
-        p = subprocess.run(full, capture_output=True, text=True, timeout=timeout, env=_env(site))
+        p = subprocess.run(full, capture_output=True, text=True, errors="replace", timeout=timeout, env=_env(site))
     except subprocess.TimeoutExpired:
         return f"{Path(gdb).name}: timeout after {timeout} s"
     text = p.stdout + p.stderr
@@ -102,7 +102,7 @@ def _backtrace(cmd: list[str], site: str, timeout: float) -> str | None:
 
 def _launch(model: str, options: dict, cache: str | None, site: str, timeout: float) -> dict:
     try:
-        p = subprocess.run(_probe_cmd(model, options, cache), capture_output=True, text=True, timeout=timeout, env=_env(site))
+        p = subprocess.run(_probe_cmd(model, options, cache), capture_output=True, text=True, errors="replace", timeout=timeout, env=_env(site))
     except subprocess.TimeoutExpired:
         return {"rc": None, "error": f"timeout after {timeout} s"}
     row: dict = {"rc": p.returncode}
