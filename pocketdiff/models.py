@@ -40,6 +40,7 @@ from .archs import (  # noqa: F401  (ARCHS and the config factories are also imp
 from .errors import PocketdiffError, require
 from .normfree import apply_norm_free, norm_free_names
 from .shipped import resolve_shipped
+from .unet_blocks import PRESETS as BLOCK_PRESETS, apply_preset
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,9 @@ class ModelConfig:
     prediction_type: str = "epsilon"  # epsilon | v_prediction
     vae: Optional[str] = None  # optional separate pretrained VAE (AutoencoderKL folder, pipeline folder, or hub id)
     vocab_size: int = 1024  # tokenizer size for built (non-pretrained) models
+    # built models only: the UNet with a block-removal preset's shape (base | small | tiny, pocketdiff/unet_blocks.py),
+    # e.g. an SD-2.1-size `tiny` student with random weights for export benchmarks; a trained one comes from `prune`
+    unet_blocks: Optional[str] = None
 
     def __post_init__(self) -> None:
         require(self.arch in ARCHS, "model.arch", f"must be one of {ARCHS}, got {self.arch!r}")
@@ -69,6 +73,19 @@ class ModelConfig:
         require(self.vocab_size >= 514, "model.vocab_size", f"must be >= 514 (CLIP byte symbols + specials), got {self.vocab_size}")
         require(self.pretrained is None or bool(str(self.pretrained).strip()), "model.pretrained", "must be a folder or hub id, or null")
         require(self.vae is None or bool(str(self.vae).strip()), "model.vae", "must be a folder or hub id, or null")
+        require(self.unet_blocks is None or self.unet_blocks in BLOCK_PRESETS, "model.unet_blocks",
+                f"must be one of {', '.join(BLOCK_PRESETS)} or null, got {self.unet_blocks!r}")
+        require(self.unet_blocks is None or self.pretrained is None, "model.unet_blocks",
+                "shapes built models only (model.pretrained is set; `pocketdiff prune` with blocks.preset slims a trained one)")
+        if self.unet_blocks is not None:
+            built_unet_config(self, None)  # a preset this arch cannot take is refused now
+
+
+def built_unet_config(cfg: "ModelConfig", resolution: Optional[int], latent_channels: int = 4,
+                      vae_factor: Optional[int] = None) -> dict:
+    """The UNet config `build_pipeline` builds for `cfg` (its arch, with `cfg.unet_blocks` applied)."""
+    conf = unet_config(cfg.arch, cfg.prediction_type, resolution, latent_channels=latent_channels, vae_factor=vae_factor)
+    return apply_preset(conf, cfg.unet_blocks, key="model.unet_blocks") if cfg.unet_blocks else conf
 
 
 # --------------------------------------------------------------------------------------
@@ -198,7 +215,7 @@ def build_pipeline(
         )
     with _seeded(seed + 1):
         unet = UNet2DConditionModel(
-            **unet_config(cfg.arch, cfg.prediction_type, resolution, latent_channels=vae.config.latent_channels, vae_factor=factor)
+            **built_unet_config(cfg, resolution, latent_channels=vae.config.latent_channels, vae_factor=factor)
         )
     scheduler = DDIMScheduler(**scheduler_config(cfg.prediction_type))
     pipe = StableDiffusionPipeline(

@@ -10,11 +10,12 @@ from pocketdiff.errors import require
 from pocketdiff.models import ModelConfig
 from pocketdiff.train.loop import LoopConfig
 
+from .blocks import BlocksSettings
 from .pruning import precheck
 from .recovery import RecoveryConfig
 from .settings import ALLOCATIONS, PruneSettings, TargetConfig, TaylorConfig
 
-__all__ = ["ALLOCATIONS", "Config", "EvalSettings", "PruneSettings", "TargetConfig", "TaylorConfig"]
+__all__ = ["ALLOCATIONS", "BlocksSettings", "Config", "EvalSettings", "PruneSettings", "TargetConfig", "TaylorConfig"]
 
 
 @dataclasses.dataclass
@@ -59,6 +60,7 @@ class Config:
     device: str = "auto"  # importance, probes and sampling (recovery uses Accelerate's device)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    blocks: BlocksSettings = dataclasses.field(default_factory=BlocksSettings)  # block removal (BK-SDM), before channel pruning
     prune: PruneSettings = dataclasses.field(default_factory=PruneSettings)
     recovery: RecoveryConfig = dataclasses.field(default_factory=RecoveryConfig)
     train: LoopConfig = dataclasses.field(default_factory=lambda: LoopConfig(max_steps=500, batch_size=16, lr=5e-5))
@@ -67,4 +69,7 @@ class Config:
     def __post_init__(self) -> None:
         require(self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda", "mps"), "device",
                 f"must be auto, cpu, cuda[:N] or mps, got {self.device!r}")
-        precheck(self.model, self.data.resolution, self.prune)  # model-dependent bad input, refused before anything is written
+        require(self.prune.ratio > 0 or self.blocks.active, "prune.ratio",
+                f"must be in (0, 1) (fraction of targeted conv parameters to remove), got {self.prune.ratio}; 0 only with "
+                "blocks.preset or blocks.remove (block removal alone)")
+        precheck(self.model, self.data.resolution, self.prune, self.blocks)  # model-dependent bad input, refused before anything is written

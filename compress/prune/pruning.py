@@ -29,7 +29,7 @@ from .model import to_pruned
 def _unet_config_for(model: ModelConfig, resolution: int) -> Optional[tuple[dict, Optional[dict]]]:
     """(UNet config, pruning spec or None) without loading weights; None when unknown here
     (hub ids, separate VAEs): then `run` checks the same things after loading."""
-    from pocketdiff.models import unet_config, vae_config
+    from pocketdiff.models import built_unet_config, vae_config
 
     if model.pretrained:
         from pocketdiff.shipped import resolve_shipped
@@ -46,20 +46,33 @@ def _unet_config_for(model: ModelConfig, resolution: int) -> Optional[tuple[dict
     if model.vae:
         return None
     factor = 2 ** (len(vae_config(model.arch)["block_out_channels"]) - 1)
-    return unet_config(model.arch, model.prediction_type, resolution, vae_factor=factor), None
+    return built_unet_config(model, resolution, vae_factor=factor), None
 
 
-def precheck(model: ModelConfig, resolution: int, p: PruneSettings) -> None:
-    """Targets and ratio (the `prune:` section `p`) against the shapes of `model` at `resolution`,
-    on the meta device (no weights, ~1 s)."""
+def precheck(model: ModelConfig, resolution: int, p: PruneSettings, blocks=None) -> None:
+    """Blocks to remove (`blocks`, a BlocksSettings), targets and ratio (the `prune:` section `p`) against the
+    shapes of `model` at `resolution`, on the meta device (no weights, ~1 s). A stock UNet folder's config.json
+    is checked against its weights' shapes (safetensors header) first."""
+    from .blocks import check_unet_folder, precheck_blocks
+
     found = _unet_config_for(model, resolution)
     if found is None:
         return
     from .model import build_pruned_unet
 
     conf, spec = found
+    if model.pretrained and spec is None:
+        from pocketdiff.shipped import resolve_shipped
+
+        check_unet_folder(Path(resolve_shipped(str(model.pretrained))).expanduser() / "unet", conf)
     unet = build_pruned_unet(conf, spec or {"format": "pocketdiff-pruned-unet", "version": 1, "modules": {}})
-    plan_shapes(unet, p)
+    if blocks is not None and blocks.active:
+        if (spec or {}).get("modules"):
+            raise PocketdiffError("blocks: model.pretrained is channel-pruned; remove blocks from the unpruned model "
+                                  "(one prune run removes blocks and then channels)")
+        unet = precheck_blocks(conf, blocks, {k: tuple(v.shape) for k, v in unet.state_dict().items()})
+    if p.ratio > 0:
+        plan_shapes(unet, p)
 
 
 def _budgets(selection: pt.Selection, scores: Optional[dict[str, torch.Tensor]] = None) -> list[pa.GroupBudget]:
@@ -193,15 +206,22 @@ def _prune_coupled(work, profile, p: PruneSettings, generator, gradient_fn, scor
                     "fixed_streams": sel.graph.fixed, "unprunable": sel.unprunable, "targeted": sorted(sel.targeted)}
 
 
-def macs_table(before: dict, after: dict, targeted: list[str]) -> dict:
+def macs_table(before: dict, after: dict, targeted: list[str], rename=None) -> dict:
+    """Params and MACs per conv and in total. `rename(name before) -> name after, or None for a removed
+    layer` (block removal renumbers blocks; default: the same name); `targeted` holds names after."""
     per_conv, tot = [], {"conv_before": 0, "conv_after": 0, "linear_before": 0, "linear_after": 0}
+    for sa in after.values():
+        tot[f"{sa.kind}_after"] += sa.macs
     for name, sb in before.items():
-        sa = after[name]
+        new = rename(name) if rename is not None else name
+        sa = after.get(new) if new is not None else None
         tot[f"{sb.kind}_before"] += sb.macs
-        tot[f"{sb.kind}_after"] += sa.macs
         if sb.kind == "conv":
-            per_conv.append({"name": name, "targeted": name in targeted, "params_before": sb.params, "params_after": sa.params,
-                             "macs_before": sb.macs, "macs_after": sa.macs, "out_shape": list(sb.out_shape)})
+            row = {"name": name, "targeted": new in targeted, "params_before": sb.params, "params_after": sa.params if sa else 0,
+                   "macs_before": sb.macs, "macs_after": sa.macs if sa else 0, "out_shape": list(sb.out_shape)}
+            if rename is not None:
+                row["name_after"] = new  # None: removed with its block
+            per_conv.append(row)
     tot["total_before"] = tot["conv_before"] + tot["linear_before"]
     tot["total_after"] = tot["conv_after"] + tot["linear_after"]
     tot["note"] = "multiply-accumulates per sample at the UNet's sample size; convolutions + linear layers (attention score/value matmuls excluded, unchanged by pruning)"

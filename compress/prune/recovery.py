@@ -8,7 +8,9 @@ replays exactly):
       + task_weight    * |student(x_t) - target(z, eps, t)|^2         (ordinary denoising loss)
       + feature_weight * sum_blocks |student_block(x_t) - teacher_block(x_t)|^2   (BK-SDM feature KD)
 
-Feature KD compares the outputs of every down block, the mid block and every up block.
+Feature KD compares the outputs of every down block, the mid block and every up block; after block removal
+(`feature_pairs`) the student's stage outputs are compared with the teacher's stages they came from (a stage
+that lost its downsampler with the teacher stage's output before its downsampler).
 Internal-channel pruning keeps those outputs' shapes, so no projection is needed; stream
 pruning (``prune.scope: stream / all``) narrows them, and the student's block outputs are
 compared with the teacher's kept channels (`feature_channels`, from the pruning plan). Captions
@@ -103,11 +105,14 @@ def recover(
     log_path: Optional[Path] = None,
     w_range: tuple[float, float] = (1.0, 8.0),
     feature_channels: Optional[dict] = None,
+    feature_pairs: Optional[dict] = None,
 ) -> dict:
     """Distil `teacher` (frozen) into `student` (trained in place). Returns losses and steps.
 
     `feature_channels` ({block name: kept channel indices or None}) selects the teacher's
-    block-output channels the student kept (stream pruning).
+    block-output channels the student kept (stream pruning). `feature_pairs` ({student block: teacher module},
+    block removal) says which teacher output each student block output is matched with: the stage outputs of
+    kept stages (default: the same block names in both).
 
     A guidance-conditioned teacher (``time_cond_proj_dim``) gets the same random
     ``timestep_cond`` as the student, w ~ U[`w_range`] per sample."""
@@ -115,9 +120,10 @@ def recover(
     for m in (teacher, vae, text_encoder):
         m.requires_grad_(False).eval()
     student.requires_grad_(True).train()
-    names = block_names(student) if cfg.feature_weight > 0 else []
+    pairs = (dict(feature_pairs) if feature_pairs is not None else {n: n for n in block_names(student)}) if cfg.feature_weight > 0 else {}
+    names = list(pairs)
     tap_s = FeatureTap(student, names) if names else None
-    tap_t = FeatureTap(teacher, names) if names else None
+    tap_t = FeatureTap(teacher, sorted(set(pairs.values()))) if names else None
     parts: dict[str, float] = {}
     picks = {n: torch.as_tensor(i, dtype=torch.long) for n, i in (feature_channels or {}).items() if i is not None}
     w_fn = default_w_embedding_fn(teacher)  # guidance-conditioned teacher: w -> timestep_cond, else None
@@ -142,7 +148,8 @@ def recover(
                 w = w_range[0] + rng.rand() * (w_range[1] - w_range[0])
                 kwargs["timestep_cond"] = w_fn(w).to(device=dev, dtype=emb.dtype)
             t_out = teacher(noisy, t, encoder_hidden_states=emb, **kwargs).sample.float()
-            t_feat = tap_t.pop() if tap_t else {}
+            t_by_module = tap_t.pop() if tap_t else {}
+            t_feat = {n: t_by_module[src] for n, src in pairs.items()}
             t_feat = {n: (f.index_select(1, picks[n].to(f.device)) if n in picks else f) for n, f in t_feat.items()}
         s_out = model(noisy, t, encoder_hidden_states=emb, **kwargs).sample.float()
         s_feat = tap_s.pop() if tap_s else {}

@@ -56,7 +56,7 @@ class TaylorConfig:
 class PruneSettings:
     """The `prune:` section."""
 
-    ratio: float = 0.3  # fraction of the targeted convs' parameters to remove
+    ratio: float = 0.3  # fraction of the targeted convs' parameters to remove (0: none, block removal only)
     # which channels: internal (ResNet conv1 -> norm2 -> conv2 channels; block widths kept) |
     # stream (the residual-stream / block-output channels of every level, skip concatenations,
     # samplers, conv_in / conv_out and attention proj_in / proj_out with them) | all (both)
@@ -70,7 +70,8 @@ class PruneSettings:
     taylor: TaylorConfig = dataclasses.field(default_factory=TaylorConfig)
 
     def __post_init__(self) -> None:
-        require(0.0 < self.ratio < 1.0, "prune.ratio", f"must be in (0, 1) (fraction of targeted conv parameters to remove), got {self.ratio}")
+        require(0.0 <= self.ratio < 1.0, "prune.ratio",
+                f"must be in (0, 1) (fraction of targeted conv parameters to remove; 0: no channel pruning), got {self.ratio}")
         require(self.scope in ps.SCOPES, "prune.scope", f"must be one of {ps.SCOPES}, got {self.scope!r}")
         require(self.groupnorm in pg.GROUPNORM_MODES, "prune.groupnorm", f"must be one of {pg.GROUPNORM_MODES}, got {self.groupnorm!r}")
         require(self.allocation in ALLOCATIONS, "prune.allocation", f"must be one of {ALLOCATIONS}, got {self.allocation!r}")

@@ -53,6 +53,7 @@ from .model import (  # noqa: F401  (re-exported: the loader hooks other stages 
     load_pruned_pipeline,
     load_pruned_unet,
 )
+from .blocks import blocks_report, remove_blocks
 from .recovery import recover
 from .measure import Probe, _calibration_batches, external_metrics, plot_importance
 from .pruning import macs_table, prune_unet
@@ -111,7 +112,7 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
     # 6. outputs
     pruned_dir = out / "pruned_unet"
     _save_pipeline(out, t, report, student)
-    unets = {"before_pruning": t.teacher, "after_pruning": load_pruned_unet(pruned_dir).to(device)}
+    unets = {"before_pruning": t.teacher, "after_pruning": _load_saved(pruned_dir).to(device)}
     if cfg.recovery.enabled:
         unets["after_recovery"] = student
     report["metrics"] = external_metrics(cfg, t.pipe, unets, out, device, t.eval_steps, t.eval_w)
@@ -151,14 +152,43 @@ def _load_teacher(cfg: Config, device) -> tuple[_Teacher, dict]:
     return _Teacher(captions, dataset, pipe, teacher, meta, w_fn, w_range, eval_steps, eval_w), report
 
 
+def _load_saved(folder: Path):
+    """pruned_unet/: a channel-pruned UNet (pruning.json), or a stock one (block removal alone)."""
+    if (folder / "pruning.json").is_file():
+        return load_pruned_unet(folder)
+    from diffusers import UNet2DConditionModel
+
+    return UNet2DConditionModel.from_pretrained(str(folder)).eval()
+
+
 def _pruned_student(cfg: Config, out: Path, resume: Optional[str], device, t: _Teacher, report: dict):
-    """Steps 2-4: select, score, allocate and cut (saved as pruned_unet/ + plan.json); both reloaded on --resume."""
+    """Steps 2-4: remove blocks, then select, score, allocate and cut (saved as pruned_unet/ + plan.json); both
+    reloaded on --resume (refused when the block recipe changed)."""
     pruned_dir, plan_path = out / "pruned_unet", out / "plan.json"
-    if resume is not None and (pruned_dir / "pruning.json").is_file() and plan_path.is_file():
-        student = load_pruned_unet(pruned_dir).to(device)
+    if resume is not None and (pruned_dir / "config.json").is_file() and plan_path.is_file():
         plan = read_json(plan_path, "--resume")
+        before = (plan.get("blocks") or {}).get("recipe") or {"preset": None, "remove": []}
+        if before != cfg.blocks.recipe() or bool(plan.get("groups")) != (cfg.prune.ratio > 0):
+            raise PocketdiffError(f"{out}: the recipe changed since the interrupted run (blocks {before} -> {cfg.blocks.recipe()}, "
+                                  "or prune.ratio 0 vs not); resume with the same config or start a new output folder")
         report["resumed_pruning"] = True
-        return student, plan
+        return _load_saved(pruned_dir).to(device), plan
+    slim, blocks_plan = t.teacher, None
+    if cfg.blocks.active:
+        slim, blocks_plan = remove_blocks(t.teacher, cfg.blocks)
+        slim = slim.to(device)
+    student, plan = _channel_pruned(cfg, t, report, slim)
+    if blocks_plan is not None:
+        plan["blocks"] = blocks_plan
+    _save_unet_atomic(student, pruned_dir)
+    write_json(plan_path, plan)
+    return student, plan
+
+
+def _channel_pruned(cfg: Config, t: _Teacher, report: dict, unet):
+    """Step 3-4's channel pruning of `unet` (the teacher, or its block-removed copy); `unet` as it is at ratio 0."""
+    if cfg.prune.ratio == 0:
+        return unet, {"groups": [], "unprunable": [], "targeted": []}
     gen = torch.Generator().manual_seed(cfg.seed)
     importance = resolve_importance(cfg.prune.importance)
     gradient_fn: Optional[Callable] = None
@@ -177,10 +207,7 @@ def _pruned_student(cfg: Config, out: Path, resume: Optional[str], device, t: _T
 
         gradient_fn = taylor_gradients
 
-    student, plan = prune_unet(t.teacher, cfg.prune, generator=gen, gradient_fn=gradient_fn)
-    _save_unet_atomic(student, pruned_dir)
-    write_json(plan_path, plan)
-    return student, plan
+    return prune_unet(unet, cfg.prune, generator=gen, gradient_fn=gradient_fn)
 
 
 def _measure_sizes(cfg: Config, report: dict, teacher, student, plan: dict) -> tuple[int, int]:
@@ -188,7 +215,10 @@ def _measure_sizes(cfg: Config, report: dict, teacher, student, plan: dict) -> t
     prof_before = pt.layer_profile(teacher)
     prof_after = pt.layer_profile(student)
     targeted = plan["targeted"]
-    tp_before = sum(prof_before[n].params for n in targeted)
+    rename, prof_slim = None, prof_before
+    if plan.get("blocks"):
+        rename, prof_slim = blocks_report(cfg.blocks, plan["blocks"], teacher, student, prof_before, prof_after, report)
+    tp_before = sum(prof_slim[n].params for n in targeted)
     tp_after = sum(prof_after[n].params for n in targeted)
     report.update({
         "params_before": count_params(teacher),
@@ -204,7 +234,7 @@ def _measure_sizes(cfg: Config, report: dict, teacher, student, plan: dict) -> t
         "streams": [{k: v for k, v in st.items() if k not in ("keep", "scores")} for st in plan.get("streams", [])],
         "targeted_convs": targeted,
         "unprunable_targets": plan["unprunable"],
-        "macs": macs_table(prof_before, prof_after, targeted),
+        "macs": macs_table(prof_before, prof_after, targeted, rename),
     })
     return tp_before, tp_after
 
@@ -218,7 +248,8 @@ def _recover(cfg: Config, out: Path, resume: Optional[str], device, t: _Teacher,
         report["recovery"] = recover(cfg.recovery, cfg.train, student=student, teacher=t.teacher, pipe=t.pipe, dataset=t.dataset,
                                      collate=collate, ckpt_dir=out / "checkpoints" / "recovery", seed=cfg.seed,
                                      resume=resume, log_path=out / "logs.jsonl", w_range=t.w_range,
-                                     feature_channels=plan.get("feature_channels"))
+                                     feature_channels=plan.get("feature_channels"),
+                                     feature_pairs=(plan.get("blocks") or {}).get("feature_pairs"))
         student = student.to(device).eval()
         if probe:
             quality["after_recovery"] = probe.error(student)
@@ -261,7 +292,7 @@ def _write_page(cfg: Config, out: Path, report: dict, plan: dict, quality: dict,
 
 
 def _result_sections(cfg: Config, out: Path, report: dict, plan: dict, quality: dict, sizes: tuple[int, int]) -> list:
-    from pocketdiff.report import img, plot_curves, table
+    from pocketdiff.report import img, table
 
     tp_before, tp_after = sizes
     sections = []
@@ -272,6 +303,11 @@ def _result_sections(cfg: Config, out: Path, report: dict, plan: dict, quality: 
             ["conv + linear MACs / sample", report["macs"]["total_before"], report["macs"]["total_after"],
              report["macs"]["total_after"] / max(report["macs"]["total_before"], 1)]]
     sections.append(("Size", table(["", "before", "after", "after / before"], rows)))
+    if report.get("blocks"):
+        b = report["blocks"]
+        sections.append((f"Blocks removed ({b['preset'] or 'list'}: {', '.join(b['removed'])}); stages "
+                         f"{b['stages']['before']} -> {b['stages']['after']}",
+                         table(["slim UNet", "from the teacher's"], [[s, t] for s, t in b["block_map"].items()])))
     sections.append(("Groups (ResNet internal channels)", table(
         ["group", "channels", "GroupNorm groups", "targeted convs"],
         [[g["group"], f"{g['channels_before']} -> {g['channels_after']}",
@@ -281,6 +317,8 @@ def _result_sections(cfg: Config, out: Path, report: dict, plan: dict, quality: 
             ["stream", "channels", "removable units", "producers", "consumers"],
             [[st["stream"], f"{st['channels_before']} -> {st['channels_after']}", st["removable_units"],
               ", ".join(st["producers"]), ", ".join(st["consumers"])] for st in plan["streams"]])))
+    if not plan["groups"] and not plan.get("streams"):  # block removal alone: no channel scores
+        return sections + _quality_sections(cfg, out, report, quality)
     if plan.get("streams"):  # streams and groups per channel (stream atoms vary in size)
         plotted = [{"scores": g["scores"], "keep": g["keep"], "groupnorm_groups_before": len(g["scores"])}
                    for g in list(plan["groups"]) + list(plan["streams"])]
@@ -288,6 +326,13 @@ def _result_sections(cfg: Config, out: Path, report: dict, plan: dict, quality: 
     else:
         plot_importance(plan["groups"], out / "importance.png", f"importance: {cfg.prune.importance}", cfg.prune.groupnorm)
     sections.append((f"Importance distribution ({cfg.prune.importance})", img("importance.png")))
+    return sections + _quality_sections(cfg, out, report, quality)
+
+
+def _quality_sections(cfg: Config, out: Path, report: dict, quality: dict) -> list:
+    from pocketdiff.report import img, plot_curves, table
+
+    sections = []
     qrows = [[k, v.get("mse_to_teacher", ""), v.get("relative_mse", "")] for k, v in quality.items()]
     sections.append(("Teacher-relative error on fixed probes", table(["model", "MSE to teacher", "relative MSE"], qrows)))
     if report["metrics"].get("available"):
