@@ -177,7 +177,7 @@ def _pruned_student(cfg: Config, out: Path, resume: Optional[str], device, t: _T
     if cfg.blocks.active:
         slim, blocks_plan = remove_blocks(t.teacher, cfg.blocks)
         slim = slim.to(device)
-    student, plan = _channel_pruned(cfg, t, report, slim)
+    student, plan = _channel_pruned(cfg, t, report, slim, device)
     if blocks_plan is not None:
         plan["blocks"] = blocks_plan
     _save_unet_atomic(student, pruned_dir)
@@ -185,7 +185,7 @@ def _pruned_student(cfg: Config, out: Path, resume: Optional[str], device, t: _T
     return student, plan
 
 
-def _channel_pruned(cfg: Config, t: _Teacher, report: dict, unet):
+def _channel_pruned(cfg: Config, t: _Teacher, report: dict, unet, device):
     """Step 3-4's channel pruning of `unet` (the teacher, or its block-removed copy); `unet` as it is at ratio 0."""
     if cfg.prune.ratio == 0:
         return unet, {"groups": [], "unprunable": [], "targeted": []}
