@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Issue 49 (the delegate's weight path) and issue 48 item 4 on a GPU machine's LiteRT GPU delegate (real Vulkan
+# driver), through the product's own runners. Repo root; carried: .whl/ (the wheels of env.sh), .gl/ (Vulkan loader
+# debs), .devbundle/<SET>/ (each a `benchmarks/sd21_bundle.py pack BUNDLE:LAYOUT --dest .devbundle/SET` of SD-2.1-size
+# bundles), optionally .devprobe/ (small .tflite files for the per-op-kind probe). Parts (PARTS, comma list):
+#   repro  benchmarks/weight_cache_repro.py on the committed tiny model, crashes re-run under cuda-gdb
+#   runs   `pocketdiff run-bundle` per layout (RUN_LAYOUTS, default all), MODES (default pipelined), cold then warm
+#   probe  each UNet file of PROBE_LAYOUTS alone in a fresh process (host RSS, GPU memory, load time)
+#   ops    each .tflite of .devprobe/ alone in a fresh process (GPU bytes per parameter by op kind and storage)
+# Bundles stay unpacked in /tmp/sd21_bundles between calls of a warm machine (a later call carries only new sets).
+# Writes $OUT/weight_cache_repro.json, $OUT/runs_<layout>.json, $OUT/probe_<layout>_<file>.json, $OUT/ops.json, a log.
+#   PARTS=repro,runs,probe PROBE_LAYOUTS="base int8gpu" bash scripts/gpu/weight_path.sh
+set -u
+REPO=$PWD
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+exec > >(tee -a "$OUT/weight_path.log") 2>&1
+say() { echo "[$(date +%H:%M:%S)] $*"; }
+PARTS=${PARTS:-repro,runs,probe}
+MODES=${MODES:-pipelined}
+source "$REPO/scripts/gpu/vulkan_env.sh"
+source "$REPO/scripts/gpu/env.sh" || exit 3
+cd "$REPO" || exit 3
+PY=python3
+BUNDLES=/tmp/sd21_bundles
+for d in .devbundle/*/; do
+  [ -f "$d/index.json" ] || continue
+  for L in $($PY -c "import json,sys; print(' '.join(json.load(open(sys.argv[1]))['layouts']))" "$d/index.json"); do
+    [ -d "$BUNDLES/$L" ] && continue
+    $PY benchmarks/sd21_bundle.py unpack "$d" "$BUNDLES" || exit 5
+  done
+done
+LAYOUTS=$(ls "$BUNDLES" 2>/dev/null)
+say "layouts: $LAYOUTS"
+if [[ ,$PARTS, == *,repro,* ]]; then
+  say "== weight cache reproducer"
+  $PY benchmarks/weight_cache_repro.py run benchmarks/data/weight_cache_tiny.tflite --gdb --out "$OUT/weight_cache_repro.json"
+fi
+if [[ ,$PARTS, == *,ops,* ]] && [ -d .devprobe ]; then
+  say "== per-op-kind probe: $(ls .devprobe | tr '\n' ' ')"
+  rows=""
+  for F in .devprobe/*.tflite; do
+    $PY benchmarks/bundle_footprint.py matrix "$F" --sets base --out "/tmp/ops_$(basename "$F" .tflite).json"
+  done
+  $PY -c "import json,glob; json.dump({'rows': [r for f in sorted(glob.glob('/tmp/ops_*.json')) for r in json.load(open(f))['rows']]}, open('$OUT/ops.json','w'), indent=1)"
+fi
+if [[ ,$PARTS, == *,runs,* ]]; then
+  for L in ${RUN_LAYOUTS:-$LAYOUTS}; do
+    say "== runs $L ($MODES)"
+    $PY benchmarks/bundle_footprint.py runs "$BUNDLES/$L:$L" --modes "$MODES" --tag weight_path --out "$OUT/runs_$L.json" --cache-root /tmp/pd-cache
+  done
+fi
+if [[ ,$PARTS, == *,probe,* ]]; then
+  for L in ${PROBE_LAYOUTS:-}; do
+    for F in "$BUNDLES/$L"/unet.tflite "$BUNDLES/$L"/unet.[0-9]*.tflite "$BUNDLES/$L"/text_encoder*.tflite; do
+      [ -f "$F" ] || continue
+      stem=$(basename "$F" .tflite)
+      say "== probe $L/$stem"
+      $PY benchmarks/bundle_footprint.py matrix "$F" --sets base --out "$OUT/probe_${L}_${stem}.json"
+    done
+  done
+fi
+say "done"
