@@ -4,8 +4,9 @@ LiteRT's GPU accelerator holds a host transient of several times a model's weigh
 compiles it (docs/MEASUREMENTS.md, "Bundle footprint"); K smaller graphs compiled one after
 another keep only one chunk's transient alive at a time (Apple's ml-stable-diffusion splits its
 UNet the same way for the Neural Engine). The cut points are block boundaries of a diffusers
-UNet2DConditionModel: the stages are `down_blocks.i` (the first with `conv_in`), `mid_block`,
-`up_blocks.i` (the last with `conv_norm_out` / `conv_out`), and the K contiguous runs of stages
+UNet2DConditionModel: the stages are `down_blocks.i` (the first with `conv_in`), `mid_block` (when the UNet has
+one: block-removed UNets such as BK-SDM-Small / Tiny, `mid_block_type: null`, go from the last down block straight
+to the first up block), `up_blocks.i` (the last with `conv_norm_out` / `conv_out`), and the K contiguous runs of stages
 are chosen so that the heaviest chunk's weights are as light as they can be. With `cut: layer` the
 down and up blocks are cut further, into their layers (a resnet with its attention, or a resampler;
 the mid block stays whole): SD-2.1's heaviest block, up_blocks.1 (260 M parameters), becomes three
@@ -49,11 +50,12 @@ class Stage:
 
 
 def check_chunkable(unet: nn.Module) -> None:
-    """The UNet2DConditionModel layouts the chunks reproduce (the SD family): one named line otherwise."""
+    """The UNet2DConditionModel layouts the chunks reproduce (the SD family, with or without a mid block): one
+    named line otherwise."""
     cfg = unet.config
     extras = [k for k in ("class_embedding", "add_embedding", "encoder_hid_proj", "time_embed_act") if getattr(unet, k, None) is not None]
-    if extras or getattr(cfg, "center_input_sample", False) or getattr(unet, "mid_block", None) is None:
-        what = ", ".join(extras) or ("center_input_sample" if getattr(cfg, "center_input_sample", False) else "no mid_block")
+    if extras or getattr(cfg, "center_input_sample", False):
+        what = ", ".join(extras) or "center_input_sample"
         raise PocketdiffError(f"unet_chunks: this UNet has {what}, which the chunked graphs do not carry (use unet_chunks: 1)")
 
 
@@ -69,7 +71,8 @@ def unet_stages(unet: nn.Module, cut: str = "block") -> list[Stage]:
         n = len(block.resnets) + (1 if getattr(block, "downsamplers", None) is not None else 0)
         stages.append(Stage(f"down_blocks.{i}", "down", block, _params(block), list(range(made, made + n)), [], _cross(block)))
         made += n
-    stages.append(Stage("mid_block", "mid", unet.mid_block, _params(unet.mid_block), [], [], _cross(unet.mid_block)))
+    if getattr(unet, "mid_block", None) is not None:
+        stages.append(Stage("mid_block", "mid", unet.mid_block, _params(unet.mid_block), [], [], _cross(unet.mid_block)))
     left = list(range(made))
     for i, block in enumerate(unet.up_blocks):
         n = len(block.resnets)
@@ -161,7 +164,8 @@ def plan_chunks(unet: nn.Module, k: int, cut: str = "block") -> list[ChunkPlan]:
     """The K chunks of the UNet, balanced by parameter count (int8: one byte each), with the tensors
     each reads and writes."""
     stages = unet_stages(unet, cut)
-    bounds = balanced_bounds([s.params for s in stages], k, "blocks" if cut == "block" else "stages (layers and mid block)")
+    mid = " and mid block" if any(s.kind == "mid" for s in stages) else ""
+    bounds = balanced_bounds([s.params for s in stages], k, "blocks" if cut == "block" else f"stages (layers{mid})")
     plans = []
     for c, (a, b) in enumerate(bounds):
         own = stages[a:b]
@@ -282,3 +286,35 @@ def run_chunks(chunks: list[UNetChunk], inputs: dict[str, torch.Tensor]) -> tupl
         tensors.update(out)
         tensors.update({n: out[src] for n, src in c.plan.aliases.items()})
     return feeds, outs, outs[-1][OUTPUT]
+
+
+def precheck_chunks(model_cfg, int8_checkpoint: Optional[str], resolution: Optional[int], k: int, cut: str) -> None:
+    """`unet_chunks: k` with `cut` against the UNet's shape alone (its config on the meta device, no weights), so the
+    export config refuses what the chunked graphs cannot make before any conversion. The UNet's config comes from
+    `model.pretrained`'s (or the int8 checkpoint's pipeline's) unet/config.json, or from the built arch
+    (`model.unet_blocks` applied); a hub id is checked once loaded."""
+    import json
+    from pathlib import Path
+
+    from diffusers import UNet2DConditionModel
+
+    from pocketdiff.models import built_unet_config, vae_config
+    from pocketdiff.shipped import resolve_shipped
+
+    source = model_cfg.pretrained
+    if source is None and int8_checkpoint and (Path(int8_checkpoint) / "pipeline").is_dir():
+        source = str(Path(int8_checkpoint) / "pipeline")
+    if source is not None:
+        path = Path(resolve_shipped(str(source))).expanduser() / "unet" / "config.json"
+        try:
+            conf = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return  # a hub id, or no readable config: export_chunked checks the loaded UNet
+    elif model_cfg.vae:
+        return
+    else:
+        factor = 2 ** (len(vae_config(model_cfg.arch)["block_out_channels"]) - 1)
+        conf = built_unet_config(model_cfg, resolution, vae_factor=factor)
+    with torch.device("meta"):
+        unet = UNet2DConditionModel.from_config({n: v for n, v in conf.items() if not n.startswith("_")})
+    plan_chunks(unet, k, cut)

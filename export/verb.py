@@ -45,7 +45,7 @@ from .parity import ParityConfig
 from .rewrites import RewriteConfig
 from .onepass_export import split_one_pass
 from .tiled_export import expand_components, parity_latents, split_decoder
-from .unet_chunks import CUTS, MAX_CHUNKS
+from .unet_chunks import CUTS, MAX_CHUNKS, precheck_chunks
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +166,7 @@ class Config:
         if self.unet_chunks > 1:
             require(self.rewrites.time_embedding_outside, "unet_chunks",
                     "needs rewrites.time_embedding_outside: true (the chunks take the time embedding as an input)")
+            precheck_chunks(self.model, self.int8.checkpoint, self.resolution, self.unet_chunks, self.unet_chunk_cut)  # before any conversion
         require(not self.rewrites.residual_scale_auto or self.fp16_scan.enabled, "rewrites.residual_scale_auto",
                 "needs fp16_scan.enabled: true (the scan measures the residual stream)")
         conv_input = self.device_profile.budgets()["conv_input_mb"]
