@@ -157,3 +157,15 @@ def _block(ce, whole: Prepared, chunks, inputs: dict, parity, base: str) -> dict
         "aliases": [dict(c.plan.aliases) for c in chunks],
         "parity": parity,
     }
+
+
+def check_chunk_plans(cfg, pipe) -> None:
+    """The chunk plans of `unet_chunks` / `text_encoder_chunks` on the loaded models (shapes only, milliseconds), so
+    a plan the model cannot make is refused before the scan and every conversion (the UNet converts last)."""
+    from .text_encoder_chunks import plan_text_encoder_chunks
+    from .unet_chunks import plan_chunks
+
+    if cfg.unet_chunks > 1 and UNET in cfg.components:
+        plan_chunks(pipe.unet, cfg.unet_chunks, cfg.unet_chunk_cut)
+    if cfg.text_encoder_chunks > 1 and "text_encoder" in cfg.components:
+        plan_text_encoder_chunks(pipe.text_encoder, cfg.text_encoder_chunks)

@@ -45,6 +45,7 @@ from .parity import ParityConfig
 from .rewrites import RewriteConfig
 from .onepass_export import split_one_pass
 from .tiled_export import expand_components, parity_latents, split_decoder
+from .chunk_export import check_chunk_plans
 from .unet_chunks import CUTS, MAX_CHUNKS, precheck_chunks
 
 log = logging.getLogger(__name__)
@@ -429,6 +430,7 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
 
     # 1. pipeline and int8 checkpoints
     model_cfg, pipe, synthetic, quantized = _load_pipeline(cfg)
+    check_chunk_plans(cfg, pipe)  # before the scan and any conversion (a hub id's UNet is first seen here)
     timings = {"load_s": round(time.perf_counter() - t_start, 2)}
 
     # 2. shapes and fixed inputs

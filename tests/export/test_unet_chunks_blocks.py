@@ -130,3 +130,19 @@ def test_run_bundle_on_the_tiny_preset_chunks(slim_bundles, tmp_path, monkeypatc
     assert report["fully_accelerated"] is True
     img = np.asarray(Image.open(report["image"]), dtype=np.float64)
     assert img.shape[:2] == (32, 32) and np.isfinite(img).all() and img.std() > 0
+
+
+def test_chunk_counts_the_loaded_models_cannot_make_are_refused_before_any_conversion(tmp_path, capsys, monkeypatch):
+    """Checked on the loaded models right after loading (a hub id's shapes are first known there): no scan, no
+    conversion has run when the one-line refusal comes."""
+    from pocketdiff.export import exporter
+
+    def no_conversion(*a, **k):
+        raise AssertionError("a conversion ran before the chunk plans were checked")
+
+    monkeypatch.setattr(exporter, "convert_job", no_conversion)
+    out = tmp_path / "never"
+    assert cli_main(["export", "--output", str(out), "model.arch=tiny", "resolution=32", "text_encoder_chunks=3",
+                     "fp16_scan.enabled=false"]) == 2
+    err = capsys.readouterr().err
+    assert "text_encoder_chunks: 3 chunks, but the text encoder has 2 layers" in err and len(err.strip().splitlines()) == 1
