@@ -204,3 +204,15 @@ def test_every_preset_keeps_the_sd15_layout_buildable():
     for preset in PRESETS:
         slim, _ = slim_unet_config(conf, removals(conf, preset))
         _meta(slim)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_sd21_recipes_validate_on_the_sd21_shapes(preset):
+    """The SD recipes against a built SD-2.1-base UNet's shapes (meta device): the blocks and their init shapes."""
+    from pathlib import Path
+
+    recipe = Path(__file__).resolve().parents[3] / "configs" / "sd21" / f"prune_blocks_{preset}.yaml"
+    cfg = load_config(Config, recipe, ["model.pretrained=null", "model.arch=sd21", "data.source=shapes"])
+    assert cfg.blocks.preset == preset and cfg.prune.ratio == 0 and cfg.recovery.feature_weight > 0
+    smoke = load_config(Config, recipe.parents[1] / "smoke" / "prune-blocks.yaml")
+    assert smoke.blocks.preset == "small"
