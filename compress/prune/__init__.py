@@ -10,7 +10,8 @@ Public entry points (importable from here; each lives in the module named beside
 - `load_pruned_pipeline(folder)` / `load_pruned_unet(folder)`: load what `prune` saved
   (stock diffusers folders whose unet/ names `PrunedUNet2DConditionModel`) (`model`)
 
-Other modules: `targets` (conv profile, target selection), `graph` (ResNet-internal channel
+Other modules: `blocks` (block removal, BK-SDM: the `blocks:` section, the slim stock UNet from the teacher's
+kept blocks, its block map and feature pairs; the config change itself is `pocketdiff.unet_blocks`), `targets` (conv profile, target selection), `graph` (ResNet-internal channel
 groups), `stream` (residual-stream channels shared through residuals and skip
 concatenations, traced), `importance` (channel scoring callables), `allocation` (how many
 and which channels each group or stream keeps), `slicing` (the surgery), `recovery`

@@ -2,7 +2,9 @@
 then recovery distillation from the unpruned model.
 
 1. load data and the teacher pipeline (`model.pretrained`, or a built `model.arch`)
-2. select target convs (name patterns + weight-size / activation-volume thresholds) and
+2. with `blocks:` (preset base | small | tiny, or a list), remove whole blocks first (`blocks`): the slim stock
+   UNet starts from the teacher's kept blocks; then (unless ``prune.ratio: 0``)
+   select target convs (name patterns + weight-size / activation-volume thresholds) and
    map them to their dependency groups: ResNet-block internal channels (`graph`) and,
    with ``prune.scope: stream`` or ``all``, the residual-stream (block-output) channels
    shared through identity residuals and skip concatenations (`stream`)
