@@ -19,35 +19,34 @@ say() { echo "[$(date +%H:%M:%S)] $*"; }
 PARTS=${PARTS:-repro,runs,probe}
 MODES=${MODES:-pipelined}
 source "$REPO/scripts/gpu/vulkan_env.sh"
-source "$REPO/scripts/gpu/env.sh" || exit 3
-cd "$REPO" || exit 3
+source "$REPO/scripts/gpu/env.sh" || exit 3  # works from /tmp/runs: the repo's pocketdiff/ would shadow the installed package
 PY=python3
 BUNDLES=/tmp/sd21_bundles
-for d in .devbundle/*/; do
+for d in "$REPO"/.devbundle/*/; do
   [ -f "$d/index.json" ] || continue
   for L in $($PY -c "import json,sys; print(' '.join(json.load(open(sys.argv[1]))['layouts']))" "$d/index.json"); do
     [ -d "$BUNDLES/$L" ] && continue
-    $PY benchmarks/sd21_bundle.py unpack "$d" "$BUNDLES" || exit 5
+    $PY "$REPO"/benchmarks/sd21_bundle.py unpack "$d" "$BUNDLES" || exit 5
   done
 done
 LAYOUTS=$(ls "$BUNDLES" 2>/dev/null)
 say "layouts: $LAYOUTS"
 if [[ ,$PARTS, == *,repro,* ]]; then
   say "== weight cache reproducer"
-  $PY benchmarks/weight_cache_repro.py run benchmarks/data/weight_cache_tiny.tflite --gdb --out "$OUT/weight_cache_repro.json"
+  $PY "$REPO"/benchmarks/weight_cache_repro.py run "$REPO"/benchmarks/data/weight_cache_tiny.tflite --gdb --out "$OUT/weight_cache_repro.json"
 fi
-if [[ ,$PARTS, == *,ops,* ]] && [ -d .devprobe ]; then
-  say "== per-op-kind probe: $(ls .devprobe | tr '\n' ' ')"
+if [[ ,$PARTS, == *,ops,* ]] && [ -d "$REPO/.devprobe" ]; then
+  say "== per-op-kind probe: $(ls "$REPO"/.devprobe | tr '\n' ' ')"
   rows=""
-  for F in .devprobe/*.tflite; do
-    $PY benchmarks/bundle_footprint.py matrix "$F" --sets base --out "/tmp/ops_$(basename "$F" .tflite).json"
+  for F in "$REPO"/.devprobe/*.tflite; do
+    $PY "$REPO"/benchmarks/bundle_footprint.py matrix "$F" --sets base --out "/tmp/ops_$(basename "$F" .tflite).json"
   done
   $PY -c "import json,glob; json.dump({'rows': [r for f in sorted(glob.glob('/tmp/ops_*.json')) for r in json.load(open(f))['rows']]}, open('$OUT/ops.json','w'), indent=1)"
 fi
 if [[ ,$PARTS, == *,runs,* ]]; then
   for L in ${RUN_LAYOUTS:-$LAYOUTS}; do
     say "== runs $L ($MODES)"
-    $PY benchmarks/bundle_footprint.py runs "$BUNDLES/$L:$L" --modes "$MODES" --tag weight_path --out "$OUT/runs_$L.json" --cache-root /tmp/pd-cache
+    $PY "$REPO"/benchmarks/bundle_footprint.py runs "$BUNDLES/$L:$L" --modes "$MODES" --tag weight_path --out "$OUT/runs_$L.json" --cache-root /tmp/pd-cache
   done
 fi
 if [[ ,$PARTS, == *,probe,* ]]; then
@@ -56,8 +55,9 @@ if [[ ,$PARTS, == *,probe,* ]]; then
       [ -f "$F" ] || continue
       stem=$(basename "$F" .tflite)
       say "== probe $L/$stem"
-      $PY benchmarks/bundle_footprint.py matrix "$F" --sets base --out "$OUT/probe_${L}_${stem}.json"
+      $PY "$REPO"/benchmarks/bundle_footprint.py matrix "$F" --sets base --out "$OUT/probe_${L}_${stem}.json"
     done
   done
 fi
+(cd "$OUT" && tar czf /tmp/weight_path_out.tgz --exclude=weight_path_out.tgz . && mv /tmp/weight_path_out.tgz .)  # $OUT returns 8 files at most
 say "done"
