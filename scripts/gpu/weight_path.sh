@@ -13,8 +13,9 @@
 set -u
 REPO=$PWD
 OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-exec > >(tee -a "$OUT/weight_path.log") 2>&1
+RES=/tmp/weight_path_out  # everything lands here, then one .tgz in $OUT (a call returns 8 files at most)
+rm -rf "$RES" && mkdir -p "$OUT" "$RES"
+exec > >(tee -a "$RES/weight_path.log") 2>&1
 say() { echo "[$(date +%H:%M:%S)] $*"; }
 PARTS=${PARTS:-repro,runs,probe}
 MODES=${MODES:-pipelined}
@@ -33,7 +34,7 @@ LAYOUTS=$(ls "$BUNDLES" 2>/dev/null)
 say "layouts: $LAYOUTS"
 if [[ ,$PARTS, == *,repro,* ]]; then
   say "== weight cache reproducer"
-  $PY "$REPO"/benchmarks/weight_cache_repro.py run "$REPO"/benchmarks/data/weight_cache_tiny.tflite --gdb --out "$OUT/weight_cache_repro.json"
+  $PY "$REPO"/benchmarks/weight_cache_repro.py run "$REPO"/benchmarks/data/weight_cache_tiny.tflite --gdb --out "$RES/weight_cache_repro.json"
 fi
 if [[ ,$PARTS, == *,ops,* ]] && [ -d "$REPO/.devprobe" ]; then
   say "== per-op-kind probe: $(ls "$REPO"/.devprobe | tr '\n' ' ')"
@@ -41,12 +42,12 @@ if [[ ,$PARTS, == *,ops,* ]] && [ -d "$REPO/.devprobe" ]; then
   for F in "$REPO"/.devprobe/*.tflite; do
     $PY "$REPO"/benchmarks/bundle_footprint.py matrix "$F" --sets base --out "/tmp/ops_$(basename "$F" .tflite).json"
   done
-  $PY -c "import json,glob; json.dump({'rows': [r for f in sorted(glob.glob('/tmp/ops_*.json')) for r in json.load(open(f))['rows']]}, open('$OUT/ops.json','w'), indent=1)"
+  $PY -c "import json,glob; json.dump({'rows': [r for f in sorted(glob.glob('/tmp/ops_*.json')) for r in json.load(open(f))['rows']]}, open('$RES/ops.json','w'), indent=1)"
 fi
 if [[ ,$PARTS, == *,runs,* ]]; then
   for L in ${RUN_LAYOUTS:-$LAYOUTS}; do
     say "== runs $L ($MODES)"
-    $PY "$REPO"/benchmarks/bundle_footprint.py runs "$BUNDLES/$L:$L" --modes "$MODES" --tag weight_path --out "$OUT/runs_$L.json" --cache-root /tmp/pd-cache
+    $PY "$REPO"/benchmarks/bundle_footprint.py runs "$BUNDLES/$L:$L" --modes "$MODES" --tag weight_path --out "$RES/runs_$L.json" --cache-root /tmp/pd-cache
   done
 fi
 if [[ ,$PARTS, == *,probe,* ]]; then
@@ -55,9 +56,10 @@ if [[ ,$PARTS, == *,probe,* ]]; then
       [ -f "$F" ] || continue
       stem=$(basename "$F" .tflite)
       say "== probe $L/$stem"
-      $PY "$REPO"/benchmarks/bundle_footprint.py matrix "$F" --sets base --out "$OUT/probe_${L}_${stem}.json"
+      $PY "$REPO"/benchmarks/bundle_footprint.py matrix "$F" --sets base --out "$RES/probe_${L}_${stem}.json"
     done
   done
 fi
 (cd "$OUT" && tar czf /tmp/weight_path_out.tgz --exclude=weight_path_out.tgz . && mv /tmp/weight_path_out.tgz .)  # $OUT returns 8 files at most
 say "done"
+tar czf "$OUT/weight_path_out.tgz" -C "$RES" . && cp "$RES/weight_path.log" "$OUT/"
