@@ -8,7 +8,7 @@
 #   probe  each UNet file of PROBE_LAYOUTS alone in a fresh process (host RSS, GPU memory, load time)
 #   ops    each .tflite of .devprobe/ alone in a fresh process (GPU bytes per parameter by op kind and storage)
 # Bundles stay unpacked in /tmp/sd21_bundles between calls of a warm machine (a later call carries only new sets).
-# Writes $OUT/weight_cache_repro.json, $OUT/runs_<layout>.json, $OUT/probe_<layout>_<file>.json, $OUT/ops.json, a log.
+# Writes $OUT/weight_path_out.tgz (weight_cache_repro.json, runs_<layout>.json, probe_<layout>_<file>.json, ops.json) and the log.
 #   PARTS=repro,runs,probe PROBE_LAYOUTS="base int8gpu" bash scripts/gpu/weight_path.sh
 set -u
 REPO=$PWD
@@ -60,6 +60,5 @@ if [[ ,$PARTS, == *,probe,* ]]; then
     done
   done
 fi
-(cd "$OUT" && tar czf /tmp/weight_path_out.tgz --exclude=weight_path_out.tgz . && mv /tmp/weight_path_out.tgz .)  # $OUT returns 8 files at most
 say "done"
 tar czf "$OUT/weight_path_out.tgz" -C "$RES" . && cp "$RES/weight_path.log" "$OUT/"
