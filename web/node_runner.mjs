@@ -6,7 +6,12 @@
 // against run-bundle's reference (`pocketdiff web` writes BUNDLE/web/reference/).
 //
 //   node web/node_runner.mjs BUNDLE [--unet resident|streamed] [--out report.json] [--image image.png]
-//        [--prompt P] [--seed S] [--no-goldens] [--min-image-psnr 30]
+//        [--prompt P] [--seed S] [--no-goldens] [--min-image-psnr 30] [--gpu-device per-model|shared]
+//        [--limit NAME=BYTES ...]
+// Each model compiles on a WebGPU device of its own, destroyed when it is released (--gpu-device shared: LiteRT.js's
+// one default device, as before); the report gives the WebGPU bytes alive at the peak, in all and per model
+// (static/gpu_device.js), and the host peak while each model was open. Before anything compiles every component is
+// checked against the adapter's limits and LiteRT.js's wasm heap (static/limits.js; --limit lowers one, for tests).
 // Exit 0 when every check passed, 1 when one failed (the report says which), 2 on bad input or no GPU.
 import fs from 'node:fs';
 import path from 'node:path';
@@ -28,12 +33,14 @@ function options() {
       unet: { type: 'string', default: 'resident' }, out: { type: 'string' }, image: { type: 'string' },
       prompt: { type: 'string' }, seed: { type: 'string' }, 'no-goldens': { type: 'boolean', default: false },
       'min-image-psnr': { type: 'string', default: '30' },
+      'gpu-device': { type: 'string', default: 'per-model' }, limit: { type: 'string', multiple: true, default: [] },
     },
   });
   if (positionals.length !== 1) throw new UsageError('usage: node web/node_runner.mjs BUNDLE [--unet resident|streamed] [--out report.json] [--image image.png]');
   const bundle = path.resolve(positionals[0]);
   if (!fs.existsSync(path.join(bundle, 'manifest.json'))) throw new UsageError(`BUNDLE: ${bundle} has no manifest.json`);
   if (!['resident', 'streamed'].includes(values.unet)) throw new UsageError(`--unet: ${values.unet}, expected resident or streamed`);
+  if (!['per-model', 'shared'].includes(values['gpu-device'])) throw new UsageError(`--gpu-device: ${values['gpu-device']}, expected per-model or shared`);
   const minPsnr = Number(values['min-image-psnr']);
   if (!Number.isFinite(minPsnr)) throw new UsageError(`--min-image-psnr: ${values['min-image-psnr']} is not a number`);
   const seed = values.seed === undefined ? undefined : Number(values.seed);
@@ -54,7 +61,8 @@ async function installWebGpu() {
   const adapter = await navigator.gpu.requestAdapter();
   if (!adapter) throw new UsageError('no WebGPU adapter: Dawn found no Vulkan (or Metal / D3D12) device');
   const info = adapter.info || {};
-  return { vendor: info.vendor, architecture: info.architecture, description: info.description, device: info.device };
+  const limits = { maxStorageBufferBindingSize: adapter.limits.maxStorageBufferBindingSize, maxBufferSize: adapter.limits.maxBufferSize };
+  return { vendor: info.vendor, architecture: info.architecture, description: info.description, device: info.device, limits };
 }
 
 /** What LiteRT.js's loader expects of a browser (classic scripts, `self`), and fetch of file: URLs. */
@@ -128,13 +136,39 @@ function writePng(file, image) {
     chunk('IDAT', zlib.deflateSync(raw)), chunk('IEND', Buffer.alloc(0))]));
 }
 
-function hostPeakMb() {
+function procStatusMb(field) {
   try {
-    const m = /VmHWM:\s+(\d+) kB/.exec(fs.readFileSync('/proc/self/status', 'utf8'));
+    const m = new RegExp(`${field}:\\s+(\\d+) kB`).exec(fs.readFileSync('/proc/self/status', 'utf8'));
     return m ? Math.round(Number(m[1]) / 1024) : null;
   } catch {
     return null;
   }
+}
+
+function hostPeakMb() {
+  return procStatusMb('VmHWM');
+}
+
+/** The host peak while each model was open: at every model's device open and close (gpu_device.js's onEvent) the
+ *  process's peak RSS since the last such event is charged to every model open in that span, then reset
+ *  (/proc/self/clear_refs 5; where that is refused the peaks are since the start). */
+function hostPerModel() {
+  const open = new Set(), peaks = {}, events = [];
+  let processPeak = 0;
+  const t0 = performance.now();
+  const onEvent = (kind, name) => {
+    const hwm = procStatusMb('VmHWM');
+    processPeak = Math.max(processPeak, hwm ?? 0);
+    for (const n of open) peaks[n] = Math.max(peaks[n] ?? 0, hwm ?? 0);
+    if (kind === 'open') open.add(name);
+    else open.delete(name);
+    if (kind === 'open') peaks[name] = Math.max(peaks[name] ?? 0, procStatusMb('VmRSS') ?? 0);
+    events.push({ t_s: Number(((performance.now() - t0) / 1000).toFixed(2)), event: kind, model: name, rss_mb: procStatusMb('VmRSS'), hwm_mb: hwm });
+    try {
+      fs.writeFileSync('/proc/self/clear_refs', '5');
+    } catch { /* the peak stays the process's */ }
+  };
+  return { onEvent, peaks, events, processPeakMb: () => Math.max(processPeak, hostPeakMb() ?? 0) };
 }
 
 async function main() {
@@ -144,13 +178,19 @@ async function main() {
   installBrowserShims();
   const { installConsoleTap } = await import('./static/prepare.js');
   installConsoleTap();
-  const { loadLiteRt } = await import('@litertjs/core');
+  const { loadLiteRt, getWebGpuDevice } = await import('@litertjs/core');
   await loadLiteRt(WASM_DIR + path.sep);
   const runtimeMs = performance.now() - t0;
   const { Bundle, imagePsnr, tokenizerCheck, checkFailures, componentReports } = await import('./static/pipeline.js');
+  const { GpuLedger, useModelDevices } = await import('./static/gpu_device.js');
+  const { bundleLimits, parseLimitOverrides, preflight } = await import('./static/limits.js');
+  const ledger = new GpuLedger(), host = hostPerModel();
+  useModelDevices({ perModel: opts['gpu-device'] === 'per-model', ledger, onEvent: host.onEvent, sharedDevice: getWebGpuDevice() });
   const { generate } = await import('./static/generate.js');
   const bundle = new Bundle(pathToFileURL(opts.bundle).href + '/');
   const man = await bundle.open();
+  const limits = bundleLimits(adapter.limits, parseLimitOverrides(opts.limit));
+  const fit = await preflight(bundle, limits, { accelerator: 'webgpu', streamed: opts.unet === 'streamed' });
   const ref = loadReference(opts.bundle);
   const prompt = opts.prompt ?? ref?.prompt ?? man.tokenizer.golden?.prompt ?? 'a photograph of an astronaut riding a horse';
   const seed = opts.seed ?? ref?.seed ?? 0;
@@ -173,7 +213,9 @@ async function main() {
     ok: failures.length === 0, failures, runner: 'node', node: process.version, adapter, prompt, seed,
     steps: man.scheduler.timesteps.length, resolution: man.image.width, unet: opts.unet,
     latents: useRef ? 'reference/' + ref.latents : 'page noise (seeded)', tokenizer, components, image,
-    latency_ms: { runtime_ready: runtimeMs, ...res.latency }, host_peak_mb: hostPeakMb(),
+    latency_ms: { runtime_ready: runtimeMs, ...res.latency }, host_peak_mb: host.processPeakMb(),
+    gpu_device: opts['gpu-device'], gpu_memory: { ...ledger.summary(), what: 'bytes of WebGPU buffers and textures alive (static/gpu_device.js)' },
+    host_per_model_peak_mb: host.peaks, memory_events: host.events, limits, preflight: fit,
     wall_s: Number(((performance.now() - t0) / 1000).toFixed(2)),
   };
   const text = JSON.stringify(report, null, 1);

@@ -14,6 +14,7 @@ import { schedulerProblem } from './lcm.js';
 import { TILED_DECODER, tilingProblem } from './tiled.js';
 import { TEXT_ENCODER, UNET, layoutProblem, modelParts } from './chunks.js';
 import { consoleMark, consoleSince, prepareFailure } from './prepare.js';
+import { openModelGpu } from './gpu_device.js';
 
 export class BundleError extends Error {}
 
@@ -99,7 +100,13 @@ export class Component {
     c.accelerator = accelerator;
     const t1 = performance.now();
     c.consoleMark = consoleMark(); // what LiteRT.js prints from here to the first run's end is checked (prepare.js)
-    c.model = await loadAndCompile(new Uint8Array(bytes), { accelerator });
+    c.gpu = accelerator === 'webgpu' ? await openModelGpu(name) : null; // its own WebGPU device, or null: the default (gpu_device.js)
+    try {
+      c.model = await loadAndCompile(new Uint8Array(bytes), c.gpu ? { accelerator, environment: c.gpu.environment } : { accelerator });
+    } catch (e) {
+      c.release();
+      throw e;
+    }
     try {
       c.checkPrepared();
     } catch (e) {
@@ -131,11 +138,11 @@ export class Component {
           throw new BundleError(`${this.name}: input ${d.name} has shape [${f.shape}], the model takes [${shape}]`);
         }
         const data = d.dtype === 'int32' ? Int32Array.from(f.data) : Float32Array.from(f.data);
-        inputs.push(new Tensor(data, shape));
+        inputs.push(new Tensor(data, shape, this.gpu?.environment));
       });
       const t0 = performance.now();
       let dev = inputs;
-      if (this.accelerator === 'webgpu') dev = await Promise.all(inputs.map((t) => t.copyTo('webgpu')));
+      if (this.accelerator === 'webgpu') dev = await Promise.all(inputs.map((t) => t.copyTo('webgpu', this.gpu ? { environment: this.gpu.environment } : undefined)));
       const outs = await this.model.run(dev);
       if (this.consoleMark !== null) this.checkPrepared(true); // the first run: XNNPACK may prepare lazily
       const host = await Promise.all(outs.map((o) => (o.accelerator === 'wasm' ? o : o.copyTo('wasm'))));
@@ -161,7 +168,7 @@ export class Component {
     }
   }
 
-  /** Frees the compiled model. Never throws: a model LiteRT.js failed to prepare can fail to delete
+  /** Frees the compiled model, and its own WebGPU device with all it held (gpu_device.js). Never throws: a model LiteRT.js failed to prepare can fail to delete
    *  ("null function"), and that must not hide the failure that brought the page here. */
   release() {
     try {
@@ -170,6 +177,12 @@ export class Component {
       console.warn(`${this.name}: releasing the model failed: ${e.message}`);
     }
     this.model = null;
+    try {
+      this.gpu?.close();
+    } catch (e) {
+      console.warn(`${this.name}: destroying its WebGPU device failed: ${e.message}`);
+    }
+    this.gpu = null;
   }
 }
 
