@@ -36,10 +36,13 @@ if [[ ,$PARTS, == *,repro,* ]]; then
   say "== weight cache reproducer"
   $PY "$REPO"/benchmarks/weight_cache_repro.py run "$REPO"/benchmarks/data/weight_cache_tiny.tflite --gdb --out "$RES/weight_cache_repro.json"
 fi
-if [[ ,$PARTS, == *,ops,* ]] && [ -d "$REPO/.devprobe" ]; then
-  say "== per-op-kind probe: $(ls "$REPO"/.devprobe | tr '\n' ' ')"
-  rows=""
-  for F in "$REPO"/.devprobe/*.tflite; do
+if [[ ,$PARTS, == *,ops,* ]] && [ -d "$REPO/.devprobe" ]; then  # benchmarks/weight_storage_probe.py make .devprobe
+  mkdir -p /tmp/devprobe
+  for X in "$REPO"/.devprobe/*.tflite.xz; do
+    [ -f "$X" ] && $PY -c "import lzma,shutil,sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2],'wb'))" "$X" "/tmp/devprobe/$(basename "$X" .xz)"
+  done
+  say "== per-op-kind probe: $(ls /tmp/devprobe | tr '\n' ' ')"
+  for F in /tmp/devprobe/*.tflite; do
     $PY "$REPO"/benchmarks/bundle_footprint.py matrix "$F" --sets base --out "/tmp/ops_$(basename "$F" .tflite).json"
   done
   $PY -c "import json,glob; json.dump({'rows': [r for f in sorted(glob.glob('/tmp/ops_*.json')) for r in json.load(open(f))['rows']]}, open('$RES/ops.json','w'), indent=1)"
