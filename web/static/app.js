@@ -1,10 +1,12 @@
 // The page: prompt -> image from the bundle this folder sits in (web/ inside the bundle).
 // index.html?check=1&prompt=P&seed=S runs on its own and writes a JSON summary into #result;
 // with report=PATH it also POSTs that JSON to PATH on the serving origin.
-import { loadLiteRt } from '@litertjs/core';
+import { loadLiteRt, getWebGpuDevice } from '@litertjs/core';
 import { Bundle, imagePsnr, tokenizerCheck, checkFailures, componentReports } from './pipeline.js';
 import { generate } from './generate.js';
 import { installConsoleTap } from './prepare.js';
+import { GpuLedger, useModelDevices } from './gpu_device.js';
+import { bundleLimits, parseLimitOverrides, preflight } from './limits.js';
 
 installConsoleTap(); // before LiteRT.js loads and binds console.error (prepare.js)
 
@@ -14,6 +16,10 @@ const CHECK = params.get('check') === '1';
 const MIN_IMAGE_PSNR_DB = Number(params.get('min_image_psnr') ?? 30);
 // ?unet=streamed: a chunked UNet's chunks compiled for each step and released after it (they do not fit together)
 const STREAM_UNET = params.get('unet') === 'streamed';
+// each model's WebGPU device destroyed when it is released (gpu_device.js); ?gpu_device=shared: LiteRT.js's one device
+const GPU_DEVICE = params.get('gpu_device') === 'shared' ? 'shared' : 'per-model';
+const ledger = new GpuLedger();
+let fit = null; // limits.js preflight's sizes of each component
 const bundle = new Bundle(new URL(params.get('bundle') || '../', location.href));
 let reference = null;
 let webgpu = { available: false, adapter: null, reason: null };
@@ -31,7 +37,8 @@ async function probeWebGpu() {
     const adapter = await navigator.gpu.requestAdapter();
     if (!adapter) return { available: false, reason: 'WebGPU found no GPU adapter' };
     const info = adapter.info || {};
-    return { available: true, adapter: { vendor: info.vendor, architecture: info.architecture, description: info.description } };
+    const limits = { maxStorageBufferBindingSize: adapter.limits.maxStorageBufferBindingSize, maxBufferSize: adapter.limits.maxBufferSize };
+    return { available: true, adapter: { vendor: info.vendor, architecture: info.architecture, description: info.description, limits } };
   } catch (e) {
     return { available: false, reason: `WebGPU adapter request failed: ${e.message}` };
   }
@@ -128,6 +135,9 @@ function summary(prompt, seed, out, runtimeMs) {
     guidance: { mode: man.guidance.mode, scale: Number($('guidance').value) },
     accelerator,
     unet: STREAM_UNET ? 'streamed' : 'resident',
+    gpu_device: GPU_DEVICE,
+    gpu_memory: { ...ledger.summary(), what: 'bytes of WebGPU buffers and textures alive (gpu_device.js)' },
+    preflight: fit,
     webgpu,
     latents: out.latentsSource,
     tokenizer,
@@ -173,7 +183,12 @@ async function main() {
     }
     if (params.get('accelerator')) $('accelerator').value = params.get('accelerator');
     await loadLiteRt(new URL('litertjs/core/wasm/', location.href).href);
+    useModelDevices({ perModel: GPU_DEVICE === 'per-model', ledger, sharedDevice: getWebGpuDevice() });
     man = await bundle.open();
+    // every component checked against the adapter's limits and the wasm heap before anything compiles (limits.js;
+    // ?limit=NAME:BYTES lowers one, for tests)
+    const limits = bundleLimits(webgpu.adapter?.limits, parseLimitOverrides(params.getAll('limit')));
+    fit = await preflight(bundle, limits, { accelerator: $('accelerator').value, streamed: STREAM_UNET });
     reference = await loadReference();
   } catch (e) {
     status(`error: ${e.message}`, 'error');
