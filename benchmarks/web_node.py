@@ -1,13 +1,18 @@
 #!/usr/bin/env python
 """The web page's pipeline through `node web/node_runner.mjs` (LiteRT.js on WebGPU through Dawn's Node bindings,
-so on a GPU machine's real GPU, no browser): its report, with the memory of the node process measured from outside
-(peak PSS of its process tree, and its GPU memory through NVML where there is an NVIDIA driver).
+so on a GPU machine's real GPU, no browser), beside `pocketdiff run-bundle --pipelined` on the same bundle in the
+same call: one row per UNet mode (resident | streamed) and device mode (per-model: each model's WebGPU device
+destroyed on release; shared: LiteRT.js's one device), with the memory of each node process measured from outside
+(peak PSS of its process tree; its GPU memory through NVML where there is an NVIDIA driver) and the runner's own
+WebGPU ledger (bytes of buffers and textures alive, static/gpu_device.js).
 
-  python benchmarks/web_node.py --bundle B --unet streamed --out benchmarks/results/web_sd21_node_h100.json
+  python benchmarks/web_node.py --bundle B --unet resident,streamed --out benchmarks/results/web_sd21_node_h200.json
 
 The bundle is copied and run-bundle's reference is written in the copy (`pocketdiff web`, made on
 --reference-accelerator), or taken from --reference (a `pocketdiff web` page's web/reference/ folder, made elsewhere:
-a machine without ai-edge-litert then runs this with node alone); nothing of B changes.
+a machine without ai-edge-litert then runs this with node alone and --no-run-bundle); nothing of B changes. Rows:
+ok, total_s, unet, gpu_device, gpu (real | SwiftShader | lavapipe), gpu_peak_mb, host_peak_mb, webgpu_ledger_peak_mb,
+run_bundle_gpu_peak_mb, run_bundle_host_peak_mb.
 """
 from __future__ import annotations
 
@@ -27,17 +32,15 @@ from _proc_tree import TreePeak
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_node(bundle: Path, unet: str, timeout: float, out: Path) -> dict:
-    from pocketdiff.runtime.delegate import delegate_env
+def sample_process(cmd: list[str], env: dict, log: Path, timeout: float, cwd: str | None = None) -> dict:
+    """Runs `cmd`, polling its process tree's PSS and its GPU memory (NVML: the process's own figure where the driver
+    lists it, else the device's used memory minus its value at start) -> {exit, wall_s, memory}."""
     from pocketdiff.runtime.memory import GpuMemory, PeakSampler
 
-    env, driver = delegate_env()  # the system's Vulkan driver where there is one, else the lavapipe of setup
-    cmd = ["node", str(ROOT / "web/node_runner.mjs"), str(bundle), "--unet", unet, "--out", str(out / "report.json"),
-           "--image", str(out / "image.png")]
     t0 = time.perf_counter()
-    with open(out / "node.log", "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-        tree, gpu = TreePeak(proc.pid), PeakSampler(GpuMemory(proc.pid), every_s=0.2)  # the node process's GPU
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=cwd)
+        tree, gpu = TreePeak(proc.pid), PeakSampler(GpuMemory(proc.pid), every_s=0.2)
         try:
             code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -46,26 +49,94 @@ def run_node(bundle: Path, unet: str, timeout: float, out: Path) -> dict:
         gpu_totals = gpu.totals()
         gpu.close()
         memory = {**tree.stop(), **{k: gpu_totals[k] for k in ("gpu_peak_mb", "gpu_source", "gpu_name")}}
-    wall = round(time.perf_counter() - t0, 1)
+    return {"exit": code, "wall_s": round(time.perf_counter() - t0, 1), "memory": memory}
+
+
+def run_node(bundle: Path, unet: str, device: str, timeout: float, out: Path) -> dict:
+    from pocketdiff.runtime.delegate import delegate_env
+
+    env, driver = delegate_env()  # the system's Vulkan driver where there is one, else the lavapipe of setup
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = ["node", str(ROOT / "web/node_runner.mjs"), str(bundle), "--unet", unet, "--gpu-device", device,
+           "--out", str(out / "report.json"), "--image", str(out / "image.png")]
+    r = sample_process(cmd, env, out / "node.log", timeout)
     report = json.loads((out / "report.json").read_text()) if (out / "report.json").exists() else None
     tail = (out / "node.log").read_text().splitlines()
-    return {"exit": code, "wall_s": wall, "driver": driver, "memory": memory, "report": report,
-            "log_tail": [l for l in tail if not l.startswith(("INFO:", "I1", "I0"))][-25:]}
+    return {**r, "driver": driver, "report": report,
+            "log_tail": [l for l in tail if not l.startswith(("INFO:", "I1", "I0", "Warning: maxDynamic"))][-25:]}
 
 
-def main() -> int:
+def run_bundle_pipelined(bundle: Path, prompt: str, seed: int, timeout: float, out: Path) -> dict:
+    """`pocketdiff run-bundle --pipelined --accelerator gpu` on the same bundle (from a folder outside the repo, whose
+    pocketdiff/ would shadow the installed package) -> its report's peaks, and the same measured from outside."""
+    from pocketdiff.runtime.delegate import delegate_env
+
+    env, _ = delegate_env()
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "pocketdiff.cli", "run-bundle", str(bundle), "--accelerator", "gpu", "--pipelined",
+           "--prompt", prompt, "--seed", str(seed), "--output", str(out / "run"), "--overwrite"]
+    r = sample_process(cmd, env, out / "run_bundle.log", timeout, cwd=tempfile.gettempdir())
+    rep_path = out / "run" / "report.json"
+    rep = json.loads(rep_path.read_text()) if rep_path.exists() else {}
+    return {"exit": r["exit"], "wall_s": r["wall_s"], "gpu_peak_mb": rep.get("gpu_peak_mb"), "host_peak_mb": rep.get("host_peak_mb"),
+            "total_s": rep.get("total_s"), "measured_outside": r["memory"],
+            "log_tail": (out / "run_bundle.log").read_text().splitlines()[-10:] if r["exit"] else []}
+
+
+def gpu_kind(adapter: dict | None) -> str | None:
+    if not adapter:
+        return None
+    text = " ".join(str(adapter.get(k) or "") for k in ("vendor", "architecture", "description", "device")).lower()
+    if "swiftshader" in text:
+        return "SwiftShader"
+    if "llvmpipe" in text or "lavapipe" in text:
+        return "lavapipe"
+    return "software" if adapter.get("architecture") == "software" else "real"
+
+
+def row(unet: str, device: str, r: dict, rb: dict | None) -> dict:
+    rep = r["report"] or {}
+    ledger = rep.get("gpu_memory") or {}
+    return {
+        "ok": bool(rep.get("ok")), "failures": rep.get("failures") if rep else [f"node exit {r['exit']}: " + " | ".join(r["log_tail"][-3:])],
+        "unet": unet, "gpu_device": device, "gpu": gpu_kind(rep.get("adapter")),
+        "total_s": round(rep["latency_ms"]["total_ms"] / 1000, 2) if rep.get("latency_ms") else None,
+        "gpu_peak_mb": r["memory"].get("gpu_peak_mb"), "gpu_source": r["memory"].get("gpu_source"),
+        "host_peak_mb": r["memory"].get("peak_pss_mb"),
+        "webgpu_ledger_peak_mb": ledger.get("peak_mb"), "webgpu_ledger_live_at_end_mb": ledger.get("live_mb"),
+        "run_bundle_gpu_peak_mb": rb.get("gpu_peak_mb") if rb else None,
+        "run_bundle_host_peak_mb": rb.get("host_peak_mb") if rb else None,
+        "image_psnr_db": (rep.get("image") or {}).get("psnr_db"), "process_wall_s": r["wall_s"], "exit": r["exit"],
+    }
+
+
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bundle", required=True)
-    ap.add_argument("--unet", choices=("resident", "streamed"), default="resident")
+    ap.add_argument("--unet", default="resident", help="comma list of resident, streamed (a row each)")
+    ap.add_argument("--gpu-device", default="per-model", help="comma list of per-model, shared (a row each)")
     ap.add_argument("--reference-accelerator", choices=("cpu", "gpu"), default="gpu")
     ap.add_argument("--reference", help="a web/reference/ folder written by `pocketdiff web` for this bundle (else made here)")
+    ap.add_argument("--no-run-bundle", action="store_true", help="skip run-bundle --pipelined (a machine without ai-edge-litert)")
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--out", required=True)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    args.unets, args.devices = args.unet.split(","), args.gpu_device.split(",")
+    if any(u not in ("resident", "streamed") for u in args.unets):
+        ap.error(f"--unet: {args.unet!r}, expected a comma list of resident, streamed")
+    if any(d not in ("per-model", "shared") for d in args.devices):
+        ap.error(f"--gpu-device: {args.gpu_device!r}, expected a comma list of per-model, shared")
     if shutil.which("node") is None:
-        raise SystemExit("no node on PATH (Node.js >= 20)")
+        ap.error("no node on PATH (Node.js >= 20)")
     if args.reference and not (Path(args.reference) / "reference.json").is_file():
-        raise SystemExit(f"--reference: {args.reference} has no reference.json (a `pocketdiff web` page's web/reference/)")
+        ap.error(f"--reference: {args.reference} has no reference.json (a `pocketdiff web` page's web/reference/)")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    keep = Path(args.out).with_suffix("")
+    keep.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="pocketdiff-webnode-") as tmp:
         bundle = Path(tmp) / "bundle"
         shutil.copytree(args.bundle, bundle, ignore=shutil.ignore_patterns("web", "_export"))
@@ -77,36 +148,40 @@ def main() -> int:
 
             write_page(PageConfig(bundle=str(bundle), reference_accelerator=args.reference_accelerator))
         page_s = round(time.perf_counter() - t0, 1)
-        keep = Path(args.out).with_suffix("")
-        keep.mkdir(parents=True, exist_ok=True)
-        r = run_node(bundle, args.unet, args.timeout, keep)
+        ref = json.loads((bundle / "web/reference/reference.json").read_text())
+        rb = None if args.no_run_bundle else run_bundle_pipelined(bundle, ref["prompt"], int(ref["seed"]), args.timeout, keep / "run_bundle")
+        runs = {}
+        for unet in args.unets:
+            for device in args.devices:
+                runs[(unet, device)] = run_node(bundle, unet, device, args.timeout, keep / f"{unet}_{device}")
+                print(json.dumps(row(unet, device, runs[(unet, device)], rb)), flush=True)
+    write_result(args, runs, rb, page_s)
+    return 0 if all((r["report"] or {}).get("ok") for r in runs.values()) else 1
+
+
+def write_result(args, runs: dict, rb: dict | None, page_s: float) -> None:
     man = json.loads((Path(args.bundle) / "manifest.json").read_text())
-    rep = r["report"] or {}
+    rows = [row(u, d, r, rb) for (u, d), r in runs.items()]
     out = {
-        "what": "the web page's pipeline (web/static/generate.js) in Node.js through web/node_runner.mjs: LiteRT.js on "
-                "WebGPU through Dawn's Node bindings (npm webgpu), no browser; checks as the page's check mode",
+        "what": "the web page's pipeline (web/static/) in Node.js through web/node_runner.mjs: LiteRT.js on WebGPU through "
+                "Dawn's Node bindings (npm webgpu), no browser; checks as the page's check mode; beside run-bundle --pipelined",
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "command": "python benchmarks/web_node.py " + " ".join(sys.argv[1:]),
-        "ok": bool(rep.get("ok")), "failures": rep.get("failures"),
-        "total_s": round(rep["latency_ms"]["total_ms"] / 1000, 2) if rep.get("latency_ms") else None,
-        "resolution": man["image"]["width"], "unet": args.unet,
-        "gpu": "real" if (rep.get("adapter") or {}).get("architecture") not in (None, "software", "swiftshader") else "software",
-        "adapter": rep.get("adapter"), "image_psnr_db": (rep.get("image") or {}).get("psnr_db"),
-        "host_peak_mb": r["memory"].get("peak_pss_mb"), "gpu_peak_mb": r["memory"].get("gpu_peak_mb"),
-        "memory": {**r["memory"], "what": "peak summed PSS of the node process tree (polled every 0.5 s); GPU: NVML for that process"},
-        "process_wall_s": r["wall_s"], "page_and_reference_s": page_s, "reference": args.reference or f"made here ({args.reference_accelerator})", "exit": r["exit"], "driver": r["driver"],
+        "rows": rows, "resolution": man["image"]["width"],
+        "memory_what": "host_peak_mb: peak summed PSS of the node process tree (polled every 0.5 s); gpu_peak_mb: NVML for "
+                       "that process (gpu_source says which figure); webgpu_ledger_*: bytes of WebGPU buffers and textures "
+                       "alive, counted by the runner (static/gpu_device.js); run_bundle_*: run-bundle --pipelined's own report",
+        "run_bundle": rb, "page_and_reference_s": page_s, "reference": args.reference or f"made here ({args.reference_accelerator})",
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                     "node": subprocess.run(["node", "--version"], capture_output=True, text=True).stdout.strip()},
         "bundle": {"path": args.bundle, "weights": {k: v.get("weights") for k, v in man["components"].items()},
                    "bytes": {k: v.get("bytes") for k, v in man["components"].items()}},
-        "report": rep, "log_tail": r["log_tail"],
+        "runs": {f"{u}_{d}": {k: v for k, v in r.items()} for (u, d), r in runs.items()},
     }
     for dest in [Path(args.out)] + ([Path(os.environ["OUT"]) / Path(args.out).name] if os.environ.get("OUT") else []):
         dest.parent.mkdir(parents=True, exist_ok=True)
         dest.write_text(json.dumps(out, indent=1))
         print(f"wrote {dest}")
-    print(json.dumps({k: out[k] for k in ("ok", "total_s", "gpu", "image_psnr_db", "host_peak_mb", "gpu_peak_mb", "failures")}))
-    return 0 if out["ok"] else 1
 
 
 if __name__ == "__main__":
