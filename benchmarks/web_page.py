@@ -38,6 +38,8 @@ def summarize(runs: list[dict]) -> dict:
         "unet_step_ms": _median([r["latency_ms"]["unet_step_mean_ms"] for r in runs]),
         "unet_steps": len(runs[0]["latency_ms"]["unet_steps_ms"]),
         "total_ms": _median([r["latency_ms"]["total_ms"] for r in runs]),
+        "host_peak_mb": _median([(r.get("memory") or {}).get("peak_pss_mb") for r in runs]),
+        "webgpu_ledger_peak_mb": _median([(r.get("gpu_memory") or {}).get("peak_mb") for r in runs]),
         "components": {},
     }
     for c in comps:
@@ -66,6 +68,8 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds the page may take to report, per run")
     ap.add_argument("--unet", choices=("resident", "streamed"), default="resident",
                     help="the page's unet option: a chunked UNet's chunks kept compiled, or compiled for each step")
+    ap.add_argument("--gpu-device", choices=("per-model", "shared"), default="per-model",
+                    help="the page's gpu_device option: each model's WebGPU device destroyed on release, or LiteRT.js's one device")
     ap.add_argument("--echo", action="store_true", help="print the page's console lines (its status included) as they arrive")
     args = ap.parse_args()
     exe = find_chromium()
@@ -86,7 +90,7 @@ def main() -> int:
                 try:
                     echo = (lambda line, t=t0: print(f"[{time.perf_counter() - t:7.1f} s] {line[:300]}", flush=True)) if args.echo else None
                     r = check_page(bundle, prompt=ref["prompt"], seed=ref["seed"], timeout_s=args.timeout, accelerator=acc,
-                                   unet=args.unet, echo=echo)
+                                   unet=args.unet, gpu_device=args.gpu_device, echo=echo)
                 finally:
                     memory = sampler.stop()
                 console = r.pop("chromium_console", None) or []
@@ -111,7 +115,9 @@ def main() -> int:
                    "weights": {k: v["weights"] for k, v in man["components"].items()},
                    "bytes": {k: v["bytes"] for k, v in man["components"].items()}},
         "repeat": args.repeat,
-        "unet": args.unet,
+        "unet": args.unet, "gpu_device": args.gpu_device,
+        "gpu": "SwiftShader" if any("swiftshader" in json.dumps((r.get("webgpu") or {}).get("adapter") or {}).lower()
+                                    for v in results.values() for r in v["runs"]) else "real",
         "results": results,
     }
     for dest in [Path(args.out)] + ([Path(os.environ["OUT"]) / Path(args.out).name] if os.environ.get("OUT") else []):

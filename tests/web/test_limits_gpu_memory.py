@@ -163,3 +163,18 @@ def test_streamed_unet_gives_its_chunks_gpu_memory_back(chunked_runs):
     assert len(resident_unet) == 1 and {"unet.0", "unet.1"} <= set(resident_unet[0]["models"])  # alive together: one device
     assert set(st["host_per_model_peak_mb"]) == {"text_encoder.0", "text_encoder.1", "unet.0", "unet.1", "vae_decoder"}
     assert all(v > 0 for v in st["host_per_model_peak_mb"].values()) and st["host_peak_mb"] >= max(st["host_per_model_peak_mb"].values())
+
+
+# --- the page in headless Chromium (SwiftShader here) ---
+
+def test_page_refuses_a_bundle_over_a_limit_before_loading(chromium, smoke_bundle):
+    from pocketdiff.web.headless import check_page
+    from pocketdiff.web.page import PageConfig, write_page
+
+    write_page(PageConfig(bundle=str(smoke_bundle), reference=False))
+    r = check_page(smoke_bundle, timeout_s=300, executable=chromium, limit="maxStorageBufferBindingSize:150000")
+    assert r["ok"] is False and len(r["failures"]) == 1, r
+    line = r["failures"][0]
+    assert line.split(": ")[0] in {"text_encoder", "unet", "vae_decoder"} and "maxStorageBufferBindingSize 0.1 MiB" in line
+    assert "refused before loading" in line and "\n" not in line
+    assert "components" not in r  # nothing compiled, nothing ran
