@@ -67,6 +67,9 @@ def test_streamed_chunks_compile_for_every_step_and_give_the_same_image(checked,
     for name in TE_CHUNKS:
         assert "compiles" not in r["components"][name] and r["components"][name]["golden"]["pass"] is True, name
     assert r["image"]["psnr_db"] >= MIN_IMAGE_PSNR_DB and len(r["latency_ms"]["unet_steps_ms"]) == steps
+    # issue 50: each streamed chunk on a WebGPU device of its own, destroyed on release: nothing left alive
+    assert r["gpu_device"] == "per-model" and r["gpu_memory"]["live_mb"] == 0 and r["gpu_memory"]["peak_mb"] > 0
+    assert [d["models"] for d in r["gpu_memory"]["per_device"]].count(["unet.0"]) == steps + 1
 
 
 def _drop_text_encoder_block(man: dict) -> None:
