@@ -4,7 +4,8 @@
 # debs), .devbundle/<SET>/ (each a `benchmarks/sd21_bundle.py pack BUNDLE:LAYOUT --dest .devbundle/SET` of SD-2.1-size
 # bundles), optionally .devprobe/ (small .tflite files for the per-op-kind probe). Parts (PARTS, comma list):
 #   repro  benchmarks/weight_cache_repro.py on the committed tiny model, crashes re-run under cuda-gdb
-#   runs   `pocketdiff run-bundle` per layout (RUN_LAYOUTS, default all), MODES (default pipelined), cold then warm
+#   runs   `pocketdiff run-bundle` per layout (RUN_LAYOUTS, default all), MODES (default pipelined), cold then warm;
+#          GPU_OPTION=KEY=VALUE passes one accelerator option (run-bundle --gpu-option)
 #   probe  each UNet file of PROBE_LAYOUTS alone in a fresh process (host RSS, GPU memory, load time)
 #   ops    each .tflite of .devprobe/ alone in a fresh process (GPU bytes per parameter by op kind and storage)
 # Bundles stay unpacked in /tmp/sd21_bundles between calls of a warm machine (a later call carries only new sets).
@@ -50,7 +51,7 @@ fi
 if [[ ,$PARTS, == *,runs,* ]]; then
   for L in ${RUN_LAYOUTS:-$LAYOUTS}; do
     say "== runs $L ($MODES)"
-    $PY "$REPO"/benchmarks/bundle_footprint.py runs "$BUNDLES/$L:$L" --modes "$MODES" --tag weight_path --out "$RES/runs_$L.json" --cache-root /tmp/pd-cache
+    $PY "$REPO"/benchmarks/bundle_footprint.py runs "$BUNDLES/$L:$L" --modes "$MODES" --tag weight_path${GPU_OPTION:+_opt} ${GPU_OPTION:+--gpu-option $GPU_OPTION} --out "$RES/runs_$L.json" --cache-root /tmp/pd-cache
   done
 fi
 if [[ ,$PARTS, == *,probe,* ]]; then
