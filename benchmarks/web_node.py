@@ -135,7 +135,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    keep = Path(args.out).with_suffix("")
+    keep = Path(args.out).with_suffix("").resolve()  # run-bundle runs from another folder
     keep.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="pocketdiff-webnode-") as tmp:
         bundle = Path(tmp) / "bundle"
