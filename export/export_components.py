@@ -136,7 +136,8 @@ class ComponentExport:
         t0 = time.perf_counter()
         say(f"{name}: converted by litert-torch in {info['convert_s']:.0f} s; "
             + (f"checking on the GPU delegate ({'+'.join(cfg.verify.precisions)}) ..." if cfg.verify.delegate else "storing weights"))
-        rep = finish_component(prep, info, cfg.verify, cfg.parity, float_storage=cfg.int8.float_storage)
+        rep = finish_component(prep, info, cfg.verify, cfg.parity, float_storage=cfg.int8.float_storage,
+                               int8_gpu=cfg.int8.gpu_weights)
         timings[f"{name}_verify_s"] = round(time.perf_counter() - t0, 2)
         if cfg.verify.delegate:
             cos = ", ".join(f"{p} {m['cosine']:.6f}" for p, m in rep.get("parity", {}).items())
@@ -166,6 +167,8 @@ class ComponentExport:
         q = prep.quantized
         if q is not None and prep.weights == "int8":
             entry["int8"] = {"layers": rep.get("int8_layers"), "method": q.recipe.extra.get("method") or sorted({lr.method for lr in q.recipe.layers.values()})}
+            if cfg.int8.gpu_weights == "direct":
+                entry["int8"]["storage"] = "direct"  # the runtime asks the accelerator for its int8 kernels
         self.manifest[name] = entry
 
     def _check_tiling(self) -> None:

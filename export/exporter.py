@@ -169,6 +169,7 @@ def finish_component(
     verify: VerifyConfig,
     parity_cfg: ParityConfig,
     float_storage: str = "fp16",
+    int8_gpu: str = "dequantize",
 ) -> dict:
     """Steps 3b-5: weight storage, graph facts, the GPU delegate and parity."""
     name, report, ref_np, out_path, weights = prep.name, prep.report, prep.reference, prep.out_path, prep.weights
@@ -180,9 +181,10 @@ def finish_component(
         pieces = pieces_for(prep.rewritten, prep.quantized)
         report["int8_layers"] = len({p.layer for p in pieces})
         report["int8_layers_outside_graph"] = unexported_layers(prep.rewritten, prep.quantized, pieces)
-    info = store_weights(prep.raw_path, out_path, weights, pieces, float_storage=float_storage)
+    info = store_weights(prep.raw_path, out_path, weights, pieces, float_storage=float_storage, int8_gpu=int8_gpu)
     report["int8_tensors"] = info["int8_tensors"]
     report["fp16_tensors"] = info["fp16_tensors"]
+    report["int8_direct_convs"] = info.get("int8_direct", 0)
     report["int8_map"] = info["int8_map"]
 
     # graph facts

@@ -61,10 +61,16 @@ class Int8Config:
     bits: int = 8
     components: list[str] = dataclasses.field(default_factory=lambda: ["unet"])  # RTN: which components
     float_storage: str = "fp16"  # the unquantized constants (biases, norms): fp16 | fp32
+    # dequantize: int8 constant -> DEQUANTIZE -> float filter (every runtime; the GPU holds it as float);
+    # direct: 1x1 convolutions read the int8 filter itself, which LiteRT's GPU accelerator keeps as int8
+    # (export/int8_direct.py; the runtime asks for its int8 kernels). For the GPU: the CPU runs such a conv as a
+    # hybrid op that quantizes the activations on the fly.
+    gpu_weights: str = "dequantize"
 
     def __post_init__(self) -> None:
         require(self.bits in (4, 8), "int8.bits", f"must be 4 or 8, got {self.bits}")
         require(self.float_storage in ("fp16", "fp32"), "int8.float_storage", "must be fp16 or fp32")
+        require(self.gpu_weights in ("dequantize", "direct"), "int8.gpu_weights", f"must be dequantize or direct, got {self.gpu_weights!r}")
         for c in self.components:
             require(c in COMPONENTS, "int8.components", f"unknown component {c!r}; choose from {COMPONENTS}")
 

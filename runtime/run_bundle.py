@@ -229,6 +229,8 @@ class BundleRunner:
 
     def _options_for(self, name: str) -> dict:
         options = dict(self.gpu_options)
+        if (self.comps[name].get("int8") or {}).get("storage") == "direct":  # export int8.gpu_weights: direct
+            options.setdefault("allow_src_quantized_fc_conv_ops", True)  # the accelerator's int8 kernels: weights kept int8
         if self.cache is not None:
             options.update(self.cache.options_for(name, self.comps[name]))
         return options
