@@ -146,13 +146,11 @@ def store_weights(
     weights: str,
     int8_pieces: Sequence[Int8Piece] = (),
     float_storage: str = "fp16",
-    int8_gpu: str = "dequantize",
 ) -> dict:
     """Rewrite the constants of `src` (litert-torch fp32 output) into `dst`.
 
     weights="fp32": copy; "fp16": every weight fp16; "int8": the given pieces as int8 codes,
-    the remaining float constants stored as `float_storage` (fp16 or fp32); `int8_gpu="direct"` then feeds
-    each 1x1 convolution its int8 filter without DEQUANTIZE (export/int8_direct.py). Raises
+    the remaining float constants stored as `float_storage` (fp16 or fp32). Raises
     PocketdiffError naming the layer when a quantized weight cannot be found in the graph.
     """
     if weights not in WEIGHT_FORMATS:
@@ -235,10 +233,6 @@ def store_weights(
         if float_storage == "fp16":
             int8_float_outputs = {int(op.outputs[0]) for op in model.graph.operators if model.op_name(op) == "DEQUANTIZE"}
             info["fp16_tensors"] = model.store_weights_fp16(exclude=int8_float_outputs)
-        if int8_gpu == "direct":  # 1x1 convs read their int8 filter itself (export/int8_direct.py)
-            from .int8_direct import feed_int8_directly
-
-            info["int8_direct"] = feed_int8_directly(model)
     elif weights == "fp16":
         info["fp16_tensors"] = model.store_weights_fp16()
     model.save(dst)

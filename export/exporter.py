@@ -30,6 +30,7 @@ from pocketdiff.runtime.tflite_file import TfliteModel
 
 from .convert import store_weights
 from .int8 import QuantizedComponent, pieces_for, split_groupwise, unexported_layers
+from .int8_direct import rewrite_file
 from .parity import ParityConfig
 from .rewrites import RewriteConfig, apply_rewrites, attention_chunk_report
 
@@ -181,7 +182,9 @@ def finish_component(
         pieces = pieces_for(prep.rewritten, prep.quantized)
         report["int8_layers"] = len({p.layer for p in pieces})
         report["int8_layers_outside_graph"] = unexported_layers(prep.rewritten, prep.quantized, pieces)
-    info = store_weights(prep.raw_path, out_path, weights, pieces, float_storage=float_storage, int8_gpu=int8_gpu)
+    info = store_weights(prep.raw_path, out_path, weights, pieces, float_storage=float_storage)
+    if weights == "int8" and int8_gpu == "direct":  # 1x1 convs read their int8 filter itself (export/int8_direct.py)
+        info["int8_direct"] = rewrite_file(out_path, out_path)
     report["int8_tensors"] = info["int8_tensors"]
     report["fp16_tensors"] = info["fp16_tensors"]
     report["int8_direct_convs"] = info.get("int8_direct", 0)
