@@ -90,6 +90,7 @@ class Int8Piece:
     rows: Optional[tuple[int, int]] = None
     cols: Optional[tuple[int, int]] = None
     scale_factor: float = 1.0  # `scale` already includes this factor (residual rescaling)
+    tap: Optional[tuple[int, int]] = None  # (dy, dx): a 1x1 tap of a lowered kxk conv, codes = layer codes[rows, cols, dy, dx]
 
     def float_weight(self) -> np.ndarray:
         shape = [self.codes.shape[0]] + [1] * (self.codes.dim() - 1)
@@ -226,6 +227,7 @@ def store_weights(
                         "rows": piece.rows,
                         "cols": piece.cols,
                         "scale_factor": (1.0 if factor is None else float(np.median(factor))) * piece.scale_factor,
+                        **({} if piece.tap is None else {"tap": list(piece.tap)}),
                     }
                 )
         model.end_edit()

@@ -139,7 +139,7 @@ def prepare_component(
         report["outputs"][f"output_{i}"] = {"shape": list(r.shape), "dtype": "float32"}
     rewritten = copy.deepcopy(graph)
     t0 = time.perf_counter()
-    rw = apply_rewrites(rewritten, rewrites, sample_inputs=args)
+    rw = apply_rewrites(rewritten, rewrites, sample_inputs=args, component=name)
     if quantized is not None:
         rw["groupwise_split"] = len(split_groupwise(rewritten, quantized))
     with torch.no_grad():

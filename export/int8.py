@@ -108,6 +108,8 @@ def split_groupwise(graph: nn.Module, q: QuantizedComponent) -> list[str]:
     def make(name: str, m: nn.Conv2d) -> nn.Module:
         src = m.pd_source[0]
         lr = grouped[src]
+        if hasattr(m, "pd_tap"):
+            raise PocketdiffError(f"int8 layer {src[len(prefix):]}: group-wise scales and rewrites.conv_lowering together are not supported")
         kk = m.kernel_size[0] * m.kernel_size[1]
         if lr.group_size % kk:
             raise PocketdiffError(
@@ -142,6 +144,11 @@ def pieces_for(graph: nn.Module, q: QuantizedComponent) -> list[Int8Piece]:
         r0, r1 = rows if rows is not None else (0, codes.shape[0])
         c0, c1 = cols if cols is not None else (0, codes.shape[1])
         piece_codes = codes[r0:r1, c0:c1]
+        tap = getattr(m, "pd_tap", None)  # a 1x1 tap of a lowered kxk conv (export/conv_lowering.py)
+        if tap is not None:
+            if lr.group_size is not None:
+                raise PocketdiffError(f"int8 layer {layer}: group-wise scales and rewrites.conv_lowering together are not supported")
+            piece_codes = piece_codes[:, :, tap[0], tap[1]]
         if lr.group_size is None:
             piece_scale = scale[r0:r1]
         else:
@@ -162,7 +169,8 @@ def pieces_for(graph: nn.Module, q: QuantizedComponent) -> list[Int8Piece]:
         expect = piece_codes.float() * piece_scale.reshape(-1, *([1] * (piece_codes.dim() - 1)))
         if not torch.equal(expect, m.weight.detach().float()):
             raise PocketdiffError(f"int8 layer {layer}: module weight differs from codes * scales (was the checkpoint applied?)")
-        pieces.append(Int8Piece(layer, piece_codes, piece_scale.contiguous(), rows=(r0, r1), cols=(c0, c1), scale_factor=factor))
+        pieces.append(Int8Piece(layer, piece_codes, piece_scale.contiguous(), rows=(r0, r1), cols=(c0, c1), scale_factor=factor,
+                              tap=None if tap is None else tuple(tap)))
         seen_layers.add(layer)
     return pieces
 

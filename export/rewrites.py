@@ -57,8 +57,20 @@ class RewriteConfig:
     residual_scale: Optional[float] = None  # fp16: scale the UNet / VAE-decoder residual stream by this power of two (e.g. 0.125)
     residual_scale_auto: bool = False  # pick the power of two per component from the fp16 scan's stream peak
     activation_bytes: int = 2  # bytes per activation element on the device (fp16)
+    # none | shifted_1x1: every kxk Conv2d (after serialization: piece by piece) as k*k accumulated 1x1 convs over
+    # shifted slices of one padded input (export/conv_lowering.py): no Winograd copy on the GPU, and with
+    # int8.gpu_weights: direct its int8 weights stay int8 there
+    conv_lowering: str = "none"
+    conv_lowering_components: list = dataclasses.field(default_factory=lambda: ["unet"])  # which components' convs
+    conv_lowering_strided: bool = True  # also the stride-2 downsamplers (strided slices); false keeps them kxk
 
     def __post_init__(self) -> None:
+        from .conv_lowering import LOWERINGS
+
+        require(self.conv_lowering in LOWERINGS, "rewrites.conv_lowering", f"must be one of {', '.join(LOWERINGS)}, got {self.conv_lowering!r}")
+        for c in self.conv_lowering_components:
+            require(c in ("text_encoder", "unet", "vae_decoder"), "rewrites.conv_lowering_components",
+                    f"unknown component {c!r}; choose from text_encoder, unet, vae_decoder")
         require(self.gelu_clip > 0, "rewrites.gelu_clip", f"must be positive, got {self.gelu_clip}")
         require(self.attention_budget_mb is None or self.attention_budget_mb > 0, "rewrites.attention_budget_mb", "must be positive or null")
         require(self.conv_budget_mb is None or self.conv_budget_mb > 0, "rewrites.conv_budget_mb", "must be positive or null")
@@ -525,11 +537,12 @@ def record_conv_shapes(module: nn.Module, sample_inputs) -> dict[str, tuple[list
     return shapes
 
 
-def apply_rewrites(module: nn.Module, cfg: RewriteConfig, sample_inputs=None) -> dict:
+def apply_rewrites(module: nn.Module, cfg: RewriteConfig, sample_inputs=None, component: Optional[str] = None) -> dict:
     """Apply the configured swaps to `module` in place. Returns a report of what changed.
 
     Order: attention (it reuses the projections), GELU, GroupNorm, Linear -> conv, then conv
-    serialization (needs activation shapes, hence `sample_inputs`).
+    serialization (needs activation shapes, hence `sample_inputs`), then the kxk -> 1x1 lowering of
+    `component` (None: any) when `rewrites.conv_lowering` asks for it.
     """
     report: dict = {}
     for name, m in module.named_modules():
@@ -583,6 +596,11 @@ def apply_rewrites(module: nn.Module, cfg: RewriteConfig, sample_inputs=None) ->
             plan[name] = split
         swap_modules(module, lambda n, m: n in plan, lambda n, m: SerializedConv2d(m, *plan[n], name=n))
         report["serialized_convs"] = {n: list(s) for n, s in plan.items()}
+    if cfg.conv_lowering != "none":
+        from .conv_lowering import applies_to, lower_convs
+
+        if applies_to(component, cfg.conv_lowering_components):
+            report["conv_lowering"] = {"mode": cfg.conv_lowering, **lower_convs(module, cfg.conv_lowering_strided)}
     return report
 
 

@@ -165,6 +165,7 @@ class Config:
             require(p in ("fp16", "fp32"), "verify.precisions", f"must be fp16 and/or fp32, got {p!r}")
         if self.weights == "int8":
             require(self.int8.checkpoint is not None or self.int8.rtn, "int8.checkpoint", "weights=int8 needs a checkpoint (or int8.rtn: true)")
+        require(self.int8.gpu_weights == "dequantize" or self.weights == "int8", "int8.gpu_weights", "direct needs weights: int8")
         require(not self.vae_tiling.enabled or "vae_decoder" in self.components, "vae_tiling.enabled",
                 "tiles the vae_decoder component, which components does not list")
         require(self.unet_chunk_cut in CUTS, "unet_chunk_cut", f"must be one of {', '.join(CUTS)}, got {self.unet_chunk_cut!r}")
@@ -260,6 +261,10 @@ def _load_pipeline(cfg: Config):
             for c in cfg.int8.components:
                 skip = ("encoder.", "quant_conv.") if c == "vae_decoder" else ()
                 quantized[c] = rtn_checkpoint(graphs[c], c, cfg.int8.bits, skip=skip)
+        if cfg.rewrites.conv_lowering != "none":  # before any conversion: the lowered taps carry one scale per output channel
+            grouped = [f"{c}.{n}" for c, q in quantized.items() if c in cfg.rewrites.conv_lowering_components
+                       for n, lr in q.recipe.layers.items() if lr.group_size is not None]
+            require(not grouped, "rewrites.conv_lowering", f"cannot lower group-wise quantized layers ({', '.join(grouped[:3])}); use none")
         if "unet" in quantized:
             apply_to_module(pipe.unet, quantized["unet"])
         if "text_encoder" in quantized:

@@ -6,7 +6,9 @@ file takes 0.9 s. fp16 storage + DEQUANTIZE is TFLite's float16 weight format, w
 folds at load. `fp16_variant` rewrites every int8 constant feeding a DEQUANTIZE into fp16
 (codes x per-channel scale, the values the GPU graph computes), so `run-bundle --accelerator
 cpu` / `verify-bundle --accelerator cpu` of an int8 bundle run at fp16-file speed. The bundle
-is not touched: the variant is written to a temporary file at load.
+is not touched: the variant is written to a temporary file at load. int8 filters read by a CONV_2D
+directly (export `int8.gpu_weights: direct`) become float32 filters (codes x scale), not the CPU's hybrid
+int8 kernel, which would quantize the activations and differ from the GPU.
 """
 from __future__ import annotations
 
@@ -50,11 +52,37 @@ def dequantize_int8_to_fp16(model) -> int:
     return n
 
 
+def direct_int8_filters_to_float(model) -> int:
+    """In a `TfliteModel`: every INT8 constant filter read by a CONV_2D itself (export `int8.gpu_weights: direct`,
+    which the CPU's TFLite kernels would run as a hybrid op quantizing the activations on the fly) becomes a float32
+    constant holding codes x scale: the values the GPU computes with. Returns how many tensors changed."""
+    from ai_edge_litert import schema_py_generated as schema
+
+    g = model.graph
+    n = 0
+    for op in g.operators:
+        if model.op_name(op) != "CONV_2D" or len(op.inputs) < 2:
+            continue
+        i = int(op.inputs[1])
+        t = g.tensors[i]
+        if t.type != schema.TensorType.INT8 or not model.is_constant(i):
+            continue
+        q = t.quantization
+        if q is None or q.scale is None or len(q.scale) == 0:
+            raise PocketdiffError(f"{model.tensor_name(i)}: int8 filter without scales")
+        scale = np.asarray(q.scale, dtype=np.float32).reshape([-1] + [1] * (len(t.shape) - 1))
+        t.buffer = model._new_buffer(model.tensor_data(i).astype(np.float32) * scale)
+        t.type = schema.TensorType.FLOAT32
+        t.quantization = None
+        n += 1
+    return n
+
+
 def fp16_variant(src, dst) -> int:
     """Write the fp16-storage variant of `src` to `dst`; returns the tensors converted."""
     from .tflite_file import TfliteModel
 
     m = TfliteModel(src)
-    n = dequantize_int8_to_fp16(m)
+    n = dequantize_int8_to_fp16(m) + direct_int8_filters_to_float(m)
     m.save(dst)
     return n
