@@ -11,6 +11,8 @@ random block tiled, so the files pack to a few MB with xz; their values do not c
 
   make   (here; litert-torch): the nine .tflite files into DIR, xz-packed beside (DIR/*.tflite.xz)
          python benchmarks/weight_storage_probe.py make .devprobe
+  on the GPU machine (one line; ops.json in the .tgz under $OUT):
+         PARTS=ops bash scripts/gpu/weight_path.sh
   then on the GPU machine each file alone in a fresh process (`bundle_footprint.py matrix FILE --sets base`),
   e.g. PARTS=ops bash scripts/gpu/weight_path.sh (it unpacks .xz), and
   summarize: python benchmarks/weight_storage_probe.py summarize ops.json --out benchmarks/results/weight_storage_probe_h200.json
@@ -45,21 +47,18 @@ def _modules():
             return x
 
     class Shifted1x1(nn.Module):
-        """Each 3x3 conv as nine 1x1 convs over the padded input's nine shifted windows, summed."""
+        """Each 3x3 conv lowered as export does it (`rewrites.conv_lowering: shifted_1x1`, export/conv_lowering.py):
+        nine 1x1 convs over the padded input's shifted windows, summed."""
 
         def __init__(self):
             super().__init__()
-            self.taps = nn.ModuleList(nn.ModuleList(nn.Conv2d(C, C, 1, bias=(k == 0)) for k in range(9)) for _ in range(N3))
+            from pocketdiff.export.conv_lowering import ShiftedConv2d
+
+            self.taps = nn.ModuleList(ShiftedConv2d(nn.Conv2d(C, C, 3, padding=1), f"convs.{i}") for i in range(N3))
 
         def forward(self, x):
-            for taps in self.taps:
-                p = nn.functional.pad(x, (1, 1, 1, 1))
-                acc = None
-                for k, tap in enumerate(taps):
-                    dy, dx = divmod(k, 3)
-                    y = tap(p[:, :, dy:dy + HW, dx:dx + HW])
-                    acc = y if acc is None else acc + y
-                x = torch.tanh(acc)
+            for low in self.taps:
+                x = torch.tanh(low(x))
             return x
 
     class Conv1x1(nn.Module):
