@@ -94,19 +94,23 @@ def applies_to(component: Optional[str], components) -> bool:
 def lower_convs(module: nn.Module, strided: bool = True) -> dict:
     """Swap every lowerable Conv2d of `module` (pieces of serialized convs included) for a ShiftedConv2d, in place.
     With `strided` false, convs of stride > 1 stay as they are. Returns {"lowered": n, "kept_strided": m,
-    "kernels": {"3x3": n3, ...}}."""
-    from .rewrites import swap_modules
-
-    kept = [n for n, m in module.named_modules() if lowerable(m) and not strided and tuple(m.stride) != (1, 1)]
+    "kernels": {"3x3": n3, "3x3/s2": n2, ...}} (counted per lowered module: a serialized conv's pieces each count)."""
     kernels: dict[str, int] = {}
+    kept = 0
 
-    def match(name: str, m: nn.Module) -> bool:
-        return lowerable(m) and (strided or tuple(m.stride) == (1, 1))
+    def visit(parent: nn.Module, prefix: str) -> None:
+        nonlocal kept
+        for child_name, m in list(parent.named_children()):
+            full = f"{prefix}.{child_name}" if prefix else child_name
+            if not lowerable(m):
+                visit(m, full)
+                continue
+            if not strided and tuple(m.stride) != (1, 1):
+                kept += 1
+                continue
+            key = f"{m.kernel_size[0]}x{m.kernel_size[1]}" + ("" if tuple(m.stride) == (1, 1) else f"/s{m.stride[0]}")
+            kernels[key] = kernels.get(key, 0) + 1
+            setattr(parent, child_name, ShiftedConv2d(m, full))
 
-    def make(name: str, m: nn.Conv2d) -> nn.Module:
-        key = f"{m.kernel_size[0]}x{m.kernel_size[1]}" + ("" if tuple(m.stride) == (1, 1) else f"/s{m.stride[0]}")
-        kernels[key] = kernels.get(key, 0) + 1
-        return ShiftedConv2d(m, name)
-
-    names = swap_modules(module, match, make)
-    return {"lowered": len(names), "kept_strided": len(kept), "kernels": kernels}
+    visit(module, "")
+    return {"lowered": sum(kernels.values()), "kept_strided": kept, "kernels": kernels}

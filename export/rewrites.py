@@ -32,8 +32,10 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from pocketdiff.normfree import ChannelAffine
 from pocketdiff.errors import PocketdiffError, require
+from pocketdiff.normfree import ChannelAffine
+
+from .conv_lowering import LOWERINGS, applies_to, lower_convs
 
 GELU_CLIP = 10.0
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
@@ -65,8 +67,6 @@ class RewriteConfig:
     conv_lowering_strided: bool = True  # also the stride-2 downsamplers (strided slices); false keeps them kxk
 
     def __post_init__(self) -> None:
-        from .conv_lowering import LOWERINGS
-
         require(self.conv_lowering in LOWERINGS, "rewrites.conv_lowering", f"must be one of {', '.join(LOWERINGS)}, got {self.conv_lowering!r}")
         for c in self.conv_lowering_components:
             require(c in ("text_encoder", "unet", "vae_decoder"), "rewrites.conv_lowering_components",
@@ -597,8 +597,6 @@ def apply_rewrites(module: nn.Module, cfg: RewriteConfig, sample_inputs=None, co
         swap_modules(module, lambda n, m: n in plan, lambda n, m: SerializedConv2d(m, *plan[n], name=n))
         report["serialized_convs"] = {n: list(s) for n, s in plan.items()}
     if cfg.conv_lowering != "none":
-        from .conv_lowering import applies_to, lower_convs
-
         if applies_to(component, cfg.conv_lowering_components):
             report["conv_lowering"] = {"mode": cfg.conv_lowering, **lower_convs(module, cfg.conv_lowering_strided)}
     return report
