@@ -27,6 +27,8 @@ fi
 export PATH=/tmp/webnode/bin:$PATH
 say "node $(node --version)"
 source "$REPO/scripts/gpu/env.sh" || exit 3
+# the installed package looks for LiteRT.js beside itself (pocketdiff/web/node_modules)
+[ -e /tmp/site/pocketdiff/web/node_modules ] || ln -s "$REPO/web/node_modules" /tmp/site/pocketdiff/web/node_modules
 BUNDLES=/tmp/sd21_bundles
 if [ ! -d "$BUNDLES" ]; then
   python3 "$REPO/benchmarks/sd21_bundle.py" unpack "$REPO/.devbundle" "$BUNDLES" || exit 5
