@@ -23,7 +23,7 @@ import torch
 
 def build_vae(arch: str, image: int, model: str):
     """The VAE under test: arch sd21/sd15 builds the SD VAE with random weights and trained-like norm
-    affines (DESIGN.md: identity affines measure an artefact); otherwise `model`'s VAE."""
+    affines (identity affines measure an artefact); otherwise `model`'s VAE."""
     from pocketdiff.models import ModelConfig, build_vae, load_or_build, perturb_norm_affines
 
     if arch in ("sd21", "sd15"):

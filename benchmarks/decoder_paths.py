@@ -383,7 +383,7 @@ def _load(args):
     if args.vae:
         return load_vae(args.vae).float().eval().requires_grad_(False)
     vae = build_vae(args.arch, args.resolution, args.seed).float().eval().requires_grad_(False)
-    perturb_norm_affines(vae, args.seed + 1)  # trained-like norm affines (DESIGN.md), as export's perturb_norms
+    perturb_norm_affines(vae, args.seed + 1)  # trained-like norm affines, as export's perturb_norms
     return vae
 
 

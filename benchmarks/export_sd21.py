@@ -13,7 +13,7 @@ Variants (--variants, comma separated):
   litert_fp32   plain litert-torch conversion
   litert_fp16   plain litert-torch + its fp16 weight recipe
   litert_int8   plain litert-torch + its weight-only int8 recipe (expected: CPU only)
-  litert_gn_composite  plain litert-torch with its fused GroupNorm composite (DESIGN.md: the
+  litert_gn_composite  plain litert-torch with its fused GroupNorm composite (measured: the
                 delegate segfaults on STABLEHLO_COMPOSITE; the child process reports the crash)
   ours_fp16     pocketdiff rewrites + fp16 weights
   ours_int8     pocketdiff rewrites + int8 codes (RTN per channel) carried bit for bit

@@ -19,11 +19,11 @@ TILED_NORM3_SCALE = 1.0625  # the feed-forward LayerNorm's scale with tiled weig
 
 # ----------------------------------------------------------------------------- setup
 def build_unet(arch: str, resolution: int, seed: int, init: str = "default", weights: str = "tiled"):
-    """A random UNet with norm affines perturbed (identity affines are an artefact, DESIGN.md).
+    """A random UNet with norm affines perturbed (identity affines are an artefact).
 
     init: diffusers' own initialisation (activations stay small), or `normal002`: every conv /
     linear weight N(0, 0.02^2), biases 0, the synthetic kind that drives SD-size activations
-    past the fp16 range (DESIGN.md) -- the case the fp16-safe rewrites must survive.
+    past the fp16 range -- the case the fp16-safe rewrites must survive.
     weights: "tiled" (default; see `fill_tiled`: the files compress to a few MB and can be
     carried to a GPU machine) or "iid" (independent draws, as torch initialises).
     Returns (unet, info)."""

@@ -5,7 +5,7 @@ measured side by side in one run, plus the cost of pruning itself.
         [--ratio 0.3] [--min-weight-params 5000000] [--importance l1|l2|taylor|random]
         [--groupnorm whole_groups|per_group] [--batch 2] [--resolution 512] [--dtype fp16]
 
-Random weights (diffusers initialisation, norm affines perturbed as DESIGN.md asks);
+Random weights (diffusers initialisation, norm affines perturbed: identity ones measure a converter artefact);
 `--importance taylor` accumulates gradients on synthetic latents / text embeddings (the
 cost is what is measured here, not the choice). Quick check on CPU: `--arch tiny`.
 """

@@ -150,7 +150,6 @@ def make(folder: Path) -> dict:
 def summarize(ops: Path) -> dict:
     rows = json.loads(ops.read_text())["rows"]
     params = N3 * 9 * C * C
-    base = {}
     out = []
     for r in rows:
         name = r["model"].replace(".tflite", "")
@@ -158,9 +157,6 @@ def summarize(ops: Path) -> dict:
         out.append({"graph": kind, "storage": storage, "weights": params, "gpu_peak_mb": r.get("gpu_peak_mb"),
                     "host_peak_mb": r.get("host_peak_mb"), "load_s": r.get("load_s"), "steady_run_s": r.get("steady_run_s"),
                     "fully_accelerated": r.get("fully_accelerated"), "finite": r.get("finite"), "error": r.get("error")})
-    for r in out:
-        if r["gpu_peak_mb"] is not None:
-            base.setdefault("min", r["gpu_peak_mb"])
     return {"what": __doc__.split("\n\n")[0], "weights_per_graph": params, "rows": out}
 
 

@@ -1,6 +1,6 @@
 """Device profiles: the memory budgets a phone GPU imposes, checked on every exported graph.
 
-No delegate here reproduces a phone's limits (DESIGN.md), so the exporter measures each
+No delegate here reproduces a phone's limits (LiteRT's WebGPU delegate is not a phone's OpenCL one), so the exporter measures each
 .tflite against stated budgets instead, at the device's activation width (fp16: 2 bytes):
 the largest single activation tensor, and the largest activation input of a conv-like op
 (the quantity the cited failures are stated in). The export report lists each component's

@@ -74,14 +74,16 @@ def rewrite_bundle(src: Union[str, Path], dst: Union[str, Path]) -> dict:
     """A copy of bundle `src` at `dst` whose int8 components feed their 1x1 filters directly: each rewritten file's
     sha256 and size updated in the manifest, and `int8.storage: direct` on its entry (the runtime then asks the
     accelerator for int8 FC/conv kernels). Returns component -> number of rewired convolutions."""
-    import hashlib
     import json
     import shutil
 
+    from pocketdiff.errors import PocketdiffError
+    from pocketdiff.outputs import write_json
+
+    from .bundle import file_entry
+
     src, dst = Path(src), Path(dst)
     if dst.exists():
-        from pocketdiff.errors import PocketdiffError
-
         raise PocketdiffError(f"{dst}: exists; choose a new folder")
     shutil.copytree(src, dst)
     manifest = json.loads((dst / "manifest.json").read_text())
@@ -91,8 +93,7 @@ def rewrite_bundle(src: Union[str, Path], dst: Union[str, Path]) -> dict:
             continue
         path = dst / entry["path"]
         done[name] = rewrite_file(src / entry["path"], path)
-        data = path.read_bytes()
-        entry.update(sha256=hashlib.sha256(data).hexdigest(), bytes=len(data))
+        entry.update(file_entry(dst, path))
         entry.setdefault("int8", {})["storage"] = "direct"
-    (dst / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    write_json(dst / "manifest.json", manifest)
     return done

@@ -1,7 +1,7 @@
 """Graph rewrites as module swaps, applied to a copy of a component before conversion.
 
 Each rewrite replaces torch modules by numerically equivalent ones that convert into
-delegate-friendly TFLite (see DESIGN.md and Choi et al. 2023):
+delegate-friendly TFLite (Choi et al. 2023; measured in docs/MEASUREMENTS.md):
 
 - `Conv1x1Linear`: nn.Linear as a 1x1 Conv2D. Tokens become the conv's batch
   ([N, C, 1, 1]), which in TFLite's NHWC layout is a plain reshape: no transpose chain.

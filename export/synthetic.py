@@ -49,7 +49,7 @@ def fill_tiled(module, seed: int, init: str) -> dict:
     is a cyclic window of one 65,521-value block (a prime length, a distinct random phase per
     tensor, drawn in the file's layout), so `zstd --long=31` shrinks a file ~1000x. Each row is
     a distinct shift of an i.i.d. sequence, so rows stay uncorrelated (a power-of-two period
-    repeats whole rows and blows activations up, DESIGN.md). The block sits on the int8 grid
+    repeats whole rows and blows activations up past fp16's range). The block sits on the int8 grid
     with a +-127 in every 256 values, so per-channel RTN int8 gives the block's own codes (the
     int8 file compresses too). The scale is exact per layer (std 1/sqrt(3 fan_in) for
     "default", PyTorch's / diffusers' init, biases alike; 0.02 and zero biases for

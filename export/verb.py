@@ -114,7 +114,7 @@ class VaeTilingConfig:
 class Config:
     seed: int = 0
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
-    perturb_norms: bool = False  # random-weight builds: trained-like norm affines (DESIGN.md)
+    perturb_norms: bool = False  # random-weight builds: trained-like norm affines (identity ones convert to BROADCAST_TO)
     synthetic_weights: Optional[str] = None  # built models only: "tiled" (export.synthetic: .tflite files that compress ~1000x)
     guidance_embed_dim: Optional[int] = None  # built models only: a w-conditioned UNet (time_cond_proj_dim), a student's layout
     components: list[str] = dataclasses.field(default_factory=lambda: list(COMPONENTS))

@@ -14,8 +14,8 @@ Outputs are written with `save_pipeline`, which any stock diffusers install can 
 
 Freshly built models keep diffusers' initialisation, including identity norm affines
 (weight 1, bias 0). Benchmarks and converter tests that need trained-like weights call
-`perturb_norm_affines` themselves (see DESIGN.md: identity affines are an artefact the
-converter folds into BROADCAST_TO).
+`perturb_norm_affines` themselves: identity affines are an artefact the converter folds into
+BROADCAST_TO, which the GPU delegate rejects.
 """
 from __future__ import annotations
 

@@ -17,6 +17,24 @@ import numpy as np
 from pocketdiff.errors import PocketdiffError
 
 
+def _dequantized(model, i: int) -> np.ndarray:
+    """Codes x per-channel scale of INT8 constant `i` (symmetric only), float32."""
+    t = model.graph.tensors[i]
+    q = t.quantization
+    if q is None or q.scale is None or len(q.scale) == 0:
+        raise PocketdiffError(f"{model.tensor_name(i)}: int8 constant without scales")
+    zp = np.asarray(q.zeroPoint if q.zeroPoint is not None else [0], dtype=np.float32)
+    if np.any(zp != 0):
+        raise PocketdiffError(f"{model.tensor_name(i)}: asymmetric int8 (zero points) is not supported")
+    codes = model.tensor_data(i).astype(np.float32)
+    scale = np.asarray(q.scale, dtype=np.float32)
+    if scale.size > 1:
+        shape = [1] * codes.ndim
+        shape[int(q.quantizedDimension or 0)] = scale.size
+        scale = scale.reshape(shape)
+    return codes * scale
+
+
 def dequantize_int8_to_fp16(model) -> int:
     """In a `TfliteModel`: every INT8 constant read by a DEQUANTIZE becomes an fp16 constant
     holding codes x scale. Returns how many tensors changed."""
@@ -32,19 +50,7 @@ def dequantize_int8_to_fp16(model) -> int:
         t = g.tensors[i]
         if t.type != schema.TensorType.INT8 or not model.is_constant(i):
             continue
-        q = t.quantization
-        if q is None or q.scale is None or len(q.scale) == 0:
-            raise PocketdiffError(f"{model.tensor_name(i)}: int8 constant without scales")
-        codes = model.tensor_data(i).astype(np.float32)
-        scale = np.asarray(q.scale, dtype=np.float32)
-        if scale.size > 1:
-            shape = [1] * codes.ndim
-            shape[int(q.quantizedDimension)] = scale.size
-            scale = scale.reshape(shape)
-        zp = np.asarray(q.zeroPoint if q.zeroPoint is not None else [0], dtype=np.float32)
-        if np.any(zp != 0):
-            raise PocketdiffError(f"{model.tensor_name(i)}: asymmetric int8 (zero points) is not supported")
-        t.buffer = model._new_buffer((codes * scale).astype(np.float16))
+        t.buffer = model._new_buffer(_dequantized(model, i).astype(np.float16))
         t.type = schema.TensorType.FLOAT16
         t.quantization = None
         op.opcodeIndex = deq
@@ -67,11 +73,7 @@ def direct_int8_filters_to_float(model) -> int:
         t = g.tensors[i]
         if t.type != schema.TensorType.INT8 or not model.is_constant(i):
             continue
-        q = t.quantization
-        if q is None or q.scale is None or len(q.scale) == 0:
-            raise PocketdiffError(f"{model.tensor_name(i)}: int8 filter without scales")
-        scale = np.asarray(q.scale, dtype=np.float32).reshape([-1] + [1] * (len(t.shape) - 1))
-        t.buffer = model._new_buffer(model.tensor_data(i).astype(np.float32) * scale)
+        t.buffer = model._new_buffer(_dequantized(model, i))
         t.type = schema.TensorType.FLOAT32
         t.quantization = None
         n += 1

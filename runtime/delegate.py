@@ -1,7 +1,7 @@
 """Run a .tflite on the LiteRT GPU delegate (WebGPU over Vulkan) and report what it did.
 
-The delegate is the judge of GPU compatibility (DESIGN.md: the TFLite analyzer checks
-nothing). `run_on_delegate` compiles a model with `CompiledModel` + `HardwareAccelerator.GPU`,
+The delegate is the judge of GPU compatibility (the TFLite analyzer's gpu_compatibility
+check says "compatible" for every model). `run_on_delegate` compiles a model with `CompiledModel` + `HardwareAccelerator.GPU`,
 records `is_fully_accelerated()`, the delegate's log of rejected ops (with its reasons and
 the tensor locations, i.e. the torch modules they came from), and runs inference on fixed
 inputs at the delegate's default precision (fp16) and with `GpuOptions(enforce_f32=True)`.

@@ -39,7 +39,7 @@ ORCHESTRATION = ("pocketdiff.cli", "pocketdiff.__main__", "pocketdiff.demo")
 SUBSTAGES = ("pocketdiff.compress.quant", "pocketdiff.compress.prune")
 
 # importer area -> {module of another stage it may import: why}. A module name allows that
-# module only (not its siblings); the crossings DESIGN.md declares.
+# module only (not its siblings); the crossings docs/CONTRIBUTING.md declares.
 INTERFACES: dict[str, dict[str, str]] = {
     "pocketdiff.export": {
         "pocketdiff.compress.quant.int8_format": "export carries compress's int8 checkpoint format bit-exact",

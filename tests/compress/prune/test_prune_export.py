@@ -44,7 +44,7 @@ def test_pruned_unet_runs_fully_accelerated_on_gpu_delegate(tmp_path, scope):
     _require_delegate()
     torch.manual_seed(0)
     unet = UNet2DConditionModel(**unet_config("tiny", resolution=32, vae_factor=4)).eval()
-    perturb_norm_affines(unet, 0)  # identity affines become BROADCAST_TO (DESIGN.md)
+    perturb_norm_affines(unet, 0)  # identity affines become BROADCAST_TO, which the GPU delegate rejects
     pruned, plan = prune_unet(unet, PruneSettings(ratio=0.3, scope=scope, importance="l1", groupnorm="whole_groups", round_to=4))
     assert any(g["groupnorm_groups_after"] < g["groupnorm_groups_before"] for g in plan["groups"])
     if scope == "all":
