@@ -55,6 +55,7 @@ OPTION_SETS = {
     "tuned_programs_only": {"allocator": "tuned", "cache_only_compiled_programs": True},
     "fp16": {"allocator": "tuned", "precision": "fp16"},
     "textures": {"allocator": "tuned", "prefer_texture_weights": True},
+    "int8_kernels": {"allow_src_quantized_fc_conv_ops": True},  # what run-bundle asks for an int8.storage: direct component
 }
 CACHED = {"serialize_program_cache": True}
 CACHED_WEIGHTS = {"serialize_program_cache": True, "serialize_external_tensors": True}

@@ -6,7 +6,8 @@
 #   repro  benchmarks/weight_cache_repro.py on the committed tiny model, crashes re-run under cuda-gdb
 #   runs   `pocketdiff run-bundle` per layout (RUN_LAYOUTS, default all), MODES (default pipelined), cold then warm;
 #          GPU_OPTION=KEY=VALUE passes one accelerator option (run-bundle --gpu-option)
-#   probe  each UNet file of PROBE_LAYOUTS alone in a fresh process (host RSS, GPU memory, load time)
+#   probe  each UNet file of PROBE_LAYOUTS alone in a fresh process (host RSS, GPU memory, load time); PROBE_SETS: the
+#          option sets (bundle_footprint.py OPTION_SETS, default base; int8_kernels for int8.storage: direct files)
 #   ops    each .tflite of .devprobe/ alone in a fresh process (GPU bytes per parameter by op kind and storage)
 # Bundles stay unpacked in /tmp/sd21_bundles between calls of a warm machine (a later call carries only new sets).
 # Writes $OUT/weight_path_out.tgz (weight_cache_repro.json, runs_<layout>.json, probe_<layout>_<file>.json, ops.json) and the log.
@@ -44,7 +45,7 @@ if [[ ,$PARTS, == *,ops,* ]] && [ -d "$REPO/.devprobe" ]; then  # benchmarks/wei
   done
   say "== per-op-kind probe: $(ls /tmp/devprobe | tr '\n' ' ')"
   for F in /tmp/devprobe/*.tflite; do
-    $PY "$REPO"/benchmarks/bundle_footprint.py matrix "$F" --sets base --out "/tmp/ops_$(basename "$F" .tflite).json"
+    $PY "$REPO"/benchmarks/bundle_footprint.py matrix "$F" --sets ${PROBE_SETS:-base} --out "/tmp/ops_$(basename "$F" .tflite).json"
   done
   $PY -c "import json,glob; json.dump({'rows': [r for f in sorted(glob.glob('/tmp/ops_*.json')) for r in json.load(open(f))['rows']]}, open('$RES/ops.json','w'), indent=1)"
 fi
@@ -59,8 +60,9 @@ if [[ ,$PARTS, == *,probe,* ]]; then
     for F in "$BUNDLES/$L"/unet.tflite "$BUNDLES/$L"/unet.[0-9]*.tflite "$BUNDLES/$L"/text_encoder*.tflite; do
       [ -f "$F" ] || continue
       stem=$(basename "$F" .tflite)
+      [ -n "${PROBE_ONLY:-}" ] && [[ " $PROBE_ONLY " != *" $stem "* ]] && continue  # e.g. PROBE_ONLY="unet.3 unet.6"
       say "== probe $L/$stem"
-      $PY "$REPO"/benchmarks/bundle_footprint.py matrix "$F" --sets base --out "$RES/probe_${L}_${stem}.json"
+      $PY "$REPO"/benchmarks/bundle_footprint.py matrix "$F" --sets ${PROBE_SETS:-base} --out "$RES/probe_${L}_${stem}.json"
     done
   done
 fi
