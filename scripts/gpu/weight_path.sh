@@ -19,6 +19,7 @@ RES=/tmp/weight_path_out  # everything lands here, then one .tgz in $OUT (a call
 rm -rf "$RES" && mkdir -p "$OUT" "$RES"
 exec > >(tee -a "$RES/weight_path.log") 2>&1
 say() { echo "[$(date +%H:%M:%S)] $*"; }
+ship() { tar czf "$OUT/weight_path_out.tgz" -C "$RES" . && cp "$RES/weight_path.log" "$OUT/"; }  # after each step: a call cut at its limit still returns what ran
 PARTS=${PARTS:-repro,runs,probe}
 MODES=${MODES:-pipelined}
 source "$REPO/scripts/gpu/vulkan_env.sh"
@@ -53,6 +54,7 @@ if [[ ,$PARTS, == *,runs,* ]]; then
   for L in ${RUN_LAYOUTS:-$LAYOUTS}; do
     say "== runs $L ($MODES)"
     $PY "$REPO"/benchmarks/bundle_footprint.py runs "$BUNDLES/$L:$L" --modes "$MODES" --tag weight_path${GPU_OPTION:+_opt} ${GPU_OPTION:+--gpu-option $GPU_OPTION} --out "$RES/runs_$L.json" --cache-root /tmp/pd-cache
+    ship
   done
 fi
 if [[ ,$PARTS, == *,probe,* ]]; then
@@ -67,4 +69,4 @@ if [[ ,$PARTS, == *,probe,* ]]; then
   done
 fi
 say "done"
-tar czf "$OUT/weight_path_out.tgz" -C "$RES" . && cp "$RES/weight_path.log" "$OUT/"
+ship
