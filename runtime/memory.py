@@ -2,7 +2,8 @@
 tells it. What run-bundle and verify-bundle report under a memory name comes from here, never from
 file sizes.
 
-- Host: /proc/self/status (VmRSS now, VmHWM the peak since start or since `reset_host_peak`).
+- Host: /proc/self/status (VmRSS now, VmHWM the peak since start or since `reset_host_peak`; RssFile the part of
+  VmRSS that is file-backed, e.g. model files the runtime maps).
 - GPU: NVIDIA's NVML (libnvidia-ml.so.1, the driver's own library): the memory the driver charges to
   this process (graphics and compute lists; a Vulkan process is a graphics one). Where the per-process
   lists are empty (some sandboxes hide them) the device's used memory minus what it used when the
@@ -32,6 +33,13 @@ def _status_kb(field: str, pid="self") -> Optional[float]:
 
 def host_rss_mb(pid="self") -> Optional[float]:
     kb = _status_kb("VmRSS", pid)
+    return None if kb is None else kb / 1024.0
+
+
+def host_file_mb(pid="self") -> Optional[float]:
+    """The file-backed part of the resident set (RssFile: mapped model files and libraries, clean pages the kernel
+    can drop and read back), so a report can tell it from the anonymous memory a process really holds."""
+    kb = _status_kb("RssFile", pid)
     return None if kb is None else kb / 1024.0
 
 
@@ -205,7 +213,11 @@ class PeakSampler:
         self.host_peak_total_mb = max(self.host_peak_total_mb, own or 0.0)
         reset_host_peak()
         peak = None if own is None else own + self._others_peak_mb(reset=True)
-        return {"host_rss_mb": _r(self._host_rss_mb()), "host_peak_mb": _r(peak), "gpu_mb": _r(gpu_now), "gpu_peak_mb": _r(window)}
+        files = host_file_mb()
+        if files is not None:
+            files += sum(host_file_mb(pid) or 0.0 for pid in list(self.others))
+        return {"host_rss_mb": _r(self._host_rss_mb()), "host_file_mb": _r(files), "host_peak_mb": _r(peak),
+                "gpu_mb": _r(gpu_now), "gpu_peak_mb": _r(window)}
 
     def totals(self) -> dict:
         """The whole run's peaks so far (host: the kernel's high-water mark; GPU: polled)."""

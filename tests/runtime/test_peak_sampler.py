@@ -77,3 +77,21 @@ def test_a_process_gone_since_the_last_mark_adds_nothing_to_the_next_window_but_
         sampler.close()
         if child.poll() is None:
             child.kill()
+
+
+def test_mark_tells_file_backed_memory_from_the_rest(tmp_path):
+    # a mapped, touched 64 MB file shows in host_file_mb (RssFile), which is part of host_rss_mb
+    import mmap
+
+    path = tmp_path / "model.bin"
+    path.write_bytes(b"\1" * (64 << 20))
+    sampler = PeakSampler(gpu=_FakeNvml(1, {}), every_s=10)
+    try:
+        before = sampler.mark()
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            assert sum(m[i] for i in range(0, len(m), 4096)) == len(m) // 4096
+            after = sampler.mark()
+    finally:
+        sampler.close()
+    assert after["host_file_mb"] - before["host_file_mb"] > 60
+    assert after["host_rss_mb"] >= after["host_file_mb"]
