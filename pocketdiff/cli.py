@@ -20,8 +20,8 @@ from typing import Optional
 
 from .errors import PocketdiffError
 
-# verb -> module implementing it (None: its issue has not landed yet).
-VERBS: dict[str, Optional[str]] = {
+# verb -> module implementing it.
+VERBS: dict[str, str] = {
     "train-teacher": "pocketdiff.train.teacher",
     "distill": "pocketdiff.train.distill",
     "calibrate": "pocketdiff.compress.quant.calibrate",
@@ -42,7 +42,7 @@ RUNTIME_ONLY_VERBS = ("run-bundle", "verify-bundle", "web", "serve")
 
 HELP = {
     "train-teacher": "train a text-to-image latent diffusion teacher (Accelerate)",
-    "distill": "guided + progressive distillation to few sampling steps",
+    "distill": "distillation to few sampling steps: guided + progressive, or consistency (LCM)",
     "distill-decoder": "a norm-free VAE decoder (GroupNorms folded, fine-tuned to the original) that tiles in one pass",
     "calibrate": "block-wise reconstruction PTQ to int8 / int4 weights",
     "prune": "structured pruning of the large convolutions + recovery",
@@ -223,9 +223,6 @@ def _end_distributed() -> None:
 
 
 def run_verb(args: argparse.Namespace) -> int:
-    if VERBS[args.verb] is None:
-        print(f"pocketdiff {args.verb}: not implemented yet", file=sys.stderr)
-        return 2
     if args.verb in ("run-bundle", "verify-bundle", "demo", "web", "serve"):
         return int(importlib.import_module(VERBS[args.verb]).main(args) or 0)
     run_stage(args.verb, args.config, args.output, args.overrides, overwrite=args.overwrite, resume=args.resume)

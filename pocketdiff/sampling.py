@@ -27,8 +27,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from .conditioning import Conditioning, as_conditioning, encode_conditioning, encode_prompts  # noqa: F401  (encode_prompts: its home was here)
 from .consistency_sampling import boundary_scalings, is_consistency_scheduler, scheduler_lcm_timesteps
 from .errors import PocketdiffError
+from .tokenizer import warn_if_truncated
 
 PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")
 
@@ -248,8 +250,8 @@ def randn_latents(
 def ddim_sample(
     unet,
     scheduler,
-    cond_emb: torch.Tensor,
-    uncond_emb: Optional[torch.Tensor] = None,
+    cond_emb: Union[Conditioning, torch.Tensor],
+    uncond_emb: Union[Conditioning, torch.Tensor, None] = None,
     steps: int = 25,
     guidance_scale: float = 1.0,
     latents: Optional[torch.Tensor] = None,
@@ -264,7 +266,8 @@ def ddim_sample(
 ) -> torch.Tensor:
     """Run `steps` deterministic DDIM steps from noise and return the final latents (float32).
 
-    - `cond_emb` [B, L, D] (or [1, L, D], broadcast to the latent batch); `uncond_emb` likewise.
+    - `cond_emb`: a `Conditioning` of batch B (or 1, broadcast to the latent batch), or a tensor of
+      prompt embeddings [B, L, D] (`as_conditioning`); `uncond_emb` likewise.
     - Classifier-free guidance (one fused batch, uncond first) when `guidance_scale != 1` and
       `uncond_emb` is given, unless the UNet is guidance-conditioned.
     - Guidance-conditioned UNet: `w_embedding_fn(w)` ([B] guidance scales -> [B, time_cond_proj_dim])
@@ -272,7 +275,7 @@ def ddim_sample(
       `default_w_embedding_fn` (diffusers' convention) is used.
     - `latents` (noise) or `latent_shape` + `generator` (one generator or one per sample).
     - `callback(i, t, latent_model_input, t_batch, emb)` runs right before each UNet call with
-      exactly the UNet's inputs (calibration records them); its return value is ignored.
+      exactly the UNet's inputs, `emb` being the `Conditioning` (calibration records them); its return value is ignored.
     - `prediction_type` overrides ``scheduler.config.prediction_type``.
     """
     config = scheduler.config
@@ -283,6 +286,7 @@ def ddim_sample(
         raise PocketdiffError(f"prediction_type must be one of {PREDICTION_TYPES}, got {ptype!r}")
     clip_x0 = float(_cfg_get(config, "clip_sample_range", 1.0)) if _cfg_get(config, "clip_sample", False) else None
 
+    cond_emb, uncond_emb = as_conditioning(cond_emb), as_conditioning(uncond_emb)
     device = cond_emb.device
     unet_dtype = _module_dtype(unet, cond_emb.dtype)
     if latents is None:
@@ -292,22 +296,15 @@ def ddim_sample(
     latents = latents.to(device=device, dtype=torch.float32) * float(getattr(scheduler, "init_noise_sigma", 1.0))
     B = latents.shape[0]
 
-    def _batch(emb: torch.Tensor, name: str) -> torch.Tensor:
-        if emb.shape[0] == B:
-            return emb
-        if emb.shape[0] == 1:
-            return emb.expand(B, *emb.shape[1:])
-        raise PocketdiffError(f"{name} has batch {emb.shape[0]}, latents have {B}")
-
-    cond = _batch(cond_emb, "cond_emb")
+    cond = cond_emb.expand(B, "cond_emb")
     if w_embedding_fn is None:
         w_embedding_fn = default_w_embedding_fn(unet)
     use_cfg = w_embedding_fn is None and uncond_emb is not None and float(guidance_scale) != 1.0
     if use_cfg:
-        emb = torch.cat([_batch(uncond_emb.to(device), "uncond_emb"), cond])
+        emb = Conditioning.cat([uncond_emb.to(device).expand(B, "uncond_emb"), cond])
     else:
         emb = cond
-    emb = emb.to(unet_dtype)
+    emb = emb.to(dtype=unet_dtype)
 
     unet_kwargs = dict(extra_unet_kwargs or {})
     if w_embedding_fn is not None:
@@ -326,7 +323,7 @@ def ddim_sample(
         t_batch = torch.full((x_in.shape[0],), t, device=device, dtype=torch.long)
         if callback is not None:
             callback(i, t, x_in, t_batch, emb)
-        out = _unet_output(unet(x_in, t_batch, encoder_hidden_states=emb, **unet_kwargs)).to(torch.float32)
+        out = _unet_output(unet(x_in, t_batch, **emb.unet_kwargs(), **unet_kwargs)).to(torch.float32)
         if use_cfg:
             out_uncond, out_cond = out.chunk(2)
             out = out_uncond + guidance_scale * (out_cond - out_uncond)
@@ -337,7 +334,7 @@ def ddim_sample(
 def consistency_sample(
     unet,
     scheduler,
-    cond: torch.Tensor,
+    cond: Union[Conditioning, torch.Tensor],
     latents: torch.Tensor,
     steps: int,
     guidance_scale: float = 1.0,
@@ -350,6 +347,7 @@ def consistency_sample(
     w goes in as ``timestep_cond`` (the pipeline's convention) when the UNet takes it; a student
     without a w embedding folded its guidance in and gets one conditional pass. The noise of
     step i > 0 comes from `generator` (one per sample: image i's noise does not depend on the batch).
+    `cond`: a `Conditioning` of batch B or 1, or a tensor of prompt embeddings (`as_conditioning`).
     """
     config = scheduler.config
     if _cfg_get(config, "thresholding", False):
@@ -358,6 +356,7 @@ def consistency_sample(
     clip = float(_cfg_get(config, "clip_sample_range", 1.0)) if _cfg_get(config, "clip_sample", False) else None
     scaling = float(_cfg_get(config, "timestep_scaling", 10.0))
     alphas = scheduler.alphas_cumprod.to(torch.float32)
+    cond = as_conditioning(cond)
     device, B = cond.device, latents.shape[0]
     dtype = _module_dtype(unet, cond.dtype)
     kwargs = {}
@@ -365,13 +364,13 @@ def consistency_sample(
     if w_embedding_fn is not None:
         w = torch.full((B,), float(guidance_scale), device=device, dtype=torch.float32)
         kwargs["timestep_cond"] = w_embedding_fn(w).to(device=device, dtype=dtype)
-    emb = (cond.expand(B, *cond.shape[1:]) if cond.shape[0] == 1 else cond).to(dtype)
+    emb = cond.expand(B, "cond").to(dtype=dtype)
     z = latents.to(device=device, dtype=torch.float32)
     ts = scheduler_lcm_timesteps(scheduler, steps)
     for i, t in enumerate(ts):
         a_t = alphas[t].to(device)
         t_batch = torch.full((B,), t, device=device, dtype=torch.long)
-        out = _unet_output(unet(z.to(dtype), t_batch, encoder_hidden_states=emb, **kwargs)).to(torch.float32)
+        out = _unet_output(unet(z.to(dtype), t_batch, **emb.unet_kwargs(), **kwargs)).to(torch.float32)
         x0, _ = predict_x0_eps(out, z, a_t, ptype)
         if clip is not None:
             x0 = x0.clamp(-clip, clip)
@@ -388,24 +387,6 @@ def consistency_sample(
 # --------------------------------------------------------------------------------------
 # Pipelines: prompts in, images out
 # --------------------------------------------------------------------------------------
-
-@torch.no_grad()
-def encode_prompts(pipe, prompts: Union[str, Sequence[str]], device=None) -> torch.Tensor:
-    """Text-encoder last hidden state [B, 77, D] (tokenizer padding="max_length", truncation),
-    as StableDiffusionPipeline.encode_prompt computes it; moved to `device` when given."""
-    if isinstance(prompts, str):
-        prompts = [prompts]
-    tokenizer, text_encoder = pipe.tokenizer, pipe.text_encoder
-    te_device = _module_device(text_encoder, torch.device("cpu"))
-    enc = tokenizer(
-        list(prompts), padding="max_length", max_length=tokenizer.model_max_length, truncation=True, return_tensors="pt"
-    )
-    mask = None
-    if getattr(text_encoder.config, "use_attention_mask", False):
-        mask = enc.attention_mask.to(te_device)
-    hidden = text_encoder(enc.input_ids.to(te_device), attention_mask=mask)[0]
-    return hidden.to(device) if device is not None else hidden
-
 
 @torch.no_grad()
 def decode_latents(vae, latents: torch.Tensor) -> torch.Tensor:
@@ -473,8 +454,8 @@ def generate(
         chunk = prompts[start : start + batch_size]
         gens = [torch.Generator("cpu").manual_seed(int(seed) + start + j) for j in range(len(chunk))]
         noise = randn_latents((len(chunk), channels, side, side), gens, device)
-        cond = encode_prompts(pipe, chunk, device)
-        uncond = encode_prompts(pipe, [negative_prompt] * len(chunk), device) if float(guidance_scale) != 1.0 else None
+        cond = encode_conditioning(pipe, chunk, device, unet=ucfg)
+        uncond = encode_conditioning(pipe, [negative_prompt] * len(chunk), device, unet=ucfg) if float(guidance_scale) != 1.0 else None
         if is_consistency_scheduler(pipe.scheduler):  # a consistency (LCM) student: LCMScheduler's steps
             latents = consistency_sample(unet, pipe.scheduler, cond, noise, steps, guidance_scale, gens)
         else:

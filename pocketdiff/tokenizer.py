@@ -19,6 +19,7 @@ arguments give byte-identical files.
 from __future__ import annotations
 
 import json
+import sys
 import tempfile
 from pathlib import Path
 from typing import Iterable, Optional
@@ -46,6 +47,26 @@ DEFAULT_CORPUS = [
     "thumbs up sign", "red apple", "rocket", "house with garden", "the number 0 1 2 3 4 5 6 7 8 9",
     "a painting of a mountain lake at sunset", "an astronaut riding a horse",
 ]
+
+
+_WARNED_PROMPTS: set[str] = set()
+
+
+def warn_if_truncated(tokenizer, prompts: Iterable[str], max_length: int) -> list[int]:
+    """One warning line per prompt (once per process) longer than `max_length` tokens, start and end
+    tokens included, naming its token count; the text encoder sees its first `max_length` tokens.
+    Returns the token counts of the truncated prompts."""
+    counts = []
+    for prompt in prompts:
+        n = len(tokenizer(prompt, truncation=False).input_ids)
+        if n <= max_length:
+            continue
+        counts.append(n)
+        if prompt not in _WARNED_PROMPTS:
+            _WARNED_PROMPTS.add(prompt)
+            print(f"warning: prompt is {n} tokens, the text encoder takes {max_length}: "
+                  f"cut to the first {max_length} ({prompt[:40]!r}...)", file=sys.stderr)
+    return counts
 
 
 def bytes_to_unicode() -> dict[int, str]:

@@ -90,3 +90,14 @@ def test_result_files_named_by_bare_name_in_measurements_exist():
     names = set(re.findall(r"`([\w.-]+_[\w.-]+\.json)`", doc))
     committed = {p.name for d in ("benchmarks/results", "docs/results") for p in (ROOT / d).rglob("*.json")}
     assert names and not sorted(names - committed), sorted(names - committed)
+
+
+def test_contributing_states_the_declared_crossings_the_import_graph_allows():
+    import sys
+    sys.path.insert(0, str(ROOT / "tests" / "core"))
+    from test_import_graph import INTERFACES
+
+    declared = sum(len(allowed) for allowed in INTERFACES.values())
+    text = " ".join((ROOT / "docs" / "CONTRIBUTING.md").read_text().split())
+    assert f"{declared} declared crossings" in text
+    assert not (ROOT / "docs" / "STAGE_BRIEF.md").exists()

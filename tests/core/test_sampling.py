@@ -234,3 +234,18 @@ def test_encode_prompts_shape(eps_pipe):
     torch.testing.assert_close(emb[:2], encode_prompts(eps_pipe, PROMPTS))
     ref, _ = eps_pipe.encode_prompt(PROMPTS, "cpu", 1, False)
     torch.testing.assert_close(emb[:2], ref)
+
+
+def test_a_prompt_over_77_tokens_warns_once_naming_its_token_count(eps_pipe, capsys):
+    long_prompt = " ".join(["a red circle on a white background"] * 20)
+    n = len(eps_pipe.tokenizer(long_prompt, truncation=False).input_ids)
+    assert n > 77
+    capsys.readouterr()
+    encode_prompts(eps_pipe, PROMPTS)
+    assert "warning" not in capsys.readouterr().err
+    emb = encode_prompts(eps_pipe, [long_prompt, PROMPTS[0]])
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning")]
+    assert emb.shape == (2, 77, 64)
+    assert len(lines) == 1 and f"{n} tokens" in lines[0] and "77" in lines[0]
+    encode_prompts(eps_pipe, [long_prompt])
+    assert "warning" not in capsys.readouterr().err
