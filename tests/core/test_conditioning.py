@@ -1,0 +1,186 @@
+"""The conditioning seam (pocketdiff.conditioning): one `Conditioning` object through every UNet call.
+
+- its batch operations and `unet_kwargs` on their own, one-line errors naming the field;
+- an SDXL-style UNet (``addition_embed_type="text_time"``: pooled text embeddings and added time ids)
+  sampled through the SD path's own `ddim_sample`, against hand-written diffusers calls, and traced
+  on the meta device from `placeholder_conditioning` (the distillation and calibration helpers:
+  tests/train/test_distill_conditioning.py, tests/compress/quant/test_calib_conditioning.py);
+- the SDXL adapter's prompt encoding against diffusers' StableDiffusionXLPipeline.encode_prompt;
+- the SD path's sampling bit-identical to direct ``encoder_hidden_states=`` calls.
+"""
+from __future__ import annotations
+
+
+import pytest
+import torch
+from diffusers import UNet2DConditionModel
+
+from pocketdiff.conditioning import (
+    Conditioning,
+    as_conditioning,
+    encode_conditioning,
+    encode_prompts,
+    family_of,
+    placeholder_conditioning,
+)
+from pocketdiff.errors import PocketdiffError
+from pocketdiff.sampling import ddim_sample, ddim_step, step_alphas
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+from tiny_sdxl import CROSS, POOLED, ddim_scheduler, noise as _noise, xl_cond as _xl_cond, xl_unet as _xl_unet  # tests/tiny_sdxl.py
+
+@pytest.fixture(scope="module")
+def xl_unet():
+    return _xl_unet()
+
+
+@pytest.fixture(scope="module")
+def sched():
+    return ddim_scheduler()
+
+
+# ------------------------------------------------------------------ the object
+
+
+def test_unet_kwargs_are_what_a_diffusers_unet_takes():
+    e, p, ids = torch.randn(2, 5, 16), torch.randn(2, 8), torch.zeros(2, 6)
+    assert Conditioning(e).unet_kwargs().keys() == {"encoder_hidden_states"}
+    kw = Conditioning(e, p, ids).unet_kwargs()
+    assert kw["encoder_hidden_states"] is e
+    assert kw["added_cond_kwargs"]["text_embeds"] is p and kw["added_cond_kwargs"]["time_ids"] is ids
+
+
+def test_batch_operations_act_on_every_field():
+    c, u = _xl_cond(2, 1), _xl_cond(1, 2)
+    both = Conditioning.cat([u.expand(2), c])
+    assert both.batch_size == len(both) == 4
+    assert torch.equal(both.pooled_embeds[2:], c.pooled_embeds) and torch.equal(both.time_ids[:2], u.time_ids.expand(2, 6))
+    lo, hi = both.chunk(2)
+    assert torch.equal(hi.prompt_embeds, c.prompt_embeds) and torch.equal(lo.time_ids, u.time_ids.expand(2, 6))
+    assert torch.equal(c.repeat(2).pooled_embeds, torch.cat([c.pooled_embeds] * 2))
+    assert torch.equal(c[1].time_ids, c.time_ids[1:2]) and c[1].batch_size == 1
+    half = c.to(dtype=torch.float16)
+    assert {v.dtype for v in half.tensors().values()} == {torch.float16}
+    assert c.expand(2) is c
+    assert as_conditioning(c) is c and as_conditioning(None) is None
+    assert torch.equal(as_conditioning(c.prompt_embeds).prompt_embeds, c.prompt_embeds)
+
+
+@pytest.mark.parametrize("make, field", [
+    (lambda: Conditioning(torch.zeros(2, 5, 16), torch.zeros(3, 8)), "conditioning.pooled_embeds"),
+    (lambda: Conditioning(torch.zeros(2, 5, 16), time_ids=torch.zeros(2, 6, 1)), "conditioning.time_ids"),
+    (lambda: Conditioning(torch.zeros(2, 16)), "conditioning.prompt_embeds"),
+    (lambda: Conditioning(None), "conditioning.prompt_embeds"),
+    (lambda: Conditioning(torch.zeros(1, 5, 16), [1.0]), "conditioning.pooled_embeds"),
+    (lambda: Conditioning.cat([_xl_cond(1, 0), Conditioning(torch.zeros(1, 5, 16))]), "conditioning.pooled_embeds"),
+    (lambda: _xl_cond(2, 0).expand(3, "uncond_emb"), "uncond_emb"),
+    (lambda: family_of({"addition_embed_type": "image"}), "unet.addition_embed_type"),
+])
+def test_bad_conditioning_is_one_line_naming_the_field(make, field):
+    with pytest.raises(PocketdiffError, match=field) as e:
+        make()
+    assert "\n" not in str(e.value)
+
+
+# ------------------------------------------------------------------ SDXL-style UNet through the SD path's helpers
+
+
+def _hand_cfg_ddim(unet, sched, cond: Conditioning, uncond: Conditioning, steps, scale, latents):
+    """ddim_sample written out: diffusers-style kwargs by hand, one fused cat([uncond, cond]) batch."""
+    ehs = torch.cat([uncond.prompt_embeds, cond.prompt_embeds])
+    added = {"text_embeds": torch.cat([uncond.pooled_embeds, cond.pooled_embeds]),
+             "time_ids": torch.cat([uncond.time_ids, cond.time_ids])}
+    x = latents.clone()
+    for t, a_t, a_prev in step_alphas(sched, steps):
+        tb = torch.full((2 * x.shape[0],), t, dtype=torch.long)
+        out = unet(torch.cat([x, x]), tb, encoder_hidden_states=ehs, added_cond_kwargs=added).sample
+        u, c = out.chunk(2)
+        x = ddim_step(x, u + scale * (c - u), a_t, a_prev, "epsilon")
+    return x
+
+
+def test_text_time_unet_samples_through_ddim_sample(xl_unet, sched):
+    cond, uncond = _xl_cond(2, 1), _xl_cond(2, 2)
+    with torch.no_grad():
+        ours = ddim_sample(xl_unet, sched, cond, uncond, steps=3, guidance_scale=4.0, latents=_noise())
+        ref = _hand_cfg_ddim(xl_unet, sched, cond, uncond, 3, 4.0, _noise())
+        other = ddim_sample(xl_unet, sched, _xl_cond(2, 3), uncond, steps=3, guidance_scale=4.0, latents=_noise())
+    assert torch.equal(ours, ref)
+    assert not torch.allclose(ours, other)  # the pooled embeddings and time ids reach the UNet
+    with pytest.raises(PocketdiffError, match="conditioning.pooled_embeds is required"):  # prompt embeddings alone
+        ddim_sample(xl_unet, sched, cond.prompt_embeds, steps=1, latents=_noise())
+
+
+def test_placeholders_trace_either_family_on_meta(xl_unet):
+    from pocketdiff.models import ModelConfig, build_pipeline
+
+    for unet in (xl_unet, build_pipeline(ModelConfig()).unet):
+        meta = UNet2DConditionModel.from_config(unet.config).to("meta")
+        cond = placeholder_conditioning(meta, batch=1, tokens=4, device="meta")
+        out = meta(torch.zeros(1, 4, 8, 8, device="meta"), torch.tensor([1], device="meta"), **cond.unet_kwargs()).sample
+        assert out.shape == (1, 4, 8, 8)
+    assert family_of(xl_unet).name == "sdxl" and family_of(build_pipeline(ModelConfig()).unet.config).name == "sd"
+
+
+# ------------------------------------------------------------------ the SDXL adapter's prompt encoding
+
+
+def test_sdxl_adapter_encodes_as_stable_diffusion_xl_pipeline(xl_unet, sched):
+    from diffusers import StableDiffusionXLPipeline
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    from pocketdiff.models import ModelConfig, build_pipeline
+
+    sd = build_pipeline(ModelConfig(), captions=["a red circle", "a blue star"])
+    tok = sd.tokenizer
+    common = dict(vocab_size=len(tok), intermediate_size=16, num_attention_heads=2, num_hidden_layers=2, max_position_embeddings=77,
+                  bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(1)
+    te1 = CLIPTextModel(CLIPTextConfig(hidden_size=8, **common)).eval()
+    te2 = CLIPTextModelWithProjection(CLIPTextConfig(hidden_size=CROSS - 8, projection_dim=POOLED, **common)).eval()
+    pipe = StableDiffusionXLPipeline(vae=sd.vae, text_encoder=te1, text_encoder_2=te2, tokenizer=tok, tokenizer_2=tok,
+                                     unet=xl_unet, scheduler=sched)
+    prompts = ["a red circle", "a blue star"]
+    ours = encode_conditioning(pipe, prompts)
+    with torch.no_grad():
+        emb, _, pooled, _ = pipe.encode_prompt(prompts, device="cpu", do_classifier_free_guidance=False)
+    size = xl_unet.config.sample_size * pipe.vae_scale_factor
+    ids = pipe._get_add_time_ids((size, size), (0, 0), (size, size), emb.dtype, text_encoder_projection_dim=POOLED)
+    assert torch.equal(ours.prompt_embeds, emb) and torch.equal(ours.pooled_embeds, pooled)
+    assert torch.equal(ours.time_ids, ids.expand(2, 6))
+    with pytest.raises(PocketdiffError, match="pipe.text_encoder_2"):
+        encode_conditioning(sd, prompts, unet=xl_unet)
+
+
+# ------------------------------------------------------------------ the SD path: bit-identical to encoder_hidden_states=
+
+
+@pytest.fixture(scope="module")
+def sd_pipe():
+    from pocketdiff.models import ModelConfig, build_pipeline, perturb_norm_affines
+
+    pipe = build_pipeline(ModelConfig(), captions=["a red circle", "a blue star"])
+    perturb_norm_affines(pipe.unet, 0)
+    return pipe
+
+
+def test_sd_conditioning_is_the_prompt_embeddings(sd_pipe):
+    c = encode_conditioning(sd_pipe, ["a red circle", "a blue star"])
+    assert c.tensors().keys() == {"prompt_embeds"} and family_of(sd_pipe.unet).name == "sd"
+    assert torch.equal(c.prompt_embeds, encode_prompts(sd_pipe, ["a red circle", "a blue star"]))
+
+
+def test_sd_sampling_is_bit_identical_to_encoder_hidden_states_calls(sd_pipe):
+    unet, sched = sd_pipe.unet, sd_pipe.scheduler
+    cond, uncond = encode_prompts(sd_pipe, ["a red circle", "a blue star"]), encode_prompts(sd_pipe, [""])
+    with torch.no_grad():
+        ours = ddim_sample(unet, sched, encode_conditioning(sd_pipe, ["a red circle", "a blue star"]),
+                           encode_conditioning(sd_pipe, [""]), steps=3, guidance_scale=3.0, latents=_noise())
+        from_tensors = ddim_sample(unet, sched, cond, uncond, steps=3, guidance_scale=3.0, latents=_noise())
+        x, emb = _noise(), torch.cat([uncond.expand(2, -1, -1), cond])
+        for t, a_t, a_prev in step_alphas(sched, 3):
+            out = unet(torch.cat([x, x]), torch.full((4,), t), encoder_hidden_states=emb).sample
+            u, c = out.chunk(2)
+            x = ddim_step(x, u + 3.0 * (c - u), a_t, a_prev, "epsilon")
+    assert torch.equal(ours, from_tensors) and torch.equal(ours, x)
