@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from pocketdiff.sampling import encode_prompts
+from pocketdiff.conditioning import Conditioning, encode_conditioning
 
 from .consistency_targets import SkippingPlan, TargetNetwork, consistency_function, pseudo_huber, solver_step
 from .distill_config import Config
@@ -51,7 +51,7 @@ def pair_loss(model, teacher: GuidedTeacher, target: TargetNetwork, s: PairSetti
 
 
 def make_consistency_loss_fn(cfg: Config, teacher: GuidedTeacher, target: TargetNetwork, plan: SkippingPlan, pipe, sched,
-                             uncond: torch.Tensor, student_embed: Optional[int], device):
+                             uncond: Conditioning, student_embed: Optional[int], device):
     """loss_fn(model, batch, rng) of the consistency stage; every random draw comes from `rng`.
 
     z_hi = noisy latents at a grid point t_hi; z_lo = one guided DDIM step of the teacher to t_lo;
@@ -72,8 +72,8 @@ def make_consistency_loss_fn(cfg: Config, teacher: GuidedTeacher, target: Target
         eps = rng.randn(*mean.shape[1:])
         n = rng.randint(0, len(plan.t_hi))
         w = draw_w(cfg, rng)
-        cond = encode_prompts(pipe, batch["text"], device)
-        unc = uncond.to(device).expand(cond.shape[0], -1, -1)
+        cond = encode_conditioning(pipe, batch["text"], device)
+        unc = uncond.to(device).expand(cond.batch_size)
         z_hi = noisy_latents(x0, eps, a_hi[n])
         return pair_loss(model, teacher, target, settings, z_hi, (t_hi[n], a_hi[n]), (t_lo[n], a_lo[n]), cond, unc, w)
 

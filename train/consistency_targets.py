@@ -23,6 +23,7 @@ from typing import Optional
 
 import torch
 
+from pocketdiff.conditioning import as_conditioning
 from pocketdiff.consistency_sampling import boundary_scalings, skipping_grid
 from pocketdiff.sampling import ddim_step, predict_x0_eps
 
@@ -103,4 +104,4 @@ class TargetNetwork:
     @torch.no_grad()
     def __call__(self, z, t, cond, timestep_cond: Optional[torch.Tensor]) -> torch.Tensor:
         kwargs = {} if timestep_cond is None else {"timestep_cond": timestep_cond}
-        return self.net(z, t, encoder_hidden_states=cond, return_dict=False, **kwargs)[0]
+        return self.net(z, t, **as_conditioning(cond).unet_kwargs(), return_dict=False, **kwargs)[0]

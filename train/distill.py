@@ -44,11 +44,12 @@ from typing import Optional
 
 import torch
 
+from pocketdiff.conditioning import encode_conditioning
 from pocketdiff.data import ImageCaptionDataset, collate, load_captioned_dataset
 from pocketdiff.errors import PocketdiffError
 from pocketdiff.models import DISTILL_META, check_resolution, count_params, load_or_build
 from pocketdiff.outputs import read_json, write_json
-from pocketdiff.sampling import encode_prompts, scheduler_timesteps
+from pocketdiff.sampling import scheduler_timesteps
 from pocketdiff.shipped import resolve_shipped
 
 from .checkpoints import read_state, resolve_resume
@@ -194,7 +195,7 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
     images = ImageCaptionDataset(hf_ds, cfg.data.resolution)
     dataset = build_latent_dataset(cfg, pipe, images, out, acc) if cfg.cache_latents else PixelDataset(images)
     pipe.vae.to(device)
-    uncond = encode_prompts(pipe, [""], device)
+    uncond = encode_conditioning(pipe, [""], device)
 
     evaluator = RoundEvaluator(cfg, pipe, eval_t_sched, out, device)
     evaluator.set_default_prompts(captions)
@@ -294,7 +295,7 @@ def _curve_points(out: Path, spec: RoundSpec) -> Optional[list]:
 
 
 def _round_models(cfg: Config, spec: RoundSpec, teacher_unet, t_sched, s_sched, tdtype, uncond, prev_folder: Optional[Path], device):
-    """(teacher, student, the teacher's unconditional embedding or None) of one round."""
+    """(teacher, student, the teacher's unconditional `Conditioning` or None) of one round."""
     compile_mode = cfg.speed.teacher_compile_mode if cfg.speed.compile_teacher else None
     speed = dict(dtype=tdtype, fused_cfg=cfg.speed.fused_cfg, channels_last=cfg.speed.channels_last, compile_mode=compile_mode, device=device)
     if prev_folder is None:  # first round (or the consistency stage): the original model teaches, with classifier-free guidance

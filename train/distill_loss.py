@@ -5,7 +5,7 @@ from typing import Optional
 
 import torch
 
-from pocketdiff.sampling import encode_prompts
+from pocketdiff.conditioning import Conditioning, encode_conditioning
 
 from .distill_config import Config
 from .distill_data import _encode
@@ -15,7 +15,7 @@ from .loop import BatchRandom
 
 
 def make_loss_fn(cfg: Config, spec: RoundSpec, teacher: GuidedTeacher, plan: Optional[RoundPlan], pipe, sched,
-                 uncond: Optional[torch.Tensor], student_embed: Optional[int], device):
+                 uncond: Optional[Conditioning], student_embed: Optional[int], device):
     """loss_fn(model, batch, rng) of one round; every random draw comes from `rng`."""
     T = sched.config.num_train_timesteps
     alphas = sched.alphas_cumprod.to(device=device, dtype=torch.float32)
@@ -37,8 +37,8 @@ def make_loss_fn(cfg: Config, spec: RoundSpec, teacher: GuidedTeacher, plan: Opt
         eps = rng.randn(*mean.shape[1:])
         u = rng.rand()
         w = g.w_min + (g.w_max - g.w_min) * u if g.conditioned else torch.full_like(u, g.scale)
-        cond = encode_prompts(pipe, batch["text"], device)
-        unc = uncond.to(device).expand(cond.shape[0], -1, -1) if uncond is not None else None
+        cond = encode_conditioning(pipe, batch["text"], device)
+        unc = uncond.to(device).expand(cond.batch_size) if uncond is not None else None
         if spec.stage == "guided":
             t = rng.randint(0, T)
             a_t = alphas[t]

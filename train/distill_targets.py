@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
+from pocketdiff.conditioning import Conditioning, as_conditioning
 from pocketdiff.errors import PocketdiffError
 from pocketdiff.sampling import ddim_step, predict_x0_eps, scheduler_timesteps, step_alphas
 
@@ -143,7 +144,7 @@ class GuidedTeacher:
     def config(self):
         return self.unet.config
 
-    def _call(self, z, t, emb, cond_w=None) -> torch.Tensor:
+    def _call(self, z, t, emb: Conditioning, cond_w=None) -> torch.Tensor:
         if self.channels_last:
             z = z.contiguous(memory_format=torch.channels_last)
         if self.cudagraphs:
@@ -152,22 +153,23 @@ class GuidedTeacher:
         # half-precision weights run as they are (as diffusers pipelines do): no autocast round trips
         # through fp32 for the norms between layers
         with torch.autocast(z.device.type, enabled=False) if self.dtype != torch.float32 else contextlib.nullcontext():
-            out = self._forward(z, t, encoder_hidden_states=emb, return_dict=False, **kwargs)[0]
+            out = self._forward(z, t, **emb.unet_kwargs(), return_dict=False, **kwargs)[0]
         return out.to(torch.float32, copy=True) if self.cudagraphs else out.to(torch.float32)
 
     @torch.no_grad()
-    def __call__(self, z: torch.Tensor, t: torch.Tensor, cond: torch.Tensor, uncond: Optional[torch.Tensor],
-                 w: torch.Tensor) -> torch.Tensor:
+    def __call__(self, z: torch.Tensor, t: torch.Tensor, cond: Union[Conditioning, torch.Tensor],
+                 uncond: Union[Conditioning, torch.Tensor, None], w: torch.Tensor) -> torch.Tensor:
+        """The (guided) output at (z, t); `cond` / `uncond` are `Conditioning`s (a tensor: prompt embeddings only)."""
         z = z.to(self.dtype)
-        cond = cond.to(self.dtype)
+        cond = as_conditioning(cond).to(dtype=self.dtype)
         w = w.to(device=z.device, dtype=torch.float32)
         if self.w_conditioned:
             return self._call(z, t, cond, w_condition(w, self.unet, dtype=self.dtype, device=z.device))
         if uncond is None:
             return self._call(z, t, cond)
-        uncond = uncond.to(self.dtype).expand_as(cond)
+        uncond = as_conditioning(uncond).to(dtype=self.dtype).expand(cond.batch_size, "uncond")
         if self.fused_cfg:
-            out_u, out_c = self._call(torch.cat([z, z]), torch.cat([t, t]), torch.cat([uncond, cond])).chunk(2)
+            out_u, out_c = self._call(torch.cat([z, z]), torch.cat([t, t]), Conditioning.cat([uncond, cond])).chunk(2)
         else:
             out_u, out_c = self._call(z, t, uncond), self._call(z, t, cond)
         wb = w.view(-1, *([1] * (out_c.dim() - 1)))
@@ -230,13 +232,14 @@ def set_student_layout(student, channels_last: bool, compiled: bool):
 
 
 def student_forward(student, z_t, t, cond, w=None, channels_last: bool = False, embed_dim: Optional[int] = None) -> torch.Tensor:
-    """The student's raw output (its own parameterisation); `student` may be DDP-wrapped."""
+    """The student's raw output (its own parameterisation); `student` may be DDP-wrapped; `cond` a
+    `Conditioning` (a tensor: prompt embeddings only)."""
     kwargs = {}
     if embed_dim is not None:
         kwargs["timestep_cond"] = w_condition(w, embed_dim, device=z_t.device)
     if channels_last:
         z_t = z_t.contiguous(memory_format=torch.channels_last)
-    return student(z_t, t, encoder_hidden_states=cond, return_dict=False, **kwargs)[0]
+    return student(z_t, t, **as_conditioning(cond).unet_kwargs(), return_dict=False, **kwargs)[0]
 
 
 def loss_weight(a_t: torch.Tensor, weighting: str) -> torch.Tensor:

@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from pocketdiff.conditioning import Conditioning
 from pocketdiff.config import DataConfig
 from pocketdiff.data import ImageCaptionDataset, InMemoryImageCaptionDataset, collate, load_captioned_dataset
 from pocketdiff.errors import PocketdiffError, require
@@ -80,8 +81,9 @@ class _DiffusionModel(torch.nn.Module):
         text_encoder.requires_grad_(train_text_encoder)
 
     def forward(self, input_ids, noisy_latents, timesteps):
-        emb = self.text_encoder(input_ids)[0]
-        return self.unet(noisy_latents, timesteps, encoder_hidden_states=emb).sample
+        # the SD family's conditioning, computed inside forward so the text encoder trains with the UNet
+        cond = Conditioning(prompt_embeds=self.text_encoder(input_ids)[0])
+        return self.unet(noisy_latents, timesteps, **cond.unet_kwargs()).sample
 
 
 class _VaeModel(torch.nn.Module):

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from pocketdiff.conditioning import Conditioning
 from pocketdiff.errors import PocketdiffError
 
 from .cache_store import DiskRows, Store
@@ -139,17 +140,23 @@ def _make_unit(unet: nn.Module, path: str, kept: set[str]) -> Unit:
 
 # ----------------------------------------------------------------------- calibration set
 
+# Conditioning field -> the CalibSet key it is stored under (the UNet's own names for them)
+CONDITIONING_KEYS = {"prompt_embeds": "encoder_hidden_states", "pooled_embeds": "text_embeds", "time_ids": "time_ids"}
+
 
 @dataclass
 class CalibSet:
     """UNet inputs, one row per sample: sample [N, C, h, w], timestep [N], encoder_hidden_states
-    [N, L, D], and optional timestep_cond [N, d] / class_labels [N]."""
+    [N, L, D], and optional timestep_cond [N, d] / class_labels [N]; a family with added conditions
+    (SDXL) also text_embeds [N, P] / time_ids [N, 6] (`CONDITIONING_KEYS`)."""
 
     sample: torch.Tensor
     timestep: torch.Tensor
     encoder_hidden_states: torch.Tensor
     timestep_cond: Optional[torch.Tensor] = None
     class_labels: Optional[torch.Tensor] = None
+    text_embeds: Optional[torch.Tensor] = None
+    time_ids: Optional[torch.Tensor] = None
     meta: dict = field(default_factory=dict)
 
     def __len__(self) -> int:
@@ -157,10 +164,9 @@ class CalibSet:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         d = {"sample": self.sample, "timestep": self.timestep, "encoder_hidden_states": self.encoder_hidden_states}
-        if self.timestep_cond is not None:
-            d["timestep_cond"] = self.timestep_cond
-        if self.class_labels is not None:
-            d["class_labels"] = self.class_labels
+        for k in ("timestep_cond", "class_labels", "text_embeds", "time_ids"):
+            if getattr(self, k) is not None:
+                d[k] = getattr(self, k)
         return d
 
     def select(self, idx) -> "CalibSet":
@@ -177,8 +183,13 @@ class CalibSet:
         return out
 
 
+def batch_conditioning(batch: dict) -> Conditioning:
+    """The `Conditioning` of a `CalibSet` batch (its fields stored under `CONDITIONING_KEYS`)."""
+    return Conditioning(**{name: batch[key] for name, key in CONDITIONING_KEYS.items() if batch.get(key) is not None})
+
+
 def unet_forward(unet: nn.Module, batch: dict) -> torch.Tensor:
-    return first_tensor(unet(batch["sample"], batch["timestep"], encoder_hidden_states=batch["encoder_hidden_states"],
+    return first_tensor(unet(batch["sample"], batch["timestep"], **batch_conditioning(batch).unet_kwargs(),
                              timestep_cond=batch.get("timestep_cond"), class_labels=batch.get("class_labels"),
                              return_dict=False))
 

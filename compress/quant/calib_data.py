@@ -2,21 +2,23 @@
 
 `collect_unet_inputs` runs `pocketdiff.sampling.ddim_sample` on the given prompt embeddings
 and records, through its `callback`, the UNet inputs at `per_trajectory` steps spread evenly
-over each trajectory: latents, timesteps, text embeddings (conditional and unconditional
-both under classifier-free guidance), the guidance embedding of a w-conditioned student and
+over each trajectory: latents, timesteps, the conditioning's fields (prompt embeddings, and a
+family's pooled embeddings / time ids; conditional and unconditional both under classifier-free
+guidance), the guidance embedding of a w-conditioned student and
 class labels when the UNet has a class embedding.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import numpy as np
 import torch
 
+from pocketdiff.conditioning import Conditioning, as_conditioning
 from pocketdiff.errors import PocketdiffError
 from pocketdiff.sampling import default_w_embedding_fn, ddim_sample, randn_latents
 
-from .blocks import CalibSet
+from .blocks import CONDITIONING_KEYS, CalibSet
 
 
 def trajectory_indices(steps: int, per_trajectory: int) -> list[int]:
@@ -36,8 +38,8 @@ def has_class_embedding(unet) -> bool:
 def collect_unet_inputs(
     unet,
     scheduler,
-    cond_emb: torch.Tensor,
-    uncond_emb: Optional[torch.Tensor],
+    cond_emb: Union[Conditioning, torch.Tensor],
+    uncond_emb: Union[Conditioning, torch.Tensor, None],
     *,
     steps: int,
     guidance_scale: float,
@@ -49,9 +51,11 @@ def collect_unet_inputs(
     store_dtype: torch.dtype = torch.float32,
     progress: bool = False,
 ) -> CalibSet:
-    """Sample one trajectory per row of `cond_emb` ([P, L, D]); trajectory i starts from noise of
+    """Sample one trajectory per row of `cond_emb` (a `Conditioning` of P rows, or prompt embeddings
+    [P, L, D]); trajectory i starts from noise of
     ``torch.Generator("cpu").manual_seed(seed + i)``. Returns the recorded UNet inputs (CPU)."""
-    P = int(cond_emb.shape[0])
+    cond_emb, uncond_emb = as_conditioning(cond_emb), as_conditioning(uncond_emb)
+    P = cond_emb.batch_size
     if P == 0:
         raise PocketdiffError("calibration needs at least one prompt (got zero)")
     device = cond_emb.device
@@ -60,7 +64,8 @@ def collect_unet_inputs(
     use_cfg = w_fn is None and uncond_emb is not None and float(guidance_scale) != 1.0
     if has_class_embedding(unet) and class_label is None:
         raise PocketdiffError("the UNet has a class embedding: set calib.class_label (the class fed during sampling)")
-    rec: dict[str, list] = {"sample": [], "timestep": [], "encoder_hidden_states": [], "timestep_cond": [], "class_labels": []}
+    rec: dict[str, list] = {"sample": [], "timestep": [], **{k: [] for k in CONDITIONING_KEYS.values()}, "timestep_cond": [],
+                            "class_labels": []}
     step_of: list[int] = []
     for start in range(0, P, batch_size):
         end = min(P, start + batch_size)
@@ -70,7 +75,7 @@ def collect_unet_inputs(
         cond = cond_emb[start:end]
         uncond = None
         if uncond_emb is not None:
-            uncond = uncond_emb[start:end] if uncond_emb.shape[0] == P else uncond_emb
+            uncond = uncond_emb[start:end] if uncond_emb.batch_size == P else uncond_emb
         n_rows = 2 * B if use_cfg else B
         extra = {}
         labels = None
@@ -86,7 +91,8 @@ def collect_unet_inputs(
                 return
             rec["sample"].append(x_in.detach().to("cpu", store_dtype))
             rec["timestep"].append(t_batch.detach().cpu())
-            rec["encoder_hidden_states"].append(emb.detach().to("cpu", store_dtype))
+            for name, v in emb.tensors().items():
+                rec[CONDITIONING_KEYS[name]].append(v.detach().to("cpu", store_dtype))
             if tcond is not None:
                 rec["timestep_cond"].append(tcond.detach().to("cpu", store_dtype))
             if labels is not None:

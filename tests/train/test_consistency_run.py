@@ -7,6 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from pocketdiff.conditioning import Conditioning
 from pocketdiff.config import load_config
 from pocketdiff.errors import PocketdiffError
 from pocketdiff.train import distill
@@ -112,7 +113,7 @@ def test_evaluate_samples_the_lcm_student_at_every_measured_count(lcm_run):
 
     out, _ = lcm_run
     loaded = resolve_model(str(out / "round-0"))
-    assert loaded.default_steps == [1, 2, 8] and loaded.guidance_mode == "w_conditioned"
+    assert loaded.default_steps == [1, 2, 8] and loaded.guidance_mode == "embedded"
 
 
 def test_consistency_resume_mid_stage_equals_the_uninterrupted_run(teacher_dir, lcm_run, tmp_path, monkeypatch):
@@ -227,7 +228,7 @@ def test_top_step_input_noise_feeds_pure_noise_at_the_top_transition(teacher_dir
 
     monkeypatch.setattr(distill_loss, "student_forward", fake_student_forward)
     monkeypatch.setattr(distill_loss, "two_step_x_target", lambda *a, **k: torch.zeros(8, 4, 8, 8))
-    monkeypatch.setattr(distill_loss, "encode_prompts", lambda pipe, text, device: torch.zeros(len(text), 4, 8))
+    monkeypatch.setattr(distill_loss, "encode_conditioning", lambda pipe, text, device: Conditioning(torch.zeros(len(text), 4, 8)))
     from types import SimpleNamespace
 
     from pocketdiff.train.distill_targets import round_plan
