@@ -1,0 +1,129 @@
+#!/usr/bin/env bash
+# Block removal on OpenMoji (issue 48 item 3): teacher -> block removal + KD (prune, presets base / small / tiny) ->
+# 2-step consistency student (configs/distill/openmoji_lcm.yaml) -> W8 (configs/calibrate/openmoji_student_w8.yaml)
+# -> FD and CLIP score (openmoji-CLIP) against the unpruned student (same chain without the prune) and the teacher's
+# 64 DDIM steps. Three calls chained on ONE warm H200 (each within 30 s of the last: /tmp/runs stays):
+#
+#   bash scripts/gpu/block_removal_openmoji.sh teacher    # carry .whl_om .devdata (~25 MB beside ~39 MB of tracked files)
+#       teacher (VAE 1,500 steps, UNet TEACHER_S=160 s at batch 256: shorter than few_step's 300 s) beside a small CLIP.
+#   bash scripts/gpu/block_removal_openmoji.sh prune      # no carry
+#       the three prunes + KD at once (RECOVERY_S=200 s each) beside the unpruned consistency student (LCM_STEPS=600), then its W8.
+#   bash scripts/gpu/block_removal_openmoji.sh students   # no carry
+#       the three presets' consistency students at once, each then W8; one `pocketdiff evaluate` of every student
+#       (float and W8 at 1 and 2 steps, W8 RTN at 2) and the teacher's DDIM at 64.
+# Each call returns bro_reports.tgz (every run's reports and logs so far, no weights); the teacher call also teacher16.tgz.*
+# and clip16.tgz (a lost machine restarts from them: put them in .carry/block_removal and carry that, without .devdata).
+# Then: python3 scripts/gpu/block_removal_table.py --runs DIR (bro_reports.tgz unpacked) --out
+# benchmarks/results/block_removal_openmoji_h200.json.  RESUME=1: carry on runs an earlier call stopped at their box.
+# SMOKE=1: the same chain on this CPU at toy size (a few steps, 16 captions), OUT and RUNS set by the caller.
+set -u
+PHASE=${1:?usage: block_removal_openmoji.sh teacher|prune|students}
+REPO=$PWD
+if [ -n "${SMOKE:-}" ]; then  # this machine: the repo's venv, the shared data, no installs
+  export PATH=$REPO/.venv/bin:$PATH POCKETDIFF_ENV_READY=1 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1
+  RUNS=${RUNS:?SMOKE=1 needs RUNS=/tmp/...}; mkdir -p "$RUNS" "${OUT:?}" && cd "$RUNS" || exit 1
+  pack() { local dir=$1 name=$2; shift 2; tar czf /tmp/$name.tgz -C "$dir" "$@" && split -b 15m /tmp/$name.tgz $OUT/$name.tgz.; }
+else
+  if [ -d .whl_om ] && [ ! -f /tmp/site/.wheels-installed ]; then  # this job's wheels (env.sh's own .whl holds another job's)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl_om/*.whl || exit 1
+    touch /tmp/site/.wheels-installed
+  fi
+  source scripts/gpu/env.sh
+fi
+C=$REPO/configs W=$RUNS/block_removal L=$RUNS/block_removal/logs
+mkdir -p $L && cd $W || exit 1
+PRESETS=${PRESETS:-base small tiny}
+T0=$(date +%s); BUDGET_S=${BUDGET_S:-520}
+left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
+stamp() { echo "[$(date +%T)] $*" | tee -a $L/timeline.log; }
+if [ -n "${SMOKE:-}" ]; then
+  VAE="5 vae.batch_size=8 data.max_samples=64" TEACHER="train.max_steps=4 train.batch_size=8" CLIP="train.steps=4 train.batch_size=16 data.max_samples=64 holdout=16" LCM_STEPS=${LCM_STEPS:-3}
+  RECOVERY="train.max_steps=3 train.batch_size=8 train.checkpoint_every=3 eval.probe_samples=4 eval.steps=2 data.max_samples=64"
+  LCMX="consistency.train.batch_size=8 data.max_samples=64" W8X="calib.num_prompts=4 calib.holdout_prompts=2 recon.iters=2 recon.batch_size=4 output.samples=0"
+  NUM=${NUM:-16}
+else
+  VAE=1500 TEACHER="train.batch_size=256 train.max_time_s=${TEACHER_S:-160}" CLIP="train.steps=2000" LCM_STEPS=${LCM_STEPS:-600}
+  RECOVERY="train.max_time_s=${RECOVERY_S:-200}" LCMX="" W8X="calib.num_prompts=256 recon.iters=${W8_ITERS:-200}"
+  NUM=${NUM:-1024}
+fi
+CLIP_SMALL="model.vision_width=128 model.text_width=128 model.projection_dim=128 model.vision_heads=4 model.text_heads=4"
+T=outputs/teacher-openmoji/pipeline K=outputs/clip-openmoji/clip
+verb() {  # verb NAME VERB ARGS...: one pocketdiff verb, its log in $L/NAME.log, stopped at the call's budget
+  local name=$1 t=$(left); shift; [ "$t" -gt 10 ] || { stamp "not starting $name: $t s left"; return 1; }
+  stamp "start $name ($t s left)"
+  timeout $t python3 -m pocketdiff "$@" >> $L/$name.log 2>&1; local rc=$?
+  stamp "end $name exit $rc"; return $rc
+}
+again() { [ -n "${RESUME:-}" ] && [ -d outputs/$1/checkpoints ] && echo "--resume latest" || echo --overwrite; }
+finish() {  # every run's reports and logs (no weights) into $OUT/bro_reports.tgz
+  command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,memory.used --format=csv,noheader >> $L/timeline.log
+  tar czf $OUT/bro_reports.tgz -C $W --exclude=checkpoints --exclude=cache --exclude='*.safetensors' --exclude='*.pt' \
+    --exclude='*.bin' --exclude=tokenizer --exclude=text_encoder --exclude=vae logs outputs
+  ls -la $OUT; tail -n 25 $L/timeline.log
+}
+restore() {  # the teacher and CLIP: kept in /tmp by the teacher call, or carried in .carry/block_removal after a lost machine
+  [ -f $T/model_index.json ] && [ -d $K ] && return 0
+  local S=$REPO/.carry/block_removal
+  ls $S/teacher16.tgz.* > /dev/null 2>&1 || { echo "no teacher: run the teacher phase first (or carry .carry/block_removal)"; exit 1; }
+  cat $S/teacher16.tgz.* | tar xzf - -C /tmp && python3 -c "import sys; from pocketdiff.models import load_pipeline, save_pipeline
+save_pipeline(load_pipeline(sys.argv[1]), sys.argv[2])" /tmp/teacher16 $T || exit 1
+  mkdir -p outputs/clip-openmoji && tar xzf $S/clip16.tgz -C outputs/clip-openmoji || exit 1
+}
+lcm() {  # lcm NAME FROM: the 2-step consistency student of pipeline FROM (max LCM_STEPS steps, boxed by the call), then W8
+  verb lcm-$1 distill --config $C/distill/openmoji_lcm.yaml --output outputs/lcm-$1 $(again lcm-$1) model.pretrained=$2 \
+    consistency.train.max_steps=$LCM_STEPS consistency.sample_steps=[1,2] eval.metrics=false max_time_s=$(( $(left) - ${W8_S:-120} )) \
+    consistency.train.checkpoint_every=100 $LCMX || return 1
+  w8 $1
+}
+w8() {  # w8 NAME: W8 of outputs/lcm-NAME/round-0 calibrated at 2 steps (recon and RTN pipelines); RTN-only when time is short
+  local fast=""; [ "$(left)" -lt ${W8_S:-120} ] && fast="recon.method=rtn recon.iters=0"
+  verb w8-$1 calibrate --config $C/calibrate/openmoji_student_w8.yaml --output outputs/w8-$1 --overwrite \
+    model.pretrained=outputs/lcm-$1/round-0 calib.steps=2 parity.recon_not_worse_than_rtn=false $W8X $fast
+}
+evaluate_all() {  # one evaluate: every student (float, W8, W8 RTN) and the teacher's DDIM at 64 steps, same prompts and seeds
+  python3 - "$NUM" $PRESETS > outputs/eval.yaml <<'PY'
+import os, sys, yaml
+num, presets = int(sys.argv[1]), ["unpruned"] + sys.argv[2:]
+models = [{"name": "teacher DDIM", "path": "outputs/teacher-openmoji/pipeline", "steps": [64]}]
+for p in presets:
+    for name, path, steps in ((f"{p} float", f"outputs/lcm-{p}/round-0", [1, 2]), (f"{p} W8", f"outputs/w8-{p}/pipeline", [1, 2]),
+                              (f"{p} W8 RTN", f"outputs/w8-{p}/rtn/pipeline", [2])):
+        if os.path.isfile(os.path.join(path, "model_index.json")):
+            models.append({"name": name, "path": path, "steps": steps})
+print(yaml.safe_dump({"models": models, "reference": {"source": "openmoji", "resolution": 64},
+                      "prompts": {"from_reference": num}, "seeds": [0], "guidance_scale": 3.0, "batch_size": 128,
+                      "metrics": {"features": "clip", "clip": "outputs/clip-openmoji/clip"}}))
+PY
+  verb eval evaluate --config outputs/eval.yaml --output outputs/eval --overwrite
+}
+
+case $PHASE in
+  teacher)
+    verb teacher train-teacher --config $C/teacher/openmoji.yaml --output outputs/teacher-openmoji --overwrite \
+      vae.steps=$VAE $TEACHER &
+    verb clip train-clip --config $C/clip/openmoji.yaml --output outputs/clip-openmoji --overwrite save_dtype=fp16 \
+      $CLIP_SMALL $CLIP &
+    wait
+    [ -f $T/model_index.json ] || { tail -20 $L/teacher.log; finish; exit 1; }
+    python3 -c "import sys, torch; from pocketdiff.models import load_pipeline, save_pipeline
+p = load_pipeline(sys.argv[1]); p.to(torch.float16); save_pipeline(p, sys.argv[2])" $T /tmp/teacher16 && pack /tmp teacher16 teacher16
+    tar czf $OUT/clip16.tgz -C outputs/clip-openmoji clip ;;
+  prune)
+    restore
+    for p in $PRESETS; do
+      verb prune-$p prune --config $C/prune/openmoji_blocks.yaml --output outputs/prune-$p $(again prune-$p) \
+        blocks.preset=$p model.pretrained=$T $RECOVERY &
+    done
+    lcm unpruned $T &
+    wait ;;
+  students)
+    restore
+    for p in $PRESETS; do
+      [ -f outputs/prune-$p/pipeline/model_index.json ] && lcm $p outputs/prune-$p/pipeline &
+    done
+    wait
+    [ -f outputs/w8-unpruned/pipeline/model_index.json ] || w8 unpruned  # the prune call ran out of time for it
+    evaluate_all ;;
+  *) echo "unknown phase $PHASE (teacher | prune | students)"; exit 2 ;;
+esac
+finish
