@@ -22,7 +22,7 @@ Library API for other stages (distill / prune / calibrate / demo call it per rou
 - `MetricSetup` loads the feature extractor and CLIP once and computes (or reads from the
   cache) the reference statistics once; reuse it across rounds.
 - Images come from `pocketdiff.sampling.generate` (image i seeded seed + i). Guidance per
-  model: `ModelSpec.guidance_mode` = auto | cfg | w_conditioned | none (see `generation`).
+  model: `ModelSpec.guidance_mode` = auto | cfg | embedded | none (see `generation`).
 - `compare_images(images, prompts, reference_images=None, setup=None)`: metrics for images a
   stage already generated (e.g. a student's grid against the teacher's images).
 - `retrieval_accuracy(model, processor, images, captions)`: image<->text top-k of a CLIP.

@@ -8,15 +8,15 @@ pipeline object handed over by another stage in the same process.
 Guidance (`guidance_mode`):
 
 - ``cfg``: classifier-free guidance at scale w (two UNet batches per step);
-- ``w_conditioned``: a guided-distillation student that takes w as an input. With
+- ``embedded``: a guided-distillation student that takes w as an input. With
   ``time_cond_proj_dim`` (pocketdiff's distill students, diffusers' convention) the sampler
   passes ``timestep_cond`` itself; with ``class_embed_type`` (``timestep``, ``projection`` or
   ``identity``) w goes in through ``class_labels`` (raw w, or its sinusoidal embedding for the
   two vector types) unless the caller gives its own `w_embedding_fn`;
 - ``none``: one conditional pass, w = 1 (a student that folded a fixed guidance in);
-- ``auto`` (default): read ``distill.json`` beside the pipeline (conditioned -> w_conditioned,
+- ``auto`` (default): read ``distill.json`` beside the pipeline (conditioned -> embedded,
   folded -> none, and its ``num_inference_steps`` as the default step count), else
-  ``w_conditioned`` when the UNet takes w, else ``cfg``.
+  ``embedded`` when the UNet takes w, else ``cfg``.
 
 Bundles: `kind: bundle` goes through the runtime's declared interface,
 `pocketdiff.runtime.bundle_images` (`bundle_info`: the steps, resolution and guidance the
@@ -34,11 +34,14 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from pocketdiff.errors import PocketdiffError, require
+from pocketdiff.config import renamed_value
 from pocketdiff.models import read_distill_meta
+from pocketdiff.names import GUIDANCE_MODES as BUNDLE_GUIDANCE_MODES
+from pocketdiff.names import OLD_GUIDANCE_MODES
 
-GUIDANCE_MODES = ("auto", "cfg", "w_conditioned", "none")
+GUIDANCE_MODES = ("auto", *BUNDLE_GUIDANCE_MODES)
 KINDS = ("pipeline", "bundle")
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 @dataclasses.dataclass
@@ -49,7 +52,7 @@ class ModelSpec:
     path: Optional[str] = None  # diffusers pipeline folder / hub id, or a bundle folder (kind: bundle)
     kind: str = "pipeline"  # pipeline | bundle
     unet: Optional[str] = None  # a UNet2DConditionModel folder replacing the pipeline's (pruned, dequantized)
-    guidance_mode: str = "auto"  # auto | cfg | w_conditioned | none
+    guidance_mode: str = "auto"  # auto | cfg | embedded (a student taking w as an input) | none
     guidance_scale: Optional[float] = None  # default: the run's guidance_scale (distill.json's for students)
     steps: list[int] = dataclasses.field(default_factory=list)  # default: the run's steps (distill.json's for students)
     # scheduler config keys replaced for this evaluation, e.g. {timestep_spacing: leading, steps_offset: 1}
@@ -61,6 +64,7 @@ class ModelSpec:
     def __post_init__(self) -> None:
         require(not (self.build and self.path), "models.build", "set either path or build, not both")
         require(self.kind in KINDS, "models.kind", f"must be one of {KINDS}, got {self.kind!r}")
+        self.guidance_mode = renamed_value(self.guidance_mode, "models.guidance_mode", OLD_GUIDANCE_MODES)
         require(self.guidance_mode in GUIDANCE_MODES, "models.guidance_mode", f"must be one of {GUIDANCE_MODES}, got {self.guidance_mode!r}")
         require(all(int(s) >= 1 for s in self.steps), "models.steps", "step counts must be >= 1")
         require(self.guidance_scale is None or self.guidance_scale >= 0, "models.guidance_scale", "must be >= 0")
@@ -196,19 +200,19 @@ def resolve_model(spec_or_obj: Any, index: int = 0, device: Optional[torch.devic
     if meta.get("pocketdiff_distill"):
         g = meta.get("guidance") or {}
         if mode == "auto":
-            mode = "w_conditioned" if g.get("conditioned") else "none"
+            mode = "embedded" if g.get("conditioned") else "none"
         if meta.get("num_inference_steps"):  # a consistency student lists every count it was measured at
             default_steps = [int(n) for n in meta.get("sampling_steps") or [meta["num_inference_steps"]]]
         if g.get("scale") is not None:
             default_guidance = float(g["scale"])
     if mode == "auto":
-        mode = "w_conditioned" if takes_w else "cfg"
-    if mode == "w_conditioned" and not takes_w:
-        raise PocketdiffError(f"models[{index}] ({name}): guidance_mode=w_conditioned but its UNet takes no w "
+        mode = "embedded" if takes_w else "cfg"
+    if mode == "embedded" and not takes_w:
+        raise PocketdiffError(f"models[{index}] ({name}): guidance_mode=embedded but its UNet takes no w "
                               "(no time_cond_proj_dim, no class_embed_type); use cfg or none")
     if mode in ("cfg", "none") and takes_w == "timestep_cond":
-        raise PocketdiffError(f"models[{index}] ({name}): its UNet is w-conditioned (time_cond_proj_dim); use guidance_mode=w_conditioned or auto")
-    if mode == "w_conditioned" and takes_w == "class_labels" and w_fn is None:
+        raise PocketdiffError(f"models[{index}] ({name}): its UNet is w-conditioned (time_cond_proj_dim); use guidance_mode=embedded or auto")
+    if mode == "embedded" and takes_w == "class_labels" and w_fn is None:
         w_fn = class_label_w_fn(unet)
     return LoadedModel(name=name, spec=spec, pipe=pipe, unet=unet, guidance_mode=mode,
                        default_steps=list(spec.steps) or default_steps,
@@ -234,7 +238,6 @@ def with_scheduler_overrides(pipe, overrides: dict, where: str):
     return type(pipe)(**{**pipe.components, "scheduler": new})
 
 
-BUNDLE_GUIDANCE = {"cfg": "cfg", "embedded": "w_conditioned", "none": "none"}  # bundle.json's mode -> ours
 
 
 def _bundle_model(index: int, name: str, spec: ModelSpec) -> LoadedModel:
@@ -246,16 +249,16 @@ def _bundle_model(index: int, name: str, spec: ModelSpec) -> LoadedModel:
         info = bundle_info(spec.path)
     except PocketdiffError as e:
         raise PocketdiffError(f"models[{index}] ({name}): {e}") from None
-    mode = BUNDLE_GUIDANCE.get(info.guidance_mode)
-    if mode is None:
-        raise PocketdiffError(f"models[{index}] ({name}): bundle guidance mode {info.guidance_mode!r} is not one of {sorted(BUNDLE_GUIDANCE)}")
+    mode = info.guidance_mode
+    if mode not in BUNDLE_GUIDANCE_MODES:
+        raise PocketdiffError(f"models[{index}] ({name}): bundle guidance mode {mode!r} is not one of {BUNDLE_GUIDANCE_MODES}")
     if spec.guidance_mode not in ("auto", mode):
         raise PocketdiffError(f"models[{index}] ({name}): guidance_mode={spec.guidance_mode} but the bundle was exported with "
                               f"guidance {info.guidance_mode!r} (use auto or {mode})")
     wrong = [int(s) for s in spec.steps if int(s) != info.steps]
     if wrong:
         raise PocketdiffError(f"models[{index}] ({name}).steps: {wrong}, but the bundle was exported for {info.steps} steps")
-    guidance = spec.guidance_scale if spec.guidance_scale is not None else (info.guidance_scale if mode == "w_conditioned" else None)
+    guidance = spec.guidance_scale if spec.guidance_scale is not None else (info.guidance_scale if mode == "embedded" else None)
     return LoadedModel(name=name, spec=spec, guidance_mode=mode, default_steps=[info.steps], default_guidance=guidance)
 
 
@@ -318,7 +321,7 @@ def generate_images(model: LoadedModel, prompts: Sequence[str], steps: int, guid
     t0 = time.time()
     if model.spec.kind == "bundle":
         images = _bundle_generate(model, prompts, steps, guidance_scale, seed, resolution)
-    elif model.guidance_mode == "w_conditioned" and unet_takes_w(model.unet) == "class_labels":
+    elif model.guidance_mode == "embedded" and unet_takes_w(model.unet) == "class_labels":
         images = _class_label_images(model, prompts, steps, guidance_scale, seed, resolution, batch_size)
     else:
         w = 1.0 if model.guidance_mode == "none" else float(guidance_scale)

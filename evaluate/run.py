@@ -25,8 +25,9 @@ from typing import Any, Optional, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from pocketdiff.config import DataConfig
+from pocketdiff.config import DataConfig, renamed_value
 from pocketdiff.errors import PocketdiffError, require
+from pocketdiff.names import OLD_PRECISIONS
 from pocketdiff.outputs import write_json
 from pocketdiff.device import resolve_device
 
@@ -63,7 +64,7 @@ class Config:
     resolution: Optional[int] = None  # default: each model's own
     batch_size: int = 16
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    dtype: str = "float32"  # float32 | float16 | bfloat16 (pipelines; metrics run in float32)
+    dtype: str = "fp32"  # fp32 | fp16 | bf16 (pipelines; metrics run in fp32)
     grid_prompts: int = 8  # prompts shown in the grids (the first ones, first seed)
     compare: list[str] = dataclasses.field(default_factory=list)  # earlier evaluate output folders
 
@@ -74,6 +75,7 @@ class Config:
         require(len(set(self.seeds)) == len(self.seeds), "seeds", "must be distinct")
         require(self.guidance_scale >= 0, "guidance_scale", "must be >= 0")
         require(self.batch_size >= 1, "batch_size", "must be >= 1")
+        self.dtype = renamed_value(self.dtype, "dtype", OLD_PRECISIONS)
         require(self.dtype in DTYPES, "dtype", f"must be one of {tuple(DTYPES)}")
         require(self.grid_prompts >= 0, "grid_prompts", "must be >= 0")
 
@@ -318,7 +320,7 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
         raise PocketdiffError("evaluate has nothing to resume: run it again (reference statistics are cached)")
     out = Path(out)
     device = resolve_device(cfg.device)
-    dtype = DTYPES[cfg.dtype] if cfg.dtype != "float32" else None
+    dtype = DTYPES[cfg.dtype] if cfg.dtype != "fp32" else None
     t0 = time.time()
     if not cfg.models:  # compare-only
         report = write_evaluation(out, [], None, [], list(cfg.seeds), {}, [], cfg.compare)

@@ -27,9 +27,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pocketdiff.config import DataConfig
+from pocketdiff.config import DataConfig, renamed_value
 from pocketdiff.data import load_captioned_dataset
 from pocketdiff.errors import PocketdiffError, require
+from pocketdiff.names import OLD_PRECISIONS
 from pocketdiff.outputs import write_json
 from pocketdiff.report import img, plot_curves, table, write_page
 from pocketdiff.device import resolve_device
@@ -97,12 +98,13 @@ class Config:
     train: ClipTrainConfig = dataclasses.field(default_factory=ClipTrainConfig)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     threads: Optional[int] = None  # torch CPU threads (None: torch's default)
-    save_dtype: str = "float32"  # float32 | float16 (halves the folder; loads back as float32)
+    save_dtype: str = "fp32"  # fp32 | fp16 (halves the folder; loads back as fp32)
 
     def __post_init__(self) -> None:
         require(bool(self.domain.strip()), "domain", "must be a non-empty name")
         require(self.holdout >= 2, "holdout", "must be >= 2 (retrieval accuracy)")
-        require(self.save_dtype in ("float32", "float16"), "save_dtype", "must be float32 or float16")
+        self.save_dtype = renamed_value(self.save_dtype, "save_dtype", OLD_PRECISIONS)
+        require(self.save_dtype in ("fp32", "fp16"), "save_dtype", f"must be fp32 or fp16, got {self.save_dtype!r}")
 
 
 def images_to_uint8(dataset, batch: int = 1024) -> torch.Tensor:
@@ -254,14 +256,14 @@ def train_clip(cfg: Config, images: torch.Tensor, captions: list[str], tokenizer
     return model, processor, losses
 
 
-def save_clip(model, processor, out_dir: Path, meta: dict, save_dtype: str = "float32") -> Path:
+def save_clip(model, processor, out_dir: Path, meta: dict, save_dtype: str = "fp32") -> Path:
     """CLIPModel + CLIPProcessor (save_pretrained, safetensors), vocab.json/merges.txt, pocketdiff_clip.json."""
     from pocketdiff.tokenizer import export_vocab_merges
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     to_save = model
-    if save_dtype == "float16":
+    if save_dtype == "fp16":
         import copy
 
         to_save = copy.deepcopy(model).to(torch.float16)

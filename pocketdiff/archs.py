@@ -7,9 +7,9 @@ from __future__ import annotations
 from typing import Optional
 
 from .errors import PocketdiffError, require
+from .names import MODEL_PREDICTION_TYPES
 
 ARCHS = ("tiny", "small", "sd15", "sd21")
-PREDICTION_TYPES = ("epsilon", "v_prediction")
 
 # Image size each architecture is built for when no resolution is given.
 DEFAULT_RESOLUTION = {"tiny": 32, "small": 64, "sd15": 512, "sd21": 768}
@@ -64,7 +64,7 @@ def unet_config(
     512 px epsilon); it is the scheduler that carries the prediction type.
     """
     _check_arch(arch)
-    require(prediction_type in PREDICTION_TYPES, "model.prediction_type", f"must be one of {PREDICTION_TYPES}, got {prediction_type!r}")
+    require(prediction_type in MODEL_PREDICTION_TYPES, "model.prediction_type", f"must be one of {MODEL_PREDICTION_TYPES}, got {prediction_type!r}")
     resolution = int(resolution or default_resolution(arch, prediction_type))
     if vae_factor is None:
         vae_factor = 2 ** (len(vae_config(arch)["block_out_channels"]) - 1)
@@ -171,7 +171,7 @@ def text_encoder_config(
 
 def scheduler_config(prediction_type: str = "epsilon") -> dict:
     """DDIMScheduler config of the SD family (scaled-linear betas, leading spacing, offset 1)."""
-    require(prediction_type in PREDICTION_TYPES, "model.prediction_type", f"must be one of {PREDICTION_TYPES}, got {prediction_type!r}")
+    require(prediction_type in MODEL_PREDICTION_TYPES, "model.prediction_type", f"must be one of {MODEL_PREDICTION_TYPES}, got {prediction_type!r}")
     return dict(
         num_train_timesteps=1000,
         beta_start=0.00085,

@@ -7,6 +7,7 @@ the file; value checks live in each dataclass's `__post_init__` (see `errors.req
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 from typing import Any, Optional, TypeVar
 
@@ -42,6 +43,63 @@ class DataConfig:
         require(self.shapes_count > 0, "data.shapes_count", "must be positive")
         if self.source in ("imagefolder", "hub"):
             require(bool(self.path), "data.path", f"is required for source={self.source!r}")
+
+
+_DEPRECATIONS_SAID: set[str] = set()
+
+
+def deprecated(old: str, new: str) -> None:
+    """One warning line per process: `old` (a config key or value) is now `new`."""
+    line = f"warning: {old} is deprecated, use {new}"
+    if line not in _DEPRECATIONS_SAID:
+        _DEPRECATIONS_SAID.add(line)
+        print(line, file=sys.stderr)
+
+
+def renamed_value(value: Any, key: str, renames: dict) -> Any:
+    """`value` under its current name: an old one (a key of `renames`) is mapped, with one deprecation line."""
+    if isinstance(value, str) and value in renames:
+        deprecated(f"{key}: {value}", f"{key}: {renames[value]}")
+        return renames[value]
+    return value
+
+
+def off_at_null(value: Optional[float], key: str) -> Optional[float]:
+    """A cap that is off at null: the old off value 0 is taken as null, with one deprecation line."""
+    if value is not None and value == 0:
+        deprecated(f"{key}: 0", f"{key}: null (no cap)")
+        return None
+    return value
+
+
+def _renamed_keys(schema: Any) -> dict[str, str]:
+    return dict(getattr(schema, "RENAMED_KEYS", None) or {})
+
+
+def _rename_raw(raw: dict, renames: dict[str, str]) -> dict:
+    """The YAML mapping with old dotted keys moved to their new names (one deprecation line each)."""
+    for old, new in renames.items():
+        *path, leaf = old.split(".")
+        node = raw
+        for part in path:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and leaf in node:
+            deprecated(old, new)
+            value = node.pop(leaf)
+            target = raw
+            *new_path, new_leaf = new.split(".")
+            for part in new_path:
+                target = target.setdefault(part, {})
+            target.setdefault(new_leaf, value)
+    return raw
+
+
+def _rename_override(item: str, renames: dict[str, str]) -> str:
+    key, _, value = item.partition("=")
+    if key in renames:
+        deprecated(key, renames[key])
+        return f"{renames[key]}={value}"
+    return item
 
 
 def _format_omegaconf_error(err: OmegaConfBaseException, where: str) -> str:
@@ -86,6 +144,7 @@ def load_config(schema: type[T], path: Optional[str | Path] = None, overrides: O
             raw = {}
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: top level must be a mapping, got {type(raw).__name__}")
+        raw = _rename_raw(raw, _renamed_keys(schema))
         try:
             cfg = OmegaConf.merge(cfg, OmegaConf.create(raw))
         except OmegaConfBaseException as e:
@@ -100,9 +159,11 @@ def with_overrides(obj: T, overrides: list[str]) -> T:
 
 
 def _finish(cfg, overrides: Optional[list[str]], where: str):
+    renames = _renamed_keys(OmegaConf.get_type(cfg))
     for item in overrides or []:
         if "=" not in item:
             raise ConfigError(f"command line: override {item!r} must look like key=value")
+        item = _rename_override(item, renames)
         try:
             cfg = OmegaConf.merge(cfg, _override(cfg, item))
         except OmegaConfBaseException as e:

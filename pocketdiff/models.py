@@ -30,7 +30,7 @@ from torch import nn
 from .archs import (  # noqa: F401  (ARCHS and the config factories are also imported from here)
     ARCHS,
     DEFAULT_RESOLUTION,
-    PREDICTION_TYPES,
+    MODEL_PREDICTION_TYPES,
     default_resolution,
     scheduler_config,
     text_encoder_config,
@@ -66,9 +66,9 @@ class ModelConfig:
     def __post_init__(self) -> None:
         require(self.arch in ARCHS, "model.arch", f"must be one of {ARCHS}, got {self.arch!r}")
         require(
-            self.prediction_type in PREDICTION_TYPES,
+            self.prediction_type in MODEL_PREDICTION_TYPES,
             "model.prediction_type",
-            f"must be one of {PREDICTION_TYPES}, got {self.prediction_type!r}",
+            f"must be one of {MODEL_PREDICTION_TYPES}, got {self.prediction_type!r}",
         )
         require(self.vocab_size >= 514, "model.vocab_size", f"must be >= 514 (CLIP byte symbols + specials), got {self.vocab_size}")
         require(self.pretrained is None or bool(str(self.pretrained).strip()), "model.pretrained", "must be a folder or hub id, or null")
@@ -329,7 +329,7 @@ def load_pipeline(source: str, prediction_type: Optional[str] = None, torch_dtyp
     from diffusers import StableDiffusionPipeline
 
     if prediction_type is not None:
-        require(prediction_type in PREDICTION_TYPES, "model.prediction_type", f"must be one of {PREDICTION_TYPES}, got {prediction_type!r}")
+        require(prediction_type in MODEL_PREDICTION_TYPES, "model.prediction_type", f"must be one of {MODEL_PREDICTION_TYPES}, got {prediction_type!r}")
     src, local = _resolve_source(source)
     if local:
         check_pipeline_folder(Path(src))

@@ -16,13 +16,13 @@ from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
 
+from pocketdiff.names import GUIDANCE_MODES, MODEL_PREDICTION_TYPES, PREDICTION_TYPES
+
 from .lcm_step import LCM, check_lcm_block
-from .lcm_step import PREDICTION_TYPES as LCM_PREDICTION_TYPES
 
 SPACINGS = ("leading", "trailing", "linspace")
-PREDICTION_TYPES = ("epsilon", "v_prediction")
 SCHEDULER_TYPES = ("ddim", LCM)
-GUIDANCE_BATCH = {"cfg": 2, "embedded": 1, "none": 1}
+GUIDANCE_BATCH = dict(zip(GUIDANCE_MODES, (2, 1, 1)))  # cfg, embedded, none
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +126,7 @@ def _check_scheduler(man: dict, found: Found) -> None:
     if stype not in SCHEDULER_TYPES:
         found.add("scheduler.type", "value", f"must be one of {', '.join(SCHEDULER_TYPES)}, got {stype!r}")
         stype = "ddim"  # the remaining fields checked as ddim's
-    ptypes = LCM_PREDICTION_TYPES if stype == LCM else PREDICTION_TYPES
+    ptypes = PREDICTION_TYPES if stype == LCM else MODEL_PREDICTION_TYPES
     if s.get("prediction_type") not in ptypes:
         found.add("scheduler.prediction_type", "value", f"must be {' or '.join(ptypes)}, got {s.get('prediction_type')!r}")
     if stype == "ddim" and s.get("eta", 0.0) != 0:

@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
+from pocketdiff.config import off_at_null
 from pocketdiff.errors import PocketdiffError, require
 from pocketdiff.runtime.memory import host_peak_mb
 
@@ -72,7 +73,7 @@ class LoopConfig:
     ema_device: str = "auto"  # auto: the model's device | cpu: the float32 shadow costs no GPU memory
     ema_every: int = 1  # update the EMA every k steps (decay^k per update): a CPU shadow's copy cost / k
     gradient_checkpointing: bool = False  # diffusers' enable_gradient_checkpointing on the trained model
-    memory_cap_gib: float = 0.0  # > 0: cap this process's CUDA allocator (set_per_process_memory_fraction)
+    memory_cap_gib: Optional[float] = None  # cap this process's CUDA allocator (set_per_process_memory_fraction); null: none
     # several processes: bf16 / fp16 halve the bytes of the gradient all-reduce (DDP communication hook); the
     # accelerator a recipe shares between its stages takes it from the section it is made from (distill: progressive)
     ddp_comm_hook: str = "none"
@@ -99,8 +100,9 @@ class LoopConfig:
         require(self.optimizer_lib in OPTIMIZER_LIBS, "train.optimizer_lib", f"must be one of {OPTIMIZER_LIBS}, got {self.optimizer_lib!r}")
         require(self.ema_device in EMA_DEVICES, "train.ema_device", f"must be one of {EMA_DEVICES}, got {self.ema_device!r}")
         require(self.ema_every > 0, "train.ema_every", f"must be positive, got {self.ema_every}")
-        require(math.isfinite(self.memory_cap_gib) and self.memory_cap_gib >= 0, "train.memory_cap_gib",
-                f"must be >= 0 (0: no cap), got {self.memory_cap_gib}")
+        self.memory_cap_gib = off_at_null(self.memory_cap_gib, "train.memory_cap_gib")
+        require(self.memory_cap_gib is None or (math.isfinite(self.memory_cap_gib) and self.memory_cap_gib > 0),
+                "train.memory_cap_gib", f"must be > 0 or null (no cap), got {self.memory_cap_gib}")
         require(self.profile_steps >= 0, "train.profile_steps", f"must be >= 0 (0: off), got {self.profile_steps}")
         require(self.ddp_comm_hook in DDP_COMM_HOOKS, "train.ddp_comm_hook", f"must be one of {DDP_COMM_HOOKS}, got {self.ddp_comm_hook!r}")
 

@@ -91,11 +91,11 @@ def _queued_adamw8bit(bnb):
     return QueuedAdamW8bit
 
 
-def apply_memory_cap(cap_gib: float, device) -> Optional[float]:
-    """Cap the CUDA caching allocator of this process at `cap_gib` (0: no cap). Returns the
+def apply_memory_cap(cap_gib: Optional[float], device) -> Optional[float]:
+    """Cap the CUDA caching allocator of this process at `cap_gib` (None: no cap). Returns the
     fraction set, None when no cap applies (CPU runs ignore the cap: there is no allocator to cap)."""
     device = torch.device(device)
-    if cap_gib <= 0 or device.type != "cuda":
+    if not cap_gib or device.type != "cuda":
         return None
     total = torch.cuda.get_device_properties(device).total_memory
     if cap_gib * 2**30 > total:
@@ -118,8 +118,8 @@ class GpuMemory:
         return round(torch.cuda.max_memory_allocated(self.device) / 2**30, 3) if self.cuda else None
 
 
-def oom_message(desc: str, step: int, batch: int, cap_gib: float, ckpt_dir: Path) -> str:
-    cap = f" under train.memory_cap_gib={cap_gib}" if cap_gib > 0 else ""
+def oom_message(desc: str, step: int, batch: int, cap_gib: Optional[float], ckpt_dir: Path) -> str:
+    cap = f" under train.memory_cap_gib={cap_gib}" if cap_gib else ""
     return (f"[{desc}] out of GPU memory at step {step} with train.batch_size={batch}{cap}: lower train.batch_size "
             "(train.grad_accum keeps the effective batch), or set train.gradient_checkpointing=true, "
             f"train.optimizer=adamw8bit, train.ema_device=cpu; last good checkpoint kept in {ckpt_dir}")

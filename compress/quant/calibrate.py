@@ -467,7 +467,7 @@ def _optional_components(cfg: Config, pipe, holdout_prompts, calib, device) -> d
     """Text encoder / VAE decoder: RTN at searched scales; cosine vs float on held-out prompts / latents."""
     result: dict = {"save": [], "cosines": {}, "report": {}}
     seed = cfg.seed
-    if cfg.quant.text_encoder:
+    if "text_encoder" in cfg.quant.components:
         te = pipe.text_encoder
         names = list(_component_layers(te))
         rtn_res, searched, specs = _quantize_simple(te, names, cfg.quant.bits, cfg.quant.group_size, cfg.quant.layer_bits, device)
@@ -487,7 +487,7 @@ def _optional_components(cfg: Config, pipe, holdout_prompts, calib, device) -> d
             "rtn_state": quantized_state_dict(state, rtn_res),
             "rtn_recipe": _recipe("text_encoder", specs, {n: "rtn" for n in names}, seed, {"source_pipeline": cfg.model.pretrained or f"built:{cfg.model.arch}"}),
         })
-    if cfg.quant.vae_decoder:
+    if "vae_decoder" in cfg.quant.components:
         vae = pipe.vae
         names = list(_component_layers(vae, ("decoder", "post_quant_conv")))
         rtn_res, searched, specs = _quantize_simple(vae, names, cfg.quant.bits, cfg.quant.group_size, cfg.quant.layer_bits, device)

@@ -7,13 +7,15 @@ import dataclasses
 from pathlib import Path
 from typing import Optional
 
-from pocketdiff.config import DataConfig
+from pocketdiff.config import DataConfig, deprecated
 from pocketdiff.errors import require
 from pocketdiff.models import ModelConfig
+from pocketdiff.runtime.components import COMPONENTS
 
 from .block_recon import ReconConfig
 
 DEFAULT_MIN_COSINE = {8: 0.99, 4: 0.9}
+QUANTIZABLE = COMPONENTS  # the registry's (runtime/components.py)
 
 
 @dataclasses.dataclass
@@ -50,10 +52,22 @@ class QuantConfig:
     group_size: Optional[int] = None  # None: per output channel; else group-wise over the flattened input
     layer_bits: dict[str, int] = dataclasses.field(default_factory=dict)  # fnmatch pattern -> bits (e.g. conv_in: 8)
     skip: list[str] = dataclasses.field(default_factory=list)  # fnmatch patterns of UNet layers kept float
-    text_encoder: bool = False  # also quantize the text encoder (RTN at searched scales)
-    vae_decoder: bool = False  # also quantize the VAE decoder (RTN at searched scales)
+    # what to quantize: the UNet (block reconstruction) and optionally text_encoder / vae_decoder (RTN at
+    # searched scales), as export's int8.components names them
+    components: list[str] = dataclasses.field(default_factory=lambda: ["unet"])
+    text_encoder: Optional[bool] = None  # deprecated: components: [unet, text_encoder]
+    vae_decoder: Optional[bool] = None  # deprecated: components: [unet, vae_decoder]
 
     def __post_init__(self) -> None:
+        for old in ("text_encoder", "vae_decoder"):
+            if getattr(self, old) is not None:
+                deprecated(f"quant.{old}: {str(getattr(self, old)).lower()}", f"quant.components: [unet, {old}]")
+                if getattr(self, old) and old not in self.components:
+                    self.components = [*self.components, old]
+                setattr(self, old, None)
+        for c in self.components:
+            require(c in QUANTIZABLE, "quant.components", f"unknown component {c!r}; choose from {QUANTIZABLE}")
+        require("unet" in self.components, "quant.components", "must list unet (calibrate reconstructs the UNet)")
         require(self.bits in (4, 8), "quant.bits", f"must be 4 or 8, got {self.bits}")
         require(self.group_size is None or self.group_size >= 2, "quant.group_size", "must be >= 2 or null")
         for k, v in self.layer_bits.items():

@@ -1,4 +1,5 @@
 import dataclasses
+from typing import ClassVar
 
 import pytest
 
@@ -120,3 +121,24 @@ def test_with_overrides_starts_from_the_given_instance_and_checks_like_the_comma
         with_overrides(base, ["inner.steps=many"])
     with pytest.raises(ConfigError, match="data.resolution"):  # __post_init__ validation runs
         with_overrides(base, ["data.resolution=2"])
+
+
+@dataclasses.dataclass
+class Renamed:
+    RENAMED_KEYS: ClassVar[dict] = {"inner.lr": "inner.rate"}
+    inner: "RenamedInner" = dataclasses.field(default_factory=lambda: RenamedInner())
+
+
+@dataclasses.dataclass
+class RenamedInner:
+    rate: float = 1.0
+
+
+def test_an_old_key_is_accepted_with_one_deprecation_line(tmp_path, capsys):
+    cfg = load_config(Renamed, write(tmp_path, "inner:\n  lr: 0.5\n"))
+    assert cfg.inner.rate == 0.5
+    assert with_overrides(cfg, ["inner.lr=0.25"]).inner.rate == 0.25
+    load_config(Renamed, write(tmp_path, "inner:\n  lr: 0.5\n"))
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning")]
+    assert lines == ["warning: inner.lr is deprecated, use inner.rate"]
+    assert load_config(Renamed, write(tmp_path, "inner:\n  lr: 0.5\n  rate: 2\n")).inner.rate == 2  # the new key wins

@@ -54,6 +54,7 @@ INTERFACES: dict[str, dict[str, str]] = {
         "pocketdiff.runtime.verify_bundle": "export runs verify-bundle's no-run checks on the bundle it wrote",
         "pocketdiff.runtime.memory": "export measures each component's peak RSS as the runner measures its own",
         "pocketdiff.runtime.chunks": "a chunked UNet or text encoder is exported under the names and order the runner passes tensors by",
+        "pocketdiff.runtime.components": "export converts the components the registry lists (names, inputs, splits, int8 prefixes)",
     },
     "pocketdiff.compress.prune": {
         "pocketdiff.train.loop": "recovery distillation reuses train's loop",
@@ -63,6 +64,7 @@ INTERFACES: dict[str, dict[str, str]] = {
     },
     "pocketdiff.compress.quant": {
         "pocketdiff.runtime.memory": "calibrate checks its host cap and reports its host peak with the runner's RSS readers",
+        "pocketdiff.runtime.components": "calibrate quantizes components by the registry's names",
     },
     "pocketdiff.train": {
         "pocketdiff.evaluate": "distill evaluates its rounds through evaluate's public API",

@@ -2,7 +2,7 @@
 from pocketdiff.demo.summary import TEACHER, TEACHER_TRAILING, stage_lines
 
 
-def _m(model, steps, fd, clip, mode="w_conditioned"):
+def _m(model, steps, fd, clip, mode="embedded"):
     return {"model": model, "steps": steps, "guidance_mode": mode, "fd": fd, "clip_score": clip,
             "features": "FD (shapes-CLIP)", "num_samples": 64}
 

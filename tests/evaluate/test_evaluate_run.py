@@ -80,7 +80,7 @@ def _pipe_with_unet(tiny_pipeline_dir, **unet_changes):
 def test_w_conditioned_student_through_timestep_cond(tiny_pipeline_dir):
     pipe = _pipe_with_unet(tiny_pipeline_dir, time_cond_proj_dim=32)
     model = resolve_model(("student", pipe))
-    assert model.guidance_mode == "w_conditioned"
+    assert model.guidance_mode == "embedded"
     w1, _ = generate_images(model, ["a red circle"], 2, 1.0, seed=0)
     w5, _ = generate_images(model, ["a red circle"], 2, 5.0, seed=0)
     assert not torch.allclose(w1, w5)
@@ -91,12 +91,12 @@ def test_w_conditioned_student_through_timestep_cond(tiny_pipeline_dir):
 def test_w_conditioned_student_through_class_labels(tiny_pipeline_dir):
     pipe = _pipe_with_unet(tiny_pipeline_dir, class_embed_type="timestep")
     model = resolve_model({"name": "s", "pipe": pipe})
-    assert model.guidance_mode == "w_conditioned" and model.w_embedding_fn is not None
+    assert model.guidance_mode == "embedded" and model.w_embedding_fn is not None
     w1, _ = generate_images(model, ["a red circle", "a star"], 2, 1.0, seed=0, batch_size=1)
     w5, _ = generate_images(model, ["a red circle", "a star"], 2, 5.0, seed=0, batch_size=2)
     assert w1.shape == (2, 3, 32, 32) and not torch.allclose(w1, w5)
     with pytest.raises(PocketdiffError, match="takes no w"):
-        resolve_model(ModelSpec(path=str(tiny_pipeline_dir), guidance_mode="w_conditioned"))
+        resolve_model(ModelSpec(path=str(tiny_pipeline_dir), guidance_mode="embedded"))
 
 
 def test_distilled_folder_defaults_come_from_distill_json(tiny_pipeline_dir, tmp_path):

@@ -67,7 +67,7 @@ def test_report_and_round_folders(full_run):
         assert m["student"]["steps"] == r["steps"] and m["teacher_same_steps"]["steps"] == r["steps"]
         assert m["teacher_reference"]["steps"] == 4
         assert all(isinstance(m[k]["fd"], float) and isinstance(m[k]["clip_score"], float) for k in m)
-        assert m["student"]["guidance_mode"] == "w_conditioned" and m["teacher_same_steps"]["guidance_mode"] == "cfg"
+        assert m["student"]["guidance_mode"] == "embedded" and m["teacher_same_steps"]["guidance_mode"] == "cfg"
     assert not list(out.glob(".round-*"))  # no temporary folders left
     sched = json.loads((out / "round-1" / "scheduler" / "scheduler_config.json").read_text())
     assert sched["prediction_type"] == "v_prediction" and sched["timestep_spacing"] == "trailing"

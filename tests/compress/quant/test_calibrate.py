@@ -111,7 +111,7 @@ def test_rebuilt_models_equal_codes_times_scales(w8):
 
 def test_w4_groupwise_and_optional_components(teacher, tmp_path):
     cfg = load_config(Config, _cfg(teacher, tmp_path, """
-quant: {bits: 4, group_size: 16, layer_bits: {conv_in: 8, conv_out: 8}, text_encoder: true, vae_decoder: true}
+quant: {bits: 4, group_size: 16, layer_bits: {conv_in: 8, conv_out: 8}, components: [unet, text_encoder, vae_decoder]}
 parity: {min_unet_cosine: 0.5, min_text_encoder_cosine: 0.5, min_vae_decoder_cosine: 0.5}
 output: {rtn_pipeline: false, samples: 0}
 """))

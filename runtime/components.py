@@ -1,0 +1,76 @@
+"""The component registry: every model a bundle may hold, in one table that the exporter, the
+manifest check, int8 and the runner read (plain data: no numpy, no torch).
+
+A component is one `Component` entry plus its converter in `export/` (the graph that
+`export_components.ComponentExport._graph_for` builds for its name). An entry says:
+
+- `name`, the manifest's key and the `.tflite` file's stem; `role` (text, denoise, decode);
+- `inputs`: the inputs the runner feeds it, by manifest name (`optional_inputs`: fed only by
+  some layouts: the guidance-embedded student's `timestep_cond`);
+- what it may be split into: `chunks` (K files run in turn, `<name>_chunks` in the manifest,
+  runtime/chunks.py) and/or `tiles` (the parts a tiled decoder runs instead of it);
+- its `checks`: what verify-bundle and the export hold it to (`golden` cosine / PSNR at fp16 and
+  fp32 against the PyTorch outputs; `tiled_psnr` the tiled decode against the whole one);
+- for the converter: the diffusers pipeline attribute holding its weights (`pipeline_attr`), the
+  prefix of its parameter names in the exported graph (`graph_prefix`, int8 maps codes by it) and
+  the modules int8 round-to-nearest leaves float (`int8_skip`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+
+@dataclasses.dataclass(frozen=True)
+class Component:
+    name: str
+    role: str  # text | denoise | decode
+    inputs: tuple[str, ...]
+    optional_inputs: tuple[str, ...] = ()
+    chunks: bool = False  # may be exported as K chunk files (`<name>_chunks` block)
+    tiles: tuple[str, ...] = ()  # the components a tiled layout runs instead of this one
+    part_of: Optional[str] = None  # a tile of this component
+    checks: tuple[str, ...] = ("golden",)
+    pipeline_attr: Optional[str] = None  # where its weights are in a diffusers pipeline
+    graph_prefix: str = ""  # its parameter names' prefix in the exported graph module
+    int8_skip: tuple[str, ...] = ()  # module prefixes int8 RTN keeps float
+    residual_scaled: bool = False  # its residual stream may be scaled for the fp16 range (rewrites.residual_scale)
+
+
+TEXT_ENCODER = "text_encoder"
+UNET = "unet"
+VAE_DECODER = "vae_decoder"
+VAE_DECODER_HEAD = "vae_decoder_head"
+VAE_UP_TILE = "vae_up_tile"
+
+REGISTRY: dict[str, Component] = {c.name: c for c in (
+    Component(TEXT_ENCODER, "text", ("input_ids",), chunks=True, pipeline_attr="text_encoder", graph_prefix="text_encoder."),
+    Component(UNET, "denoise", ("sample", "timestep", "encoder_hidden_states"), ("timestep_cond",), chunks=True,
+              pipeline_attr="unet", graph_prefix="unet.", residual_scaled=True),
+    Component(VAE_DECODER, "decode", ("latents",), tiles=(VAE_DECODER_HEAD, VAE_UP_TILE), checks=("golden", "tiled_psnr"),
+              pipeline_attr="vae", int8_skip=("encoder.", "quant_conv."), residual_scaled=True),
+    Component(VAE_DECODER_HEAD, "decode", ("latents",), part_of=VAE_DECODER, pipeline_attr="vae"),
+    Component(VAE_UP_TILE, "decode", ("features", "weight", "stats", "own"), part_of=VAE_DECODER, pipeline_attr="vae"),
+)}
+
+# the components an export config names (parts of a tiled layout come with their whole), in call order
+COMPONENTS: tuple[str, ...] = tuple(n for n, c in REGISTRY.items() if c.part_of is None)
+CHUNKABLE: tuple[str, ...] = tuple(n for n in COMPONENTS if REGISTRY[n].chunks)
+TILED_DECODER: tuple[str, ...] = REGISTRY[VAE_DECODER].tiles
+
+
+def component(name: str) -> Component:
+    """The registry's entry of `name` (a chunk `unet.3` is its component's)."""
+    head, _, tail = name.rpartition(".")
+    base = head if head in CHUNKABLE and tail.isdigit() else name
+    if base not in REGISTRY:
+        raise KeyError(f"unknown component {name!r}; the registry has {', '.join(REGISTRY)}")
+    return REGISTRY[base]
+
+
+def expand(names: list[str] | tuple[str, ...], tiled: bool) -> list[str]:
+    """The component names of an export: a tiled layout's parts in place of their whole."""
+    out: list[str] = []
+    for n in names:
+        out += list(REGISTRY[n].tiles) if tiled and REGISTRY[n].tiles else [n]
+    return out
