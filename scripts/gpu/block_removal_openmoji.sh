@@ -33,7 +33,7 @@ fi
 C=$REPO/configs W=$RUNS/block_removal L=$RUNS/block_removal/logs
 mkdir -p $L && cd $W || exit 1
 PRESETS=${PRESETS:-base small tiny}
-T0=$(date +%s); BUDGET_S=${BUDGET_S:-520}
+T0=$(date +%s); BUDGET_S=${BUDGET_S:-$([ -n "${SMOKE:-}" ] && echo 3000 || echo 520)}
 left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
 stamp() { echo "[$(date +%T)] $*" | tee -a $L/timeline.log; }
 if [ -n "${SMOKE:-}" ]; then
@@ -69,14 +69,14 @@ restore() {  # the teacher and CLIP: kept in /tmp by the teacher call, or carrie
 save_pipeline(load_pipeline(sys.argv[1]), sys.argv[2])" /tmp/teacher16 $T || exit 1
   mkdir -p outputs/clip-openmoji && tar xzf $S/clip16.tgz -C outputs/clip-openmoji || exit 1
 }
-lcm() {  # lcm NAME FROM: the 2-step consistency student of pipeline FROM (max LCM_STEPS steps, boxed by the call), then W8
+lcm() {  # lcm NAME FROM: the 2-step consistency student of pipeline FROM (LCM_STEPS steps; boxed to leave W8_S + EVAL_S), then W8
   verb lcm-$1 distill --config $C/distill/openmoji_lcm.yaml --output outputs/lcm-$1 $(again lcm-$1) model.pretrained=$2 \
-    consistency.train.max_steps=$LCM_STEPS consistency.sample_steps=[1,2] eval.metrics=false max_time_s=$(( $(left) - ${W8_S:-120} )) \
+    consistency.train.max_steps=$LCM_STEPS consistency.sample_steps=[1,2] eval.metrics=false max_time_s=$(( $(left) - ${W8_S:-120} - ${EVAL_S:-100} )) \
     consistency.train.checkpoint_every=100 $LCMX || return 1
   w8 $1
 }
 w8() {  # w8 NAME: W8 of outputs/lcm-NAME/round-0 calibrated at 2 steps (recon and RTN pipelines); RTN-only when time is short
-  local fast=""; [ "$(left)" -lt ${W8_S:-120} ] && fast="recon.method=rtn recon.iters=0"
+  local fast=""; [ "$(left)" -lt $(( ${W8_S:-120} + ${EVAL_S:-100} )) ] && fast="recon.method=rtn recon.iters=0"
   verb w8-$1 calibrate --config $C/calibrate/openmoji_student_w8.yaml --output outputs/w8-$1 --overwrite \
     model.pretrained=outputs/lcm-$1/round-0 calib.steps=2 parity.recon_not_worse_than_rtn=false $W8X $fast
 }
