@@ -37,7 +37,7 @@ T0=$(date +%s); BUDGET_S=${BUDGET_S:-$([ -n "${SMOKE:-}" ] && echo 3000 || echo 
 left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
 stamp() { echo "[$(date +%T)] $*" | tee -a $L/timeline.log; }
 if [ -n "${SMOKE:-}" ]; then
-  VAE="5 vae.batch_size=8 data.max_samples=64" TEACHER="train.max_steps=4 train.batch_size=8" CLIP="train.steps=4 train.batch_size=16 data.max_samples=64 holdout=16" LCM_STEPS=${LCM_STEPS:-3}
+  VAE="5 vae.batch_size=8 data.max_samples=64" TEACHER="train.max_steps=4 train.batch_size=8 samples.steps=2" CLIP="train.steps=4 train.batch_size=16 data.max_samples=64 holdout=16" LCM_STEPS=${LCM_STEPS:-3}
   RECOVERY="train.max_steps=3 train.batch_size=8 train.checkpoint_every=3 eval.probe_samples=4 eval.steps=2 data.max_samples=64"
   LCMX="consistency.train.batch_size=8 data.max_samples=64" W8X="calib.num_prompts=4 calib.holdout_prompts=2 recon.iters=2 recon.batch_size=4 output.samples=0"
   NUM=${NUM:-16}
@@ -69,11 +69,12 @@ restore() {  # the teacher and CLIP: kept in /tmp by the teacher call, or carrie
 save_pipeline(load_pipeline(sys.argv[1]), sys.argv[2])" /tmp/teacher16 $T || exit 1
   mkdir -p outputs/clip-openmoji && tar xzf $S/clip16.tgz -C outputs/clip-openmoji || exit 1
 }
-lcm() {  # lcm NAME FROM: the 2-step consistency student of pipeline FROM (LCM_STEPS steps; boxed to leave W8_S + EVAL_S), then W8
+lcm() {  # lcm NAME FROM [later]: the 2-step consistency student of pipeline FROM (LCM_STEPS steps; boxed to leave W8_S + EVAL_S),
+  # then its W8 (later: not here)
   verb lcm-$1 distill --config $C/distill/openmoji_lcm.yaml --output outputs/lcm-$1 $(again lcm-$1) model.pretrained=$2 \
     consistency.train.max_steps=$LCM_STEPS consistency.sample_steps=[1,2] eval.metrics=false max_time_s=$(( $(left) - ${W8_S:-120} - ${EVAL_S:-100} )) \
     consistency.train.checkpoint_every=100 $LCMX || return 1
-  w8 $1
+  [ -n "${3:-}" ] || w8 $1
 }
 w8() {  # w8 NAME: W8 of outputs/lcm-NAME/round-0 calibrated at 2 steps (recon and RTN pipelines); RTN-only when time is short
   local fast=""; [ "$(left)" -lt $(( ${W8_S:-120} + ${EVAL_S:-100} )) ] && fast="recon.method=rtn recon.iters=0"
@@ -110,11 +111,14 @@ p = load_pipeline(sys.argv[1]); p.to(torch.float16); save_pipeline(p, sys.argv[2
     tar czf $OUT/clip16.tgz -C outputs/clip-openmoji clip ;;
   prune)
     restore
+    pids=""
     for p in $PRESETS; do
       verb prune-$p prune --config $C/prune/openmoji_blocks.yaml --output outputs/prune-$p $(again prune-$p) \
         blocks.preset=$p model.pretrained=$T $RECOVERY &
+      pids="$pids $!"
     done
-    lcm unpruned $T &
+    # the unpruned student beside them; its W8 only while a prune still runs (else the students call does it)
+    (lcm unpruned $T later && for q in $pids; do kill -0 $q 2> /dev/null && { w8 unpruned; break; }; done) &
     wait ;;
   students)
     restore
