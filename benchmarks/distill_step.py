@@ -62,6 +62,7 @@ from _checkout import use_checkout  # noqa: E402
 
 use_checkout()
 
+from pocketdiff.conditioning import placeholder_conditioning  # noqa: E402
 from pocketdiff.models import default_resolution, perturb_norm_affines, scheduler_config, unet_config  # noqa: E402
 from pocketdiff.outputs import write_json  # noqa: E402
 from pocketdiff.train.consistency_loss import PairSettings, pair_loss  # noqa: E402
@@ -130,7 +131,7 @@ class Batch:
         from diffusers import DDIMScheduler
 
         g = torch.Generator().manual_seed(seed)
-        ch, dim = unet.config.in_channels, unet.config.cross_attention_dim
+        ch = unet.config.in_channels
         self.sched = DDIMScheduler(**{**scheduler_config("v_prediction"), "timestep_spacing": "trailing"})
         self.plan = round_plan(self.sched, steps, 2 * steps)
         k = torch.randint(0, steps, (batch,), generator=g)
@@ -139,8 +140,9 @@ class Batch:
         x0 = torch.randn(batch, ch, latent, latent, generator=g)
         eps = torch.randn(batch, ch, latent, latent, generator=g)
         self.z = noisy_latents(x0, eps, self.a_t.cpu()).to(device)
-        self.cond = (0.5 * torch.randn(batch, 77, dim, generator=g)).to(device)
-        self.uncond = (0.5 * torch.randn(1, 77, dim, generator=g)).to(device)
+        draw = lambda v: 0.5 * torch.randn(v.shape, generator=g)  # noqa: E731  (every field of the UNet family's conditioning)
+        self.cond = placeholder_conditioning(unet, batch, 77).map(draw).to(device)
+        self.uncond = placeholder_conditioning(unet, 1, 77).map(draw).to(device)
         self.w = (1.0 + 7.0 * torch.rand(batch, generator=g)).to(device)
         # ours_lcm: a pair (t_hi -> t_lo) of the skipping grid per sample, z at t_hi
         lcm = skipping_plan(self.sched, LCM_SOLVER_STEPS)
@@ -157,8 +159,8 @@ def eager_step(teacher, student, opt, b: Batch, amp, embed_dim):
     with amp():
         with torch.no_grad():
             def guided(z, t):
-                c = teacher(z, t, encoder_hidden_states=b.cond).sample.float()
-                u = teacher(z, t, encoder_hidden_states=b.uncond.expand_as(b.cond)).sample.float()
+                c = teacher(z, t, **b.cond.unet_kwargs()).sample.float()
+                u = teacher(z, t, **b.uncond.expand(len(b.cond)).unet_kwargs()).sample.float()
                 return u + b.w.view(-1, 1, 1, 1) * (c - u)
             z_mid = ddim_step(b.z, guided(b.z, b.t), b.a_t, b.a_mid, "v_prediction")
             z_prev = ddim_step(z_mid, guided(z_mid, b.t_mid), b.a_mid, b.a_prev, "v_prediction")
@@ -178,10 +180,10 @@ def ours_step(teacher: GuidedTeacher, student, opt, b: Batch, amp, embed_dim, ch
     with amp():
         if lcm_target is not None:  # the consistency stage (its own pair of timesteps and latents)
             settings = dataclasses.replace(LCM, channels_last=channels_last, student_embed=embed_dim)
-            loss = pair_loss(student, teacher, lcm_target, settings, b.z_hi, b.hi, b.lo, b.cond, uncond.expand_as(b.cond), b.w)
+            loss = pair_loss(student, teacher, lcm_target, settings, b.z_hi, b.hi, b.lo, b.cond, uncond.expand(len(b.cond)), b.w)
         else:
             if guided:  # round 0: one guided teacher evaluation at t
-                target = guided_x_target(teacher, b.z, b.t, b.a_t, b.cond, uncond.expand_as(b.cond), b.w)
+                target = guided_x_target(teacher, b.z, b.t, b.a_t, b.cond, uncond.expand(len(b.cond)), b.w)
             else:
                 target = two_step_x_target(teacher, b.z, b.t, b.t_mid, b.a_t, b.a_mid, b.a_prev, b.cond, uncond, b.w)
             out = student_forward(student, b.z, b.t, b.cond, b.w, channels_last, embed_dim)
@@ -229,7 +231,7 @@ def step_flops(name, base_unet, teacher_unet, student, opt, nb: int, latent: int
                                                guided=name == "ours_guided", lcm_target=lcm_target)) // nb
     kw = {"timestep_cond": torch.zeros(1, EMBED_DIM, device=device)} if name == "ours_wcond" else {}
     with torch.no_grad():
-        fwd = count_flops(lambda: flop_teacher.unet(small.z[:1], small.t[:1], encoder_hidden_states=small.cond[:1], **kw))
+        fwd = count_flops(lambda: flop_teacher.unet(small.z[:1], small.t[:1], **small.cond[:1].unet_kwargs(), **kw))
     opt.zero_grad(set_to_none=True)
     return per_sample, fwd
 

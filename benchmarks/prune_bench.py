@@ -33,17 +33,17 @@ def _sync(device):
 
 
 def time_forward(unet, inputs, device, iters: int, warmup: int) -> dict:
-    x, t, e = inputs
+    x, t, cond = inputs
     with torch.no_grad():
         for _ in range(warmup):
-            unet(x, t, encoder_hidden_states=e)
+            unet(x, t, **cond.unet_kwargs())
         _sync(device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         times = []
         for _ in range(iters):
             t0 = time.perf_counter()
-            unet(x, t, encoder_hidden_states=e)
+            unet(x, t, **cond.unet_kwargs())
             _sync(device)
             times.append(time.perf_counter() - t0)
     out = {"median_s": statistics.median(times), "min_s": min(times), "iters": iters, "times_s": times}
@@ -74,6 +74,7 @@ def main(argv=None) -> int:
     from diffusers import DDIMScheduler, UNet2DConditionModel
 
     from pocketdiff.compress.prune.targets import layer_profile
+    from pocketdiff.conditioning import Conditioning
     from pocketdiff.compress.prune.config import PruneSettings, TargetConfig
     from pocketdiff.compress.prune.pruning import macs_table, prune_unet
     from pocketdiff.compress.prune.importance import accumulate_diffusion_gradients
@@ -102,7 +103,7 @@ def main(argv=None) -> int:
     g = torch.Generator().manual_seed(0)
     inputs_cpu = (torch.randn(args.batch, conf["in_channels"], side, side, generator=g),
                   torch.full((args.batch,), 500, dtype=torch.long),
-                  torch.randn(args.batch, 77, conf["cross_attention_dim"], generator=g))
+                  Conditioning(torch.randn(args.batch, 77, conf["cross_attention_dim"], generator=g)))
 
     grad_info = {}
 
@@ -113,7 +114,7 @@ def main(argv=None) -> int:
         n = args.taylor_samples
         bs = min(args.batch, n)
         batches = ((torch.randn(bs, conf["in_channels"], side, side, generator=gen).to(device),
-                    torch.randn(bs, 77, conf["cross_attention_dim"], generator=gen).to(device)) for _ in range((n + bs - 1) // bs))
+                    Conditioning(torch.randn(bs, 77, conf["cross_attention_dim"], generator=gen)).to(device)) for _ in range((n + bs - 1) // bs))
         t1 = time.perf_counter()
         grad_info.update(accumulate_diffusion_gradients(work, sched, batches, n, params, gen))
         _sync(device)
@@ -138,7 +139,7 @@ def main(argv=None) -> int:
         load_s = time.perf_counter() - t0
 
     inputs = tuple(x.to(device) for x in inputs_cpu)
-    inputs = (inputs[0].to(dtype), inputs[1], inputs[2].to(dtype))
+    inputs = (inputs[0].to(dtype), inputs[1], inputs[2].to(dtype=dtype))
     unet, pruned = unet.to(device), pruned.to(device)
     if dtype != torch.float32:
         unet, pruned = unet.to(dtype), pruned.to(dtype)
@@ -148,8 +149,8 @@ def main(argv=None) -> int:
         lat["before"].append(time_forward(unet, inputs, device, iters, warmup if r == 0 else 1))
         lat["after"].append(time_forward(pruned, inputs, device, iters, warmup if r == 0 else 1))
     with torch.no_grad():
-        out_b = unet(*inputs[:2], encoder_hidden_states=inputs[2]).sample.float()
-        out_a = pruned(*inputs[:2], encoder_hidden_states=inputs[2]).sample.float()
+        out_b = unet(*inputs[:2], **inputs[2].unet_kwargs()).sample.float()
+        out_a = pruned(*inputs[:2], **inputs[2].unet_kwargs()).sample.float()
     med = {k: statistics.median(t for r in v for t in r["times_s"]) for k, v in lat.items()}
 
     result = {

@@ -34,12 +34,13 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional, Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pocketdiff.conditioning import Conditioning, as_conditioning
 from pocketdiff.errors import PocketdiffError
 
 from .graph import InternalGroup
@@ -223,7 +224,7 @@ def group_parameters(groups: Iterable[InternalGroup], streams: Iterable = (), un
 def accumulate_diffusion_gradients(
     unet: nn.Module,
     scheduler,
-    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    batches: Iterable[tuple[torch.Tensor, Union[Conditioning, torch.Tensor]]],
     num_samples: int,
     params: list[nn.Parameter],
     generator: torch.Generator,
@@ -232,7 +233,7 @@ def accumulate_diffusion_gradients(
 ) -> dict:
     """Sum of denoising-loss gradients into ``p.grad`` for `params` (others frozen).
 
-    `batches` yields (clean latents [B,C,H,W], text embeddings [B,L,D]) on the UNet's device;
+    `batches` yields (clean latents [B,C,H,W], their `Conditioning` or prompt embeddings [B,L,D]) on the UNet's device;
     the `num_samples` samples over all batches get timesteps stratified over
     ``t_range`` (fractions of the training timesteps), in a shuffled order, one per sample,
     with noise from `generator` (CPU). `timestep_cond_fn(B)` gives the ``timestep_cond`` of a
@@ -259,14 +260,14 @@ def accumulate_diffusion_gradients(
             if done >= n:
                 break
             B = min(latents.shape[0], n - done)
-            latents, emb = latents[:B], emb[:B]
+            latents, emb = latents[:B], as_conditioning(emb)[:B]
             noise = torch.randn(latents.shape, generator=generator).to(latents.device, latents.dtype)
             t = ts[done : done + B].to(latents.device)
             noisy = scheduler.add_noise(latents, noise, t)
             kwargs = {}
             if timestep_cond_fn is not None:
                 kwargs["timestep_cond"] = timestep_cond_fn(B).to(device=latents.device, dtype=emb.dtype)
-            pred = unet(noisy, t, encoder_hidden_states=emb, **kwargs).sample
+            pred = unet(noisy, t, **emb.unet_kwargs(), **kwargs).sample
             loss = F.mse_loss(pred.float(), diffusion_target(scheduler, latents, noise, t).float(), reduction="sum") / latents[0].numel()
             loss.backward()
             losses.append(loss.item() / B)

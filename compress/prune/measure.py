@@ -6,22 +6,23 @@ from pathlib import Path
 
 import torch
 
+from pocketdiff.conditioning import Conditioning, encode_conditioning
+
 from .config import Config
 
 
 
 @torch.no_grad()
-def _encode(pipe, items: list[dict], generator: torch.Generator, device) -> tuple[torch.Tensor, torch.Tensor]:
+def _encode(pipe, items: list[dict], generator: torch.Generator, device) -> tuple[torch.Tensor, Conditioning]:
+    """(latents, the family's `Conditioning` of the items' captions)."""
     from pocketdiff.data import collate
-    from pocketdiff.train.losses import tokenize
 
     batch = collate(items)
     x = batch["pixel_values"].to(device)
     dist = pipe.vae.encode(x).latent_dist
     eps = torch.randn(dist.mean.shape, generator=generator).to(device)
     latents = (dist.mean + dist.std * eps) * pipe.vae.config.scaling_factor
-    emb = pipe.text_encoder(tokenize(pipe.tokenizer, list(batch["text"])).to(device))[0]
-    return latents, emb
+    return latents, encode_conditioning(pipe, list(batch["text"]), device)
 
 
 def _calibration_batches(pipe, dataset, n: int, batch_size: int, generator: torch.Generator, device):
@@ -57,7 +58,7 @@ class Probe:
             if w_fn is not None:  # guidance-conditioned: the evaluation guidance scale
                 kw["timestep_cond"] = w_fn(torch.full((len(items),), float(guidance_scale))).to(device, emb.dtype)
             with torch.no_grad():
-                ref = teacher(x, t, encoder_hidden_states=emb, **kw).sample.float()
+                ref = teacher(x, t, **emb.unet_kwargs(), **kw).sample.float()
             self.batches.append((x, t, emb, kw, ref))
 
     @torch.no_grad()
@@ -66,7 +67,7 @@ class Probe:
             return {}
         se, ref2, n = 0.0, 0.0, 0
         for x, t, emb, kw, ref in self.batches:
-            out = unet(x, t, encoder_hidden_states=emb, **kw).sample.float()
+            out = unet(x, t, **emb.unet_kwargs(), **kw).sample.float()
             se += float(((out - ref) ** 2).sum())
             ref2 += float((ref ** 2).sum())
             n += ref.numel()

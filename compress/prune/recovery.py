@@ -28,10 +28,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pocketdiff.conditioning import encode_conditioning
 from pocketdiff.errors import require
 from pocketdiff.sampling import default_w_embedding_fn
 from pocketdiff.train.loop import BatchRandom, LoopConfig, train_loop, use_ema_weights
-from pocketdiff.train.losses import diffusion_target, tokenize
+from pocketdiff.train.losses import diffusion_target
 
 
 @dataclasses.dataclass
@@ -116,7 +117,7 @@ def recover(
 
     A guidance-conditioned teacher (``time_cond_proj_dim``) gets the same random
     ``timestep_cond`` as the student, w ~ U[`w_range`] per sample."""
-    vae, text_encoder, tokenizer, scheduler = pipe.vae, pipe.text_encoder, pipe.tokenizer, pipe.scheduler
+    vae, text_encoder, scheduler = pipe.vae, pipe.text_encoder, pipe.scheduler
     for m in (teacher, vae, text_encoder):
         m.requires_grad_(False).eval()
     student.requires_grad_(True).train()
@@ -139,7 +140,7 @@ def recover(
             latents = (dist.mean + dist.std * rng.randn(*dist.mean.shape[1:])) * vae.config.scaling_factor
             drop = rng.rand() < cfg.caption_dropout
             texts = ["" if d else t for d, t in zip(drop.tolist(), batch["text"])]
-            emb = text_encoder(tokenize(tokenizer, texts).to(dev))[0]
+            emb = encode_conditioning(pipe, texts, dev)
             noise = rng.randn(*latents.shape[1:]).to(latents.dtype)
             t = rng.randint(0, scheduler.config.num_train_timesteps)
             noisy = scheduler.add_noise(latents, noise, t)
@@ -147,11 +148,11 @@ def recover(
             if w_fn is not None:
                 w = w_range[0] + rng.rand() * (w_range[1] - w_range[0])
                 kwargs["timestep_cond"] = w_fn(w).to(device=dev, dtype=emb.dtype)
-            t_out = teacher(noisy, t, encoder_hidden_states=emb, **kwargs).sample.float()
+            t_out = teacher(noisy, t, **emb.unet_kwargs(), **kwargs).sample.float()
             t_by_module = tap_t.pop() if tap_t else {}
             t_feat = {n: t_by_module[src] for n, src in pairs.items()}
             t_feat = {n: (f.index_select(1, picks[n].to(f.device)) if n in picks else f) for n, f in t_feat.items()}
-        s_out = model(noisy, t, encoder_hidden_states=emb, **kwargs).sample.float()
+        s_out = model(noisy, t, **emb.unet_kwargs(), **kwargs).sample.float()
         s_feat = tap_s.pop() if tap_s else {}
         loss = torch.zeros((), device=dev)
         if cfg.output_weight > 0:

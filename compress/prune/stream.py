@@ -51,6 +51,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from pocketdiff.conditioning import placeholder_conditioning
+
 from . import graph as pg
 
 SCOPES = ("internal", "stream", "all")
@@ -380,7 +382,7 @@ def trace_streams(unet: nn.Module) -> StreamGraph:
     try:
         with tracer:
             out = model(torch.zeros(1, cfg.in_channels, *hw, device="meta"), torch.tensor([1], device="meta"),
-                        encoder_hidden_states=torch.zeros(1, 4, cfg.cross_attention_dim, device="meta"), **kwargs)
+                        **placeholder_conditioning(cfg, batch=1, tokens=4, device="meta").unet_kwargs(), **kwargs)
             tracer._fix(tracer._get(_out_tensor(out)), "the UNet output")
     finally:
         tracer.remove()

@@ -12,6 +12,7 @@ from typing import Iterable, Optional, Sequence
 import torch
 from torch import nn
 
+from pocketdiff.conditioning import placeholder_conditioning
 from pocketdiff.errors import PocketdiffError
 
 from . import graph as pg
@@ -77,11 +78,11 @@ def layer_profile(unet: nn.Module, sample_size: Optional[int] = None, seq_len: i
     try:
         x = torch.zeros(1, cfg.in_channels, *hw, device="meta")
         t = torch.tensor([1], device="meta")
-        emb = torch.zeros(1, seq_len, cfg.cross_attention_dim, device="meta")
+        cond = placeholder_conditioning(cfg, batch=1, tokens=seq_len, device="meta")
         kwargs = {}
         if getattr(cfg, "time_cond_proj_dim", None):
             kwargs["timestep_cond"] = torch.zeros(1, cfg.time_cond_proj_dim, device="meta")
-        model(x, t, encoder_hidden_states=emb, **kwargs)
+        model(x, t, **cond.unet_kwargs(), **kwargs)
     finally:
         for h in handles:
             h.remove()

@@ -32,9 +32,10 @@ from typing import Optional
 
 import torch
 
+from pocketdiff.conditioning import placeholder_conditioning
 from pocketdiff.errors import PocketdiffError
 
-from .blocks import CalibSet, build_blocks, group_by_budget, human_bytes, order_blocks
+from .blocks import CONDITIONING_KEYS, CalibSet, build_blocks, group_by_budget, human_bytes, order_blocks
 from .cache_store import READ_CHUNK_BYTES, HostCache
 from .calib_data import trajectory_indices
 from .quantizer import quantizable_layers
@@ -106,9 +107,10 @@ def model_sizes(unet, text_encoder_bytes: int, vae_bytes: int, skip, opts) -> Mo
     blocks = build_blocks(meta, skip)
     c = meta.config
     side = c.sample_size if isinstance(c.sample_size, (list, tuple)) else (c.sample_size, c.sample_size)
+    cond = placeholder_conditioning(c, 1, TEXT_TOKENS, "meta")  # the UNet family's conditioning fields
     one = {"sample": torch.zeros(1, c.in_channels, *side, device="meta"),
            "timestep": torch.zeros(1, dtype=torch.long, device="meta"),
-           "encoder_hidden_states": torch.zeros(1, TEXT_TOKENS, c.cross_attention_dim, device="meta")}
+           **{CONDITIONING_KEYS[name]: v for name, v in cond.tensors().items()}}
     if c.get("time_cond_proj_dim"):
         one["timestep_cond"] = torch.zeros(1, c.time_cond_proj_dim, device="meta")
     if getattr(meta, "class_embedding", None) is not None:
