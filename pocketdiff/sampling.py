@@ -27,12 +27,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from .conditioning import Conditioning, as_conditioning, encode_conditioning, encode_prompts  # noqa: F401  (encode_prompts: its home was here)
+from .conditioning import Conditioning, as_conditioning, check_conditioning, encode_conditioning
+from .conditioning import encode_prompts  # noqa: F401  (its home was here; callers import it from sampling)
 from .consistency_sampling import boundary_scalings, is_consistency_scheduler, scheduler_lcm_timesteps
 from .errors import PocketdiffError
-from .tokenizer import warn_if_truncated
+from .names import PREDICTION_TYPES
 
-PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")
 
 
 # --------------------------------------------------------------------------------------
@@ -286,7 +286,7 @@ def ddim_sample(
         raise PocketdiffError(f"prediction_type must be one of {PREDICTION_TYPES}, got {ptype!r}")
     clip_x0 = float(_cfg_get(config, "clip_sample_range", 1.0)) if _cfg_get(config, "clip_sample", False) else None
 
-    cond_emb, uncond_emb = as_conditioning(cond_emb), as_conditioning(uncond_emb)
+    cond_emb, uncond_emb = check_conditioning(unet, as_conditioning(cond_emb)), as_conditioning(uncond_emb)
     device = cond_emb.device
     unet_dtype = _module_dtype(unet, cond_emb.dtype)
     if latents is None:
@@ -356,7 +356,7 @@ def consistency_sample(
     clip = float(_cfg_get(config, "clip_sample_range", 1.0)) if _cfg_get(config, "clip_sample", False) else None
     scaling = float(_cfg_get(config, "timestep_scaling", 10.0))
     alphas = scheduler.alphas_cumprod.to(torch.float32)
-    cond = as_conditioning(cond)
+    cond = check_conditioning(unet, as_conditioning(cond))
     device, B = cond.device, latents.shape[0]
     dtype = _module_dtype(unet, cond.dtype)
     kwargs = {}

@@ -161,7 +161,7 @@ def test_callback_sees_unet_inputs(eps_pipe):
     seen = []
 
     def record(i, t, x_in, t_batch, emb):
-        seen.append((i, t, x_in.clone(), t_batch.clone(), emb.shape))
+        seen.append((i, t, x_in.clone(), t_batch.clone(), emb.prompt_embeds.shape))
 
     cond, uncond = encode_prompts(eps_pipe, PROMPTS), encode_prompts(eps_pipe, ["", ""])
     with torch.no_grad():
