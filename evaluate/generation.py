@@ -286,7 +286,8 @@ def _class_label_images(model: LoadedModel, prompts: list[str], steps: int, guid
     """Class-embedding students: `generate` per chunk with class_labels when it takes
     extra_unet_kwargs, else the same seeding through the sampler's own pieces."""
     from pocketdiff.models import vae_scale_factor
-    from pocketdiff.sampling import ddim_sample, decode_latents, encode_prompts, generate, randn_latents
+    from pocketdiff.conditioning import encode_conditioning
+    from pocketdiff.sampling import ddim_sample, decode_latents, generate, randn_latents
 
     pipe, unet = model.pipe, model.unet
     device = next(unet.parameters()).device
@@ -304,7 +305,7 @@ def _class_label_images(model: LoadedModel, prompts: list[str], steps: int, guid
         side = res // factor
         gens = [torch.Generator("cpu").manual_seed(int(seed) + start + j) for j in range(len(chunk))]
         noise = randn_latents((len(chunk), unet.config.in_channels, side, side), gens, device)
-        cond = encode_prompts(pipe, chunk, device)
+        cond = encode_conditioning(pipe, chunk, device, unet=unet)
         latents = ddim_sample(unet, pipe.scheduler, cond, None, steps=steps, guidance_scale=1.0, latents=noise,
                               extra_unet_kwargs={"class_labels": labels})
         out.append(decode_latents(pipe.vae, latents).cpu())
