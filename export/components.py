@@ -23,8 +23,7 @@ from torch import nn
 
 from pocketdiff.errors import PocketdiffError
 from pocketdiff.models import check_resolution, vae_scale_factor
-
-COMPONENTS = ("text_encoder", "unet", "vae_decoder")
+from pocketdiff.runtime.components import COMPONENTS  # noqa: F401  (the registry's names; the graphs below convert them)
 
 
 class TextEncoderGraph(nn.Module):

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from pocketdiff.outputs import write_json
+from pocketdiff.runtime.components import component
 from pocketdiff.runtime.memory import host_peak_mb, reset_host_peak
 
 from . import bundle as bundle_lib
@@ -22,7 +23,7 @@ from .chunk_export import export_chunked
 from .components import Shapes, TextEncoderGraph, UNetGraph, VaeDecoderGraph
 from .device_profile import check_component
 from .exporter import convert_job, finish_component, peak_rss_mb, prepare_component
-from .tiled_export import UP_TILE, parity_latents, tiled_parity
+from .tiled_export import parity_latents, tiled_parity
 
 log = logging.getLogger(__name__)
 
@@ -73,10 +74,10 @@ class ComponentExport:
     def _run_sequential(self) -> None:
         import gc
 
-        module_attr = {"text_encoder": "text_encoder", "unet": "unet", "vae_decoder": "vae", UP_TILE: "vae"}  # the head: the VAE stays
-        for name in sorted(self.names, key=lambda n: n == "unet"):  # one component in memory at a time
+        order = sorted(self.names, key=lambda n: component(n).role == "denoise")  # one component in memory at a time
+        for i, name in enumerate(order):
             reset = reset_host_peak()
-            chunks = {"unet": self.cfg.unet_chunks, "text_encoder": self.cfg.text_encoder_chunks}.get(name, 1)
+            chunks = getattr(self.cfg, f"{name}_chunks") if component(name).chunks else 1
             if chunks > 1:  # K files, one converted after another (export/chunk_export.py)
                 export_chunked(self, name, chunks, say)
             else:
@@ -86,8 +87,9 @@ class ComponentExport:
                 prep.raw_path.unlink(missing_ok=True)
                 del prep
             self._check_tiling()
-            if name in module_attr:
-                setattr(self.pipe, module_attr[name], None)
+            attr = component(name).pipeline_attr  # released once no later component needs it (the head: the VAE stays)
+            if attr and all(component(n).pipeline_attr != attr for n in order[i + 1:]):
+                setattr(self.pipe, attr, None)
             gc.collect()
             if reset:  # the process's peak while this component was prepared, converted and checked
                 self.reports[name]["peak_rss_mb"] = round(host_peak_mb(), 1)

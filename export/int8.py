@@ -27,12 +27,13 @@ from pocketdiff.compress.quant.int8_format import (
     rtn_scale,
 )
 from pocketdiff.errors import PocketdiffError
+from pocketdiff.runtime.components import COMPONENTS, REGISTRY
 
 from .convert import Int8Piece
 from .rewrites import Conv1x1Linear, SerializedConv2d, swap_modules
 
-# component -> prefix of its names inside the exported graph module
-GRAPH_PREFIX = {"text_encoder": "text_encoder.", "unet": "unet.", "vae_decoder": ""}
+# component -> prefix of its names inside the exported graph module (the registry's graph_prefix)
+GRAPH_PREFIX = {n: REGISTRY[n].graph_prefix for n in COMPONENTS}
 
 
 @dataclasses.dataclass

@@ -24,7 +24,7 @@ from pocketdiff.errors import PocketdiffError
 from pocketdiff.normfree import calibrate_group_stats, fold_group_norms, has_group_norm_up_path, up_path_norm_names
 
 from .components import VaeDecoderGraph
-from pocketdiff.runtime.manifest_check import TILED_DECODER
+from pocketdiff.runtime.components import TILED_DECODER
 from pocketdiff.runtime.onepass_decode import ONE_PASS, tiles_area_ratio
 from pocketdiff.runtime.tiled_decode import psnr_db
 

@@ -23,20 +23,15 @@ import torch
 from pocketdiff.errors import ParityError, PocketdiffError
 
 from .components import VaeDecoderGraph
-from pocketdiff.runtime.manifest_check import TILED_DECODER
+from pocketdiff.runtime.components import TILED_DECODER, expand
 from pocketdiff.runtime.tiled_decode import axis_weights, control_variate, first_pass_corrections, psnr_db, stats_from_sums, tile_starts
 
 HEAD, UP_TILE = TILED_DECODER
 
 
 def expand_components(components: list[str], tiled: bool) -> list[str]:
-    """The components the export converts: vae_decoder replaced by the two tiled graphs."""
-    if not tiled:
-        return list(components)
-    out: list[str] = []
-    for c in components:
-        out += list(TILED_DECODER) if c == "vae_decoder" else [c]
-    return out
+    """The components the export converts: vae_decoder replaced by the two tiled graphs (the registry's tiles)."""
+    return expand(components, tiled)
 
 
 @dataclasses.dataclass

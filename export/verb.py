@@ -31,12 +31,13 @@ from pocketdiff.models import ModelConfig, load_or_build, perturb_norm_affines
 from pocketdiff.outputs import write_json
 from pocketdiff.runtime.bundle import MANIFEST, load_manifest
 from pocketdiff.runtime.chunks import block_key
-from pocketdiff.runtime.manifest_check import TILED_DECODER
+from pocketdiff.names import GUIDANCE_MODES as BUNDLE_GUIDANCE_MODES
+from pocketdiff.runtime.components import CHUNKABLE, COMPONENTS, REGISTRY, TILED_DECODER
 from pocketdiff.runtime.onepass_decode import ONE_PASS
 from pocketdiff.runtime.tiled_decode import SCHEMES as TILING_SCHEMES
 
 from . import bundle as bundle_lib
-from .components import COMPONENTS, shapes_for, time_embedding_table, tokenize
+from .components import shapes_for, time_embedding_table, tokenize
 from .convert import WEIGHT_FORMATS
 from .device_profile import DeviceProfile
 from .export_components import ComponentExport, GoldenInputs, say
@@ -51,7 +52,7 @@ from .unet_chunks import CUTS, MAX_CHUNKS, precheck_chunks
 log = logging.getLogger(__name__)
 
 
-GUIDANCE_MODES = ("auto", "cfg", "embedded", "none")
+GUIDANCE_MODES = ("auto", *BUNDLE_GUIDANCE_MODES)
 
 
 @dataclasses.dataclass
@@ -169,7 +170,7 @@ class Config:
         require(not self.vae_tiling.enabled or "vae_decoder" in self.components, "vae_tiling.enabled",
                 "tiles the vae_decoder component, which components does not list")
         require(self.unet_chunk_cut in CUTS, "unet_chunk_cut", f"must be one of {', '.join(CUTS)}, got {self.unet_chunk_cut!r}")
-        for component in ("unet", "text_encoder"):
+        for component in CHUNKABLE:
             self._check_chunks(component)
         if self.unet_chunks > 1:
             require(self.rewrites.time_embedding_outside, "unet_chunks",
@@ -257,20 +258,15 @@ def _load_pipeline(cfg: Config):
         if cfg.int8.checkpoint:
             quantized = load_component_checkpoints(cfg.int8.checkpoint)
         else:
-            graphs = {"text_encoder": pipe.text_encoder, "unet": pipe.unet, "vae_decoder": pipe.vae}
             for c in cfg.int8.components:
-                skip = ("encoder.", "quant_conv.") if c == "vae_decoder" else ()
-                quantized[c] = rtn_checkpoint(graphs[c], c, cfg.int8.bits, skip=skip)
+                quantized[c] = rtn_checkpoint(getattr(pipe, REGISTRY[c].pipeline_attr), c, cfg.int8.bits, skip=REGISTRY[c].int8_skip)
         if cfg.rewrites.conv_lowering != "none":  # before any conversion: the lowered taps carry one scale per output channel
             grouped = [f"{c}.{n}" for c, q in quantized.items() if c in cfg.rewrites.conv_lowering_components
                        for n, lr in q.recipe.layers.items() if lr.group_size is not None]
             require(not grouped, "rewrites.conv_lowering", f"cannot lower group-wise quantized layers ({', '.join(grouped[:3])}); use none")
-        if "unet" in quantized:
-            apply_to_module(pipe.unet, quantized["unet"])
-        if "text_encoder" in quantized:
-            apply_to_module(pipe.text_encoder, quantized["text_encoder"])
-        if "vae_decoder" in quantized:
-            apply_to_module(pipe.vae, quantized["vae_decoder"])
+        for c in COMPONENTS:
+            if c in quantized:
+                apply_to_module(getattr(pipe, REGISTRY[c].pipeline_attr), quantized[c])
     return model_cfg, pipe, synthetic, quantized
 
 
@@ -335,7 +331,7 @@ def _scan_and_rewrites(cfg: Config, pipe, golden: GoldenInputs, work: Path, timi
         from .fp16scan import residual_scale_for, stream_peaks
 
         peaks = stream_peaks(scan)
-        for n in ("unet", "vae_decoder"):
+        for n in (n for n in COMPONENTS if REGISTRY[n].residual_scaled):
             if n in rewrites_of:
                 s = residual_scale_for(peaks.get(n, 0.0))
                 rewrites_of[n] = dataclasses.replace(cfg.rewrites, residual_scale=None if s == 1.0 else s)

@@ -32,11 +32,11 @@ from pocketdiff.errors import PocketdiffError
 from .manifest_fields import FIELD_CHECKS, Found, Problem, is_int, positive_ints
 from .onepass_decode import ONE_PASS, check_one_pass_block, one_pass_io
 from .tiled_decode import SCHEMES as TILING_SCHEMES
-from .chunks import CHUNKABLE, TEXT_ENCODER, block_key, parts_of
+from .chunks import block_key, parts_of
 from .chunks import check_block as check_chunks_block
+from .components import CHUNKABLE, COMPONENTS, REGISTRY, TEXT_ENCODER, TILED_DECODER, VAE_DECODER
 
-RUNNER_COMPONENTS = ("text_encoder", "unet", "vae_decoder")
-TILED_DECODER = ("vae_decoder_head", "vae_up_tile")
+RUNNER_COMPONENTS = COMPONENTS  # the registry's (runtime/components.py)
 
 
 class BundleCheckError(PocketdiffError):
@@ -102,8 +102,22 @@ def _check_components(man: dict, need: Iterable[str], found: Found) -> None:
     _check_contract(man, ios, found)
 
 
+def _missing_inputs(ios: dict, found: Found) -> set[str]:
+    """The whole components that lack an input the runner feeds them (the registry's `inputs`)."""
+    lacking = set()
+    for name in COMPONENTS:
+        if name in ios:
+            ins = ios[name][0]
+            missing = [k for k in REGISTRY[name].inputs if k not in ins]
+            if missing:
+                found.add(f"components.{name}.inputs", "consistency", f"has no {', '.join(missing)} (has {', '.join(ins)})")
+                lacking.add(name)
+    return lacking
+
+
 def _check_contract(man: dict, ios: dict, found: Found) -> None:
     """The shapes the runner feeds and reads, from the manifest's sizes, against each component."""
+    lacking = _missing_inputs(ios, found)
     lat, g, tok, s = (man.get(k) if isinstance(man.get(k), dict) else {} for k in ("latent", "guidance", "tokenizer", "scheduler"))
     image = man.get("image") if isinstance(man.get("image"), dict) else {}
     B = g.get("unet_batch")
@@ -112,9 +126,7 @@ def _check_contract(man: dict, ios: dict, found: Found) -> None:
     text_out = None
     if "text_encoder" in ios:
         ins, outs = ios["text_encoder"]
-        if "input_ids" not in ins:
-            found.add("components.text_encoder.inputs", "consistency", f"has no input_ids (has {', '.join(ins)})")
-        else:
+        if "text_encoder" not in lacking:
             _expect(found, "components.text_encoder.inputs.input_ids", ins["input_ids"]["shape"], [1, L], "tokenizer.max_length")
         text_out = next(iter(outs.values()))["shape"]
         if len(text_out) != 3 or text_out[:2] != [1, L]:
@@ -122,10 +134,7 @@ def _check_contract(man: dict, ios: dict, found: Found) -> None:
             text_out = None
     if "unet" in ios:
         ins, outs = ios["unet"]
-        missing = [k for k in ("sample", "timestep", "encoder_hidden_states") if k not in ins]
-        if missing:
-            found.add("components.unet.inputs", "consistency", f"has no {', '.join(missing)} (has {', '.join(ins)})")
-        else:
+        if "unet" not in lacking:
             _expect(found, "components.unet.inputs.sample", ins["sample"]["shape"], [B, *latent], "guidance.unet_batch x latent")
             if text_out is not None:
                 _expect(found, "components.unet.inputs.encoder_hidden_states", ins["encoder_hidden_states"]["shape"],
@@ -145,9 +154,7 @@ def _check_contract(man: dict, ios: dict, found: Found) -> None:
         _expect(found, "components.unet.outputs", next(iter(outs.values()))["shape"], [B, *latent], "guidance.unet_batch x latent")
     if "vae_decoder" in ios:
         ins, outs = ios["vae_decoder"]
-        if "latents" not in ins:
-            found.add("components.vae_decoder.inputs", "consistency", f"has no latents (has {', '.join(ins)})")
-        else:
+        if "vae_decoder" not in lacking:
             _expect(found, "components.vae_decoder.inputs.latents", ins["latents"]["shape"], [1, *latent], "latent")
         _expect(found, "components.vae_decoder.outputs", next(iter(outs.values()))["shape"],
                 [1, image.get("channels"), image.get("height"), image.get("width")], "image")
@@ -156,7 +163,7 @@ def _check_contract(man: dict, ios: dict, found: Found) -> None:
 
 def decoder_components(man: dict) -> tuple[str, ...]:
     """The decoder's components: the two tiled graphs when the manifest has a vae_tiling block."""
-    return TILED_DECODER if isinstance(man.get("vae_tiling"), dict) else ("vae_decoder",)
+    return TILED_DECODER if isinstance(man.get("vae_tiling"), dict) else (VAE_DECODER,)
 
 
 def runner_components(man: dict) -> tuple[str, ...]:

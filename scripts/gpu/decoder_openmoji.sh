@@ -23,7 +23,7 @@ if [ -n "${CLIP_DIR:-}" ]; then
   for _ in $(seq 600); do [ -f "$CLIP_DIR/../report.json" ] && break; sleep 1; done
 elif [ ! -f $CLIP/config.json ]; then
   say "OpenMoji CLIP"
-  python3 -m pocketdiff train-clip --config $C/clip/openmoji.yaml --output /tmp/clip-openmoji --overwrite save_dtype=float16 \
+  python3 -m pocketdiff train-clip --config $C/clip/openmoji.yaml --output /tmp/clip-openmoji --overwrite save_dtype=fp16 \
     > clip.log 2>&1 || { tail -20 clip.log; exit 5; }
 fi
 if [ ! -f decoder/vae/config.json ]; then

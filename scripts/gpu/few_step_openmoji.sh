@@ -96,7 +96,7 @@ case $PHASE in
     python3 -m pocketdiff train-teacher --config $C/teacher/openmoji.yaml --output outputs/teacher-openmoji --overwrite \
       vae.steps=1500 train.batch_size=256 train.max_time_s=300 > $L/teacher.log 2>&1 &
     python3 -m pocketdiff train-clip --config $C/clip/openmoji.yaml --output outputs/clip-openmoji --overwrite \
-      save_dtype=float16 $CLIP_SMALL > $L/clip.log 2>&1 &
+      save_dtype=fp16 $CLIP_SMALL > $L/clip.log 2>&1 &
     # DECODER=1: issue 33's decoder paths beside them (its own held-out VAE, this CLIP): scripts/gpu/decoder_openmoji.sh
     [ -n "${DECODER:-}" ] && (cd $REPO && CLIP_DIR=$RUNS/outputs/clip-openmoji/clip VAE_S=150 DECODER_S=120 \
       bash scripts/gpu/decoder_openmoji.sh > $L/decoder.log 2>&1) &

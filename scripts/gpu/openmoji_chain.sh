@@ -18,7 +18,7 @@ restore_teacher outputs/teacher-openmoji/pipeline || exit 1
 restore_clip outputs/clip-openmoji/clip  # when it fits the 64 MiB
 (  # GPU0: the CLIP every FD needs; later calls: the measured SD-2.1 calibration (SD21_CALIB=benchmark args,
    # SD21_GPUS=0,3 for independent mode over two GPUs)
-  done_ clip-openmoji || run 0 clip train-clip --config $C/clip/openmoji.yaml --output outputs/clip-openmoji --overwrite save_dtype=float16
+  done_ clip-openmoji || run 0 clip train-clip --config $C/clip/openmoji.yaml --output outputs/clip-openmoji --overwrite save_dtype=fp16
   [ -n "${SD21_CALIB:-}" ] && bench ${SD21_GPUS:-0} calib-sd21 470 calibrate_sd21.py $SD21_CALIB
 ) &
 (  # GPU1: 30 % pruning + recovery (its FD at the end needs the CLIP); W8 of the teacher; the FD of

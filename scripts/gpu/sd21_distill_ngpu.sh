@@ -68,11 +68,11 @@ if [ -n "$last" ] && [ "${RESUMES:-1}" != 0 ]; then
   fork_run() { cp -al $1 $2 && find $2 -type f -size -64M -exec sh -c 'cp -p "$0" "$0.c" && mv "$0.c" "$0"' {} \; && rm -f $2/report.json && keep_first $2; }
   fork_run $L/two $L/two_to_one
   CUDA_VISIBLE_DEVICES=0 step two_to_one $RESUME_S $PY -m pocketdiff distill --output $L/two_to_one --resume latest $C $b2 \
-    guided.train.memory_cap_gib=0 progressive.train.memory_cap_gib=0
+    guided.train.memory_cap_gib=null progressive.train.memory_cap_gib=null
   if [ "${RESUMES:-1}" != to_one ]; then
     fork_run $L/two_to_one $L/one_to_two
     step one_to_two $RESUME_S "${LAUNCH2[@]}" distill --output $L/one_to_two --resume latest $C $b2 \
-      guided.train.memory_cap_gib=0 progressive.train.memory_cap_gib=0
+      guided.train.memory_cap_gib=null progressive.train.memory_cap_gib=null
   fi
 fi
 $PY $REPO/benchmarks/distill_sd21.py scaling --out $OUT/$NAME.json \

@@ -21,7 +21,7 @@ LAUNCH="python3 -m accelerate.commands.launch --num_machines 1 --dynamo_backend 
   CUDA_VISIBLE_DEVICES=2,3 timeout 150 $LAUNCH --num_processes 2 --main_process_port 29511 -m pocketdiff distill $DDP --output ddp-2gpu > $L/ddp-2gpu.log 2>&1
   CUDA_VISIBLE_DEVICES=2 timeout 150 python3 -m pocketdiff distill $DDP --output ddp-1gpu > $L/ddp-1gpu.log 2>&1
   python3 $REPO/benchmarks/distill_ddp_check.py --a ddp-1gpu --b ddp-2gpu --out $L/ddp_check.json > $L/ddp_check.log 2>&1
-  CUDA_VISIBLE_DEVICES=2 timeout 300 python3 -m pocketdiff train-clip --config $REPO/configs/clip/openmoji.yaml --output clip-openmoji save_dtype=float16 > $L/clip.log 2>&1
+  CUDA_VISIBLE_DEVICES=2 timeout 300 python3 -m pocketdiff train-clip --config $REPO/configs/clip/openmoji.yaml --output clip-openmoji save_dtype=fp16 > $L/clip.log 2>&1
   CUDA_VISIBLE_DEVICES=2 timeout 60 python3 $REPO/benchmarks/clip_retrieval.py --clip clip-openmoji/clip --out $L/retrieval_openmoji.json --device cuda >> $L/clip.log 2>&1
 ) &
 (
