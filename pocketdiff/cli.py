@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
                            help="folder for the GPU accelerator's compiled programs (default: one per bundle under "
                                 "$XDG_CACHE_HOME/pocketdiff/gpu); a second launch loads without compiling")
             p.add_argument("--no-gpu-cache", action="store_true", help="compile every model afresh, keep nothing")
-            p.add_argument("--load-workers", type=int, default=0, metavar="N",
+            p.add_argument("--load-workers", type=int, default=None, metavar="N",
                            help="compile the models in N worker processes at once (GPU, not --pipelined): LiteRT loads one "
                                 "model at a time per process, so the loads overlap only across processes; more memory")
             p.add_argument("--gpu-option", action="append", default=[], metavar="KEY=VALUE",

@@ -8,9 +8,11 @@ Public entry points:
 - `manifest_check.check_bundle(folder)` / `manifest_problems(...)`: every field a runner reads,
   the io contract, sizes, each .tflite's signature (the bundle contract, as code)
 - `run_bundle.BundleRunner(folder).run(prompt, seed)` and `run_bundle.generate(...)`: the
-  reference runner (tokenize, text encoder, DDIM + CFG / embedded guidance, decoder);
+  reference runner (tokenize, text encoder, the scheduler + CFG / embedded guidance, decoder);
   `run_bundle.main` is `pocketdiff run-bundle`; `load_workers.LoadWorkers`: its models compiled and run in worker
   processes (`--load-workers N`); `memory.PeakSampler`: the measured memory of its reports
+- `schedulers.scheduler_for(manifest["scheduler"])`: the bundle's scheduler (DDIM or LCM) behind diffusers'
+  interface (`set_timesteps`, `step`); web/static/schedulers.js is the page's twin
 - `tiled_decode.tiled_decode_with_stats`: the tiled VAE decode in numpy
 - `verify_bundle.verify_bundle(folder)`: `pocketdiff verify-bundle` (files, io, full delegation,
   golden parity)

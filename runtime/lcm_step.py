@@ -11,7 +11,7 @@ trajectory's end. One step, with `out` the UNet's (guided) output at x_t:
 
 After every step but the last, the estimate is noised again to the next timestep t':
 x_{t'} = sqrt(a_t') * denoised + sqrt(1 - a_t') * noise, with standard normal noise; the last step's
-`denoised` is what the decoder gets. The timesteps are N evenly spaced points, from the top down, of
+`denoised` is what the decoder gets (runtime/schedulers.py's LCMScheduler runs the loop). The timesteps are N evenly spaced points, from the top down, of
 the grid the student was trained on, t_n = (n + 1) * (T // K) - 1 for n < K
 (K = `original_inference_steps`): `lcm_timesteps`, the rule pocketdiff/consistency_sampling.py
 follows (a test keeps the two equal).
@@ -84,19 +84,6 @@ def lcm_step(x: np.ndarray, out: np.ndarray, t: int, a_t: float, sched: dict) ->
 def renoise(denoised: np.ndarray, a_next: float, noise: np.ndarray) -> np.ndarray:
     """The estimate noised to the next timestep (alphas_cumprod a_next there)."""
     return (math.sqrt(a_next) * denoised + math.sqrt(1.0 - a_next) * noise).astype(np.float32)
-
-
-def lcm_sample(x: np.ndarray, model, sched: dict, rng: np.random.Generator) -> np.ndarray:
-    """The whole loop: `model(x, t)` -> the (guided) UNet output; the noise between steps is `rng`'s
-    next standard-normal draws of x's shape, one per step after the first. Returns the last denoised."""
-    alphas = sched["alphas_cumprod"]
-    ts = [int(t) for t in sched["timesteps"]]
-    for i, t in enumerate(ts):
-        denoised = lcm_step(x, model(x, t), t, float(alphas[t]), sched)
-        if i == len(ts) - 1:
-            return denoised
-        x = renoise(denoised, float(alphas[ts[i + 1]]), rng.standard_normal(x.shape).astype(np.float32))
-    return x
 
 
 def check_lcm_block(s: dict, T: Optional[int], steps: Optional[int], timesteps_ok: bool) -> list[tuple[str, str, str]]:

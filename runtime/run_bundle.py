@@ -2,8 +2,8 @@
 
 The reference runner of an exported bundle. It uses only the bundle's files, numpy,
 `tokenizers` (the bundle's tokenizer.json), ai-edge-litert and PIL (to write the PNG):
-no torch, no diffusers. DDIM with the manifest's timesteps (or, for `scheduler.type: lcm`, the
-consistency step of runtime/lcm_step.py), classifier-free guidance in one
+no torch, no diffusers. The manifest's scheduler (runtime/schedulers.py: DDIM, or for `scheduler.type: lcm`
+the consistency step) on its timesteps, classifier-free guidance in one
 batch-2 UNet call (or the student's embedded guidance), the time embedding looked up in the
 bundle's table when it was computed outside the graph.
 
@@ -39,10 +39,11 @@ from pocketdiff.errors import PocketdiffError
 from .manifest_check import TILED_DECODER, check_bundle, decoder_components
 from .load_workers import LoadWorkers, check_count
 from .loaded_model import LoadedModel
-from .lcm_step import LCM, lcm_sample
+from .managed_model import ManagedModel, loading_policy
 from .litert_c import parse_gpu_option
 from .memory import PeakSampler, process_age_s, return_freed_memory, tune_allocator
 from .onepass_decode import one_pass_decode_loaded, timed
+from .schedulers import sample_loop, scheduler_for
 from .chunks import TEXT_ENCODER, UNET, StreamedPart, base_of, chunk_aliases, parts_of, run_into, run_parts
 
 _env_group = base_of  # the LiteRT environment a model shares when pipelined: a chunk's is its model's
@@ -119,18 +120,6 @@ def tiled_decode_bundle(head: LoadedModel, up: LoadedModel, block: dict, latents
     return image, {"latency_s": latency, "up_tile_calls": calls["up_calls"]}
 
 
-def ddim_step(x: np.ndarray, out: np.ndarray, a_t: float, a_prev: float, prediction_type: str) -> np.ndarray:
-    if prediction_type == "epsilon":
-        eps = out
-        x0 = (x - np.sqrt(1.0 - a_t) * eps) / np.sqrt(a_t)
-    elif prediction_type == "v_prediction":
-        x0 = np.sqrt(a_t) * x - np.sqrt(1.0 - a_t) * out
-        eps = np.sqrt(a_t) * out + np.sqrt(1.0 - a_t) * x
-    else:
-        raise PocketdiffError(f"bundle: prediction type {prediction_type!r} is not supported")
-    return (np.sqrt(a_prev) * x0 + np.sqrt(1.0 - a_prev) * eps).astype(np.float32)
-
-
 class BundleRunner:
     """A bundle's models for any number of prompts (`run`); `close()` (or a `with` block) frees them.
 
@@ -151,14 +140,8 @@ class BundleRunner:
                  load_workers: int = 0):
         if accelerator not in ("cpu", "gpu"):
             raise PocketdiffError(f"accelerator must be cpu or gpu, got {accelerator!r}")
-        if stream_unet and not pipelined:
-            raise PocketdiffError("--stream-unet loads each UNet chunk for each step: it needs --pipelined (the other models "
-                                  "are then loaded just in time too)")
-        if load_workers and (pipelined or accelerator != "gpu"):
-            raise PocketdiffError("--load-workers compiles every model at once in worker processes: it needs --accelerator gpu "
-                                  "and no --pipelined (which loads one model at a time)")
-        if load_workers:
-            check_count(load_workers)  # before the bundle is read or the GPU set up
+        # plain, pipelined, streamed or workers (runtime/managed_model.py), checked before the bundle is read or the GPU set up
+        self.policy = loading_policy(accelerator, pipelined, stream_unet, load_workers)
         self.bundle, self.accelerator, self.pipelined, self.stream_unet = bundle, accelerator, pipelined, stream_unet
         self.man = manifest or check_bundle(bundle)  # fields, sizes and every .tflite's signature, before anything runs
         self.comps = self.man["components"]
@@ -180,7 +163,9 @@ class BundleRunner:
         self.gpu_options = dict(gpu_options or {})  # the accelerator's options (runtime/litert_c.py: GPU_OPTION_KEYS)
         if accelerator == "gpu":
             self._prepare_gpu(gpu_cache)
-        self.loaded: dict[str, LoadedModel] = {}
+        # every model the pipeline may use, loaded on use and released on request (runtime/managed_model.py)
+        self.models = {n: ManagedModel(n, functools.partial(self._open, n), functools.partial(self._close, n))
+                       for n in (*self.te_parts, *self.unet_parts, *self.decoder)}
         self.accelerated: dict[str, bool] = {}  # every model loaded so far: fully on the GPU delegate
         # what every prompt shares, read once: the tokenizer, the unconditional ids (CFG), the time-embedding table
         tok = self.man["tokenizer"]
@@ -188,8 +173,8 @@ class BundleRunner:
         self.ids_empty = _ids(self.tokenizer, "", tok) if int(self.man["guidance"]["unet_batch"]) == 2 else None
         self.table = np.load(self.man["time_embedding"]["_path"]) if self.man.get("time_embedding") else None
         self.workers = None
-        if load_workers:  # last: nothing after this can fail and leave them running
-            self.workers = LoadWorkers(load_workers, on_start=self.sampler.add_process)
+        if self.policy.load_workers:  # last: nothing after this can fail and leave them running
+            self.workers = LoadWorkers(self.policy.load_workers, on_start=self.sampler.add_process)
         self._mark("runner", "ready")
 
     def _prepare_gpu(self, gpu_cache) -> None:
@@ -198,7 +183,7 @@ class BundleRunner:
         from .litert_c import Environment
 
         self.driver = prepare_in_process()
-        self.env = None if self.pipelined else Environment()
+        self.env = None if self.policy.own_environments else Environment()
         if gpu_cache is not False:
             gpu = self.sampler.gpu
             identity = "|".join([litert_version(), self.driver, str(gpu.name), str(gpu.driver_version()),
@@ -206,9 +191,16 @@ class BundleRunner:
             folder = Path(gpu_cache) if gpu_cache not in (None, True) else bundle_cache_folder(self.bundle, self.comps)
             self.cache = GpuProgramCache(folder, identity)
 
+    @property
+    def loaded(self) -> dict:
+        """The models resident now, by name."""
+        return {n: m.model for n, m in self.models.items() if m.loaded}
+
     def _mark(self, component: str, phase: str) -> None:
         age = process_age_s()
         self.phases.append({"component": component, "phase": phase, "t_s": None if age is None else round(age, 3), **self.sampler.mark()})
+        if component in getattr(self, "models", {}):
+            self.models[component].phases.append(self.phases[-1])
 
     def __enter__(self) -> "BundleRunner":
         return self
@@ -236,26 +228,37 @@ class BundleRunner:
         return options
 
     def _load(self, name: str, latency: dict) -> LoadedModel:
-        if name not in self.loaded:
-            if self.workers is not None:
-                m = self.workers.get(name)
-                self._mark(name, "compiled")
-            else:
-                m = LoadedModel(name, self.comps[name], self.accelerator, env=self._environment_for(name),
-                            gpu_options=self._options_for(name), on_phase=lambda phase: self._mark(name, phase))
+        """The managed model NAME, loaded now if it is not resident (its load's seconds into `latency`)."""
+        managed = self.models[name]
+        fresh = not managed.loaded
+        m = managed.get()
+        if fresh:
             if self.cache is not None:
                 self.cache.record(name)
-            self.loaded[name] = m
             self.accelerated[name] = m.fully_accelerated
             latency[f"{name}_load"] = m.load_s
-        return self.loaded[name]
+        return m
+
+    def _open(self, name: str):
+        """Compile NAME: in its load worker (`workers`), else here, in the environment the policy gives it."""
+        if self.workers is not None:
+            m = self.workers.get(name)
+            self._mark(name, "compiled")
+            return m
+        return LoadedModel(name, self.comps[name], self.accelerator, env=self._environment_for(name),
+                           gpu_options=self._options_for(name), on_phase=lambda phase: self._mark(name, phase))
+
+    def _done(self, name: str) -> None:
+        """NAME's use is over: the policy says whether it goes now (pipelined) or stays (plain, workers)."""
+        if self.policy.release_after_use:
+            self._release(name)
 
     def _environment_for(self, name: str):
         """Plain: the one shared environment. Pipelined: an environment of the model's own, destroyed with
         it: LiteRT gives a model's GPU memory back only when its environment goes (measured on an H100)."""
         if self.accelerator != "gpu":
             return None
-        if not self.pipelined:
+        if not self.policy.own_environments:
             return self.env
         from .litert_c import Environment
 
@@ -265,15 +268,17 @@ class BundleRunner:
         return self.own_envs[group]
 
     def _release(self, name: str) -> None:
-        m = self.loaded.pop(name, None)
-        if m is not None:
-            m.close()
-            group = _env_group(name)
-            env = None if any(_env_group(n) == group for n in self.loaded) else self.own_envs.pop(group, None)
-            if env is not None:
-                env.close()
-            return_freed_memory()
-            self._mark(name, "released")
+        self.models[name].release()
+
+    def _close(self, name: str, m) -> None:
+        """Free a released model, and its environment when no other resident model shares it."""
+        m.close()
+        group = _env_group(name)
+        env = None if any(_env_group(n) == group for n in self.loaded) else self.own_envs.pop(group, None)
+        if env is not None:
+            env.close()
+        return_freed_memory()
+        self._mark(name, "released")
 
     def _ran(self, name: str) -> None:
         """Mark a component's first run and its second (steady) one."""
@@ -294,22 +299,20 @@ class BundleRunner:
             for _ in tables:
                 self._ran(name)
             run_s += sum(m.run_s[before:])
-            if self.pipelined:
-                self._release(name)
+            self._done(name)
         _sum_chunk_loads(latency, TEXT_ENCODER, self.te_parts)
         latency["text_encoder_run"] = float(run_s)
         return outs[0] if len(outs) == 1 else np.concatenate([outs[1], outs[0]])
 
     def _denoise(self, x: np.ndarray, ehs: np.ndarray, latency: dict, stats: dict, rng: np.random.Generator) -> np.ndarray:
-        """The sampling loop: DDIM, or the consistency step (runtime/lcm_step.py) for `scheduler.type: lcm`,
-        whose re-noising draws from `rng` (the run's seeded generator, after the initial latents)."""
-        man = self.man
-        sched, guidance = man["scheduler"], man["guidance"]
+        """The sampling loop through the bundle's scheduler (runtime/schedulers.py: DDIM, or the consistency step
+        for `scheduler.type: lcm`, whose re-noising draws from `rng`, the run's seeded generator, after the initial
+        latents)."""
+        guidance = self.man["guidance"]
         B = int(guidance["unet_batch"])
-        parts = self._streamed_unet(latency) if self.stream_unet else self._load_unet(latency)
+        scheduler = scheduler_for(self.man["scheduler"])  # DDIM or LCM, one interface (runtime/schedulers.py)
+        parts = self._streamed_unet(latency) if self.policy.stream_unet else self._load_unet(latency)
         aliases = chunk_aliases(self.man)
-        T, steps = int(sched["num_train_timesteps"]), int(sched["steps"])
-        alphas = np.asarray(sched["alphas_cumprod"], dtype=np.float64)
         scale = float(guidance["scale"])
         step_s = []
 
@@ -327,24 +330,16 @@ class BundleRunner:
             before = [len(m.run_s) for m in parts]
             out = run_parts(parts, feeds, aliases)
             step_s.append(sum(sum(m.run_s[n:]) for m, n in zip(parts, before)))
-            if not self.stream_unet:  # a streamed chunk marks its runs itself, before its release
+            if not self.policy.stream_unet:  # a streamed chunk marks its runs itself, before its release
                 for name in self.unet_parts:
                     self._ran(name)
             return out[0:1] + scale * (out[1:2] - out[0:1]) if B == 2 else out
 
-        if sched.get("type", "ddim") == LCM:
-            x = lcm_sample(x, unet, {**sched, "alphas_cumprod": alphas}, rng)
-        else:
-            for t in sched["timesteps"]:
-                out = unet(x, int(t))
-                prev = int(t) - T // steps
-                a_prev = float(alphas[prev]) if prev >= 0 else float(sched["final_alpha_cumprod"])
-                x = ddim_step(x, out, float(alphas[int(t)]), a_prev, sched["prediction_type"])
+        x = sample_loop(scheduler, x, unet, generator=rng)
         latency["unet_steps"] = float(sum(step_s))
         latency["unet_step_mean"] = float(np.mean(step_s)) if step_s else 0.0
-        if self.pipelined:
-            for name in self.unet_parts:
-                self._release(name)
+        for name in self.unet_parts:
+            self._done(name)
         return x
 
     def _load_unet(self, latency: dict) -> list:
@@ -352,11 +347,11 @@ class BundleRunner:
         compile freed goes back to the system before the next chunk compiles (one compile transient at a time)."""
         parts = []
         for name in self.unet_parts:
-            fresh = name not in self.loaded
+            fresh = not self.models[name].loaded
             parts.append(self._load(name, latency))
             if fresh and self.accelerator == "gpu" and len(self.unet_parts) > 1:
                 self._settle(name, parts[-1])
-                if self.pipelined:
+                if self.policy.release_after_use:
                     return_freed_memory()
         _sum_chunk_loads(latency, UNET, self.unet_parts)
         return parts
@@ -390,8 +385,7 @@ class BundleRunner:
         image = dec({"latents": x})[0].transpose(1, 2, 0)
         latency["vae_decoder_run"] = float(sum(dec.run_s[before:]))
         self._ran("vae_decoder")
-        if self.pipelined:
-            self._release("vae_decoder")
+        self._done("vae_decoder")
         return image
 
     def _decode_tiled(self, x: np.ndarray, latency: dict, stats: dict) -> np.ndarray:
@@ -403,8 +397,7 @@ class BundleRunner:
         features = head({"latents": x})
         head_s = head.run_s[-1]
         self._ran(head_name)
-        if self.pipelined:
-            self._release(head_name)
+        self._done(head_name)
         up = self._load(up_name, latency)
         pixels, timing = tiled_decode_bundle(lambda feeds: features, up, self.man["vae_tiling"], x)
         tiles = timing["latency_s"]
@@ -412,8 +405,7 @@ class BundleRunner:
         latency.update(tiles)
         stats["vae_up_tile_calls"] = timing["up_tile_calls"]
         self._ran(up_name)
-        if self.pipelined:
-            self._release(up_name)
+        self._done(up_name)
         return pixels[0].transpose(1, 2, 0)
 
     def run(self, prompt: str, seed: int = 0, init_latents: Optional[np.ndarray] = None) -> tuple[np.ndarray, dict]:
@@ -427,7 +419,7 @@ class BundleRunner:
         t0 = time.perf_counter()
         ids = _ids(self.tokenizer, prompt, tok)
         latency["tokenize"] = time.perf_counter() - t0
-        if not self.pipelined:  # the naive app: everything up front
+        if self.policy.up_front:  # plain (the naive app) and workers: everything up front
             names = (*self.te_parts, *self.unet_parts, *self.decoder)
             if self.workers is not None:  # all at once, spread over the workers in the order of use
                 self.workers.submit([(n, self.comps[n], self._options_for(n)) for n in names if n not in self.loaded])
@@ -452,7 +444,8 @@ class BundleRunner:
     def memory_report(self) -> dict:
         """Measured: the whole run's peaks (host, GPU, host + GPU) and every phase; the cache's state."""
         return {**self.sampler.totals(), "phases": list(self.phases),
-                "gpu_cache": self.cache.summary() if self.cache is not None else None}
+                "gpu_cache": self.cache.summary() if self.cache is not None else None,
+                "loading_policy": self.policy.name, "models": {n: m.memory() for n, m in self.models.items() if m.loads}}
 
 
 def generate(
@@ -471,6 +464,15 @@ def generate(
         return runner.run(prompt, seed=seed, init_latents=init_latents)
 
 
+def check_flags(args) -> None:
+    """run-bundle's flags that contradict each other or say nothing: one line naming them, before anything is read."""
+    workers = getattr(args, "load_workers", None)
+    if workers is not None:
+        check_count(workers)  # `--load-workers 0` is refused, not run as plain without a word
+    if getattr(args, "gpu_cache", None) is not None and getattr(args, "no_gpu_cache", False):
+        raise PocketdiffError(f"--gpu-cache {args.gpu_cache} and --no-gpu-cache contradict each other: give one of them")
+
+
 def main(args) -> int:
     """CLI entry (argparse namespace: bundle, prompt, output, accelerator, pipelined, seed, overwrite, debug)."""
     from PIL import Image
@@ -478,6 +480,7 @@ def main(args) -> int:
     from pocketdiff.outputs import finish_output_dir, prepare_output_dir, write_json
 
     check_seed(args.seed, "--seed")  # before the bundle is read or --output made
+    check_flags(args)
     gpu_options = dict(parse_gpu_option(o) for o in getattr(args, "gpu_option", None) or [])
     man = check_bundle(args.bundle)  # refuses bad bundles (files, fields, signatures) before touching --output
     fresh = not Path(args.output).exists()
@@ -486,7 +489,7 @@ def main(args) -> int:
     try:
         cache = False if getattr(args, "no_gpu_cache", False) else getattr(args, "gpu_cache", None)
         with BundleRunner(args.bundle, args.accelerator, args.pipelined, man, gpu_cache=cache, gpu_options=gpu_options,
-                          stream_unet=getattr(args, "stream_unet", False), load_workers=getattr(args, "load_workers", 0)) as runner:
+                          stream_unet=getattr(args, "stream_unet", False), load_workers=getattr(args, "load_workers", None) or 0) as runner:
             image, stats = runner.run(args.prompt, seed=args.seed)
         if not stats["finite"]:
             raise PocketdiffError(f"bundle {args.bundle}: the image has NaN/Inf values ({args.accelerator})")
@@ -509,6 +512,7 @@ def main(args) -> int:
         "pipelined": bool(args.pipelined),
         "stream_unet": bool(getattr(args, "stream_unet", False)),
         "load_workers": int(getattr(args, "load_workers", 0) or 0),
+        "loading_policy": runner.policy.name,
         "fully_accelerated": fully,
         "fully_accelerated_by_component": stats["fully_accelerated_by_component"],
         "latency_s": {k: round(v, 4) for k, v in stats["latency_s"].items()},

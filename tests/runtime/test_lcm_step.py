@@ -1,4 +1,4 @@
-"""The bundle's numpy consistency step (runtime/lcm_step.py) against pocketdiff's torch sampler
+"""The bundle's numpy consistency step (runtime/lcm_step.py, run by runtime/schedulers.py) against pocketdiff's torch sampler
 (pocketdiff.sampling.consistency_sample) on a stand-in UNet, fed the same noise; its grid against
 pocketdiff/consistency_sampling.py's; the lcm block's checks. No model files: milliseconds."""
 from __future__ import annotations
@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from pocketdiff.runtime.lcm_step import boundary_scalings, check_lcm_block, lcm_sample, lcm_timesteps
+from pocketdiff.runtime.lcm_step import boundary_scalings, check_lcm_block, lcm_timesteps
+from pocketdiff.runtime.schedulers import sample_loop, scheduler_for
 
 
 class _LinearUnet(torch.nn.Module):
@@ -78,12 +79,12 @@ def test_numpy_loop_equals_the_torch_sampler_fed_the_same_noise(prediction_type,
         seen.append(t)
         return unet(torch.from_numpy(x), torch.tensor([t]))[0].numpy()
 
-    ours = lcm_sample(z, model, _block(sched, 4), np.random.default_rng(11))
+    ours = sample_loop(scheduler_for(_block(sched, 4)), z, model, np.random.default_rng(11))
     assert seen == [999, 799, 499, 299]
     assert ours.dtype == np.float32 and ours.shape == shape
     np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-5)
     if clip:  # clipping changed something, or the case tests nothing
-        unclipped = lcm_sample(z, model, {**_block(sched, 4), "clip_sample_range": None}, np.random.default_rng(11))
+        unclipped = sample_loop(scheduler_for({**_block(sched, 4), "clip_sample_range": None}), z, model, np.random.default_rng(11))
         assert np.abs(unclipped - ours).max() > 1e-3
 
 
@@ -91,7 +92,7 @@ def test_one_step_draws_no_noise():
     rng = np.random.default_rng(0)
     state = rng.bit_generator.state
     sched = _scheduler("epsilon")
-    lcm_sample(np.ones((1, 4, 2, 2), np.float32), lambda x, t: 0.1 * x, _block(sched, 1), rng)
+    sample_loop(scheduler_for(_block(sched, 1)), np.ones((1, 4, 2, 2), np.float32), lambda x, t: 0.1 * x, rng)
     assert rng.bit_generator.state == state
 
 

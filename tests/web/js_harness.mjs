@@ -1,4 +1,5 @@
-// Runs the page's plain modules (bpe.js, sha256.js, npy.js, tiled.js, lcm.js, prepare.js, chunks.js) under node for tests/web/test_js_modules.py.
+// Runs the page's plain modules (bpe.js, sha256.js, npy.js, tiled.js, lcm.js, schedulers.js, prepare.js, chunks.js) under node for
+// tests/web/test_js_modules.py and tests/runtime/test_schedulers.py.
 // argv: <static dir> <request json file>; prints one JSON answer.
 import { readFileSync } from 'node:fs';
 import { pathToFileURL } from 'node:url';
@@ -12,6 +13,7 @@ const { sha256Js, sha256Hex } = await load('sha256.js');
 const { parseNpy, parseNpz } = await load('npy.js');
 const tiled = await load('tiled.js');
 const lcm = await load('lcm.js');
+const schedulers = await load('schedulers.js');
 const prepare = await load('prepare.js');
 const chunks = await load('chunks.js');
 
@@ -94,15 +96,28 @@ out.problems = (req.blocks || []).map((b) => tiled.tilingProblem(b));
 out.lcm_grids = (req.lcm_grids || []).map(([T, K, N]) => lcm.lcmTimesteps(T, K, N));
 out.lcm_problems = (req.schedulers || []).map((s) => lcm.schedulerProblem(s));
 out.lcm_runs = (req.lcm_runs || []).map((r) => {
-  const s = r.sched, n = r.x.length, ts = s.timesteps;
+  const s = schedulers.schedulerFor(r.sched), n = r.x.length;
   let x = Float32Array.from(r.x);
-  ts.forEach((t, i) => {
+  s.timesteps.forEach((t, i) => {
     const o = x.map((v) => r.a * v + (r.b * t) / 1000);
-    x = lcm.lcmStep(x, o, t, s.alphas_cumprod[t], s);
-    if (i < ts.length - 1) x = lcm.renoise(x, s.alphas_cumprod[ts[i + 1]], Float32Array.from(r.noise.slice(i * n, (i + 1) * n)));
+    x = s.step(o, t, x, () => Float32Array.from(r.noise.slice(i * n, (i + 1) * n))).prevSample;
   });
   return Array.from(x);
 });
+// schedulers.js on diffusers' vectors (tests/runtime/test_schedulers.py): per case the timesteps setTimesteps(steps)
+// gives, the manifest block's, and every step on the given inputs (the noise for a re-noising scheduler)
+if (req.scheduler_vectors) {
+  out.scheduler_cases = JSON.parse(readFileSync(req.scheduler_vectors, 'utf8')).map((c) => {
+    const fresh = c.block.type === 'lcm' ? new schedulers.LCMScheduler(c.block) : new schedulers.DDIMScheduler(c.block);
+    fresh.setTimesteps(c.steps);
+    const s = schedulers.schedulerFor(c.block);
+    const steps = c.inputs.map((i) => {
+      const r = s.step(Float32Array.from(i.model_output), i.t, Float32Array.from(i.sample), () => Float32Array.from(i.noise));
+      return { prev: Array.from(r.prevSample), x0: Array.from(r.predOriginalSample) };
+    });
+    return { timesteps: fresh.timesteps, manifest_timesteps: s.timesteps, steps };
+  });
+}
 // prepare.js: the console lines LiteRT.js prints for a model it could not prepare, as the page records them
 if (req.console_lines) {
   prepare.installConsoleTap();

@@ -214,9 +214,11 @@ def _lcm_block(prediction_type: str, steps: int, clip=None) -> dict:
 
 
 def test_page_lcm_step_matches_the_runner(node, tmp_path):
-    """lcm.js against runtime/lcm_step.py: grids, and whole 1- and 3-step loops on a stand-in model
-    fed numpy's noise (every prediction type, clipping); its scheduler problems by name."""
-    from pocketdiff.runtime.lcm_step import lcm_sample, lcm_timesteps
+    """lcm.js against runtime/lcm_step.py: grids, and whole 1- and 3-step loops through each side's scheduler
+    interface (schedulers.js, runtime/schedulers.py) on a stand-in model fed numpy's noise (every prediction type,
+    clipping); its scheduler problems by name."""
+    from pocketdiff.runtime.lcm_step import lcm_timesteps
+    from pocketdiff.runtime.schedulers import sample_loop, scheduler_for
 
     grids = [[1000, 10, n] for n in range(1, 11)] + [[1000, 50, 4], [1000, 7, 3], [999, 4, 4]]
     runs, wants = [], []
@@ -225,7 +227,7 @@ def test_page_lcm_step_matches_the_runner(node, tmp_path):
         x = np.random.default_rng(i).standard_normal((1, 4, 3, 3)).astype(np.float32)
         rng = np.random.default_rng(100 + i)
         noise = np.random.default_rng(100 + i).standard_normal((steps - 1, *x.shape)).astype(np.float32) if steps > 1 else np.zeros(0)
-        wants.append(lcm_sample(x, lambda z, t: (0.7 * z + 0.3 * t / 1000).astype(np.float32), block, rng))
+        wants.append(sample_loop(scheduler_for(block), x, lambda z, t: (0.7 * z + 0.3 * t / 1000).astype(np.float32), rng))
         runs.append({"sched": block, "x": x.ravel().tolist(), "noise": noise.ravel().tolist(), "a": 0.7, "b": 0.3})
     good = _lcm_block("epsilon", 2)
     schedulers = [good, {**good, "type": "euler"}, {**good, "timesteps": [999, 500]}, {**good, "sigma_data": 0},

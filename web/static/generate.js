@@ -1,8 +1,8 @@
 // One prompt through the bundle, pipelined as `run-bundle --pipelined` (a tiled decoder as tiled.js, a UNet or a
 // text encoder in chunks as chunks.js).
-import { BundleError, Component, ddimStep, pageNoise, parity, toHwc } from './pipeline.js';
+import { BundleError, Component, pageNoise, parity, toHwc } from './pipeline.js';
 import { StreamedChunk, TEXT_ENCODER, UNET, chunkAliases, goldenIndices, outputNames, runParts, runPartsOnEach } from './chunks.js';
-import { lcmStep, renoise } from './lcm.js';
+import { schedulerFor } from './schedulers.js';
 import { ONE_PASS, onePassDecode, statsDecode } from './tiled.js';
 
 /** Latents -> pixels [1, 3, H, W] through the whole decoder, or the tiled one's head and up tile (tiled.js). */
@@ -159,9 +159,8 @@ export async function generate(bundle, opts) {
     const n = lat.channels * lat.height * lat.width;
     let x = opts.latents ?? pageNoise(opts.seed, n);
     if (x.length !== n) throw new BundleError(`latents: ${x.length} values, the bundle's latent is ${n}`);
-    const T = sched.num_train_timesteps;
-    const steps = sched.steps;
-    const ts = sched.timesteps;
+    const scheduler = schedulerFor(sched); // DDIM or LCM, one interface (schedulers.js)
+    const ts = scheduler.timesteps;
     const table = bundle.table;
     // lcm: the noise between steps, run-bundle's draws when given (check mode), else the page's own
     const stepNoise = (i) => {
@@ -194,15 +193,7 @@ export async function generate(bundle, opts) {
         out = new Float32Array(n);
         for (let k = 0; k < n; k++) out[k] = res.data[k] + opts.scale * (res.data[n + k] - res.data[k]);
       }
-      if (sched.type === 'lcm') {
-        x = lcmStep(x, out, t, sched.alphas_cumprod[t], sched);
-        if (i < ts.length - 1) x = renoise(x, sched.alphas_cumprod[ts[i + 1]], stepNoise(i));
-      } else {
-        const prev = t - Math.floor(T / steps);
-        const aT = sched.alphas_cumprod[t];
-        const aPrev = prev >= 0 ? sched.alphas_cumprod[prev] : sched.final_alpha_cumprod;
-        x = ddimStep(x, out, aT, aPrev, sched.prediction_type);
-      }
+      x = scheduler.step(out, t, x, () => stepNoise(i)).prevSample; // the noise is drawn only where the scheduler re-noises
       if (opts.onStep) opts.onStep(i + 1, ts.length, stepMs[stepMs.length - 1]);
     }
     for (const c of unet) {

@@ -1,6 +1,6 @@
 // The consistency (LCM) step of a bundle whose manifest says scheduler.type "lcm": the same
-// arithmetic as runtime/lcm_step.py (runtime/BUNDLE.md, "Order of calls"). Plain module (no
-// LiteRT import), so tests/web/test_js_modules.py runs it under node against the numpy step.
+// arithmetic as runtime/lcm_step.py (runtime/BUNDLE.md, "Order of calls"); the page calls it through
+// schedulers.js's LCMScheduler. Plain module (no LiteRT import), so tests run it under node.
 export const SCHEDULER_TYPES = ['ddim', 'lcm'];
 
 /** Descending timesteps of an N-step run on the K-point training grid t_n = (n + 1) * (T // K) - 1. */

@@ -1,6 +1,6 @@
 // The bundle in the browser: the same steps as `pocketdiff run-bundle` (runtime/run_bundle.py)
-// on LiteRT.js. Every file is checked against the manifest's sha256 before use; DDIM with the
-// manifest's timesteps and alphas (or the lcm step, lcm.js); classifier-free guidance in one batch-2 UNet call or the
+// on LiteRT.js. Every file is checked against the manifest's sha256 before use; the manifest's scheduler
+// (schedulers.js: DDIM, or the lcm step) on its timesteps; classifier-free guidance in one batch-2 UNet call or the
 // student's embedded guidance; the time embedding looked up in the bundle's table when it was
 // computed outside the graph; a UNet or a text encoder in chunks run in sequence (chunks.js). Pipelined
 // loading as run-bundle --pipelined: the text encoder (its chunks one after another) loads and runs while
@@ -10,7 +10,7 @@ import { loadAndCompile, Tensor } from '@litertjs/core';
 import { ClipBpe } from './bpe.js';
 import { parseNpy, parseNpz } from './npy.js';
 import { sha256Hex } from './sha256.js';
-import { schedulerProblem } from './lcm.js';
+import { schedulerProblem } from './schedulers.js';
 import { TILED_DECODER, tilingProblem } from './tiled.js';
 import { TEXT_ENCODER, UNET, layoutProblem, modelParts } from './chunks.js';
 import { consoleMark, consoleSince, prepareFailure } from './prepare.js';
@@ -265,25 +265,6 @@ export function pageNoise(seed, n) {
     if (i + 1 < n) out[i + 1] = r * Math.sin(2 * Math.PI * v);
   }
   return out;
-}
-
-export function ddimStep(x, out, aT, aPrev, predictionType) {
-  const y = new Float32Array(x.length);
-  const sa = Math.sqrt(aT), sb = Math.sqrt(1 - aT), pa = Math.sqrt(aPrev), pb = Math.sqrt(1 - aPrev);
-  for (let i = 0; i < x.length; i++) {
-    let x0, eps;
-    if (predictionType === 'epsilon') {
-      eps = out[i];
-      x0 = (x[i] - sb * eps) / sa;
-    } else if (predictionType === 'v_prediction') {
-      x0 = sa * x[i] - sb * out[i];
-      eps = sa * out[i] + sb * x[i];
-    } else {
-      throw new BundleError(`bundle: prediction type ${predictionType} is not supported`);
-    }
-    y[i] = pa * x0 + pb * eps;
-  }
-  return y;
 }
 
 /** Decoder output [1, 3, H, W] -> HWC in [0, 1] (clipped, as run-bundle writes its PNG). */
