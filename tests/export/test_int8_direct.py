@@ -35,9 +35,15 @@ def _int8_filters(model: TfliteModel) -> tuple[int, int]:
     return direct, via_dequant
 
 
-def test_rewrite_feeds_every_int8_1x1_directly_and_keeps_the_codes(tmp_path):
-    out = tmp_path / "direct"
-    counts = rewrite_bundle(BUNDLE, out)
+@pytest.fixture(scope="module")
+def direct_bundle(tmp_path_factory):
+    """The smoke bundle rewritten once for the module: (its folder, rewrite_bundle's counts)."""
+    out = tmp_path_factory.mktemp("int8_direct") / "direct"
+    return out, rewrite_bundle(BUNDLE, out)
+
+
+def test_rewrite_feeds_every_int8_1x1_directly_and_keeps_the_codes(direct_bundle):
+    out, counts = direct_bundle
     before, after = TfliteModel(BUNDLE / "unet.tflite"), TfliteModel(out / "unet.tflite")
     assert _int8_filters(before)[0] == 0 and _int8_filters(before)[1] > 0
     direct, via_dequant = _int8_filters(after)
@@ -53,11 +59,10 @@ def test_rewrite_feeds_every_int8_1x1_directly_and_keeps_the_codes(tmp_path):
         rewrite_bundle(BUNDLE, out)  # never overwrites
 
 
-def test_a_direct_bundle_runs_on_the_gpu_delegate_to_the_same_image(tmp_path):
+def test_a_direct_bundle_runs_on_the_gpu_delegate_to_the_same_image(direct_bundle):
     from pocketdiff.runtime.run_bundle import generate
 
-    out = tmp_path / "direct"
-    rewrite_bundle(BUNDLE, out)
+    out, _ = direct_bundle
     ref, _ = generate(BUNDLE, "a red circle", seed=1, gpu_cache=False)
     img, summary = generate(out, "a red circle", seed=1, gpu_cache=False)
     assert summary["fully_accelerated"] is True
@@ -65,11 +70,10 @@ def test_a_direct_bundle_runs_on_the_gpu_delegate_to_the_same_image(tmp_path):
     assert 10 * np.log10(1.0 / max(err, 1e-12)) >= 40
 
 
-def test_the_runner_asks_for_int8_kernels_only_for_direct_components(tmp_path):
+def test_the_runner_asks_for_int8_kernels_only_for_direct_components(direct_bundle):
     from pocketdiff.runtime.run_bundle import BundleRunner
 
-    out = tmp_path / "direct"
-    rewrite_bundle(BUNDLE, out)
+    out, _ = direct_bundle
     with BundleRunner(out, "gpu", False, None, gpu_cache=False) as runner:
         assert runner._options_for("unet").get("allow_src_quantized_fc_conv_ops") is True
         assert "allow_src_quantized_fc_conv_ops" not in runner._options_for("text_encoder")
@@ -89,7 +93,7 @@ def test_export_with_direct_int8_passes_the_delegate_parity_and_carries_the_code
 
     cfg = {"seed": 0, "model": {"pretrained": "pocketdiff:shapes-teacher"}, "components": ["unet"], "weights": "int8",
            "int8": {"checkpoint": str(int8_checkpoint), "gpu_weights": "direct"}, "guidance": "cfg", "guidance_scale": 3.0,
-           "steps": 4, "golden_prompt": "a large red circle at the center"}
+           "steps": 4, "golden_prompt": "a large red circle at the center", "fp16_scan": {"enabled": False}}
     (tmp_path / "export.yaml").write_text(yaml.safe_dump(cfg))
     out = tmp_path / "bundle"
     assert cli_main(["export", "--config", str(tmp_path / "export.yaml"), "--output", str(out)]) == 0
