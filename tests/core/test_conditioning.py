@@ -126,7 +126,9 @@ def test_placeholders_trace_either_family_on_meta(xl_unet):
 # ------------------------------------------------------------------ the SDXL adapter's prompt encoding
 
 
-def test_sdxl_adapter_encodes_as_stable_diffusion_xl_pipeline(xl_unet, sched):
+@pytest.fixture(scope="module")
+def xl_pipe(xl_unet, sched):
+    """A StableDiffusionXLPipeline of tiny parts: two text encoders (the second projects a pooled embedding)."""
     from diffusers import StableDiffusionXLPipeline
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
@@ -139,8 +141,14 @@ def test_sdxl_adapter_encodes_as_stable_diffusion_xl_pipeline(xl_unet, sched):
     torch.manual_seed(1)
     te1 = CLIPTextModel(CLIPTextConfig(hidden_size=8, **common)).eval()
     te2 = CLIPTextModelWithProjection(CLIPTextConfig(hidden_size=CROSS - 8, projection_dim=POOLED, **common)).eval()
-    pipe = StableDiffusionXLPipeline(vae=sd.vae, text_encoder=te1, text_encoder_2=te2, tokenizer=tok, tokenizer_2=tok,
+    return StableDiffusionXLPipeline(vae=sd.vae, text_encoder=te1, text_encoder_2=te2, tokenizer=tok, tokenizer_2=tok,
                                      unet=xl_unet, scheduler=sched)
+
+
+def test_sdxl_adapter_encodes_as_stable_diffusion_xl_pipeline(xl_pipe, xl_unet):
+    from pocketdiff.models import ModelConfig, build_pipeline
+
+    pipe, sd = xl_pipe, build_pipeline(ModelConfig(), captions=["a red circle"])
     prompts = ["a red circle", "a blue star"]
     ours = encode_conditioning(pipe, prompts)
     with torch.no_grad():
@@ -151,6 +159,20 @@ def test_sdxl_adapter_encodes_as_stable_diffusion_xl_pipeline(xl_unet, sched):
     assert torch.equal(ours.time_ids, ids.expand(2, 6))
     with pytest.raises(PocketdiffError, match="pipe.text_encoder_2"):
         encode_conditioning(sd, prompts, unet=xl_unet)
+
+
+def test_generate_samples_an_sdxl_style_pipeline_as_diffusers_does(xl_pipe):
+    """The SD path's own `generate` on the SDXL-style pipeline (the adapter is the only family-specific
+    piece) against StableDiffusionXLPipeline with the same scheduler, noise and negative prompt."""
+    from pocketdiff.sampling import generate, randn_latents
+
+    prompts = ["a red circle", "a blue star"]
+    ours = generate(xl_pipe, prompts, steps=3, guidance_scale=4.0, seed=0, output_type="latent")
+    gens = [torch.Generator("cpu").manual_seed(i) for i in range(2)]
+    with torch.no_grad():
+        ref = xl_pipe(prompts, negative_prompt=["", ""], num_inference_steps=3, guidance_scale=4.0, output_type="latent",
+                      latents=randn_latents((2, 4, 8, 8), gens)).images
+    torch.testing.assert_close(ours, ref.float(), rtol=1e-4, atol=1e-5)
 
 
 # ------------------------------------------------------------------ the SD path: bit-identical to encoder_hidden_states=
