@@ -31,7 +31,7 @@ _FIELDS = {
 }
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # eq=False: tensors have no single truth value
 class Conditioning:
     """The UNet's conditioning for a batch of B rows.
 
@@ -107,7 +107,9 @@ class Conditioning:
     def __getitem__(self, rows) -> "Conditioning":
         """The rows `rows` (an int keeps its batch dimension)."""
         if isinstance(rows, int):
-            rows = slice(rows, rows + 1 if rows != -1 else None)
+            if not -self.batch_size <= rows < self.batch_size:
+                raise PocketdiffError(f"conditioning row {rows} is outside its batch of {self.batch_size}")
+            rows = slice(rows % self.batch_size, rows % self.batch_size + 1)
         return self.map(lambda v: v[rows])
 
     def __len__(self) -> int:

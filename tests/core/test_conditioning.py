@@ -59,7 +59,7 @@ def test_batch_operations_act_on_every_field():
     lo, hi = both.chunk(2)
     assert torch.equal(hi.prompt_embeds, c.prompt_embeds) and torch.equal(lo.time_ids, u.time_ids.expand(2, 6))
     assert torch.equal(c.repeat(2).pooled_embeds, torch.cat([c.pooled_embeds] * 2))
-    assert torch.equal(c[1].time_ids, c.time_ids[1:2]) and c[1].batch_size == 1
+    assert torch.equal(c[1].time_ids, c.time_ids[1:2]) and c[1].batch_size == 1 and torch.equal(c[-1].pooled_embeds, c.pooled_embeds[1:])
     half = c.to(dtype=torch.float16)
     assert {v.dtype for v in half.tensors().values()} == {torch.float16}
     assert c.expand(2) is c
@@ -75,6 +75,7 @@ def test_batch_operations_act_on_every_field():
     (lambda: Conditioning(torch.zeros(1, 5, 16), [1.0]), "conditioning.pooled_embeds"),
     (lambda: Conditioning.cat([_xl_cond(1, 0), Conditioning(torch.zeros(1, 5, 16))]), "conditioning.pooled_embeds"),
     (lambda: _xl_cond(2, 0).expand(3, "uncond_emb"), "uncond_emb"),
+    (lambda: _xl_cond(2, 0)[2], "conditioning row 2"),
     (lambda: family_of({"addition_embed_type": "image"}), "unet.addition_embed_type"),
 ])
 def test_bad_conditioning_is_one_line_naming_the_field(make, field):
