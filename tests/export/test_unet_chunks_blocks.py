@@ -3,6 +3,7 @@ for both cuts, the config refusing what it cannot chunk before any conversion, a
 exported in chunks fully accelerated on the lavapipe GPU delegate, then run through run-bundle."""
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -17,7 +18,9 @@ BUILT = {"seed": 0, "model": {"arch": "small"}, "perturb_norms": True, "resoluti
          "guidance_scale": 3.0, "steps": 2, "fp16_scan": {"enabled": False}, "components": ["text_encoder", "unet", "vae_decoder"]}
 
 
+@functools.lru_cache(maxsize=None)
 def _unet_inputs(preset: str):
+    """(the UNet of `preset`, golden inputs, its output): built once per preset for the module's torch tests."""
     from pocketdiff.export.components import UNetGraph, time_embedding_table
     from pocketdiff.models import ModelConfig, build_pipeline, perturb_norm_affines
 
@@ -94,9 +97,11 @@ def test_a_pretrained_folder_without_mid_block_is_chunk_checked_from_its_config(
 
 @pytest.fixture(scope="module")
 def slim_bundles(gpu_delegate, tmp_path_factory):
+    """The `small` preset in 3 block chunks (its UNet alone: only the chunks are checked) and the `tiny` preset in 4
+    layer chunks with the text encoder and decoder (run-bundle makes an image from it)."""
     root = tmp_path_factory.mktemp("slim_chunks")
     out = {}
-    for name, extra in (("small", {"model": {"arch": "small", "unet_blocks": "small"}, "unet_chunks": 3}),
+    for name, extra in (("small", {"model": {"arch": "small", "unet_blocks": "small"}, "unet_chunks": 3, "components": ["unet"]}),
                         ("tiny", {"model": {"arch": "small", "unet_blocks": "tiny"}, "unet_chunks": 4, "unet_chunk_cut": "layer"})):
         (root / f"{name}.yaml").write_text(yaml.safe_dump({**BUILT, **extra}))
         out[name] = root / f"bundle_{name}"
