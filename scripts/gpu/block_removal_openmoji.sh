@@ -58,7 +58,7 @@ again() { [ -n "${RESUME:-}" ] && [ -d outputs/$1/checkpoints ] && echo "--resum
 finish() {  # every run's reports and logs (no weights) into $OUT/bro_reports.tgz
   command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,memory.used --format=csv,noheader >> $L/timeline.log
   tar czf $OUT/bro_reports.tgz -C $W --exclude=checkpoints --exclude=cache --exclude='*.safetensors' --exclude='*.pt' \
-    --exclude='*.bin' --exclude=tokenizer --exclude=text_encoder --exclude=vae logs outputs
+    --exclude='*.bin' --exclude=images --exclude=tokenizer --exclude=text_encoder --exclude=vae logs outputs
   ls -la $OUT; tail -n 25 $L/timeline.log
 }
 restore() {  # the teacher and CLIP: kept in /tmp by the teacher call, or carried in .carry/block_removal after a lost machine
