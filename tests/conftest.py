@@ -75,3 +75,11 @@ def export_lcm():
         return root / "bundle"
 
     return export
+
+
+@pytest.fixture(scope="session")
+def lcm_bundle_2_steps(lcm_student, export_lcm, tmp_path_factory):
+    """`lcm_student` exported once for the session by `export_lcm` for 2 steps at guidance scale 2.0: read by
+    tests/export/test_lcm_export.py, checked in the page (on a copy) by tests/web/test_check_lcm.py. Tests that
+    change a bundle change a copy."""
+    return export_lcm(lcm_student, tmp_path_factory.mktemp("lcm_export"), steps=2, guidance_scale=2.0)

@@ -32,10 +32,10 @@ def student_dir(lcm_student):
 
 
 @pytest.fixture(scope="module")
-def lcm_bundle(student_dir, export_lcm, tmp_path_factory):
+def lcm_bundle(lcm_bundle_2_steps):
     from pocketdiff.runtime.bundle import load_manifest
 
-    out = export_lcm(student_dir, tmp_path_factory.mktemp("lcm_export"), steps=2, guidance_scale=SCALE)
+    out = lcm_bundle_2_steps  # tests/conftest.py: the student exported for 2 steps at SCALE
     return {"out": out, "manifest": json.loads((out / "manifest.json").read_text()), "loaded": load_manifest(out)}
 
 

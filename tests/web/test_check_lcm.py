@@ -1,13 +1,18 @@
 """The page's check mode on a consistency (LCM) student's bundle in headless Chromium: 2 steps, so the
 page re-noises once with run-bundle's draw (reference/noise.bin), and its image matches run-bundle's.
-The bundle is exported here (tests/conftest.py's `lcm_student`). Skips only when Chromium is absent."""
+The bundle is tests/conftest.py's `lcm_bundle_2_steps` (its `lcm_student` exported; shared with tests/export). Skips only when Chromium is absent."""
 from __future__ import annotations
+
+import shutil
 
 import pytest
 
 @pytest.fixture(scope="module")
-def checked(tmp_path_factory, lcm_student, export_lcm, check_against_reference):
-    return check_against_reference(export_lcm(lcm_student, tmp_path_factory.mktemp("web_lcm"), steps=2, guidance_scale=2.0))
+def checked(tmp_path_factory, lcm_bundle_2_steps, check_against_reference):
+    """The page written into a copy of the session's 2-step LCM bundle (tests/conftest.py), then its check mode."""
+    bundle = tmp_path_factory.mktemp("web_lcm") / "bundle"
+    shutil.copytree(lcm_bundle_2_steps, bundle, ignore=shutil.ignore_patterns("_export"))
+    return check_against_reference(bundle)
 
 
 def test_page_runs_an_lcm_bundle_as_run_bundle_does(checked):
