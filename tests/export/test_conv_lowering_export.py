@@ -44,7 +44,8 @@ def lowered_bundle(gpu_delegate, int8_checkpoint, tmp_path_factory):
     cfg = {"seed": 0, "model": {"pretrained": "pocketdiff:shapes-teacher"}, "components": ["unet"], "weights": "int8",
            "int8": {"checkpoint": str(int8_checkpoint), "gpu_weights": "direct"},
            "rewrites": {"conv_lowering": "shifted_1x1", "group_norm_fp16_safe": False},
-           "guidance": "cfg", "guidance_scale": 3.0, "steps": 4, "golden_prompt": "a large red circle at the center"}
+           "guidance": "cfg", "guidance_scale": 3.0, "steps": 4, "golden_prompt": "a large red circle at the center",
+           "fp16_scan": {"enabled": False}}
     (tmp / "export.yaml").write_text(yaml.safe_dump(cfg))
     out = tmp / "bundle"
     assert cli_main(["export", "--config", str(tmp / "export.yaml"), "--output", str(out)]) == 0
