@@ -27,6 +27,34 @@ def int8_checkpoint(tmp_path_factory):
     return path
 
 
+# the shipped tiny teacher, int8 UNet from `int8_checkpoint`, residual stream x 1/4 (int8 codes stay the same, their
+# scales absorb the factor): test_bundle.py's full export, which test_unet_chunks.py also uses as its whole-UNet bundle
+TEACHER_INT8_EXPORT = {"seed": 0, "model": {"pretrained": TEACHER}, "weights": "int8", "guidance": "cfg", "guidance_scale": 3.0,
+                       "steps": 4, "golden_prompt": "a large red circle at the center", "rewrites": {"residual_scale": 0.25}}
+
+
+@pytest.fixture(scope="session")
+def teacher_int8_bundle(gpu_delegate, int8_checkpoint, tmp_path_factory):
+    """One full `pocketdiff export` of TEACHER_INT8_EXPORT (+ a one-prompt, one-step fp16 scan) for the session:
+    {"out": the bundle, "report": its report.json, "config": its export.yaml, "root": the folder holding both, "cfg": the
+    config as a dict}.
+    Tests read it or copy it; none writes into it."""
+    import json
+
+    import yaml
+
+    from pocketdiff.cli import main as cli_main
+
+    root = tmp_path_factory.mktemp("export")
+    cfg = {**TEACHER_INT8_EXPORT, "int8": {"checkpoint": str(int8_checkpoint)},
+           "fp16_scan": {"enabled": True, "prompts": ["a red circle"], "steps": 1}}
+    (root / "export.yaml").write_text(yaml.safe_dump(cfg))
+    out = root / "bundle"
+    assert cli_main(["export", "--config", str(root / "export.yaml"), "--output", str(out)]) == 0
+    return {"out": out, "report": json.loads((out / "report.json").read_text()), "config": root / "export.yaml", "root": root,
+            "cfg": cfg}
+
+
 @pytest.fixture(scope="session")
 def export_config_error():
     """The one-line refusal `pocketdiff export` gives for these config overrides (it must refuse them)."""

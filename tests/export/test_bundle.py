@@ -17,27 +17,9 @@ TEACHER = "pocketdiff:shapes-teacher"
 
 
 @pytest.fixture(scope="module")
-def exported(gpu_delegate, int8_checkpoint, tmp_path_factory):
-    root = tmp_path_factory.mktemp("export")
-    cfg = {
-        "seed": 0,
-        "model": {"pretrained": TEACHER},
-        "weights": "int8",
-        "int8": {"checkpoint": str(int8_checkpoint)},
-        "guidance": "cfg",
-        "guidance_scale": 3.0,
-        "steps": 4,
-        "golden_prompt": "a large red circle at the center",
-        "fp16_scan": {"enabled": True, "prompts": ["a red circle"], "steps": 1},
-        # residual stream x 1/4: int8 codes stay the same, their scales absorb the factor
-        "rewrites": {"residual_scale": 0.25},
-    }
-    cfg_path = root / "export.yaml"
-    cfg_path.write_text(yaml.safe_dump(cfg))
-    out = root / "bundle"
-    assert cli_main(["export", "--config", str(cfg_path), "--output", str(out)]) == 0
-    report = json.loads((out / "report.json").read_text())
-    return {"out": out, "report": report, "config": cfg_path, "root": root}
+def exported(teacher_int8_bundle):
+    """tests/export/conftest.py's session export (test_unet_chunks.py runs it as its whole UNet)."""
+    return teacher_int8_bundle
 
 
 def test_report_has_every_component_fully_accelerated_with_parity(exported):

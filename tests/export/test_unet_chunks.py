@@ -135,18 +135,18 @@ def test_config_refuses_chunks_it_cannot_make(export_config_error, overrides, me
 
 
 @pytest.fixture(scope="module")
-def bundles(gpu_delegate, int8_checkpoint, tmp_path_factory):
+def bundles(teacher_int8_bundle, int8_checkpoint, tmp_path_factory):
+    """The whole UNet's bundle is tests/export/conftest.py's session export (test_bundle.py's); the chunked ones are
+    exported here from the same config (no fp16 scan: it changes no graph)."""
     root = tmp_path_factory.mktemp("chunks")
-    ckpt = int8_checkpoint  # tests/export/conftest.py
-    cfg = {"seed": 0, "model": {"pretrained": TEACHER}, "weights": "int8", "int8": {"checkpoint": str(ckpt)}, "guidance": "cfg",
-           "guidance_scale": 3.0, "steps": 3, "fp16_scan": {"enabled": False}, "rewrites": {"residual_scale": 0.25}}
-    out = {}
-    for name, extra in (("whole", {"unet_chunks": 1}), ("chunked", {"unet_chunks": CHUNKS}),
+    cfg = {**teacher_int8_bundle["cfg"], "fp16_scan": {"enabled": False}}
+    out = {"whole": teacher_int8_bundle["out"]}
+    for name, extra in (("chunked", {"unet_chunks": CHUNKS}),
                         ("layered", {"unet_chunks": LAYER_CHUNKS, "unet_chunk_cut": "layer", "verify": {"delegate": False}})):
         (root / f"{name}.yaml").write_text(yaml.safe_dump({**cfg, **extra}))
         out[name] = root / f"bundle_{name}"
         assert cli_main(["export", "--config", str(root / f"{name}.yaml"), "--output", str(out[name])]) == 0
-    return {**out, "checkpoint": ckpt, "root": root, "report": json.loads((out["chunked"] / "report.json").read_text())}
+    return {**out, "checkpoint": int8_checkpoint, "root": root, "report": json.loads((out["chunked"] / "report.json").read_text())}
 
 
 def test_manifest_lists_the_chunks_with_parity_per_chunk_and_end_to_end(bundles):
