@@ -26,9 +26,8 @@ import numpy as np
 
 from pocketdiff.errors import PocketdiffError
 
-UNET = "unet"
-TEXT_ENCODER = "text_encoder"
-CHUNKABLE = (TEXT_ENCODER, UNET)  # the components a bundle may hold in chunks, in call order
+from .components import CHUNKABLE, TEXT_ENCODER, UNET  # the registry: the components a bundle may hold in chunks
+
 STREAM = "hidden"
 OUTPUT = "out"
 SKIP_PREFIX = "skip_"

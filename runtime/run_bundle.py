@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Optional, Union
@@ -67,7 +68,13 @@ def bundle_tokenizer(tokenizer_json: str | Path, tok: dict):
 
 
 def _ids(tokenizer, prompt: str, tok: dict) -> np.ndarray:
-    return np.asarray(tokenizer.encode(prompt).ids[: int(tok["max_length"])], dtype=np.int32)
+    L = int(tok["max_length"])
+    enc = tokenizer.encode(prompt)
+    if enc.overflowing:  # each overflow piece carries its own start and end tokens
+        n = len(enc.ids) + sum(sum(o.attention_mask) - 2 for o in enc.overflowing)
+        print(f"warning: prompt is {n} tokens, the text encoder takes {L}: cut to the first {L} ({prompt[:40]!r}...)",
+              file=sys.stderr)
+    return np.asarray(enc.ids[:L], dtype=np.int32)
 
 
 def bundle_tokenize(tokenizer_json: str | Path, prompt: str, tok: dict) -> np.ndarray:
