@@ -137,6 +137,17 @@ def test_run_bundle_on_the_tiny_preset_chunks(slim_bundles, tmp_path, monkeypatc
     assert img.shape[:2] == (32, 32) and np.isfinite(img).all() and img.std() > 0
 
 
+def test_verify_bundle_on_the_tiny_preset_chunks(slim_bundles, tmp_path):
+    # every component of the mid-block-free, lowest-stage-free bundle through verify-bundle's checks on the delegate
+    out = tmp_path / "verify.json"
+    assert cli_main(["verify-bundle", str(slim_bundles["tiny"]), "--accelerator", "gpu", "--precisions", "fp16",
+                     "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["failures"] == []
+    chunks = [n for n in report["components"] if n.startswith("unet.")]
+    assert len(chunks) == 4 and all(report["components"][n]["ok"] for n in chunks)
+
+
 def test_chunk_counts_the_loaded_models_cannot_make_are_refused_before_any_conversion(tmp_path, capsys, monkeypatch):
     """Checked on the loaded models right after loading (a hub id's shapes are first known there): no scan, no
     conversion has run when the one-line refusal comes."""
