@@ -29,7 +29,6 @@ import numpy as np
 from pocketdiff.errors import PocketdiffError
 
 LCM = "lcm"
-PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")
 
 
 def _is_int(v: Any) -> bool:
@@ -40,9 +39,10 @@ def _is_positive(v: Any) -> bool:
     return isinstance(v, (int, float, np.number)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
 
 
-def lcm_timesteps(num_train_timesteps: int, original_steps: int, steps: int) -> list[int]:
-    """Descending timesteps of an N-step run on the K-point training grid (K = original_steps)."""
-    T, K, N = int(num_train_timesteps), int(original_steps), int(steps)
+def lcm_timesteps(num_train_timesteps: int, solver_steps: int, steps: int) -> list[int]:
+    """Descending timesteps of an N-step run on the K-point training grid (K = solver_steps, the manifest's
+    original_inference_steps)."""
+    T, K, N = int(num_train_timesteps), int(solver_steps), int(steps)
     if not 1 <= K <= T:
         raise PocketdiffError(f"original_inference_steps must be in [1, {T}], got {K}")
     if not 1 <= N <= K:
