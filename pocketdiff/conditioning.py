@@ -179,9 +179,12 @@ def _module_device(module: Any) -> torch.device:
 
 def _tokenize(tokenizer, prompts: Sequence[str]):
     """Padded to the tokenizer's length and truncated there (a longer prompt warns once, naming its token count)."""
-    warn_if_truncated(tokenizer, prompts, tokenizer.model_max_length)
-    return tokenizer(list(prompts), padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
-                     return_tensors="pt")
+    L = tokenizer.model_max_length
+    enc = tokenizer(list(prompts), padding="max_length", max_length=L, truncation=True, return_tensors="pt")
+    full = [p for p, m in zip(prompts, enc.attention_mask) if int(m.sum()) >= L]  # only these can have been cut
+    if full:  # tokenized again, untruncated, to name the count: the common short prompt is tokenized once
+        warn_if_truncated(tokenizer, full, L)
+    return enc
 
 
 @torch.no_grad()
