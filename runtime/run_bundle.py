@@ -149,7 +149,7 @@ class BundleRunner:
             raise PocketdiffError(f"accelerator must be cpu or gpu, got {accelerator!r}")
         # plain, pipelined, streamed or workers (runtime/managed_model.py), checked before the bundle is read or the GPU set up
         self.policy = loading_policy(accelerator, pipelined, stream_unet, load_workers)
-        self.bundle, self.accelerator, self.pipelined, self.stream_unet = bundle, accelerator, pipelined, stream_unet
+        self.bundle, self.accelerator = bundle, accelerator  # pipelined / streamed: the policy holds them
         self.man = manifest or check_bundle(bundle)  # fields, sizes and every .tflite's signature, before anything runs
         self.comps = self.man["components"]
         self.decoder = decoder_components(self.man)
