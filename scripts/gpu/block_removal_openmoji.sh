@@ -5,7 +5,8 @@
 # 64 DDIM steps. Three calls chained on ONE warm H200 (each within 30 s of the last: /tmp/runs stays):
 #
 #   bash scripts/gpu/block_removal_openmoji.sh teacher    # carry .whl_om .devdata (~25 MB beside ~39 MB of tracked files)
-#       teacher (VAE 1,500 steps, UNet TEACHER_S=160 s at batch 256: shorter than few_step's 300 s) beside a small CLIP.
+#       teacher (VAE 1,500 steps, UNet TEACHER_STEPS=2000 steps at batch 256 within TEACHER_S=400 s, as few_step's 1,964-step
+#       teacher; 794 steps drew no emoji yet) beside a small CLIP.
 #   bash scripts/gpu/block_removal_openmoji.sh prune      # no carry
 #       the three prunes + KD at once (RECOVERY_S=200 s each) beside the unpruned consistency student (LCM_STEPS=600), then its W8.
 #   bash scripts/gpu/block_removal_openmoji.sh students   # no carry
@@ -33,7 +34,7 @@ fi
 C=$REPO/configs W=$RUNS/block_removal L=$RUNS/block_removal/logs
 mkdir -p $L && cd $W || exit 1
 PRESETS=${PRESETS:-base small tiny}
-T0=$(date +%s); BUDGET_S=${BUDGET_S:-$([ -n "${SMOKE:-}" ] && echo 3000 || echo 520)}
+T0=$(date +%s); BUDGET_S=${BUDGET_S:-$([ -n "${SMOKE:-}" ] && echo 3000 || { [ "$PHASE" = teacher ] && echo 560 || echo 520; })}
 left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
 stamp() { echo "[$(date +%T)] $*" | tee -a $L/timeline.log; }
 if [ -n "${SMOKE:-}" ]; then
@@ -42,7 +43,7 @@ if [ -n "${SMOKE:-}" ]; then
   LCMX="consistency.train.batch_size=8 data.max_samples=64" W8X="calib.num_prompts=4 calib.holdout_prompts=2 recon.iters=2 recon.batch_size=4 output.samples=0"
   NUM=${NUM:-16}
 else
-  VAE=1500 TEACHER="train.batch_size=256 train.max_time_s=${TEACHER_S:-160}" CLIP="train.steps=2000" LCM_STEPS=${LCM_STEPS:-600}
+  VAE=1500 TEACHER="train.batch_size=256 train.max_steps=${TEACHER_STEPS:-2000} train.max_time_s=${TEACHER_S:-400}" CLIP="train.steps=2000" LCM_STEPS=${LCM_STEPS:-600}
   RECOVERY="train.max_time_s=${RECOVERY_S:-200}" LCMX="" W8X="calib.num_prompts=256 recon.iters=${W8_ITERS:-200}"
   NUM=${NUM:-1024}
 fi
