@@ -94,6 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--load-workers", type=int, default=None, metavar="N",
                            help="compile the models in N worker processes at once (GPU, not --pipelined): LiteRT loads one "
                                 "model at a time per process, so the loads overlap only across processes; more memory")
+            p.add_argument("--overlap-loads", action="store_true",
+                           help="with --pipelined (GPU): compile the next model in a worker process while the current one "
+                                "loads and runs (each model in a process of its own; writes its measured memory figures)")
+            p.add_argument("--memory-budget-mb", type=float, default=None, metavar="MB",
+                           help="with --overlap-loads: host + GPU MB; checked before loading from the figures a run measured: "
+                                "a pair that would exceed it does not overlap, a model that cannot fit is refused")
             p.add_argument("--gpu-option", action="append", default=[], metavar="KEY=VALUE",
                            help="an option of LiteRT's GPU accelerator (runtime/litert_c.py: GPU_OPTION_KEYS), repeatable")
             p.add_argument("--seed", type=int, default=0)

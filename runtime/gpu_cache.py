@@ -49,12 +49,17 @@ def default_cache_root() -> Path:
     return Path(base) / "pocketdiff" / "gpu"
 
 
-def bundle_cache_folder(bundle: str | Path, components: dict, root: Optional[Path] = None) -> Path:
-    """`root/<bundle folder name>-<12 hex of its components' sha256>`."""
+def bundle_digest(components: dict) -> str:
+    """A hash of a bundle's components (their names and sha256): what its cached files belong to."""
     h = hashlib.sha256()
     for name in sorted(components):
         h.update(f"{name}:{components[name].get('sha256', '')};".encode())
-    return (root or default_cache_root()) / f"{Path(bundle).resolve().name}-{h.hexdigest()[:12]}"
+    return h.hexdigest()
+
+
+def bundle_cache_folder(bundle: str | Path, components: dict, root: Optional[Path] = None) -> Path:
+    """`root/<bundle folder name>-<12 hex of its components' sha256>`."""
+    return (root or default_cache_root()) / f"{Path(bundle).resolve().name}-{bundle_digest(components)[:12]}"
 
 
 def _fingerprint(path: Path) -> str:

@@ -12,6 +12,11 @@ nothing from a user's file is unpickled). The runner holds `RemoteModel`s, which
 (`in_names`, `out_names`, `run_all`, `run_s`, `load_s`). The cost is memory: every worker is a process with its
 own runtime and GPU context, and what it holds is measured with the runner's (`PeakSampler.add_process`).
 
+With `measure` (run-bundle --overlap-loads: one worker per model, runtime/overlap.py), a worker measures itself
+(memory.SelfMeter): each load's answer carries its memory, and `measure` gives its lifetime peaks and what it held
+while its models ran; a model loaded with `settle` is run once on zeros at once (its host weight copies go before
+the next model of that worker compiles, as the runner settles a UNet's chunks).
+
 The workers are spawned (a fresh interpreter each, no inherited GPU state), so a script of yours that makes a
 `BundleRunner(..., load_workers=N)` must guard its entry point with `if __name__ == "__main__":`, as any
 multiprocessing program must: each worker imports the main module.
@@ -36,15 +41,23 @@ def check_count(n) -> int:
     return n
 
 
-def _serve(conn) -> None:
-    """A worker: one environment; ("load", name, entry, options) compiles, ("run", name, arrays) runs,
-    ("close", name) frees one model, ("stop",) all of them and the environment."""
+def settle(model) -> None:
+    """One run of a fresh model on zeros (its output discarded, not counted as a run): LiteRT's GPU accelerator
+    keeps its host copies of a model's weights until the model's first run."""
+    model.run_all({n: np.zeros(d["shape"], np.dtype(d["dtype"])) for n, d in model.in_details.items()})
+    model.run_s.pop()
+
+
+def _serve(conn, measure: bool = False) -> None:
+    """A worker: one environment; ("load", name, entry, options[, settle]) compiles, ("run", name, arrays) runs,
+    ("close", name) frees one model, ("measure", None) its memory (`measure`), ("stop",) all of them and the environment."""
     from .delegate import prepare_in_process
     from .litert_c import Environment
-    from .memory import tune_allocator
+    from .memory import SelfMeter, return_freed_memory, tune_allocator
 
     prepare_in_process()
     tune_allocator()
+    meter = SelfMeter() if measure else None
     env = Environment()
     models: dict = {}
     while True:
@@ -53,8 +66,14 @@ def _serve(conn) -> None:
         try:
             if op == "load":
                 m = models[name] = LoadedModel(name, msg[2], "gpu", env=env, gpu_options=msg[3])
+                if len(msg) > 4 and msg[4]:
+                    settle(m)
+                    return_freed_memory()
                 conn.send(("loaded", name, {"load_s": m.load_s, "fully_accelerated": m.fully_accelerated, "in_names": m.in_names,
-                                            "out_names": m.out_names, "in_details": m.in_details, "out_details": m.out_details}))
+                                            "out_names": m.out_names, "in_details": m.in_details, "out_details": m.out_details,
+                                            "memory": meter.window() if meter else None}))
+            elif op == "measure":
+                conn.send(("measured", name, meter.window() if meter else None))
             elif op == "run":
                 t0 = time.perf_counter()
                 outs = models[name].model.run(msg[2])
@@ -69,6 +88,8 @@ def _serve(conn) -> None:
     for m in models.values():
         m.close()
     env.close()
+    if meter is not None:
+        meter.close()
 
 
 class RemoteModel:
@@ -81,6 +102,7 @@ class RemoteModel:
         self.fully_accelerated = info["fully_accelerated"]
         self.in_names, self.out_names = info["in_names"], info["out_names"]
         self.in_details, self.out_details = info["in_details"], info["out_details"]
+        self.memory = info.get("memory")  # the worker's own measure at the end of this load (`measure` workers)
         self.run_s: list[float] = []
 
     _ordered = LoadedModel._ordered  # the same input checks and dtype casts as a local model
@@ -102,13 +124,13 @@ class LoadWorkers:
     to a worker at once, round-robin in the order given (the order they are first used), so each worker compiles
     its share while the others compile theirs; `get` waits for one."""
 
-    def __init__(self, n: int, on_start=None):
+    def __init__(self, n: int, on_start=None, measure: bool = False):
         check_count(n)
         ctx = mp.get_context("spawn")
         self.conns, self.procs = [], []
         for i in range(n):
             here, there = ctx.Pipe()
-            p = ctx.Process(target=_serve, args=(there,), name=f"pocketdiff-load-worker-{i}", daemon=True)
+            p = ctx.Process(target=_serve, args=(there, measure), name=f"pocketdiff-load-worker-{i}", daemon=True)
             p.start()
             there.close()
             self.conns.append(here)
@@ -119,14 +141,19 @@ class LoadWorkers:
         self.ready: dict[str, RemoteModel] = {}
         self.entries: dict[str, dict] = {}
 
-    def submit(self, models: list[tuple[str, dict, dict]]) -> None:
-        """(name, manifest entry, accelerator options) for each model, in the order of first use."""
-        for k, (name, entry, options) in enumerate(models):
+    def submit(self, models: list[tuple]) -> None:
+        """(name, manifest entry, accelerator options[, settle]) for each model, in the order of first use; `settle`:
+        run it once on zeros right after its compile (`settle`)."""
+        for k, (name, entry, options, *settle) in enumerate(models):
             if name in self.where:
                 continue
             w = k % len(self.conns)
             self.where[name], self.entries[name] = w, entry
-            self.conns[w].send(("load", name, entry, options))
+            self.conns[w].send(("load", name, entry, options, bool(settle and settle[0])))
+
+    def measure(self, w: int = 0) -> Optional[dict]:
+        """Worker W's own measure (memory.SelfMeter.window; None unless made with `measure`)."""
+        return self.call(w, ("measure", None), "measured")[0]
 
     def get(self, name: str) -> RemoteModel:
         """The compiled model NAME (waiting for its worker to reach it); a PocketdiffError naming it if it failed."""

@@ -12,7 +12,10 @@ The policies (`loading_policy` picks one from run-bundle's flags and refuses a c
 - `streamed` (`--pipelined --stream-unet`): pipelined, and a chunked UNet's chunks loaded for each step and
   released after it (one chunk in memory at a time);
 - `workers` (`--load-workers N`): plain, the models compiled in N worker processes at once
-  (runtime/load_workers.py).
+  (runtime/load_workers.py);
+- `overlapped` (`--pipelined --overlap-loads`): pipelined, each model (a UNet's chunks together) compiled and run in a
+  worker process of its own, the next one compiling while the current one loads or runs, as far as
+  `--memory-budget-mb` lets (runtime/overlap.py).
 """
 from __future__ import annotations
 
@@ -24,25 +27,31 @@ from pocketdiff.errors import PocketdiffError
 
 from .load_workers import check_count
 
-PLAIN, PIPELINED, STREAMED, WORKERS = "plain", "pipelined", "streamed", "workers"
+PLAIN, PIPELINED, STREAMED, WORKERS, OVERLAPPED = "plain", "pipelined", "streamed", "workers", "overlapped"
 
 
 @dataclass(frozen=True)
 class LoadingPolicy:
     """When the pipeline loads and releases its models."""
 
-    name: str  # plain | pipelined | streamed | workers
+    name: str  # plain | pipelined | streamed | workers | overlapped
     up_front: bool  # every model loaded at the first prompt and kept for every prompt
     release_after_use: bool  # each model released right after its use (one in memory at a time)
     stream_unet: bool  # a chunked UNet's chunks loaded for each step and released after it
     own_environments: bool  # each model (a chunked one's chunks together) in a LiteRT environment of its own
     load_workers: int = 0  # > 0: compiled in that many worker processes
+    overlap: bool = False  # each model in a worker process of its own, the next one compiled during the current one
 
 
 def loading_policy(accelerator: str, pipelined: bool = False, stream_unet: bool = False,
-                   load_workers: Optional[int] = 0) -> LoadingPolicy:
+                   load_workers: Optional[int] = 0, overlap_loads: bool = False) -> LoadingPolicy:
     """The policy run-bundle's flags ask for; a contradictory set is one line naming the flags.
     `load_workers` None or 0 (the API's default): no workers; the CLI refuses an explicit 0 (run_bundle.main)."""
+    if overlap_loads and (not pipelined or accelerator != "gpu" or stream_unet or load_workers):
+        raise PocketdiffError("--overlap-loads compiles the next model in a worker process while the current one runs: it "
+                              "needs --pipelined and --accelerator gpu, and no --stream-unet or --load-workers")
+    if overlap_loads:
+        return LoadingPolicy(OVERLAPPED, False, True, False, False, overlap=True)
     if stream_unet and not pipelined:
         raise PocketdiffError("--stream-unet loads each UNet chunk for each step: it needs --pipelined (the other models "
                               "are then loaded just in time too)")

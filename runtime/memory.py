@@ -9,7 +9,11 @@ file sizes.
   lists are empty (some sandboxes hide them) the device's used memory minus what it used when the
   `GpuMemory` was made, named as such (`source`). None on machines without NVML (lavapipe, phones).
 - `PeakSampler` polls both in a thread (default every 20 ms) to catch GPU peaks between phases; the
-  host peak comes from the kernel's own high-water mark, not from polling.
+  host peak comes from the kernel's own high-water mark, not from polling. Worker processes count with it
+  (`add_process`); a worker that exits before the run ends is retired first (`retire_process`), and the run's
+  host peak adds only the workers that were alive together (each one's own lifetime peak, an upper bound).
+- `SelfMeter`: one process measuring itself (an overlap worker of runtime/overlap.py): its lifetime peaks and
+  what it held while it ran.
 """
 from __future__ import annotations
 
@@ -128,6 +132,10 @@ class GpuMemory:
                     listed[p.pid] = listed.get(p.pid, 0) + p.usedGpuMemory
         return listed
 
+    def pid_mb(self, pid: int) -> float:
+        """One process's GPU memory as NVML lists it (0 when it is not listed)."""
+        return self._process_list().get(pid, 0) / 2**20
+
     def _listed_mb(self) -> Optional[float]:
         """Our processes' GPU memory from NVML's lists (one of them absent holds none), None when none is listed."""
         listed = self._process_list()
@@ -159,35 +167,60 @@ class PeakSampler:
         self.gpu_window_peak_mb = 0.0
         self.host_peak_total_mb = host_peak_mb() or 0.0
         self.sum_peak_mb = 0.0  # polled: the largest host RSS + GPU at one moment
-        self.others: dict[int, dict] = {}  # pid -> the largest VmHWM seen
+        self.others: dict[int, dict] = {}  # pid -> the largest VmHWM seen, and when it was added and retired
+        self._events = 0  # adds and retirements, in order
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._poll, name="memory-sampler", daemon=True)
         self._thread.start()
 
-    def add_process(self, pid: int) -> None:
-        self.others[pid] = {"peak_mb": 0.0}
+    def add_process(self, pid: int, own_peak: bool = False) -> None:
+        """Count process PID with this one from now on. `own_peak`: its high-water mark is never reset here (it
+        measures its own lifetime peak: an overlap worker), so a mark's window counts its peak so far."""
+        self._events += 1
+        self.others[pid] = {"peak_mb": 0.0, "reset": not own_peak, "start": self._events, "end": None}
         self.gpu.add_pid(pid)
+
+    def retire_process(self, pid: int) -> float:
+        """PID is about to exit: its high-water mark read a last time (its lifetime peak where never reset); from
+        now on it counts in no window and no longer as alive next to the processes added later. Its peak (MB)."""
+        o = self.others[pid]
+        kb = _status_kb("VmHWM", pid)
+        o["peak_mb"] = max(o["peak_mb"], 0.0 if kb is None else kb / 1024.0)
+        self._events += 1
+        o["end"] = self._events
+        return o["peak_mb"]
+
+    def _alive(self) -> list[int]:
+        return [pid for pid, o in list(self.others.items()) if o["end"] is None]
 
     def _gpu_used_mb(self) -> Optional[float]:
         return self.gpu.used_mb() if self.gpu.available else None
 
     def _host_rss_mb(self) -> Optional[float]:
         own = host_rss_mb()
-        return None if own is None else own + sum(host_rss_mb(pid) or 0.0 for pid in list(self.others))
+        return None if own is None else own + sum(host_rss_mb(pid) or 0.0 for pid in self._alive())
 
     def _others_peak_mb(self, reset: bool) -> float:
-        """The added processes' high-water marks: with `reset`, each one's since the last mark (then reset; a process
-        gone since holds nothing in this window), else each one's largest seen so far (kept after it exits)."""
+        """The live added processes' high-water marks: with `reset`, each one's since the last mark (then reset, but
+        for an `own_peak` one: its peak so far; a process gone since holds nothing in this window), else the bound of
+        the run: the most that the processes alive together have held (each one's largest seen, kept after it exits)."""
         total = 0.0
-        for pid, o in list(self.others.items()):
+        for pid in self._alive():
+            o = self.others[pid]
             kb = _status_kb("VmHWM", pid)
             window = 0.0 if kb is None else kb / 1024.0
             o["peak_mb"] = max(o["peak_mb"], window)
-            if reset and kb is not None:
+            if reset and kb is not None and o["reset"]:
                 reset_host_peak(pid)
-            total += window if reset else o["peak_mb"]
-        return total
+            total += window
+        return total if reset else self._together_peak_mb()
+
+    def _together_peak_mb(self) -> float:
+        """The largest sum of peaks over processes alive at one time (the set only grows at an add: check each)."""
+        procs = list(self.others.values())
+        return max((sum(o["peak_mb"] for o in procs if o["start"] <= s and (o["end"] is None or o["end"] > s))
+                    for s in (o["start"] for o in procs)), default=0.0)
 
     def _poll(self) -> None:
         while not self._stop.is_set():
@@ -215,20 +248,63 @@ class PeakSampler:
         peak = None if own is None else own + self._others_peak_mb(reset=True)
         files = host_file_mb()
         if files is not None:
-            files += sum(host_file_mb(pid) or 0.0 for pid in list(self.others))
+            files += sum(host_file_mb(pid) or 0.0 for pid in self._alive())
         return {"host_rss_mb": _r(self._host_rss_mb()), "host_file_mb": _r(files), "host_peak_mb": _r(peak),
                 "gpu_mb": _r(gpu_now), "gpu_peak_mb": _r(window)}
 
     def totals(self) -> dict:
         """The whole run's peaks so far (host: the kernel's high-water mark; GPU: polled)."""
         self.host_peak_total_mb = max(self.host_peak_total_mb, host_peak_mb() or 0.0)
-        host = self.host_peak_total_mb + self._others_peak_mb(reset=False)  # workers: each one's peak, added
+        host = self.host_peak_total_mb + self._others_peak_mb(reset=False)  # workers alive together: their peaks, added
         gpu = self.gpu_peak_mb if self.gpu.available else None
         both = None if gpu is None else host + gpu
         return {"host_peak_mb": _r(host), "gpu_peak_mb": _r(gpu), "processes": 1 + len(self.others),
                 "host_plus_gpu_peak_mb": _r(both),  # the two peaks added: an upper bound, whenever each came
                 "host_plus_gpu_peak_at_once_mb": _r(self.sum_peak_mb) if gpu is not None else None,  # polled
                 "gpu_source": self.gpu.source, "gpu_name": self.gpu.name}
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=1.0)
+
+
+class SelfMeter:
+    """What this process holds, measured by itself (an overlap worker: runtime/load_workers.py with `measure`):
+    `window()` gives its lifetime peaks so far (host: the kernel's VmHWM, which nothing may reset; GPU: polled) and
+    the largest host RSS and GPU polled since the previous `window()` (then a new window starts)."""
+
+    def __init__(self, every_s: float = 0.02):
+        self.gpu = GpuMemory()
+        self.every_s = every_s
+        self.gpu_peak_mb = 0.0
+        self._window = [0.0, 0.0]  # host RSS, GPU
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, name="self-meter", daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> tuple[float, Optional[float]]:
+        gpu = self.gpu.used_mb() if self.gpu.available else None
+        with self._lock:
+            host = host_rss_mb() or 0.0
+            self._window[0] = max(self._window[0], host)
+            if gpu is not None:
+                self._window[1] = max(self._window[1], gpu)
+                self.gpu_peak_mb = max(self.gpu_peak_mb, gpu)
+        return host, gpu
+
+    def _poll(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self._sample()
+
+    def window(self) -> dict:
+        self._sample()
+        with self._lock:
+            host, gpu = self._window
+            self._window = [0.0, 0.0]
+        known = self.gpu.available
+        return {"host_peak_mb": _r(host_peak_mb()), "gpu_peak_mb": _r(self.gpu_peak_mb) if known else None,
+                "window_host_mb": _r(host), "window_gpu_mb": _r(gpu) if known else None, "gpu_source": self.gpu.source}
 
     def close(self) -> None:
         self._stop.set()

@@ -18,7 +18,9 @@ returned, and the chunks share one environment), stays for every step, and runs 
 with its tensors passed by name (runtime/chunks.py); with `--stream-unet` (and `--pipelined`) each
 chunk is instead loaded for each step and released after it (one chunk in memory at a time). A text encoder
 in chunks (`text_encoder_chunks`) runs chunk after chunk on the prompt; pipelined, each is released before the
-next loads. On the GPU the
+next loads. `--pipelined --overlap-loads`: each model (a UNet's chunks together) compiled and run in a worker process
+of its own, the next one compiling while the current one loads and runs, within `--memory-budget-mb` checked from
+measured figures (runtime/overlap.py). On the GPU the
 models run through LiteRT's C API (runtime/litert_c.py) with the compiled-program cache
 (runtime/gpu_cache.py). The report has per-stage latency and the measured memory: host and GPU
 peaks and every model's phases (runtime/memory.py).
@@ -38,11 +40,14 @@ import numpy as np
 from pocketdiff.errors import PocketdiffError
 
 from .manifest_check import TILED_DECODER, check_bundle, decoder_components
+from .gpu_cache import bundle_digest
 from .load_workers import LoadWorkers, check_count
 from .loaded_model import LoadedModel
 from .managed_model import ManagedModel, loading_policy
 from .litert_c import parse_gpu_option
-from .memory import PeakSampler, process_age_s, return_freed_memory, tune_allocator
+from .load_workers import settle
+from .memory import PeakSampler, host_peak_mb, process_age_s, return_freed_memory, tune_allocator
+from .overlap import check_budget, overlap_loader, overlap_units
 from .onepass_decode import one_pass_decode_loaded, timed
 from .schedulers import sample_loop, scheduler_for
 from .chunks import TEXT_ENCODER, UNET, StreamedPart, base_of, chunk_aliases, parts_of, run_into, run_parts
@@ -140,15 +145,18 @@ class BundleRunner:
     so a second launch loads without compiling. Memory is measured per phase (runtime/memory.py).
     `load_workers` N (plain, GPU): the models are compiled in N worker processes at once, whose loads overlap
     where one process's do not (runtime/load_workers.py); their memory is counted with this process's.
+    `overlap_loads` (pipelined, GPU): each model in a worker of its own, the next one compiled during the current one,
+    as far as `memory_budget_mb` lets (runtime/overlap.py).
     """
 
     def __init__(self, bundle: str | Path, accelerator: str = "gpu", pipelined: bool = False, manifest: Optional[dict] = None,
                  gpu_cache: Union[str, Path, None, bool] = None, gpu_options: Optional[dict] = None, stream_unet: bool = False,
-                 load_workers: int = 0):
+                 load_workers: int = 0, overlap_loads: bool = False, memory_budget_mb: Optional[float] = None):
         if accelerator not in ("cpu", "gpu"):
             raise PocketdiffError(f"accelerator must be cpu or gpu, got {accelerator!r}")
-        # plain, pipelined, streamed or workers (runtime/managed_model.py), checked before the bundle is read or the GPU set up
-        self.policy = loading_policy(accelerator, pipelined, stream_unet, load_workers)
+        # plain, pipelined, streamed, workers or overlapped (runtime/managed_model.py), checked before the bundle is read
+        self.policy = loading_policy(accelerator, pipelined, stream_unet, load_workers, overlap_loads)
+        budget = check_budget(memory_budget_mb, self.policy.overlap)
         self.bundle, self.accelerator = bundle, accelerator  # pipelined / streamed: the policy holds them
         self.man = manifest or check_bundle(bundle)  # fields, sizes and every .tflite's signature, before anything runs
         self.comps = self.man["components"]
@@ -179,7 +187,12 @@ class BundleRunner:
         self.tokenizer = bundle_tokenizer(tok["files"]["tokenizer.json"]["_path"], tok)
         self.ids_empty = _ids(self.tokenizer, "", tok) if int(self.man["guidance"]["unet_batch"]) == 2 else None
         self.table = np.load(self.man["time_embedding"]["_path"]) if self.man.get("time_embedding") else None
-        self.workers = None
+        self.workers = self.overlap = None
+        if self.policy.overlap:  # the budget checked from measured figures before anything loads (runtime/overlap.py)
+            self.overlap = overlap_loader(overlap_units(self.te_parts, self.unet_parts, self.decoder),
+                                          self.cache.folder if self.cache is not None and self.cache.enabled else None,
+                                          (bundle_digest(self.comps), self.gpu_identity), budget,
+                                          lambda n: (self.comps[n], self._options_for(n)), self.sampler)
         if self.policy.load_workers:  # last: nothing after this can fail and leave them running
             self.workers = LoadWorkers(self.policy.load_workers, on_start=self.sampler.add_process)
         self._mark("runner", "ready")
@@ -190,13 +203,13 @@ class BundleRunner:
         from .litert_c import Environment
 
         self.driver = prepare_in_process()
-        self.env = None if self.policy.own_environments else Environment()
+        self.env = None if self.policy.own_environments or self.policy.overlap else Environment()
+        gpu = self.sampler.gpu  # what compiled programs and measured memory figures depend on besides the bundle
+        self.gpu_identity = "|".join([litert_version(), self.driver, str(gpu.name), str(gpu.driver_version()),
+                                      os.environ.get("VK_ICD_FILENAMES", ""), json.dumps(self.gpu_options, sort_keys=True)])
         if gpu_cache is not False:
-            gpu = self.sampler.gpu
-            identity = "|".join([litert_version(), self.driver, str(gpu.name), str(gpu.driver_version()),
-                                 os.environ.get("VK_ICD_FILENAMES", ""), json.dumps(self.gpu_options, sort_keys=True)])
             folder = Path(gpu_cache) if gpu_cache not in (None, True) else bundle_cache_folder(self.bundle, self.comps)
-            self.cache = GpuProgramCache(folder, identity)
+            self.cache = GpuProgramCache(folder, self.gpu_identity)
 
     @property
     def loaded(self) -> dict:
@@ -218,9 +231,10 @@ class BundleRunner:
     def close(self) -> None:
         for name in list(self.loaded):
             self._release(name)
-        if self.workers is not None:
-            self.workers.close()
-            self.workers = None
+        for pool in (self.workers, self.overlap):
+            if pool is not None:
+                pool.close()
+        self.workers = None
         if self.env is not None:
             self.env.close()
             self.env = None
@@ -247,9 +261,9 @@ class BundleRunner:
         return m
 
     def _open(self, name: str):
-        """Compile NAME: in its load worker (`workers`), else here, in the environment the policy gives it."""
-        if self.workers is not None:
-            m = self.workers.get(name)
+        """Compile NAME: in its load worker (`workers`, `overlapped`), else here, in the environment the policy gives it."""
+        if self.workers is not None or self.overlap is not None:
+            m = (self.workers or self.overlap).get(name)
             self._mark(name, "compiled")
             return m
         return LoadedModel(name, self.comps[name], self.accelerator, env=self._environment_for(name),
@@ -278,8 +292,9 @@ class BundleRunner:
         self.models[name].release()
 
     def _close(self, name: str, m) -> None:
-        """Free a released model, and its environment when no other resident model shares it."""
-        m.close()
+        """Free a released model, and its environment when no other resident model shares it (overlapped: its worker
+        goes with its unit's last model)."""
+        self.overlap.release(name, m) if self.overlap is not None else m.close()
         group = _env_group(name)
         env = None if any(_env_group(n) == group for n in self.loaded) else self.own_envs.pop(group, None)
         if env is not None:
@@ -356,7 +371,7 @@ class BundleRunner:
         for name in self.unet_parts:
             fresh = not self.models[name].loaded
             parts.append(self._load(name, latency))
-            if fresh and self.accelerator == "gpu" and len(self.unet_parts) > 1:
+            if fresh and self.accelerator == "gpu" and len(self.unet_parts) > 1 and self.overlap is None:  # its worker settles it
                 self._settle(name, parts[-1])
                 if self.policy.release_after_use:
                     return_freed_memory()
@@ -380,8 +395,7 @@ class BundleRunner:
         """One run of a fresh UNet chunk on zeros, before the next chunk compiles: LiteRT's GPU accelerator
         keeps its host copies of a model's weights until the model's first run, so settling each chunk
         keeps them from piling up under the next compile (the run's output is discarded)."""
-        model.run_all({n: np.zeros(d["shape"], np.dtype(d["dtype"])) for n, d in model.in_details.items()})
-        model.run_s.pop()  # not a step: the latency report counts the sampling runs only
+        settle(model)  # not a step: the latency report counts the sampling runs only
         self._mark(name, "settled")
 
     def _decode(self, x: np.ndarray, latency: dict, stats: dict) -> np.ndarray:
@@ -426,6 +440,8 @@ class BundleRunner:
         t0 = time.perf_counter()
         ids = _ids(self.tokenizer, prompt, tok)
         latency["tokenize"] = time.perf_counter() - t0
+        if self.overlap is not None:  # the first model's worker starts (and the next one's, as the budget lets)
+            self.overlap.begin()
         if self.policy.up_front:  # plain (the naive app) and workers: everything up front
             names = (*self.te_parts, *self.unet_parts, *self.decoder)
             if self.workers is not None:  # all at once, spread over the workers in the order of use
@@ -444,6 +460,9 @@ class BundleRunner:
         latency["total"] = time.perf_counter() - t_total
         age = process_age_s()
         stats["total_s"] = None if age is None else round(age, 3)  # process start -> this image
+        if self.overlap is not None:  # each model's measured memory, for --memory-budget-mb (runtime/overlap.py)
+            own_gpu = self.sampler.gpu.pid_mb(os.getpid()) if self.sampler.gpu.available else None
+            self.overlap.record(max(self.sampler.host_peak_total_mb, host_peak_mb() or 0.0) + (own_gpu or 0.0))
         stats["memory"] = self.memory_report()
         stats["finite"] = bool(np.isfinite(image).all())
         return np.clip(image, 0.0, 1.0), stats
@@ -452,7 +471,8 @@ class BundleRunner:
         """Measured: the whole run's peaks (host, GPU, host + GPU) and every phase; the cache's state."""
         return {**self.sampler.totals(), "phases": list(self.phases),
                 "gpu_cache": self.cache.summary() if self.cache is not None else None,
-                "loading_policy": self.policy.name, "models": {n: m.memory() for n, m in self.models.items() if m.loads}}
+                "loading_policy": self.policy.name, "models": {n: m.memory() for n, m in self.models.items() if m.loads},
+                **({"overlap": self.overlap.report()} if self.overlap is not None else {})}
 
 
 def generate(
@@ -476,6 +496,7 @@ def check_flags(args) -> None:
     workers = getattr(args, "load_workers", None)
     if workers is not None:
         check_count(workers)  # `--load-workers 0` is refused, not run as plain without a word
+    check_budget(getattr(args, "memory_budget_mb", None), bool(getattr(args, "overlap_loads", False)))
     if getattr(args, "gpu_cache", None) is not None and getattr(args, "no_gpu_cache", False):
         raise PocketdiffError(f"--gpu-cache {args.gpu_cache} and --no-gpu-cache contradict each other: give one of them")
 
@@ -496,7 +517,9 @@ def main(args) -> int:
     try:
         cache = False if getattr(args, "no_gpu_cache", False) else getattr(args, "gpu_cache", None)
         with BundleRunner(args.bundle, args.accelerator, args.pipelined, man, gpu_cache=cache, gpu_options=gpu_options,
-                          stream_unet=getattr(args, "stream_unet", False), load_workers=getattr(args, "load_workers", None) or 0) as runner:
+                          stream_unet=getattr(args, "stream_unet", False), load_workers=getattr(args, "load_workers", None) or 0,
+                          overlap_loads=getattr(args, "overlap_loads", False),
+                          memory_budget_mb=getattr(args, "memory_budget_mb", None)) as runner:
             image, stats = runner.run(args.prompt, seed=args.seed)
         if not stats["finite"]:
             raise PocketdiffError(f"bundle {args.bundle}: the image has NaN/Inf values ({args.accelerator})")
@@ -519,6 +542,8 @@ def main(args) -> int:
         "pipelined": bool(args.pipelined),
         "stream_unet": bool(getattr(args, "stream_unet", False)),
         "load_workers": int(getattr(args, "load_workers", 0) or 0),
+        "overlap_loads": bool(getattr(args, "overlap_loads", False)),
+        "memory_budget_mb": getattr(args, "memory_budget_mb", None),
         "loading_policy": runner.policy.name,
         "fully_accelerated": fully,
         "fully_accelerated_by_component": stats["fully_accelerated_by_component"],
