@@ -46,8 +46,8 @@ from .load_workers import LoadWorkers
 
 FIGURES = "memory_figures.json"
 LOAD, RUN, NONE = "load", "run", "none"
-MEASURING_RUN = ("`pocketdiff run-bundle BUNDLE --pipelined --overlap-loads ...` once, with the same --gpu-cache and "
-                 "--gpu-option and no --memory-budget-mb")
+MEASURING_RUN = ("`pocketdiff run-bundle BUNDLE --pipelined --overlap-loads ...` without --memory-budget-mb (the same "
+                 "--gpu-cache and --gpu-option)")
 
 
 def _mb(value, what: str) -> float:
@@ -195,7 +195,7 @@ def plan_levels(units: list[str], figures: Optional[MemoryFigures], budget: Opti
     M = budget.mb
     if figures is None:
         raise PocketdiffError(f"--memory-budget-mb {M:g}: no measured memory figures for this bundle on this device ({where}): "
-                              f"run {MEASURING_RUN} first; it measures every model in its worker and writes them there")
+                              f"run {MEASURING_RUN} once first; it measures every model in its worker and writes them there")
     missing = [u for u in units if u not in figures.units]
     if missing:
         raise PocketdiffError(f"--memory-budget-mb {M:g}: the measured figures ({where}) have none for {', '.join(missing)}: "

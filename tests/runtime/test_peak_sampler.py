@@ -95,3 +95,44 @@ def test_mark_tells_file_backed_memory_from_the_rest(tmp_path):
         sampler.close()
     assert after["host_file_mb"] - before["host_file_mb"] > 60
     assert after["host_rss_mb"] >= after["host_file_mb"]
+
+
+def _holder(mb: int) -> subprocess.Popen:
+    """A child that holds MB of touched memory until a line on its stdin, then frees it and waits for stdin to close."""
+    child = subprocess.Popen([sys.executable, "-c", f"b = bytearray({mb} * 2**20); b[::4096] = b'x' * len(b[::4096]); "
+                              "import sys; print('ready', flush=True); sys.stdin.readline(); del b; "
+                              "print('freed', flush=True); sys.stdin.read()"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "ready"
+    return child
+
+
+def test_workers_alive_one_after_the_other_count_once_and_keep_their_own_peaks():
+    # overlap workers (runtime/overlap.py): each measures its own lifetime peak, which the runner's marks must not
+    # reset; one retired before the next starts adds only the larger of the two peaks to the run's host peak
+    sampler = PeakSampler(gpu=_FakeNvml(1, {}), every_s=10)
+    children = []
+    try:
+        sampler.mark()  # a window starts here
+        own, window = sampler.totals()["host_peak_mb"], sampler.mark()["host_peak_mb"]  # the run's, a window's (this process)
+        first = _holder(200)
+        children.append(first)
+        sampler.add_process(first.pid, own_peak=True)
+        first.stdin.write("free\n")
+        first.stdin.flush()
+        assert first.stdout.readline().strip() == "freed"
+        sampler.mark()  # would reset the child's high-water mark for a load worker; an own_peak one keeps it
+        assert sampler.mark()["host_peak_mb"] > window + 190
+        assert sampler.retire_process(first.pid) > 190
+        assert sampler.mark()["host_peak_mb"] < window + 100  # retired: in no later window
+        second = _holder(120)
+        children.append(second)
+        sampler.add_process(second.pid, own_peak=True)
+        sampler.retire_process(second.pid)
+        total = sampler.totals()["host_peak_mb"]
+        assert own + 190 < total < own + 190 + 110, (own, total)  # the larger peak, not the sum of both
+    finally:
+        sampler.close()
+        for child in children:
+            child.stdin.close()
+            child.wait(timeout=30)
