@@ -1,7 +1,8 @@
 """Shared fixtures of the web tests: the shipped smoke bundles (tests/web/smoke_bundle and its twins
 smoke_bundle_tiled, one-pass tiled decoder, smoke_bundle_tiled_stats, tiled decoder with iterated norm
-statistics, and smoke_bundle_chunked, UNet and text encoder each in two chunks; made by `pocketdiff
-export`, see their READMEs) copied to a temporary folder, node and Chromium."""
+statistics, smoke_bundle_chunked, UNet and text encoder each in two chunks, and smoke_bundle_tiny, a block-removed
+UNet (no mid block, no lowest stage) in four layer-cut chunks; made by `pocketdiff export`, see their READMEs)
+copied to a temporary folder, node and Chromium."""
 from __future__ import annotations
 
 import shutil
@@ -14,6 +15,7 @@ SMOKE_BUNDLE = HERE / "smoke_bundle"
 TILED_SMOKE_BUNDLE = HERE / "smoke_bundle_tiled"
 CHUNKED_SMOKE_BUNDLE = HERE / "smoke_bundle_chunked"
 TILED_STATS_SMOKE_BUNDLE = HERE / "smoke_bundle_tiled_stats"
+TINY_SMOKE_BUNDLE = HERE / "smoke_bundle_tiny"
 
 
 @pytest.fixture
@@ -63,6 +65,13 @@ def assemble_chunked():
     """The chunked smoke bundle (text_encoder.0, text_encoder.1, unet.0, unet.1) assembled in a folder, for
     module-scoped fixtures."""
     return lambda dst: assemble_twin_bundle(CHUNKED_SMOKE_BUNDLE, dst)
+
+
+@pytest.fixture(scope="session")
+def assemble_tiny():
+    """The block-removed smoke bundle (issue 48's `tiny` preset: no mid block, no lowest stage; unet.0 ... unet.3,
+    layer cuts) assembled in a folder (shipped: CI exports nothing for it)."""
+    return lambda dst: assemble_twin_bundle(TINY_SMOKE_BUNDLE, dst)
 
 
 @pytest.fixture(scope="session")
