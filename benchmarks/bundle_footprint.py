@@ -15,8 +15,8 @@
            with --env-each), or split over P processes started at once (--procs), cold then warm program cache:
            whether LiteRT's per-model load (host work on one core) overlaps.
   runs     `pocketdiff run-bundle` end to end (its own report: per-phase memory, start_s, total_s), plain
-           and --pipelined (and --stream-unet, --load-workers N), cold (empty cache folder) then warm (the same
-           folder), per bundle layout.
+           and --pipelined (and --stream-unet, --load-workers N, --overlap-loads [--memory-budget-mb N]), cold (empty
+           cache folder) then warm (the same folder), per bundle layout.
 The committed benchmarks/results/bundle_footprint_*.json hold these rows as they came back (`runs`: layout,
 resolution, mode, launch, unet_chunks, host_peak_mb, gpu_peak_mb, start_s, total_s, device, memory.phases (a UNet in
 chunks: per chunk, unet.0, unet.1, ...); `probes`: per model file, each chunk alone), each tagged with the device call and the runner version it came from.
@@ -415,7 +415,27 @@ def _run_bundle(bundle: str, out: str, pipelined: bool, cache: str, driver_cache
         return {"error": f"exit {p.returncode}", "stderr_tail": p.stderr[-2000:]}
     r = json.loads(report.read_text())
     keep = ("host_peak_mb", "gpu_peak_mb", "host_plus_gpu_peak_mb", "start_s", "total_s", "fully_accelerated", "latency_s", "memory")
-    return {**{k: r.get(k) for k in keep}, "process_wall_s": wall}
+    return {**{k: r.get(k) for k in keep}, "process_wall_s": wall, "unet_step_s": (r.get("latency_s") or {}).get("unet_step_mean"),
+            "host_plus_gpu_peak_at_once_mb": (r.get("memory") or {}).get("host_plus_gpu_peak_at_once_mb"),  # polled, one moment
+            "overlap_levels": [p["level"] for p in ((r.get("memory") or {}).get("overlap") or {}).get("plan", [])] or None}
+
+
+def _mode_flags(mode: str, cache_root: Path, layout: str, tag: str) -> list[str]:
+    """run-bundle's flags beyond --pipelined for MODE. overlapN: --overlap-loads --memory-budget-mb N, with the figures the
+    `overlap` mode of this layout measured (list it before) copied into the mode's fresh folder."""
+    if mode == "streamed":
+        return ["--stream-unet"]
+    if mode.startswith("workers"):
+        return ["--load-workers", mode[len("workers"):]]
+    if mode.startswith("overlap"):
+        budget = mode[len("overlap"):]
+        if budget:
+            measured = cache_root / f"{layout}-overlap-{tag}" / "programs" / "memory_figures.json"
+            (cache_root / f"{layout}-{mode}-{tag}" / "programs").mkdir(parents=True, exist_ok=True)
+            if measured.is_file():
+                shutil.copyfile(measured, cache_root / f"{layout}-{mode}-{tag}" / "programs" / measured.name)
+        return ["--overlap-loads"] + (["--memory-budget-mb", budget] if budget else [])
+    return []
 
 
 def runs(bundles: list[tuple[str, str]], cache_root: str, timeout: float, modes: list[str], gpu_options: list[str], tag: str) -> list[dict]:
@@ -435,9 +455,9 @@ def runs(bundles: list[tuple[str, str]], cache_root: str, timeout: float, modes:
             folder = Path(cache_root) / f"{layout}-{mode}-{tag}"
             shutil.rmtree(folder, ignore_errors=True)
             workers = int(mode[len("workers"):]) if mode.startswith("workers") else 0  # plain, its loads in N processes
-            flags = ["--stream-unet"] if mode == "streamed" else ["--load-workers", str(workers)] if workers else []
+            flags = _mode_flags(mode, Path(cache_root), layout, tag)
             for launch in ("cold", "warm"):
-                r = _run_bundle(bundle, f"/tmp/footprint-{layout}-{mode}-{launch}", mode in ("pipelined", "streamed"),
+                r = _run_bundle(bundle, f"/tmp/footprint-{layout}-{mode}-{launch}", mode in ("pipelined", "streamed") or mode.startswith("overlap"),
                                 str(folder / "programs"), str(folder / "driver"), timeout, extra + flags)
                 rows.append({"layout": layout, "resolution": resolution, "mode": mode, "launch": launch, "device": device,
                              "load_workers": workers,
@@ -495,7 +515,8 @@ def main(argv=None) -> int:
     r.add_argument("--cache-root", default="/tmp/pd-cache")
     r.add_argument("--timeout", type=float, default=240)
     r.add_argument("--modes", default="plain,pipelined", help="of plain, pipelined, streamed (--pipelined --stream-unet: a "
-                   "chunked UNet), workersN (plain with --load-workers N)")
+                   "chunked UNet), workersN (plain with --load-workers N), overlap (--pipelined --overlap-loads), overlapN (and "
+                   "--memory-budget-mb N, with the figures the overlap mode measured: list overlap first)")
     r.add_argument("--gpu-option", action="append", default=[], help="KEY=VALUE passed to run-bundle")
     r.add_argument("--tag", default="default", help="names this variant in the rows")
     r.add_argument("--out", required=True)
@@ -503,8 +524,9 @@ def main(argv=None) -> int:
     if a.cmd == "runs":
         pairs = [tuple(b.rsplit(":", 1)) for b in a.bundles]
         modes = a.modes.split(",")
-        if any(m not in ("plain", "pipelined", "streamed") and not re.fullmatch(r"workers[1-9][0-9]*", m) for m in modes):
-            ap.error(f"--modes: {a.modes!r}, expected a comma list of plain, pipelined, streamed, workersN")
+        if any(m not in ("plain", "pipelined", "streamed") and not re.fullmatch(r"workers[1-9][0-9]*|overlap([1-9][0-9]*)?", m)
+               for m in modes):
+            ap.error(f"--modes: {a.modes!r}, expected a comma list of plain, pipelined, streamed, workersN, overlap, overlapN")
         rows = runs(pairs, a.cache_root, a.timeout, modes, a.gpu_option, a.tag)
         Path(a.out).write_text(json.dumps({"rows": rows}, indent=1))
         return 0

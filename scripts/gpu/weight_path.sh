@@ -5,13 +5,18 @@
 # bundles), optionally .devprobe/ (small .tflite files for the per-op-kind probe). Parts (PARTS, comma list):
 #   repro  benchmarks/weight_cache_repro.py on the committed tiny model, crashes re-run under cuda-gdb
 #   runs   `pocketdiff run-bundle` per layout (RUN_LAYOUTS, default all), MODES (default pipelined), cold then warm;
-#          GPU_OPTION=KEY=VALUE passes one accelerator option (run-bundle --gpu-option)
+#          GPU_OPTION=KEY=VALUE passes one accelerator option (run-bundle --gpu-option). Issue 49 item 3's modes:
+#          overlap (--pipelined --overlap-loads: each model in a worker of its own, the next one compiled during the
+#          current one; it writes the measured per-model figures) and overlapN (the same under --memory-budget-mb N,
+#          from the figures the overlap mode measured: list overlap first), e.g. MODES=pipelined,overlap,overlap6000;
+#          each row: start_s, total_s, unet_step_s, host/GPU peaks and host_plus_gpu_peak_at_once_mb, overlap_levels
 #   probe  each UNet file of PROBE_LAYOUTS alone in a fresh process (host RSS, GPU memory, load time); PROBE_SETS: the
 #          option sets (bundle_footprint.py OPTION_SETS, default base; int8_kernels for int8.storage: direct files)
 #   ops    each .tflite of .devprobe/ alone in a fresh process (GPU bytes per parameter by op kind and storage)
 # Bundles stay unpacked in /tmp/sd21_bundles between calls of a warm machine (a later call carries only new sets).
 # Writes $OUT/weight_path_out.tgz (weight_cache_repro.json, runs_<layout>.json, probe_<layout>_<file>.json, ops.json) and the log.
 #   PARTS=repro,runs,probe PROBE_LAYOUTS="base int8gpu" bash scripts/gpu/weight_path.sh
+#   PARTS=runs RUN_LAYOUTS=sd21 MODES=pipelined,overlap,overlap6000 bash scripts/gpu/weight_path.sh
 set -u
 REPO=$PWD
 OUT=${OUT:-/tmp/out}

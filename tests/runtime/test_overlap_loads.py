@@ -147,6 +147,7 @@ def test_overlap_gives_the_pipelined_image_and_measures_every_model(measured):
     assert measured["workers"] == 2 * len(units)  # a worker per model (the UNet's two chunks in one) and prompt
     compiled = [p["component"] for p in stats["memory"]["phases"] if p["phase"] == "compiled"]
     assert compiled[-5:] == ["text_encoder.0", "text_encoder.1", "unet.0", "unet.1", "vae_decoder"]
+    assert all(f"{name}_wait" in stats["latency_s"] for name in compiled[-5:])  # how long the pipeline waited for each
     figures = measured["figures"]
     assert sorted(figures.units) == sorted(units) and figures.launches == 2 and figures.runner_mb > 50
     for name, f in figures.units.items():
