@@ -10,7 +10,9 @@ Public entry points:
 - `run_bundle.BundleRunner(folder).run(prompt, seed)` and `run_bundle.generate(...)`: the
   reference runner (tokenize, text encoder, the scheduler + CFG / embedded guidance, decoder);
   `run_bundle.main` is `pocketdiff run-bundle`; `load_workers.LoadWorkers`: its models compiled and run in worker
-  processes (`--load-workers N`); `memory.PeakSampler`: the measured memory of its reports
+  processes (`--load-workers N`); `overlap.OverlapLoader`: each model in a worker of its own, the next one compiled
+  during the current one, within a budget checked from measured figures (`--overlap-loads`, `--memory-budget-mb`);
+  `memory.PeakSampler`: the measured memory of its reports
 - `schedulers.scheduler_for(manifest["scheduler"])`: the bundle's scheduler (DDIM or LCM) behind diffusers'
   interface (`set_timesteps`, `step`); web/static/schedulers.js is the page's twin
 - `tiled_decode.tiled_decode_with_stats`: the tiled VAE decode in numpy

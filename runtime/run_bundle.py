@@ -296,7 +296,10 @@ class BundleRunner:
     def _close(self, name: str, m) -> None:
         """Free a released model, and its environment when no other resident model shares it (overlapped: its worker
         goes with its unit's last model)."""
-        self.overlap.release(name, m) if self.overlap is not None else m.close()
+        if self.overlap is not None:
+            self.overlap.release(name, m)
+        else:
+            m.close()
         group = _env_group(name)
         env = None if any(_env_group(n) == group for n in self.loaded) else self.own_envs.pop(group, None)
         if env is not None:
@@ -498,7 +501,9 @@ def check_flags(args) -> None:
     workers = getattr(args, "load_workers", None)
     if workers is not None:
         check_count(workers)  # `--load-workers 0` is refused, not run as plain without a word
-    check_budget(getattr(args, "memory_budget_mb", None), bool(getattr(args, "overlap_loads", False)))
+    overlap = bool(getattr(args, "overlap_loads", False))
+    loading_policy(args.accelerator, args.pipelined, getattr(args, "stream_unet", False), workers, overlap)
+    check_budget(getattr(args, "memory_budget_mb", None), overlap)
     if getattr(args, "gpu_cache", None) is not None and getattr(args, "no_gpu_cache", False):
         raise PocketdiffError(f"--gpu-cache {args.gpu_cache} and --no-gpu-cache contradict each other: give one of them")
 

@@ -93,6 +93,22 @@ def test_flags_that_cannot_go_together_are_refused_by_name():
             check_budget(bad, overlap=True)
 
 
+@pytest.mark.parametrize("argv,needle", [
+    (["--overlap-loads"], "--overlap-loads compiles the next model in a worker process while the current one runs: it needs --pipelined"),
+    (["--pipelined", "--overlap-loads", "--stream-unet"], "and no --stream-unet or --load-workers"),
+    (["--memory-budget-mb", "4000", "--pipelined"], "--memory-budget-mb decides which loads of --overlap-loads overlap"),
+    (["--memory-budget-mb", "-1", "--pipelined", "--overlap-loads"], "--memory-budget-mb must be a positive number of MB, got -1"),
+])
+def test_run_bundle_refuses_these_flags_in_one_line_before_anything_is_made(tmp_path, capsys, argv, needle):
+    from pocketdiff.cli import main
+
+    out = tmp_path / "out"
+    code = main(["run-bundle", str(SMOKE), "--prompt", PROMPT, "--output", str(out), *argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and needle in err[0], err
+    assert not out.exists()
+
+
 def _assemble_chunked(dst: Path) -> Path:
     """The chunked smoke bundle (text_encoder.0/.1, unet.0/.1, vae_decoder), as tests/web/conftest.py assembles it."""
     spec = importlib.util.spec_from_file_location("web_conftest", WEB / "conftest.py")
