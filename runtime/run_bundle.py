@@ -41,11 +41,10 @@ from pocketdiff.errors import PocketdiffError
 
 from .manifest_check import TILED_DECODER, check_bundle, decoder_components
 from .gpu_cache import bundle_digest
-from .load_workers import LoadWorkers, check_count
+from .load_workers import LoadWorkers, check_count, settle
 from .loaded_model import LoadedModel
 from .managed_model import ManagedModel, loading_policy
 from .litert_c import parse_gpu_option
-from .load_workers import settle
 from .memory import PeakSampler, host_peak_mb, process_age_s, return_freed_memory, tune_allocator
 from .overlap import check_budget, overlap_loader, overlap_units
 from .onepass_decode import one_pass_decode_loaded, timed
