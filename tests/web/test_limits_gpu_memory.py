@@ -76,6 +76,55 @@ def test_one_line_problems_name_the_component_and_the_limit(node, tmp_path):
     assert p[5] is None  # the wasm CPU path binds no GPU buffers
 
 
+def _externalize(src: Path, dst: Path, min_bytes: int = 1024) -> int:
+    """`src` written to `dst` with its constant buffers of >= min_bytes moved to dst.weights (TFLite schema: Tensor
+    .external_buffer naming a Model.external_buffers entry of one group): the layout LiteRT.js's loadModelAndWeights
+    streams from. Returns how many tensors went external."""
+    import flatbuffers
+    from ai_edge_litert import schema_py_generated as fb
+
+    model = fb.ModelT.InitFromPackedBuf(bytearray(src.read_bytes()), 0)
+    weights, ext, moved = bytearray(), [], {}
+    for sg in model.subgraphs:
+        for t in sg.tensors:
+            data = model.buffers[t.buffer].data
+            if data is None or len(data) < min_bytes:
+                continue
+            if t.buffer not in moved:
+                weights += bytes(-len(weights) % 64)
+                e = fb.ExternalBufferT()
+                e.id, e.group, e.offset, e.length = len(ext) + 1, 0, len(weights), len(data)
+                weights += bytes(np.asarray(data, dtype=np.uint8))
+                ext.append(e)
+                moved[t.buffer] = e.id
+            t.externalBuffer, t.buffer = moved[t.buffer], 0
+    for i in moved:
+        model.buffers[i].data = None
+    group = fb.ExternalBufferGroupT()
+    group.name = dst.name + ".weights"
+    model.externalBufferGroups, model.externalBuffers = [group], ext
+    b = flatbuffers.Builder(1024)
+    b.Finish(model.Pack(b), file_identifier=b"TFL3")
+    dst.write_bytes(b.Output())
+    dst.with_name(group.name).write_bytes(weights)
+    return sum(t.externalBuffer > 0 for sg in model.subgraphs for t in sg.tensors)
+
+
+def test_a_component_with_external_weights_is_refused_before_loading(node, tmp_path):
+    """LiteRT.js 2.5.3 compiles no model with external buffers (loadAndCompile and loadModelAndWeights alike:
+    docs/MEASUREMENTS.md, web section): such a component is refused in one line, not left to fail in the wasm."""
+    ext = tmp_path / "unet_ext.tflite"
+    n = _externalize(SMOKE / "unet.tflite", ext)
+    out = _harness(node, tmp_path, files=[str(ext)], problems=[
+        {"name": "unet", "file": str(ext), "adapter": {}, "overrides": {}, "opts": {}},
+        {"name": "unet", "file": str(ext), "adapter": {}, "overrides": {}, "opts": {"accelerator": "wasm"}}])
+    assert out["sizes"][str(ext)]["external"] == n > 10
+    assert out["sizes"][str(ext)]["weightElements"] == _python_sizes(SMOKE / "unet.tflite")["weights"]  # still counted
+    for p in out["problems"]:
+        assert p.startswith(f"unet: {n} of its tensors keep their weights in external buffers") and "LiteRT.js 2.5.3" in p
+        assert "refused before loading" in p and "\n" not in p
+
+
 def test_bad_limit_overrides_are_refused(node, tmp_path):
     errs = _harness(node, tmp_path, bad_overrides=[["maxStorageBufferBindingSize=1000"], ["foo=3"], ["wasmHeap=lots"]])["errors"]
     assert errs[0] is None
@@ -140,20 +189,44 @@ def test_node_runner_stops_before_loading_naming_the_component_and_the_limit(daw
 def chunked_runs(dawn, tmp_path_factory, assemble_chunked):
     root = tmp_path_factory.mktemp("gpu_memory")
     bundle = assemble_chunked(root / "bundle")
-    runs = {}
+    runs = {"heap": _heap_for_streamed_only(bundle)}
     for unet, device in (("resident", "per-model"), ("streamed", "per-model"), ("streamed", "shared")):
         out = root / f"{unet}_{device}.json"
-        p = _run(dawn, str(bundle), "--unet", unet, "--gpu-device", device, "--no-goldens", "--out", str(out))
+        heap = ["--limit", f"wasmHeap={runs['heap']}"] if device == "per-model" and unet == "streamed" else []
+        p = _run(dawn, str(bundle), "--unet", unet, "--gpu-device", device, "--no-goldens", "--out", str(out), *heap)
         assert p.returncode == 0, p.stderr[-3000:]
         runs[(unet, device)] = json.loads(out.read_text())
+    runs["bundle"] = bundle
     return runs
+
+
+def _heap_for_streamed_only(bundle: Path) -> int:
+    """A wasm heap (bytes) that every component of the chunked bundle fits alone (limits.js's estimate), the decoder
+    not beside the resident UNet chunks' files (1.3 MB)."""
+    dec = bundle / "vae_decoder.tflite"
+    return dec.stat().st_size + 8 * _python_sizes(dec)["weights"] + 500_000
+
+
+def test_node_runner_refuses_a_resident_unet_over_the_wasm_heap_and_runs_it_streamed(chunked_runs, dawn):
+    """The heap limit through the runner: resident, the decoder would compile beside the UNet's chunks' files and is
+    refused before anything loads, naming the way out; streamed (one chunk at a time) the same limit passes."""
+    heap = chunked_runs["heap"]
+    p = _run(dawn, str(chunked_runs["bundle"]), "--unet", "resident", "--limit", f"wasmHeap={heap}", "--no-goldens", timeout=120)
+    assert p.returncode == 2, p.stderr[-2000:]
+    line = [l for l in p.stderr.splitlines() if l.startswith("node_runner: ")]
+    assert len(line) == 1 and line[0].startswith("node_runner: vae_decoder: compiling it needs ~"), line
+    assert f"wasmHeap {heap / 2**20:.1f} MiB" in line[0] and "unet=streamed holds one UNet chunk" in line[0]
+    assert "compiled in" not in p.stderr
+    st = chunked_runs[("streamed", "per-model")]
+    assert st["ok"] and st["limits"]["wasmHeap"] == heap and st["unet"] == "streamed"
 
 
 def test_streamed_unet_gives_its_chunks_gpu_memory_back(chunked_runs):
     res, st, shared = chunked_runs[("resident", "per-model")], chunked_runs[("streamed", "per-model")], chunked_runs[("streamed", "shared")]
     for r in (res, st, shared):
         assert r["ok"], r["failures"]
-        assert r["limits"]["maxStorageBufferBindingSize"] > 0 and r["limits"]["wasmHeap"] == 2 ** 31  # the adapter's own
+        assert r["limits"]["maxStorageBufferBindingSize"] > 0  # the adapter's own
+    assert res["limits"]["wasmHeap"] == shared["limits"]["wasmHeap"] == 2 ** 31  # LiteRT.js's (st runs under a lower one)
     assert st["gpu_memory"]["live_mb"] == 0  # every device destroyed
     assert shared["gpu_memory"]["live_mb"] > 0  # one shared device keeps what released models held
     assert st["gpu_memory"]["peak_mb"] < res["gpu_memory"]["peak_mb"]
@@ -167,14 +240,18 @@ def test_streamed_unet_gives_its_chunks_gpu_memory_back(chunked_runs):
 
 # --- the page in headless Chromium (SwiftShader here) ---
 
-def test_page_refuses_a_bundle_over_a_limit_before_loading(chromium, smoke_bundle):
+@pytest.mark.parametrize("limit, names, says", [
+    ("maxStorageBufferBindingSize:150000", {"text_encoder", "unet", "vae_decoder"}, "maxStorageBufferBindingSize 0.1 MiB"),
+    ("wasmHeap:5000000", {"unet"}, "of LiteRT.js's wasm heap"),  # the int8 UNet: 1.5 MB file + 8 bytes a weight
+])
+def test_page_refuses_a_bundle_over_a_limit_before_loading(chromium, smoke_bundle, limit, names, says):
     from pocketdiff.web.headless import check_page
     from pocketdiff.web.page import PageConfig, write_page
 
     write_page(PageConfig(bundle=str(smoke_bundle), reference=False))
-    r = check_page(smoke_bundle, timeout_s=300, executable=chromium, limit="maxStorageBufferBindingSize:150000")
+    r = check_page(smoke_bundle, timeout_s=300, executable=chromium, limit=limit)
     assert r["ok"] is False and len(r["failures"]) == 1, r
     line = r["failures"][0]
-    assert line.split(": ")[0] in {"text_encoder", "unet", "vae_decoder"} and "maxStorageBufferBindingSize 0.1 MiB" in line
+    assert line.split(": ")[0] in names and says in line, line
     assert "refused before loading" in line and "\n" not in line
     assert "components" not in r  # nothing compiled, nothing ran

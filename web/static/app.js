@@ -20,6 +20,7 @@ const STREAM_UNET = params.get('unet') === 'streamed';
 const GPU_DEVICE = params.get('gpu_device') === 'shared' ? 'shared' : 'per-model';
 const ledger = new GpuLedger();
 let fit = null; // limits.js preflight's sizes of each component
+let fitFor = null; // {accelerator, limits} that preflight checked: another accelerator chosen later is checked again
 const bundle = new Bundle(new URL(params.get('bundle') || '../', location.href));
 let reference = null;
 let webgpu = { available: false, adapter: null, reason: null };
@@ -189,6 +190,7 @@ async function main() {
     // ?limit=NAME:BYTES lowers one, for tests)
     const limits = bundleLimits(webgpu.adapter?.limits, parseLimitOverrides(params.getAll('limit')));
     fit = await preflight(bundle, limits, { accelerator: $('accelerator').value, streamed: STREAM_UNET });
+    fitFor = { accelerator: $('accelerator').value, limits };
     reference = await loadReference();
   } catch (e) {
     status(`error: ${e.message}`, 'error');
@@ -221,6 +223,10 @@ async function main() {
     const prompt = $('prompt').value;
     const seed = Number($('seed').value) | 0;
     try {
+      if ($('accelerator').value !== fitFor.accelerator) { // the limits differ (the CPU path binds no GPU buffers)
+        fit = await preflight(bundle, fitFor.limits, { accelerator: $('accelerator').value, streamed: STREAM_UNET });
+        fitFor = { ...fitFor, accelerator: $('accelerator').value };
+      }
       const out = await run(prompt, seed);
       if (CHECK) await report(summary(prompt, seed, out, runtimeMs));
     } catch (e) {

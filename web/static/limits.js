@@ -6,6 +6,10 @@
 // compiling for WebGPU needs about the file plus two fp32 copies of its weights (8 bytes a weight) inside the heap;
 // int8 files of 141 MB compiled, of 243 MB and more aborted; fp16 files of 97 MB compiled, of 558 MB aborted. A
 // compiled model keeps its file in the heap until it is released, so a resident UNet's chunks add up.
+//
+// Weights outside the heap: LiteRT.js 2.5.3 exports loadModelAndWeights (a model whose tensors name external buffers,
+// their bytes streamed into WebGPU buffers), but it compiles no such model, by either entry point, in Chromium (its
+// JSPI build) or Node (docs/MEASUREMENTS.md, web section); a component with external tensors is refused here.
 import { BundleError } from './pipeline.js';
 import { tfliteSizes } from './tflite.js';
 
@@ -37,6 +41,9 @@ export function heapNeed(sizes, fileBytes, accelerator) {
 /** The first problem of one component (`name`, its tfliteSizes `sizes`, its file's bytes), or null. `heldBytes`:
  *  bytes of other models' files held in the heap while it compiles (a resident UNet's other chunks). */
 export function componentProblem(name, sizes, fileBytes, limits, { accelerator = 'webgpu', heldBytes = 0, heldWhat = '' } = {}) {
+  if (sizes.external) {
+    return `${name}: ${sizes.external} of its tensors keep their weights in external buffers, which LiteRT.js 2.5.3 cannot compile (loadAndCompile and loadModelAndWeights both fail); refused before loading (export the component with its weights inside the .tflite)`;
+  }
   const big = sizes.largest;
   if (accelerator === 'webgpu' && big) {
     for (const k of ['maxStorageBufferBindingSize', 'maxBufferSize']) {
@@ -56,27 +63,32 @@ export function componentProblem(name, sizes, fileBytes, limits, { accelerator =
 
 /** Every component the run compiles (bundle.teParts, unetParts, decoder; after bundle.open()) read once and checked
  *  against `limits` before anything compiles; throws a BundleError with the first problem's one line. A resident
- *  UNet in chunks counts its other chunks' files as held. Returns {name: {file_mb, weights_m, largest_gpu_mb}}. */
+ *  UNet in chunks counts its other chunks' files as held. Returns {name: {file_mb, weights_m, largest_gpu_mb}}.
+ *  Each file's sizes are kept on the bundle (bundle.tfliteSizes), so a check again (another accelerator chosen on
+ *  the page) reads no file twice. */
 export async function preflight(bundle, limits, { accelerator = 'webgpu', streamed = false } = {}) {
   const man = bundle.man;
   const report = {};
   const parts = [...bundle.teParts, ...bundle.unetParts, ...bundle.decoder];
   const fileBytes = (n) => Number(man.components[n].bytes) || 0;
   const unetHeld = !streamed && bundle.unetParts.length > 1 ? bundle.unetParts.reduce((a, n) => a + fileBytes(n), 0) : 0;
+  const known = (bundle.tfliteSizes ??= {});
   for (const name of parts) {
-    const bytes = await bundle.fetchBytes(man.components[name].path, `component ${name}`);
-    let sizes;
-    try {
-      sizes = tfliteSizes(bytes);
-    } catch (e) {
-      throw new BundleError(`${name}: ${man.components[name].path} is ${e.message}`);
+    if (!known[name]) {
+      const bytes = await bundle.fetchBytes(man.components[name].path, `component ${name}`);
+      try {
+        known[name] = { sizes: tfliteSizes(bytes), bytes: bytes.byteLength };
+      } catch (e) {
+        throw new BundleError(`${name}: ${man.components[name].path} is ${e.message}`);
+      }
     }
+    const { sizes, bytes } = known[name];
     const isUnet = bundle.unetParts.includes(name);
     const held = unetHeld && !bundle.teParts.includes(name) ? unetHeld - (isUnet ? fileBytes(name) : 0) : 0; // the text encoder runs before
-    const problem = componentProblem(name, sizes, bytes.byteLength, limits, {
+    const problem = componentProblem(name, sizes, bytes, limits, {
       accelerator, heldBytes: held, heldWhat: isUnet ? 'the other resident UNet chunks' : 'the resident UNet chunks' });
     if (problem) throw new BundleError(problem);
-    report[name] = { file_mb: Number((bytes.byteLength / MIB).toFixed(2)), weights_m: Number((sizes.weightElements / 1e6).toFixed(3)),
+    report[name] = { file_mb: Number((bytes / MIB).toFixed(2)), weights_m: Number((sizes.weightElements / 1e6).toFixed(3)),
       largest_gpu_mb: Number(((sizes.largest?.gpuBytes ?? 0) / MIB).toFixed(3)), external_tensors: sizes.external };
   }
   return report;

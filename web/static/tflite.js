@@ -71,9 +71,10 @@ export function tfliteSizes(bytes, gpuBytesPerElement = 2) {
       const elements = shape.reduce((a, d) => a * Math.max(d, 1), 1);
       const buf = buffers[t.u32(2)];
       const fileBytes = buf ? buf.data || buf.size : 0;
-      const constant = fileBytes > 0 || t.u64(10) > 0;
+      const external = t.u32(10) > 0; // Tensor.external_buffer (uint): an id in Model.external_buffers, 0 for none
+      const constant = fileBytes > 0 || external;
       out.tensors += 1;
-      if (t.u64(10) > 0) out.external += 1;
+      if (external) out.external += 1;
       if (constant) {
         out.weightElements += elements;
         out.weightFileBytes += fileBytes;
