@@ -2,13 +2,19 @@
 # Issue 50 on a GPU machine: the page's pipeline in Node.js (web/node_runner.mjs, LiteRT.js on Dawn on the real
 # Vulkan driver) on an SD-2.1-size bundle, beside run-bundle --pipelined in the same call: rows with gpu_peak_mb
 # (NVML), host_peak_mb, unet, gpu_device, gpu, ok, total_s, run_bundle_gpu_peak_mb (benchmarks/web_node.py).
-# Repo root, carried: .whl/ (ai-edge-litert ...), .gl/ (Vulkan loader debs), .devbundle/ (benchmarks/sd21_bundle.py
-# pack), .webnode/ (scripts/gpu/pack_web_node.sh: node + web/node_modules), and optionally .webref/ (a `pocketdiff web`
-# page's web/reference/ made here; without it the reference is run-bundle's on the GPU, made in the call).
-#   LAYOUT=layer10te3 UNET=resident,streamed DEVICES=per-model bash scripts/gpu/web_node.sh
-# Each call stays under the 10-minute limit with one mode per call at SD size (resident ~1 min, streamed ~3-5 min).
+# Repo root, carried: .whl/ (ai-edge-litert ...), .gl/ (Vulkan loader debs), .webnode/ and .devbundle-web/
+# (`LAYOUT=base bash scripts/gpu/pack_web_node.sh` here: node + web/node_modules, and that one layout of .devbundle/,
+# about 63 MiB with the two others; without .devbundle-web/ the layout is taken from a carried .devbundle/), and optionally
+# .webref/ (a `pocketdiff web` page's web/reference/ made here; without it the reference is run-bundle's on the GPU,
+# made in the call).
+#   LAYOUT=base UNET=resident,streamed DEVICES=per-model bash scripts/gpu/web_node.sh
+# One call measures both UNet modes (a row each) beside one run-bundle --pipelined (run_bundle_gpu_peak_mb): at the
+# SD-2.1 layer-cut student ~1 min resident, ~3.2 min streamed, ~0.6 min run-bundle, ~1 min the GPU reference. Only
+# LAYOUT is unpacked. BUDGET (default 560 s from the start) stops benchmarks/web_node.py before the call's 10-minute
+# limit; the rows already run are in web_node.log (one JSON line each) and their folders are tarred either way.
 # Writes $OUT/web_sd21_node_<unet>_<devices>_h200.json (+ its folder, tarred) and $OUT/web_node.log.
 set -u
+START=$SECONDS
 REPO=$PWD
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -30,17 +36,36 @@ source "$REPO/scripts/gpu/env.sh" || exit 3
 # the installed package looks for LiteRT.js beside itself (pocketdiff/web/node_modules)
 [ -e /tmp/site/pocketdiff/web/node_modules ] || ln -s "$REPO/web/node_modules" /tmp/site/pocketdiff/web/node_modules
 BUNDLES=/tmp/sd21_bundles
-if [ ! -d "$BUNDLES" ]; then
-  python3 "$REPO/benchmarks/sd21_bundle.py" unpack "$REPO/.devbundle" "$BUNDLES" || exit 5
+LAYOUT=${LAYOUT:-base}
+PACKED="$REPO/.devbundle-web"; [ -f "$PACKED/index.json" ] || PACKED="$REPO/.devbundle"
+if [ ! -d "$BUNDLES/$LAYOUT" ]; then
+  # that layout alone (sd21_bundle.py unpack takes every layout of an index): an index of it, beside the stored files
+  ONE=/tmp/webbundle_one && rm -rf "$ONE" && mkdir -p "$ONE"
+  python3 - "$PACKED" "$LAYOUT" "$ONE" <<'PY' || exit 5
+import json, os, sys
+src, layout, one = sys.argv[1:4]
+index = json.load(open(os.path.join(src, "index.json")))
+if layout not in index["layouts"]:
+    sys.exit(f"web_node: layout {layout} is not in {src}/index.json ({', '.join(index['layouts'])})")
+json.dump({**index, "layouts": {layout: index["layouts"][layout]}}, open(os.path.join(one, "index.json"), "w"))
+for name in os.listdir(src):
+    if name != "index.json":
+        os.symlink(os.path.join(src, name), os.path.join(one, name))
+PY
+  python3 "$REPO/benchmarks/sd21_bundle.py" unpack "$ONE" "$BUNDLES" || exit 5
 fi
-LAYOUT=${LAYOUT:-$(ls "$BUNDLES" | head -1)}
-say "layout $LAYOUT: $(ls "$BUNDLES")"
+say "layout $LAYOUT from $PACKED ($(( SECONDS - START )) s)"
 nvidia-smi --query-compute-apps=pid,used_memory --format=csv 2>/dev/null | head -3
 REF=(); [ -f "$REPO/.webref/reference.json" ] && REF=(--reference "$REPO/.webref")
 tag="${UNET//,/+}_${DEVICES//,/+}"
 say "== web_node $LAYOUT unet=$UNET devices=$DEVICES"
-python3 "$REPO/benchmarks/web_node.py" --bundle "$BUNDLES/$LAYOUT" --unet "$UNET" --gpu-device "$DEVICES" "${REF[@]}" \
-  --timeout "$TIMEOUT" --out "/tmp/runs/web_sd21_node_${tag}_h200.json"
+LEFT=$(( ${BUDGET:-560} - (SECONDS - START) ))
+[ "$LEFT" -gt 60 ] || { say "only ${LEFT} s of BUDGET left before the runs"; exit 6; }
+timeout -k 10 "$LEFT" python3 "$REPO/benchmarks/web_node.py" --bundle "$BUNDLES/$LAYOUT" --unet "$UNET" --gpu-device "$DEVICES" \
+  "${REF[@]}" --timeout "$TIMEOUT" --out "/tmp/runs/web_sd21_node_${tag}_h200.json"
+rc=$?
+[ $rc -ne 124 ] || say "stopped at BUDGET after $(( SECONDS - START )) s: the rows that ran are the JSON lines above"
 cp "/tmp/runs/web_sd21_node_${tag}_h200.json" "$OUT/" 2>/dev/null
 tar czf "$OUT/web_sd21_node_${tag}_h200.tgz" --exclude='*.tflite' -C /tmp/runs "web_sd21_node_${tag}_h200"
-say "done"
+say "done (exit $rc, $(( SECONDS - START )) s)"
+exit $rc
