@@ -8,6 +8,15 @@
 # .webref/ (a `pocketdiff web` page's web/reference/ made here; without it the reference is run-bundle's on the GPU,
 # made in the call).
 #   LAYOUT=base UNET=resident,streamed DEVICES=per-model bash scripts/gpu/web_node.sh
+# All of that is ~66 MB beside a ~50.5 MB tracked tree: over one call's 64 MiB, so it goes staged (scripts/gpu/stage.sh),
+# in back-to-back calls of one warm machine (/tmp outlives a call, a machine goes back 30 s after one). Here:
+#   bash scripts/gpu/stage.sh split .webnode .devbundle-web --every .gl --first .whl \
+#     --then "LAYOUT=base UNET=resident,streamed DEVICES=per-model bash scripts/gpu/web_node.sh"
+# prints the calls with each one's measured bytes (at 50.49 MB tracked: 4 parts of 13.35 MB, every call <= 64.21 MB):
+#   call 1    carry .whl .gl          source scripts/gpu/env.sh   (the wheels into /tmp/site, kept for later calls)
+#   call 2-4  carry .stage/pNN .gl    bash scripts/gpu/stage.sh receive
+#   call 5    carry .stage/p03 .gl    bash scripts/gpu/stage.sh receive && bash scripts/gpu/stage.sh restore &&
+#                                     LAYOUT=base UNET=resident,streamed DEVICES=per-model bash scripts/gpu/web_node.sh
 # One call measures both UNet modes (a row each) beside one run-bundle --pipelined (run_bundle_gpu_peak_mb): at the
 # SD-2.1 layer-cut student ~1 min resident, ~3.2 min streamed, ~0.6 min run-bundle, ~1 min the GPU reference. Only
 # LAYOUT is unpacked. BUDGET (default 560 s from the start) stops benchmarks/web_node.py before the call's 10-minute

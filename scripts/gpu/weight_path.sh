@@ -17,6 +17,15 @@
 # Writes $OUT/weight_path_out.tgz (weight_cache_repro.json, runs_<layout>.json, probe_<layout>_<file>.json, ops.json) and the log.
 #   PARTS=repro,runs,probe PROBE_LAYOUTS="base int8gpu" bash scripts/gpu/weight_path.sh
 #   PARTS=runs RUN_LAYOUTS=sd21 MODES=pipelined,overlap,overlap6000 bash scripts/gpu/weight_path.sh
+# A set of ~19-26 MB does not fit beside .whl/ and the ~50.5 MB tracked tree (64 MiB a call): stage it over back-to-back
+# calls of one warm machine (scripts/gpu/stage.sh; /tmp outlives a call, a machine goes back 30 s after one). Here:
+#   bash scripts/gpu/stage.sh split .devbundle/SET [.devbundle/SET2 ...] --every .gl --first .whl \
+#     --then "PARTS=runs RUN_LAYOUTS=LAYOUT bash scripts/gpu/weight_path.sh"
+# prints the calls with each one's measured bytes (one 26.6 MB set: 2 parts of 13.3 MB, every call <= 64.17 MB):
+#   call 1      carry .whl .gl          source scripts/gpu/env.sh   (the wheels into /tmp/site, kept for later calls)
+#   next calls  carry .stage/pNN .gl    bash scripts/gpu/stage.sh receive
+#   last call   carry .stage/pLAST .gl  bash scripts/gpu/stage.sh receive && bash scripts/gpu/stage.sh restore && PARTS=... bash scripts/gpu/weight_path.sh
+# (restore links .devbundle/SET into this call's repo copy; the unpacked bundles then stay in /tmp/sd21_bundles.)
 set -u
 REPO=$PWD
 OUT=${OUT:-/tmp/out}
