@@ -5,6 +5,25 @@ import pytest
 import torch
 
 
+@pytest.fixture(scope="session", autouse=True)
+def driver_shader_cache():
+    """Mesa's own shader cache (lavapipe's compiled shaders) stays where the driver keeps it outside the tests,
+    `$XDG_CACHE_HOME` (or ~/.cache) as the session starts, however a test points XDG_CACHE_HOME elsewhere
+    (tests do, to isolate pocketdiff's GPU program cache, `runtime/gpu_cache.py`, which they check): without this,
+    every run-bundle in such a test compiled every shader through LLVM again (a tiny bundle's run 20 s -> 70 s).
+    pocketdiff's program cache is untouched: it still follows each test's XDG_CACHE_HOME. A MESA_SHADER_CACHE_DIR
+    already set is kept (benchmarks/bundle_footprint.py sets its own for cold launches)."""
+    import os
+    from pathlib import Path
+
+    if "MESA_SHADER_CACHE_DIR" in os.environ:
+        yield os.environ["MESA_SHADER_CACHE_DIR"]
+        return
+    os.environ["MESA_SHADER_CACHE_DIR"] = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    yield os.environ["MESA_SHADER_CACHE_DIR"]
+    del os.environ["MESA_SHADER_CACHE_DIR"]
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """torch on one CPU thread for a whole module (its module-scoped models included), restored
