@@ -55,6 +55,77 @@ def gpu_delegate():
     return why
 
 
+class SharedConversions:
+    """Inside `with shared_conversions:`, a litert-torch conversion `pocketdiff export` makes (export/exporter.py's
+    `_convert`, the only converter call of the export verb) of a graph converted before in this session is that
+    conversion's file, copied; any other runs litert-torch and is kept for the next. Keyed on what the converter is
+    given: the graph torch.export makes of the module with the inputs' names, shapes and dtypes (its code, signature
+    and every parameter, buffer and constant, bytes and all). Each different graph is still converted for real once a
+    session, and all the export does after the conversion runs every time (weight storage, int8 codes, the delegate
+    and its parity, goldens, manifest). The bundles that share the tiny teacher's text encoder and decoder use it."""
+
+    def __init__(self, folder):
+        self.folder = folder
+        self.hits: list[str] = []
+        self.converted: list[str] = []
+        self._patch = None
+
+    def key(self, module, inputs: dict) -> str:
+        import hashlib
+
+        from pocketdiff.export.convert import converter_quiet
+        from pocketdiff.export.exporter import _Keyworded
+
+        with converter_quiet():
+            ep = torch.export.export(_Keyworded(module, list(inputs)).eval(), (), dict(inputs), strict=False)
+        h = hashlib.sha256(ep.graph_module.code.encode())
+        h.update(repr((ep.graph_signature, ep.call_spec)).encode())
+        h.update(repr([(k, v.dtype, tuple(v.shape)) for k, v in inputs.items()]).encode())
+        for kind, named in (("state", ep.state_dict), ("constant", ep.constants)):
+            for name in sorted(named):
+                t = named[name]
+                if isinstance(t, torch.Tensor):
+                    h.update(f"{kind} {name} {t.dtype} {tuple(t.shape)}".encode())
+                    h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+                else:
+                    h.update(f"{kind} {name} {t!r}".encode())
+        return h.hexdigest()
+
+    def __enter__(self):
+        import shutil
+        import time
+
+        from pocketdiff.export import exporter
+
+        convert = exporter._convert
+
+        def shared(module, inputs, path):
+            t0 = time.perf_counter()
+            kept = self.folder / f"{self.key(module, inputs)}.tflite"
+            if kept.is_file():
+                shutil.copyfile(kept, path)
+                self.hits.append(path.name)
+            else:
+                convert(module, inputs, path)
+                shutil.copyfile(path, kept)
+                self.converted.append(path.name)
+            return time.perf_counter() - t0
+
+        self._patch = pytest.MonkeyPatch()
+        self._patch.setattr(exporter, "_convert", shared)
+        return self
+
+    def __exit__(self, *exc):
+        self._patch.undo()
+        self._patch = None
+
+
+@pytest.fixture(scope="session")
+def shared_conversions(tmp_path_factory):
+    """One `SharedConversions` for the session (its files in a session folder)."""
+    return SharedConversions(tmp_path_factory.mktemp("conversions"))
+
+
 @pytest.fixture(scope="session")
 def lcm_student(tmp_path_factory):
     """A consistency (LCM) student folder, as `pocketdiff distill` with `method: consistency` lays it out:
@@ -79,9 +150,10 @@ def lcm_student(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def export_lcm():
+def export_lcm(shared_conversions):
     """`export_lcm(student, root, steps, guidance_scale)` -> root/bundle: `pocketdiff export` with fp32 weights,
-    embedded guidance, no delegate run and no fp16 scan (the components are the usual ones; the sampler is tested)."""
+    embedded guidance, no delegate run and no fp16 scan (the components are the usual ones; the sampler is tested;
+    the student's text encoder and decoder are the teacher's: their conversions are shared)."""
     import yaml
 
     from pocketdiff.cli import main as cli_main
@@ -90,7 +162,8 @@ def export_lcm():
         cfg = {"seed": 0, "model": {"pretrained": str(student)}, "weights": "fp32", "guidance": "auto",
                "guidance_scale": guidance_scale, "steps": steps, "verify": {"delegate": False}, "fp16_scan": {"enabled": False}}
         (root / "export.yaml").write_text(yaml.safe_dump(cfg))
-        assert cli_main(["export", "--config", str(root / "export.yaml"), "--output", str(root / "bundle")]) == 0
+        with shared_conversions:
+            assert cli_main(["export", "--config", str(root / "export.yaml"), "--output", str(root / "bundle")]) == 0
         return root / "bundle"
 
     return export

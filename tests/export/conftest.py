@@ -34,11 +34,12 @@ TEACHER_INT8_EXPORT = {"seed": 0, "model": {"pretrained": TEACHER}, "weights": "
 
 
 @pytest.fixture(scope="session")
-def teacher_int8_bundle(gpu_delegate, int8_checkpoint, tmp_path_factory):
+def teacher_int8_bundle(gpu_delegate, int8_checkpoint, shared_conversions, tmp_path_factory):
     """One full `pocketdiff export` of TEACHER_INT8_EXPORT (+ a one-prompt, one-step fp16 scan) for the session:
     {"out": the bundle, "report": its report.json, "config": its export.yaml, "root": the folder holding both, "cfg": the
     config as a dict}.
-    Tests read it or copy it; none writes into it."""
+    Tests read it or copy it; none writes into it. Its conversions are shared (tests/conftest.py's `shared_conversions`):
+    test_unet_chunks.py's chunked bundles convert the same text encoder and decoder."""
     import json
 
     import yaml
@@ -50,7 +51,8 @@ def teacher_int8_bundle(gpu_delegate, int8_checkpoint, tmp_path_factory):
            "fp16_scan": {"enabled": True, "prompts": ["a red circle"], "steps": 1}}
     (root / "export.yaml").write_text(yaml.safe_dump(cfg))
     out = root / "bundle"
-    assert cli_main(["export", "--config", str(root / "export.yaml"), "--output", str(out)]) == 0
+    with shared_conversions:
+        assert cli_main(["export", "--config", str(root / "export.yaml"), "--output", str(out)]) == 0
     return {"out": out, "report": json.loads((out / "report.json").read_text()), "config": root / "export.yaml", "root": root,
             "cfg": cfg}
 

@@ -135,9 +135,10 @@ def test_config_refuses_chunks_it_cannot_make(export_config_error, overrides, me
 
 
 @pytest.fixture(scope="module")
-def bundles(teacher_int8_bundle, int8_checkpoint, tmp_path_factory):
+def bundles(teacher_int8_bundle, int8_checkpoint, shared_conversions, tmp_path_factory):
     """The whole UNet's bundle is tests/export/conftest.py's session export (test_bundle.py's); the chunked ones are
-    exported here from the same config (no fp16 scan: it changes no graph)."""
+    exported here from the same config (no fp16 scan: it changes no graph). Their text encoder and decoder are the
+    whole bundle's graphs: converted once (`shared_conversions`); each bundle stores, checks and lists its own."""
     root = tmp_path_factory.mktemp("chunks")
     cfg = {**teacher_int8_bundle["cfg"], "fp16_scan": {"enabled": False}}
     out = {"whole": teacher_int8_bundle["out"]}
@@ -145,7 +146,8 @@ def bundles(teacher_int8_bundle, int8_checkpoint, tmp_path_factory):
                         ("layered", {"unet_chunks": LAYER_CHUNKS, "unet_chunk_cut": "layer", "verify": {"delegate": False}})):
         (root / f"{name}.yaml").write_text(yaml.safe_dump({**cfg, **extra}))
         out[name] = root / f"bundle_{name}"
-        assert cli_main(["export", "--config", str(root / f"{name}.yaml"), "--output", str(out[name])]) == 0
+        with shared_conversions:
+            assert cli_main(["export", "--config", str(root / f"{name}.yaml"), "--output", str(out[name])]) == 0
     return {**out, "checkpoint": int8_checkpoint, "root": root, "report": json.loads((out["chunked"] / "report.json").read_text())}
 
 
