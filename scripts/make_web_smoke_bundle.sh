@@ -12,15 +12,17 @@
 # chunks (unet_chunks=2 text_encoder_chunks=2), kept the same way (its manifest, goldens, chunks and
 # whatever else differs); and tests/web/smoke_bundle_tiled_stats: a tiled decoder with iterated norm
 # statistics (vae_tiling.scheme control_variate, 3 passes, the teacher's GroupNorms kept; same tiles).
-# Usage: make_web_smoke_bundle.sh [bundle] [tiled] [chunked] [tiled_stats] (default: all four). A twin
+# And tests/web/smoke_bundle_tiny: the block-removed UNet (issue 48's `tiny` preset) from its own resolved recipe
+# (tests/web/smoke_bundle_tiny/config.yaml; another model, so it is kept whole, not as a twin).
+# Usage: make_web_smoke_bundle.sh [bundle] [tiled] [chunked] [tiled_stats] [tiny] (default: all five). A twin
 # rebuilt without `bundle` keeps the files that differ from the committed tests/web/smoke_bundle's.
 # Rerun after a change to the bundle format (tests/web fail on a manifest they cannot read).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-[ $# -gt 0 ] || set -- bundle tiled chunked tiled_stats
+[ $# -gt 0 ] || set -- bundle tiled chunked tiled_stats tiny
 for B in "$@"; do
-  case "$B" in bundle|tiled|chunked|tiled_stats) ;; *) echo "make_web_smoke_bundle: unknown bundle $B (bundle, tiled, chunked, tiled_stats)" >&2; exit 2 ;; esac
+  case "$B" in bundle|tiled|chunked|tiled_stats|tiny) ;; *) echo "make_web_smoke_bundle: unknown bundle $B (bundle, tiled, chunked, tiled_stats, tiny)" >&2; exit 2 ;; esac
 done
 bash scripts/setup.sh
 TMP="$(mktemp -d)"
@@ -35,8 +37,13 @@ declare -A SETS=(
                  vae_tiling.tile=6 vae_tiling.overlap=2 vae_tiling.margin=1 vae_tiling.min_psnr_db=30"
 )
 for B in "$@"; do
-  # shellcheck disable=SC2086  # the sets are words
-  .venv/bin/pocketdiff export "${RECIPE[@]}" ${SETS[$B]} --output "$TMP/$B"
+  if [ "$B" = tiny ]; then  # its own recipe: tests/web/smoke_bundle_tiny/config.yaml (export writes the resolved one)
+    cp tests/web/smoke_bundle_tiny/config.yaml "$TMP/tiny.yaml"
+    .venv/bin/pocketdiff export --config "$TMP/tiny.yaml" --output "$TMP/$B"
+  else
+    # shellcheck disable=SC2086  # the sets are words
+    .venv/bin/pocketdiff export "${RECIPE[@]}" ${SETS[$B]} --output "$TMP/$B"
+  fi
   rm -rf "$TMP/$B/_export" "$TMP/$B/report.json" "$TMP/$B/logs" "$TMP/$B/.pocketdiff-output.json"
 done
 DST=tests/web/smoke_bundle
@@ -45,8 +52,13 @@ if [ -d "$TMP/bundle" ]; then
   cp -r "$TMP/bundle/." "$DST/"
   echo "rebuilt $DST ($(du -sh "$DST" | cut -f1))"
 fi
+if [ -d "$TMP/tiny" ]; then
+  find tests/web/smoke_bundle_tiny -mindepth 1 -maxdepth 1 ! -name README.md -exec rm -rf {} +
+  cp -r "$TMP/tiny/." tests/web/smoke_bundle_tiny/
+  echo "rebuilt tests/web/smoke_bundle_tiny ($(du -sh tests/web/smoke_bundle_tiny | cut -f1))"
+fi
 for B in "$@"; do
-  [ "$B" != bundle ] || continue
+  [ "$B" != bundle ] && [ "$B" != tiny ] || continue
   TWIN=tests/web/smoke_bundle_$B
   find "$TWIN" -mindepth 1 -maxdepth 1 ! -name README.md -exec rm -rf {} +
   (cd "$TMP/$B" && find . -type f) | while read -r f; do
