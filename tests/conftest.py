@@ -1,6 +1,8 @@
 """Fixtures shared by every test folder."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -56,19 +58,19 @@ def gpu_delegate():
 
 
 class SharedConversions:
-    """Inside `with shared_conversions:`, a litert-torch conversion `pocketdiff export` makes (export/exporter.py's
-    `_convert`, the only converter call of the export verb) of a graph converted before in this session is that
-    conversion's file, copied; any other runs litert-torch and is kept for the next. Keyed on what the converter is
-    given: the graph torch.export makes of the module with the inputs' names, shapes and dtypes (its code, signature
-    and every parameter, buffer and constant, bytes and all). Each different graph is still converted for real once a
-    session, and all the export does after the conversion runs every time (weight storage, int8 codes, the delegate
-    and its parity, goldens, manifest). The bundles that share the tiny teacher's text encoder and decoder use it."""
+    """`with shared_conversions.of("text_encoder", ...):` a litert-torch conversion `pocketdiff export` makes of one of
+    these components (export/exporter.py's `_convert`, the export verb's one converter call; the component named by its
+    raw file, `<component>_fp32.tflite`) whose graph was converted before in this session is that conversion's file,
+    copied; otherwise litert-torch converts it and the file is kept for the next. Keyed on what the converter is given:
+    the program torch.export makes of the module with the inputs' names, shapes and dtypes (its code, signature and
+    every parameter, buffer and constant, bytes and all). Each different graph is still converted for real once a
+    session, and all the export does after the conversion runs every time (weight storage, int8 codes, the delegate and
+    its parity, goldens, manifest). The bundles made from the tiny teacher share its text encoder, decoder and UNet."""
 
     def __init__(self, folder):
         self.folder = folder
         self.hits: list[str] = []
         self.converted: list[str] = []
-        self._patch = None
 
     def key(self, module, inputs: dict) -> str:
         import hashlib
@@ -91,15 +93,18 @@ class SharedConversions:
                     h.update(f"{kind} {name} {t!r}".encode())
         return h.hexdigest()
 
-    def __enter__(self):
+    @contextlib.contextmanager
+    def of(self, *components: str):
         import shutil
         import time
 
         from pocketdiff.export import exporter
 
-        convert = exporter._convert
+        convert, raw_files = exporter._convert, {f"{c}_fp32.tflite" for c in components}
 
         def shared(module, inputs, path):
+            if path.name not in raw_files:
+                return convert(module, inputs, path)
             t0 = time.perf_counter()
             kept = self.folder / f"{self.key(module, inputs)}.tflite"
             if kept.is_file():
@@ -111,13 +116,9 @@ class SharedConversions:
                 self.converted.append(path.name)
             return time.perf_counter() - t0
 
-        self._patch = pytest.MonkeyPatch()
-        self._patch.setattr(exporter, "_convert", shared)
-        return self
-
-    def __exit__(self, *exc):
-        self._patch.undo()
-        self._patch = None
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(exporter, "_convert", shared)
+            yield self
 
 
 @pytest.fixture(scope="session")
@@ -162,7 +163,7 @@ def export_lcm(shared_conversions):
         cfg = {"seed": 0, "model": {"pretrained": str(student)}, "weights": "fp32", "guidance": "auto",
                "guidance_scale": guidance_scale, "steps": steps, "verify": {"delegate": False}, "fp16_scan": {"enabled": False}}
         (root / "export.yaml").write_text(yaml.safe_dump(cfg))
-        with shared_conversions:
+        with shared_conversions.of("text_encoder", "vae_decoder"):
             assert cli_main(["export", "--config", str(root / "export.yaml"), "--output", str(root / "bundle")]) == 0
         return root / "bundle"
 

@@ -51,7 +51,7 @@ def teacher_int8_bundle(gpu_delegate, int8_checkpoint, shared_conversions, tmp_p
            "fp16_scan": {"enabled": True, "prompts": ["a red circle"], "steps": 1}}
     (root / "export.yaml").write_text(yaml.safe_dump(cfg))
     out = root / "bundle"
-    with shared_conversions:
+    with shared_conversions.of("text_encoder", "vae_decoder"):
         assert cli_main(["export", "--config", str(root / "export.yaml"), "--output", str(out)]) == 0
     return {"out": out, "report": json.loads((out / "report.json").read_text()), "config": root / "export.yaml", "root": root,
             "cfg": cfg}

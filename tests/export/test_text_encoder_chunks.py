@@ -70,12 +70,15 @@ def test_config_refuses_chunks_it_cannot_make(export_config_error, overrides, me
 
 
 @pytest.fixture(scope="module")
-def bundle(gpu_delegate, tmp_path_factory):
+def bundle(gpu_delegate, shared_conversions, tmp_path_factory):
+    """The teacher with its text encoder in chunks; its UNet and decoder are the graphs other bundles of the session
+    convert too (their conversions shared: tests/conftest.py's `shared_conversions`)."""
     root = tmp_path_factory.mktemp("te_chunks")
     cfg = {"seed": 0, "model": {"pretrained": TEACHER}, "weights": "fp16", "guidance": "cfg", "guidance_scale": 3.0, "steps": 2,
            "fp16_scan": {"enabled": False}, "text_encoder_chunks": CHUNKS}
     (root / "export.yaml").write_text(yaml.safe_dump(cfg))
-    assert cli_main(["export", "--config", str(root / "export.yaml"), "--output", str(root / "bundle")]) == 0
+    with shared_conversions.of("vae_decoder", "unet"):
+        assert cli_main(["export", "--config", str(root / "export.yaml"), "--output", str(root / "bundle")]) == 0
     return root / "bundle"
 
 

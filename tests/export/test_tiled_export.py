@@ -88,10 +88,10 @@ def test_residual_scale_is_applied_once_for_both_graphs():
 
 
 @pytest.fixture(scope="module")
-def tiled(tmp_path_factory):
+def tiled(shared_conversions, tmp_path_factory):
     """The whole tiny teacher at 32 px (8 x 8 latents), decoder tiled 6 / overlap 2 / margin 1 (2 x 2
     tiles), control-variate statistics, no delegate run here (verify-bundle below runs the two tiled
-    graphs on it)."""
+    graphs on it). Its text encoder and UNet are graphs other bundles convert too (`shared_conversions`)."""
     root = tmp_path_factory.mktemp("tiled")
     cfg = {
         "seed": 0,
@@ -106,7 +106,8 @@ def tiled(tmp_path_factory):
     }
     (root / "export.yaml").write_text(yaml.safe_dump(cfg))
     out = root / "bundle"
-    assert cli_main(["export", "--config", str(root / "export.yaml"), "--output", str(out)]) == 0
+    with shared_conversions.of("text_encoder", "unet"):
+        assert cli_main(["export", "--config", str(root / "export.yaml"), "--output", str(out)]) == 0
     return {"out": out, "report": json.loads((out / "report.json").read_text()),
             "manifest": json.loads((out / "manifest.json").read_text())}
 

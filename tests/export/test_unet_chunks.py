@@ -146,7 +146,7 @@ def bundles(teacher_int8_bundle, int8_checkpoint, shared_conversions, tmp_path_f
                         ("layered", {"unet_chunks": LAYER_CHUNKS, "unet_chunk_cut": "layer", "verify": {"delegate": False}})):
         (root / f"{name}.yaml").write_text(yaml.safe_dump({**cfg, **extra}))
         out[name] = root / f"bundle_{name}"
-        with shared_conversions:
+        with shared_conversions.of("text_encoder", "vae_decoder"):
             assert cli_main(["export", "--config", str(root / f"{name}.yaml"), "--output", str(out[name])]) == 0
     return {**out, "checkpoint": int8_checkpoint, "root": root, "report": json.loads((out["chunked"] / "report.json").read_text())}
 
