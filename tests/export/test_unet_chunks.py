@@ -15,6 +15,8 @@ import yaml
 from pocketdiff.cli import main as cli_main
 from pocketdiff.errors import PocketdiffError
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
 TEACHER = "pocketdiff:shapes-teacher"
 CHUNKS = 4  # the tiny teacher's first chunk then ends with down_blocks.1 (an alias) and the mid block is a chunk alone
 PROMPT = "a red circle"

@@ -12,6 +12,8 @@ import yaml
 
 from pocketdiff.cli import main as cli_main
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py: the torch splits 0.4 s alone, 60 s two-threaded on a busy box
+
 # model.arch=small (three stages 64, 128, 128, two layers per down stage) at 32 px, random weights with
 # trained-like norms; `model.unet_blocks` gives the UNet a block-removal preset's shape
 BUILT = {"seed": 0, "model": {"arch": "small"}, "perturb_norms": True, "resolution": 32, "weights": "fp16", "guidance": "cfg",
