@@ -26,11 +26,30 @@ def driver_shader_cache():
     del os.environ["MESA_SHADER_CACHE_DIR"]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def torch_one_thread_session():
+    """torch on one CPU thread in the test process, from the first fixture on (session and module fixtures build and
+    export models too), restored after. Tiny models run fastest single-threaded, and on a shared 2-core box torch's
+    two-thread CPU kernels under load are 10-100x slower (tests/compress under load: 7:54 two-threaded, 2:46 on one
+    thread). Processes a test starts are left to their own settings."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(autouse=True)
+def torch_one_thread():
+    """Each test starts on one thread again, whatever a test before it set (a verb's `cpu_threads`, say)."""
+    if torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """torch on one CPU thread for a whole module (its module-scoped models included), restored
-    after. Tiny models run fastest single-threaded; on a shared 2-core box, multi-threaded CPU
-    kernels under oversubscription are 10-100x slower. Use: `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    after (the session runs on one thread already: `torch_one_thread_session`; modules that must stay on one
+    thread say so with it). Use: `pytestmark = pytest.mark.usefixtures("one_thread")`."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
