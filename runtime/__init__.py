@@ -12,7 +12,8 @@ Public entry points:
   `run_bundle.main` is `pocketdiff run-bundle`; `load_workers.LoadWorkers`: its models compiled and run in worker
   processes (`--load-workers N`); `overlap.OverlapLoader`: each model in a worker of its own, the next one compiled
   during the current one, within a budget checked from measured figures (`--overlap-loads`, `--memory-budget-mb`);
-  `memory.PeakSampler`: the measured memory of its reports
+  `memory.PeakSampler`: the measured memory of its reports; `file_pages.release_file_pages`: a compiled model's
+  .tflite pages given back (the GPU accelerator holds its weights; on by default, `release_file_pages=False` keeps them)
 - `schedulers.scheduler_for(manifest["scheduler"])`: the bundle's scheduler (DDIM or LCM) behind diffusers'
   interface (`set_timesteps`, `step`); web/static/schedulers.js is the page's twin
 - `tiled_decode.tiled_decode_with_stats`: the tiled VAE decode in numpy

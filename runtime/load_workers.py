@@ -48,9 +48,10 @@ def settle(model) -> None:
     model.run_s.pop()
 
 
-def _serve(conn, measure: bool = False) -> None:
-    """A worker: one environment; ("load", name, entry, options[, settle]) compiles, ("run", name, arrays) runs,
-    ("close", name) frees one model, ("measure", None) its memory (`measure`), ("stop",) all of them and the environment."""
+def _serve(conn, measure: bool = False, release_file_pages: bool = False) -> None:
+    """A worker: one environment; ("load", name, entry, options[, settle]) compiles (`release_file_pages`: a fully
+    accelerated model's file pages given back, runtime/file_pages.py), ("run", name, arrays) runs, ("close", name) frees
+    one model, ("measure", None) its memory (`measure`), ("stop",) all of them and the environment."""
     from .delegate import prepare_in_process
     from .litert_c import Environment
     from .memory import SelfMeter, return_freed_memory, tune_allocator
@@ -65,13 +66,13 @@ def _serve(conn, measure: bool = False) -> None:
         op, name = msg[0], msg[1] if len(msg) > 1 else None
         try:
             if op == "load":
-                m = models[name] = LoadedModel(name, msg[2], "gpu", env=env, gpu_options=msg[3])
+                m = models[name] = LoadedModel(name, msg[2], "gpu", env=env, gpu_options=msg[3], release_file_pages=release_file_pages)
                 if len(msg) > 4 and msg[4]:
                     settle(m)
                     return_freed_memory()
                 conn.send(("loaded", name, {"load_s": m.load_s, "fully_accelerated": m.fully_accelerated, "in_names": m.in_names,
                                             "out_names": m.out_names, "in_details": m.in_details, "out_details": m.out_details,
-                                            "memory": meter.window() if meter else None}))
+                                            "pages_released": m.pages_released, "memory": meter.window() if meter else None}))
             elif op == "measure":
                 conn.send(("measured", name, meter.window() if meter else None))
             elif op == "run":
@@ -103,6 +104,7 @@ class RemoteModel:
         self.in_names, self.out_names = info["in_names"], info["out_names"]
         self.in_details, self.out_details = info["in_details"], info["out_details"]
         self.memory = info.get("memory")  # the worker's own measure at the end of this load (`measure` workers)
+        self.pages_released = info.get("pages_released")  # its file's pages given back in the worker (runtime/file_pages.py)
         self.run_s: list[float] = []
 
     _ordered = LoadedModel._ordered  # the same input checks and dtype casts as a local model
@@ -122,15 +124,16 @@ class RemoteModel:
 class LoadWorkers:
     """N worker processes (spawned: a fresh interpreter each, no inherited GPU state). `submit` hands every model
     to a worker at once, round-robin in the order given (the order they are first used), so each worker compiles
-    its share while the others compile theirs; `get` waits for one."""
+    its share while the others compile theirs; `get` waits for one. `release_file_pages`: each worker gives back a
+    fully accelerated model's file pages once it is compiled (runtime/file_pages.py)."""
 
-    def __init__(self, n: int, on_start=None, measure: bool = False):
+    def __init__(self, n: int, on_start=None, measure: bool = False, release_file_pages: bool = False):
         check_count(n)
         ctx = mp.get_context("spawn")
         self.conns, self.procs = [], []
         for i in range(n):
             here, there = ctx.Pipe()
-            p = ctx.Process(target=_serve, args=(there, measure), name=f"pocketdiff-load-worker-{i}", daemon=True)
+            p = ctx.Process(target=_serve, args=(there, measure, release_file_pages), name=f"pocketdiff-load-worker-{i}", daemon=True)
             p.start()
             there.close()
             self.conns.append(here)

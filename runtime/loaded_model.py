@@ -16,15 +16,18 @@ class LoadedModel:
     """A compiled model with its buffers. GPU: through LiteRT's C API (`litert_c`), sharing the runner's
     environment, with the accelerator options the runner gives (its program cache among them); CPU:
     ai-edge-litert's `CompiledModel` (XNNPACK). `on_phase(name)` is called when the file is opened and
-    when the model is compiled."""
+    when the model is compiled. `release_file_pages` (GPU): once the model is compiled and fully accelerated, the
+    pages of its file that LiteRT's mapping holds are given back (runtime/file_pages.py; `pages_released` says how
+    much, and `on_phase("pages_released", **that)` is called)."""
 
     def __init__(self, name: str, entry: dict, accelerator: str, cpu_int8_as_fp16: bool = True,
-                 env=None, gpu_options: Optional[dict] = None, on_phase=None):
+                 env=None, gpu_options: Optional[dict] = None, on_phase=None, release_file_pages: bool = False):
         t0 = time.perf_counter()
         path = entry["_path"]
         self._tmp = None
         self.name, self.entry, self.accelerator = name, entry, accelerator
         self.run_s: list[float] = []
+        self.pages_released: Optional[dict] = None
         if accelerator == "gpu":
             from .litert_c import CompiledModel as CModel
 
@@ -34,6 +37,8 @@ class LoadedModel:
             self.out_names = [t.name for t in self.model.outputs]
             self.in_details = {t.name: {"shape": list(t.shape), "dtype": t.dtype} for t in self.model.inputs}
             self.out_details = {t.name: {"shape": list(t.shape), "dtype": t.dtype} for t in self.model.outputs}
+            if release_file_pages and self.fully_accelerated:  # the accelerator holds the weights: the file's pages are dead
+                self._release_file_pages(path, on_phase)
         else:
             if cpu_int8_as_fp16 and entry.get("weights") == "int8":
                 import tempfile
@@ -45,6 +50,13 @@ class LoadedModel:
                 fp16_variant(entry["_path"], path)  # XNNPACK: fp16 storage runs ~fp16-file speed, int8 DEQUANTIZE does not
             self._load_cpu(path, on_phase)
         self.load_s = time.perf_counter() - t0
+
+    def _release_file_pages(self, path: str, on_phase) -> None:
+        from .file_pages import release_file_pages
+
+        self.pages_released = release_file_pages(path)
+        if on_phase and self.pages_released is not None:
+            on_phase("pages_released", **self.pages_released)
 
     def _load_cpu(self, path: str, on_phase) -> None:
         from ai_edge_litert.compiled_model import CompiledModel, HardwareAccelerator, Options

@@ -219,8 +219,9 @@ class OverlapLoader:
     worker exits with its unit's last model, measured first), `record(runner_mb)` the figures after the prompt."""
 
     def __init__(self, units: list[tuple[str, tuple[str, ...]]], plan: list[dict], load_args: Callable[[str], tuple], sampler,
-                 figures_path: Optional[Path], key: tuple[str, str]):
+                 figures_path: Optional[Path], key: tuple[str, str], release_file_pages: bool = False):
         self.units, self.plan = units, plan
+        self.release_file_pages = release_file_pages  # each worker gives back its models' file pages (runtime/file_pages.py)
         self.levels = [p["level"] for p in plan]
         self.unit_of = {part: i for i, (_, parts) in enumerate(units) for part in parts}
         self.load_args, self.sampler = load_args, sampler
@@ -241,7 +242,8 @@ class OverlapLoader:
     def _start(self, i: int) -> None:
         name, parts = self.units[i]
         self.timeline.append(("start", name))
-        worker = self.workers[i] = LoadWorkers(1, on_start=lambda pid: self.sampler.add_process(pid, own_peak=True), measure=True)
+        worker = self.workers[i] = LoadWorkers(1, on_start=lambda pid: self.sampler.add_process(pid, own_peak=True), measure=True,
+                                               release_file_pages=self.release_file_pages)
         settle = name == UNET and len(parts) > 1  # each chunk's host weight copies go before the next chunk compiles
         worker.submit([(p, *self.load_args(p), settle) for p in parts])
 
@@ -315,7 +317,8 @@ class OverlapLoader:
 
 
 def overlap_loader(units, cache_folder: Optional[Path], key: tuple[str, str], budget: Optional[MemoryBudget],
-                   load_args: Callable[[str], tuple], sampler, warn: Optional[Callable[[str], None]] = None) -> OverlapLoader:
+                   load_args: Callable[[str], tuple], sampler, warn: Optional[Callable[[str], None]] = None,
+                   release_file_pages: bool = False) -> OverlapLoader:
     """The loader of an overlapped runner: the budget checked against the measured figures before anything loads (a
     refusal raises; a pair that does not fit overlapped is said in one line)."""
     warn = warn or (lambda msg: print(f"warning: {msg}", file=sys.stderr))
@@ -329,4 +332,4 @@ def overlap_loader(units, cache_folder: Optional[Path], key: tuple[str, str], bu
         if p["level"] == NONE:
             print(f"--memory-budget-mb {budget.mb:g}: {p['first']} and {p['then']} would hold {p['overlapped_mb']:.0f} MB at "
                   f"once (measured); {p['then']} loads after {p['first']} is released", file=sys.stderr)
-    return OverlapLoader(units, plan, load_args, sampler, path, key)
+    return OverlapLoader(units, plan, load_args, sampler, path, key, release_file_pages)

@@ -145,12 +145,15 @@ class BundleRunner:
     `load_workers` N (plain, GPU): the models are compiled in N worker processes at once, whose loads overlap
     where one process's do not (runtime/load_workers.py); their memory is counted with this process's.
     `overlap_loads` (pipelined, GPU): each model in a worker of its own, the next one compiled during the current one,
-    as far as `memory_budget_mb` lets (runtime/overlap.py).
+    as far as `memory_budget_mb` lets (runtime/overlap.py). `release_file_pages` (GPU, every policy): once a model is
+    compiled and fully accelerated, the pages of its .tflite that LiteRT's mapping holds go back (runtime/file_pages.py;
+    the accelerator holds the weights), in this process or in the worker that compiled it: a `pages_released` phase.
     """
 
     def __init__(self, bundle: str | Path, accelerator: str = "gpu", pipelined: bool = False, manifest: Optional[dict] = None,
                  gpu_cache: Union[str, Path, None, bool] = None, gpu_options: Optional[dict] = None, stream_unet: bool = False,
-                 load_workers: int = 0, overlap_loads: bool = False, memory_budget_mb: Optional[float] = None):
+                 load_workers: int = 0, overlap_loads: bool = False, memory_budget_mb: Optional[float] = None,
+                 release_file_pages: bool = True):
         if accelerator not in ("cpu", "gpu"):
             raise PocketdiffError(f"accelerator must be cpu or gpu, got {accelerator!r}")
         # plain, pipelined, streamed, workers or overlapped (runtime/managed_model.py), checked before the bundle is read
@@ -175,6 +178,7 @@ class BundleRunner:
         self.driver, self.env, self.cache = "n/a", None, None
         self.own_envs: dict = {}  # pipelined: one environment per loaded model
         self.gpu_options = dict(gpu_options or {})  # the accelerator's options (runtime/litert_c.py: GPU_OPTION_KEYS)
+        self.release_file_pages = bool(release_file_pages) and accelerator == "gpu"
         if accelerator == "gpu":
             self._prepare_gpu(gpu_cache)
         # every model the pipeline may use, loaded on use and released on request (runtime/managed_model.py)
@@ -191,9 +195,11 @@ class BundleRunner:
             self.overlap = overlap_loader(overlap_units(self.te_parts, self.unet_parts, self.decoder),
                                           self.cache.folder if self.cache is not None and self.cache.enabled else None,
                                           (bundle_digest(self.comps), self.gpu_identity), budget,
-                                          lambda n: (self.comps[n], self._options_for(n)), self.sampler)
+                                          lambda n: (self.comps[n], self._options_for(n)), self.sampler,
+                                          release_file_pages=self.release_file_pages)
         if self.policy.load_workers:  # last: nothing after this can fail and leave them running
-            self.workers = LoadWorkers(self.policy.load_workers, on_start=self.sampler.add_process)
+            self.workers = LoadWorkers(self.policy.load_workers, on_start=self.sampler.add_process,
+                                       release_file_pages=self.release_file_pages)
         self._mark("runner", "ready")
 
     def _prepare_gpu(self, gpu_cache) -> None:
@@ -215,9 +221,10 @@ class BundleRunner:
         """The models resident now, by name."""
         return {n: m.model for n, m in self.models.items() if m.loaded}
 
-    def _mark(self, component: str, phase: str) -> None:
+    def _mark(self, component: str, phase: str, **extra) -> None:
         age = process_age_s()
-        self.phases.append({"component": component, "phase": phase, "t_s": None if age is None else round(age, 3), **self.sampler.mark()})
+        self.phases.append({"component": component, "phase": phase, "t_s": None if age is None else round(age, 3), **self.sampler.mark(),
+                            **extra})
         if component in getattr(self, "models", {}):
             self.models[component].phases.append(self.phases[-1])
 
@@ -266,9 +273,12 @@ class BundleRunner:
         if self.workers is not None or self.overlap is not None:
             m = (self.workers or self.overlap).get(name)
             self._mark(name, "compiled")
+            if m.pages_released is not None:  # given back in its worker, before it answered
+                self._mark(name, "pages_released", **m.pages_released)
             return m
         return LoadedModel(name, self.comps[name], self.accelerator, env=self._environment_for(name),
-                           gpu_options=self._options_for(name), on_phase=lambda phase: self._mark(name, phase))
+                           gpu_options=self._options_for(name), on_phase=lambda phase, **extra: self._mark(name, phase, **extra),
+                           release_file_pages=self.release_file_pages)
 
     def _done(self, name: str) -> None:
         """NAME's use is over: the policy says whether it goes now (pipelined) or stays (plain, workers)."""
@@ -473,7 +483,9 @@ class BundleRunner:
 
     def memory_report(self) -> dict:
         """Measured: the whole run's peaks (host, GPU, host + GPU) and every phase; the cache's state."""
+        released = [p["released_mb"] for p in self.phases if p["phase"] == "pages_released"]
         return {**self.sampler.totals(), "phases": list(self.phases),
+                "release_file_pages": self.release_file_pages, "pages_released_mb": round(sum(released), 1),
                 "gpu_cache": self.cache.summary() if self.cache is not None else None,
                 "loading_policy": self.policy.name, "models": {n: m.memory() for n, m in self.models.items() if m.loads},
                 **({"overlap": self.overlap.report()} if self.overlap is not None else {})}
@@ -525,7 +537,8 @@ def main(args) -> int:
         with BundleRunner(args.bundle, args.accelerator, args.pipelined, man, gpu_cache=cache, gpu_options=gpu_options,
                           stream_unet=getattr(args, "stream_unet", False), load_workers=getattr(args, "load_workers", None) or 0,
                           overlap_loads=getattr(args, "overlap_loads", False),
-                          memory_budget_mb=getattr(args, "memory_budget_mb", None)) as runner:
+                          memory_budget_mb=getattr(args, "memory_budget_mb", None),
+                          release_file_pages=not getattr(args, "keep_file_pages", False)) as runner:
             image, stats = runner.run(args.prompt, seed=args.seed)
         if not stats["finite"]:
             raise PocketdiffError(f"bundle {args.bundle}: the image has NaN/Inf values ({args.accelerator})")

@@ -164,6 +164,9 @@ def test_overlap_gives_the_pipelined_image_and_measures_every_model(measured):
     compiled = [p["component"] for p in stats["memory"]["phases"] if p["phase"] == "compiled"]
     assert compiled[-5:] == ["text_encoder.0", "text_encoder.1", "unet.0", "unet.1", "vae_decoder"]
     assert all(f"{name}_wait" in stats["latency_s"] for name in compiled[-5:])  # how long the pipeline waited for each
+    released = [p for p in stats["memory"]["phases"] if p["phase"] == "pages_released"]  # in each worker (runtime/file_pages.py)
+    assert [p["component"] for p in released[-5:]] == compiled[-5:], released
+    assert all(p["file_resident_mb_after"] < 0.05 and p["released_mb"] > 0 for p in released), released
     figures = measured["figures"]
     assert sorted(figures.units) == sorted(units) and figures.launches == 2 and figures.runner_mb > 50
     for name, f in figures.units.items():
