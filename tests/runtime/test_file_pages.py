@@ -3,6 +3,7 @@
 load path, and the image stays the same bit for bit."""
 from __future__ import annotations
 
+import ctypes
 import json
 import mmap
 import subprocess
@@ -38,13 +39,25 @@ def test_a_read_only_mapping_is_given_back_and_reads_the_same(tmp_path):
     assert file_mappings(path) == [] and release_file_pages(path) is None  # no mapping: nothing to do
 
 
-def test_a_mapping_with_data_of_its_own_is_left_alone(tmp_path):
+@pytest.mark.parametrize("written", [True, False])
+def test_a_private_mapping_is_given_back_only_without_data_of_its_own(tmp_path, written):
     path = _file(tmp_path, 1)
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as m:
-        m[:8] = b"modified"  # a private copy of a page: data the file does not hold
+        want = bytes(m)
+        if written:
+            m[:8] = b"modified"  # a private copy of a page: data the file does not hold
+            out = release_file_pages(path)
+            assert out["skipped_mappings"] == 1 and out["released_mb"] == 0.0, out  # writable: left alone
+            want = bytes(m)
+        assert libc.mprotect(ctypes.addressof(ctypes.c_char.from_buffer(m)), len(m), mmap.PROT_READ) == 0  # read-only now
         out = release_file_pages(path)
-        assert out["skipped_mappings"] == 1 and out["released_mb"] == 0.0, out
-        assert m[:8] == b"modified"
+        if written:  # its copied page stays, and with it the whole mapping
+            assert out["skipped_mappings"] == 1 and out["file_resident_mb_after"] > 0.9, out
+        else:
+            assert "skipped_mappings" not in out and out["file_resident_mb_after"] < 0.01, out
+        assert bytes(m) == want
 
 
 def _run(bundle, **kwargs):
