@@ -521,8 +521,6 @@ def check_flags(args) -> None:
 
 def main(args) -> int:
     """CLI entry (argparse namespace: bundle, prompt, output, accelerator, pipelined, seed, overwrite, debug)."""
-    from PIL import Image
-
     from pocketdiff.outputs import finish_output_dir, prepare_output_dir, write_json
 
     check_seed(args.seed, "--seed")  # before the bundle is read or --output made
@@ -548,6 +546,8 @@ def main(args) -> int:
 
             shutil.rmtree(out, ignore_errors=True)
         raise
+    from PIL import Image  # only to write the PNG: imported after the run, not before the runner is ready
+
     fully = stats["fully_accelerated"]
     path = out / "image.png"
     Image.fromarray((image * 255).round().astype(np.uint8)).save(path)

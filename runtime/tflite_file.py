@@ -62,15 +62,49 @@ def check_tflite_file(path: Union[str, Path]) -> None:
         raise PocketdiffError(f"{path}: truncated .tflite ({size} bytes)")
     with open(path, "rb") as f:
         head = f.read(8)
-    if head[4:8] != TFLITE_IDENTIFIER:
-        raise PocketdiffError(f"{path}: not a .tflite file (no TFL3 identifier)")
-    try:
-        m = TfliteModel(path)
-        m.validate()
-    except PocketdiffError:
-        raise
-    except Exception as e:  # flatbuffers raises plain errors on garbage offsets
-        raise PocketdiffError(f"{path}: truncated or corrupted .tflite ({type(e).__name__}: {e})") from None
+        if head[4:8] != TFLITE_IDENTIFIER:
+            raise PocketdiffError(f"{path}: not a .tflite file (no TFL3 identifier)")
+        try:
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as raw:
+                _check_structure(raw, path)
+        except PocketdiffError:
+            raise
+        except Exception as e:  # flatbuffers raises plain errors on garbage offsets
+            raise PocketdiffError(f"{path}: truncated or corrupted .tflite ({type(e).__name__}: {e})") from None
+
+
+def _check_structure(raw, path: Path) -> None:
+    """`TfliteModel.validate`'s checks (tensor and buffer indices in range, buffer data inside the file), read
+    through the flatbuffer's accessors: no object tree of the whole model (run-bundle's start-up: an SD-2.1 bundle's
+    files ~2.4 s with the object tree, the same checks in a fraction)."""
+    model = schema.Model.GetRootAsModel(raw, 0)
+    g = model.Subgraphs(0)
+    nt, nb = g.TensorsLength(), model.BuffersLength()
+    for i in range(g.OperatorsLength()):
+        op = g.Operators(i)
+        for ids in (op.InputsAsNumpy(), op.OutputsAsNumpy()):  # 0 when the vector is absent
+            if isinstance(ids, np.ndarray) and ids.size and int(ids.max()) >= nt:
+                raise PocketdiffError(f"{path}: corrupted .tflite (tensor index {int(ids.max())} out of range)")
+    for i in range(nt):
+        if g.Tensors(i).Buffer() >= nb:
+            raise PocketdiffError(f"{path}: corrupted .tflite (buffer index {g.Tensors(i).Buffer()} out of range)")
+    for i in range(model.OperatorCodesLength()):  # small tables, written last by the converter: a cut file ends in them
+        oc = model.OperatorCodes(i)
+        oc.BuiltinCode(), oc.DeprecatedBuiltinCode(), oc.Version(), oc.CustomCode()
+    for i in range(model.SignatureDefsLength()):
+        sig = model.SignatureDefs(i)
+        for t in [sig.Inputs(j) for j in range(sig.InputsLength())] + [sig.Outputs(j) for j in range(sig.OutputsLength())]:
+            t.Name(), t.TensorIndex()
+    for i in range(model.MetadataLength()):
+        model.Metadata(i).Name(), model.Metadata(i).Buffer()
+    size = len(raw)
+    for i in range(nb):
+        b = model.Buffers(i)
+        offset, n = b.Offset(), b.Size()
+        if offset > 1 and offset + n > size:
+            raise PocketdiffError(f"{path}: truncated .tflite (a weight buffer ends at {offset + n}, file has {size} bytes)")
+        if b.DataLength():
+            b.DataAsNumpy()  # inline data: a view of the file, refused when it runs past the end
 
 
 class TfliteModel:
