@@ -12,7 +12,8 @@
 #          each row: start_s, total_s, unet_step_s, host/GPU peaks and host_plus_gpu_peak_at_once_mb, overlap_levels
 #   probe  each UNet file of PROBE_LAYOUTS alone in a fresh process (host RSS, GPU memory, load time); PROBE_SETS: the
 #          option sets (bundle_footprint.py OPTION_SETS, default base; int8_kernels for int8.storage: direct files)
-#   ops    each .tflite of .devprobe/ alone in a fresh process (GPU bytes per parameter by op kind and storage)
+#   ops    each .tflite of $PROBE_DIR (default .devprobe/) alone in a fresh process (GPU bytes per parameter by op kind and
+#          storage; PROBE_DIR=.devprobe2: benchmarks/activation_probe.py, activation memory)
 # Bundles stay unpacked in /tmp/sd21_bundles between calls of a warm machine (a later call carries only new sets).
 # Writes $OUT/weight_path_out.tgz (weight_cache_repro.json, runs_<layout>.json, probe_<layout>_<file>.json, ops.json) and the log.
 #   PARTS=repro,runs,probe PROBE_LAYOUTS="base int8gpu" bash scripts/gpu/weight_path.sh
@@ -53,9 +54,10 @@ if [[ ,$PARTS, == *,repro,* ]]; then
   say "== weight cache reproducer"
   $PY "$REPO"/benchmarks/weight_cache_repro.py run "$REPO"/benchmarks/data/weight_cache_tiny.tflite --gdb --out "$RES/weight_cache_repro.json"
 fi
-if [[ ,$PARTS, == *,ops,* ]] && [ -d "$REPO/.devprobe" ]; then  # benchmarks/weight_storage_probe.py make .devprobe
-  mkdir -p /tmp/devprobe
-  for X in "$REPO"/.devprobe/*.tflite.xz; do
+PROBE_DIR=${PROBE_DIR:-.devprobe}  # ops: the folder of .tflite.xz files (benchmarks/activation_probe.py make .devprobe2)
+if [[ ,$PARTS, == *,ops,* ]] && [ -d "$REPO/$PROBE_DIR" ]; then  # benchmarks/weight_storage_probe.py make .devprobe
+  rm -rf /tmp/devprobe /tmp/ops_*.json && mkdir -p /tmp/devprobe
+  for X in "$REPO/$PROBE_DIR"/*.tflite.xz; do
     [ -f "$X" ] && $PY -c "import lzma,shutil,sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2],'wb'))" "$X" "/tmp/devprobe/$(basename "$X" .xz)"
   done
   say "== per-op-kind probe: $(ls /tmp/devprobe | tr '\n' ' ')"
