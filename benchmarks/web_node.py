@@ -12,11 +12,16 @@ The bundle is copied and run-bundle's reference is written in the copy (`pocketd
 --reference-accelerator), or taken from --reference (a `pocketdiff web` page's web/reference/ folder, made elsewhere:
 a machine without ai-edge-litert then runs this with node alone and --no-run-bundle); nothing of B changes. Rows:
 ok, total_s, unet, gpu_device, gpu (real | SwiftShader | lavapipe), gpu_peak_mb, host_peak_mb, webgpu_ledger_peak_mb,
-run_bundle_gpu_peak_mb, run_bundle_host_peak_mb.
+run_bundle_gpu_peak_mb, run_bundle_host_peak_mb, and where the GPU's memory went (NVML polled every 0.1 s, matched with the
+runner's memory events: each model's open, compiled and close): gpu_peak_phase (the span between two events that holds
+the peak), gpu_at_close_max_mb (the most held right after a model was released), gpu_at_end_mb, devices_uncollected;
+each event gets gpu_mb and gpu_peak_since_previous_mb in the run's report, and the whole series is written beside it
+(gpu_series.json in the row's folder).
 """
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import os
 import platform
@@ -24,6 +29,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -32,15 +38,67 @@ from _proc_tree import TreePeak
 ROOT = Path(__file__).resolve().parents[1]
 
 
+class GpuSeries:
+    """The GPU memory of process `pid` (GpuMemory's figure) polled every `every_s` in a thread: `samples`, a list of
+    [epoch seconds, MB]; empty where there is no NVML."""
+
+    def __init__(self, pid: int, every_s: float = 0.1):
+        from pocketdiff.runtime.memory import GpuMemory
+
+        self.gpu, self.every_s, self.samples = GpuMemory(pid), every_s, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        if self.gpu.available:
+            self._thread.start()
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            used = self.gpu.used_mb()
+            if used is not None:
+                self.samples.append([round(time.time(), 3), round(used, 1)])
+            self._stop.wait(self.every_s)
+
+    def stop(self) -> list:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=2.0)
+        return self.samples
+
+
+def gpu_by_event(events: list[dict], samples: list) -> dict:
+    """The GPU series matched with the runner's memory events (each with epoch_s): every event gets gpu_mb (the first
+    sample at or after it; None when none came) and gpu_peak_since_previous_mb (the largest sample between the previous
+    event and this one, both included); -> {gpu_peak_phase: the span holding the largest sample ({from, to, peak_mb}, an
+    event named "kind model"; before the first event: "start", after the last: "end"), gpu_at_close_max_mb (the most
+    held right after a release), gpu_at_end_mb (the last sample)}."""
+    if not samples or not events or "epoch_s" not in events[0]:
+        return {"gpu_peak_phase": None, "gpu_at_close_max_mb": None, "gpu_at_end_mb": samples[-1][1] if samples else None}
+    marks = [float(e["epoch_s"]) for e in events]
+    names = ["start"] + [f"{e['event']} {e['model']}" for e in events] + ["end"]
+    spans = [[] for _ in range(len(events) + 1)]  # samples before event 0, between events i-1 and i, after the last
+    for t, mb in samples:
+        spans[bisect.bisect_right(marks, t)].append(mb)
+    for i, e in enumerate(events):
+        after = spans[i + 1][:1]
+        e["gpu_mb"] = after[0] if after else None
+        window = spans[i] + after
+        e["gpu_peak_since_previous_mb"] = max(window) if window else None
+    peaks = [max(s) if s else None for s in spans]
+    best = max((i for i, p in enumerate(peaks) if p is not None), key=lambda i: peaks[i])
+    closes = [e["gpu_mb"] for e in events if e["event"] == "close" and e.get("gpu_mb") is not None]
+    return {"gpu_peak_phase": {"from": names[best], "to": names[best + 1], "peak_mb": peaks[best]},
+            "gpu_at_close_max_mb": max(closes) if closes else None, "gpu_at_end_mb": samples[-1][1]}
+
+
 def sample_process(cmd: list[str], env: dict, log: Path, timeout: float, cwd: str | None = None) -> dict:
     """Runs `cmd`, polling its process tree's PSS and its GPU memory (NVML: the process's own figure where the driver
-    lists it, else the device's used memory minus its value at start) -> {exit, wall_s, memory}."""
+    lists it, else the device's used memory minus its value at start) -> {exit, wall_s, memory, gpu_series}."""
     from pocketdiff.runtime.memory import GpuMemory, PeakSampler
 
     t0 = time.perf_counter()
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=cwd)
-        tree, gpu = TreePeak(proc.pid), PeakSampler(GpuMemory(proc.pid), every_s=0.2)
+        tree, gpu, series = TreePeak(proc.pid), PeakSampler(GpuMemory(proc.pid), every_s=0.2), GpuSeries(proc.pid)
         try:
             code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -49,7 +107,7 @@ def sample_process(cmd: list[str], env: dict, log: Path, timeout: float, cwd: st
         gpu_totals = gpu.totals()
         gpu.close()
         memory = {**tree.stop(), **{k: gpu_totals[k] for k in ("gpu_peak_mb", "gpu_source", "gpu_name")}}
-    return {"exit": code, "wall_s": round(time.perf_counter() - t0, 1), "memory": memory}
+    return {"exit": code, "wall_s": round(time.perf_counter() - t0, 1), "memory": memory, "gpu_series": series.stop()}
 
 
 def run_node(bundle: Path, unet: str, device: str, timeout: float, out: Path) -> dict:
@@ -61,6 +119,11 @@ def run_node(bundle: Path, unet: str, device: str, timeout: float, out: Path) ->
            "--out", str(out / "report.json"), "--image", str(out / "image.png")]
     r = sample_process(cmd, env, out / "node.log", timeout)
     report = json.loads((out / "report.json").read_text()) if (out / "report.json").exists() else None
+    series = r.pop("gpu_series")
+    r["gpu_phases"] = gpu_by_event((report or {}).get("memory_events") or [], series)  # fills each event's gpu_mb
+    (out / "gpu_series.json").write_text(json.dumps({"what": "[epoch s, GPU MB (NVML, as gpu_peak_mb)] every 0.1 s, and "
+                                                     "the runner's memory events with the GPU at each",
+                                                     "samples": series, "events": (report or {}).get("memory_events")}))
     tail = (out / "node.log").read_text().splitlines()
     return {**r, "driver": driver, "report": report,
             "log_tail": [l for l in tail if not l.startswith(("INFO:", "I1", "I0", "Warning: maxDynamic"))][-25:]}
@@ -107,7 +170,14 @@ def row(unet: str, device: str, r: dict, rb: dict | None) -> dict:
         "run_bundle_gpu_peak_mb": rb.get("gpu_peak_mb") if rb else None,
         "run_bundle_host_peak_mb": rb.get("host_peak_mb") if rb else None,
         "image_psnr_db": (rep.get("image") or {}).get("psnr_db"), "process_wall_s": r["wall_s"], "exit": r["exit"],
+        **(r.get("gpu_phases") or {}), "devices_uncollected": _uncollected(rep),
     }
+
+
+def _uncollected(rep: dict) -> int | None:
+    """Devices made and never garbage-collected by the end (the runner's report)."""
+    d = rep.get("devices") or {}
+    return d["created"] - d["collected"] if "created" in d and "collected" in d else None
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -170,7 +240,9 @@ def write_result(args, runs: dict, rb: dict | None, page_s: float) -> None:
         "rows": rows, "resolution": man["image"]["width"],
         "memory_what": "host_peak_mb: peak summed PSS of the node process tree (polled every 0.5 s); gpu_peak_mb: NVML for "
                        "that process (gpu_source says which figure); webgpu_ledger_*: bytes of WebGPU buffers and textures "
-                       "alive, counted by the runner (static/gpu_device.js); run_bundle_*: run-bundle --pipelined's own report",
+                       "alive, counted by the runner (static/gpu_device.js); run_bundle_*: run-bundle --pipelined's own report; "
+                       "gpu_peak_phase, gpu_at_close_max_mb, gpu_at_end_mb: NVML polled every 0.1 s against the runner's "
+                       "memory events (runs.*.report.memory_events[*].gpu_mb; the series in each row's gpu_series.json)",
         "run_bundle": rb, "page_and_reference_s": page_s, "reference": args.reference or f"made here ({args.reference_accelerator})",
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                     "node": subprocess.run(["node", "--version"], capture_output=True, text=True).stdout.strip()},

@@ -7,14 +7,16 @@
 //
 //   node web/node_runner.mjs BUNDLE [--unet resident|streamed] [--out report.json] [--image image.png]
 //        [--prompt P] [--seed S] [--no-goldens] [--min-image-psnr 30] [--gpu-device per-model|shared]
-//        [--limit NAME=BYTES ...]
+//        [--limit NAME=BYTES ...] [--no-gc]
 // Each model compiles on a WebGPU device of its own, destroyed when it is released (--gpu-device shared: LiteRT.js's
-// one default device, as before); the report gives the WebGPU bytes alive at the peak, in all and per model
-// (static/gpu_device.js), and the host peak while each model was open. Before anything compiles every component is
+// one default device, as before), then garbage-collected at once (V8's gc; --no-gc: whenever V8 gets to it); the
+// report gives the WebGPU bytes alive at the peak, in all and per model (static/gpu_device.js), the host peak while
+// each model was open, and memory at each model's open, compiled and close (memory_events). Before anything compiles every component is
 // checked against the adapter's limits and LiteRT.js's wasm heap (static/limits.js; --limit lowers one, for tests).
 // Exit 0 when every check passed, 1 when one failed (the report says which), 2 on bad input or no GPU.
 import fs from 'node:fs';
 import path from 'node:path';
+import v8 from 'node:v8';
 import vm from 'node:vm';
 import zlib from 'node:zlib';
 import { createRequire } from 'node:module';
@@ -34,6 +36,7 @@ function options() {
       prompt: { type: 'string' }, seed: { type: 'string' }, 'no-goldens': { type: 'boolean', default: false },
       'min-image-psnr': { type: 'string', default: '30' },
       'gpu-device': { type: 'string', default: 'per-model' }, limit: { type: 'string', multiple: true, default: [] },
+      'no-gc': { type: 'boolean', default: false },
     },
   });
   if (positionals.length !== 1) throw new UsageError('usage: node web/node_runner.mjs BUNDLE [--unet resident|streamed] [--out report.json] [--image image.png]');
@@ -149,10 +152,12 @@ function hostPeakMb() {
   return procStatusMb('VmHWM');
 }
 
-/** The host peak while each model was open: at every model's device open and close (gpu_device.js's onEvent) the
- *  process's peak RSS since the last such event is charged to every model open in that span, then reset
- *  (/proc/self/clear_refs 5; where that is refused the peaks are since the start). */
-function hostPerModel() {
+/** Memory at every model's open, compiled and close (gpu_device.js's modelEvent), and the host peak while each model
+ *  was open: at each event the process's peak RSS since the last one is charged to every model open in that span,
+ *  then reset (/proc/self/clear_refs 5; where that is refused the peaks are since the start). Each event also gives the
+ *  size of LiteRT.js's wasm heap, V8's heap and its array buffers (host memory of JS), the WebGPU ledger's live bytes, the devices made / destroyed / not yet garbage-collected (gpu_device.js deviceCounts),
+ *  and the wall clock (epoch_s), which benchmarks/web_node.py matches with its GPU memory samples. */
+function memoryEvents(ledger, counts, wasmHeapBytes) {
   const open = new Set(), peaks = {}, events = [];
   let processPeak = 0;
   const t0 = performance.now();
@@ -161,14 +166,35 @@ function hostPerModel() {
     processPeak = Math.max(processPeak, hwm ?? 0);
     for (const n of open) peaks[n] = Math.max(peaks[n] ?? 0, hwm ?? 0);
     if (kind === 'open') open.add(name);
-    else open.delete(name);
-    if (kind === 'open') peaks[name] = Math.max(peaks[name] ?? 0, procStatusMb('VmRSS') ?? 0);
-    events.push({ t_s: Number(((performance.now() - t0) / 1000).toFixed(2)), event: kind, model: name, rss_mb: procStatusMb('VmRSS'), hwm_mb: hwm });
+    if (kind === 'close') open.delete(name);
+    const rss = procStatusMb('VmRSS'), js = process.memoryUsage(), mb = (n) => Math.round(n / 2 ** 20);
+    if (kind === 'open') peaks[name] = Math.max(peaks[name] ?? 0, rss ?? 0);
+    events.push({
+      t_s: Number(((performance.now() - t0) / 1000).toFixed(2)), epoch_s: Date.now() / 1000, event: kind, model: name,
+      rss_mb: rss, hwm_mb: hwm, wasm_heap_mb: mb(wasmHeapBytes()), js_heap_mb: mb(js.heapUsed), js_buffers_mb: mb(js.arrayBuffers),
+      webgpu_live_mb: Number((ledger.live / 2 ** 20).toFixed(1)),
+      devices_alive: counts.created - counts.destroyed, devices_uncollected: counts.created - counts.collected,
+    });
     try {
       fs.writeFileSync('/proc/self/clear_refs', '5');
     } catch { /* the peak stays the process's */ }
   };
   return { onEvent, peaks, events, processPeakMb: () => Math.max(processPeak, hostPeakMb() ?? 0) };
+}
+
+/** A full garbage collection (V8's gc, exposed at run time): a destroyed device's JS objects, and with them what
+ *  Dawn still holds for it, go at once instead of whenever V8 next collects. */
+function forcedGc() {
+  v8.setFlagsFromString('--expose-gc');
+  const gc = vm.runInNewContext('gc');
+  const stats = { runs: 0, ms: 0 };
+  const collect = () => {
+    const t = performance.now();
+    gc();
+    stats.runs += 1;
+    stats.ms += performance.now() - t;
+  };
+  return { collect, stats };
 }
 
 async function main() {
@@ -178,14 +204,14 @@ async function main() {
   installBrowserShims();
   const { installConsoleTap } = await import('./static/prepare.js');
   installConsoleTap();
-  const { loadLiteRt, getWebGpuDevice } = await import('@litertjs/core');
+  const { loadLiteRt, getWebGpuDevice, getGlobalLiteRt } = await import('@litertjs/core');
   await loadLiteRt(WASM_DIR + path.sep);
   const runtimeMs = performance.now() - t0;
   const { Bundle, imagePsnr, tokenizerCheck, checkFailures, componentReports } = await import('./static/pipeline.js');
-  const { GpuLedger, useModelDevices } = await import('./static/gpu_device.js');
+  const { GpuLedger, deviceCounts, useModelDevices } = await import('./static/gpu_device.js');
   const { bundleLimits, parseLimitOverrides, preflight } = await import('./static/limits.js');
-  const ledger = new GpuLedger(), host = hostPerModel();
-  useModelDevices({ perModel: opts['gpu-device'] === 'per-model', ledger, onEvent: host.onEvent, sharedDevice: getWebGpuDevice() });
+  const ledger = new GpuLedger(), host = memoryEvents(ledger, deviceCounts, () => getGlobalLiteRt().liteRtWasm.HEAPU8.length), gc = opts['no-gc'] ? null : forcedGc();
+  useModelDevices({ perModel: opts['gpu-device'] === 'per-model', ledger, onEvent: host.onEvent, collect: gc?.collect, sharedDevice: getWebGpuDevice() });
   const { generate } = await import('./static/generate.js');
   const bundle = new Bundle(pathToFileURL(opts.bundle).href + '/');
   const man = await bundle.open();
@@ -216,6 +242,8 @@ async function main() {
     latency_ms: { runtime_ready: runtimeMs, ...res.latency }, host_peak_mb: host.processPeakMb(),
     gpu_device: opts['gpu-device'], gpu_memory: { ...ledger.summary(), what: 'bytes of WebGPU buffers and textures alive (static/gpu_device.js)' },
     host_per_model_peak_mb: host.peaks, memory_events: host.events, limits, preflight: fit,
+    malloc_arena_max: process.env.MALLOC_ARENA_MAX ?? null, // glibc's arenas hold freed native memory (see memory_events)
+    devices: { ...deviceCounts, forced_gc: gc ? { runs: gc.stats.runs, ms: Number(gc.stats.ms.toFixed(1)) } : 'off (--no-gc)' },
     wall_s: Number(((performance.now() - t0) / 1000).toFixed(2)),
   };
   const text = JSON.stringify(report, null, 1);

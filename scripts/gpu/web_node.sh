@@ -21,7 +21,10 @@
 # SD-2.1 layer-cut student ~1 min resident, ~3.2 min streamed, ~0.6 min run-bundle, ~1 min the GPU reference. Only
 # LAYOUT is unpacked. BUDGET (default 560 s from the start) stops benchmarks/web_node.py before the call's 10-minute
 # limit; the rows already run are in web_node.log (one JSON line each) and their folders are tarred either way.
-# Writes $OUT/web_sd21_node_<unet>_<devices>_h200.json (+ its folder, tarred) and $OUT/web_node.log.
+# Writes $OUT/web_sd21_node_<unet>_<devices>_h200.json (+ its folder, tarred) and $OUT/web_node.log. Each row also says
+# where the GPU's memory went: gpu_peak_phase (the span between two of the runner's events, a model's open, compiled or
+# close, that holds the NVML peak), gpu_at_close_max_mb, gpu_at_end_mb; every event's gpu_mb is in the JSON's
+# runs.*.report.memory_events, and the 0.1 s series in the tarred folder's <unet>_<device>/gpu_series.json.
 set -u
 START=$SECONDS
 REPO=$PWD

@@ -58,3 +58,31 @@ def test_an_unknown_unet_mode_is_refused_naming_the_option(dawn, smoke_bundle):
     p = _run(dawn, str(smoke_bundle), "--unet", "sideways", timeout=60)
     assert p.returncode == 2
     assert "--unet: sideways" in p.stderr
+
+
+def test_streamed_chunks_devices_are_destroyed_let_go_of_and_collected(dawn, assemble_tiny, tmp_path):
+    """The tiny bundle's four UNet chunks streamed: every model's device is destroyed at its release, LiteRT.js's wasm
+    object table lets go of it (before: every device, queue, pipeline and pipeline layout it was handed stayed there,
+    so no device was ever garbage-collected, forced GC or not), and the runner's forced GC collects it; memory is
+    sampled at each model's open, compiled and close."""
+    bundle = assemble_tiny(tmp_path / "tiny")
+    out = tmp_path / "report.json"
+    p = _run(dawn, str(bundle), "--unet", "streamed", "--no-goldens", "--out", str(out))
+    if p.returncode == 2 and "no WebGPU adapter" in p.stderr:
+        pytest.skip("Dawn found no Vulkan device here (scripts/setup_vulkan.sh unpacks lavapipe)")
+    assert p.returncode == 0, p.stderr[-3000:]
+    report = json.loads(out.read_text())
+    devices, events = report["devices"], report["memory_events"]
+    compiles = [e["model"] for e in events if e["event"] == "compiled"]
+    steps = report["steps"]
+    # text encoder, each chunk once for its stage and once per step, decoder: a device each
+    assert len(compiles) == devices["created"] == devices["destroyed"] == 1 + 4 * (steps + 1) + 1
+    assert devices["wasm_refs_dropped"] >= 4 * devices["created"]  # a device, its queue, and its pipelines at least
+    assert devices["collected"] >= devices["created"] - 2 and devices["forced_gc"]["runs"] >= devices["created"] - 2
+    assert [e["event"] for e in events[:3]] == ["open", "compiled", "close"]
+    for e in events:
+        assert e["devices_alive"] == (1 if e["event"] == "compiled" else 0)
+        assert {"epoch_s", "rss_mb", "wasm_heap_mb", "webgpu_live_mb", "devices_uncollected"} <= set(e)
+        if e["event"] != "compiled":
+            assert e["webgpu_live_mb"] == 0
+    assert events[-1]["devices_uncollected"] <= 2  # FinalizationRegistry reports a collection a task after it

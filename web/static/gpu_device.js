@@ -6,7 +6,13 @@
 // heaps) goes with the device, as run-bundle gives each model its own LiteRT environment. The ledger counts the
 // bytes of every buffer and texture created on a tracked device until it is destroyed (or its device is): live and
 // peak bytes in all, and per model, the same on any WebGPU (a browser, Dawn's Node bindings).
-import { Environment } from '@litertjs/core';
+// LiteRT.js 2.5.3's wasm (emdawnwebgpu) never lets go of some WebGPU objects it was handed: its table of JS objects
+// (Module.WebGPU.Internals.jsObjects) keeps every device and queue it imported and every compute pipeline and
+// pipeline layout it created, after the model and its Environment are deleted (measured on the tiny smoke bundle
+// streamed: 15 devices, 1,182 pipelines held at the end), so no destroyed device's JS object could ever be collected.
+// A destroyed device's entries are dropped from that table (dropWasmRefs): the device, its queue and what it made
+// can then be collected (a browser's GPU process frees them then; the Node runner collects at once, `collect`).
+import { Environment, getGlobalLiteRt } from '@litertjs/core';
 
 // what LiteRT.js's own default device asks of the adapter (its createDefaultWebGpuDevice)
 const FEATURES = ['shader-f16', 'subgroups'];
@@ -49,9 +55,29 @@ export class GpuLedger {
     const createTexture = device.createTexture.bind(device);
     device.createBuffer = (desc) => wrap(createBuffer(desc), Number(desc.size));
     device.createTexture = (desc) => wrap(createTexture(desc), textureBytes(desc));
+    this.countUploads(device.queue, o);
     return () => {
       for (const entry of mine) add(-entry.bytes);
       mine.clear();
+    };
+  }
+
+  /** Bytes handed to `queue`'s writeBuffer and writeTexture, added to owner `o`'s `uploaded`: the weights go up through
+   *  writeTexture (LiteRT.js 2.5.3), each write staged by the WebGPU implementation in memory of its own, which no
+   *  buffer or texture above counts, until the GPU has copied it. */
+  countUploads(queue, o) {
+    o.uploaded = 0;
+    if (!queue) return;
+    const dataBytes = (data, offset = 0, size = undefined) => Number(size ?? (data.byteLength - offset * (data.BYTES_PER_ELEMENT ?? 1)));
+    const writeBuffer = queue.writeBuffer.bind(queue);
+    const writeTexture = queue.writeTexture.bind(queue);
+    queue.writeBuffer = (buffer, at, data, offset, size) => {
+      o.uploaded += dataBytes(data, offset, size === undefined ? undefined : size * (data.BYTES_PER_ELEMENT ?? 1));
+      return writeBuffer(buffer, at, data, offset, size);
+    };
+    queue.writeTexture = (dest, data, layout, size) => {
+      o.uploaded += Math.max(0, data.byteLength - (layout?.offset ?? 0));
+      return writeTexture(dest, data, layout, size);
     };
   }
 
@@ -59,22 +85,70 @@ export class GpuLedger {
     const mb = (n) => Number((n / MB).toFixed(2));
     return {
       live_mb: mb(this.live), peak_mb: mb(this.peak),
-      per_device: Object.entries(this.owners).map(([k, v]) => ({ device: k, models: [...v.models], peak_mb: mb(v.peak), live_mb: mb(v.live) })),
+      per_device: Object.entries(this.owners).map(([k, v]) => ({
+        device: k, models: [...v.models], peak_mb: mb(v.peak), live_mb: mb(v.live), uploaded_mb: mb(v.uploaded ?? 0),
+      })),
     };
   }
 }
 
 let config = null; // set by useModelDevices; null: every model on LiteRT.js's default environment
-let current = null; // the device of the models alive now: {device, environment, users, names, untrack}
+let current = null; // the device of the models alive now: {device, environment, users, names, untrack, made}
 let devices = 0;
+// devices made, destroyed and collected (their JS objects garbage-collected, where FinalizationRegistry exists: it
+// tells a task after the collection), and the entries of LiteRT.js's wasm object table dropped for destroyed devices
+export const deviceCounts = { created: 0, destroyed: 0, collected: 0, wasm_refs_dropped: 0 };
+const collected = typeof FinalizationRegistry === 'function' ? new FinalizationRegistry(() => { deviceCounts.collected += 1; }) : null;
+// the device methods whose results LiteRT.js's wasm may keep in its object table
+const MAKERS = ['createBuffer', 'createTexture', 'createShaderModule', 'createBindGroupLayout', 'createBindGroup', 'createPipelineLayout',
+  'createComputePipeline', 'createComputePipelineAsync', 'createCommandEncoder', 'createQuerySet', 'createSampler'];
+
+/** A WeakSet of `device`, its queue and everything its makers return from now on. */
+function remember(device) {
+  const made = new WeakSet([device, device.queue]);
+  for (const m of MAKERS) {
+    if (typeof device[m] !== 'function') continue;
+    const make = device[m].bind(device);
+    device[m] = m.endsWith('Async') ? async (desc) => { const o = await make(desc); made.add(o); return o; }
+      : (desc) => { const o = make(desc); made.add(o); return o; };
+  }
+  return made;
+}
+
+/** Drops the entries of LiteRT.js's wasm object table that are in `made` (a destroyed device's): the number dropped.
+ *  Safe once the device is destroyed and its Environment deleted: nothing runs on them any more, and the wasm's own
+ *  release of an entry (emwgpuDelete) deletes a key that is already gone. */
+function dropWasmRefs(made) {
+  let table = null;
+  try {
+    table = getGlobalLiteRt().liteRtWasm?.WebGPU?.Internals?.jsObjects;
+  } catch { /* LiteRT.js not loaded: nothing held */ }
+  if (!table) return 0;
+  let n = 0;
+  for (const key of Object.keys(table)) {
+    if (made.has(table[key])) {
+      delete table[key];
+      n += 1;
+    }
+  }
+  deviceCounts.wasm_refs_dropped += n;
+  return n;
+}
 
 /** Models compiled from now on for WebGPU get a device that is destroyed when the last of them is released
  *  (perModel true) or share LiteRT.js's default one; `ledger` (a GpuLedger, optional) counts their memory;
- *  `onEvent(kind, name)` (optional) hears each model's open and close (the Node runner samples host memory there).
- *  `sharedDevice`: the default device, tracked as 'shared' when perModel is false. */
-export function useModelDevices({ perModel = true, ledger = null, onEvent = null, sharedDevice = null } = {}) {
-  config = { perModel, ledger, onEvent };
+ *  `onEvent(kind, name)` (optional) hears each model's open, compiled and close (modelEvent; the Node runner samples
+ *  memory there); `collect()` (optional: the Node runner's forced garbage collection) runs after each device is
+ *  destroyed, once the caller has dropped its references. `sharedDevice`: the default device, tracked as 'shared'
+ *  when perModel is false. */
+export function useModelDevices({ perModel = true, ledger = null, onEvent = null, collect = null, sharedDevice = null } = {}) {
+  config = { perModel, ledger, onEvent, collect };
   if (!perModel && ledger && sharedDevice) ledger.track(sharedDevice, 'shared');
+}
+
+/** Tells useModelDevices's onEvent that model `name` reached `kind` (open, compiled, close): pipeline.js Component. */
+export function modelEvent(kind, name) {
+  config?.onEvent?.(kind, name);
 }
 
 async function newDevice(name) {
@@ -84,8 +158,38 @@ async function newDevice(name) {
   const device = await adapter.requestDevice({ requiredFeatures: FEATURES.filter((f) => adapter.features.has(f)), requiredLimits });
   const names = [name];
   devices += 1;
+  deviceCounts.created += 1;
+  collected?.register(device, null);
+  const made = remember(device);
   const untrack = config.ledger ? config.ledger.track(device, `device ${devices}`, names) : () => {};
-  return { device, environment: await Environment.create({ webGpuDevice: device }), users: 0, names, untrack };
+  return { device, environment: await Environment.create({ webGpuDevice: device }), users: 0, names, untrack, made };
+}
+
+/** The last model on `mine` is released: its Environment deleted, its device destroyed (which frees every buffer
+ *  and texture of it, whoever still held them), LiteRT.js's wasm made to let go of it, and then config.collect, after
+ *  the caller has dropped its references: a task later, or before the next device is made if that comes first. */
+function destroyDevice(mine) {
+  try {
+    mine.environment.delete();
+  } finally {
+    mine.device.destroy();
+    deviceCounts.destroyed += 1;
+    mine.untrack();
+    dropWasmRefs(mine.made);
+    mine.environment = mine.device = mine.made = null;
+    if (config.collect) {
+      uncollected = true;
+      setTimeout(collectNow, 0);
+    }
+  }
+}
+
+let uncollected = false; // a device destroyed since config.collect last ran
+
+function collectNow() {
+  if (!uncollected) return;
+  uncollected = false;
+  config.collect();
 }
 
 /** The WebGPU device for model `name` in a LiteRT.js Environment: {environment, device, close()}; null when models
@@ -97,11 +201,13 @@ async function newDevice(name) {
  *  the decoder that joins them, one. */
 export async function openModelGpu(name) {
   if (!config?.perModel) return null;
-  if (!current) current = await newDevice(name);
+  if (!current) {
+    collectNow(); // the last device's models are released: whatever is left of it goes before the next one is made
+    current = await newDevice(name);
+  }
   else current.names.push(name);
   const mine = current;
   mine.users += 1;
-  config.onEvent?.('open', name);
   let open = true;
   return {
     environment: mine.environment, device: mine.device,
@@ -111,14 +217,8 @@ export async function openModelGpu(name) {
       mine.users -= 1;
       if (mine.users === 0) {
         if (current === mine) current = null;
-        try {
-          mine.environment.delete();
-        } finally {
-          mine.device.destroy(); // frees every buffer and texture of the device, whoever still held them
-          mine.untrack();
-        }
+        destroyDevice(mine);
       }
-      config.onEvent?.('close', name);
     },
   };
 }

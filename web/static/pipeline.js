@@ -14,7 +14,7 @@ import { schedulerProblem } from './schedulers.js';
 import { TILED_DECODER, tilingProblem } from './tiled.js';
 import { TEXT_ENCODER, UNET, layoutProblem, modelParts } from './chunks.js';
 import { consoleMark, consoleSince, prepareFailure } from './prepare.js';
-import { openModelGpu } from './gpu_device.js';
+import { modelEvent, openModelGpu } from './gpu_device.js';
 
 export class BundleError extends Error {}
 
@@ -100,9 +100,12 @@ export class Component {
     c.accelerator = accelerator;
     const t1 = performance.now();
     c.consoleMark = consoleMark(); // what LiteRT.js prints from here to the first run's end is checked (prepare.js)
+    modelEvent('open', name); // memory sampled at open, compiled and close (gpu_device.js; the Node runner's report)
+    c.opened = true;
     c.gpu = accelerator === 'webgpu' ? await openModelGpu(name) : null; // its own WebGPU device, or null: the default (gpu_device.js)
     try {
       c.model = await loadAndCompile(new Uint8Array(bytes), c.gpu ? { accelerator, environment: c.gpu.environment } : { accelerator });
+      modelEvent('compiled', name);
     } catch (e) {
       c.release();
       throw e;
@@ -183,6 +186,8 @@ export class Component {
       console.warn(`${this.name}: destroying its WebGPU device failed: ${e.message}`);
     }
     this.gpu = null;
+    if (this.opened) modelEvent('close', this.name);
+    this.opened = false;
   }
 }
 
