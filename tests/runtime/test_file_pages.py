@@ -117,6 +117,8 @@ def test_run_bundle_cli_pipelined_gives_the_pages_back_without_torch(plain, tmp_
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads((out / "report.json").read_text())
+    startup = report["memory"]["startup_s"]  # where the time to 'runner ready' went: process ages, in order
+    assert 0 < startup["main"] <= startup["bundle_checked"] <= startup["runner_ready"], startup
     released = [p for p in report["memory"]["phases"] if p["phase"] == "pages_released"]
     assert len(released) == 6 and all(p["file_resident_mb_after"] < 0.05 for p in released), released
     png = np.asarray(Image.open(out / "image.png"))
