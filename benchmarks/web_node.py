@@ -14,7 +14,8 @@ a machine without ai-edge-litert then runs this with node alone and --no-run-bun
 ok, total_s, unet, gpu_device, gpu (real | SwiftShader | lavapipe), gpu_peak_mb, host_peak_mb, webgpu_ledger_peak_mb,
 run_bundle_gpu_peak_mb, run_bundle_host_peak_mb, and where the GPU's memory went (NVML polled every 0.1 s, matched with the
 runner's memory events: each model's open, compiled and close): gpu_peak_phase (the span between two events that holds
-the peak), gpu_at_close_max_mb (the most held right after a model was released), gpu_at_end_mb, devices_uncollected;
+the peak), gpu_at_close_max_mb (the most held right after a model was released), gpu_at_end_mb,
+gpu_beyond_ledger_at_compiled_max (the most held beyond the ledger's buffers and textures, and by which model), devices_uncollected;
 each event gets gpu_mb and gpu_peak_since_previous_mb in the run's report, and the whole series is written beside it
 (gpu_series.json in the row's folder).
 """
@@ -70,9 +71,11 @@ def gpu_by_event(events: list[dict], samples: list) -> dict:
     sample at or after it; None when none came) and gpu_peak_since_previous_mb (the largest sample between the previous
     event and this one, both included); -> {gpu_peak_phase: the span holding the largest sample ({from, to, peak_mb}, an
     event named "kind model"; before the first event: "start", after the last: "end"), gpu_at_close_max_mb (the most
-    held right after a release), gpu_at_end_mb (the last sample)}."""
+    held right after a release), gpu_at_end_mb (the last sample), gpu_beyond_ledger_at_compiled_max (the most GPU
+    memory beyond the WebGPU ledger's live bytes right after a model compiled: {model, mb})}."""
     if not samples or not events or "epoch_s" not in events[0]:
-        return {"gpu_peak_phase": None, "gpu_at_close_max_mb": None, "gpu_at_end_mb": samples[-1][1] if samples else None}
+        return {"gpu_peak_phase": None, "gpu_at_close_max_mb": None, "gpu_at_end_mb": samples[-1][1] if samples else None,
+                "gpu_beyond_ledger_at_compiled_max": None}
     marks = [float(e["epoch_s"]) for e in events]
     names = ["start"] + [f"{e['event']} {e['model']}" for e in events] + ["end"]
     spans = [[] for _ in range(len(events) + 1)]  # samples before event 0, between events i-1 and i, after the last
@@ -86,8 +89,14 @@ def gpu_by_event(events: list[dict], samples: list) -> dict:
     peaks = [max(s) if s else None for s in spans]
     best = max((i for i, p in enumerate(peaks) if p is not None), key=lambda i: peaks[i])
     closes = [e["gpu_mb"] for e in events if e["event"] == "close" and e.get("gpu_mb") is not None]
+    # beyond the ledger once a model is compiled: what the WebGPU implementation and the driver hold besides the
+    # buffers and textures (staging, pipelines, the device itself), the model named
+    beyond = [(e["gpu_mb"] - e["webgpu_live_mb"], e["model"]) for e in events
+              if e["event"] == "compiled" and e.get("gpu_mb") is not None and e.get("webgpu_live_mb") is not None]
+    top = max(beyond) if beyond else None
     return {"gpu_peak_phase": {"from": names[best], "to": names[best + 1], "peak_mb": peaks[best]},
-            "gpu_at_close_max_mb": max(closes) if closes else None, "gpu_at_end_mb": samples[-1][1]}
+            "gpu_at_close_max_mb": max(closes) if closes else None, "gpu_at_end_mb": samples[-1][1],
+            "gpu_beyond_ledger_at_compiled_max": {"model": top[1], "mb": round(top[0], 1)} if top else None}
 
 
 def sample_process(cmd: list[str], env: dict, log: Path, timeout: float, cwd: str | None = None) -> dict:

@@ -56,6 +56,12 @@ export class GpuLedger {
     device.createBuffer = (desc) => wrap(createBuffer(desc), Number(desc.size));
     device.createTexture = (desc) => wrap(createTexture(desc), textureBytes(desc));
     this.countUploads(device.queue, o);
+    o.pipelines = 0; // compute pipelines made on the device (a driver may hold memory per pipeline, outside the ledger)
+    for (const m of ['createComputePipeline', 'createComputePipelineAsync']) {
+      if (typeof device[m] !== 'function') continue;
+      const make = device[m].bind(device);
+      device[m] = (desc) => { o.pipelines += 1; return make(desc); };
+    }
     return () => {
       for (const entry of mine) add(-entry.bytes);
       mine.clear();
@@ -86,7 +92,7 @@ export class GpuLedger {
     return {
       live_mb: mb(this.live), peak_mb: mb(this.peak),
       per_device: Object.entries(this.owners).map(([k, v]) => ({
-        device: k, models: [...v.models], peak_mb: mb(v.peak), live_mb: mb(v.live), uploaded_mb: mb(v.uploaded ?? 0),
+        device: k, models: [...v.models], peak_mb: mb(v.peak), live_mb: mb(v.live), uploaded_mb: mb(v.uploaded ?? 0), pipelines: v.pipelines ?? 0,
       })),
     };
   }
