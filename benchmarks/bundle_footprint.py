@@ -425,6 +425,8 @@ def _mode_flags(mode: str, cache_root: Path, layout: str, tag: str) -> list[str]
     `overlap` mode of this layout measured (list it before) copied into the mode's fresh folder."""
     if mode == "streamed":
         return ["--stream-unet"]
+    if mode == "keeppages":  # --pipelined with each model file's pages kept resident (before run-bundle gave them back)
+        return ["--keep-file-pages"]
     if mode.startswith("workers"):
         return ["--load-workers", mode[len("workers"):]]
     if mode.startswith("overlap"):
@@ -457,7 +459,7 @@ def runs(bundles: list[tuple[str, str]], cache_root: str, timeout: float, modes:
             workers = int(mode[len("workers"):]) if mode.startswith("workers") else 0  # plain, its loads in N processes
             flags = _mode_flags(mode, Path(cache_root), layout, tag)
             for launch in ("cold", "warm"):
-                r = _run_bundle(bundle, f"/tmp/footprint-{layout}-{mode}-{launch}", mode in ("pipelined", "streamed") or mode.startswith("overlap"),
+                r = _run_bundle(bundle, f"/tmp/footprint-{layout}-{mode}-{launch}", mode in ("pipelined", "streamed", "keeppages") or mode.startswith("overlap"),
                                 str(folder / "programs"), str(folder / "driver"), timeout, extra + flags)
                 rows.append({"layout": layout, "resolution": resolution, "mode": mode, "launch": launch, "device": device,
                              "load_workers": workers,

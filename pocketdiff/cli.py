@@ -100,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--memory-budget-mb", type=float, default=None, metavar="MB",
                            help="with --overlap-loads: host + GPU MB; checked before loading from the figures a run measured: "
                                 "a pair that would exceed it does not overlap, a model that cannot fit is refused")
+            p.add_argument("--keep-file-pages", action="store_true",
+                           help="keep each compiled model's .tflite pages resident (by default they go back to the system "
+                                "once the GPU accelerator holds the whole model)")
             p.add_argument("--gpu-option", action="append", default=[], metavar="KEY=VALUE",
                            help="an option of LiteRT's GPU accelerator (runtime/litert_c.py: GPU_OPTION_KEYS), repeatable")
             p.add_argument("--seed", type=int, default=0)

@@ -123,3 +123,18 @@ def test_run_bundle_cli_pipelined_gives_the_pages_back_without_torch(plain, tmp_
     assert len(released) == 6 and all(p["file_resident_mb_after"] < 0.05 for p in released), released
     png = np.asarray(Image.open(out / "image.png"))
     np.testing.assert_array_equal(png, (plain["on"][0] * 255).round().astype(np.uint8))
+
+
+def test_run_bundle_cli_keep_file_pages_keeps_them(plain, tmp_path):
+    """`--keep-file-pages`: no model gives its pages back, the report says so, and the image is the same."""
+    from pocketdiff.cli import main
+
+    out = tmp_path / "kept"
+    rc = main(["run-bundle", str(SMOKE), "--prompt", PROMPT, "--output", str(out), "--seed", str(SEED),
+               "--pipelined", "--no-gpu-cache", "--keep-file-pages"])
+    assert rc == 0
+    memory = json.loads((out / "report.json").read_text())["memory"]
+    assert memory["release_file_pages"] is False
+    assert not [p for p in memory["phases"] if p["phase"] == "pages_released"]
+    png = np.asarray(Image.open(out / "image.png"))
+    np.testing.assert_array_equal(png, (plain["on"][0] * 255).round().astype(np.uint8))
