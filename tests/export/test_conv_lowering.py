@@ -128,7 +128,8 @@ def test_the_int8gpu_preset_is_export_student_plus_the_phone_overrides():
     phone = yaml.safe_load((root / "export_student_int8gpu.yaml").read_text())
     base.update(unet_chunks=10, unet_chunk_cut="layer", text_encoder_chunks=3)
     base["int8"] = {**base["int8"], "components": ["text_encoder", "unet"], "gpu_weights": "direct"}
-    base["rewrites"] = {**base["rewrites"], "conv_lowering": "shifted_1x1", "conv_lowering_components": ["unet"]}
+    base["rewrites"] = {**base["rewrites"], "conv_lowering": "shifted_1x1", "conv_lowering_components": ["unet"],
+                       "attention_budget_mb": 16}
     assert phone == base
     cfg = load_config(Config, root / "export_student_int8gpu.yaml", [])  # validates (chunk precheck included)
     assert cfg.rewrites.conv_lowering == "shifted_1x1" and cfg.int8.gpu_weights == "direct"
