@@ -526,9 +526,9 @@ def main(argv=None) -> int:
     if a.cmd == "runs":
         pairs = [tuple(b.rsplit(":", 1)) for b in a.bundles]
         modes = a.modes.split(",")
-        if any(m not in ("plain", "pipelined", "streamed") and not re.fullmatch(r"workers[1-9][0-9]*|overlap([1-9][0-9]*)?", m)
+        if any(m not in ("plain", "pipelined", "streamed", "keeppages") and not re.fullmatch(r"workers[1-9][0-9]*|overlap([1-9][0-9]*)?", m)
                for m in modes):
-            ap.error(f"--modes: {a.modes!r}, expected a comma list of plain, pipelined, streamed, workersN, overlap, overlapN")
+            ap.error(f"--modes: {a.modes!r}, expected a comma list of plain, pipelined, streamed, keeppages, workersN, overlap, overlapN")
         rows = runs(pairs, a.cache_root, a.timeout, modes, a.gpu_option, a.tag)
         Path(a.out).write_text(json.dumps({"rows": rows}, indent=1))
         return 0
