@@ -21,7 +21,7 @@
 # SD-2.1 layer-cut student ~1 min resident, ~3.2 min streamed, ~0.6 min run-bundle, ~1 min the GPU reference. Only
 # LAYOUT is unpacked. BUDGET (default 560 s from the start) stops benchmarks/web_node.py before the call's 10-minute
 # limit; the rows already run are in web_node.log (one JSON line each) and their folders are tarred either way.
-# Writes $OUT/web_sd21_node_<unet>_<devices>_h200.json (+ its folder, tarred) and $OUT/web_node.log. Each row also says
+# Writes $OUT/web_sd21_node_<unet>_<devices>_h200.json (a comma list joined by "-") (+ its folder, tarred) and $OUT/web_node.log. Each row also says
 # where the GPU's memory went: gpu_peak_phase (the span between two of the runner's events, a model's open, compiled or
 # close, that holds the NVML peak), gpu_at_close_max_mb, gpu_at_end_mb; every event's gpu_mb is in the JSON's
 # runs.*.report.memory_events, and the 0.1 s series in the tarred folder's <unet>_<device>/gpu_series.json.
@@ -69,7 +69,7 @@ fi
 say "layout $LAYOUT from $PACKED ($(( SECONDS - START )) s)"
 nvidia-smi --query-compute-apps=pid,used_memory --format=csv 2>/dev/null | head -3
 REF=(); [ -f "$REPO/.webref/reference.json" ] && REF=(--reference "$REPO/.webref")
-tag="${UNET//,/+}_${DEVICES//,/+}"
+tag="${UNET//,/-}_${DEVICES//,/-}"  # names of letters, digits, "." "_" "-" alone: the device tool returns no other file from $OUT
 say "== web_node $LAYOUT unet=$UNET devices=$DEVICES"
 LEFT=$(( ${BUDGET:-560} - (SECONDS - START) ))
 [ "$LEFT" -gt 60 ] || { say "only ${LEFT} s of BUDGET left before the runs"; exit 6; }
