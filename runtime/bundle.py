@@ -26,6 +26,7 @@ manifest_check.py holds the field-by-field checks a runner relies on.
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional
 
@@ -54,70 +55,7 @@ def resolve_in_bundle(bundle: Path, rel: Any, what: str) -> Path:
     return full
 
 
-class _Hashes:
-    """The sha256 of every file a manifest names, computed in threads from the start (hashlib lets the GIL go while it
-    hashes: the files hash on several cores at once while the .tflite checks run in the caller's thread; an SD-2.1
-    bundle's 1.3 GB was ~2 s of run-bundle's start-up, one file after another). `get` waits for one. Plain daemon
-    threads (concurrent.futures costs ~15 ms to import; a refused bundle leaves no pool to join at exit)."""
-
-    def __init__(self, paths: list[Path]):
-        import threading
-
-        self.todo, self.named, self.done = list(paths), set(paths), {}
-        self.cond = threading.Condition()
-        for _ in range(max(1, min(8, os.cpu_count() or 1, len(paths)))):
-            threading.Thread(target=self._work, name="sha256", daemon=True).start()
-
-    def _work(self) -> None:
-        while True:
-            with self.cond:
-                if not self.todo:
-                    return
-                path = self.todo.pop(0)
-            try:
-                got = (sha256_file(path), None)
-            except Exception as e:  # noqa: BLE001 - raised by `get`, in the caller's order
-                got = (None, e)
-            with self.cond:
-                self.done[path] = got
-                self.cond.notify_all()
-
-    def get(self, path: Path) -> str:
-        if path not in self.named:
-            return sha256_file(path)
-        with self.cond:
-            self.cond.wait_for(lambda: path in self.done)
-            digest, error = self.done[path]
-        if error is not None:
-            raise error
-        return digest
-
-    def close(self) -> None:
-        with self.cond:
-            self.todo.clear()  # the threads end after the file each one is hashing
-
-
-def _named_files(bundle: Path, manifest: dict, components: Optional[list[str]]) -> list[Path]:
-    """The files load_manifest checks, largest first (a problem with one is raised by the check itself, in order)."""
-    entries = []
-    for name, entry in (manifest.get("components") or {}).items():
-        if isinstance(entry, dict) and (components is None or name in components):
-            entries += [entry, entry.get("golden")]
-    files = manifest["tokenizer"].get("files") if isinstance(manifest.get("tokenizer"), dict) else None
-    entries += (list(files.values()) if isinstance(files, dict) else []) + [manifest.get("time_embedding")]
-    entries += [(manifest.get(block_key(base)) or {}).get("golden") for base in CHUNKABLE if isinstance(manifest.get(block_key(base)), dict)]
-    found = set()
-    for entry in entries:
-        try:
-            path = resolve_in_bundle(bundle, entry.get("path"), "file") if isinstance(entry, dict) else None
-        except PocketdiffError:
-            continue
-        if path is not None and path.is_file():
-            found.add(path)
-    return sorted(found, key=lambda p: -p.stat().st_size)
-
-
-def _check_entry(bundle: Path, entry: dict, what: str, verify_sha: bool, hashes: Optional[_Hashes] = None) -> Path:
+def _check_entry(bundle: Path, entry: dict, what: str, verify_sha: bool, hashes: Optional[dict] = None) -> Path:
     if not isinstance(entry, dict):
         raise PocketdiffError(f"manifest: {what} must be an object")
     path = resolve_in_bundle(bundle, entry.get("path"), what)
@@ -127,7 +65,7 @@ def _check_entry(bundle: Path, entry: dict, what: str, verify_sha: bool, hashes:
         want = entry.get("sha256")
         if not isinstance(want, str) or len(want) != 64:
             raise PocketdiffError(f"manifest: {what} has no sha256")
-        got = hashes.get(path) if hashes is not None else sha256_file(path)
+        got = hashes[path].result() if hashes and path in hashes else sha256_file(path)
         if got != want:
             raise PocketdiffError(f"bundle: sha256 mismatch for {entry.get('path')} ({what}): manifest {want[:12]}..., file {got[:12]}...")
     return path
@@ -158,35 +96,56 @@ def load_manifest(bundle: str | Path, verify_sha: bool = True, components: Optio
     comps = manifest.get("components")
     if not isinstance(comps, dict) or not comps:
         raise PocketdiffError(f"{mpath}: no components")
-    hashes = _Hashes(_named_files(bundle, manifest, components)) if verify_sha else None
-    try:
-        _check_files(bundle, manifest, components, verify_sha, hashes)
-    finally:
-        if hashes is not None:
-            hashes.close()
+    _check_files(bundle, _file_entries(manifest, components), verify_sha)
     manifest["_bundle"] = str(bundle.resolve())
     return manifest
 
 
-def _check_files(bundle: Path, manifest: dict, components: Optional[list[str]], verify_sha: bool, hashes: Optional[_Hashes]) -> None:
-    """Every file the manifest names: inside the bundle, present, its sha256 (`hashes`), a .tflite complete; `_path`s added."""
-    check = lambda entry, what: _check_entry(bundle, entry, what, verify_sha, hashes)  # noqa: E731
+def _file_entries(manifest: dict, components: Optional[list[str]]) -> list[tuple[Any, str, bool]]:
+    """(entry, what, is a model) of every file the manifest names, in the manifest's order (the order errors come in)."""
+    out = []
     for name, entry in manifest["components"].items():
-        if components is not None and name not in components:
-            continue
-        path = check(entry, f"component {name}")
-        check_tflite_file(path)
-        entry["_path"] = str(path)
-        golden = entry.get("golden")
-        if golden:
-            golden["_path"] = str(check(golden, f"golden of {name}"))
+        if components is None or name in components:
+            out.append((entry, f"component {name}", True))
+            if isinstance(entry, dict) and entry.get("golden"):
+                out.append((entry["golden"], f"golden of {name}", False))
     tok = manifest.get("tokenizer") or {}
-    for fname, entry in (tok.get("files") or {}).items():
-        entry["_path"] = str(check(entry, f"tokenizer file {fname}"))
-    te = manifest.get("time_embedding")
-    if te:
-        te["_path"] = str(check(te, "time embedding table"))
+    out += [(entry, f"tokenizer file {fname}", False) for fname, entry in (tok.get("files") or {}).items()]
+    if manifest.get("time_embedding"):
+        out.append((manifest["time_embedding"], "time embedding table", False))
     for base in CHUNKABLE:
         chunks = manifest.get(block_key(base))
         if isinstance(chunks, dict) and isinstance(chunks.get("golden"), dict):
-            chunks["golden"]["_path"] = str(check(chunks["golden"], f"golden of the chunked {base}"))
+            out.append((chunks["golden"], f"golden of the chunked {base}", False))
+    return out
+
+
+def _hash_in_threads(bundle: Path, entries: list) -> tuple[ThreadPoolExecutor, dict]:
+    """Every named file that exists in the bundle hashed in threads, largest first (hashlib lets the GIL go: an SD-2.1
+    bundle's 1.3 GB hashes on several cores while the .tflite checks run); path -> future. Paths that fail to resolve are
+    left to the ordered checks, which name them."""
+    paths = set()
+    for entry, what, _ in entries:
+        try:
+            path = resolve_in_bundle(bundle, entry.get("path"), what) if isinstance(entry, dict) else None
+        except PocketdiffError:
+            continue
+        if path is not None and path.is_file():
+            paths.add(path)
+    pool = ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1, len(paths))), thread_name_prefix="sha256")
+    return pool, {p: pool.submit(sha256_file, p) for p in sorted(paths, key=lambda p: -p.stat().st_size)}
+
+
+def _check_files(bundle: Path, entries: list, verify_sha: bool) -> None:
+    """Each entry in order: inside the bundle, present, its sha256, a model's .tflite complete; its `_path` added. A
+    refused bundle leaves no hashing behind (the pending files are cancelled)."""
+    pool, hashes = _hash_in_threads(bundle, entries) if verify_sha else (None, {})
+    try:
+        for entry, what, is_model in entries:
+            path = _check_entry(bundle, entry, what, verify_sha, hashes)
+            if is_model:
+                check_tflite_file(path)
+            entry["_path"] = str(path)
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)

@@ -2,14 +2,11 @@
 export's rewrites and int8 storage, carry the op kinds they are meant to isolate, run on the CPU, and summarize."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
+from script_module import load_script  # tests/script_module.py
 
-ROOT = Path(__file__).resolve().parents[2]
 SMALL = {"hw": 8, "c": 32, "heads": 2}
 # 2 heads x 64 x 64 keys x 2 bytes = 256 B per query row: 0.004 MB -> 16 rows -> 4 chunks
 BUDGETS = {"none": None, "b64": 0.004, "b16": 0.002, "b4": 0.001}
@@ -17,11 +14,7 @@ BUDGETS = {"none": None, "b64": 0.004, "b16": 0.002, "b4": 0.001}
 
 @pytest.fixture(scope="module")
 def probe():
-    spec = importlib.util.spec_from_file_location("activation_probe_bench", ROOT / "benchmarks" / "activation_probe.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/activation_probe.py", "activation_probe_bench")
 
 
 @pytest.fixture(scope="module")

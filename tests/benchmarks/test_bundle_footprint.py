@@ -2,11 +2,10 @@
 the files split by bytes over processes started at once, an environment per model, and one load window across them."""
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
+from script_module import load_script  # tests/script_module.py
 
 ROOT = Path(__file__).resolve().parents[2]
 SMOKE = ROOT / "tests" / "web" / "smoke_bundle"
@@ -14,11 +13,7 @@ SMOKE = ROOT / "tests" / "web" / "smoke_bundle"
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bundle_footprint_bench", ROOT / "benchmarks" / "bundle_footprint.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/bundle_footprint.py", "bundle_footprint_bench")
 
 
 def test_files_are_split_over_processes_by_bytes(bench, tmp_path):
