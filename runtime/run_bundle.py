@@ -14,7 +14,8 @@ whole latent, `vae_up_tile` per tile: runtime/onepass_decode.py or, for the iter
 runtime/tiled_decode.py); pipelined, the head runs and is released before the up tile loads. A UNet exported in chunks
 (`unet_chunks`: unet.0, unet.1, ...) loads chunk after chunk, each run once on zeros on the GPU before the next
 compiles (the accelerator lets a model's host weight copies go at its first run; pipelined, the freed heap is also
-returned, and the chunks share one environment), stays for every step, and runs in sequence
+returned, the chunks share one environment, and they compile largest compile excess first when an earlier launch
+measured it: runtime/compile_order.py), stays for every step, and runs in sequence
 with its tensors passed by name (runtime/chunks.py); with `--stream-unet` (and `--pipelined`) each
 chunk is instead loaded for each step and released after it (one chunk in memory at a time). A text encoder
 in chunks (`text_encoder_chunks`) runs chunk after chunk on the prompt; pipelined, each is released before the
@@ -43,12 +44,13 @@ from .manifest_check import TILED_DECODER, check_bundle, decoder_components
 from .gpu_cache import bundle_digest
 from .load_workers import LoadWorkers, check_count, settle
 from .loaded_model import LoadedModel
-from .managed_model import ManagedModel, loading_policy
+from .managed_model import PIPELINED, ManagedModel, loading_policy
 from .litert_c import parse_gpu_option
 from .memory import PeakSampler, host_peak_mb, process_age_s, return_freed_memory, tune_allocator
 from .overlap import check_budget, overlap_loader, overlap_units
 from .onepass_decode import one_pass_decode_loaded, timed
 from .schedulers import sample_loop, scheduler_for
+from .compile_order import ChunkOrder
 from .chunks import TEXT_ENCODER, UNET, StreamedPart, base_of, chunk_aliases, parts_of, run_into, run_parts
 
 _env_group = base_of  # the LiteRT environment a model shares when pipelined: a chunk's is its model's
@@ -197,6 +199,11 @@ class BundleRunner:
                                           (bundle_digest(self.comps), self.gpu_identity), budget,
                                           lambda n: (self.comps[n], self._options_for(n)), self.sampler,
                                           release_file_pages=self.release_file_pages)
+        self.chunk_order = None  # pipelined, chunks kept: the order they compile in (runtime/compile_order.py)
+        if self.policy.name == PIPELINED and accelerator == "gpu" and len(self.unet_parts) > 1:
+            self.chunk_order = ChunkOrder(self.unet_parts, self.cache.folder if self.cache is not None and self.cache.enabled else None,
+                                          (bundle_digest(self.comps), self.gpu_identity),
+                                          lambda msg: print(f"warning: {msg}", file=sys.stderr))
         if self.policy.load_workers:  # last: nothing after this can fail and leave them running
             self.workers = LoadWorkers(self.policy.load_workers, on_start=self.sampler.add_process,
                                        release_file_pages=self.release_file_pages)
@@ -381,16 +388,19 @@ class BundleRunner:
     def _load_unet(self, latency: dict) -> list:
         """The UNet's parts, loaded one after another and kept for every step. Pipelined, the heap a chunk's
         compile freed goes back to the system before the next chunk compiles (one compile transient at a time)."""
-        parts = []
-        for name in self.unet_parts:
-            fresh = not self.models[name].loaded
-            parts.append(self._load(name, latency))
-            if fresh and self.accelerator == "gpu" and len(self.unet_parts) > 1 and self.overlap is None:  # its worker settles it
-                self._settle(name, parts[-1])
+        order = self.chunk_order.order if self.chunk_order is not None else self.unet_parts
+        fresh = [n for n in order if not self.models[n].loaded]
+        parts = {}
+        for name in order:
+            parts[name] = self._load(name, latency)
+            if name in fresh and self.accelerator == "gpu" and len(self.unet_parts) > 1 and self.overlap is None:  # its worker settles it
+                self._settle(name, parts[name])
                 if self.policy.release_after_use:
                     return_freed_memory()
+        if fresh and self.chunk_order is not None:  # what each compile needed, for the next launch's order
+            self.chunk_order.record({n: self.models[n].phases for n in fresh})
         _sum_chunk_loads(latency, UNET, self.unet_parts)
-        return parts
+        return [parts[n] for n in self.unet_parts]
 
     def _streamed_unet(self, latency: dict) -> list:
         """The UNet's chunks as StreamedParts: each loaded for each step and released after it (one chunk in
@@ -488,7 +498,8 @@ class BundleRunner:
                 "release_file_pages": self.release_file_pages, "pages_released_mb": round(sum(released), 1),
                 "gpu_cache": self.cache.summary() if self.cache is not None else None,
                 "loading_policy": self.policy.name, "models": {n: m.memory() for n, m in self.models.items() if m.loads},
-                **({"overlap": self.overlap.report()} if self.overlap is not None else {})}
+                **({"overlap": self.overlap.report()} if self.overlap is not None else {}),
+                **({"unet_compile_order": self.chunk_order.report()} if self.chunk_order is not None else {})}
 
 
 def generate(
