@@ -15,7 +15,8 @@
            with --env-each), or split over P processes started at once (--procs), cold then warm program cache:
            whether LiteRT's per-model load (host work on one core) overlaps.
   runs     `pocketdiff run-bundle` end to end (its own report: per-phase memory, start_s, total_s), plain
-           and --pipelined (and --stream-unet, --load-workers N, --overlap-loads [--memory-budget-mb N]), cold (empty
+           and --pipelined (and --stream-unet, --load-workers N, --overlap-loads [--memory-budget-mb N], --keep-file-pages;
+           callorder: --pipelined with a chunked UNet's chunks compiled in call order), cold (empty
            cache folder) then warm (the same folder), per bundle layout.
 The committed benchmarks/results/bundle_footprint_*.json hold these rows as they came back (`runs`: layout,
 resolution, mode, launch, unet_chunks, host_peak_mb, gpu_peak_mb, start_s, total_s, device, memory.phases (a UNet in
@@ -459,7 +460,9 @@ def runs(bundles: list[tuple[str, str]], cache_root: str, timeout: float, modes:
             workers = int(mode[len("workers"):]) if mode.startswith("workers") else 0  # plain, its loads in N processes
             flags = _mode_flags(mode, Path(cache_root), layout, tag)
             for launch in ("cold", "warm"):
-                r = _run_bundle(bundle, f"/tmp/footprint-{layout}-{mode}-{launch}", mode in ("pipelined", "streamed", "keeppages") or mode.startswith("overlap"),
+                if mode == "callorder":  # --pipelined, the chunks compiled in call order: no earlier launch's chunk figures
+                    (folder / "programs" / "chunk_figures.json").unlink(missing_ok=True)
+                r = _run_bundle(bundle, f"/tmp/footprint-{layout}-{mode}-{launch}", mode in ("pipelined", "streamed", "keeppages", "callorder") or mode.startswith("overlap"),
                                 str(folder / "programs"), str(folder / "driver"), timeout, extra + flags)
                 rows.append({"layout": layout, "resolution": resolution, "mode": mode, "launch": launch, "device": device,
                              "load_workers": workers,
@@ -518,7 +521,8 @@ def main(argv=None) -> int:
     r.add_argument("--timeout", type=float, default=240)
     r.add_argument("--modes", default="plain,pipelined", help="of plain, pipelined, streamed (--pipelined --stream-unet: a "
                    "chunked UNet), workersN (plain with --load-workers N), overlap (--pipelined --overlap-loads), overlapN (and "
-                   "--memory-budget-mb N, with the figures the overlap mode measured: list overlap first)")
+                   "--memory-budget-mb N, with the figures the overlap mode measured: list overlap first), keeppages (--pipelined "
+                   "--keep-file-pages), callorder (--pipelined, a chunked UNet compiled in call order: no chunk figures)")
     r.add_argument("--gpu-option", action="append", default=[], help="KEY=VALUE passed to run-bundle")
     r.add_argument("--tag", default="default", help="names this variant in the rows")
     r.add_argument("--out", required=True)
@@ -526,9 +530,9 @@ def main(argv=None) -> int:
     if a.cmd == "runs":
         pairs = [tuple(b.rsplit(":", 1)) for b in a.bundles]
         modes = a.modes.split(",")
-        if any(m not in ("plain", "pipelined", "streamed", "keeppages") and not re.fullmatch(r"workers[1-9][0-9]*|overlap([1-9][0-9]*)?", m)
+        if any(m not in ("plain", "pipelined", "streamed", "keeppages", "callorder") and not re.fullmatch(r"workers[1-9][0-9]*|overlap([1-9][0-9]*)?", m)
                for m in modes):
-            ap.error(f"--modes: {a.modes!r}, expected a comma list of plain, pipelined, streamed, keeppages, workersN, overlap, overlapN")
+            ap.error(f"--modes: {a.modes!r}, expected a comma list of plain, pipelined, streamed, keeppages, callorder, workersN, overlap, overlapN")
         rows = runs(pairs, a.cache_root, a.timeout, modes, a.gpu_option, a.tag)
         Path(a.out).write_text(json.dumps({"rows": rows}, indent=1))
         return 0
