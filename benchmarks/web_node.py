@@ -75,7 +75,7 @@ def gpu_by_event(events: list[dict], samples: list) -> dict:
     memory beyond the WebGPU ledger's live bytes right after a model compiled: {model, mb})}."""
     if not samples or not events or "epoch_s" not in events[0]:
         return {"gpu_peak_phase": None, "gpu_at_close_max_mb": None, "gpu_at_end_mb": samples[-1][1] if samples else None,
-                "gpu_beyond_ledger_at_compiled_max": None}
+                "gpu_beyond_ledger_at_compiled_max": None, "gpu_beyond_rounded_at_compiled_max": None}
     marks = [float(e["epoch_s"]) for e in events]
     names = ["start"] + [f"{e['event']} {e['model']}" for e in events] + ["end"]
     spans = [[] for _ in range(len(events) + 1)]  # samples before event 0, between events i-1 and i, after the last
@@ -94,9 +94,14 @@ def gpu_by_event(events: list[dict], samples: list) -> dict:
     beyond = [(e["gpu_mb"] - e["webgpu_live_mb"], e["model"]) for e in events
               if e["event"] == "compiled" and e.get("gpu_mb") is not None and e.get("webgpu_live_mb") is not None]
     top = max(beyond) if beyond else None
+    # the same against the ledger's bytes as a 64 KiB-granular buddy sub-allocator would round them (gpu_device.js)
+    rounded = [(e["gpu_mb"] - e["webgpu_live_rounded_mb"], e["model"]) for e in events
+               if e["event"] == "compiled" and e.get("gpu_mb") is not None and e.get("webgpu_live_rounded_mb") is not None]
+    top_r = max(rounded) if rounded else None
     return {"gpu_peak_phase": {"from": names[best], "to": names[best + 1], "peak_mb": peaks[best]},
             "gpu_at_close_max_mb": max(closes) if closes else None, "gpu_at_end_mb": samples[-1][1],
-            "gpu_beyond_ledger_at_compiled_max": {"model": top[1], "mb": round(top[0], 1)} if top else None}
+            "gpu_beyond_ledger_at_compiled_max": {"model": top[1], "mb": round(top[0], 1)} if top else None,
+            "gpu_beyond_rounded_at_compiled_max": {"model": top_r[1], "mb": round(top_r[0], 1)} if top_r else None}
 
 
 def sample_process(cmd: list[str], env: dict, log: Path, timeout: float, cwd: str | None = None) -> dict:
@@ -119,13 +124,18 @@ def sample_process(cmd: list[str], env: dict, log: Path, timeout: float, cwd: st
     return {"exit": code, "wall_s": round(time.perf_counter() - t0, 1), "memory": memory, "gpu_series": series.stop()}
 
 
-def run_node(bundle: Path, unet: str, device: str, timeout: float, out: Path) -> dict:
+# the runner's memory experiments (web/node_runner.mjs), a row each
+VARIANTS = {"plain": [], "settle": ["--settle-uploads"], "nosuballoc": ["--dawn-toggle", "disable_resource_suballocation"],
+            "settle-nosuballoc": ["--settle-uploads", "--dawn-toggle", "disable_resource_suballocation"]}
+
+
+def run_node(bundle: Path, unet: str, device: str, timeout: float, out: Path, variant: str = "plain") -> dict:
     from pocketdiff.runtime.delegate import delegate_env
 
     env, driver = delegate_env()  # the system's Vulkan driver where there is one, else the lavapipe of setup
     out.mkdir(parents=True, exist_ok=True)
     cmd = ["node", str(ROOT / "web/node_runner.mjs"), str(bundle), "--unet", unet, "--gpu-device", device,
-           "--out", str(out / "report.json"), "--image", str(out / "image.png")]
+           "--out", str(out / "report.json"), "--image", str(out / "image.png"), *VARIANTS[variant]]
     r = sample_process(cmd, env, out / "node.log", timeout)
     report = json.loads((out / "report.json").read_text()) if (out / "report.json").exists() else None
     series = r.pop("gpu_series")
@@ -166,12 +176,12 @@ def gpu_kind(adapter: dict | None) -> str | None:
     return "software" if adapter.get("architecture") == "software" else "real"
 
 
-def row(unet: str, device: str, r: dict, rb: dict | None) -> dict:
+def row(unet: str, device: str, r: dict, rb: dict | None, variant: str = "plain") -> dict:
     rep = r["report"] or {}
     ledger = rep.get("gpu_memory") or {}
     return {
         "ok": bool(rep.get("ok")), "failures": rep.get("failures") if rep else [f"node exit {r['exit']}: " + " | ".join(r["log_tail"][-3:])],
-        "unet": unet, "gpu_device": device, "gpu": gpu_kind(rep.get("adapter")),
+        "unet": unet, "gpu_device": device, "variant": variant, "gpu": gpu_kind(rep.get("adapter")),
         "total_s": round(rep["latency_ms"]["total_ms"] / 1000, 2) if rep.get("latency_ms") else None,
         "gpu_peak_mb": r["memory"].get("gpu_peak_mb"), "gpu_source": r["memory"].get("gpu_source"),
         "host_peak_mb": r["memory"].get("peak_pss_mb"),
@@ -194,13 +204,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--bundle", required=True)
     ap.add_argument("--unet", default="resident", help="comma list of resident, streamed (a row each)")
     ap.add_argument("--gpu-device", default="per-model", help="comma list of per-model, shared (a row each)")
+    ap.add_argument("--variant", default="plain", help=f"comma list of {', '.join(VARIANTS)} (the runner's memory "
+                    "experiments: --settle-uploads, the Dawn toggle disable_resource_suballocation; a row each)")
     ap.add_argument("--reference-accelerator", choices=("cpu", "gpu"), default="gpu")
     ap.add_argument("--reference", help="a web/reference/ folder written by `pocketdiff web` for this bundle (else made here)")
     ap.add_argument("--no-run-bundle", action="store_true", help="skip run-bundle --pipelined (a machine without ai-edge-litert)")
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
-    args.unets, args.devices = args.unet.split(","), args.gpu_device.split(",")
+    args.unets, args.devices, args.variants = args.unet.split(","), args.gpu_device.split(","), args.variant.split(",")
+    if any(v not in VARIANTS for v in args.variants):
+        ap.error(f"--variant: {args.variant!r}, expected a comma list of {', '.join(VARIANTS)}")
     if any(u not in ("resident", "streamed") for u in args.unets):
         ap.error(f"--unet: {args.unet!r}, expected a comma list of resident, streamed")
     if any(d not in ("per-model", "shared") for d in args.devices):
@@ -232,15 +246,17 @@ def main(argv=None) -> int:
         runs = {}
         for unet in args.unets:
             for device in args.devices:
-                runs[(unet, device)] = run_node(bundle, unet, device, args.timeout, keep / f"{unet}_{device}")
-                print(json.dumps(row(unet, device, runs[(unet, device)], rb)), flush=True)
+                for variant in args.variants:
+                    key = (unet, device, variant)
+                    runs[key] = run_node(bundle, unet, device, args.timeout, keep / "_".join(key), variant)
+                    print(json.dumps(row(*key[:2], runs[key], rb, variant)), flush=True)
     write_result(args, runs, rb, page_s)
     return 0 if all((r["report"] or {}).get("ok") for r in runs.values()) else 1
 
 
 def write_result(args, runs: dict, rb: dict | None, page_s: float) -> None:
     man = json.loads((Path(args.bundle) / "manifest.json").read_text())
-    rows = [row(u, d, r, rb) for (u, d), r in runs.items()]
+    rows = [row(u, d, r, rb, v) for (u, d, v), r in runs.items()]
     out = {
         "what": "the web page's pipeline (web/static/) in Node.js through web/node_runner.mjs: LiteRT.js on WebGPU through "
                 "Dawn's Node bindings (npm webgpu), no browser; checks as the page's check mode; beside run-bundle --pipelined",
@@ -257,7 +273,7 @@ def write_result(args, runs: dict, rb: dict | None, page_s: float) -> None:
                     "node": subprocess.run(["node", "--version"], capture_output=True, text=True).stdout.strip()},
         "bundle": {"path": args.bundle, "weights": {k: v.get("weights") for k, v in man["components"].items()},
                    "bytes": {k: v.get("bytes") for k, v in man["components"].items()}},
-        "runs": {f"{u}_{d}": {k: v for k, v in r.items()} for (u, d), r in runs.items()},
+        "runs": {"_".join(key): dict(r) for key, r in runs.items()},
     }
     for dest in [Path(args.out)] + ([Path(os.environ["OUT"]) / Path(args.out).name] if os.environ.get("OUT") else []):
         dest.parent.mkdir(parents=True, exist_ok=True)

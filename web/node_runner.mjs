@@ -7,12 +7,14 @@
 //
 //   node web/node_runner.mjs BUNDLE [--unet resident|streamed] [--out report.json] [--image image.png]
 //        [--prompt P] [--seed S] [--no-goldens] [--min-image-psnr 30] [--gpu-device per-model|shared]
-//        [--limit NAME=BYTES ...] [--no-gc]
+//        [--limit NAME=BYTES ...] [--no-gc] [--dawn-toggle NAME ...] [--settle-uploads]
 // Each model compiles on a WebGPU device of its own, destroyed when it is released (--gpu-device shared: LiteRT.js's
 // one default device, as before), then garbage-collected at once (V8's gc; --no-gc: whenever V8 gets to it); the
 // report gives the WebGPU bytes alive at the peak, in all and per model (static/gpu_device.js), the host peak while
 // each model was open, and memory at each model's open, compiled and close (memory_events). Before anything compiles every component is
 // checked against the adapter's limits and LiteRT.js's wasm heap (static/limits.js; --limit lowers one, for tests).
+// Memory experiments: --dawn-toggle enables a Dawn toggle (e.g. disable_resource_suballocation); --settle-uploads
+// waits after each compile until the GPU has done the queued uploads (an `uploads_done` event).
 // Exit 0 when every check passed, 1 when one failed (the report says which), 2 on bad input or no GPU.
 import fs from 'node:fs';
 import path from 'node:path';
@@ -36,7 +38,8 @@ function options() {
       prompt: { type: 'string' }, seed: { type: 'string' }, 'no-goldens': { type: 'boolean', default: false },
       'min-image-psnr': { type: 'string', default: '30' },
       'gpu-device': { type: 'string', default: 'per-model' }, limit: { type: 'string', multiple: true, default: [] },
-      'no-gc': { type: 'boolean', default: false },
+      'no-gc': { type: 'boolean', default: false }, 'dawn-toggle': { type: 'string', multiple: true, default: [] },
+      'settle-uploads': { type: 'boolean', default: false },
     },
   });
   if (positionals.length !== 1) throw new UsageError('usage: node web/node_runner.mjs BUNDLE [--unet resident|streamed] [--out report.json] [--image image.png]');
@@ -44,6 +47,8 @@ function options() {
   if (!fs.existsSync(path.join(bundle, 'manifest.json'))) throw new UsageError(`BUNDLE: ${bundle} has no manifest.json`);
   if (!['resident', 'streamed'].includes(values.unet)) throw new UsageError(`--unet: ${values.unet}, expected resident or streamed`);
   if (!['per-model', 'shared'].includes(values['gpu-device'])) throw new UsageError(`--gpu-device: ${values['gpu-device']}, expected per-model or shared`);
+  const badToggle = values['dawn-toggle'].find((t) => !/^[a-z0-9_]+$/.test(t));
+  if (badToggle !== undefined) throw new UsageError(`--dawn-toggle: ${JSON.stringify(badToggle)}, expected a Dawn toggle name (letters, digits, _)`);
   const minPsnr = Number(values['min-image-psnr']);
   if (!Number.isFinite(minPsnr)) throw new UsageError(`--min-image-psnr: ${values['min-image-psnr']} is not a number`);
   const seed = values.seed === undefined ? undefined : Number(values.seed);
@@ -52,7 +57,7 @@ function options() {
 }
 
 /** navigator.gpu and the WebGPU constants from Dawn's Node bindings; the adapter, or a UsageError naming why not. */
-async function installWebGpu() {
+async function installWebGpu(toggles = []) {
   let webgpu;
   try {
     webgpu = await import('webgpu');
@@ -60,7 +65,8 @@ async function installWebGpu() {
     throw new UsageError(`npm package webgpu (Dawn's Node bindings) is missing: bash scripts/setup.sh installs it (${e.message})`);
   }
   Object.assign(globalThis, webgpu.globals);
-  globalThis.navigator = { gpu: webgpu.create([]), userAgent: `node ${process.version} (webgpu)` };
+  const flags = toggles.length ? [`enable-dawn-features=${toggles.join(',')}`] : []; // Dawn toggles, e.g. disable_resource_suballocation
+  globalThis.navigator = { gpu: webgpu.create(flags), userAgent: `node ${process.version} (webgpu)` };
   const adapter = await navigator.gpu.requestAdapter();
   if (!adapter) throw new UsageError('no WebGPU adapter: Dawn found no Vulkan (or Metal / D3D12) device');
   const info = adapter.info || {};
@@ -172,7 +178,8 @@ function memoryEvents(ledger, counts, wasmHeapBytes) {
     events.push({
       t_s: Number(((performance.now() - t0) / 1000).toFixed(2)), epoch_s: Date.now() / 1000, event: kind, model: name,
       rss_mb: rss, hwm_mb: hwm, wasm_heap_mb: mb(wasmHeapBytes()), js_heap_mb: mb(js.heapUsed), js_buffers_mb: mb(js.arrayBuffers),
-      webgpu_live_mb: Number((ledger.live / 2 ** 20).toFixed(1)),
+      webgpu_live_mb: Number((ledger.live / 2 ** 20).toFixed(1)), webgpu_live_count: ledger.count,
+      webgpu_live_rounded_mb: Number((ledger.rounded / 2 ** 20).toFixed(1)),
       devices_alive: counts.created - counts.destroyed, devices_uncollected: counts.created - counts.collected,
     });
     try {
@@ -200,7 +207,7 @@ function forcedGc() {
 async function main() {
   const opts = options();
   const t0 = performance.now();
-  const adapter = await installWebGpu();
+  const adapter = await installWebGpu(opts['dawn-toggle']);
   installBrowserShims();
   const { installConsoleTap } = await import('./static/prepare.js');
   installConsoleTap();
@@ -211,7 +218,8 @@ async function main() {
   const { GpuLedger, deviceCounts, useModelDevices } = await import('./static/gpu_device.js');
   const { bundleLimits, parseLimitOverrides, preflight } = await import('./static/limits.js');
   const ledger = new GpuLedger(), host = memoryEvents(ledger, deviceCounts, () => getGlobalLiteRt().liteRtWasm.HEAPU8.length), gc = opts['no-gc'] ? null : forcedGc();
-  useModelDevices({ perModel: opts['gpu-device'] === 'per-model', ledger, onEvent: host.onEvent, collect: gc?.collect, sharedDevice: getWebGpuDevice() });
+  useModelDevices({ perModel: opts['gpu-device'] === 'per-model', ledger, onEvent: host.onEvent, collect: gc?.collect, sharedDevice: getWebGpuDevice(),
+    settleUploads: opts['settle-uploads'] });
   const { generate } = await import('./static/generate.js');
   const bundle = new Bundle(pathToFileURL(opts.bundle).href + '/');
   const man = await bundle.open();
@@ -240,7 +248,7 @@ async function main() {
     steps: man.scheduler.timesteps.length, resolution: man.image.width, unet: opts.unet,
     latents: useRef ? 'reference/' + ref.latents : 'page noise (seeded)', tokenizer, components, image,
     latency_ms: { runtime_ready: runtimeMs, ...res.latency }, host_peak_mb: host.processPeakMb(),
-    gpu_device: opts['gpu-device'], gpu_memory: { ...ledger.summary(), what: 'bytes of WebGPU buffers and textures alive (static/gpu_device.js)' },
+    gpu_device: opts['gpu-device'], dawn_toggles: opts['dawn-toggle'], settle_uploads: opts['settle-uploads'], gpu_memory: { ...ledger.summary(), what: 'bytes of WebGPU buffers and textures alive (static/gpu_device.js)' },
     host_per_model_peak_mb: host.peaks, memory_events: host.events, limits, preflight: fit,
     malloc_arena_max: process.env.MALLOC_ARENA_MAX ?? null, // glibc's arenas hold freed native memory (see memory_events)
     devices: { ...deviceCounts, forced_gc: gc ? { runs: gc.stats.runs, ms: Number(gc.stats.ms.toFixed(1)) } : 'off (--no-gc)' },

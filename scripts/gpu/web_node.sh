@@ -34,6 +34,7 @@ exec > >(tee -a "$OUT/web_node.log") 2>&1
 say() { echo "[$(date +%H:%M:%S)] $*"; }
 UNET=${UNET:-resident}
 DEVICES=${DEVICES:-per-model}
+VARIANTS=${VARIANTS:-plain}  # benchmarks/web_node.py --variant: plain, settle, nosuballoc, settle-nosuballoc
 TIMEOUT=${TIMEOUT:-420}
 source "$REPO/scripts/gpu/vulkan_env.sh"
 # node and the npm packages, before env.sh leaves the repo root
@@ -69,11 +70,11 @@ fi
 say "layout $LAYOUT from $PACKED ($(( SECONDS - START )) s)"
 nvidia-smi --query-compute-apps=pid,used_memory --format=csv 2>/dev/null | head -3
 REF=(); [ -f "$REPO/.webref/reference.json" ] && REF=(--reference "$REPO/.webref")
-tag="${UNET//,/-}_${DEVICES//,/-}"  # names of letters, digits, "." "_" "-" alone: the device tool returns no other file from $OUT
+tag="${UNET//,/-}_${DEVICES//,/-}"; [ "$VARIANTS" = plain ] || tag="${tag}_${VARIANTS//,/-}"  # names of letters, digits, "." "_" "-" alone: the device tool returns no other file from $OUT
 say "== web_node $LAYOUT unet=$UNET devices=$DEVICES"
 LEFT=$(( ${BUDGET:-560} - (SECONDS - START) ))
 [ "$LEFT" -gt 60 ] || { say "only ${LEFT} s of BUDGET left before the runs"; exit 6; }
-timeout -k 10 "$LEFT" python3 "$REPO/benchmarks/web_node.py" --bundle "$BUNDLES/$LAYOUT" --unet "$UNET" --gpu-device "$DEVICES" \
+timeout -k 10 "$LEFT" python3 "$REPO/benchmarks/web_node.py" --bundle "$BUNDLES/$LAYOUT" --unet "$UNET" --gpu-device "$DEVICES" --variant "$VARIANTS" \
   "${REF[@]}" --timeout "$TIMEOUT" --out "/tmp/runs/web_sd21_node_${tag}_h200.json"
 rc=$?
 [ $rc -ne 124 ] || say "stopped at BUDGET after $(( SECONDS - START )) s: the rows that ran are the JSON lines above"

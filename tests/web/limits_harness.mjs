@@ -41,6 +41,7 @@ const untrack = ledger.track(dev, 'device 1', ['unet.0']);
 const a = dev.createBuffer({ size: 1 << 20 });
 dev.createBuffer({ size: 3 << 20 });
 dev.createTexture({ size: [256, 256, 1], format: 'rgba16float' });
+dev.createBuffer({ size: 512 }); // a uniform's size: 64 KiB as a 64 KiB-granular sub-allocator rounds it
 const steps = [ledger.summary()];
 a.destroy();
 a.destroy(); // twice: counted once

@@ -155,6 +155,9 @@ def test_ledger_counts_until_destroyed_and_the_rest_with_the_device(node, tmp_pa
     assert steps[0]["live_mb"] == pytest.approx(4 + tex, abs=0.01) and steps[0]["peak_mb"] == steps[0]["live_mb"]
     assert steps[1]["live_mb"] == pytest.approx(3 + tex, abs=0.01) and steps[1]["peak_mb"] == steps[0]["peak_mb"]
     assert steps[2]["live_mb"] == 0 and steps[2]["per_device"][0]["models"] == ["unet.0"]
+    # what a 64 KiB-granular power-of-two sub-allocator would take: 1 MB, 3 -> 4 MB, the texture's 0.5 MB, 512 B -> 64 KiB
+    assert [s["live_count"] for s in steps] == [4, 3, 0]
+    assert [s["live_rounded_mb"] for s in steps] == [pytest.approx(5.5625, abs=0.01), pytest.approx(4.5625, abs=0.01), 0]
 
 
 # --- the Node runner on Dawn (lavapipe here, the real GPU elsewhere) ---

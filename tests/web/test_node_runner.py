@@ -86,3 +86,9 @@ def test_streamed_chunks_devices_are_destroyed_let_go_of_and_collected(dawn, ass
         if e["event"] != "compiled":
             assert e["webgpu_live_mb"] == 0
     assert events[-1]["devices_uncollected"] <= 2  # FinalizationRegistry reports a collection a task after it
+
+
+def test_a_malformed_dawn_toggle_is_refused_naming_it(dawn, smoke_bundle):
+    p = _run(dawn, str(smoke_bundle), "--dawn-toggle", "disable resource;rm", timeout=60)
+    assert p.returncode == 2
+    assert "--dawn-toggle" in p.stderr and "disable resource;rm" in p.stderr

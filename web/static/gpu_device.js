@@ -19,6 +19,18 @@ const FEATURES = ['shader-f16', 'subgroups'];
 const LIMITS = ['maxBufferSize', 'maxStorageBufferBindingSize', 'maxStorageBuffersPerShaderStage', 'maxTextureDimension2D'];
 const TEXEL_BYTES = { r8: 1, r16: 2, rg8: 2, r32: 4, rg16: 4, rgba8: 4, bgra8: 4, rg32: 8, rgba16: 8, rgba32: 16 };
 const MB = 1024 * 1024;
+// Dawn's Vulkan backend sub-allocates resources under 4 MiB from power-of-two buddy blocks aligned to the device's
+// bufferImageGranularity (its own comment: often 64 KiB on NVIDIA); larger ones get memory of their own
+const SUBALLOC_MAX = 4 * MB;
+const GRANULE = 64 * 1024;
+
+/** What one resource of `bytes` would take under that scheme: an estimate, to set beside the GPU's own figure. */
+export function roundedBytes(bytes) {
+  if (bytes >= SUBALLOC_MAX) return bytes;
+  let block = GRANULE;
+  while (block < bytes) block *= 2;
+  return block;
+}
 
 function textureBytes(desc) {
   const size = Array.isArray(desc.size) ? desc.size : [desc.size.width, desc.size.height ?? 1, desc.size.depthOrArrayLayers ?? 1];
@@ -31,6 +43,8 @@ export class GpuLedger {
   constructor() {
     this.live = 0;
     this.peak = 0;
+    this.count = 0; // buffers and textures alive
+    this.rounded = 0; // their bytes as roundedBytes() would allocate them
     this.owners = {}; // name -> {live, peak, devices}
   }
 
@@ -43,12 +57,14 @@ export class GpuLedger {
       this.live += n; o.live += n;
       this.peak = Math.max(this.peak, this.live); o.peak = Math.max(o.peak, o.live);
     };
+    const count = (entry, sign) => { this.count += sign; this.rounded += sign * roundedBytes(entry.bytes); };
     const wrap = (obj, bytes) => {
       const entry = { bytes };
       mine.add(entry);
       add(bytes);
+      count(entry, 1);
       const destroy = obj.destroy.bind(obj);
-      obj.destroy = () => { if (mine.delete(entry)) add(-entry.bytes); return destroy(); };
+      obj.destroy = () => { if (mine.delete(entry)) { add(-entry.bytes); count(entry, -1); } return destroy(); };
       return obj;
     };
     const createBuffer = device.createBuffer.bind(device);
@@ -63,7 +79,7 @@ export class GpuLedger {
       device[m] = (desc) => { o.pipelines += 1; return make(desc); };
     }
     return () => {
-      for (const entry of mine) add(-entry.bytes);
+      for (const entry of mine) { add(-entry.bytes); count(entry, -1); }
       mine.clear();
     };
   }
@@ -90,7 +106,7 @@ export class GpuLedger {
   summary() {
     const mb = (n) => Number((n / MB).toFixed(2));
     return {
-      live_mb: mb(this.live), peak_mb: mb(this.peak),
+      live_mb: mb(this.live), peak_mb: mb(this.peak), live_count: this.count, live_rounded_mb: mb(this.rounded),
       per_device: Object.entries(this.owners).map(([k, v]) => ({
         device: k, models: [...v.models], peak_mb: mb(v.peak), live_mb: mb(v.live), uploaded_mb: mb(v.uploaded ?? 0), pipelines: v.pipelines ?? 0,
       })),
@@ -147,9 +163,20 @@ function dropWasmRefs(made) {
  *  memory there); `collect()` (optional: the Node runner's forced garbage collection) runs after each device is
  *  destroyed, once the caller has dropped its references. `sharedDevice`: the default device, tracked as 'shared'
  *  when perModel is false. */
-export function useModelDevices({ perModel = true, ledger = null, onEvent = null, collect = null, sharedDevice = null } = {}) {
-  config = { perModel, ledger, onEvent, collect };
+export function useModelDevices({ perModel = true, ledger = null, onEvent = null, collect = null, sharedDevice = null,
+  settleUploads = false } = {}) {
+  config = { perModel, ledger, onEvent, collect, settleUploads };
   if (!perModel && ledger && sharedDevice) ledger.track(sharedDevice, 'shared');
+}
+
+/** After model `name` compiled on `gpu` (openModelGpu's): with useModelDevices's settleUploads, waits until the GPU
+ *  has done the work queued so far (the weights' uploads), so the WebGPU implementation can let their staging memory
+ *  go, and reports an `uploads_done` event. */
+export async function settleUploads(name, gpu) {
+  const device = gpu?.device ?? null;
+  if (!config?.settleUploads || !device) return;
+  await device.queue.onSubmittedWorkDone();
+  modelEvent('uploads_done', name);
 }
 
 /** Tells useModelDevices's onEvent that model `name` reached `kind` (open, compiled, close): pipeline.js Component. */

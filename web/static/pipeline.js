@@ -14,7 +14,7 @@ import { schedulerProblem } from './schedulers.js';
 import { TILED_DECODER, tilingProblem } from './tiled.js';
 import { TEXT_ENCODER, UNET, layoutProblem, modelParts } from './chunks.js';
 import { consoleMark, consoleSince, prepareFailure } from './prepare.js';
-import { modelEvent, openModelGpu } from './gpu_device.js';
+import { modelEvent, openModelGpu, settleUploads } from './gpu_device.js';
 
 export class BundleError extends Error {}
 
@@ -106,6 +106,7 @@ export class Component {
     try {
       c.model = await loadAndCompile(new Uint8Array(bytes), c.gpu ? { accelerator, environment: c.gpu.environment } : { accelerator });
       modelEvent('compiled', name);
+      await settleUploads(name, c.gpu);
     } catch (e) {
       c.release();
       throw e;
