@@ -7,14 +7,15 @@
 //
 //   node web/node_runner.mjs BUNDLE [--unet resident|streamed] [--out report.json] [--image image.png]
 //        [--prompt P] [--seed S] [--no-goldens] [--min-image-psnr 30] [--gpu-device per-model|shared]
-//        [--limit NAME=BYTES ...] [--no-gc] [--dawn-toggle NAME ...] [--settle-uploads]
+//        [--limit NAME=BYTES ...] [--no-gc] [--dawn-toggle NAME ...] [--no-settle-uploads]
 // Each model compiles on a WebGPU device of its own, destroyed when it is released (--gpu-device shared: LiteRT.js's
 // one default device, as before), then garbage-collected at once (V8's gc; --no-gc: whenever V8 gets to it); the
 // report gives the WebGPU bytes alive at the peak, in all and per model (static/gpu_device.js), the host peak while
 // each model was open, and memory at each model's open, compiled and close (memory_events). Before anything compiles every component is
 // checked against the adapter's limits and LiteRT.js's wasm heap (static/limits.js; --limit lowers one, for tests).
-// Memory experiments: --dawn-toggle enables a Dawn toggle (e.g. disable_resource_suballocation); --settle-uploads
-// waits after each compile until the GPU has done the queued uploads (an `uploads_done` event).
+// After each compile the runner waits until the GPU has done the queued weight uploads (an `uploads_done` event), so
+// their staging memory goes before the next model compiles (--no-settle-uploads: not, as before). Memory
+// experiments: --dawn-toggle enables a Dawn toggle (e.g. disable_resource_suballocation).
 // Exit 0 when every check passed, 1 when one failed (the report says which), 2 on bad input or no GPU.
 import fs from 'node:fs';
 import path from 'node:path';
@@ -39,7 +40,7 @@ function options() {
       'min-image-psnr': { type: 'string', default: '30' },
       'gpu-device': { type: 'string', default: 'per-model' }, limit: { type: 'string', multiple: true, default: [] },
       'no-gc': { type: 'boolean', default: false }, 'dawn-toggle': { type: 'string', multiple: true, default: [] },
-      'settle-uploads': { type: 'boolean', default: false },
+      'no-settle-uploads': { type: 'boolean', default: false },
     },
   });
   if (positionals.length !== 1) throw new UsageError('usage: node web/node_runner.mjs BUNDLE [--unet resident|streamed] [--out report.json] [--image image.png]');
@@ -219,7 +220,7 @@ async function main() {
   const { bundleLimits, parseLimitOverrides, preflight } = await import('./static/limits.js');
   const ledger = new GpuLedger(), host = memoryEvents(ledger, deviceCounts, () => getGlobalLiteRt().liteRtWasm.HEAPU8.length), gc = opts['no-gc'] ? null : forcedGc();
   useModelDevices({ perModel: opts['gpu-device'] === 'per-model', ledger, onEvent: host.onEvent, collect: gc?.collect, sharedDevice: getWebGpuDevice(),
-    settleUploads: opts['settle-uploads'] });
+    settleUploads: !opts['no-settle-uploads'] });
   const { generate } = await import('./static/generate.js');
   const bundle = new Bundle(pathToFileURL(opts.bundle).href + '/');
   const man = await bundle.open();
@@ -248,7 +249,7 @@ async function main() {
     steps: man.scheduler.timesteps.length, resolution: man.image.width, unet: opts.unet,
     latents: useRef ? 'reference/' + ref.latents : 'page noise (seeded)', tokenizer, components, image,
     latency_ms: { runtime_ready: runtimeMs, ...res.latency }, host_peak_mb: host.processPeakMb(),
-    gpu_device: opts['gpu-device'], dawn_toggles: opts['dawn-toggle'], settle_uploads: opts['settle-uploads'], gpu_memory: { ...ledger.summary(), what: 'bytes of WebGPU buffers and textures alive (static/gpu_device.js)' },
+    gpu_device: opts['gpu-device'], dawn_toggles: opts['dawn-toggle'], settle_uploads: !opts['no-settle-uploads'], gpu_memory: { ...ledger.summary(), what: 'bytes of WebGPU buffers and textures alive (static/gpu_device.js)' },
     host_per_model_peak_mb: host.peaks, memory_events: host.events, limits, preflight: fit,
     malloc_arena_max: process.env.MALLOC_ARENA_MAX ?? null, // glibc's arenas hold freed native memory (see memory_events)
     devices: { ...deviceCounts, forced_gc: gc ? { runs: gc.stats.runs, ms: Number(gc.stats.ms.toFixed(1)) } : 'off (--no-gc)' },

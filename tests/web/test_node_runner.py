@@ -79,11 +79,12 @@ def test_streamed_chunks_devices_are_destroyed_let_go_of_and_collected(dawn, ass
     assert len(compiles) == devices["created"] == devices["destroyed"] == 1 + 4 * (steps + 1) + 1
     assert devices["wasm_refs_dropped"] >= 4 * devices["created"]  # a device, its queue, and its pipelines at least
     assert devices["collected"] >= devices["created"] - 2 and devices["forced_gc"]["runs"] >= devices["created"] - 2
-    assert [e["event"] for e in events[:3]] == ["open", "compiled", "close"]
+    assert [e["event"] for e in events[:4]] == ["open", "compiled", "uploads_done", "close"]  # uploads settled first
     for e in events:
-        assert e["devices_alive"] == (1 if e["event"] == "compiled" else 0)
+        alive = e["event"] in ("compiled", "uploads_done")
+        assert e["devices_alive"] == (1 if alive else 0)
         assert {"epoch_s", "rss_mb", "wasm_heap_mb", "webgpu_live_mb", "devices_uncollected"} <= set(e)
-        if e["event"] != "compiled":
+        if not alive:
             assert e["webgpu_live_mb"] == 0
     assert events[-1]["devices_uncollected"] <= 2  # FinalizationRegistry reports a collection a task after it
 
@@ -92,3 +93,21 @@ def test_a_malformed_dawn_toggle_is_refused_naming_it(dawn, smoke_bundle):
     p = _run(dawn, str(smoke_bundle), "--dawn-toggle", "disable resource;rm", timeout=60)
     assert p.returncode == 2
     assert "--dawn-toggle" in p.stderr and "disable resource;rm" in p.stderr
+
+
+def test_a_tiled_decoders_head_is_released_before_its_up_tile_compiles(dawn, assemble_tiled, tmp_path):
+    """The page's pipeline runs the head once on the whole latent and gives its GPU memory back before the up tile
+    compiles (as run-bundle --pipelined), so the two decoder graphs are never on the GPU together; the image still
+    matches run-bundle's."""
+    from pocketdiff.web.page import PageConfig, write_page
+
+    bundle = assemble_tiled(tmp_path / "bundle")
+    write_page(PageConfig(bundle=str(bundle)))
+    out = tmp_path / "report.json"
+    p = _run(dawn, str(bundle), "--out", str(out))
+    assert p.returncode == 0, p.stderr[-3000:]
+    report = json.loads(out.read_text())
+    seen = [(e["event"], e["model"]) for e in report["memory_events"]]
+    assert seen.index(("close", "vae_decoder_head")) < seen.index(("open", "vae_up_tile"))
+    assert ("uploads_done", "vae_up_tile") in seen and report["settle_uploads"] is True
+    assert report["components"]["vae_up_tile"]["calls"] == 4 and report["image"]["psnr_db"] >= 40

@@ -5,12 +5,12 @@ import { StreamedChunk, TEXT_ENCODER, UNET, chunkAliases, goldenIndices, outputN
 import { schedulerFor } from './schedulers.js';
 import { ONE_PASS, onePassDecode, statsDecode } from './tiled.js';
 
-/** Latents -> pixels [1, 3, H, W] through the whole decoder, or the tiled one's head and up tile (tiled.js). */
+/** Latents -> pixels [1, 3, H, W] through the whole decoder, or the tiled one's head and up tile (tiled.js).
+ *  `decs`: [the whole decoder] or [runHead(latents) -> features, the up tile]. */
 async function decode(man, decs, latents) {
   if (decs.length === 1) return decs[0].run({ latents });
-  const [head, up] = decs;
+  const [runHead, up] = decs;
   const block = man.vae_tiling;
-  const runHead = (z) => head.run({ latents: z });
   if ((block.scheme ?? 'plain') === ONE_PASS) return onePassDecode(latents, runHead, (t) => up.run({ features: t }), block);
   // the manifest declares (pixels, sums) in that order; the model may return them in the other
   const declared = man.components.vae_up_tile.outputs;
@@ -204,16 +204,24 @@ export async function generate(bundle, opts) {
     latency.unet_steps_ms = stepMs;
     latency.unet_step_mean_ms = stepMs.reduce((a, b) => a + b, 0) / Math.max(1, stepMs.length);
 
-    // the decoder's models compile one after the other, run, and are released together (run-bundle --pipelined)
+    // the decoder: a whole one compiles and runs; a tiled one's head compiles, runs once on the whole latent and is
+    // released before the up tile compiles (run-bundle --pipelined), so the two are never on the GPU together
     const decs = [];
+    const latents = { data: x, shape: [1, lat.channels, lat.height, lat.width] };
     let image;
     try {
       for (const p of decoderP) {
-        decs.push(await Component.compile(p, opts.accelerator));
-        record(decs[decs.length - 1]);
+        const c = await Component.compile(p, opts.accelerator);
+        decs.push(c);
+        record(c);
+        await checkGolden(c);
+        if (decoderP.length === 2 && decs.length === 1) { // the head: its features, then its memory back
+          const feats = await c.run({ latents });
+          c.release();
+          decs[0] = { name: c.name, runMs: c.runMs, run: async () => feats, release() {} };
+        }
       }
-      for (const c of decs) await checkGolden(c);
-      const d = await decode(man, decs, { data: x, shape: [1, lat.channels, lat.height, lat.width] });
+      const d = await decode(man, decoderP.length === 2 ? [decs[0].run, decs[1]] : decs, latents);
       image = toHwc(d.data, d.shape);
       for (const c of decs) {
         stages[c.name].run_ms = c.runMs.reduce((a, b) => a + b, 0);
