@@ -126,7 +126,7 @@ def test_the_int8gpu_preset_is_export_student_plus_the_phone_overrides():
     root = Path(__file__).resolve().parents[2] / "configs" / "sd21"
     base = yaml.safe_load((root / "export_student.yaml").read_text())
     phone = yaml.safe_load((root / "export_student_int8gpu.yaml").read_text())
-    base.update(unet_chunks=10, unet_chunk_cut="layer", text_encoder_chunks=3)
+    base.update(unet_chunks=16, unet_chunk_cut="layer", text_encoder_chunks=3)
     base["int8"] = {**base["int8"], "components": ["text_encoder", "unet"], "gpu_weights": "direct"}
     base["rewrites"] = {**base["rewrites"], "conv_lowering": "shifted_1x1", "conv_lowering_components": ["unet"],
                        "attention_budget_mb": 16}
