@@ -444,6 +444,7 @@ def _mode_flags(mode: str, cache_root: Path, layout: str, tag: str) -> list[str]
 def runs(bundles: list[tuple[str, str]], cache_root: str, timeout: float, modes: list[str], gpu_options: list[str], tag: str) -> list[dict]:
     """Per layout: plain then pipelined, each cold (empty caches) then warm (the same caches)."""
     from pocketdiff.runtime.chunks import TEXT_ENCODER, UNET, parts_of
+    from pocketdiff.runtime.compile_order import CHUNK_FIGURES
     from pocketdiff.runtime.memory import GpuMemory
 
     device = GpuMemory().name
@@ -461,7 +462,7 @@ def runs(bundles: list[tuple[str, str]], cache_root: str, timeout: float, modes:
             flags = _mode_flags(mode, Path(cache_root), layout, tag)
             for launch in ("cold", "warm"):
                 if mode == "callorder":  # --pipelined, the chunks compiled in call order: no earlier launch's chunk figures
-                    (folder / "programs" / "chunk_figures.json").unlink(missing_ok=True)
+                    (folder / "programs" / CHUNK_FIGURES).unlink(missing_ok=True)
                 r = _run_bundle(bundle, f"/tmp/footprint-{layout}-{mode}-{launch}", mode in ("pipelined", "streamed", "keeppages", "callorder") or mode.startswith("overlap"),
                                 str(folder / "programs"), str(folder / "driver"), timeout, extra + flags)
                 rows.append({"layout": layout, "resolution": resolution, "mode": mode, "launch": launch, "device": device,

@@ -34,7 +34,7 @@ def compile_order(parts: Sequence[str], figures: Optional[MemoryFigures]) -> tup
     if figures is None or any(p not in figures.units for p in parts):
         return list(parts), CALL_ORDER
     excess = {p: figures.units[p].peak_mb - figures.units[p].resident_mb for p in parts}
-    return sorted(parts, key=lambda p: (-excess[p], list(parts).index(p))), MEASURED
+    return sorted(parts, key=lambda p: -excess[p]), MEASURED  # a stable sort: ties stay in call order
 
 
 def _both(phase: dict, now: bool) -> Optional[float]:
@@ -72,12 +72,17 @@ class ChunkOrder:
         self.path = None if folder is None else Path(folder) / CHUNK_FIGURES
         figures = None if self.path is None else read_figures(self.path, *key, warn)
         self.order, self.source = compile_order(self.parts, figures)
+        self.recorded = False
 
     def record(self, phases_by_chunk: dict[str, list[dict]]) -> None:
-        """This launch's figures into the record (the larger of each kept); nothing without a folder or figures."""
-        units = chunk_figures({p: phases_by_chunk.get(p, []) for p in self.parts})
-        if self.path is None or not units:
+        """This launch's figures into the record (the larger of each kept), once per launch (a pipelined runner loads
+        the chunks again for every prompt); nothing without a folder or figures."""
+        if self.recorded or self.path is None:
             return
+        units = chunk_figures({p: phases_by_chunk.get(p, []) for p in self.parts})
+        if not units:
+            return
+        self.recorded = True
         try:
             write_figures(self.path, MemoryFigures(self.key[0], self.key[1], 0.0, units))
         except OSError as e:  # a read-only cache folder: the next launch compiles in call order

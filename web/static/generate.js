@@ -208,20 +208,19 @@ export async function generate(bundle, opts) {
     // released before the up tile compiles (run-bundle --pipelined), so the two are never on the GPU together
     const decs = [];
     const latents = { data: x, shape: [1, lat.channels, lat.height, lat.width] };
-    let image;
+    let image, feats = null;
     try {
       for (const p of decoderP) {
         const c = await Component.compile(p, opts.accelerator);
         decs.push(c);
         record(c);
         await checkGolden(c);
-        if (decoderP.length === 2 && decs.length === 1) { // the head: its features, then its memory back
-          const feats = await c.run({ latents });
+        if (decoderP.length === 2 && decs.length === 1) { // the head: its features, then its memory back (release is idempotent)
+          feats = await c.run({ latents });
           c.release();
-          decs[0] = { name: c.name, runMs: c.runMs, run: async () => feats, release() {} };
         }
       }
-      const d = await decode(man, decoderP.length === 2 ? [decs[0].run, decs[1]] : decs, latents);
+      const d = await decode(man, feats ? [async () => feats, decs[1]] : decs, latents);
       image = toHwc(d.data, d.shape);
       for (const c of decs) {
         stages[c.name].run_ms = c.runMs.reduce((a, b) => a + b, 0);
