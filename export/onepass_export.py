@@ -24,7 +24,7 @@ from pocketdiff.errors import PocketdiffError
 from pocketdiff.normfree import calibrate_group_stats, fold_group_norms, has_group_norm_up_path, up_path_norm_names
 
 from .components import VaeDecoderGraph
-from pocketdiff.runtime.components import TILED_DECODER
+from pocketdiff.runtime.components import TILED_DECODER, up_tile_parts
 from pocketdiff.runtime.onepass_decode import ONE_PASS, tiles_area_ratio
 from pocketdiff.runtime.tiled_decode import psnr_db
 
@@ -56,7 +56,7 @@ def split_one_pass(vae: torch.nn.Module, tiling, latents: torch.Tensor, parity_l
                    residual_scale=None, max_tensor_mb: Optional[float] = None, seed: int = 0) -> OnePassDecoder:
     """Head and plain up tile of a norm-free `vae` (folded here with `tiling.fold_norms`); the tile's
     largest tensor checked against `max_tensor_mb` before any conversion."""
-    from .onepass_vae import VaeUpPathPlain, check_tile_budget
+    from .onepass_vae import VaeUpPathPart, VaeUpPathPlain, check_tile_budget, plan_up_parts
     from .rewrites import rescale_residual_stream
     from .tiled_vae import VaeDecoderHead
 
@@ -81,9 +81,20 @@ def split_one_pass(vae: torch.nn.Module, tiling, latents: torch.Tensor, parity_l
     feats = head(latents)
     F = int(feats.shape[1])
     largest = check_tile_budget(up, F, t, max_tensor_mb) if max_tensor_mb else None
-    graphs = {HEAD: (head, {"latents": latents}), UP_TILE: (up, {"features": feats[:, :, :t, :t].contiguous()})}
+    graphs = {HEAD: (head, {"latents": latents})}
+    stages = None
+    if tiling.up_parts == 1:
+        graphs[UP_TILE] = (up, {"features": feats[:, :, :t, :t].contiguous()})
+    else:  # the up path in graphs run one after another: each one's fixed input is its predecessor's output
+        stages = plan_up_parts(vae, tiling.up_parts)
+        x, key = feats[:, :, :t, :t].contiguous(), "features"
+        for name, layers in zip(up_tile_parts(tiling.up_parts), stages):
+            part = VaeUpPathPart(vae, layers).eval()
+            graphs[name] = (part, {key: x})
+            x, key = part(x).contiguous(), "hidden"
     block = {"tile": t, "overlap": tiling.overlap, "margin": tiling.margin, "scheme": ONE_PASS, "passes": 1,
-             "factor": int(factor), "features": F, "components": list(TILED_DECODER),
+             "factor": int(factor), "features": F, "components": [HEAD, *up_tile_parts(tiling.up_parts)],
+             **({"up_stages": stages} if stages else {}),
              "up_area_ratio": round(tiles_area_ratio(h, w, t, tiling.overlap), 4),
              **({"up_tile_max_tensor_mb": round(largest, 2)} if largest is not None else {})}
     return OnePassDecoder(graphs, block, vae, residual_scale, fold)

@@ -4,6 +4,8 @@ phone-profile sizing of its tile.
 - head: `export.tiled_vae.VaeDecoderHead` (conv_in and the mid block on the whole latent)
 - `VaeUpPathPlain`: a features tile [1, F, t, t] -> pixels [1, 3, t*f, t*f] through a norm-free up
   path (pocketdiff/normfree.py): up blocks, conv_norm_out (a ChannelAffine), conv_act, conv_out.
+- `VaeUpPathPart`: a run of that up path's layers (`up_path_layers`: each up block's resnets and
+  upsamplers, then the output head), one of `vae_tiling.up_parts` graphs cut by `plan_up_parts`.
 """
 from __future__ import annotations
 
@@ -36,6 +38,80 @@ class VaeUpPathPlain(nn.Module):
         for block in self.up_blocks:
             h = block(h, None)
         return self.conv_out(self.conv_act(self.conv_norm_out(h))) * 0.5 + 0.5
+
+
+OUTPUT_HEAD = "conv_out"  # the up path's last layer: conv_norm_out, conv_act, conv_out, to [0, 1]
+
+
+def up_path_layers(vae: nn.Module) -> dict[str, nn.Module]:
+    """The layers of a norm-free up path in call order, by name: `up_blocks.i.resnets.j`, `up_blocks.i.upsamplers.j`,
+    then `conv_out` (the output head, a module of its own here)."""
+    dec = VaeUpPathPlain(vae)  # its checks: up blocks there, no GroupNorm, no attention
+    layers: dict[str, nn.Module] = {}
+    for i, block in enumerate(dec.up_blocks):
+        for kind in ("resnets", "upsamplers"):
+            for j, m in enumerate(getattr(block, kind, None) or []):
+                layers[f"up_blocks.{i}.{kind}.{j}"] = m
+    layers[OUTPUT_HEAD] = _OutputHead(dec.conv_norm_out, dec.conv_act, dec.conv_out)
+    return layers
+
+
+class _OutputHead(nn.Module):
+    def __init__(self, norm: nn.Module, act: nn.Module, conv: nn.Module):
+        super().__init__()
+        self.conv_norm_out, self.conv_act, self.conv_out = norm, act, conv
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.conv_out(self.conv_act(self.conv_norm_out(h))) * 0.5 + 0.5
+
+
+class VaeUpPathPart(nn.Module):
+    """Some consecutive layers of a norm-free up path (`up_path_layers`' names): a tile's features or the previous
+    part's output in, the next part's input (or, ending with the output head, the pixels) out."""
+
+    def __init__(self, vae: nn.Module, names: list[str]):
+        super().__init__()
+        layers = up_path_layers(vae)
+        self.names = list(names)
+        self.layers = nn.ModuleList([layers[n] for n in self.names])
+        self.resnet = [".resnets." in n for n in self.names]
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        for layer, resnet in zip(self.layers, self.resnet):
+            h = layer(h, None) if resnet else layer(h)
+        return h
+
+
+def _params(m: nn.Module) -> int:
+    return sum(p.numel() for p in m.parameters())
+
+
+def plan_up_parts(vae: nn.Module, parts: int) -> list[list[str]]:
+    """The up path's layers cut into `parts` consecutive runs with the largest run's parameters as small as it
+    can be (the weights are what a GPU delegate holds per graph whatever the tile): `vae_tiling.up_parts`."""
+    layers = up_path_layers(vae)
+    names, sizes = list(layers), [_params(m) for m in layers.values()]
+    if not 1 <= parts <= len(names):
+        raise PocketdiffError(f"vae_tiling.up_parts: {parts}, but this decoder's up path has {len(names)} layers to cut between")
+    # best[k][i]: the smallest largest-run total cutting names[:i] into k runs; cut[k][i] where its last run starts
+    prefix = [0]
+    for n in sizes:
+        prefix.append(prefix[-1] + n)
+    inf = float("inf")
+    best = [[inf] * (len(names) + 1) for _ in range(parts + 1)]
+    cut = [[0] * (len(names) + 1) for _ in range(parts + 1)]
+    best[0][0] = 0
+    for k in range(1, parts + 1):
+        for i in range(k, len(names) + 1):
+            for j in range(k - 1, i):
+                v = max(best[k - 1][j], prefix[i] - prefix[j])
+                if v < best[k][i]:
+                    best[k][i], cut[k][i] = v, j
+    runs, i = [], len(names)
+    for k in range(parts, 0, -1):
+        runs.append(names[cut[k][i]:i])
+        i = cut[k][i]
+    return runs[::-1]
 
 
 @torch.no_grad()

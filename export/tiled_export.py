@@ -112,13 +112,14 @@ def tiled_parity(out: Path, entries: dict, vae: torch.nn.Module, latents: torch.
 
     with torch.no_grad():
         whole = np.clip(VaeDecoderGraph(vae).eval()(latents).numpy(), 0.0, 1.0)
-    paths = {n: {**entries[n], "_path": str(out / entries[n]["path"])} for n in TILED_DECODER}
-    head, up = load_tiled_decoder(paths, "cpu")
+    names = tuple(block.get("components") or TILED_DECODER)
+    paths = {n: {**entries[n], "_path": str(out / entries[n]["path"])} for n in names}
+    head, ups = load_tiled_decoder(paths, "cpu", names)
     try:
-        image, timing = tiled_decode_bundle(head, up, block, latents.numpy())
+        image, timing = tiled_decode_bundle(head, ups, block, latents.numpy())
     finally:
-        head.close()
-        up.close()
+        for model in (head, *ups):
+            model.close()
     if not np.isfinite(image).all():
         raise ParityError("vae_tiling: the tiled decode through the .tflite files has NaN/Inf values")
     psnr = psnr_db(whole, np.clip(image, 0.0, 1.0))

@@ -96,6 +96,7 @@ class VaeTilingConfig:
     margin: int = 0  # latents at tile edges facing a neighbour that blend with weight 0 (the up path's cut receptive field)
     scheme: str = "plain"  # plain | control_variate: how later passes use the previous totals (runtime/tiled_decode.py) | one_pass
     fold_norms: bool = False  # one_pass with a GroupNorm decoder: fold it here, no fine-tune (export/onepass_export.py)
+    up_parts: int = 1  # one_pass: the up path in this many graphs (vae_up_tile.0 ...), each loaded, run over every tile, released
     min_psnr_db: float = 35.0  # tiled decode through the .tflite files vs the whole torch decode
 
     def __post_init__(self) -> None:
@@ -108,6 +109,10 @@ class VaeTilingConfig:
         require(self.scheme in TILING_SCHEMES + (ONE_PASS,), "vae_tiling.scheme",
                 f"must be one of {', '.join(TILING_SCHEMES + (ONE_PASS,))}, got {self.scheme!r}")
         require(self.scheme != ONE_PASS or self.passes == 1, "vae_tiling.passes", f"must be 1 with scheme one_pass, got {self.passes}")
+        require(isinstance(self.up_parts, int) and not isinstance(self.up_parts, bool) and self.up_parts >= 1, "vae_tiling.up_parts",
+                f"must be an int >= 1, got {self.up_parts!r}")
+        require(self.up_parts == 1 or self.scheme == ONE_PASS, "vae_tiling.up_parts",
+                f"{self.up_parts} parts need scheme one_pass (the iterated schemes feed norm statistics through one graph), got {self.scheme!r}")
         require(math.isfinite(self.min_psnr_db), "vae_tiling.min_psnr_db", f"must be a finite number, got {self.min_psnr_db!r}")
 
 
@@ -344,7 +349,7 @@ def _scan_and_rewrites(cfg: Config, pipe, golden: GoldenInputs, work: Path, timi
                                    shapes.vae_factor, vae_rw.residual_scale, cfg.device_profile.budgets()["max_tensor_mb"], cfg.seed)
         else:
             split = split_decoder(pipe.vae, cfg.vae_tiling, golden.vae_latents, shapes.vae_factor, vae_rw.residual_scale)
-        for n in TILED_DECODER:
+        for n in split.block["components"]:
             rewrites_of[n] = dataclasses.replace(vae_rw, residual_scale=None)
     if scan is not None:
         write_json(work / "fp16_scan.json", scan)
@@ -446,12 +451,13 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
 
     # 3. fp16 overflow scan (before conversion: it can choose the residual-stream scale)
     scan, rewrites_of, split = _scan_and_rewrites(cfg, pipe, golden, work, timings)
-    names = expand_components(cfg.components, split is not None)
+    tiled = tuple(split.block["components"]) if split is not None else TILED_DECODER
+    names = [m for n in expand_components(cfg.components, split is not None) for m in ((n,) if n != TILED_DECODER[1] else tiled[1:])]
 
     # 4. components (export_components: one at a time, or converted in parallel workers)
     weights_of = {n: (cfg.weights if (cfg.weights != "int8" or quantized.get(n) is not None) else "fp16") for n in names}
     comps = ComponentExport(out=out, work=work, pipe=pipe, names=names, golden=golden, rewrites_of=rewrites_of,
-                            weights_of=weights_of, quantized=quantized, split=split, tiled=TILED_DECODER, settings=cfg,
+                            weights_of=weights_of, quantized=quantized, split=split, tiled=tiled, settings=cfg,
                             timings=timings)
     comps.run()
     comp_reports, tiling_report = comps.reports, comps.tiling_report

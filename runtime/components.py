@@ -59,10 +59,17 @@ CHUNKABLE: tuple[str, ...] = tuple(n for n in COMPONENTS if REGISTRY[n].chunks)
 TILED_DECODER: tuple[str, ...] = REGISTRY[VAE_DECODER].tiles
 
 
+def up_tile_parts(k: int) -> tuple[str, ...]:
+    """The names of a one-pass up path exported as `k` graphs (export `vae_tiling.up_parts`): `vae_up_tile`
+    alone, or `vae_up_tile.0` ... `vae_up_tile.k-1`, run one after another on each tile."""
+    return (VAE_UP_TILE,) if k == 1 else tuple(f"{VAE_UP_TILE}.{i}" for i in range(k))
+
+
 def component(name: str) -> Component:
-    """The registry's entry of `name` (a chunk `unet.3` is its component's)."""
+    """The registry's entry of `name` (a chunk `unet.3` is its component's, an up-path part `vae_up_tile.1`
+    the up tile's)."""
     head, _, tail = name.rpartition(".")
-    base = head if head in CHUNKABLE and tail.isdigit() else name
+    base = head if head in (*CHUNKABLE, VAE_UP_TILE) and tail.isdigit() else name
     if base not in REGISTRY:
         raise KeyError(f"unknown component {name!r}; the registry has {', '.join(REGISTRY)}")
     return REGISTRY[base]

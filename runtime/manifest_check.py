@@ -34,7 +34,7 @@ from .onepass_decode import ONE_PASS, check_one_pass_block, one_pass_io
 from .tiled_decode import SCHEMES as TILING_SCHEMES
 from .chunks import block_key, parts_of
 from .chunks import check_block as check_chunks_block
-from .components import CHUNKABLE, COMPONENTS, REGISTRY, TEXT_ENCODER, TILED_DECODER, VAE_DECODER
+from .components import CHUNKABLE, COMPONENTS, REGISTRY, TEXT_ENCODER, TILED_DECODER, VAE_DECODER, up_tile_parts
 
 RUNNER_COMPONENTS = COMPONENTS  # the registry's (runtime/components.py)
 
@@ -161,9 +161,19 @@ def _check_contract(man: dict, ios: dict, found: Found) -> None:
     _check_tiling(man, ios, latent, found)
 
 
+def tiled_components(block: dict) -> tuple[str, ...]:
+    """A vae_tiling block's components: its `components` list when it names the head and the up path's parts
+    (`vae_up_tile`, or `vae_up_tile.0` ... `.K-1`: export `vae_tiling.up_parts`), else the two classic graphs
+    (bundles from before the list; a malformed one is reported by _check_tiling)."""
+    names = block.get("components")
+    if isinstance(names, list) and len(names) >= 2 and names[0] == TILED_DECODER[0] and tuple(names[1:]) == up_tile_parts(len(names) - 1):
+        return tuple(names)
+    return TILED_DECODER
+
+
 def decoder_components(man: dict) -> tuple[str, ...]:
-    """The decoder's components: the two tiled graphs when the manifest has a vae_tiling block."""
-    return TILED_DECODER if isinstance(man.get("vae_tiling"), dict) else (VAE_DECODER,)
+    """The decoder's components: the tiled graphs (head, then the up path's) when the manifest has a vae_tiling block."""
+    return tiled_components(man["vae_tiling"]) if isinstance(man.get("vae_tiling"), dict) else (VAE_DECODER,)
 
 
 def runner_components(man: dict) -> tuple[str, ...]:
@@ -178,16 +188,23 @@ def _check_tiling(man: dict, ios: dict, latent: list, found: Found) -> None:
     block = man.get("vae_tiling")
     comps = man.get("components") if isinstance(man.get("components"), dict) else {}
     if block is None:
-        for name in TILED_DECODER:
-            if name in comps:
+        for name in comps:
+            if name in TILED_DECODER or name.rpartition(".")[0] == TILED_DECODER[1]:
                 found.add(f"components.{name}", "consistency", "a tiled decoder component needs the manifest's vae_tiling block")
         return
     if not isinstance(block, dict):
         found.add("vae_tiling", "type", "must be an object")
         return
-    for name in TILED_DECODER:
+    tiled = tiled_components(block)
+    if "components" in block and list(tiled) != block["components"]:
+        found.add("vae_tiling.components", "value", f"must be [{TILED_DECODER[0]}, then {TILED_DECODER[1]} or "
+                  f"{TILED_DECODER[1]}.0 ... {TILED_DECODER[1]}.K-1], got {block['components']!r}")
+    if len(tiled) > 2 and block.get("scheme") != ONE_PASS:
+        found.add("vae_tiling.components", "consistency", f"an up path in {len(tiled) - 1} parts needs scheme {ONE_PASS} "
+                  f"(the iterated schemes feed norm statistics through one graph), got {block.get('scheme', 'plain')!r}")
+    for name in tiled:
         if name not in comps:
-            found.add(f"components.{name}", "present", f"missing: vae_tiling needs {' and '.join(TILED_DECODER)} (the bundle has {', '.join(comps)})")
+            found.add(f"components.{name}", "present", f"missing: vae_tiling needs {', '.join(tiled)} (the bundle has {', '.join(comps)})")
     if "vae_decoder" in comps:
         found.add("components.vae_decoder", "consistency", "a tiled bundle decodes with vae_decoder_head + vae_up_tile, not vae_decoder")
     if not positive_ints(block, "vae_tiling", ("tile", "passes", "factor", "features"), found):
@@ -213,7 +230,7 @@ def _check_tiling(man: dict, ios: dict, latent: list, found: Found) -> None:
     if one_pass:  # runtime/onepass_decode.py: features in, pixels out, one pass
         for key, message in check_one_pass_block(block, latent):
             found.add(key, "value", message)
-        want = one_pass_io(block, latent)
+        want = one_pass_io(block, latent, tiled[1:], ios)
     else:
         K, G, F = norms[0], norms[1], block["features"]
         want = {"vae_decoder_head": ({"latents": [1, *latent]}, [[1, F, *latent[1:]]]),
@@ -228,7 +245,10 @@ def _check_tiling(man: dict, ios: dict, latent: list, found: Found) -> None:
         for k, shape in want_in.items():
             _expect(found, f"components.{name}.inputs.{k}", ins[k]["shape"], shape, "vae_tiling and latent")
         got_out = [o["shape"] for o in outs.values()]
-        if got_out != want_out:
+        if want_out is None:  # an up-path part before the last: one tensor, which the next part takes
+            if len(got_out) != 1:
+                found.add(f"components.{name}.outputs", "consistency", f"{len(got_out)} outputs, an up-path part hands one tensor to the next")
+        elif got_out != want_out:
             found.add(f"components.{name}.outputs", "consistency", f"shapes {got_out}, but vae_tiling and latent give {want_out}")
 
 

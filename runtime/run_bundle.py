@@ -48,7 +48,7 @@ from .managed_model import PIPELINED, ManagedModel, loading_policy
 from .litert_c import parse_gpu_option
 from .memory import PeakSampler, host_peak_mb, process_age_s, return_freed_memory, tune_allocator
 from .overlap import check_budget, overlap_loader, overlap_units
-from .onepass_decode import one_pass_decode_loaded, timed
+from .onepass_decode import ONE_PASS, one_pass_decode_loaded, timed
 from .schedulers import sample_loop, scheduler_for
 from .compile_order import ChunkOrder
 from .chunks import TEXT_ENCODER, UNET, StreamedPart, base_of, chunk_aliases, parts_of, run_into, run_parts
@@ -95,17 +95,23 @@ def check_seed(seed, what: str = "seed") -> int:
     return int(seed)
 
 
-def load_tiled_decoder(entries: dict, accelerator: str) -> tuple[LoadedModel, LoadedModel]:
-    return tuple(LoadedModel(n, entries[n], accelerator) for n in TILED_DECODER)
+def load_tiled_decoder(entries: dict, accelerator: str, names: tuple[str, ...] = TILED_DECODER) -> tuple[LoadedModel, list[LoadedModel]]:
+    """The tiled decoder's head and its up path's models (`names`: the head, then the up tile or its parts)."""
+    head = LoadedModel(names[0], entries[names[0]], accelerator)
+    return head, [LoadedModel(n, entries[n], accelerator) for n in names[1:]]
 
 
-def tiled_decode_bundle(head: LoadedModel, up: LoadedModel, block: dict, latents: np.ndarray) -> tuple[np.ndarray, dict]:
-    """[1, C, h, w] latents -> ([1, 3, H, W] pixels, {latency_s, up_tile_calls}) through the two tiled models, with
-    the manifest's vae_tiling block (tile, overlap, passes, factor, norms [K, G], margin, scheme)."""
+def tiled_decode_bundle(head: LoadedModel, up, block: dict, latents: np.ndarray, done=None) -> tuple[np.ndarray, dict]:
+    """[1, C, h, w] latents -> ([1, 3, H, W] pixels, {latency_s, up_tile_calls}) through the tiled models, with
+    the manifest's vae_tiling block (tile, overlap, passes, factor, norms [K, G], margin, scheme). `up`: the up
+    tile's model, or (one_pass) the up path's parts in order, loaded or loaders (onepass_decode.one_pass_decode_loaded,
+    which calls `done(model)` after each part ran every tile)."""
     from .tiled_decode import tiled_decode_with_stats
 
-    if block.get("scheme") == "one_pass":  # a norm-free up path: every tile once, no statistics (runtime/onepass_decode.py)
-        return one_pass_decode_loaded(head, up, block, latents)
+    if block.get("scheme") == ONE_PASS:  # a norm-free up path: every tile once, no statistics (runtime/onepass_decode.py)
+        return one_pass_decode_loaded(head, up, block, latents, done)
+    if not hasattr(up, "run_all"):
+        (up,) = up  # the iterated schemes' up path is one graph (manifest_check refuses parts)
     K, G = (int(v) for v in block["norms"])
     # the manifest declares (pixels, sums) in that order, with their shapes (runtime/manifest_check.py) and
     # the .tflite's names (check_component_io); the signature may list them in either order
@@ -423,7 +429,7 @@ class BundleRunner:
         self._mark(name, "settled")
 
     def _decode(self, x: np.ndarray, latency: dict, stats: dict) -> np.ndarray:
-        if self.decoder == TILED_DECODER:
+        if self.decoder != ("vae_decoder",):
             return self._decode_tiled(x, latency, stats)
         dec = self._load("vae_decoder", latency)
         before = len(dec.run_s)
@@ -435,22 +441,30 @@ class BundleRunner:
 
     def _decode_tiled(self, x: np.ndarray, latency: dict, stats: dict) -> np.ndarray:
         """The tiled decoder: its head once on the whole latent (every scheme runs it once, first), then the up
-        tile over the tiles. Pipelined, the head is released before the up tile loads, so the two never share
-        the GPU (the features wait in host memory)."""
-        head_name, up_name = TILED_DECODER
+        tile over the tiles (an up path in parts: each part over every tile, in turn). Pipelined, the head is
+        released before the up path loads and each part before the next, so no two decoder graphs share the GPU
+        (the features and the parts' outputs wait in host memory)."""
+        head_name, up_names = self.decoder[0], self.decoder[1:]
         head = self._load(head_name, latency)
         features = head({"latents": x})
         head_s = head.run_s[-1]
         self._ran(head_name)
         self._done(head_name)
-        up = self._load(up_name, latency)
-        pixels, timing = tiled_decode_bundle(lambda feeds: features, up, self.man["vae_tiling"], x)
+
+        def done(model) -> None:
+            self._ran(model.name)
+            self._done(model.name)
+
+        block = self.man["vae_tiling"]
+        ups = [functools.partial(self._load, n, latency) for n in up_names]  # each part loads when its turn comes
+        up = ups if block.get("scheme") == ONE_PASS else ups[0]()
+        pixels, timing = tiled_decode_bundle(lambda feeds: features, up, block, x, done)
+        if up is not ups:
+            done(up)
         tiles = timing["latency_s"]
         tiles.update(vae_decoder_head_run=head_s, vae_tiled_decode=tiles["vae_tiled_decode"] + head_s)
         latency.update(tiles)
         stats["vae_up_tile_calls"] = timing["up_tile_calls"]
-        self._ran(up_name)
-        self._done(up_name)
         return pixels[0].transpose(1, 2, 0)
 
     def run(self, prompt: str, seed: int = 0, init_latents: Optional[np.ndarray] = None) -> tuple[np.ndarray, dict]:
