@@ -5,21 +5,44 @@ import { StreamedChunk, TEXT_ENCODER, UNET, chunkAliases, goldenIndices, outputN
 import { schedulerFor } from './schedulers.js';
 import { ONE_PASS, onePassDecode, statsDecode } from './tiled.js';
 
-/** Latents -> pixels [1, 3, H, W] through the whole decoder, or the tiled one's head and up tile (tiled.js).
- *  `decs`: [the whole decoder] or [runHead(latents) -> features, the up tile]. */
-async function decode(man, decs, latents) {
-  if (decs.length === 1) return decs[0].run({ latents });
-  const [runHead, up] = decs;
-  const block = man.vae_tiling;
-  if ((block.scheme ?? 'plain') === ONE_PASS) return onePassDecode(latents, runHead, (t) => up.run({ features: t }), block);
+/** Latents -> pixels [1, 3, H, W] through the whole decoder, or the tiled one (tiled.js). `fetches`: the decoder's
+ *  components fetched (bundle.decoder's order); `open(fetched)` compiles one, golden-checked, to run. A tiled decoder's
+ *  head compiles, runs once on the whole latent and is released before its up path compiles, so no two decoder graphs
+ *  are on the GPU together. */
+async function decode(man, fetches, open, latents) {
+  if (fetches.length === 1) return (await open(fetches[0])).run({ latents });
+  const head = await open(fetches[0]);
+  const feats = await head.run({ latents });
+  head.release(); // its memory back before the up path compiles (release is idempotent)
+  const block = man.vae_tiling, runHead = async () => feats;
+  if ((block.scheme ?? 'plain') === ONE_PASS) return onePassDecode(latents, runHead, upPartRunners(man, fetches.slice(1), open), block);
+  const up = await open(fetches[1]);
   // the manifest declares (pixels, sums) in that order; the model may return them in the other
-  const declared = man.components.vae_up_tile.outputs;
+  const declared = man.components[up.name].outputs;
   const names = outputNames(up, declared);
   const [pixelsAt, sumsAt] = declared.map((o) => names.indexOf(o.name));
   return statsDecode(latents, runHead, async (features, weight, stats, own) => {
     const outs = await up.runAll({ features, weight, stats, own });
     return { pixels: outs[pixelsAt], sums: outs[sumsAt] };
   }, block);
+}
+
+/** The one-pass up path's parts (vae_up_tile, or vae_up_tile.0 ... K-1) as onePassDecode's part runners: part k
+ *  compiles (with its golden check), runs on every tile in order and is released before part k + 1 compiles; the
+ *  tiles' outputs wait in memory. Each compiled part gets `calls`, the tiles it ran. */
+function upPartRunners(man, fetches, open) {
+  return fetches.map((fetched, k) => async (tiles) => {
+    const c = await open(fetched);
+    try {
+      const input = man.components[c.name].inputs?.[0]?.name ?? (k === 0 ? 'features' : 'hidden');
+      const out = [];
+      for (const t of tiles) out.push(await c.run({ [input]: t }));
+      c.calls = tiles.length;
+      return out;
+    } finally {
+      c.release();
+    }
+  });
 }
 
 /**
@@ -170,7 +193,7 @@ export async function generate(bundle, opts) {
     };
     for (let i = 0; i < ts.length; i++) {
       const t = ts[i];
-      if (i === ts.length - 1) { // the decoder (a tiled one's head and up tile) downloads during the last step
+      if (i === ts.length - 1) { // the decoder (a tiled one's head and up tile or its parts) downloads during the last step
         decoderP = bundle.decoder.map((name) => Component.fetch(bundle, name));
         for (const p of decoderP) p.catch(() => {});
       }
@@ -205,29 +228,27 @@ export async function generate(bundle, opts) {
     latency.unet_step_mean_ms = stepMs.reduce((a, b) => a + b, 0) / Math.max(1, stepMs.length);
 
     // the decoder: a whole one compiles and runs; a tiled one's head compiles, runs once on the whole latent and is
-    // released before the up tile compiles (run-bundle --pipelined), so the two are never on the GPU together
+    // released before the up path compiles, and each part of a split up path is released before the next compiles
+    // (run-bundle --pipelined), so no two decoder graphs are on the GPU together (decode above)
     const decs = [];
     const latents = { data: x, shape: [1, lat.channels, lat.height, lat.width] };
-    let image, feats = null;
+    const openDecoder = async (fetched) => {
+      const c = await Component.compile(fetched, opts.accelerator);
+      decs.push(c); // released below whatever happens (release is idempotent)
+      record(c);
+      await checkGolden(c);
+      return c;
+    };
+    let image;
     try {
-      for (const p of decoderP) {
-        const c = await Component.compile(p, opts.accelerator);
-        decs.push(c);
-        record(c);
-        await checkGolden(c);
-        if (decoderP.length === 2 && decs.length === 1) { // the head: its features, then its memory back (release is idempotent)
-          feats = await c.run({ latents });
-          c.release();
-        }
-      }
-      const d = await decode(man, feats ? [async () => feats, decs[1]] : decs, latents);
+      const d = await decode(man, decoderP, openDecoder, latents);
       image = toHwc(d.data, d.shape);
       for (const c of decs) {
         stages[c.name].run_ms = c.runMs.reduce((a, b) => a + b, 0);
-        if (d.calls !== undefined && c.name === 'vae_up_tile') stages[c.name].calls = d.calls;
+        if (d.calls !== undefined && c.name !== bundle.decoder[0]) stages[c.name].calls = c.calls ?? d.calls; // the up path's
         note(c.name, stages[c.name]);
       }
-      if (d.calls !== undefined) latency.vae_up_tile_calls = d.calls;
+      if (d.calls !== undefined) latency.vae_up_tile_calls = d.calls; // tiles (passes x tiles for the iterated schemes)
     } finally {
       for (const c of decs) c.release();
     }

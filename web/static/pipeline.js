@@ -5,13 +5,13 @@
 // computed outside the graph; a UNet or a text encoder in chunks run in sequence (chunks.js). Pipelined
 // loading as run-bundle --pipelined: the text encoder (its chunks one after another) loads and runs while
 // the UNet downloads and is released before the UNet compiles; the decoder (or the tiled
-// decoder's head and up tile, tiled.js) loads during the last denoising step.
+// decoder's head and up tile, or the up tile's parts, tiled.js) loads during the last denoising step.
 import { loadAndCompile, Tensor } from '@litertjs/core';
 import { ClipBpe } from './bpe.js';
 import { parseNpy, parseNpz } from './npy.js';
 import { sha256Hex } from './sha256.js';
 import { schedulerProblem } from './schedulers.js';
-import { TILED_DECODER, tilingProblem } from './tiled.js';
+import { tilingComponents, tilingProblem, upPartsProblem } from './tiled.js';
 import { TEXT_ENCODER, UNET, layoutProblem, modelParts } from './chunks.js';
 import { consoleMark, consoleSince, prepareFailure } from './prepare.js';
 import { modelEvent, openModelGpu, settleUploads } from './gpu_device.js';
@@ -62,10 +62,13 @@ export class Bundle {
       const problem = tilingProblem(man.vae_tiling);
       if (problem) throw new BundleError(problem);
     }
-    this.decoder = man.vae_tiling ? TILED_DECODER : ['vae_decoder'];
+    // ['vae_decoder'], or the tiled decoder's head and up path: vae_up_tile, or its parts vae_up_tile.0, ... (tiled.js)
+    this.decoder = man.vae_tiling ? tilingComponents(man.vae_tiling) : ['vae_decoder'];
     for (const need of [...this.teParts, ...this.unetParts, ...this.decoder]) {
       if (!man.components?.[need]) throw new BundleError(`bundle: has no ${need} (exported with components=${Object.keys(man.components || {})})`);
     }
+    const chain = man.vae_tiling ? upPartsProblem(man) : null;
+    if (chain) throw new BundleError(chain);
     this.man = man;
     const tokEntry = man.tokenizer.files['tokenizer.json'];
     const tokJson = JSON.parse(new TextDecoder().decode(await this.fetchVerified(tokEntry, 'tokenizer file tokenizer.json')));

@@ -6,13 +6,43 @@
 // normalised to a partition of unity. The iterated-statistics schemes (plain, control_variate:
 // `statsDecode`) run the square up tile `passes` times over the tiles, each run taking its blend
 // weights, the norms' statistics (or corrections) and `own`, and returning pixels and the norms'
-// sums [K, 5, G], whose totals give the next pass its statistics.
+// sums [K, 5, G], whose totals give the next pass its statistics. A one-pass up path may come in K parts
+// (`vae_tiling.components`: vae_decoder_head, vae_up_tile.0 ... vae_up_tile.K-1, issue 50): part k runs on every
+// tile before part k + 1 (part-major), each tile's output waiting in memory for the next part.
 
 export const ONE_PASS = 'one_pass';
 export const STATS_SCHEMES = ['plain', 'control_variate']; // runtime/tiled_decode.SCHEMES
-export const TILED_DECODER = ['vae_decoder_head', 'vae_up_tile'];
+export const HEAD = 'vae_decoder_head';
+export const UP_TILE = 'vae_up_tile';
+export const TILED_DECODER = [HEAD, UP_TILE]; // the classic two, what a block without `components` means
 
 class TilingError extends Error {}
+
+/** The tiled decoder's components in decode order: the block's `components`, or the classic two when it has none. */
+export function tilingComponents(block) {
+  return block.components ?? TILED_DECODER;
+}
+
+/** The up path's part names in order: [vae_up_tile], or [vae_up_tile.0, ..., vae_up_tile.K-1]. */
+export function upPartNames(block) {
+  return tilingComponents(block).slice(1);
+}
+
+/** Why the block's `components` is not [head, vae_up_tile] or [head, vae_up_tile.0 .. K-1] (K >= 2, scheme one_pass
+ *  only), or null. */
+function componentsProblem(block, scheme) {
+  const comps = block.components;
+  if (comps === undefined) return null;
+  const shape = `["${HEAD}", "${UP_TILE}"] or ["${HEAD}", "${UP_TILE}.0", ..., "${UP_TILE}.K-1"] (K >= 2)`;
+  if (!Array.isArray(comps) || comps.length < 2 || comps[0] !== HEAD) return `bundle: vae_tiling.components must be ${shape}, got ${JSON.stringify(comps)}`;
+  const ups = comps.slice(1);
+  const want = ups.length === 1 ? [UP_TILE] : ups.map((_, k) => `${UP_TILE}.${k}`);
+  if (JSON.stringify(ups) !== JSON.stringify(want)) return `bundle: vae_tiling.components must be ${shape}, got ${JSON.stringify(comps)}`;
+  if (ups.length > 1 && scheme !== ONE_PASS) {
+    return `bundle: vae_tiling.components splits the up path in ${ups.length} parts, which only scheme one_pass runs (this block's scheme is ${scheme})`;
+  }
+  return null;
+}
 
 /** Start offsets covering [0, size) with tiles of `tile`, stride tile - overlap; the last tile
  *  ends at `size` exactly (tiled_decode.tile_starts). */
@@ -94,6 +124,48 @@ export function tilingProblem(block) {
   let hw;
   try { hw = tileHw(block.tile); } catch (e) { return `bundle: ${e.message}`; }
   if (!hw.every((v) => Number.isInteger(v) && v >= 1)) return `bundle: vae_tiling.tile must be positive ints, got ${JSON.stringify(block.tile)}`;
+  return componentsProblem(block, scheme);
+}
+
+const sameShape = (a, b) => Array.isArray(a) && Array.isArray(b) && a.length === b.length && a.every((v, i) => v === b[i]);
+
+/** The one input and one output a split up path's part `name` declares in the manifest, or a problem line. */
+function partIo(man, name) {
+  const entry = man.components?.[name];
+  if (!entry) return { problem: `bundle: vae_tiling.components names ${name}, which manifest.components lacks` };
+  for (const key of ['inputs', 'outputs']) {
+    if (!Array.isArray(entry[key]) || entry[key].length !== 1) {
+      return { problem: `bundle: ${name}.${key} must be exactly one tensor (an up part takes one and returns one), got ${JSON.stringify(entry[key]?.map?.((t) => t.name) ?? entry[key])}` };
+    }
+  }
+  return { input: entry.inputs[0], output: entry.outputs[0] };
+}
+
+/** Why the manifest's split up path (vae_up_tile.0 .. K-1) does not chain, or null (also for an unsplit one): part 0
+ *  takes `features` [1, F, th, tw], part k >= 1 `hidden` of part k-1's output shape, and the last returns pixels
+ *  [1, C, th*f, tw*f]. */
+export function upPartsProblem(man) {
+  const names = upPartNames(man.vae_tiling);
+  if (names.length < 2) return null;
+  const [th, tw] = tileHw(man.vae_tiling.tile), f = man.vae_tiling.factor;
+  let before = null;
+  for (const [k, name] of names.entries()) {
+    const { problem, input, output } = partIo(man, name);
+    if (problem) return problem;
+    const want = k === 0 ? 'features' : 'hidden';
+    if (input.name !== want) return `bundle: ${name}'s input must be named ${want}, got ${JSON.stringify(input.name)}`;
+    if (k === 0 && !(input.shape?.length === 4 && input.shape[0] === 1 && input.shape[2] === th && input.shape[3] === tw)) {
+      return `bundle: ${name}'s input features must be [1, F, ${th}, ${tw}] (the tile), got ${JSON.stringify(input.shape)}`;
+    }
+    if (k > 0 && !sameShape(input.shape, before.output.shape)) {
+      return `bundle: ${name}'s input hidden ${JSON.stringify(input.shape)} must be ${before.name}'s output shape ${JSON.stringify(before.output.shape)}`;
+    }
+    before = { name, output };
+  }
+  const px = before.output.shape;
+  if (!(px?.length === 4 && px[0] === 1 && px[2] === th * f && px[3] === tw * f)) {
+    return `bundle: ${before.name}'s output (the pixels) must be [1, C, ${th * f}, ${tw * f}], got ${JSON.stringify(px)}`;
+  }
   return null;
 }
 
@@ -115,41 +187,75 @@ function crop(feats, y, x, th, tw) {
   return { data: out, shape: [1, F, th, tw] };
 }
 
+/** The up path as part runners (async tiles[] -> tiles[]): an array of them as given, or one made of a per-tile
+ *  function (the whole up tile, async tile -> pixels). */
+function upRunners(up) {
+  if (typeof up === 'function') {
+    return [async (tiles) => {
+      const out = [];
+      for (const t of tiles) out.push(await up(t));
+      return out;
+    }];
+  }
+  if (!Array.isArray(up) || !up.length || !up.every((p) => typeof p === 'function')) {
+    throw new TilingError('one-pass decode: the up path must be a function or a non-empty array of part functions');
+  }
+  return up;
+}
+
+/** Each tile's input through every part in turn, part-major: part k runs on all tiles before part k + 1 starts. */
+async function runUpParts(runners, tiles) {
+  let cur = tiles;
+  for (const [k, run] of runners.entries()) {
+    const next = await run(cur);
+    if (!Array.isArray(next) || next.length !== cur.length) {
+      const got = Array.isArray(next) ? `${next.length} tiles` : typeof next;
+      throw new TilingError(`one-pass decode: up part ${k} of ${runners.length} returned ${got} for ${cur.length} tiles`);
+    }
+    cur = next;
+  }
+  return cur;
+}
+
 /**
- * One-pass tiled decode (onepass_decode.one_pass_decode): latents {data, shape [1, C, H, W]};
- * head(latents) and upTile(features tile) are async, taking and returning {data, shape}.
- * Returns {data: Float32Array, shape: [1, 3, H*f, W*f], calls} (calls: up-tile runs).
+ * One-pass tiled decode (onepass_decode.one_pass_decode): latents {data, shape [1, C, H, W]}; head(latents) async,
+ * taking and returning {data, shape}; `up`: the up tile as an async function of one features tile -> its pixels, or
+ * the up path's parts as an array of async functions, each taking every tile's input ({data, shape}[], in tile
+ * order: the features' tile crops for part 0, the part before's outputs otherwise) and returning their outputs.
+ * Returns {data: Float32Array, shape: [1, 3, H*f, W*f], calls} (calls: tiles, each through the whole up path).
  */
-export async function onePassDecode(latents, head, upTile, block) {
+export async function onePassDecode(latents, head, up, block) {
   const [, , H, W] = latents.shape;
   const [th, tw] = tileHw(block.tile);
   const f = block.factor, margin = block.margin ?? 0;
   if (th > H || tw > W) throw new TilingError(`one-pass decode: tile ${th}x${tw} is larger than the latent ${H}x${W}`);
+  const runners = upRunners(up);
   const ys = tileStarts(H, th, block.overlap), xs = tileStarts(W, tw, block.overlap);
   const wys = axisWeights(ys, th, margin), wxs = axisWeights(xs, tw, margin);
   const feats = await head(latents);
   if (feats.shape.length !== 4 || feats.shape[0] !== 1 || feats.shape[2] !== H || feats.shape[3] !== W) {
     throw new TilingError(`one-pass decode: the head returned [${feats.shape}] for latents [${latents.shape}]`);
   }
+  const origins = ys.flatMap((y, iy) => xs.map((x, ix) => ({ y, x, iy, ix })));
+  const pixels = await runUpParts(runners, origins.map(({ y, x }) => crop(feats, y, x, th, tw)));
   const Th = th * f, Tw = tw * f, PH = H * f, PW = W * f;
-  let image = null, channels = 0, calls = 0;
-  for (let iy = 0; iy < ys.length; iy++) {
-    for (let ix = 0; ix < xs.length; ix++) {
-      const px = await upTile(crop(feats, ys[iy], xs[ix], th, tw));
-      calls++;
-      if (px.shape[0] !== 1 || px.shape[2] !== Th || px.shape[3] !== Tw) {
-        throw new TilingError(`one-pass decode: the up tile returned [${px.shape}], expected [1, C, ${Th}, ${Tw}]`);
-      }
-      if (!image) { channels = px.shape[1]; image = new Float64Array(channels * PH * PW); }
-      const y0 = ys[iy] * f, x0 = xs[ix] * f, wy = wys[iy], wx = wxs[ix];
-      for (let c = 0; c < channels; c++) for (let r = 0; r < Th; r++) {
-        const a = wy[Math.floor(r / f)]; // zero rows still add 0 * pixels: a NaN shows, as in numpy
-        const src = (c * Th + r) * Tw, dst = (c * PH + y0 + r) * PW + x0;
-        for (let q = 0; q < Tw; q++) image[dst + q] += px.data[src + q] * (a * wx[Math.floor(q / f)]);
-      }
+  const what = runners.length > 1 ? `the up path's last part (of ${runners.length})` : 'the up tile';
+  let image = null, channels = 0;
+  for (const [i, { y, x, iy, ix }] of origins.entries()) {
+    const px = pixels[i];
+    if (px?.shape?.length !== 4 || px.shape[0] !== 1 || px.shape[2] !== Th || px.shape[3] !== Tw) {
+      throw new TilingError(`one-pass decode: ${what} returned [${px?.shape}], expected [1, C, ${Th}, ${Tw}]`);
+    }
+    if (!image) { channels = px.shape[1]; image = new Float64Array(channels * PH * PW); }
+    if (px.shape[1] !== channels) throw new TilingError(`one-pass decode: ${what} returned ${px.shape[1]} channels for a tile, ${channels} for the first`);
+    const y0 = y * f, x0 = x * f, wy = wys[iy], wx = wxs[ix];
+    for (let c = 0; c < channels; c++) for (let r = 0; r < Th; r++) {
+      const a = wy[Math.floor(r / f)]; // zero rows still add 0 * pixels: a NaN shows, as in numpy
+      const src = (c * Th + r) * Tw, dst = (c * PH + y0 + r) * PW + x0;
+      for (let q = 0; q < Tw; q++) image[dst + q] += px.data[src + q] * (a * wx[Math.floor(q / f)]);
     }
   }
-  return { data: Float32Array.from(image), shape: [1, channels, PH, PW], calls };
+  return { data: Float32Array.from(image), shape: [1, channels, PH, PW], calls: origins.length };
 }
 
 /** [K, R, G] sums (blend-weighted sum, sum of squares, weight; rows past 3 ignored) -> [K, 2, G]
