@@ -123,3 +123,37 @@ def test_export_refuses_more_lcm_steps_than_the_students_grid(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "steps" in err and "8-point grid" in err
     assert not (tmp_path / "bundle" / "manifest.json").exists()
+
+
+def test_up_parts_are_checked_before_any_work():
+    from pocketdiff.export.verb import VaeTilingConfig
+
+    with pytest.raises(ConfigError, match="vae_tiling.up_parts"):
+        VaeTilingConfig(enabled=True, scheme="one_pass", passes=1, up_parts=0)
+    with pytest.raises(ConfigError, match="vae_tiling.up_parts: 2 parts need scheme one_pass"):
+        VaeTilingConfig(enabled=True, scheme="control_variate", passes=3, up_parts=2)
+
+
+def test_manifest_check_reads_an_up_path_in_parts():
+    """The smoke twin exported with vae_tiling.up_parts=2 (tests/web/smoke_bundle_tiled_parts): its block passes;
+    a components list out of order, parts under an iterated scheme, and a part whose input is not its
+    predecessor's output are each one problem naming the key."""
+    from pathlib import Path
+
+    from pocketdiff.runtime.manifest_check import decoder_components, manifest_problems
+
+    bundle = Path(__file__).resolve().parents[1] / "web" / "smoke_bundle_tiled_parts"
+    man = json.loads((bundle / "manifest.json").read_text())
+    parts = ("vae_decoder_head", "vae_up_tile.0", "vae_up_tile.1")
+    assert decoder_components(man) == parts
+    assert manifest_problems(bundle, man, need=parts, files=False) == []
+
+    def wheres(edit) -> set:
+        bad = json.loads(json.dumps(man))
+        edit(bad)
+        return {p.where for p in manifest_problems(bundle, bad, need=parts, files=False)}
+
+    assert "vae_tiling.components" in wheres(lambda m: m["vae_tiling"].update(components=[parts[0], parts[2], parts[1]]))
+    assert "vae_tiling.components" in wheres(lambda m: m["vae_tiling"].update(scheme="control_variate", norms=[4, 8], passes=3))
+    assert "components.vae_up_tile.1.inputs.hidden" in wheres(
+        lambda m: m["components"]["vae_up_tile.1"]["inputs"][0].update(shape=[1, 64, 6, 6]))

@@ -71,3 +71,38 @@ def test_area_ratio():
     assert tiles_area_ratio(64, 64, 36, 8) == pytest.approx((72 / 64) ** 2)
     assert tiles_area_ratio(64, 64, [32, 64], 16) == pytest.approx(1.5)  # three strips
     assert tiles_area_ratio(64, 64, 64, 0) == 1.0
+
+
+def test_up_path_parts_decode_as_the_whole_up_path(folded):
+    """`vae_tiling.up_parts`: the layers cut into K runs in call order, the largest run's parameters as small as a
+    cut allows; the parts run one after another over every tile give the one-graph decode."""
+    from pocketdiff.export.onepass_vae import VaeUpPathPart, plan_up_parts, up_path_layers
+    from pocketdiff.runtime.onepass_decode import one_pass_decode_parts
+
+    layers = up_path_layers(folded)
+    sizes = {n: sum(p.numel() for p in m.parameters()) for n, m in layers.items()}
+    z = np.random.default_rng(2).standard_normal((1, 4, 12, 12)).astype(np.float32)
+    head = VaeDecoderHead(folded).eval()
+    whole = _decode(folded, z, 8, 4, 2)
+    for k in (2, 3):
+        runs = plan_up_parts(folded, k)
+        assert [n for run in runs for n in run] == list(layers) and all(runs)
+        largest = max(sum(sizes[n] for n in run) for run in runs)
+        names = list(layers)  # no single cut point does better for two runs
+        if k == 2:
+            best = min(max(sum(sizes[n] for n in names[:i]), sum(sizes[n] for n in names[i:])) for i in range(1, len(names)))
+            assert largest == best
+        parts = [VaeUpPathPart(folded, run).eval() for run in runs]
+        with torch.no_grad():
+            got = one_pass_decode_parts(z, _np(head), [lambda tiles, p=p: [_np(p)(t) for t in tiles] for p in parts], 8, 4, 4, 2)
+        np.testing.assert_allclose(got, whole, rtol=1e-5, atol=1e-5)
+    with pytest.raises(PocketdiffError, match="vae_tiling.up_parts"):
+        plan_up_parts(folded, len(layers) + 1)
+
+
+def test_a_part_that_drops_tiles_is_refused(folded):
+    from pocketdiff.runtime.onepass_decode import one_pass_decode_parts
+
+    z = np.zeros((1, 4, 12, 12), np.float32)
+    with pytest.raises(PocketdiffError, match="part 1 returned 1 tiles for 4"):
+        one_pass_decode_parts(z, lambda x: np.zeros((1, 8, 12, 12), np.float32), [lambda t: t, lambda t: t[:1]], 8, 4, 4, 2)
