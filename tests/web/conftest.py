@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from node_runner_cli import edited_manifest  # tests/node_runner_cli.py
 
 HERE = Path(__file__).resolve().parent
 SMOKE_BUNDLE = HERE / "smoke_bundle"
@@ -126,18 +127,9 @@ def chromium() -> str:
 def check_with_manifest(chromium):
     """`check(bundle, edit)`: the page's check mode on `bundle` with its manifest changed by `edit(manifest)`
     for that one run (the file is restored after), -> the page's report."""
-    import json
-
     from pocketdiff.web.headless import check_page
 
     def check(bundle: Path, edit) -> dict:
-        path = bundle / "manifest.json"
-        original = path.read_text()
-        man = json.loads(original)
-        edit(man)
-        path.write_text(json.dumps(man))
-        try:
+        with edited_manifest(bundle, edit):
             return check_page(bundle, timeout_s=300, executable=chromium)
-        finally:
-            path.write_text(original)
     return check

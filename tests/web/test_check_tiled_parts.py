@@ -10,6 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from node_runner_cli import dawn_or_skip, edited_manifest, run_node_runner  # tests/node_runner_cli.py
 
 RUNNER = Path(__file__).resolve().parents[2] / "web" / "node_runner.mjs"
 MIN_IMAGE_PSNR_DB = 40.0
@@ -29,16 +30,11 @@ def bundle(tmp_path_factory, assemble_tiled_parts) -> Path:
 
 @pytest.fixture(scope="module")
 def dawn(node) -> str:
-    if not (RUNNER.parent / "node_modules" / "webgpu" / "package.json").is_file():
-        pytest.skip("npm webgpu is not in web/node_modules (bash scripts/setup.sh installs it)")
-    return node
+    return dawn_or_skip(node)
 
 
 def _run(node: str, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
-    from pocketdiff.runtime.delegate import delegate_env
-
-    env, _ = delegate_env()
-    return subprocess.run([node, str(RUNNER), *args], capture_output=True, text=True, env=env, timeout=timeout)
+    return run_node_runner(node, *args, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -92,15 +88,8 @@ def test_the_pages_check_mode_runs_the_split_up_path_at_40_db(bundle, check_agai
 
 def _refused(node: str, bundle: Path, edit) -> subprocess.CompletedProcess:
     """The Node runner on `bundle` with its manifest changed by `edit(manifest)` for that one run."""
-    path = bundle / "manifest.json"
-    original = path.read_text()
-    man = json.loads(original)
-    edit(man)
-    path.write_text(json.dumps(man))
-    try:
+    with edited_manifest(bundle, edit):
         return _run(node, str(bundle), "--no-goldens", timeout=120)
-    finally:
-        path.write_text(original)
 
 
 def _rename_input(man: dict) -> None:

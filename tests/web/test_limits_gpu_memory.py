@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from node_runner_cli import dawn_or_skip, run_node_runner  # tests/node_runner_cli.py
 
 HERE = Path(__file__).resolve().parent
 HARNESS = HERE / "limits_harness.mjs"
@@ -164,19 +165,11 @@ def test_ledger_counts_until_destroyed_and_the_rest_with_the_device(node, tmp_pa
 
 @pytest.fixture(scope="module")
 def dawn(node) -> str:
-    if not (RUNNER.parent / "node_modules" / "webgpu" / "package.json").is_file():
-        pytest.skip("npm webgpu is not in web/node_modules (bash scripts/setup.sh installs it)")
-    return node
+    return dawn_or_skip(node)
 
 
 def _run(node: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    from pocketdiff.runtime.delegate import delegate_env
-
-    env, _ = delegate_env()
-    p = subprocess.run([node, str(RUNNER), *args], capture_output=True, text=True, env=env, timeout=timeout)
-    if p.returncode == 2 and "no WebGPU adapter" in p.stderr:
-        pytest.skip("Dawn found no Vulkan device here (scripts/setup_vulkan.sh unpacks lavapipe)")
-    return p
+    return run_node_runner(node, *args, timeout=timeout, skip_without_adapter=True)
 
 
 def test_node_runner_stops_before_loading_naming_the_component_and_the_limit(dawn, smoke_bundle):

@@ -8,22 +8,18 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from node_runner_cli import dawn_or_skip, run_node_runner  # tests/node_runner_cli.py
 
 RUNNER = Path(__file__).resolve().parents[2] / "web" / "node_runner.mjs"
 
 
 @pytest.fixture(scope="module")
 def dawn(node) -> str:
-    if not (RUNNER.parent / "node_modules" / "webgpu" / "package.json").is_file():
-        pytest.skip("npm webgpu is not in web/node_modules (bash scripts/setup.sh installs it)")
-    return node
+    return dawn_or_skip(node)
 
 
 def _run(node: str, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
-    from pocketdiff.runtime.delegate import delegate_env
-
-    env, _ = delegate_env()
-    return subprocess.run([node, str(RUNNER), *args], capture_output=True, text=True, env=env, timeout=timeout)
+    return run_node_runner(node, *args, timeout=timeout)
 
 
 def test_the_smoke_bundle_through_the_pages_pipeline_on_webgpu_matches_run_bundle(dawn, smoke_bundle, tmp_path):
