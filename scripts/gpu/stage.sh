@@ -17,11 +17,12 @@
 #                                       (exit 1 while parts are missing), so scripts that read e.g. .webnode/ run unchanged
 #   bash scripts/gpu/stage.sh status    what STAGE_DIR holds
 # Make the calls back to back: a machine goes back 30 s after a call ends, and a fresh one has an empty /tmp (receive
-# then names the parts missing). STAGE_LIMIT (bytes, default 67108864) is the per-call limit split checks against.
+# then names the parts missing). STAGE_LIMIT (bytes, default 65011712 = 62 MiB) is the per-call limit split checks against:
+# the device tool's limit is 64 MiB, but it refused a call that this count put 0.28 MB under it (2026-11-29), so 2 MiB are kept back.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 STAGE_DIR=${STAGE_DIR:-/tmp/stage}
-LIMIT=${STAGE_LIMIT:-67108864}
+LIMIT=${STAGE_LIMIT:-65011712}
 SRC="$ROOT/.stage"
 die() { echo "stage: $*" >&2; exit "${RC:-1}"; }
 num() { printf "%'d" "$1" 2>/dev/null || printf "%d" "$1"; }
@@ -90,7 +91,7 @@ split_cmd() {
   local base over=0 calls=() carry b tot k=0 last=$(( n - 1 ))
   base=$(base_bytes)
   echo "stage: ${paths[*]} -> $n parts of $(num "$each") bytes at most ($(num "$total") bytes of tar, --part-mb $part_mb) in .stage/p00..$(printf 'p%02d' "$last"), id $id"
-  echo "stage: in every call: tracked + untracked-not-ignored files$([ -d shared ] && echo ' + shared/') = $(num "$base") bytes; limit $(num "$LIMIT") bytes (64 MiB)"
+  echo "stage: in every call: tracked + untracked-not-ignored files$([ -d shared ] && echo ' + shared/') = $(num "$base") bytes; limit $(num "$LIMIT") bytes (the tool's 64 MiB less 2 MiB kept back)"
   [ ${#first[@]} -eq 0 ] || calls+=("first")
   for ((k = 0; k < n; k++)); do calls+=("$(printf 'p%02d' "$k")"); done
   k=0
