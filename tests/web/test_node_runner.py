@@ -107,3 +107,23 @@ def test_a_tiled_decoders_head_is_released_before_its_up_tile_compiles(dawn, ass
     assert seen.index(("close", "vae_decoder_head")) < seen.index(("open", "vae_up_tile"))
     assert ("uploads_done", "vae_up_tile") in seen and report["settle_uploads"] is True
     assert report["components"]["vae_up_tile"]["calls"] == 4 and report["image"]["psnr_db"] >= 40
+
+
+def test_fp16_precision_halves_the_weights_webgpu_holds(dawn, smoke_bundle, tmp_path):
+    """--precision fp16 asks LiteRT.js for half precision: its weight textures are rgba16float instead of rgba32float,
+    so the WebGPU bytes alive at the peak (the ledger, static/gpu_device.js) fall to about half; the report says which
+    precision ran. (Goldens off: lavapipe's half-precision decoder returns zeros, which the golden check catches.)"""
+    peaks = {}
+    for precision in ("fp32", "fp16"):
+        out = tmp_path / f"{precision}.json"
+        p = _run(dawn, str(smoke_bundle), "--no-goldens", "--precision", precision, "--out", str(out), timeout=600)
+        assert p.returncode == 0, p.stderr[-2000:]
+        rep = json.loads(out.read_text())
+        assert rep["precision"] == precision
+        peaks[precision] = rep["gpu_memory"]["peak_mb"]
+    assert peaks["fp16"] < 0.6 * peaks["fp32"], peaks
+
+
+def test_an_unknown_precision_is_refused_naming_the_option(dawn, smoke_bundle):
+    p = _run(dawn, str(smoke_bundle), "--precision", "fp8", timeout=120)
+    assert p.returncode == 2 and "--precision: fp8, expected fp32 or fp16" in p.stderr

@@ -18,6 +18,8 @@ const MIN_IMAGE_PSNR_DB = Number(params.get('min_image_psnr') ?? 30);
 const STREAM_UNET = params.get('unet') === 'streamed';
 // each model's WebGPU device destroyed when it is released (gpu_device.js); ?gpu_device=shared: LiteRT.js's one device
 const GPU_DEVICE = params.get('gpu_device') === 'shared' ? 'shared' : 'per-model';
+// ?precision=fp16: LiteRT.js's WebGPU path at half precision (its weight textures half the GPU memory); fp32 its default
+const PRECISION = params.get('precision') === 'fp16' ? 'fp16' : 'fp32';
 const ledger = new GpuLedger();
 let fit = null; // limits.js preflight's sizes of each component
 let fitFor = null; // {accelerator, limits} that preflight checked: another accelerator chosen later is checked again
@@ -92,7 +94,7 @@ async function run(prompt, seed) {
   const useRef = reference && reference.seed === seed;
   $('stage-rows').innerHTML = '';
   const res = await generate(bundle, {
-    prompt, seed, scale, accelerator, goldens: CHECK, streamUnet: STREAM_UNET,
+    prompt, seed, scale, accelerator, precision: PRECISION, goldens: CHECK, streamUnet: STREAM_UNET,
     latents: useRef ? reference.latentsData : null,
     noise: useRef ? reference.noiseData : null,
     onStage: showStage,
@@ -136,6 +138,7 @@ function summary(prompt, seed, out, runtimeMs) {
     guidance: { mode: man.guidance.mode, scale: Number($('guidance').value) },
     accelerator,
     unet: STREAM_UNET ? 'streamed' : 'resident',
+    precision: PRECISION,
     gpu_device: GPU_DEVICE,
     gpu_memory: { ...ledger.summary(), what: 'bytes of WebGPU buffers and textures alive (gpu_device.js)' },
     preflight: fit,

@@ -49,6 +49,7 @@ function upPartRunners(man, fetches, open) {
  * opts: {prompt, seed, scale, accelerator, latents (Float32Array|null), noise (Float32Array|null: an lcm
  *        bundle's re-noising draws, steps - 1 latents long), goldens (bool), streamUnet (bool: a chunked
  *        UNet's chunks compiled one at a time for each step and released after it, instead of kept),
+ *        precision ('fp32', LiteRT.js's default, or 'fp16': WebGPU's weights and arithmetic at half precision),
  *        onStage(name, info), onStep(i, n, ms)}
  * returns {image: {img, h, w, c, finite}, tokens, stages, golden, latency}
  */
@@ -109,7 +110,7 @@ export async function generate(bundle, opts) {
   // unless its chunks are streamed (compiled for each use: they do not fit the page's memory together)
   const streamed = Boolean(opts.streamUnet) && bundle.unetParts.length > 1;
   let kept = bundle.residentUnet;
-  if (kept && (streamed || kept[0].accelerator !== opts.accelerator)) {
+  if (kept && (streamed || kept[0].accelerator !== opts.accelerator || kept[0].precision !== (opts.precision ?? 'fp32'))) {
     for (const c of kept) c.release();
     kept = bundle.residentUnet = null;
   }
@@ -125,7 +126,7 @@ export async function generate(bundle, opts) {
     let c = null;
     return {
       async open() {
-        c = await Component.compile(fetched, opts.accelerator);
+        c = await Component.compile(fetched, opts.accelerator, opts.precision);
         record(c);
         await checkGolden(c);
         return c;
@@ -149,10 +150,10 @@ export async function generate(bundle, opts) {
   let decoderP = null;
   try {
     if (streamed) {
-      await openStreamedChunks(unet, unetFetch, (f) => Component.compile(f, opts.accelerator), man, record, checkGolden);
+      await openStreamedChunks(unet, unetFetch, (f) => Component.compile(f, opts.accelerator, opts.precision), man, record, checkGolden);
       bundle.streamedBytes = unet.map((part) => part.fetched);
     } else {
-      if (!kept) for (const p of unetFetch) unet.push(await Component.compile(p, opts.accelerator));
+      if (!kept) for (const p of unetFetch) unet.push(await Component.compile(p, opts.accelerator, opts.precision));
       for (const c of unet) {
         if (kept) {
           c.fetchMs = 0;
@@ -233,7 +234,7 @@ export async function generate(bundle, opts) {
     const decs = [];
     const latents = { data: x, shape: [1, lat.channels, lat.height, lat.width] };
     const openDecoder = async (fetched) => {
-      const c = await Component.compile(fetched, opts.accelerator);
+      const c = await Component.compile(fetched, opts.accelerator, opts.precision);
       decs.push(c); // released below whatever happens (release is idempotent)
       record(c);
       await checkGolden(c);

@@ -96,18 +96,22 @@ export class Component {
     return bundle.fetchVerified(bundle.man.components[name], `component ${name}`).then((bytes) => ({ name, bytes, fetchMs: performance.now() - t0 }));
   }
 
-  static async compile(fetched, accelerator) {
+  /** `precision` (webgpu): 'fp32', LiteRT.js's default, or 'fp16', its weights and activations at half precision
+   *  (rgba16float weight textures: half the GPU memory). */
+  static async compile(fetched, accelerator, precision = 'fp32') {
     const c = new Component();
     const { name, bytes, fetchMs } = await fetched;
     c.name = name;
     c.accelerator = accelerator;
+    c.precision = precision;
     const t1 = performance.now();
     c.consoleMark = consoleMark(); // what LiteRT.js prints from here to the first run's end is checked (prepare.js)
     modelEvent('open', name); // memory sampled at open, compiled and close (gpu_device.js; the Node runner's report)
     c.opened = true;
     c.gpu = accelerator === 'webgpu' ? await openModelGpu(name) : null; // its own WebGPU device, or null: the default (gpu_device.js)
     try {
-      c.model = await loadAndCompile(new Uint8Array(bytes), c.gpu ? { accelerator, environment: c.gpu.environment } : { accelerator });
+      const gpuOptions = accelerator === 'webgpu' ? { gpuOptions: { precision } } : {};
+      c.model = await loadAndCompile(new Uint8Array(bytes), c.gpu ? { accelerator, environment: c.gpu.environment, ...gpuOptions } : { accelerator, ...gpuOptions });
       modelEvent('compiled', name);
       await settleUploads(name, c.gpu);
     } catch (e) {
