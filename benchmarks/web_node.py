@@ -206,8 +206,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--gpu-device", default="per-model", help="comma list of per-model, shared (a row each)")
     ap.add_argument("--variant", default="plain", help=f"comma list of {', '.join(VARIANTS)} (the runner's memory "
                     "experiments: plain (uploads settled after each compile, the default), nosettle (--no-settle-uploads), "
-                    "nosuballoc (the Dawn toggle disable_resource_suballocation), fp16 (--precision fp16: LiteRT.js at half precision);
-                    a row each)")
+                    "nosuballoc (the Dawn toggle disable_resource_suballocation), fp16 (--precision fp16: LiteRT.js at half "
+                    "precision); a row each)")
     ap.add_argument("--reference-accelerator", choices=("cpu", "gpu"), default="gpu")
     ap.add_argument("--reference", help="a web/reference/ folder written by `pocketdiff web` for this bundle (else made here)")
     ap.add_argument("--no-run-bundle", action="store_true", help="skip run-bundle --pipelined (a machine without ai-edge-litert)")

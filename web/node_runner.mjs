@@ -16,7 +16,8 @@
 // After each compile the runner waits until the GPU has done the queued weight uploads (an `uploads_done` event), so
 // their staging memory goes before the next model compiles (--no-settle-uploads: not, as before). Memory
 // experiments: --dawn-toggle enables a Dawn toggle (e.g. disable_resource_suballocation). --precision fp16 asks LiteRT.js
-// for half precision on WebGPU (its weights as rgba16float textures instead of rgba32float: half their GPU memory).
+// for half precision on WebGPU for the text encoder and UNet (their weights as rgba16float textures instead of
+// rgba32float: half their GPU memory); the decoder stays fp32 (static/generate.js DECODER_PRECISION).
 // Exit 0 when every check passed, 1 when one failed (the report says which), 2 on bad input or no GPU.
 import fs from 'node:fs';
 import path from 'node:path';
@@ -223,7 +224,7 @@ async function main() {
   const ledger = new GpuLedger(), host = memoryEvents(ledger, deviceCounts, () => getGlobalLiteRt().liteRtWasm.HEAPU8.length), gc = opts['no-gc'] ? null : forcedGc();
   useModelDevices({ perModel: opts['gpu-device'] === 'per-model', ledger, onEvent: host.onEvent, collect: gc?.collect, sharedDevice: getWebGpuDevice(),
     settleUploads: !opts['no-settle-uploads'] });
-  const { generate } = await import('./static/generate.js');
+  const { DECODER_PRECISION, generate } = await import('./static/generate.js');
   const bundle = new Bundle(pathToFileURL(opts.bundle).href + '/');
   const man = await bundle.open();
   const limits = bundleLimits(adapter.limits, parseLimitOverrides(opts.limit));
@@ -249,6 +250,7 @@ async function main() {
   const report = {
     ok: failures.length === 0, failures, runner: 'node', node: process.version, adapter, prompt, seed,
     steps: man.scheduler.timesteps.length, resolution: man.image.width, unet: opts.unet, precision: opts.precision,
+    decoder_precision: DECODER_PRECISION,
     latents: useRef ? 'reference/' + ref.latents : 'page noise (seeded)', tokenizer, components, image,
     latency_ms: { runtime_ready: runtimeMs, ...res.latency }, host_peak_mb: host.processPeakMb(),
     gpu_device: opts['gpu-device'], dawn_toggles: opts['dawn-toggle'], settle_uploads: !opts['no-settle-uploads'], gpu_memory: { ...ledger.summary(), what: 'bytes of WebGPU buffers and textures alive (static/gpu_device.js)' },

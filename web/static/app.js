@@ -18,7 +18,8 @@ const MIN_IMAGE_PSNR_DB = Number(params.get('min_image_psnr') ?? 30);
 const STREAM_UNET = params.get('unet') === 'streamed';
 // each model's WebGPU device destroyed when it is released (gpu_device.js); ?gpu_device=shared: LiteRT.js's one device
 const GPU_DEVICE = params.get('gpu_device') === 'shared' ? 'shared' : 'per-model';
-// ?precision=fp16: LiteRT.js's WebGPU path at half precision (its weight textures half the GPU memory); fp32 its default
+// ?precision=fp16: the text encoder and UNet on LiteRT.js's WebGPU path at half precision (their weight textures half
+// the GPU memory; the decoder stays fp32, generate.js); fp32: LiteRT.js's default
 const PRECISION = params.get('precision') === 'fp16' ? 'fp16' : 'fp32';
 const ledger = new GpuLedger();
 let fit = null; // limits.js preflight's sizes of each component

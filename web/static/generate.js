@@ -5,6 +5,8 @@ import { StreamedChunk, TEXT_ENCODER, UNET, chunkAliases, goldenIndices, outputN
 import { schedulerFor } from './schedulers.js';
 import { ONE_PASS, onePassDecode, statsDecode } from './tiled.js';
 
+export const DECODER_PRECISION = 'fp32';
+
 /** Latents -> pixels [1, 3, H, W] through the whole decoder, or the tiled one (tiled.js). `fetches`: the decoder's
  *  components fetched (bundle.decoder's order); `open(fetched)` compiles one, golden-checked, to run. A tiled decoder's
  *  head compiles, runs once on the whole latent and is released before its up path compiles, so no two decoder graphs
@@ -49,7 +51,8 @@ function upPartRunners(man, fetches, open) {
  * opts: {prompt, seed, scale, accelerator, latents (Float32Array|null), noise (Float32Array|null: an lcm
  *        bundle's re-noising draws, steps - 1 latents long), goldens (bool), streamUnet (bool: a chunked
  *        UNet's chunks compiled one at a time for each step and released after it, instead of kept),
- *        precision ('fp32', LiteRT.js's default, or 'fp16': WebGPU's weights and arithmetic at half precision),
+ *        precision ('fp32', LiteRT.js's default, or 'fp16': the text encoder's and UNet's WebGPU weights and
+ *        arithmetic at half precision; the decoder stays at DECODER_PRECISION),
  *        onStage(name, info), onStep(i, n, ms)}
  * returns {image: {img, h, w, c, finite}, tokens, stages, golden, latency}
  */
@@ -233,8 +236,9 @@ export async function generate(bundle, opts) {
     // (run-bundle --pipelined), so no two decoder graphs are on the GPU together (decode above)
     const decs = [];
     const latents = { data: x, shape: [1, lat.channels, lat.height, lat.width] };
-    const openDecoder = async (fetched) => {
-      const c = await Component.compile(fetched, opts.accelerator, opts.precision);
+    const openDecoder = async (fetched) => { // fp32 whatever opts.precision: LiteRT.js 2.5.3's half-precision WebGPU
+      // path returns zeros for the exporter's decoders (lavapipe's smoke decoder; a 2.9 dB image at SD size on an H200)
+      const c = await Component.compile(fetched, opts.accelerator, DECODER_PRECISION);
       decs.push(c); // released below whatever happens (release is idempotent)
       record(c);
       await checkGolden(c);
