@@ -236,8 +236,9 @@ export async function generate(bundle, opts) {
     // (run-bundle --pipelined), so no two decoder graphs are on the GPU together (decode above)
     const decs = [];
     const latents = { data: x, shape: [1, lat.channels, lat.height, lat.width] };
-    const openDecoder = async (fetched) => { // fp32 whatever opts.precision: LiteRT.js 2.5.3's half-precision WebGPU
-      // path returns zeros for the exporter's decoders (lavapipe's smoke decoder; a 2.9 dB image at SD size on an H200)
+    const openDecoder = async (fetched) => { // fp32 whatever opts.precision: on LiteRT.js 2.5.3's half-precision WebGPU
+      // path the smoke bundle's decoder alone returns a black image (lavapipe; its text encoder and UNet at fp16: 53.9 dB
+      // from all-fp32), and the SD-size student all at fp16 gave a 2.9 dB image on an H200 (the decoder not isolated)
       const c = await Component.compile(fetched, opts.accelerator, DECODER_PRECISION);
       decs.push(c); // released below whatever happens (release is idempotent)
       record(c);

@@ -170,12 +170,16 @@ export function useModelDevices({ perModel = true, ledger = null, onEvent = null
 }
 
 /** After model `name` compiled on `gpu` (openModelGpu's): with useModelDevices's settleUploads (the default), waits
- *  until the GPU has done the work queued so far (the weights' uploads), so the WebGPU implementation lets their
- *  staging memory go before the next model compiles (Dawn on an H200, the SD-2.1 student's UNet chunks resident: GPU
- *  peak 16.3 -> 13.6 GB), and reports an `uploads_done` event. */
+ *  until the GPU has done the work queued so far (the weights' uploads), then submits nothing once more and waits
+ *  again: Dawn lets a finished write's staging memory go only at a later submission (benchmarks/webgpu_memory_probe.mjs:
+ *  1x the bytes written, kept until then). So the staging goes before the next model compiles (Dawn on an H200, the
+ *  SD-2.1 student's UNet chunks resident: GPU peak 16.3 -> 13.6 GB with the first wait alone), and reports an
+ *  `uploads_done` event. */
 export async function settleUploads(name, gpu) {
   const device = gpu?.device ?? null;
   if (!config?.settleUploads || !device) return;
+  await device.queue.onSubmittedWorkDone();
+  device.queue.submit([]);
   await device.queue.onSubmittedWorkDone();
   modelEvent('uploads_done', name);
 }
