@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from pocketdiff.errors import PocketdiffError
+from pocketdiff.models import count_params
 from pocketdiff.normfree import has_group_norm_up_path
 
 
@@ -37,7 +38,12 @@ class VaeUpPathPlain(nn.Module):
         h = features
         for block in self.up_blocks:
             h = block(h, None)
-        return self.conv_out(self.conv_act(self.conv_norm_out(h))) * 0.5 + 0.5
+        return _to_pixels(self, h)
+
+
+def _to_pixels(m: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """The up path's output head on `h`: `m`'s conv_norm_out, conv_act, conv_out, then [-1, 1] to [0, 1]."""
+    return m.conv_out(m.conv_act(m.conv_norm_out(h))) * 0.5 + 0.5
 
 
 OUTPUT_HEAD = "conv_out"  # the up path's last layer: conv_norm_out, conv_act, conv_out, to [0, 1]
@@ -62,7 +68,7 @@ class _OutputHead(nn.Module):
         self.conv_norm_out, self.conv_act, self.conv_out = norm, act, conv
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.conv_out(self.conv_act(self.conv_norm_out(h))) * 0.5 + 0.5
+        return _to_pixels(self, h)
 
 
 class VaeUpPathPart(nn.Module):
@@ -82,15 +88,11 @@ class VaeUpPathPart(nn.Module):
         return h
 
 
-def _params(m: nn.Module) -> int:
-    return sum(p.numel() for p in m.parameters())
-
-
 def plan_up_parts(vae: nn.Module, parts: int) -> list[list[str]]:
     """The up path's layers cut into `parts` consecutive runs with the largest run's parameters as small as it
     can be (the weights are what a GPU delegate holds per graph whatever the tile): `vae_tiling.up_parts`."""
     layers = up_path_layers(vae)
-    names, sizes = list(layers), [_params(m) for m in layers.values()]
+    names, sizes = list(layers), [count_params(m) for m in layers.values()]
     if not 1 <= parts <= len(names):
         raise PocketdiffError(f"vae_tiling.up_parts: {parts}, but this decoder's up path has {len(names)} layers to cut between")
     # best[k][i]: the smallest largest-run total cutting names[:i] into k runs; cut[k][i] where its last run starts

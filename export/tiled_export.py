@@ -29,9 +29,10 @@ from pocketdiff.runtime.tiled_decode import axis_weights, control_variate, first
 HEAD, UP_TILE = TILED_DECODER
 
 
-def expand_components(components: list[str], tiled: bool) -> list[str]:
-    """The components the export converts: vae_decoder replaced by the two tiled graphs (the registry's tiles)."""
-    return expand(components, tiled)
+def expand_components(components: list[str], tiled: bool, up_parts: int = 1) -> list[str]:
+    """The components the export converts: vae_decoder replaced by the tiled graphs (the registry's tiles, the up
+    tile as `up_parts` graphs)."""
+    return expand(components, tiled, up_parts)
 
 
 @dataclasses.dataclass
@@ -108,15 +109,16 @@ def tiled_parity(out: Path, entries: dict, vae: torch.nn.Module, latents: torch.
     """Decode `latents` through the bundle's two .tflite files on the CPU (LiteRT, the runner's
     code) and compare with the whole torch decode: PSNR of the [0, 1] images. Raises ParityError
     naming `vae_tiling.min_psnr_db` when below."""
+    from pocketdiff.runtime.manifest_check import tiled_components
     from pocketdiff.runtime.run_bundle import load_tiled_decoder, tiled_decode_bundle
 
     with torch.no_grad():
         whole = np.clip(VaeDecoderGraph(vae).eval()(latents).numpy(), 0.0, 1.0)
-    names = tuple(block.get("components") or TILED_DECODER)
+    names = tiled_components(block)
     paths = {n: {**entries[n], "_path": str(out / entries[n]["path"])} for n in names}
     head, ups = load_tiled_decoder(paths, "cpu", names)
     try:
-        image, timing = tiled_decode_bundle(head, ups, block, latents.numpy())
+        image, timing = tiled_decode_bundle(head, [(lambda m=m: m) for m in ups], block, latents.numpy())
     finally:
         for model in (head, *ups):
             model.close()

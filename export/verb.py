@@ -452,7 +452,7 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
     # 3. fp16 overflow scan (before conversion: it can choose the residual-stream scale)
     scan, rewrites_of, split = _scan_and_rewrites(cfg, pipe, golden, work, timings)
     tiled = tuple(split.block["components"]) if split is not None else TILED_DECODER
-    names = [m for n in expand_components(cfg.components, split is not None) for m in ((n,) if n != TILED_DECODER[1] else tiled[1:])]
+    names = expand_components(cfg.components, split is not None, cfg.vae_tiling.up_parts)
 
     # 4. components (export_components: one at a time, or converted in parallel workers)
     weights_of = {n: (cfg.weights if (cfg.weights != "int8" or quantized.get(n) is not None) else "fp16") for n in names}

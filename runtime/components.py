@@ -75,9 +75,11 @@ def component(name: str) -> Component:
     return REGISTRY[base]
 
 
-def expand(names: list[str] | tuple[str, ...], tiled: bool) -> list[str]:
-    """The component names of an export: a tiled layout's parts in place of their whole."""
+def expand(names: list[str] | tuple[str, ...], tiled: bool, up_parts: int = 1) -> list[str]:
+    """The component names of an export: a tiled layout's parts in place of their whole, its up tile as `up_parts`
+    graphs (`up_tile_parts`)."""
     out: list[str] = []
     for n in names:
-        out += list(REGISTRY[n].tiles) if tiled and REGISTRY[n].tiles else [n]
+        for t in (REGISTRY[n].tiles if tiled and REGISTRY[n].tiles else (n,)):
+            out += list(up_tile_parts(up_parts)) if t == VAE_UP_TILE else [t]
     return out

@@ -129,20 +129,20 @@ def timed(calls: dict, key: str, fn: Callable) -> Callable:
     return run
 
 
-def one_pass_decode_loaded(head, ups, block: dict, latents: np.ndarray, done: Optional[Callable] = None) -> tuple[np.ndarray, dict]:
+def one_pass_decode_loaded(head, ups: Sequence[Callable], block: dict, latents: np.ndarray,
+                           done: Optional[Callable] = None) -> tuple[np.ndarray, dict]:
     """The runner's one-pass decode (`head({"latents": z})` -> features): ([1, 3, H, W] pixels, {latency_s,
-    up_tile_calls}), with the timing keys of the iterated scheme's decode. `ups`: the up tile's loaded model,
-    or the up path's parts in order (`vae_tiling.up_parts`), each a loaded model or a function that loads it
-    when its turn comes; each part runs every tile (`run_all` on its one input), then `done(model)`, before
-    the next part loads (run-bundle --pipelined releases it there)."""
-    ups = [ups] if hasattr(ups, "run_all") else list(ups)
+    up_tile_calls}), with the timing keys of the iterated scheme's decode. `ups`: the up path's models in order
+    (the up tile, or its parts: `vae_tiling.up_parts`), each as a function that gives it when its turn comes
+    (run-bundle --pipelined loads it there); each part runs every tile (`run_all` on its one input), then
+    `done(model)` (which may release it) before the next part is asked for."""
     calls = {"head": 0.0, "up": 0.0, "tiles": 0}
     part_s: dict = {}
     run_head = timed(calls, "head", lambda z: head({"latents": z}))
 
-    def runner(up) -> Callable[[list], list]:
+    def runner(load: Callable) -> Callable[[list], list]:
         def run(tiles: list) -> list:
-            model = up if hasattr(up, "run_all") else up()
+            model = load()
             t0 = time.perf_counter()
             outs = [model.run_all({model.in_names[0]: x})[0] for x in tiles]
             part_s[model.name] = time.perf_counter() - t0

@@ -34,12 +34,13 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Optional, Union
+from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 
 from pocketdiff.errors import PocketdiffError
 
+from .components import VAE_DECODER
 from .manifest_check import TILED_DECODER, check_bundle, decoder_components
 from .gpu_cache import bundle_digest
 from .load_workers import LoadWorkers, check_count, settle
@@ -101,17 +102,18 @@ def load_tiled_decoder(entries: dict, accelerator: str, names: tuple[str, ...] =
     return head, [LoadedModel(n, entries[n], accelerator) for n in names[1:]]
 
 
-def tiled_decode_bundle(head: LoadedModel, up, block: dict, latents: np.ndarray, done=None) -> tuple[np.ndarray, dict]:
+def tiled_decode_bundle(head: LoadedModel, ups: Sequence[Callable[[], LoadedModel]], block: dict, latents: np.ndarray,
+                        done: Optional[Callable] = None) -> tuple[np.ndarray, dict]:
     """[1, C, h, w] latents -> ([1, 3, H, W] pixels, {latency_s, up_tile_calls}) through the tiled models, with
-    the manifest's vae_tiling block (tile, overlap, passes, factor, norms [K, G], margin, scheme). `up`: the up
-    tile's model, or (one_pass) the up path's parts in order, loaded or loaders (onepass_decode.one_pass_decode_loaded,
-    which calls `done(model)` after each part ran every tile)."""
+    the manifest's vae_tiling block (tile, overlap, passes, factor, norms [K, G], margin, scheme). `ups`: the up
+    path's models in order (one_pass: the up tile or its parts; the iterated schemes: the up tile alone), each as a
+    function that gives it when its turn comes; `done(model)` once a model ran every tile."""
     from .tiled_decode import tiled_decode_with_stats
 
     if block.get("scheme") == ONE_PASS:  # a norm-free up path: every tile once, no statistics (runtime/onepass_decode.py)
-        return one_pass_decode_loaded(head, up, block, latents, done)
-    if not hasattr(up, "run_all"):
-        (up,) = up  # the iterated schemes' up path is one graph (manifest_check refuses parts)
+        return one_pass_decode_loaded(head, ups, block, latents, done)
+    (load,) = ups  # the iterated schemes' up path is one graph (manifest_check refuses parts)
+    up = load()
     K, G = (int(v) for v in block["norms"])
     # the manifest declares (pixels, sums) in that order, with their shapes (runtime/manifest_check.py) and
     # the .tflite's names (check_component_io); the signature may list them in either order
@@ -136,6 +138,8 @@ def tiled_decode_bundle(head: LoadedModel, up, block: dict, latents: np.ndarray,
     latency = {"vae_decoder_head_run": calls["head"], "vae_up_tiles_run": calls["up"],
                "vae_up_tile_mean": calls["up"] / max(1, calls["up_calls"]), "vae_tiled_decode": total,
                "vae_tiled_pass_mean": (total - calls["head"]) / int(block["passes"])}
+    if done is not None:
+        done(up)
     return image, {"latency_s": latency, "up_tile_calls": calls["up_calls"]}
 
 
@@ -429,7 +433,7 @@ class BundleRunner:
         self._mark(name, "settled")
 
     def _decode(self, x: np.ndarray, latency: dict, stats: dict) -> np.ndarray:
-        if self.decoder != ("vae_decoder",):
+        if self.decoder != (VAE_DECODER,):
             return self._decode_tiled(x, latency, stats)
         dec = self._load("vae_decoder", latency)
         before = len(dec.run_s)
@@ -455,12 +459,8 @@ class BundleRunner:
             self._ran(model.name)
             self._done(model.name)
 
-        block = self.man["vae_tiling"]
         ups = [functools.partial(self._load, n, latency) for n in up_names]  # each part loads when its turn comes
-        up = ups if block.get("scheme") == ONE_PASS else ups[0]()
-        pixels, timing = tiled_decode_bundle(lambda feeds: features, up, block, x, done)
-        if up is not ups:
-            done(up)
+        pixels, timing = tiled_decode_bundle(lambda feeds: features, ups, self.man["vae_tiling"], x, done)
         tiles = timing["latency_s"]
         tiles.update(vae_decoder_head_run=head_s, vae_tiled_decode=tiles["vae_tiled_decode"] + head_s)
         latency.update(tiles)

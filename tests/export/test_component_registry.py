@@ -31,6 +31,7 @@ def test_the_derived_lists_come_from_the_entries():
         reg.component("vae_encoder")
     assert reg.expand(["text_encoder", "vae_decoder"], tiled=True) == ["text_encoder", "vae_decoder_head", "vae_up_tile"]
     assert reg.expand(["vae_decoder"], tiled=False) == ["vae_decoder"]
+    assert reg.expand(["text_encoder", "vae_decoder"], tiled=True, up_parts=2) == ["text_encoder", "vae_decoder_head", "vae_up_tile.0", "vae_up_tile.1"]
 
 
 def test_export_int8_calibrate_and_the_runtime_read_the_registry():

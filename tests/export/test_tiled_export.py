@@ -191,7 +191,7 @@ def test_run_bundle_decodes_tiled_as_the_numpy_driver(tiled):
     lat = np.random.default_rng(0).standard_normal((1, 4, 8, 8)).astype(np.float32)
     head, (up,) = load_tiled_decoder(comps, "cpu")
     try:
-        ours, timing = tiled_decode_bundle(head, up, block, lat)
+        ours, timing = tiled_decode_bundle(head, [lambda: up], block, lat)
     finally:
         head.close()
         up.close()

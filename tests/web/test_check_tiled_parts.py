@@ -33,16 +33,10 @@ def dawn(node) -> str:
     return dawn_or_skip(node)
 
 
-def _run(node: str, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
-    return run_node_runner(node, *args, timeout=timeout)
-
-
 @pytest.fixture(scope="module")
 def node_report(dawn, bundle, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("node_tiled_parts") / "report.json"
-    p = _run(dawn, str(bundle), "--out", str(out))
-    if p.returncode == 2 and "no WebGPU adapter" in p.stderr:
-        pytest.skip("Dawn found no Vulkan device here (scripts/setup_vulkan.sh unpacks lavapipe)")
+    p = run_node_runner(dawn, str(bundle), "--out", str(out), skip_without_adapter=True)
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(out.read_text())
 
@@ -89,7 +83,7 @@ def test_the_pages_check_mode_runs_the_split_up_path_at_40_db(bundle, check_agai
 def _refused(node: str, bundle: Path, edit) -> subprocess.CompletedProcess:
     """The Node runner on `bundle` with its manifest changed by `edit(manifest)` for that one run."""
     with edited_manifest(bundle, edit):
-        return _run(node, str(bundle), "--no-goldens", timeout=120)
+        return run_node_runner(node, str(bundle), "--no-goldens", timeout=120)
 
 
 def _rename_input(man: dict) -> None:

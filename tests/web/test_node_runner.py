@@ -27,9 +27,7 @@ def test_the_smoke_bundle_through_the_pages_pipeline_on_webgpu_matches_run_bundl
 
     write_page(PageConfig(bundle=str(smoke_bundle)))  # web/reference/: run-bundle's image from the same latents
     out, png = tmp_path / "report.json", tmp_path / "image.png"
-    p = _run(dawn, str(smoke_bundle), "--out", str(out), "--image", str(png))
-    if p.returncode == 2 and "no WebGPU adapter" in p.stderr:
-        pytest.skip("Dawn found no Vulkan device here (scripts/setup_vulkan.sh unpacks lavapipe)")
+    p = run_node_runner(dawn, str(smoke_bundle), "--out", str(out), "--image", str(png), skip_without_adapter=True)
     assert p.returncode == 0, p.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["ok"] and report["failures"] == []

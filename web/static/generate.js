@@ -33,10 +33,10 @@ async function decode(man, fetches, open, latents) {
  *  compiles (with its golden check), runs on every tile in order and is released before part k + 1 compiles; the
  *  tiles' outputs wait in memory. Each compiled part gets `calls`, the tiles it ran. */
 function upPartRunners(man, fetches, open) {
-  return fetches.map((fetched, k) => async (tiles) => {
+  return fetches.map((fetched) => async (tiles) => {
     const c = await open(fetched);
     try {
-      const input = man.components[c.name].inputs?.[0]?.name ?? (k === 0 ? 'features' : 'hidden');
+      const input = man.components[c.name].inputs[0].name; // features, or hidden after part 0 (tiled.js upPartsProblem)
       const out = [];
       for (const t of tiles) out.push(await c.run({ [input]: t }));
       c.calls = tiles.length;
