@@ -89,8 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 "(one chunk in memory at a time; a load per chunk and step)")
             p.add_argument("--gpu-cache", metavar="DIR",
                            help="folder for the GPU accelerator's compiled programs (default: one per bundle under "
-                                "$XDG_CACHE_HOME/pocketdiff/gpu); a second launch loads without compiling")
-            p.add_argument("--no-gpu-cache", action="store_true", help="compile every model afresh, keep nothing")
+                                "$XDG_CACHE_HOME/pocketdiff/gpu) and the sha256 of the bundle's files (verified.json): a second launch "
+                                "loads without compiling and hashes only the files changed since")
+            p.add_argument("--no-gpu-cache", action="store_true", help="compile every model and hash every file afresh, keep nothing")
             p.add_argument("--load-workers", type=int, default=None, metavar="N",
                            help="compile the models in N worker processes at once (GPU, not --pipelined): LiteRT loads one "
                                 "model at a time per process, so the loads overlap only across processes; more memory")

@@ -26,7 +26,7 @@ manifest_check.py holds the field-by-field checks a runner relies on.
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional
 
@@ -34,6 +34,7 @@ from pocketdiff.errors import PocketdiffError
 from pocketdiff.outputs import read_json
 
 from .tflite_file import check_tflite_file, sha256_file
+from .verified_files import HashLedger
 from .chunks import CHUNKABLE, CHUNKED_SCHEMA_VERSION, block_key, has_chunks
 
 SCHEMA = "pocketdiff-bundle"
@@ -81,8 +82,10 @@ def _check_version(mpath: Path, manifest: dict) -> None:
                               if not chunked else f"cannot hold {' or '.join(block_key(b) for b in CHUNKABLE if block_key(b) in manifest)} (a chunked model is version {CHUNKED_SCHEMA_VERSION})"))
 
 
-def load_manifest(bundle: str | Path, verify_sha: bool = True, components: Optional[list[str]] = None) -> dict:
-    """Read and check a bundle's manifest; returns it with absolute `_path`s added."""
+def load_manifest(bundle: str | Path, verify_sha: bool = True, components: Optional[list[str]] = None,
+                  ledger: Optional[HashLedger] = None) -> dict:
+    """Read and check a bundle's manifest; returns it with absolute `_path`s added. `ledger`: files unchanged since
+    an earlier launch hashed them are not hashed again (runtime/verified_files.py)."""
     bundle = Path(bundle)
     mpath = bundle / MANIFEST
     if not bundle.is_dir():
@@ -96,7 +99,7 @@ def load_manifest(bundle: str | Path, verify_sha: bool = True, components: Optio
     comps = manifest.get("components")
     if not isinstance(comps, dict) or not comps:
         raise PocketdiffError(f"{mpath}: no components")
-    _check_files(bundle, _file_entries(manifest, components), verify_sha)
+    _check_files(bundle, _file_entries(manifest, components), verify_sha, ledger)
     manifest["_bundle"] = str(bundle.resolve())
     return manifest
 
@@ -120,10 +123,11 @@ def _file_entries(manifest: dict, components: Optional[list[str]]) -> list[tuple
     return out
 
 
-def _hash_in_threads(bundle: Path, entries: list) -> tuple[ThreadPoolExecutor, dict]:
+def _hash_in_threads(bundle: Path, entries: list, ledger: Optional[HashLedger]) -> tuple[ThreadPoolExecutor, dict, dict]:
     """Every named file that exists in the bundle hashed in threads, largest first (hashlib lets the GIL go: an SD-2.1
-    bundle's 1.3 GB hashes on several cores while the .tflite checks run); path -> future. Paths that fail to resolve are
-    left to the ordered checks, which name them."""
+    bundle's 1.3 GB hashes on several cores while the .tflite checks run) -> (pool, path -> future, path -> its stat
+    before hashing). A file the ledger knows unchanged is not hashed: its future holds the ledger's sha256. Paths that
+    fail to resolve are left to the ordered checks, which name them."""
     paths = set()
     for entry, what, _ in entries:
         try:
@@ -132,20 +136,33 @@ def _hash_in_threads(bundle: Path, entries: list) -> tuple[ThreadPoolExecutor, d
             continue
         if path is not None and path.is_file():
             paths.add(path)
+    stats = {p: p.stat() for p in paths}
     pool = ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1, len(paths))), thread_name_prefix="sha256")
-    return pool, {p: pool.submit(sha256_file, p) for p in sorted(paths, key=lambda p: -p.stat().st_size)}
+    futures, hashed = {}, {}
+    for p in sorted(paths, key=lambda p: -stats[p].st_size):
+        sha = ledger.known(p, stats[p]) if ledger is not None else None
+        if sha is None:
+            futures[p], hashed[p] = pool.submit(sha256_file, p), stats[p]
+        else:
+            futures[p] = Future()
+            futures[p].set_result(sha)
+    return pool, futures, hashed
 
 
-def _check_files(bundle: Path, entries: list, verify_sha: bool) -> None:
+def _check_files(bundle: Path, entries: list, verify_sha: bool, ledger: Optional[HashLedger] = None) -> None:
     """Each entry in order: inside the bundle, present, its sha256, a model's .tflite complete; its `_path` added. A
-    refused bundle leaves no hashing behind (the pending files are cancelled)."""
-    pool, hashes = _hash_in_threads(bundle, entries) if verify_sha else (None, {})
+    refused bundle leaves no hashing behind (the pending files are cancelled); a checked one's hashes go in `ledger`."""
+    pool, hashes, hashed = _hash_in_threads(bundle, entries, ledger) if verify_sha else (None, {}, {})
     try:
         for entry, what, is_model in entries:
             path = _check_entry(bundle, entry, what, verify_sha, hashes)
             if is_model:
                 check_tflite_file(path)
             entry["_path"] = str(path)
+        if ledger is not None:
+            for path, st in hashed.items():
+                ledger.note(path, st, hashes[path].result())
+            ledger.save()
     finally:
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)

@@ -383,12 +383,13 @@ def manifest_problems(bundle: str | Path, manifest: dict, need: Optional[Iterabl
     return found.items
 
 
-def check_bundle(bundle: str | Path, manifest: Optional[dict] = None, need: Optional[Iterable[str]] = None) -> dict:
-    """`load_manifest` + `manifest_problems`; raises the first problem as one line naming the
-    field or file and the check. Returns the manifest."""
+def check_bundle(bundle: str | Path, manifest: Optional[dict] = None, need: Optional[Iterable[str]] = None,
+                 ledger=None) -> dict:
+    """`load_manifest` (with `ledger`, runtime/verified_files.py) + `manifest_problems`; raises the first problem as
+    one line naming the field or file and the check. Returns the manifest."""
     from .bundle import load_manifest
 
-    man = manifest if manifest is not None else load_manifest(bundle)
+    man = manifest if manifest is not None else load_manifest(bundle, ledger=ledger)
     problems = manifest_problems(bundle, man, need)
     if problems:
         more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""

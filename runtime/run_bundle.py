@@ -43,6 +43,7 @@ from pocketdiff.errors import PocketdiffError
 from .components import VAE_DECODER
 from .manifest_check import TILED_DECODER, check_bundle, decoder_components
 from .gpu_cache import bundle_digest
+from .verified_files import HashLedger, ledger_path
 from .load_workers import LoadWorkers, check_count, settle
 from .loaded_model import LoadedModel
 from .managed_model import PIPELINED, ManagedModel, loading_policy
@@ -544,6 +545,14 @@ def check_flags(args) -> None:
         raise PocketdiffError(f"--gpu-cache {args.gpu_cache} and --no-gpu-cache contradict each other: give one of them")
 
 
+def hash_ledger(args) -> Optional[HashLedger]:
+    """The files hashed at earlier launches (runtime/verified_files.py), kept with the GPU cache; --no-gpu-cache: none."""
+    if getattr(args, "no_gpu_cache", False):
+        return None
+    folder = getattr(args, "gpu_cache", None)
+    return HashLedger(ledger_path(args.bundle, Path(folder) if folder else None))
+
+
 def main(args) -> int:
     """CLI entry (argparse namespace: bundle, prompt, output, accelerator, pipelined, seed, overwrite, debug)."""
     from pocketdiff.outputs import finish_output_dir, prepare_output_dir, write_json
@@ -552,8 +561,8 @@ def main(args) -> int:
     check_seed(args.seed, "--seed")  # before the bundle is read or --output made
     check_flags(args)
     gpu_options = dict(parse_gpu_option(o) for o in getattr(args, "gpu_option", None) or [])
-    man = check_bundle(args.bundle)  # refuses bad bundles (files, fields, signatures) before touching --output
-    startup["bundle_checked"] = process_age_s()  # sha256 and .tflite checks of every file
+    man = check_bundle(args.bundle, ledger=hash_ledger(args))  # refuses bad bundles (files, fields, signatures) before touching --output
+    startup["bundle_checked"] = process_age_s()  # sha256 (of the files changed since the last launch) and .tflite checks
     fresh = not Path(args.output).exists()
     out = prepare_output_dir(args.output, overwrite=args.overwrite, inputs=[("bundle", args.bundle)], verb="run-bundle")
     fully = None
