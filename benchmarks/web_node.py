@@ -126,7 +126,7 @@ def sample_process(cmd: list[str], env: dict, log: Path, timeout: float, cwd: st
 
 # the runner's memory experiments (web/node_runner.mjs), a row each
 VARIANTS = {"plain": [], "nosettle": ["--no-settle-uploads"], "nosuballoc": ["--dawn-toggle", "disable_resource_suballocation"],
-            "fp16": ["--precision", "fp16"]}
+            "fp16": ["--precision", "fp16"], "fp16all": ["--precision", "fp16", "--decoder-precision", "fp16"]}
 
 
 def run_node(bundle: Path, unet: str, device: str, timeout: float, out: Path, variant: str = "plain") -> dict:
@@ -207,7 +207,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--variant", default="plain", help=f"comma list of {', '.join(VARIANTS)} (the runner's memory "
                     "experiments: plain (uploads settled after each compile, the default), nosettle (--no-settle-uploads), "
                     "nosuballoc (the Dawn toggle disable_resource_suballocation), fp16 (--precision fp16: LiteRT.js at half "
-                    "precision); a row each)")
+                    "precision for the text encoder and UNet), fp16all (the decoder too: --decoder-precision fp16, for a "
+                    "decoder with its 3x3 convs lowered); a row each)")
     ap.add_argument("--reference-accelerator", choices=("cpu", "gpu"), default="gpu")
     ap.add_argument("--reference", help="a web/reference/ folder written by `pocketdiff web` for this bundle (else made here)")
     ap.add_argument("--no-run-bundle", action="store_true", help="skip run-bundle --pipelined (a machine without ai-edge-litert)")

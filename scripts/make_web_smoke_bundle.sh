@@ -14,17 +14,22 @@
 # statistics (vae_tiling.scheme control_variate, 3 passes, the teacher's GroupNorms kept; same tiles).
 # And tests/web/smoke_bundle_tiled_parts: the tiled twin's decoder with its up path in two graphs (vae_tiling.up_parts=2:
 # vae_up_tile.0, vae_up_tile.1, each run over every tile in turn).
+# And tests/web/smoke_bundle_lowered_decoder: the recipe with the decoder's 3x3 convs lowered to 1x1 taps
+# (rewrites.conv_lowering=shifted_1x1, conv_lowering_components [vae_decoder]), which LiteRT.js runs at fp16.
 # And tests/web/smoke_bundle_tiny: the block-removed UNet (issue 48's `tiny` preset) from its own resolved recipe
 # (tests/web/smoke_bundle_tiny/config.yaml; another model, so it is kept whole, not as a twin).
-# Usage: make_web_smoke_bundle.sh [bundle] [tiled] [chunked] [tiled_stats] [tiled_parts] [tiny] (default: all six). A twin
+# Usage: make_web_smoke_bundle.sh [bundle] [tiled] [chunked] [tiled_stats] [tiled_parts] [lowered_decoder] [tiny]
+# (default: all seven). A twin
 # rebuilt without `bundle` keeps the files that differ from the committed tests/web/smoke_bundle's.
 # Rerun after a change to the bundle format (tests/web fail on a manifest they cannot read).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-[ $# -gt 0 ] || set -- bundle tiled chunked tiled_stats tiled_parts tiny
+[ $# -gt 0 ] || set -- bundle tiled chunked tiled_stats tiled_parts lowered_decoder tiny
 for B in "$@"; do
-  case "$B" in bundle|tiled|chunked|tiled_stats|tiled_parts|tiny) ;; *) echo "make_web_smoke_bundle: unknown bundle $B (bundle, tiled, chunked, tiled_stats, tiled_parts, tiny)" >&2; exit 2 ;; esac
+  case "$B" in bundle|tiled|chunked|tiled_stats|tiled_parts|lowered_decoder|tiny) ;;
+    *) echo "make_web_smoke_bundle: unknown bundle $B (bundle, tiled, chunked, tiled_stats, tiled_parts, lowered_decoder, tiny)" >&2; exit 2 ;;
+  esac
 done
 bash scripts/setup.sh
 TMP="$(mktemp -d)"
@@ -37,6 +42,7 @@ declare -A SETS=(
   [tiled_parts]="vae_tiling.enabled=true vae_tiling.scheme=one_pass vae_tiling.passes=1 vae_tiling.fold_norms=true
                  vae_tiling.tile=6 vae_tiling.overlap=2 vae_tiling.margin=1 vae_tiling.min_psnr_db=30 vae_tiling.up_parts=2"
   [chunked]="unet_chunks=2 text_encoder_chunks=2"
+  [lowered_decoder]="rewrites.conv_lowering=shifted_1x1 rewrites.conv_lowering_components=[vae_decoder]"
   [tiled_stats]="vae_tiling.enabled=true vae_tiling.scheme=control_variate vae_tiling.passes=3
                  vae_tiling.tile=6 vae_tiling.overlap=2 vae_tiling.margin=1 vae_tiling.min_psnr_db=30"
 )

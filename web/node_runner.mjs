@@ -8,6 +8,7 @@
 //   node web/node_runner.mjs BUNDLE [--unet resident|streamed] [--out report.json] [--image image.png]
 //        [--prompt P] [--seed S] [--no-goldens] [--min-image-psnr 30] [--gpu-device per-model|shared]
 //        [--limit NAME=BYTES ...] [--no-gc] [--dawn-toggle NAME ...] [--no-settle-uploads] [--precision fp32|fp16]
+//        [--decoder-precision fp32|fp16]
 // Each model compiles on a WebGPU device of its own, destroyed when it is released (--gpu-device shared: LiteRT.js's
 // one default device, as before), then garbage-collected at once (V8's gc; --no-gc: whenever V8 gets to it); the
 // report gives the WebGPU bytes alive at the peak, in all and per model (static/gpu_device.js), the host peak while
@@ -17,7 +18,8 @@
 // their staging memory goes before the next model compiles (--no-settle-uploads: not, as before). Memory
 // experiments: --dawn-toggle enables a Dawn toggle (e.g. disable_resource_suballocation). --precision fp16 asks LiteRT.js
 // for half precision on WebGPU for the text encoder and UNet (their weights as rgba16float textures instead of
-// rgba32float: half their GPU memory); the decoder stays fp32 (static/generate.js DECODER_PRECISION).
+// rgba32float: half their GPU memory); the decoder stays fp32 (static/generate.js DECODER_PRECISION) unless
+// --decoder-precision fp16, for a decoder exported with its 3x3 convs lowered (rewrites.conv_lowering_components).
 // Exit 0 when every check passed, 1 when one failed (the report says which), 2 on bad input or no GPU.
 import fs from 'node:fs';
 import path from 'node:path';
@@ -43,13 +45,16 @@ function options() {
       'gpu-device': { type: 'string', default: 'per-model' }, limit: { type: 'string', multiple: true, default: [] },
       'no-gc': { type: 'boolean', default: false }, 'dawn-toggle': { type: 'string', multiple: true, default: [] },
       'no-settle-uploads': { type: 'boolean', default: false }, precision: { type: 'string', default: 'fp32' },
+      'decoder-precision': { type: 'string', default: 'fp32' }, // generate.js's DECODER_PRECISION
     },
   });
   if (positionals.length !== 1) throw new UsageError('usage: node web/node_runner.mjs BUNDLE [--unet resident|streamed] [--out report.json] [--image image.png]');
   const bundle = path.resolve(positionals[0]);
   if (!fs.existsSync(path.join(bundle, 'manifest.json'))) throw new UsageError(`BUNDLE: ${bundle} has no manifest.json`);
   if (!['resident', 'streamed'].includes(values.unet)) throw new UsageError(`--unet: ${values.unet}, expected resident or streamed`);
-  if (!['fp32', 'fp16'].includes(values.precision)) throw new UsageError(`--precision: ${values.precision}, expected fp32 or fp16`);
+  for (const key of ['precision', 'decoder-precision']) {
+    if (!['fp32', 'fp16'].includes(values[key])) throw new UsageError(`--${key}: ${values[key]}, expected fp32 or fp16`);
+  }
   if (!['per-model', 'shared'].includes(values['gpu-device'])) throw new UsageError(`--gpu-device: ${values['gpu-device']}, expected per-model or shared`);
   const badToggle = values['dawn-toggle'].find((t) => !/^[a-z0-9_]+$/.test(t));
   if (badToggle !== undefined) throw new UsageError(`--dawn-toggle: ${JSON.stringify(badToggle)}, expected a Dawn toggle name (letters, digits, _)`);
@@ -235,7 +240,7 @@ async function main() {
   const useRef = ref && ref.prompt === prompt && ref.seed === seed;
   const say = (text) => process.stderr.write(`[${((performance.now() - t0) / 1000).toFixed(1)} s] ${text}\n`);
   const res = await generate(bundle, {
-    prompt, seed, scale: man.guidance.scale, accelerator: 'webgpu', precision: opts.precision, goldens: opts.goldens, streamUnet: opts.unet === 'streamed',
+    prompt, seed, scale: man.guidance.scale, accelerator: 'webgpu', precision: opts.precision, decoderPrecision: opts['decoder-precision'], goldens: opts.goldens, streamUnet: opts.unet === 'streamed',
     latents: useRef ? ref.latentsData : null, noise: useRef ? ref.noiseData : null,
     onStage: (name, s) => say(`${name}: compiled in ${(s.compile_ms ?? 0).toFixed(0)} ms${s.run_ms ? `, ran ${s.run_ms.toFixed(0)} ms` : ''}`),
     onStep: (i, n, ms) => say(`denoising step ${i}/${n} (${ms.toFixed(0)} ms)`),
@@ -250,7 +255,7 @@ async function main() {
   const report = {
     ok: failures.length === 0, failures, runner: 'node', node: process.version, adapter, prompt, seed,
     steps: man.scheduler.timesteps.length, resolution: man.image.width, unet: opts.unet, precision: opts.precision,
-    decoder_precision: DECODER_PRECISION,
+    decoder_precision: opts['decoder-precision'],
     latents: useRef ? 'reference/' + ref.latents : 'page noise (seeded)', tokenizer, components, image,
     latency_ms: { runtime_ready: runtimeMs, ...res.latency }, host_peak_mb: host.processPeakMb(),
     gpu_device: opts['gpu-device'], dawn_toggles: opts['dawn-toggle'], settle_uploads: !opts['no-settle-uploads'], gpu_memory: { ...ledger.summary(), what: 'bytes of WebGPU buffers and textures alive (static/gpu_device.js)' },

@@ -34,7 +34,7 @@ exec > >(tee -a "$OUT/web_node.log") 2>&1
 say() { echo "[$(date +%H:%M:%S)] $*"; }
 UNET=${UNET:-resident}
 DEVICES=${DEVICES:-per-model}
-VARIANTS=${VARIANTS:-plain}  # benchmarks/web_node.py --variant: plain, nosettle, nosuballoc, fp16
+VARIANTS=${VARIANTS:-plain}  # benchmarks/web_node.py --variant: plain, nosettle, nosuballoc, fp16, fp16all
 TIMEOUT=${TIMEOUT:-420}
 source "$REPO/scripts/gpu/vulkan_env.sh"
 # node and the npm packages, before env.sh leaves the repo root

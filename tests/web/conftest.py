@@ -1,6 +1,7 @@
 """Shared fixtures of the web tests: the shipped smoke bundles (tests/web/smoke_bundle and its twins
 smoke_bundle_tiled, one-pass tiled decoder, smoke_bundle_tiled_stats, tiled decoder with iterated norm
-statistics, smoke_bundle_tiled_parts, one-pass with the up path in two graphs, smoke_bundle_chunked, UNet and text encoder each in two chunks, and smoke_bundle_tiny, a block-removed
+statistics, smoke_bundle_tiled_parts, one-pass with the up path in two graphs, smoke_bundle_lowered_decoder, the decoder's 3x3
+convs lowered to 1x1 taps, smoke_bundle_chunked, UNet and text encoder each in two chunks, and smoke_bundle_tiny, a block-removed
 UNet (no mid block, no lowest stage) in four layer-cut chunks; made by `pocketdiff export`, see their READMEs)
 copied to a temporary folder, node and Chromium."""
 from __future__ import annotations
@@ -18,6 +19,7 @@ CHUNKED_SMOKE_BUNDLE = HERE / "smoke_bundle_chunked"
 TILED_STATS_SMOKE_BUNDLE = HERE / "smoke_bundle_tiled_stats"
 TINY_SMOKE_BUNDLE = HERE / "smoke_bundle_tiny"
 TILED_PARTS_SMOKE_BUNDLE = HERE / "smoke_bundle_tiled_parts"
+LOWERED_DECODER_SMOKE_BUNDLE = HERE / "smoke_bundle_lowered_decoder"
 
 
 @pytest.fixture
@@ -67,6 +69,13 @@ def assemble_tiled_parts():
     """The one-pass tiled smoke bundle with its up path in two graphs (vae_up_tile.0, vae_up_tile.1; export
     `vae_tiling.up_parts: 2`) assembled in a folder."""
     return lambda dst: assemble_twin_bundle(TILED_PARTS_SMOKE_BUNDLE, dst)
+
+
+@pytest.fixture
+def lowered_decoder_bundle(tmp_path) -> Path:
+    """The smoke bundle with its decoder's 3x3 convs lowered to 1x1 taps (export `rewrites.conv_lowering=shifted_1x1
+    rewrites.conv_lowering_components=[vae_decoder]`) assembled in a temporary folder."""
+    return assemble_twin_bundle(LOWERED_DECODER_SMOKE_BUNDLE, tmp_path / "lowered_decoder")
 
 
 @pytest.fixture(scope="session")

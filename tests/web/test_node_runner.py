@@ -127,6 +127,23 @@ def test_fp16_precision_halves_the_weights_webgpu_holds_and_keeps_the_image(dawn
     assert peaks["fp16"]["text_encoder"] < 0.8 * peaks["fp32"]["text_encoder"], peaks
 
 
-def test_an_unknown_precision_is_refused_naming_the_option(dawn, smoke_bundle):
-    p = _run(dawn, str(smoke_bundle), "--precision", "fp8", timeout=120)
-    assert p.returncode == 2 and "--precision: fp8, expected fp32 or fp16" in p.stderr
+def test_a_decoder_with_lowered_convs_runs_at_fp16_too(dawn, lowered_decoder_bundle, tmp_path):
+    """--decoder-precision fp16 on a decoder exported with its 3x3 convs as 1x1 taps (LiteRT.js's half-precision
+    3x3 kernel is what breaks the plain smoke decoder): every component at fp16, goldens and the image against
+    run-bundle's reference pass."""
+    from pocketdiff.web.page import PageConfig, write_page
+
+    write_page(PageConfig(bundle=str(lowered_decoder_bundle)))
+    out = tmp_path / "fp16all.json"
+    p = _run(dawn, str(lowered_decoder_bundle), "--precision", "fp16", "--decoder-precision", "fp16", "--out", str(out), timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    rep = json.loads(out.read_text())
+    assert rep["ok"] and rep["precision"] == "fp16" and rep["decoder_precision"] == "fp16"
+    assert {n: c["precision"] for n, c in rep["components"].items()} == dict.fromkeys(["text_encoder", "unet", "vae_decoder"], "fp16")
+    assert rep["image"]["psnr_db"] >= 40, rep["image"]
+
+
+@pytest.mark.parametrize("option", ["--precision", "--decoder-precision"])
+def test_an_unknown_precision_is_refused_naming_the_option(dawn, smoke_bundle, option):
+    p = _run(dawn, str(smoke_bundle), option, "fp8", timeout=120)
+    assert p.returncode == 2 and f"{option}: fp8, expected fp32 or fp16" in p.stderr

@@ -19,8 +19,10 @@ const STREAM_UNET = params.get('unet') === 'streamed';
 // each model's WebGPU device destroyed when it is released (gpu_device.js); ?gpu_device=shared: LiteRT.js's one device
 const GPU_DEVICE = params.get('gpu_device') === 'shared' ? 'shared' : 'per-model';
 // ?precision=fp16: the text encoder and UNet on LiteRT.js's WebGPU path at half precision (their weight textures half
-// the GPU memory; the decoder stays fp32, generate.js); fp32: LiteRT.js's default
+// the GPU memory; the decoder stays fp32, generate.js); fp32: LiteRT.js's default. ?decoder_precision=fp16: the decoder
+// too, for a bundle exported with the decoder's 3x3 convs lowered (rewrites.conv_lowering_components: [vae_decoder])
 const PRECISION = params.get('precision') === 'fp16' ? 'fp16' : 'fp32';
+const DECODER_PRECISION = params.get('decoder_precision') === 'fp16' ? 'fp16' : 'fp32';
 const ledger = new GpuLedger();
 let fit = null; // limits.js preflight's sizes of each component
 let fitFor = null; // {accelerator, limits} that preflight checked: another accelerator chosen later is checked again
@@ -95,7 +97,7 @@ async function run(prompt, seed) {
   const useRef = reference && reference.seed === seed;
   $('stage-rows').innerHTML = '';
   const res = await generate(bundle, {
-    prompt, seed, scale, accelerator, precision: PRECISION, goldens: CHECK, streamUnet: STREAM_UNET,
+    prompt, seed, scale, accelerator, precision: PRECISION, decoderPrecision: DECODER_PRECISION, goldens: CHECK, streamUnet: STREAM_UNET,
     latents: useRef ? reference.latentsData : null,
     noise: useRef ? reference.noiseData : null,
     onStage: showStage,
@@ -140,6 +142,7 @@ function summary(prompt, seed, out, runtimeMs) {
     accelerator,
     unet: STREAM_UNET ? 'streamed' : 'resident',
     precision: PRECISION,
+    decoder_precision: DECODER_PRECISION,
     gpu_device: GPU_DEVICE,
     gpu_memory: { ...ledger.summary(), what: 'bytes of WebGPU buffers and textures alive (gpu_device.js)' },
     preflight: fit,

@@ -5,7 +5,7 @@ import { StreamedChunk, TEXT_ENCODER, UNET, chunkAliases, goldenIndices, outputN
 import { schedulerFor } from './schedulers.js';
 import { ONE_PASS, onePassDecode, statsDecode } from './tiled.js';
 
-export const DECODER_PRECISION = 'fp32';
+export const DECODER_PRECISION = 'fp32'; // the decoder's precision unless opts.decoderPrecision says otherwise
 
 /** Latents -> pixels [1, 3, H, W] through the whole decoder, or the tiled one (tiled.js). `fetches`: the decoder's
  *  components fetched (bundle.decoder's order); `open(fetched)` compiles one, golden-checked, to run. A tiled decoder's
@@ -52,7 +52,8 @@ function upPartRunners(man, fetches, open) {
  *        bundle's re-noising draws, steps - 1 latents long), goldens (bool), streamUnet (bool: a chunked
  *        UNet's chunks compiled one at a time for each step and released after it, instead of kept),
  *        precision ('fp32', LiteRT.js's default, or 'fp16': the text encoder's and UNet's WebGPU weights and
- *        arithmetic at half precision; the decoder stays at DECODER_PRECISION),
+ *        arithmetic at half precision), decoderPrecision (the decoder's, DECODER_PRECISION unless given: fp16 only
+ *        for a decoder exported with its 3x3 convs lowered, rewrites.conv_lowering_components [vae_decoder]),
  *        onStage(name, info), onStep(i, n, ms)}
  * returns {image: {img, h, w, c, finite}, tokens, stages, golden, latency}
  */
@@ -73,7 +74,7 @@ export async function generate(bundle, opts) {
   latency.tokenize_ms = performance.now() - t0;
 
   const record = (c) => {
-    stages[c.name] = { accelerator: c.accelerator, fully_accelerated: c.fullyAccelerated, fetch_ms: c.fetchMs, compile_ms: c.compileMs, run_ms: 0 };
+    stages[c.name] = { accelerator: c.accelerator, precision: c.precision, fully_accelerated: c.fullyAccelerated, fetch_ms: c.fetchMs, compile_ms: c.compileMs, run_ms: 0 };
     note(c.name, stages[c.name]);
   };
   let goldenMs = 0; // check mode's golden runs, kept out of the generation latency
@@ -236,10 +237,9 @@ export async function generate(bundle, opts) {
     // (run-bundle --pipelined), so no two decoder graphs are on the GPU together (decode above)
     const decs = [];
     const latents = { data: x, shape: [1, lat.channels, lat.height, lat.width] };
-    const openDecoder = async (fetched) => { // fp32 whatever opts.precision: on LiteRT.js 2.5.3's half-precision WebGPU
-      // path the smoke bundle's decoder alone returns a black image (lavapipe; its text encoder and UNet at fp16: 53.9 dB
-      // from all-fp32), and the SD-size student all at fp16 gave a 2.9 dB image on an H200 (the decoder not isolated)
-      const c = await Component.compile(fetched, opts.accelerator, DECODER_PRECISION);
+    const openDecoder = async (fetched) => { // fp32 unless asked: LiteRT.js 2.5.3's half-precision 3x3 conv breaks the
+      // smoke decoder's up_blocks.1 upsampler conv (a black image on lavapipe); lowered to 1x1 taps it runs at fp16
+      const c = await Component.compile(fetched, opts.accelerator, opts.decoderPrecision ?? DECODER_PRECISION);
       decs.push(c); // released below whatever happens (release is idempotent)
       record(c);
       await checkGolden(c);
