@@ -151,12 +151,13 @@ def _hash_in_threads(bundle: Path, entries: list, ledger: Optional[HashLedger]) 
 
 def _check_files(bundle: Path, entries: list, verify_sha: bool, ledger: Optional[HashLedger] = None) -> None:
     """Each entry in order: inside the bundle, present, its sha256, a model's .tflite complete; its `_path` added. A
-    refused bundle leaves no hashing behind (the pending files are cancelled); a checked one's hashes go in `ledger`."""
+    refused bundle leaves no hashing behind (the pending files are cancelled); a checked one's hashes go in `ledger`,
+    whose unchanged files skip both the hash and the .tflite check they passed at an earlier launch."""
     pool, hashes, hashed = _hash_in_threads(bundle, entries, ledger) if verify_sha else (None, {}, {})
     try:
         for entry, what, is_model in entries:
             path = _check_entry(bundle, entry, what, verify_sha, hashes)
-            if is_model:
+            if is_model and (path in hashed or path not in hashes):  # a file the ledger knows passed this check before
                 check_tflite_file(path)
             entry["_path"] = str(path)
         if ledger is not None:

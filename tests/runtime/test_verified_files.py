@@ -1,4 +1,4 @@
-"""runtime/verified_files.py: a launch hashes only the bundle files changed since an earlier launch hashed them;
+"""runtime/verified_files.py: a launch hashes and checks only the bundle files changed since an earlier launch checked them;
 a changed file (even one with its size and modification time put back) is hashed again and refused on a
 mismatch; a damaged ledger costs one warning and a full hash."""
 from __future__ import annotations
@@ -52,6 +52,19 @@ def test_a_second_launch_hashes_nothing_unchanged_and_a_changed_file_again(bundl
     (bundle / "unet.1.tflite").write_bytes((bundle / "unet.1.tflite").read_bytes())
     _launch(bundle, warnings)
     assert hashed == ["unet.1.tflite"]
+
+
+def test_a_known_graph_skips_the_structure_check_it_passed_and_a_changed_one_does_not(bundle, hashed, monkeypatch):
+    checked = []
+    real = bundle_mod.check_tflite_file
+    monkeypatch.setattr(bundle_mod, "check_tflite_file", lambda p: (checked.append(Path(p).name), real(p)))
+    warnings = []
+    _launch(bundle, warnings)
+    assert "unet.0.tflite" in checked
+    checked.clear()
+    (bundle / "unet.0.tflite").write_bytes((bundle / "unet.0.tflite").read_bytes())
+    _launch(bundle, warnings)
+    assert checked == ["unet.0.tflite"]
 
 
 def test_a_file_changed_with_its_size_and_times_put_back_is_refused(bundle, hashed):
