@@ -127,6 +127,8 @@ if (req.console_lines) {
   out.prepare_failure = prepare.prepareFailure(out.prepare_since);
   out.prepare_later = prepare.consoleSince(prepare.consoleMark());
 }
+// prepare.js: a model's output at a precision ({what, values: numbers or 'NaN' / 'Infinity', precision})
+out.half_precision = (req.outputs || []).map((o) => prepare.halfPrecisionProblem(o.what, Float32Array.from(o.values, Number), o.precision));
 // chunks.js: a model's layout in the manifest ({manifest, base}: 'unet' or 'text_encoder'), and the whole manifest's
 out.layouts = (req.layouts || []).map(({ manifest, base }) => {
   const problem = chunks.partsProblem(manifest, base);

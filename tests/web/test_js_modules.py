@@ -273,6 +273,18 @@ def test_page_prepare_check_and_unet_layouts(node, tmp_path):
     assert "unet_chunks.components must list unet.0, unet.1" in unordered["problem"]
 
 
+def test_a_non_finite_output_at_half_precision_is_one_line_naming_the_model(node, tmp_path):
+    """prepare.js halfPrecisionProblem: what generate.js throws when a model at fp16 returned NaN/Inf (SwiftShader's
+    text encoder does), and nothing for finite outputs or at fp32."""
+    outputs = [{"what": "text_encoder", "values": [0.5, "NaN", 1], "precision": "fp16"},
+               {"what": "unet (step 2)", "values": [0, "-Infinity"], "precision": "fp16"},
+               {"what": "vae_decoder", "values": [0, 1e4, -65504], "precision": "fp16"},
+               {"what": "text_encoder", "values": ["NaN"], "precision": "fp32"}]
+    out = _run(node, tmp_path, _plain_request(outputs=outputs))["half_precision"]
+    assert out[0] == "text_encoder: NaN/Inf values at fp16 on this GPU (value 1 of 3); run it at fp32"
+    assert out[1].startswith("unet (step 2): NaN/Inf values at fp16") and out[2:] == [None, None]
+
+
 TE_CHUNKS = {"components": ["text_encoder.0", "text_encoder.1"]}
 
 

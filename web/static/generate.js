@@ -4,8 +4,15 @@ import { BundleError, Component, pageNoise, parity, toHwc } from './pipeline.js'
 import { StreamedChunk, TEXT_ENCODER, UNET, chunkAliases, goldenIndices, outputNames, runParts, runPartsOnEach } from './chunks.js';
 import { schedulerFor } from './schedulers.js';
 import { ONE_PASS, onePassDecode, statsDecode } from './tiled.js';
+import { halfPrecisionProblem } from './prepare.js';
 
 export const DECODER_PRECISION = 'fp32'; // the decoder's precision unless opts.decoderPrecision says otherwise
+
+/** Stop with one line when a model at half precision returned NaN/Inf (prepare.js), not with a wrong image. */
+function requireFinite(what, data, precision) {
+  const problem = halfPrecisionProblem(what, data, precision);
+  if (problem) throw new BundleError(problem);
+}
 
 /** Latents -> pixels [1, 3, H, W] through the whole decoder, or the tiled one (tiled.js). `fetches`: the decoder's
  *  components fetched (bundle.decoder's order); `open(fetched)` compiles one, golden-checked, to run. A tiled decoder's
@@ -148,6 +155,7 @@ export async function generate(bundle, opts) {
   const prompts = empty ? [enc, empty] : [enc];
   const [cond, uncond] = await runPartsOnEach(teParts, prompts.map((p) => ({ input_ids: { data: p.ids, shape: [1, p.ids.length] } })),
     chunkAliases(man, TEXT_ENCODER), TEXT_ENCODER);
+  for (const t of [cond, uncond]) if (t) requireFinite('text_encoder', t.data, opts.precision);
   const text = { cond, uncond };
   const unet = kept ?? [];
   bundle.residentUnet = null; // held by this call until it ends
@@ -215,6 +223,7 @@ export async function generate(bundle, opts) {
         feeds.timestep = { data: new Float32Array(B).fill(t), shape: [B] };
       }
       const res = await runParts(unet, feeds, outNames, aliases, UNET);
+      requireFinite(`unet (step ${i + 1})`, res.data, opts.precision);
       stepMs.push(unet.reduce((a, c) => a + c.runMs[c.runMs.length - 1], 0));
       let out = res.data;
       if (B === 2) {
@@ -248,6 +257,7 @@ export async function generate(bundle, opts) {
     let image;
     try {
       const d = await decode(man, decoderP, openDecoder, latents);
+      requireFinite('vae_decoder', d.data, opts.decoderPrecision ?? DECODER_PRECISION);
       image = toHwc(d.data, d.shape);
       for (const c of decs) {
         stages[c.name].run_ms = c.runMs.reduce((a, b) => a + b, 0);

@@ -36,3 +36,14 @@ export function consoleSince(mark) {
 export function prepareFailure(lines) {
   return lines.find((line) => PREPARE_FAILED.test(line)) ?? null;
 }
+
+/** At half precision a GPU can return NaN or Inf where fp32 does not (SwiftShader's text encoder, LiteRT.js 2.5.3):
+ *  the line that stops the run, naming the model and the precision, or null when `data` is finite or the
+ *  model ran at fp32 (a non-finite fp32 result is the image check's to report). */
+export function halfPrecisionProblem(what, data, precision) {
+  if (precision !== 'fp16') return null;
+  for (let i = 0; i < data.length; i++) {
+    if (!Number.isFinite(data[i])) return `${what}: NaN/Inf values at fp16 on this GPU (value ${i} of ${data.length}); run it at fp32`;
+  }
+  return null;
+}
