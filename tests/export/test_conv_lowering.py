@@ -133,3 +133,24 @@ def test_the_int8gpu_preset_is_export_student_plus_the_phone_overrides():
     assert phone == base
     cfg = load_config(Config, root / "export_student_int8gpu.yaml", [])  # validates (chunk precheck included)
     assert cfg.rewrites.conv_lowering == "shifted_1x1" and cfg.int8.gpu_weights == "direct"
+
+
+def test_the_web_preset_is_export_student_plus_the_page_overrides():
+    """configs/sd21/export_student_web.yaml: the layout measured for the page (issue 50), kept in step."""
+    from pathlib import Path
+
+    import yaml
+
+    from pocketdiff.config import load_config
+    from pocketdiff.export.verb import Config
+
+    root = Path(__file__).resolve().parents[2] / "configs" / "sd21"
+    base = yaml.safe_load((root / "export_student.yaml").read_text())
+    web = yaml.safe_load((root / "export_student_web.yaml").read_text())
+    base.update(unet_chunks=16, unet_chunk_cut="layer", text_encoder_chunks=3)
+    base["int8"] = {**base["int8"], "components": ["text_encoder", "unet"]}
+    base["rewrites"] = {**base["rewrites"], "conv_lowering": "shifted_1x1", "conv_lowering_components": ["unet", "vae_decoder"]}
+    base["vae_tiling"] = {**base["vae_tiling"], "tile": 24, "up_parts": 2}
+    assert web == base
+    cfg = load_config(Config, root / "export_student_web.yaml", [])
+    assert cfg.rewrites.conv_lowering_components == ["unet", "vae_decoder"] and cfg.vae_tiling.up_parts == 2
