@@ -22,6 +22,7 @@ Public entry points:
 - `bundle_images.bundle_info` / `generate_images`: what other stages use (evaluate's `kind: bundle`)
 - `delegate.run_on_delegate(model, inputs)`: one .tflite on the LiteRT GPU delegate in a child
   process (the converter's delegate checks use it too)
+- `verified_files.HashLedger`: which bundle files passed the checks at an earlier launch (run-bundle's warm start)
 - `tflite_file.TfliteModel`, `check_tflite_file`, `sha256_file`: reading a .tflite;
   `parity.metrics` / `check`: the comparison behind a bundle's golden tolerances
 """

@@ -85,7 +85,7 @@ def _check_version(mpath: Path, manifest: dict) -> None:
 def load_manifest(bundle: str | Path, verify_sha: bool = True, components: Optional[list[str]] = None,
                   ledger: Optional[HashLedger] = None) -> dict:
     """Read and check a bundle's manifest; returns it with absolute `_path`s added. `ledger`: files unchanged since
-    an earlier launch hashed them are not hashed again (runtime/verified_files.py)."""
+    they passed at an earlier launch are neither hashed nor structure-checked again (runtime/verified_files.py)."""
     bundle = Path(bundle)
     mpath = bundle / MANIFEST
     if not bundle.is_dir():
@@ -157,7 +157,7 @@ def _check_files(bundle: Path, entries: list, verify_sha: bool, ledger: Optional
     try:
         for entry, what, is_model in entries:
             path = _check_entry(bundle, entry, what, verify_sha, hashes)
-            if is_model and (path in hashed or path not in hashes):  # a file the ledger knows passed this check before
+            if is_model and (path in hashed or path not in hashes):  # not for a file the ledger knows: it passed before
                 check_tflite_file(path)
             entry["_path"] = str(path)
         if ledger is not None:

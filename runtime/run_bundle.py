@@ -546,7 +546,8 @@ def check_flags(args) -> None:
 
 
 def hash_ledger(args) -> Optional[HashLedger]:
-    """The files hashed at earlier launches (runtime/verified_files.py), kept with the GPU cache; --no-gpu-cache: none."""
+    """The files that passed the checks at earlier launches (runtime/verified_files.py), kept with the GPU cache;
+    --no-gpu-cache: none."""
     if getattr(args, "no_gpu_cache", False):
         return None
     folder = getattr(args, "gpu_cache", None)
