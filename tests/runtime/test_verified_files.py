@@ -114,3 +114,14 @@ def test_the_ledger_lives_in_the_given_cache_folder_or_one_per_bundle(tmp_path, 
     assert ledger_path(tmp_path / "b", tmp_path / "g") == tmp_path / "g" / "verified.json"
     a, b = ledger_path(tmp_path / "x" / "b"), ledger_path(tmp_path / "y" / "b")
     assert a != b and a.parent == tmp_path / "c" / "verified" and a.name.startswith("b-")
+
+
+def test_run_bundle_keeps_the_ledger_with_its_gpu_cache_and_none_without_one(tmp_path, monkeypatch):
+    from pocketdiff.cli import build_parser
+    from pocketdiff.runtime.run_bundle import hash_ledger
+
+    monkeypatch.setenv("POCKETDIFF_CACHE", str(tmp_path / "c"))
+    parse = lambda *more: build_parser().parse_args(["run-bundle", str(tmp_path / "b"), "--prompt", "x", "--output", "o", *more])
+    assert hash_ledger(parse("--no-gpu-cache")) is None
+    assert hash_ledger(parse("--gpu-cache", str(tmp_path / "g"))).path == tmp_path / "g" / "verified.json"
+    assert hash_ledger(parse()).path.parent == tmp_path / "c" / "verified"
