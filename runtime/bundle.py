@@ -154,10 +154,11 @@ def _check_files(bundle: Path, entries: list, verify_sha: bool, ledger: Optional
     refused bundle leaves no hashing behind (the pending files are cancelled); a checked one's hashes go in `ledger`,
     whose unchanged files skip both the hash and the .tflite check they passed at an earlier launch."""
     pool, hashes, hashed = _hash_in_threads(bundle, entries, ledger) if verify_sha else (None, {}, {})
+    known = hashes.keys() - hashed.keys()  # unchanged since they passed every check at an earlier launch
     try:
         for entry, what, is_model in entries:
             path = _check_entry(bundle, entry, what, verify_sha, hashes)
-            if is_model and (path in hashed or path not in hashes):  # not for a file the ledger knows: it passed before
+            if is_model and path not in known:
                 check_tflite_file(path)
             entry["_path"] = str(path)
         if ledger is not None:

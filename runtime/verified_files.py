@@ -9,17 +9,18 @@ when all of them are unchanged (any write to the file, a copy over it, a rename 
 changes one; the status-change time cannot be set back by a user's tools); otherwise the file is hashed
 again. A missing, unreadable or malformed ledger is the same as an empty one (a warning for the latter two),
 and a ledger that cannot be written costs only the saving. Launches writing one ledger at once each
-replace it whole (write to a private file, then rename), so it is never half-written.
+replace it whole (pocketdiff.outputs.atomic_write_text), so it is never half-written.
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
 import sys
 from pathlib import Path
 from typing import Callable, Optional
+
+from pocketdiff.outputs import atomic_write_text
 
 LEDGER_VERSION = 1
 FILE_NAME = "verified.json"
@@ -75,13 +76,8 @@ class HashLedger:
     def save(self) -> None:
         if not self.changed:
             return
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps({"version": LEDGER_VERSION, "files": self.files}, sort_keys=True))
-            os.replace(tmp, self.path)
+            atomic_write_text(self.path, json.dumps({"version": LEDGER_VERSION, "files": self.files}, sort_keys=True))
         except OSError as e:
-            with contextlib.suppress(OSError):
-                tmp.unlink(missing_ok=True)
             self.warn(f"hash ledger {self.path}: not written ({e.strerror or e}); the next launch hashes every file again")
         self.changed = False

@@ -229,7 +229,7 @@ async function main() {
   const ledger = new GpuLedger(), host = memoryEvents(ledger, deviceCounts, () => getGlobalLiteRt().liteRtWasm.HEAPU8.length), gc = opts['no-gc'] ? null : forcedGc();
   useModelDevices({ perModel: opts['gpu-device'] === 'per-model', ledger, onEvent: host.onEvent, collect: gc?.collect, sharedDevice: getWebGpuDevice(),
     settleUploads: !opts['no-settle-uploads'] });
-  const { DECODER_PRECISION, generate } = await import('./static/generate.js');
+  const { generate } = await import('./static/generate.js');
   const bundle = new Bundle(pathToFileURL(opts.bundle).href + '/');
   const man = await bundle.open();
   const limits = bundleLimits(adapter.limits, parseLimitOverrides(opts.limit));

@@ -246,9 +246,10 @@ export async function generate(bundle, opts) {
     // (run-bundle --pipelined), so no two decoder graphs are on the GPU together (decode above)
     const decs = [];
     const latents = { data: x, shape: [1, lat.channels, lat.height, lat.width] };
+    const decoderPrecision = opts.decoderPrecision ?? DECODER_PRECISION;
     const openDecoder = async (fetched) => { // fp32 unless asked: LiteRT.js 2.5.3's half-precision 3x3 conv breaks the
       // smoke decoder's up_blocks.1 upsampler conv (a black image on lavapipe); lowered to 1x1 taps it runs at fp16
-      const c = await Component.compile(fetched, opts.accelerator, opts.decoderPrecision ?? DECODER_PRECISION);
+      const c = await Component.compile(fetched, opts.accelerator, decoderPrecision);
       decs.push(c); // released below whatever happens (release is idempotent)
       record(c);
       await checkGolden(c);
@@ -257,7 +258,7 @@ export async function generate(bundle, opts) {
     let image;
     try {
       const d = await decode(man, decoderP, openDecoder, latents);
-      requireFinite('vae_decoder', d.data, opts.decoderPrecision ?? DECODER_PRECISION);
+      requireFinite('vae_decoder', d.data, decoderPrecision);
       image = toHwc(d.data, d.shape);
       for (const c of decs) {
         stages[c.name].run_ms = c.runMs.reduce((a, b) => a + b, 0);
