@@ -12,6 +12,8 @@
 #          each row: start_s, total_s, unet_step_s, host/GPU peaks and host_plus_gpu_peak_at_once_mb, overlap_levels
 #   probe  each UNet file of PROBE_LAYOUTS alone in a fresh process (host RSS, GPU memory, load time); PROBE_SETS: the
 #          option sets (bundle_footprint.py OPTION_SETS, default base; int8_kernels for int8.storage: direct files)
+#   images `pocketdiff run-bundle --pipelined` once per layout of IMAGE_LAYOUTS (one prompt, seed 0), each image's PSNR
+#          against the first layout's (images.json; 999: identical): the same weights through other graphs give the same image
 #   ops    each .tflite of $PROBE_DIR (default .devprobe/) alone in a fresh process (GPU bytes per parameter by op kind and
 #          storage; PROBE_DIR=.devprobe2: benchmarks/activation_probe.py, activation memory)
 # Bundles stay unpacked in /tmp/sd21_bundles between calls of a warm machine (a later call carries only new sets).
@@ -72,6 +74,27 @@ if [[ ,$PARTS, == *,runs,* ]]; then
     $PY "$REPO"/benchmarks/bundle_footprint.py runs "$BUNDLES/$L:$L" --modes "$MODES" --tag weight_path${GPU_OPTION:+_opt} ${GPU_OPTION:+--gpu-option $GPU_OPTION} --out "$RES/runs_$L.json" --cache-root /tmp/pd-cache
     ship
   done
+fi
+if [[ ,$PARTS, == *,images,* ]]; then
+  set -- ${IMAGE_LAYOUTS:-$LAYOUTS}
+  say "== images: $*"
+  for L in "$@"; do
+    $PY -m pocketdiff.cli run-bundle "$BUNDLES/$L" --prompt "a red apple on a wooden table" --seed 0 --pipelined --output "/tmp/images/$L" \
+      --gpu-cache /tmp/pd-cache/images_$L --overwrite > "$RES/images_$L.log" 2>&1 || say "run-bundle $L failed (images_$L.log)"
+  done
+  $PY - "$RES/images.json" "$@" <<'PYEOF'
+import json, sys
+import numpy as np
+from PIL import Image
+from pocketdiff.runtime.tiled_decode import psnr_db
+out, layouts = sys.argv[1], sys.argv[2:]
+img = {L: np.asarray(Image.open(f"/tmp/images/{L}/image.png"), dtype=np.float64) / 255.0 for L in layouts}
+ref = layouts[0]
+rows = [{"layout": L, "reference": ref, "psnr_db": None if L == ref else min(round(psnr_db(img[ref], img[L]), 2), 999.0)} for L in layouts]
+json.dump({"prompt": "a red apple on a wooden table", "seed": 0, "mode": "pipelined", "rows": rows}, open(out, "w"), indent=1)
+print(json.dumps(rows))
+PYEOF
+  ship
 fi
 if [[ ,$PARTS, == *,probe,* ]]; then
   for L in ${PROBE_LAYOUTS:-}; do

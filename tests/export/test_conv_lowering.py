@@ -130,9 +130,10 @@ def test_the_int8gpu_preset_is_export_student_plus_the_phone_overrides():
     base["int8"] = {**base["int8"], "components": ["text_encoder", "unet"], "gpu_weights": "direct"}
     base["rewrites"] = {**base["rewrites"], "conv_lowering": "shifted_1x1", "conv_lowering_components": ["unet"],
                        "attention_budget_mb": 16}
+    base["vae_tiling"] = {**base["vae_tiling"], "up_parts": 2}
     assert phone == base
     cfg = load_config(Config, root / "export_student_int8gpu.yaml", [])  # validates (chunk precheck included)
-    assert cfg.rewrites.conv_lowering == "shifted_1x1" and cfg.int8.gpu_weights == "direct"
+    assert cfg.rewrites.conv_lowering == "shifted_1x1" and cfg.int8.gpu_weights == "direct" and cfg.vae_tiling.up_parts == 2
 
 
 def test_the_web_preset_is_export_student_plus_the_page_overrides():
