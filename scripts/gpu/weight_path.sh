@@ -88,9 +88,16 @@ import numpy as np
 from PIL import Image
 from pocketdiff.runtime.tiled_decode import psnr_db
 out, layouts = sys.argv[1], sys.argv[2:]
-img = {L: np.asarray(Image.open(f"/tmp/images/{L}/image.png"), dtype=np.float64) / 255.0 for L in layouts}
+def read(L):  # None where run-bundle made no image (its log says why)
+    try:
+        return np.asarray(Image.open(f"/tmp/images/{L}/image.png"), dtype=np.float64) / 255.0
+    except OSError:
+        return None
+img = {L: read(L) for L in layouts}
 ref = layouts[0]
-rows = [{"layout": L, "reference": ref, "psnr_db": None if L == ref else min(round(psnr_db(img[ref], img[L]), 2), 999.0)} for L in layouts]
+rows = [{"layout": L, "reference": ref, "image": img[L] is not None,
+         "psnr_db": None if L == ref or img[L] is None or img[ref] is None else min(round(psnr_db(img[ref], img[L]), 2), 999.0)}
+        for L in layouts]
 json.dump({"prompt": "a red apple on a wooden table", "seed": 0, "mode": "pipelined", "rows": rows}, open(out, "w"), indent=1)
 print(json.dumps(rows))
 PYEOF
