@@ -23,7 +23,9 @@ def test_write_staging_goes_at_the_next_submission(tmp_path):
     dawn_or_skip(node)
     env, _ = delegate_env()
     out = tmp_path / "probe.json"
-    p = subprocess.run([node, str(PROBE), "--mb", "128", "--pause", "300", "--out", str(out)], capture_output=True, text=True,
+    # 1.5 s after each phase (the probe's default): at 0.3 s a clean CI run on the busy 2 cores once read the RSS before
+    # Dawn had let the staging go (2026-11-29: +19 MB instead of -128 MB); idle, 0.3 s was enough
+    p = subprocess.run([node, str(PROBE), "--mb", "128", "--pause", "1500", "--out", str(out)], capture_output=True, text=True,
                        env=env, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     rows = {r["phase"]: r["rss_mb"] for r in json.loads(out.read_text())["rows"]}
