@@ -77,17 +77,18 @@ if [[ ,$PARTS, == *,runs,* ]]; then
 fi
 if [[ ,$PARTS, == *,images,* ]]; then
   set -- ${IMAGE_LAYOUTS:-$LAYOUTS}
+  PROMPT="a red apple on a wooden table"
   say "== images: $*"
   for L in "$@"; do
-    $PY -m pocketdiff.cli run-bundle "$BUNDLES/$L" --prompt "a red apple on a wooden table" --seed 0 --pipelined --output "/tmp/images/$L" \
+    $PY -m pocketdiff.cli run-bundle "$BUNDLES/$L" --prompt "$PROMPT" --seed 0 --pipelined --output "/tmp/images/$L" \
       --gpu-cache /tmp/pd-cache/images_$L --overwrite > "$RES/images_$L.log" 2>&1 || say "run-bundle $L failed (images_$L.log)"
   done
-  $PY - "$RES/images.json" "$@" <<'PYEOF'
+  $PY - "$RES/images.json" "$PROMPT" "$@" <<'PYEOF'
 import json, sys
 import numpy as np
 from PIL import Image
 from pocketdiff.runtime.tiled_decode import psnr_db
-out, layouts = sys.argv[1], sys.argv[2:]
+out, prompt, layouts = sys.argv[1], sys.argv[2], sys.argv[3:]
 def read(L):  # None where run-bundle made no image (its log says why)
     try:
         return np.asarray(Image.open(f"/tmp/images/{L}/image.png"), dtype=np.float64) / 255.0
@@ -98,7 +99,7 @@ ref = layouts[0]
 rows = [{"layout": L, "reference": ref, "image": img[L] is not None,
          "psnr_db": None if L == ref or img[L] is None or img[ref] is None else min(round(psnr_db(img[ref], img[L]), 2), 999.0)}
         for L in layouts]
-json.dump({"prompt": "a red apple on a wooden table", "seed": 0, "mode": "pipelined", "rows": rows}, open(out, "w"), indent=1)
+json.dump({"prompt": prompt, "seed": 0, "mode": "pipelined", "rows": rows}, open(out, "w"), indent=1)
 print(json.dumps(rows))
 PYEOF
   ship
