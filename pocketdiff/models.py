@@ -38,6 +38,7 @@ from .archs import (  # noqa: F401  (ARCHS and the config factories are also imp
     vae_config,
 )
 from .errors import PocketdiffError, require
+from .lora import LoraSpec, check_lora_specs, fuse_loras
 from .normfree import apply_norm_free, norm_free_names
 from .shipped import resolve_shipped
 from .unet_blocks import PRESETS as BLOCK_PRESETS, apply_preset
@@ -62,8 +63,12 @@ class ModelConfig:
     # built models only: the UNet with a block-removal preset's shape (base | small | tiny, pocketdiff/unet_blocks.py),
     # e.g. an SD-2.1-size `tiny` student with random weights for export benchmarks; a trained one comes from `prune`
     unet_blocks: Optional[str] = None
+    # the user's LoRAs ({path: FILE.safetensors, scale: 1.0}, any number), fused into the UNet and text encoder
+    # when the model is loaded (pocketdiff/lora.py): diffusers / PEFT, kohya / A1111 and LyCORIS LoCon files
+    lora: list[LoraSpec] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
+        self.lora = check_lora_specs(self.lora, "model.lora")
         require(self.arch in ARCHS, "model.arch", f"must be one of {ARCHS}, got {self.arch!r}")
         require(
             self.prediction_type in MODEL_PREDICTION_TYPES,
@@ -409,7 +414,18 @@ def load_vae(source: str, torch_dtype=None):
 
 
 def load_or_build(cfg: ModelConfig, captions: Optional[list[str]] = None, resolution: Optional[int] = None):
-    """`load_pipeline(cfg.pretrained)` (+ `cfg.vae`) when pretrained is set, else `build_pipeline`."""
+    """`load_pipeline(cfg.pretrained)` (+ `cfg.vae`) when pretrained is set, else `build_pipeline`;
+    then `cfg.lora` fused into its UNet and text encoder (all checked before any weight changes)."""
+    pipe = _load_or_build(cfg, captions, resolution)
+    if cfg.lora:
+        entries = fuse_loras(pipe, cfg.lora, "model.lora")
+        for e in entries:
+            log.info("%s: fused %s at scale %g (%s, %s)", e["key"], e["file"], e["scale"], e["format"],
+                     ", ".join(f"{n} {c} layers" for c, n in e["layers"].items()))
+    return pipe
+
+
+def _load_or_build(cfg: ModelConfig, captions: Optional[list[str]], resolution: Optional[int]):
     if not cfg.pretrained:
         return build_pipeline(cfg, captions=captions, resolution=resolution)
     pipe = load_pipeline(cfg.pretrained)

@@ -1,0 +1,426 @@
+"""A user's LoRAs fused into the UNet and text encoder (`model.lora: [{path, scale}]`), without peft.
+
+Every verb loads its model through `pocketdiff.models.load_or_build`, which calls `fuse_loras` last:
+each LoRA's factors are read, matched to the model's layers and checked, all of them, before any
+weight changes; then every targeted weight gets `W += scale * alpha / rank * up @ down` (a conv
+LoRA's down factor carries the layer's kernel, its up factor is 1x1, as diffusers and LyCORIS
+LoCon store them), computed in float32.
+
+Files: safetensors only (a pickle is refused by its suffix or its first bytes, never opened).
+Key formats read (the ones people share for SD 1.x / 2.x):
+
+- diffusers / PEFT: `unet.<module>.lora_A.weight` / `.lora_B.weight` (and `text_encoder.`), the
+  alphas from diffusers' `lora_adapter_metadata` (`unet.lora_alpha`, `alpha_pattern`,
+  `use_rslora`), else alpha = rank, as diffusers loads them; PEFT's own `base_model.model.`
+  prefix (a UNet's adapter) too;
+- diffusers' older names: `<module>.lora.down.weight` / `.lora.up.weight`,
+  `.lora_linear_layer.down/up`, attention processors' `processor.to_q_lora.down.weight`, with
+  `<module>.alpha` where present;
+- kohya / A1111 (and LyCORIS LoCon): `lora_unet_<module with _>.lora_down.weight` /
+  `.lora_up.weight` / `.alpha`, `lora_te_` (or `lora_te1_`) for the text encoder.
+
+LoHa, LoKr, Tucker (`lora_mid`), DoRA, full diffs, LoRA biases and SDXL's second text encoder are
+refused with one line naming the first such key.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import re
+import struct
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import torch
+from torch import nn
+
+from .errors import ConfigError, PocketdiffError
+
+PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".pkl", ".pickle")
+COMPONENTS = ("unet", "text_encoder")
+
+# (suffix of a key, role): the down / up factors and the alpha of one adapted layer
+_ROLES = (
+    (".lora_down.weight", "down"), (".lora_up.weight", "up"),
+    (".lora_A.weight", "down"), (".lora_B.weight", "up"),
+    (".lora.down.weight", "down"), (".lora.up.weight", "up"),
+    (".lora_linear_layer.down.weight", "down"), (".lora_linear_layer.up.weight", "up"),
+    ("_lora.down.weight", "down"), ("_lora.up.weight", "up"),  # attention processors: processor.to_q_lora
+    (".alpha", "alpha"),
+)
+# parts of a key that mark an adapter kind we do not fuse -> what to call it
+_UNSUPPORTED = (
+    ("hada_", "a LyCORIS LoHa factor"), ("lokr_", "a LyCORIS LoKr factor"), ("lora_mid", "a LyCORIS Tucker (lora_mid) factor"),
+    ("dora_scale", "a DoRA magnitude"), ("lora_magnitude_vector", "a DoRA magnitude"),
+    ("lora_embedding_", "an embedding LoRA"), ("lora_B.bias", "a LoRA bias"), ("lora_up.bias", "a LoRA bias"),
+    (".diff", "a full weight difference"), ("oft_", "an OFT factor"), ("ia3", "an IA3 vector"),
+)
+
+
+@dataclasses.dataclass
+class LoraSpec:
+    """One entry of `model.lora`: a LoRA file and the scale it is fused at."""
+
+    path: str = ""
+    scale: float = 1.0
+
+
+def check_lora_specs(specs: Any, key: str = "model.lora") -> list[LoraSpec]:
+    """`specs` (LoraSpec or {path, scale} items) checked: a .safetensors file that exists and opens as
+    one, a finite scale. Returns LoraSpecs; raises ConfigError naming `key[i]` and the file."""
+    if specs is None:
+        return []
+    if not isinstance(specs, (list, tuple)):
+        raise ConfigError(f"{key}: must be a list of {{path, scale}}, got {type(specs).__name__}")
+    out = []
+    for i, item in enumerate(specs):
+        where = f"{key}[{i}]"
+        if isinstance(item, dict):
+            unknown = sorted(set(item) - {"path", "scale"})
+            if unknown:
+                raise ConfigError(f"{where}: unknown key {unknown[0]!r} (an entry is {{path, scale}})")
+            item = LoraSpec(**item)
+        if not isinstance(item, LoraSpec):
+            raise ConfigError(f"{where}: must be {{path, scale}}, got {type(item).__name__}")
+        check_file(item.path, f"{where}.path")
+        try:
+            scale = float(item.scale)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}.scale: must be a number, got {item.scale!r}") from None
+        if not math.isfinite(scale):
+            raise ConfigError(f"{where}.scale: must be a finite number, got {item.scale!r}")
+        out.append(LoraSpec(path=str(item.path), scale=scale))
+    return out
+
+
+def check_file(path: Any, key: str) -> Path:
+    """A LoRA file path: .safetensors, present, its header readable. Pickles are refused by name, unopened."""
+    text = str(path or "").strip()
+    if not text:
+        raise ConfigError(f"{key}: must name a .safetensors LoRA file")
+    p = Path(text).expanduser()
+    suffix = p.suffix.lower()
+    if suffix in PICKLE_SUFFIXES:
+        raise ConfigError(f"{key}: {p} is a pickle ({suffix}); pocketdiff never unpickles files: convert the LoRA to .safetensors")
+    if suffix != ".safetensors":
+        raise ConfigError(f"{key}: {p} must be a .safetensors file, got suffix {suffix or '(none)'!r}")
+    if not p.is_file():
+        raise ConfigError(f"{key}: {p} not found")
+    with open(p, "rb") as f:
+        head = f.read(9)
+        n = _header_length(head, p.stat().st_size, p, key)
+        f.seek(8)
+        _parse_header(f.read(n), p, key)
+    return p
+
+
+def _header_length(head: bytes, size: int, path: Path, key: str) -> int:
+    """The safetensors header length from a file's first 9 bytes (8-byte length, then '{'); a pickle
+    or torch zip archive is named as one, anything else called corrupt."""
+    n = struct.unpack("<Q", head[:8])[0] if len(head) >= 9 else -1
+    if n >= 2 and 8 + n <= size and head[8:9] == b"{":
+        return n
+    if head[:4] == b"PK\x03\x04" or (head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05")):
+        raise ConfigError(f"{key}: {path} holds a pickle / torch archive, not safetensors; pocketdiff never unpickles files")
+    raise ConfigError(f"{key}: {path} is not a valid safetensors file (corrupt or truncated header)")
+
+
+def _parse_header(raw: bytes, path: Path, key: str) -> dict:
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        header = None
+    if not isinstance(header, dict):
+        raise ConfigError(f"{key}: {path} is not a valid safetensors file (corrupt header)")
+    return header
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+@dataclasses.dataclass
+class Factor:
+    """One adapted layer of a LoRA file."""
+
+    component: str  # unet | text_encoder
+    name: str  # module name inside the component (kohya: with '_' for '.', resolved against the model)
+    key: str  # the file's key of the down factor (named in errors)
+    down: torch.Tensor
+    up: torch.Tensor
+    multiplier: float  # alpha / rank (alpha / sqrt(rank) for rsLoRA)
+    kohya: bool = False
+
+
+@dataclasses.dataclass
+class LoraFile:
+    path: Path
+    sha256: str
+    format: str  # diffusers | kohya
+    factors: list[Factor]
+
+
+def read_lora(path: Path, key: str) -> LoraFile:
+    """Read, hash and parse one LoRA file (the hash is of the bytes parsed). PocketdiffError naming `key`."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load as load_bytes
+
+    path = check_file(path, key)
+    data = path.read_bytes()
+    n = _header_length(data[:9], len(data), path, key)
+    header = _parse_header(data[8:8 + n], path, key)
+    meta = header.get("__metadata__") or {}
+    try:
+        tensors = load_bytes(data)
+    except (SafetensorError, ValueError, RuntimeError, OSError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise PocketdiffError(f"{key}: {path} is not a valid safetensors file ({first})") from None
+    if not tensors:
+        raise PocketdiffError(f"{key}: {path} holds no tensors (not a LoRA)")
+    fmt, factors = parse_factors(tensors, meta, f"{key}: {path}")
+    return LoraFile(path=path, sha256=hashlib.sha256(data).hexdigest(), format=fmt, factors=factors)
+
+
+def _role(k: str) -> tuple[str, str]:
+    """(base, role) of a key; PocketdiffError-ready text when the key is not a LoRA factor."""
+    for suffix, role in _ROLES:
+        if k.endswith(suffix):
+            return k[: -len(suffix)], role
+    return k, ""
+
+
+def _unsupported(k: str) -> Optional[str]:
+    for part, what in _UNSUPPORTED:
+        if part in k:
+            return what
+    return None
+
+
+def parse_factors(tensors: dict, meta: dict, where: str) -> tuple[str, list[Factor]]:
+    """(format, factors) of a LoRA state dict: every key a down / up / alpha of some layer, or refused."""
+    groups: dict[str, dict[str, tuple[str, torch.Tensor]]] = {}
+    for k in sorted(tensors):
+        what = _unsupported(k)
+        if what is not None:
+            raise PocketdiffError(f"{where}: key {k!r} is {what}; pocketdiff fuses LoRA / LoCon down-up factors only")
+        base, role = _role(k)
+        if not role:
+            raise PocketdiffError(f"{where}: key {k!r} is not a LoRA factor (lora_down / lora_up / lora_A / lora_B / alpha)")
+        groups.setdefault(base, {})[role] = (k, tensors[k])
+    kohya = any(b.startswith(("lora_unet_", "lora_te")) for b in groups)
+    alphas = _metadata_alphas(meta, where)
+    factors = []
+    for base, roles in groups.items():
+        if "down" not in roles or "up" not in roles:
+            missing = "up" if "down" in roles else "down"
+            first = next(iter(roles.values()))[0]
+            raise PocketdiffError(f"{where}: key {first!r} has no {missing} factor beside it")
+        (down_key, down), (_, up) = roles["down"], roles["up"]
+        component, name = _target(base, down_key, where)
+        rank = int(down.shape[0]) if down.dim() >= 2 else 0
+        if rank < 1 or up.dim() < 2 or int(up.shape[1]) != rank:
+            raise PocketdiffError(f"{where}: key {down_key!r}: down {tuple(down.shape)} and up {tuple(up.shape)} are not LoRA factors of one rank")
+        alpha = _alpha(roles, alphas, component, name, rank, where)
+        use_rs = bool(alphas.get(component, {}).get("use_rslora"))
+        factors.append(Factor(component, name, down_key, down, up, alpha / (math.sqrt(rank) if use_rs else rank),
+                              kohya=base.startswith(("lora_unet_", "lora_te"))))
+    return ("kohya" if kohya else "diffusers"), factors
+
+
+def _target(base: str, key: str, where: str) -> tuple[str, str]:
+    """(component, module name) a key's base names."""
+    for prefix, comp in (("lora_unet_", "unet"), ("lora_te1_", "text_encoder"), ("lora_te_", "text_encoder")):
+        if base.startswith(prefix):
+            return comp, base[len(prefix):]
+    if base.startswith(("lora_te2_", "text_encoder_2.")):
+        raise PocketdiffError(f"{where}: key {key!r} adapts a second text encoder (SDXL); this model has one (a LoRA for another base)")
+    if base.startswith("lora_"):
+        raise PocketdiffError(f"{where}: key {key!r}: unknown kohya prefix (lora_unet_ / lora_te_ expected)")
+    name = base.removeprefix("base_model.model.")
+    component = "unet"
+    for comp in COMPONENTS:
+        if name.startswith(comp + "."):
+            component, name = comp, name[len(comp) + 1:]
+            break
+    else:
+        if name.startswith("text_model."):
+            component = "text_encoder"
+    name = re.sub(r"\.processor\.(to_[qkv])$", r".\1", name)  # attention processors' to_q_lora ...
+    name = re.sub(r"\.processor\.to_out$", ".to_out.0", name)
+    return component, name
+
+
+def _metadata_alphas(meta: dict, where: str) -> dict[str, dict]:
+    """diffusers' `lora_adapter_metadata` per component: {lora_alpha, alpha_pattern, use_rslora}."""
+    raw = meta.get("lora_adapter_metadata")
+    if not raw:
+        return {}
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError:
+        raise PocketdiffError(f"{where}: its lora_adapter_metadata is not valid JSON") from None
+    out: dict[str, dict] = {}
+    for k, v in (data.items() if isinstance(data, dict) else []):
+        comp, _, field = k.partition(".")
+        if comp in COMPONENTS or comp == "text_encoder_2":
+            out.setdefault(comp, {})[field] = v
+    for comp, fields in out.items():
+        if fields.get("use_dora"):
+            raise PocketdiffError(f"{where}: its {comp} adapter is DoRA (use_dora); pocketdiff fuses LoRA factors only")
+    return out
+
+
+def _alpha(roles: dict, alphas: dict, component: str, name: str, rank: int, where: str) -> float:
+    if "alpha" in roles:
+        k, t = roles["alpha"]
+        if t.numel() != 1 or not bool(torch.isfinite(t.float()).all()):
+            raise PocketdiffError(f"{where}: key {k!r} must be one finite number")
+        return float(t.float().reshape(-1)[0])
+    fields = alphas.get(component)
+    if not fields:
+        return float(rank)  # no alpha: scale 1, as diffusers loads such files
+    for pattern, value in (fields.get("alpha_pattern") or {}).items():
+        if re.match(rf"(.*\.)?({pattern})$", name):
+            return float(value)
+    return float(fields.get("lora_alpha", rank))
+
+
+# ----------------------------------------------------------------------------- matching and fusing
+
+
+def _as_linear(t: torch.Tensor) -> Optional[torch.Tensor]:
+    if t.dim() == 2:
+        return t
+    if t.dim() == 4 and t.shape[2] == 1 and t.shape[3] == 1:
+        return t.flatten(1)
+    return None
+
+
+def _delta_shape_ok(layer: nn.Module, down: torch.Tensor, up: torch.Tensor) -> bool:
+    """Whether down / up fit `layer`'s weight (a Linear, or a Conv2d with the kernel on down)."""
+    w = layer.weight
+    up2 = _as_linear(up)
+    if up2 is None or up2.shape[0] != w.shape[0]:
+        return False
+    if isinstance(layer, nn.Linear):
+        down2 = _as_linear(down)
+        return down2 is not None and down2.shape[1] == w.shape[1]
+    if layer.groups != 1:
+        return False
+    if down.dim() == 2:
+        return tuple(w.shape[2:]) == (1, 1) and down.shape[1] == w.shape[1]
+    return down.dim() == 4 and tuple(down.shape[1:]) == tuple(w.shape[1:])
+
+
+def _module_index(module: nn.Module) -> tuple[dict[str, nn.Module], dict[str, str]]:
+    named = dict(module.named_modules())
+    return named, {n.replace(".", "_"): n for n in named if n}
+
+
+def plan_fusion(pipe, loras: list[tuple[LoraFile, float, str]]) -> list[tuple[nn.Parameter, Factor, float]]:
+    """(weight, factor, scale) for every factor of every LoRA, all checked against `pipe` first:
+    PocketdiffError naming the first key whose layer is missing or whose shapes do not fit."""
+    index = {}
+    for comp in COMPONENTS:
+        module = getattr(pipe, comp, None)
+        if module is not None:
+            index[comp] = _module_index(module)
+    plan = []
+    for lora, scale, key in loras:
+        where = f"{key}: {lora.path}"
+        for f in lora.factors:
+            if f.component not in index:
+                raise PocketdiffError(f"{where}: key {f.key!r} adapts the {f.component}, which this pipeline lacks")
+            named, underscored = index[f.component]
+            name = underscored.get(f.name, f.name) if f.kohya else f.name
+            layer = named.get(name)
+            if layer is None:
+                raise PocketdiffError(f"{where}: key {f.key!r} names {f.component}.{name}, which this model does not have "
+                                      "(a LoRA for another base?)")
+            if not isinstance(layer, (nn.Linear, nn.Conv2d)):
+                raise PocketdiffError(f"{where}: key {f.key!r} names {f.component}.{name}, a {type(layer).__name__}, "
+                                      "not a linear or conv layer")
+            if not _delta_shape_ok(layer, f.down, f.up):
+                raise PocketdiffError(f"{where}: key {f.key!r}: down {tuple(f.down.shape)} x up {tuple(f.up.shape)} does not fit "
+                                      f"{f.component}.{name} (weight {tuple(layer.weight.shape)}): a LoRA for another base?")
+            for t, part in ((f.down, "down"), (f.up, "up")):
+                if not t.is_floating_point() or not bool(torch.isfinite(t).all()):
+                    raise PocketdiffError(f"{where}: key {f.key!r}: its {part} factor is not finite floats")
+            plan.append((layer.weight, f, scale))
+    return plan
+
+
+def lora_delta(weight: torch.Tensor, f: Factor, scale: float) -> torch.Tensor:
+    """scale * alpha / rank * up @ down in float32, shaped as `weight`."""
+    up = f.up.to(device=weight.device, dtype=torch.float32).flatten(1)
+    down = f.down.to(device=weight.device, dtype=torch.float32).flatten(1)
+    return (up @ down).reshape(weight.shape) * (scale * f.multiplier)
+
+
+_FUSED: dict[str, dict] = {}  # resolved path -> {sha256, format}: what was fused in this process (for reports)
+
+
+@torch.no_grad()
+def fuse_loras(pipe, specs: Iterable[LoraSpec], key: str = "model.lora") -> list[dict]:
+    """Fuse every LoRA of `specs` into `pipe`'s UNet and text encoder; nothing changes unless all fit.
+    Returns the provenance entries ({key, file, sha256, scale, format, layers})."""
+    specs = check_lora_specs(list(specs), key)
+    loras = [(read_lora(Path(s.path), f"{key}[{i}]"), s.scale, f"{key}[{i}]") for i, s in enumerate(specs)]
+    plan = plan_fusion(pipe, loras)
+    for weight, f, scale in plan:
+        delta = lora_delta(weight, f, scale)
+        fused = weight.float() + delta
+        if not bool(torch.isfinite(fused).all()):
+            raise PocketdiffError(f"{key}: key {f.key!r} at scale {scale} makes the weight non-finite")  # before the copy: unchanged
+    for weight, f, scale in plan:
+        weight.copy_((weight.float() + lora_delta(weight, f, scale)).to(weight.dtype))
+    entries = []
+    for (lora, scale, k) in loras:
+        _FUSED[str(lora.path.resolve())] = {"sha256": lora.sha256, "format": lora.format}
+        layers: dict[str, int] = {}
+        for f in lora.factors:
+            layers[f.component] = layers.get(f.component, 0) + 1
+        entries.append({"key": k, "file": str(lora.path.resolve()), "sha256": lora.sha256, "scale": scale,
+                        "format": lora.format, "layers": layers})
+    return entries
+
+
+# ----------------------------------------------------------------------------- provenance
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def lora_entries(specs: Iterable[Any], key: str = "model.lora") -> list[dict]:
+    """{key, file, sha256, scale} of each LoRA of `specs`: the hash of the bytes fused in this process
+    when it fused that file, else of the file now."""
+    out = []
+    for i, s in enumerate(specs or []):
+        path, scale = (s.get("path"), s.get("scale", 1.0)) if isinstance(s, dict) else (s.path, s.scale)
+        p = Path(str(path)).expanduser().resolve()
+        fused = _FUSED.get(str(p))
+        sha = fused["sha256"] if fused else (sha256_file(p) if p.is_file() else None)
+        out.append({"key": f"{key}[{i}]", "file": str(p), "sha256": sha, "scale": float(scale)})
+    return out
+
+
+def config_lora_entries(cfg: Any, prefix: str = "") -> list[dict]:
+    """Every LoRA a verb's config names (`model.lora`, evaluate's `models[i].lora` ...), as `lora_entries`."""
+    found: list[dict] = []
+    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
+        for f in dataclasses.fields(cfg):
+            value = getattr(cfg, f.name)
+            if f.name == "lora" and isinstance(value, (list, tuple)) and all(isinstance(v, (LoraSpec, dict)) for v in value):
+                found += lora_entries(value, f"{prefix}lora")
+            else:
+                found += config_lora_entries(value, f"{prefix}{f.name}.")
+    elif isinstance(cfg, (list, tuple)):
+        for i, v in enumerate(cfg):
+            found += config_lora_entries(v, f"{prefix.rstrip('.')}[{i}].")
+    return found
