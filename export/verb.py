@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from pocketdiff.errors import PocketdiffError, require
+from pocketdiff.lora import lora_entries
 from pocketdiff.models import ModelConfig, load_or_build, perturb_norm_affines
 from pocketdiff.outputs import write_json
 from pocketdiff.runtime.bundle import MANIFEST, load_manifest
@@ -171,6 +172,8 @@ class Config:
             require(p in ("fp16", "fp32"), "verify.precisions", f"must be fp16 and/or fp32, got {p!r}")
         if self.weights == "int8":
             require(self.int8.checkpoint is not None or self.int8.rtn, "int8.checkpoint", "weights=int8 needs a checkpoint (or int8.rtn: true)")
+            require(not (self.model.lora and self.int8.checkpoint), "model.lora",
+                    "the int8 checkpoint's weights would replace the fused ones: give the LoRA to calibrate (its model.lora)")
         require(self.int8.gpu_weights == "dequantize" or self.weights == "int8", "int8.gpu_weights", "direct needs weights: int8")
         require(not self.vae_tiling.enabled or "vae_decoder" in self.components, "vae_tiling.enabled",
                 "tiles the vae_decoder component, which components does not list")
@@ -373,27 +376,21 @@ def _tokenizer_entry(cfg: Config, tok, out: Path, ids_prompt) -> dict:
 
 
 def _scheduler_block(cfg: Config, sched, timesteps: list) -> dict:
-    """The manifest's scheduler: DDIM's, or a consistency student's lcm block (export/lcm_block.py)."""
+    """The manifest's scheduler, written by pocketdiff/scheduler_blocks.py: DDIM's, or a consistency student's lcm
+    block (export/lcm_block.py); its timesteps are the golden run's."""
     from pocketdiff.consistency_sampling import is_consistency_scheduler
     from pocketdiff.sampling import final_alpha_cumprod
+    from pocketdiff.scheduler_blocks import DDIM, block_for
 
     from .lcm_block import lcm_scheduler_block
 
     alphas = sched.alphas_cumprod.to(torch.float64).numpy()
     if is_consistency_scheduler(sched):
         return lcm_scheduler_block(sched, cfg.steps, timesteps, alphas)
-    return {
-        "type": "ddim",
-        "prediction_type": str(sched.config.prediction_type),
-        "num_train_timesteps": int(sched.config.num_train_timesteps),
-        "steps": cfg.steps,
-        "timesteps": [int(t) for t in timesteps],
-        "alphas_cumprod": [float(a) for a in alphas],
-        "final_alpha_cumprod": float(final_alpha_cumprod(sched)),
-        "timestep_spacing": str(sched.config.get("timestep_spacing", "leading")),
-        "steps_offset": int(sched.config.get("steps_offset", 0)),
-        "eta": 0.0,
-    }
+    block = block_for(DDIM, sched.config, cfg.steps, alphas, float(final_alpha_cumprod(sched)))
+    if block["timesteps"] != [int(t) for t in timesteps]:
+        raise PocketdiffError(f"export: the ddim block's timesteps {block['timesteps']} are not the golden run's {list(timesteps)}")
+    return block
 
 
 def _manifest(cfg: Config, out: Path, sched, golden: GoldenInputs, model_cfg: ModelConfig, tokenizer_entry: dict,
@@ -419,6 +416,7 @@ def _manifest(cfg: Config, out: Path, sched, golden: GoldenInputs, model_cfg: Mo
         "provenance": {
             "source": model_cfg.pretrained or f"built:{model_cfg.arch}",
             "arch": None if model_cfg.pretrained else model_cfg.arch,
+            "lora": lora_entries(model_cfg.lora),  # the LoRAs fused into the weights: file, sha256, scale
             "perturb_norms": cfg.perturb_norms,
             "synthetic_weights": cfg.synthetic_weights,
             "int8_checkpoint": cfg.int8.checkpoint,

@@ -23,6 +23,7 @@ from typing import Union
 import numpy as np
 import torch
 
+from . import scheduler_blocks
 from .errors import PocketdiffError
 
 SIGMA_DATA = 0.5  # diffusers' LCMScheduler hard-codes it
@@ -51,12 +52,9 @@ def skipping_grid(num_train_timesteps: int, solver_steps: int) -> np.ndarray:
 
 
 def lcm_timesteps(num_train_timesteps: int, solver_steps: int, steps: int) -> list[int]:
-    """Descending timesteps of an N-step run: LCMScheduler.set_timesteps(steps, original_inference_steps=solver_steps)."""
-    grid = skipping_grid(num_train_timesteps, solver_steps)[::-1]
-    if not 1 <= steps <= len(grid):
-        raise PocketdiffError(f"a consistency student trained on a {len(grid)}-point grid samples with 1 to {len(grid)} steps, got {steps}")
-    idx = np.floor(np.linspace(0, len(grid), num=steps, endpoint=False)).astype(np.int64)
-    return [int(t) for t in grid[idx]]
+    """Descending timesteps of an N-step run: LCMScheduler.set_timesteps(steps, original_inference_steps=solver_steps)
+    (pocketdiff/scheduler_blocks.py's rule, the one the bundle's manifest and runners use)."""
+    return scheduler_blocks.lcm_timesteps(num_train_timesteps, solver_steps, steps)
 
 
 def scheduler_lcm_timesteps(scheduler, steps: int) -> list[int]:

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from . import scheduler_blocks
 from .conditioning import Conditioning, as_conditioning, check_conditioning, encode_conditioning
 from .conditioning import encode_prompts  # noqa: F401  (its home was here; callers import it from sampling)
 from .consistency_sampling import boundary_scalings, is_consistency_scheduler, scheduler_lcm_timesteps
@@ -107,24 +108,12 @@ def ddim_step(
 # Timesteps and scheduler constants
 # --------------------------------------------------------------------------------------
 
-def ddim_timesteps(num_train_timesteps: int, steps: int, steps_offset: int = 1, spacing: str = "leading") -> torch.LongTensor:
-    """Descending DDIM timesteps, identical to `DDIMScheduler.set_timesteps` (default: SD's
-    ``timestep_spacing="leading"``, ``steps_offset=1``)."""
-    T = int(num_train_timesteps)
-    if not 1 <= steps <= T:
-        raise PocketdiffError(f"sampling steps must be in [1, {T}], got {steps}")
-    if spacing == "leading":
-        ratio = T // steps
-        ts = (np.arange(0, steps) * ratio).round()[::-1].copy().astype(np.int64) + int(steps_offset)
-    elif spacing == "trailing":
-        ts = np.round(np.arange(T, 0, -T / steps)).astype(np.int64) - 1
-    elif spacing == "linspace":
-        ts = np.linspace(0, T - 1, steps).round()[::-1].copy().astype(np.int64)
-    else:
-        raise PocketdiffError(f"timestep_spacing must be leading, trailing or linspace, got {spacing!r}")
-    if ts.max() >= T or ts.min() < 0:
-        raise PocketdiffError(f"{steps} steps with steps_offset={steps_offset} give timestep {int(ts.max())} outside [0, {T})")
-    return torch.from_numpy(ts)
+def ddim_timesteps(num_train_timesteps: int, steps: int, *, steps_offset: int, spacing: str = "leading") -> torch.LongTensor:
+    """Descending DDIM timesteps, identical to `DDIMScheduler.set_timesteps` (pocketdiff/scheduler_blocks.py's rule,
+    the one the bundle's manifest and runners use). `steps_offset` has no default: SD's scheduler says 1, diffusers'
+    DDIMScheduler config 0; `scheduler_timesteps` reads the scheduler's own."""
+    return torch.tensor(scheduler_blocks.ddim_timesteps(num_train_timesteps, steps, spacing=spacing, steps_offset=steps_offset),
+                        dtype=torch.long)
 
 
 def _cfg_get(config: Any, key: str, default: Any = None) -> Any:
@@ -136,11 +125,11 @@ def _cfg_get(config: Any, key: str, default: Any = None) -> Any:
 
 
 def scheduler_timesteps(scheduler, steps: int) -> torch.LongTensor:
-    """`ddim_timesteps` with the scheduler's own spacing and offset."""
+    """`ddim_timesteps` with the scheduler's own spacing and offset (diffusers' defaults where its config has none:
+    what the scheduler object itself runs with)."""
     c = scheduler.config
-    return ddim_timesteps(
-        c.num_train_timesteps, steps, steps_offset=_cfg_get(c, "steps_offset", 0), spacing=_cfg_get(c, "timestep_spacing", "leading")
-    )
+    fields = scheduler_blocks.ddim_fields(c)
+    return ddim_timesteps(c.num_train_timesteps, steps, steps_offset=fields["steps_offset"], spacing=fields["timestep_spacing"])
 
 
 def final_alpha_cumprod(scheduler) -> torch.Tensor:

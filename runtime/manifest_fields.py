@@ -1,8 +1,7 @@
 """The manifest's own fields, checked against themselves (runtime/manifest_check.py checks the components and
-files): image / latent sizes (latent x vae_factor = image), guidance mode and UNet batch, the DDIM schedule
-(timesteps non-empty integers strictly inside [0, num_train_timesteps), `steps` of them, exactly as
-`timestep_spacing` + `steps_offset` give them; an lcm one's on its training grid, runtime/lcm_step.py;
-alphas_cumprod finite, in (0, 1], non-increasing, one per train timestep), tokenizer lengths and ids.
+files): image / latent sizes (latent x vae_factor = image), guidance mode and UNet batch, the scheduler block
+(pocketdiff/scheduler_blocks.py's `block_problems`: the one reader of it, beside its writer and timestep
+rules), tokenizer lengths and ids.
 
 Each check appends a `Problem` (field, check, message) to a `Found` list; `FIELD_CHECKS` is their order.
 numpy only.
@@ -16,12 +15,8 @@ from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
 
-from pocketdiff.names import GUIDANCE_MODES, MODEL_PREDICTION_TYPES, PREDICTION_TYPES
-
-from .lcm_step import LCM, check_lcm_block
-
-SPACINGS = ("leading", "trailing", "linspace")
-SCHEDULER_TYPES = ("ddim", LCM)
+from pocketdiff.names import GUIDANCE_MODES
+from pocketdiff.scheduler_blocks import block_problems
 GUIDANCE_BATCH = dict(zip(GUIDANCE_MODES, (2, 1, 1)))  # cfg, embedded, none
 
 
@@ -72,21 +67,6 @@ def positive_ints(sec: dict, prefix: str, keys: Iterable[str], found: Found) -> 
     return ok
 
 
-def spacing_timesteps(num_train_timesteps: int, steps: int, spacing: str, steps_offset: int = 0) -> list[int]:
-    """Descending DDIM timesteps as `DDIMScheduler.set_timesteps` gives them (numpy only; the
-    same rule as pocketdiff.sampling.ddim_timesteps)."""
-    T = int(num_train_timesteps)
-    if spacing == "leading":
-        ts = (np.arange(0, steps) * (T // steps)).round()[::-1].astype(np.int64) + int(steps_offset)
-    elif spacing == "trailing":
-        ts = np.round(np.arange(T, 0, -T / steps)).astype(np.int64) - 1
-    elif spacing == "linspace":
-        ts = np.linspace(0, T - 1, steps).round()[::-1].astype(np.int64)
-    else:
-        raise ValueError(f"unknown timestep spacing {spacing!r}")
-    return [int(t) for t in ts]
-
-
 # ------------------------------------------------------------------------------- field checks
 
 
@@ -120,90 +100,8 @@ def _check_guidance(man: dict, found: Found) -> None:
 
 def _check_scheduler(man: dict, found: Found) -> None:
     s = section(man, "scheduler", found)
-    if s is None:
-        return
-    stype = s.get("type", "ddim")
-    if stype not in SCHEDULER_TYPES:
-        found.add("scheduler.type", "value", f"must be one of {', '.join(SCHEDULER_TYPES)}, got {stype!r}")
-        stype = "ddim"  # the remaining fields checked as ddim's
-    ptypes = PREDICTION_TYPES if stype == LCM else MODEL_PREDICTION_TYPES
-    if s.get("prediction_type") not in ptypes:
-        found.add("scheduler.prediction_type", "value", f"must be {' or '.join(ptypes)}, got {s.get('prediction_type')!r}")
-    if stype == "ddim" and s.get("eta", 0.0) != 0:
-        found.add("scheduler.eta", "value", f"the runner is deterministic DDIM (eta 0), got {s.get('eta')!r}")
-    T, steps = s.get("num_train_timesteps"), s.get("steps")
-    if not is_int(T) or T <= 0:
-        found.add("scheduler.num_train_timesteps", "type", f"must be a positive integer, got {T!r}")
-        T = None
-    if not is_int(steps) or steps <= 0:
-        found.add("scheduler.steps", "type", f"must be a positive integer, got {steps!r}")
-        steps = None
-
-    ts = s.get("timesteps")
-    ts_ok = False
-    if not isinstance(ts, list) or not ts:
-        found.add("scheduler.timesteps", "present", f"must be a non-empty list, got {ts!r}")
-    else:
-        ts_ok = True
-        for i, t in enumerate(ts):
-            if not is_int(t):
-                found.add(f"scheduler.timesteps[{i}]", "type", f"must be an integer, got {t!r}")
-                ts_ok = False
-            elif T is not None and not 0 <= t < T:
-                found.add(f"scheduler.timesteps[{i}]", "range", f"{t} is outside [0, {T}) (num_train_timesteps)")
-                ts_ok = False
-        if ts_ok and any(a <= b for a, b in zip(ts, ts[1:])):
-            i = next(i for i, (a, b) in enumerate(zip(ts, ts[1:])) if a <= b)
-            found.add(f"scheduler.timesteps[{i + 1}]", "order", f"{ts[i + 1]} after {ts[i]}: timesteps must strictly decrease")
-            ts_ok = False
-        if ts_ok and steps is not None and len(ts) != steps:
-            found.add("scheduler.timesteps", "consistency", f"{len(ts)} timesteps but scheduler.steps is {steps}")
-            ts_ok = False
-    if stype == LCM:
-        found.items += [Problem(*p) for p in check_lcm_block(s, T, steps, ts_ok)]
-    else:
-        _check_ddim_spacing(s, T, steps, ts_ok, found)
-    _check_alphas(s, T, stype, found)
-
-
-def _check_ddim_spacing(s: dict, T: Optional[int], steps: Optional[int], ts_ok: bool, found: Found) -> None:
-    ts = s.get("timesteps")
-    spacing, offset = s.get("timestep_spacing", "leading"), s.get("steps_offset", 0)
-    if spacing not in SPACINGS:
-        found.add("scheduler.timestep_spacing", "value", f"must be one of {', '.join(SPACINGS)}, got {spacing!r}")
-    elif not is_int(offset) or offset < 0:
-        found.add("scheduler.steps_offset", "type", f"must be a non-negative integer, got {offset!r}")
-    elif ts_ok and T is not None and steps is not None and steps <= T:
-        want = spacing_timesteps(T, steps, spacing, offset)
-        if list(ts) != want:
-            i = next(i for i, (a, b) in enumerate(zip(ts, want)) if a != b)
-            found.add(f"scheduler.timesteps[{i}]", "spacing", f"{ts[i]}, but {spacing} spacing over {T} with steps_offset {offset} "
-                      f"gives {want[i]} ({want[:8]}{' ...' if len(want) > 8 else ''})")
-
-
-def _check_alphas(s: dict, T: Optional[int], stype: str, found: Found) -> None:
-    alphas = s.get("alphas_cumprod")
-    if not isinstance(alphas, list) or not alphas:
-        found.add("scheduler.alphas_cumprod", "present", "must be a non-empty list")
-    else:
-        bad = next((i for i, a in enumerate(alphas) if not is_num(a)), None)
-        if bad is not None:
-            found.add(f"scheduler.alphas_cumprod[{bad}]", "type", f"must be a number, got {alphas[bad]!r}")
-        else:
-            a = np.asarray(alphas, dtype=np.float64)
-            wrong = np.flatnonzero(~np.isfinite(a) | (a <= 0) | (a > 1))
-            if wrong.size:
-                i = int(wrong[0])
-                more = f" ({wrong.size} such values)" if wrong.size > 1 else ""
-                found.add(f"scheduler.alphas_cumprod[{i}]", "range", f"{alphas[i]!r} is not finite in (0, 1]{more}")
-            elif np.any(np.diff(a) > 0):
-                i = int(np.flatnonzero(np.diff(a) > 0)[0]) + 1
-                found.add(f"scheduler.alphas_cumprod[{i}]", "order", f"{alphas[i]} rises above {alphas[i - 1]}: a cumulative product never increases")
-            if T is not None and len(alphas) != T:
-                found.add("scheduler.alphas_cumprod", "consistency", f"{len(alphas)} values, num_train_timesteps is {T}")
-    final = s.get("final_alpha_cumprod")
-    if stype == "ddim" and (not is_num(final) or not math.isfinite(final) or not 0 < final <= 1):
-        found.add("scheduler.final_alpha_cumprod", "range", f"must be finite in (0, 1], got {final!r}")
+    if s is not None:
+        found.items += [Problem(*p) for p in block_problems(s)]
 
 
 def _check_tokenizer(man: dict, found: Found) -> None:

@@ -2,7 +2,8 @@
 
 The interface is diffusers' (`DDIMScheduler`, `LCMScheduler`; our own code, the same arithmetic):
 
-    scheduler.set_timesteps(steps)           # or set_timesteps(timesteps=[...]): the manifest's, as given
+    scheduler.set_timesteps(steps)           # or set_timesteps(timesteps=[...]): the manifest's, as given;
+                                             # strength=s (img2img): a partial schedule
     for t in scheduler.timesteps:
         out = unet(x, t)                     # the (guided) model output
         x = scheduler.step(out, t, x, generator=rng).prev_sample
@@ -13,8 +14,13 @@ boundary-scaled estimate). A scheduler that re-noises between steps (LCM) draws 
 (numpy's `Generator`: one standard-normal draw of the sample's shape per step but the last, as run-bundle
 draws it right after the initial latents) or takes it as `noise`; DDIM (eta 0) draws nothing.
 `scheduler_for(manifest["scheduler"])` builds the bundle's scheduler with the manifest's timesteps (what
-run-bundle and the page run; runtime/BUNDLE.md, "Order of calls"). web/static/schedulers.js is the page's
-twin; tests/runtime/test_schedulers.py checks both against diffusers on the same vectors.
+run-bundle and the page run; runtime/BUNDLE.md, "Order of calls").
+
+img2img, as diffusers' img2img pipelines: `scheduler_for(block, strength=s)` (or `set_timesteps(steps, strength=s)`)
+keeps a partial schedule, and the start latents are `add_noise(x0, noise, scheduler.timesteps[0])`. The timestep
+rules, img2img's included, and the block's writer and checks live in pocketdiff/scheduler_blocks.py.
+web/static/schedulers.js is the page's twin; tests/runtime/test_schedulers.py and test_scheduler_vectors.py check
+both against diffusers.
 """
 from __future__ import annotations
 
@@ -24,12 +30,9 @@ from typing import Optional, Protocol, Sequence
 import numpy as np
 
 from pocketdiff.errors import PocketdiffError
+from pocketdiff.scheduler_blocks import DDIM, LCM, SCHEDULER_TYPES, add_noise, strength_timesteps, timesteps_for
 
-from .lcm_step import LCM, lcm_step, lcm_timesteps, renoise
-from .manifest_fields import spacing_timesteps
-
-DDIM = "ddim"
-SCHEDULER_TYPES = (DDIM, LCM)
+from .lcm_step import lcm_step, renoise
 
 
 @dataclass(frozen=True)
@@ -41,7 +44,10 @@ class StepOutput:
 class Scheduler(Protocol):
     timesteps: list[int]
 
-    def set_timesteps(self, num_inference_steps: Optional[int] = None, timesteps: Optional[Sequence[int]] = None) -> None: ...
+    def set_timesteps(self, num_inference_steps: Optional[int] = None, timesteps: Optional[Sequence[int]] = None,
+                      strength: float = 1.0) -> None: ...
+
+    def add_noise(self, original_samples: np.ndarray, noise: np.ndarray, timestep: int) -> np.ndarray: ...
 
     def step(self, model_output: np.ndarray, timestep: int, sample: np.ndarray,
              generator: Optional[np.random.Generator] = None, noise: Optional[np.ndarray] = None) -> StepOutput: ...
@@ -55,8 +61,8 @@ class DDIMConfig:
     alphas_cumprod: np.ndarray = field(repr=False)  # [T] float64
     final_alpha_cumprod: float
     prediction_type: str = "epsilon"  # epsilon | v_prediction
-    timestep_spacing: str = "leading"  # leading | trailing | linspace
-    steps_offset: int = 0
+    timestep_spacing: Optional[str] = None  # leading | trailing | linspace: set_timesteps(steps) needs it (no default)
+    steps_offset: Optional[int] = None  # likewise (diffusers' config default 0, SD checkpoints 1)
 
 
 @dataclass(frozen=True)
@@ -93,6 +99,35 @@ class _Base:
         self.timesteps: list[int] = []
         self.num_inference_steps: Optional[int] = None
 
+    def _rule(self) -> dict:
+        """The config as the fields of a manifest block (pocketdiff.scheduler_blocks.timesteps_for reads them)."""
+        raise NotImplementedError
+
+    def set_timesteps(self, num_inference_steps: Optional[int] = None, timesteps: Optional[Sequence[int]] = None,
+                      strength: float = 1.0) -> None:
+        """The timesteps of a `num_inference_steps` run under the config's rule, or the ones given (a manifest's);
+        with `strength` < 1 (img2img) the partial schedule diffusers' img2img pipelines run: given timesteps and
+        DDIM's keep their last int(n * strength), LCM's come from the first int(K * strength) grid points.
+        `num_inference_steps` stays the full count (DDIM's stride T // steps, as diffusers keeps it)."""
+        _steps_or_timesteps(num_inference_steps, timesteps, self.name)
+        T = int(self.config.num_train_timesteps)
+        if timesteps is None:
+            if not 1 <= int(num_inference_steps) <= T:
+                raise PocketdiffError(f"{self.name}: num_inference_steps must be in [1, {T}], got {num_inference_steps}")
+            n, kept = int(num_inference_steps), timesteps_for(self._rule(), int(num_inference_steps), strength)
+        else:
+            n = len(_given_timesteps(timesteps, T, self.name))
+            kept = strength_timesteps(timesteps, strength)
+        self.timesteps = _given_timesteps(kept, T, self.name)
+        self.num_inference_steps = n
+
+    def add_noise(self, original_samples: np.ndarray, noise: np.ndarray, timestep: int) -> np.ndarray:
+        """The clean latents noised to `timestep`: sqrt(a_t) x0 + sqrt(1 - a_t) noise (img2img's start, float32)."""
+        t = int(timestep)
+        if not 0 <= t < len(self.alphas):
+            raise PocketdiffError(f"{self.name}: add_noise at timestep {t}, outside [0, {len(self.alphas)})")
+        return add_noise(original_samples, noise, float(self.alphas[t]))
+
     def index_of(self, timestep: int) -> int:
         if self.num_inference_steps is None:
             raise PocketdiffError(f"{self.name}: call set_timesteps before step")
@@ -107,16 +142,10 @@ class DDIMScheduler(_Base):
 
     name = DDIM
 
-    def set_timesteps(self, num_inference_steps: Optional[int] = None, timesteps: Optional[Sequence[int]] = None) -> None:
-        """Timesteps from the config's spacing for `num_inference_steps`, or the ones given (a manifest's)."""
-        _steps_or_timesteps(num_inference_steps, timesteps, self.name)
-        c, T = self.config, int(self.config.num_train_timesteps)
-        if timesteps is None:
-            if not 1 <= int(num_inference_steps) <= T:
-                raise PocketdiffError(f"{self.name}: num_inference_steps must be in [1, {T}], got {num_inference_steps}")
-            timesteps = spacing_timesteps(T, int(num_inference_steps), c.timestep_spacing, c.steps_offset)
-        self.timesteps = _given_timesteps(timesteps, T, self.name)
-        self.num_inference_steps = len(self.timesteps)
+    def _rule(self) -> dict:
+        c = self.config
+        fields = {"timestep_spacing": c.timestep_spacing, "steps_offset": c.steps_offset}
+        return {"type": DDIM, "num_train_timesteps": c.num_train_timesteps, **{k: v for k, v in fields.items() if v is not None}}
 
     def step(self, model_output: np.ndarray, timestep: int, sample: np.ndarray,
              generator: Optional[np.random.Generator] = None, noise: Optional[np.ndarray] = None) -> StepOutput:
@@ -145,14 +174,9 @@ class LCMScheduler(_Base):
 
     name = LCM
 
-    def set_timesteps(self, num_inference_steps: Optional[int] = None, timesteps: Optional[Sequence[int]] = None) -> None:
-        """N evenly spaced points of the K-point training grid, from its top down, or the ones given."""
-        _steps_or_timesteps(num_inference_steps, timesteps, self.name)
-        c, T = self.config, int(self.config.num_train_timesteps)
-        if timesteps is None:
-            timesteps = lcm_timesteps(T, int(c.original_inference_steps), int(num_inference_steps))
-        self.timesteps = _given_timesteps(timesteps, T, self.name)
-        self.num_inference_steps = len(self.timesteps)
+    def _rule(self) -> dict:
+        c = self.config
+        return {"type": LCM, "num_train_timesteps": c.num_train_timesteps, "original_inference_steps": c.original_inference_steps}
 
     def _block(self) -> dict:
         c = self.config
@@ -175,16 +199,17 @@ class LCMScheduler(_Base):
         return StepOutput(renoise(denoised, float(self.alphas[self.timesteps[i + 1]]), noise), denoised)
 
 
-def scheduler_for(block: dict) -> Scheduler:
+def scheduler_for(block: dict, strength: float = 1.0) -> Scheduler:
     """The scheduler of a manifest's `scheduler` block, its timesteps the manifest's (checked beforehand by
-    runtime/manifest_check.py; they are what `set_timesteps(steps)` gives for a bundle that passes it)."""
+    runtime/manifest_check.py; they are what `set_timesteps(steps)` gives for a bundle that passes it); with
+    `strength` < 1 (img2img) `set_timesteps(steps, strength=strength)`'s partial schedule instead."""
     kind = block.get("type", DDIM)
     alphas = np.asarray(block["alphas_cumprod"], dtype=np.float64)
     T = int(block["num_train_timesteps"])
     if kind == DDIM:
         sched: Scheduler = DDIMScheduler(DDIMConfig(
             T, alphas, float(block["final_alpha_cumprod"]), block["prediction_type"],
-            block.get("timestep_spacing", "leading"), int(block.get("steps_offset", 0))))
+            block.get("timestep_spacing"), block.get("steps_offset")))
     elif kind == LCM:
         sched = LCMScheduler(LCMConfig(
             T, alphas, int(block["original_inference_steps"]), block["prediction_type"], float(block["timestep_scaling"]),
@@ -194,6 +219,8 @@ def scheduler_for(block: dict) -> Scheduler:
     sched.set_timesteps(timesteps=block["timesteps"])
     if int(block.get("steps", len(sched.timesteps))) != len(sched.timesteps):
         raise PocketdiffError(f"bundle: scheduler.steps is {block['steps']} with {len(sched.timesteps)} timesteps")
+    if float(strength) != 1.0:
+        sched.set_timesteps(len(sched.timesteps), strength=strength)
     return sched
 
 

@@ -58,10 +58,13 @@ def test_ddim_timesteps_match_diffusers(steps, spacing):
     assert (ours[:-1] > ours[1:]).all()
 
 
-def test_ddim_timesteps_sd_defaults():
-    assert ddim_timesteps(1000, 4).tolist() == [751, 501, 251, 1]
+def test_ddim_timesteps_sd_offset_is_explicit():
+    assert ddim_timesteps(1000, 4, steps_offset=1).tolist() == [751, 501, 251, 1]  # SD's scheduler
+    assert ddim_timesteps(1000, 4, steps_offset=0).tolist() == [750, 500, 250, 0]  # diffusers' config default
+    with pytest.raises(TypeError):
+        ddim_timesteps(1000, 4)  # no default offset: the two defaults disagree
     with pytest.raises(PocketdiffError):
-        ddim_timesteps(1000, 0)
+        ddim_timesteps(1000, 0, steps_offset=1)
 
 
 # ---------------------------------------------------------------------------- parameterisations
@@ -167,7 +170,7 @@ def test_callback_sees_unet_inputs(eps_pipe):
     with torch.no_grad():
         ddim_sample(eps_pipe.unet, eps_pipe.scheduler, cond, uncond, steps=4, guidance_scale=3.0, latents=_noise(),
                     callback=record)
-    assert [s[1] for s in seen] == ddim_timesteps(1000, 4).tolist()
+    assert [s[1] for s in seen] == ddim_timesteps(1000, 4, steps_offset=1).tolist()
     assert [s[0] for s in seen] == [0, 1, 2, 3]
     for _, t, x_in, t_batch, emb_shape in seen:
         assert x_in.shape == (4, 4, 8, 8) and emb_shape == (4, 77, 64)

@@ -22,7 +22,7 @@ from bundle_builders import IO, T, sha256, signature_tflite
 
 from pocketdiff.cli import main
 from pocketdiff.runtime.manifest_check import check_bundle, manifest_problems
-from pocketdiff.runtime.manifest_fields import spacing_timesteps
+from pocketdiff.scheduler_blocks import ddim_timesteps
 
 
 def _rehash(b: Path, entry: dict) -> None:
@@ -174,4 +174,4 @@ def test_spacing_matches_diffusers(spacing, offset):
     for steps in (1, 3, 4, 7, 20, 50):
         s = DDIMScheduler(num_train_timesteps=1000, timestep_spacing=spacing, steps_offset=offset)
         s.set_timesteps(steps)
-        assert spacing_timesteps(1000, steps, spacing, offset) == s.timesteps.tolist(), (spacing, offset, steps)
+        assert ddim_timesteps(1000, steps, spacing=spacing, steps_offset=offset) == s.timesteps.tolist(), (spacing, offset, steps)
