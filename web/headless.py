@@ -182,16 +182,17 @@ def check_url(base: str, prompt: Optional[str], seed: Optional[int], report: str
 def check_page(bundle: str | Path, prompt: Optional[str] = None, seed: Optional[int] = None, timeout_s: float = 300.0,
                screenshot: Optional[str | Path] = None, executable: Optional[str] = None,
                chromium_args: tuple[str, ...] = (), env: Optional[dict] = None, webgpu: bool = True,
-               echo: Optional[Callable[[str], None]] = None, **extra) -> dict:
-    """Serve BUNDLE, open its page in check mode in headless Chromium, return the POSTed JSON
-    (with `chromium_console`, and `screenshot` when one was taken). ECHO, when given, is called with
-    each console line as it arrives (a long check can be followed)."""
+               echo: Optional[Callable[[str], None]] = None, verify_files: bool = True, **extra) -> dict:
+    """Serve BUNDLE (its own server takes the page's report: POST /report/check), open its page in check mode in
+    headless Chromium, return the POSTed JSON (with `chromium_console`, and `screenshot` when one was taken). ECHO,
+    when given, is called with each console line as it arrives (a long check can be followed). `verify_files=False`:
+    the server sends the manifest's files even when they differ from it (a test of the page's own sha256 check)."""
     import queue
 
     from .serve import PageServer
 
     t0 = time.perf_counter()
-    with PageServer(bundle, host="127.0.0.1", port=0) as srv, Chromium(executable, extra_args=chromium_args, env=env, webgpu=webgpu) as chrome:
+    with PageServer(bundle, host="127.0.0.1", port=0, reports=True, verify_files=verify_files) as srv, Chromium(executable, extra_args=chromium_args, env=env, webgpu=webgpu) as chrome:
         chrome.navigate(check_url(srv.url, prompt, seed, **extra))
         deadline = time.monotonic() + timeout_s
         result, echoed = None, 0

@@ -35,10 +35,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("bundle", help="bundle folder with web/ (pocketdiff web BUNDLE)")
-    p.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to serve the LAN")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--https", action="store_true", help="TLS with a generated self-signed certificate (WebGPU needs a secure context off localhost)")
-    p.add_argument("--reports", default=None, metavar="DIR", help="write POSTed check reports here")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on: 127.0.0.1 (this machine only; a phone through adb reverse) "
+                   "or 0.0.0.0 (every machine that reaches this one can read the bundle and its page)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port, 1 to 65535 (0: any free one)")
+    p.add_argument("--https", action="store_true", help="TLS with a self-signed certificate kept in the user's config folder "
+                   "($XDG_CONFIG_HOME/pocketdiff/serve-cert; WebGPU needs a secure context off localhost)")
+    p.add_argument("--cert", default=None, metavar="PEM", help="--https with this certificate (with --key) instead of the generated one")
+    p.add_argument("--key", default=None, metavar="PEM", help="the private key of --cert")
+    p.add_argument("--reports", default=None, metavar="DIR", help="take the page's check reports (POST /report/NAME, JSON) "
+                   "and write them into DIR (outside the bundle); off unless given")
     p.add_argument("--debug", action="store_true")
 
 

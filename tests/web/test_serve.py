@@ -21,7 +21,7 @@ class _NoRedirect(urllib.request.HTTPRedirectHandler):
 
 def test_serves_page_bundle_and_keeps_reports(smoke_bundle, tmp_path):
     write_page(PageConfig(bundle=str(smoke_bundle), reference=False))
-    with PageServer(smoke_bundle, port=0, reports_dir=tmp_path / "reports") as srv:
+    with PageServer(smoke_bundle, port=0, reports_dir=tmp_path / "reports", check_at_start=True) as srv:
         root = f"http://127.0.0.1:{srv.port}"
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.build_opener(_NoRedirect).open(root + "/")
@@ -40,7 +40,7 @@ def test_serves_page_bundle_and_keeps_reports(smoke_bundle, tmp_path):
             assert r.status == 204
         assert srv.reports.get(timeout=5) == ("/report/check", {"ok": True, "n": 1})
         assert json.loads((tmp_path / "reports/report_check.json").read_text()) == {"ok": True, "n": 1}
-        bad = urllib.request.Request(root + "/report/x", data=b"not json", method="POST")
+        bad = urllib.request.Request(root + "/report/x", data=b"not json", headers={"Content-Type": "application/json"}, method="POST")
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(bad)
         assert e.value.code == 400
