@@ -39,6 +39,7 @@ from pocketdiff.runtime.tiled_decode import SCHEMES as TILING_SCHEMES
 
 from . import bundle as bundle_lib
 from .components import shapes_for, time_embedding_table, tokenize
+from pocketdiff.runtime.pipeline_spec import derive_pipeline
 from .convert import WEIGHT_FORMATS
 from .device_profile import DeviceProfile
 from .export_components import ComponentExport, GoldenInputs, say
@@ -401,7 +402,7 @@ def _manifest(cfg: Config, out: Path, sched, golden: GoldenInputs, model_cfg: Mo
     if table is not None:
         np.save(out / "time_embedding.npy", table.astype(np.float32))
         te_entry = {**bundle_lib.file_entry(out, out / "time_embedding.npy"), "shape": list(table.shape), "dtype": "float32"}
-    return {
+    manifest = {
         "created_by": "pocketdiff export",
         "image": {"height": shapes.resolution, "width": shapes.resolution, "channels": 3, "range": [0, 1]},
         "latent": {"channels": shapes.latent_channels, "height": shapes.latent_size, "width": shapes.latent_size, "vae_factor": shapes.vae_factor},
@@ -425,6 +426,8 @@ def _manifest(cfg: Config, out: Path, sched, golden: GoldenInputs, model_cfg: Mo
             "versions": _versions(),
         },
     }
+    # the stages a runner runs and the role of every graph input, from the registry (runtime/pipeline_spec.py)
+    return {**manifest, "pipeline": derive_pipeline(manifest)}
 
 
 def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:

@@ -1,6 +1,7 @@
 """The mobile bundle: manifest.json + one .tflite per component + tokenizer + goldens.
 
-manifest.json (schema `pocketdiff-bundle`, version 1; version 2 with `unet_chunks`):
+manifest.json (schema `pocketdiff-bundle`, version 3 with its `pipeline` block; bundles from before it: version 1,
+version 2 with `unet_chunks`):
 
     schema, schema_version, created_by
     image: {height, width, channels}
@@ -36,6 +37,7 @@ from pocketdiff.outputs import read_json
 from .tflite_file import check_tflite_file, sha256_file
 from .verified_files import HashLedger
 from .chunks import CHUNKABLE, CHUNKED_SCHEMA_VERSION, block_key, has_chunks
+from .pipeline_spec import PIPELINE_SCHEMA_VERSION
 
 SCHEMA = "pocketdiff-bundle"
 SCHEMA_VERSION = 1
@@ -73,13 +75,22 @@ def _check_entry(bundle: Path, entry: dict, what: str, verify_sha: bool, hashes:
 
 
 def _check_version(mpath: Path, manifest: dict) -> None:
-    """Version 1, or 2 for a model in chunks (`unet_chunks`, `text_encoder_chunks`): each version with its own layout only."""
+    """Version 3: the manifest declares its pipeline (`pipeline`, runtime/pipeline_spec.py), chunked or not. Bundles
+    exported before it: version 1, or 2 for a model in chunks (`unet_chunks`, `text_encoder_chunks`), each with its own
+    layout only, read as the pipeline their layout implies (`pipeline_spec.derive_pipeline`)."""
     version, chunked = manifest.get("schema_version"), has_chunks(manifest)
-    if version not in (SCHEMA_VERSION, CHUNKED_SCHEMA_VERSION):
-        raise PocketdiffError(f"{mpath}: schema version {version!r} is not supported (expected {SCHEMA_VERSION} or {CHUNKED_SCHEMA_VERSION})")
+    if version not in (SCHEMA_VERSION, CHUNKED_SCHEMA_VERSION, PIPELINE_SCHEMA_VERSION):
+        raise PocketdiffError(f"{mpath}: schema version {version!r} is not supported (expected {SCHEMA_VERSION}, "
+                              f"{CHUNKED_SCHEMA_VERSION} or {PIPELINE_SCHEMA_VERSION}): re-export the bundle with this pocketdiff")
+    if version == PIPELINE_SCHEMA_VERSION:
+        if not isinstance(manifest.get("pipeline"), dict):
+            raise PocketdiffError(f"{mpath}: schema version {version} declares its pipeline, but the manifest has no pipeline block")
+        return
     if chunked != (version == CHUNKED_SCHEMA_VERSION):
         raise PocketdiffError(f"{mpath}: schema version {version} " + ("is for a model in chunks (unet_chunks or text_encoder_chunks), which this manifest lacks"
                               if not chunked else f"cannot hold {' or '.join(block_key(b) for b in CHUNKABLE if block_key(b) in manifest)} (a chunked model is version {CHUNKED_SCHEMA_VERSION})"))
+    if "pipeline" in manifest:
+        raise PocketdiffError(f"{mpath}: schema version {version} cannot hold a pipeline block (version {PIPELINE_SCHEMA_VERSION} does)")
 
 
 def load_manifest(bundle: str | Path, verify_sha: bool = True, components: Optional[list[str]] = None,

@@ -9,6 +9,9 @@ A component is one `Component` entry plus its converter in `export/` (the graph 
   some layouts: the guidance-embedded student's `timestep_cond`);
 - what it may be split into: `chunks` (K files run in turn, `<name>_chunks` in the manifest,
   runtime/chunks.py) and/or `tiles` (the parts a tiled decoder runs instead of it);
+- `roles`: each input's role in the pipeline (what a runner feeds it: runtime/pipeline_spec.py `ROLES`) and
+  `output_roles`, its outputs' roles in order; the stages of a model family (`FAMILIES`) name components, and
+  export writes both into the manifest's `pipeline` block;
 - its `checks`: what verify-bundle and the export hold it to (`golden` cosine / PSNR at fp16 and
   fp32 against the PyTorch outputs; `tiled_psnr` the tiled decode against the whole one);
 - for the converter: the diffusers pipeline attribute holding its weights (`pipeline_attr`), the
@@ -35,6 +38,12 @@ class Component:
     graph_prefix: str = ""  # its parameter names' prefix in the exported graph module
     int8_skip: tuple[str, ...] = ()  # module prefixes int8 RTN keeps float
     residual_scaled: bool = False  # its residual stream may be scaled for the fp16 range (rewrites.residual_scale)
+    roles: tuple[tuple[str, str], ...] = ()  # (input name, role): what the pipeline feeds each input
+    output_roles: tuple[str, ...] = ()  # the roles of its outputs, in order
+
+    def role_of(self, input_name: str) -> Optional[str]:
+        """The role of one of its inputs (None: an input this component's pipeline does not feed)."""
+        return dict(self.roles).get(input_name)
 
 
 TEXT_ENCODER = "text_encoder"
@@ -44,14 +53,28 @@ VAE_DECODER_HEAD = "vae_decoder_head"
 VAE_UP_TILE = "vae_up_tile"
 
 REGISTRY: dict[str, Component] = {c.name: c for c in (
-    Component(TEXT_ENCODER, "text", ("input_ids",), chunks=True, pipeline_attr="text_encoder", graph_prefix="text_encoder."),
+    Component(TEXT_ENCODER, "text", ("input_ids",), chunks=True, pipeline_attr="text_encoder", graph_prefix="text_encoder.",
+              roles=(("input_ids", "token_ids"),), output_roles=("prompt_embeds",)),
     Component(UNET, "denoise", ("sample", "timestep", "encoder_hidden_states"), ("timestep_cond",), chunks=True,
-              pipeline_attr="unet", graph_prefix="unet.", residual_scaled=True),
+              pipeline_attr="unet", graph_prefix="unet.", residual_scaled=True,
+              # `timestep` is fed a row of the bundle's time-embedding table when it has one (`timestep_embedding`)
+              roles=(("sample", "latents"), ("timestep", "timestep"), ("encoder_hidden_states", "prompt_embeds"),
+                     ("timestep_cond", "guidance_embedding"), ("text_embeds", "pooled_embeds"), ("time_ids", "time_ids")),
+              output_roles=("noise_pred",)),
     Component(VAE_DECODER, "decode", ("latents",), tiles=(VAE_DECODER_HEAD, VAE_UP_TILE), checks=("golden", "tiled_psnr"),
-              pipeline_attr="vae", int8_skip=("encoder.", "quant_conv."), residual_scaled=True),
+              pipeline_attr="vae", int8_skip=("encoder.", "quant_conv."), residual_scaled=True,
+              roles=(("latents", "latents"),), output_roles=("image",)),
     Component(VAE_DECODER_HEAD, "decode", ("latents",), part_of=VAE_DECODER, pipeline_attr="vae"),
     Component(VAE_UP_TILE, "decode", ("features", "weight", "stats", "own"), part_of=VAE_DECODER, pipeline_attr="vae"),
 )}
+
+# A model family's pipeline: its stages in order, each (stage name, kind, component, tokenizer block or None). A new
+# family is a new entry (and its components above); the runners know the kinds (runtime/pipeline_spec.py STAGE_KINDS).
+FAMILIES: dict[str, tuple[tuple[str, str, str, Optional[str]], ...]] = {
+    "sd": (("encode_prompt", "encode_prompt", TEXT_ENCODER, "tokenizer"),
+           ("denoise", "denoise", UNET, None),
+           ("decode", "decode", VAE_DECODER, None)),
+}
 
 # the components an export config names (parts of a tiled layout come with their whole), in call order
 COMPONENTS: tuple[str, ...] = tuple(n for n, c in REGISTRY.items() if c.part_of is None)

@@ -34,7 +34,8 @@ from .onepass_decode import ONE_PASS, check_one_pass_block, one_pass_io
 from .tiled_decode import SCHEMES as TILING_SCHEMES
 from .chunks import block_key, parts_of
 from .chunks import check_block as check_chunks_block
-from .components import CHUNKABLE, COMPONENTS, REGISTRY, TEXT_ENCODER, TILED_DECODER, VAE_DECODER, up_tile_parts
+from .components import CHUNKABLE, COMPONENTS, REGISTRY, TEXT_ENCODER, TILED_DECODER
+from .pipeline_spec import decoder_components, pipeline_of, pipeline_problems, stage_parts, tiled_components  # noqa: F401
 
 RUNNER_COMPONENTS = COMPONENTS  # the registry's (runtime/components.py)
 
@@ -116,69 +117,20 @@ def _missing_inputs(ios: dict, found: Found) -> set[str]:
 
 
 def _check_contract(man: dict, ios: dict, found: Found) -> None:
-    """The shapes the runner feeds and reads, from the manifest's sizes, against each component."""
+    """The pipeline's stages (runtime/pipeline_spec.py: roles, order, the shapes each role feeds and reads) against the
+    components, then a tiled decoder's block."""
     lacking = _missing_inputs(ios, found)
-    lat, g, tok, s = (man.get(k) if isinstance(man.get(k), dict) else {} for k in ("latent", "guidance", "tokenizer", "scheduler"))
-    image = man.get("image") if isinstance(man.get("image"), dict) else {}
-    B = g.get("unet_batch")
-    latent = [lat.get("channels"), lat.get("height"), lat.get("width")]
-    L = tok.get("max_length")
-    text_out = None
-    if "text_encoder" in ios:
-        ins, outs = ios["text_encoder"]
-        if "text_encoder" not in lacking:
-            _expect(found, "components.text_encoder.inputs.input_ids", ins["input_ids"]["shape"], [1, L], "tokenizer.max_length")
-        text_out = next(iter(outs.values()))["shape"]
-        if len(text_out) != 3 or text_out[:2] != [1, L]:
-            found.add("components.text_encoder.outputs", "consistency", f"shape {text_out}, expected [1, {L}, width] (tokenizer.max_length)")
-            text_out = None
-    if "unet" in ios:
-        ins, outs = ios["unet"]
-        if "unet" not in lacking:
-            _expect(found, "components.unet.inputs.sample", ins["sample"]["shape"], [B, *latent], "guidance.unet_batch x latent")
-            if text_out is not None:
-                _expect(found, "components.unet.inputs.encoder_hidden_states", ins["encoder_hidden_states"]["shape"],
-                        [B, *text_out[1:]], "guidance.unet_batch x the text encoder's output")
-            te = man.get("time_embedding")
-            if te:
-                shape = te.get("shape") if isinstance(te, dict) else None
-                if not isinstance(shape, list) or len(shape) != 2 or not all(is_int(d) and d > 0 for d in shape):
-                    found.add("time_embedding.shape", "type", f"must be [num_train_timesteps, width], got {shape!r}")
-                else:
-                    if shape[0] != s.get("num_train_timesteps"):
-                        found.add("time_embedding.shape", "consistency", f"{shape[0]} rows, num_train_timesteps is {s.get('num_train_timesteps')}")
-                    _expect(found, "components.unet.inputs.timestep", ins["timestep"]["shape"], [B, shape[1]],
-                            "guidance.unet_batch x the time-embedding width")
-            else:
-                _expect(found, "components.unet.inputs.timestep", ins["timestep"]["shape"], [B], "guidance.unet_batch (no time-embedding table)")
-        _expect(found, "components.unet.outputs", next(iter(outs.values()))["shape"], [B, *latent], "guidance.unet_batch x latent")
-    if "vae_decoder" in ios:
-        ins, outs = ios["vae_decoder"]
-        if "vae_decoder" not in lacking:
-            _expect(found, "components.vae_decoder.inputs.latents", ins["latents"]["shape"], [1, *latent], "latent")
-        _expect(found, "components.vae_decoder.outputs", next(iter(outs.values()))["shape"],
-                [1, image.get("channels"), image.get("height"), image.get("width")], "image")
-    _check_tiling(man, ios, latent, found)
-
-
-def tiled_components(block: dict) -> tuple[str, ...]:
-    """A vae_tiling block's components: its `components` list when it names the head and the up path's parts
-    (`vae_up_tile`, or `vae_up_tile.0` ... `.K-1`: export `vae_tiling.up_parts`), else the two classic graphs
-    (bundles from before the list; a malformed one is reported by _check_tiling)."""
-    names = block.get("components")
-    if isinstance(names, list) and len(names) >= 2 and names[0] == TILED_DECODER[0] and tuple(names[1:]) == up_tile_parts(len(names) - 1):
-        return tuple(names)
-    return TILED_DECODER
-
-
-def decoder_components(man: dict) -> tuple[str, ...]:
-    """The decoder's components: the tiled graphs (head, then the up path's) when the manifest has a vae_tiling block."""
-    return tiled_components(man["vae_tiling"]) if isinstance(man.get("vae_tiling"), dict) else (VAE_DECODER,)
+    pipeline_problems(man, ios, found, frozenset(lacking))
+    lat = man.get("latent") if isinstance(man.get("latent"), dict) else {}
+    _check_tiling(man, ios, [lat.get("channels"), lat.get("height"), lat.get("width")], found)
 
 
 def runner_components(man: dict) -> tuple[str, ...]:
-    """The components run-bundle needs."""
-    return (*parts_of(man, TEXT_ENCODER), *parts_of(man), *decoder_components(man))
+    """The components run-bundle needs: every stage's models, in the pipeline's order."""
+    stages = pipeline_of(man).get("stages")
+    if not isinstance(stages, list) or not all(isinstance(s, dict) and s.get("component") in REGISTRY for s in stages):
+        return (*parts_of(man, TEXT_ENCODER), *parts_of(man), *decoder_components(man))  # pipeline_problems names the fault
+    return tuple(p for s in stages for p in stage_parts(man, s["component"]))
 
 
 def _check_tiling(man: dict, ios: dict, latent: list, found: Found) -> None:

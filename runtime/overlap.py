@@ -183,7 +183,8 @@ def check_budget(budget_mb, overlap: bool) -> Optional[MemoryBudget]:
 
 
 def overlap_units(te_parts, unet_parts, decoder) -> list[tuple[str, tuple[str, ...]]]:
-    """(unit, its models) in the order of use: each text-encoder part, the UNet (its chunks together), each decoder part."""
+    """(unit, its models) in the order of use: each text-encoder part, the UNet (its chunks together), each decoder part
+    (the SD layout; the pipeline gives its own stages' units: runtime/pipeline.py `BundlePipeline.units`)."""
     return [(p, (p,)) for p in te_parts] + [(UNET, tuple(unet_parts))] + [(p, (p,)) for p in decoder]
 
 

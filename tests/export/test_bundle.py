@@ -88,7 +88,7 @@ def test_manifest_goldens_and_tokenizer(exported):
     from pocketdiff.runtime.run_bundle import bundle_tokenize
 
     man = load_manifest(exported["out"])
-    assert man["schema_version"] == 1 and man["guidance"]["unet_batch"] == 2
+    assert man["schema_version"] == 3 and man["guidance"]["unet_batch"] == 2
     assert man["scheduler"]["timesteps"] == sorted(man["scheduler"]["timesteps"], reverse=True)
     tok = man["tokenizer"]
     ids = bundle_tokenize(tok["files"]["tokenizer.json"]["_path"], tok["golden"]["prompt"], tok)

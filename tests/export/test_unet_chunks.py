@@ -155,7 +155,7 @@ def bundles(teacher_int8_bundle, int8_checkpoint, shared_conversions, tmp_path_f
 
 def test_manifest_lists_the_chunks_with_parity_per_chunk_and_end_to_end(bundles):
     man = json.loads((bundles["chunked"] / "manifest.json").read_text())
-    assert man["schema_version"] == 2 and json.loads((bundles["whole"] / "manifest.json").read_text())["schema_version"] == 1
+    assert man["schema_version"] == 3 and json.loads((bundles["whole"] / "manifest.json").read_text())["schema_version"] == 3
     block = man["unet_chunks"]
     assert block["components"] == [f"unet.{k}" for k in range(CHUNKS)] and "unet" not in man["components"]
     assert block["aliases"] == [{"skip_3": "hidden"}, {}, {}, {}]

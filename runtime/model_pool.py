@@ -1,0 +1,253 @@
+"""A bundle's models, loaded, kept and released as a loading policy says: the loading half of run-bundle.
+
+`ModelPool` owns everything about when and where a model lives, and nothing about what it computes (that is the
+pipeline's, runtime/pipeline.py): the loading policy (runtime/managed_model.py: plain, pipelined, streamed, workers,
+overlapped), the LiteRT environments (plain: one shared; pipelined: one per model, a chunked model's chunks together,
+destroyed with it, since LiteRT frees a model's GPU memory only with its environment), the accelerator's options and
+compiled-program cache (runtime/gpu_cache.py), the load workers (runtime/load_workers.py) and the overlapped loader
+(runtime/overlap.py), a chunked model's compile order (runtime/compile_order.py) and the memory marks of every phase
+(runtime/memory.py). The pipeline asks for a model by name (`load`), says when its use is over (`done`: the policy
+decides whether it goes), and marks its runs (`ran`).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Sequence, Union
+
+from .chunks import StreamedPart, base_of
+from .compile_order import ChunkOrder
+from .gpu_cache import bundle_digest
+from .load_workers import LoadWorkers, settle
+from .loaded_model import LoadedModel
+from .managed_model import PIPELINED, LoadingPolicy, ManagedModel
+from .memory import PeakSampler, process_age_s, return_freed_memory, tune_allocator
+from .overlap import overlap_loader
+
+_env_group = base_of  # the LiteRT environment a model shares when pipelined: a chunk's is its model's
+
+
+class ModelPool:
+    """The models `names` (every model the pipeline may use, in the order of use) of one bundle.
+
+    `units`: (unit, its models) in the order of use, for the overlapped loader (a chunked denoiser's chunks are one
+    unit); `chunk_group`: the chunks whose compile order is learnt between launches (pipelined, GPU)."""
+
+    def __init__(self, bundle: Union[str, Path], man: dict, names: Sequence[str], units: list, policy: LoadingPolicy,
+                 accelerator: str, gpu_cache: Union[str, Path, None, bool] = None, gpu_options: Optional[dict] = None,
+                 release_file_pages: bool = True, budget=None, chunk_group: Sequence[str] = ()):
+        self.bundle, self.man, self.comps, self.policy, self.accelerator = bundle, man, man["components"], policy, accelerator
+        tune_allocator()  # large buffers the accelerator frees go back to the system at once (runtime/memory.py)
+        self.sampler = PeakSampler()
+        self.phases: list[dict] = []
+        self.runs_seen: dict[str, int] = {}
+        self.driver, self.env, self.cache, self.gpu_identity = "n/a", None, None, ""
+        self.own_envs: dict = {}  # pipelined: one environment per loaded model
+        self.gpu_options = dict(gpu_options or {})  # the accelerator's options (runtime/litert_c.py: GPU_OPTION_KEYS)
+        self.release_file_pages = bool(release_file_pages) and accelerator == "gpu"
+        if accelerator == "gpu":
+            self._prepare_gpu(gpu_cache)
+        # every model the pipeline may use, loaded on use and released on request (runtime/managed_model.py)
+        self.models = {n: ManagedModel(n, functools.partial(self._open, n), functools.partial(self._close, n)) for n in names}
+        self.accelerated: dict[str, bool] = {}  # every model loaded so far: fully on the GPU delegate
+        self.workers = self.overlap = None
+        cache_folder = self.cache.folder if self.cache is not None and self.cache.enabled else None
+        if policy.overlap:  # the budget checked from measured figures before anything loads (runtime/overlap.py)
+            self.overlap = overlap_loader(units, cache_folder, (bundle_digest(self.comps), self.gpu_identity), budget,
+                                          lambda n: (self.comps[n], self.options_for(n)), self.sampler,
+                                          release_file_pages=self.release_file_pages)
+        self.chunk_order = None  # pipelined, chunks kept: the order they compile in (runtime/compile_order.py)
+        if policy.name == PIPELINED and accelerator == "gpu" and len(chunk_group) > 1:
+            self.chunk_order = ChunkOrder(tuple(chunk_group), cache_folder, (bundle_digest(self.comps), self.gpu_identity),
+                                          lambda msg: print(f"warning: {msg}", file=sys.stderr))
+        if policy.load_workers:  # last: nothing after this can fail and leave them running
+            self.workers = LoadWorkers(policy.load_workers, on_start=self.sampler.add_process,
+                                       release_file_pages=self.release_file_pages)
+
+    def _prepare_gpu(self, gpu_cache) -> None:
+        from .delegate import prepare_in_process
+        from .gpu_cache import GpuProgramCache, bundle_cache_folder, litert_version
+        from .litert_c import Environment
+
+        self.driver = prepare_in_process()
+        self.env = None if self.policy.own_environments or self.policy.overlap else Environment()
+        gpu = self.sampler.gpu  # what compiled programs and measured memory figures depend on besides the bundle
+        self.gpu_identity = "|".join([litert_version(), self.driver, str(gpu.name), str(gpu.driver_version()),
+                                      os.environ.get("VK_ICD_FILENAMES", ""), json.dumps(self.gpu_options, sort_keys=True)])
+        if gpu_cache is not False:
+            folder = Path(gpu_cache) if gpu_cache not in (None, True) else bundle_cache_folder(self.bundle, self.comps)
+            self.cache = GpuProgramCache(folder, self.gpu_identity)
+
+    # ------------------------------------------------------------------ state and marks
+
+    @property
+    def loaded(self) -> dict:
+        """The models resident now, by name."""
+        return {n: m.model for n, m in self.models.items() if m.loaded}
+
+    def mark(self, component: str, phase: str, **extra) -> None:
+        """A memory mark of one phase (runtime/memory.py), kept in the run's phases and the model's own."""
+        age = process_age_s()
+        self.phases.append({"component": component, "phase": phase, "t_s": None if age is None else round(age, 3), **self.sampler.mark(),
+                            **extra})
+        if component in self.models:
+            self.models[component].phases.append(self.phases[-1])
+
+    def ran(self, name: str) -> None:
+        """Mark a model's first run and its second (steady) one."""
+        n = self.runs_seen[name] = self.runs_seen.get(name, 0) + 1
+        if n <= 2:
+            self.mark(name, "first_run" if n == 1 else "steady_run")
+
+    def options_for(self, name: str) -> dict:
+        """The accelerator's options for one model: the user's, int8 kept int8 where exported so, the program cache."""
+        options = dict(self.gpu_options)
+        if (self.comps[name].get("int8") or {}).get("storage") == "direct":  # export int8.gpu_weights: direct
+            options.setdefault("allow_src_quantized_fc_conv_ops", True)  # the accelerator's int8 kernels: weights kept int8
+        if self.cache is not None:
+            options.update(self.cache.options_for(name, self.comps[name]))
+        return options
+
+    # ------------------------------------------------------------------ loading and release
+
+    def begin(self) -> None:
+        """A prompt starts: the overlapped loader's first worker starts (and the next one's, as the budget lets)."""
+        if self.overlap is not None:
+            self.overlap.begin()
+
+    def load_up_front(self, names: Sequence[str], latency: dict) -> None:
+        """Plain and workers: every model loaded now (workers: all submitted at once, spread in the order of use)."""
+        if not self.policy.up_front:
+            return
+        if self.workers is not None:
+            self.workers.submit([(n, self.comps[n], self.options_for(n)) for n in names if n not in self.loaded])
+        for name in names:
+            self.load(name, latency)
+
+    def load(self, name: str, latency: dict) -> LoadedModel:
+        """The managed model NAME, loaded now if it is not resident (its load's seconds into `latency`)."""
+        managed = self.models[name]
+        fresh, t0 = not managed.loaded, time.perf_counter()
+        m = managed.get()
+        if fresh:
+            if self.cache is not None:
+                self.cache.record(name)
+            self.accelerated[name] = m.fully_accelerated
+            latency[f"{name}_load"] = m.load_s
+            if self.overlap is not None:  # compiled in its worker: how long the pipeline waited (the load time not hidden)
+                latency[f"{name}_wait"] = time.perf_counter() - t0
+        return m
+
+    def load_group(self, parts: Sequence[str], latency: dict) -> list:
+        """A chunked model's parts, loaded one after another and kept for every step. Each fresh chunk runs once on
+        zeros before the next compiles (the accelerator lets a model's host weight copies go at its first run);
+        pipelined, the heap its compile freed goes back to the system first (one compile transient at a time)."""
+        order = self.chunk_order.order if self.chunk_order is not None else tuple(parts)
+        fresh = [n for n in order if not self.models[n].loaded]
+        loaded = {}
+        for name in order:
+            loaded[name] = self.load(name, latency)
+            if name in fresh and self.accelerator == "gpu" and len(parts) > 1 and self.overlap is None:  # its worker settles it
+                settle(loaded[name])  # not a step: the latency report counts the sampling runs only
+                self.mark(name, "settled")
+                if self.policy.release_after_use:
+                    return_freed_memory()
+        if fresh and self.chunk_order is not None:  # what each compile needed, for the next launch's order
+            self.chunk_order.record({n: self.models[n].phases for n in fresh})
+        return [loaded[n] for n in parts]
+
+    def streamed(self, parts: Sequence[str], latency: dict) -> list:
+        """A chunked model's chunks as StreamedParts: each loaded for each run and released after it (one chunk in
+        memory at a time; `<base>_streamed_loads` sums their load seconds)."""
+        key = f"{base_of(parts[0])}_streamed_loads"
+        latency[key] = 0.0
+
+        def load(name: str) -> LoadedModel:
+            model = self.load(name, latency)
+            latency[key] += model.load_s
+            return model
+
+        return [StreamedPart([i["name"] for i in self.comps[name]["inputs"]], functools.partial(load, name),
+                             functools.partial(self.ran, name), functools.partial(self.release, name)) for name in parts]
+
+    def done(self, name: str) -> None:
+        """NAME's use is over: the policy says whether it goes now (pipelined) or stays (plain, workers)."""
+        if self.policy.release_after_use:
+            self.release(name)
+
+    def release(self, name: str) -> None:
+        self.models[name].release()
+
+    def _open(self, name: str):
+        """Compile NAME: in its load worker (`workers`, `overlapped`), else here, in the environment the policy gives it."""
+        if self.workers is not None or self.overlap is not None:
+            m = (self.workers or self.overlap).get(name)
+            self.mark(name, "compiled")
+            if m.pages_released is not None:  # given back in its worker, before it answered
+                self.mark(name, "pages_released", **m.pages_released)
+            return m
+        return LoadedModel(name, self.comps[name], self.accelerator, env=self._environment_for(name),
+                           gpu_options=self.options_for(name), on_phase=lambda phase, **extra: self.mark(name, phase, **extra),
+                           release_file_pages=self.release_file_pages)
+
+    def _environment_for(self, name: str):
+        """Plain: the one shared environment. Pipelined: an environment of the model's own (a chunked model's chunks
+        share one), destroyed with it: LiteRT gives a model's GPU memory back only when its environment goes."""
+        if self.accelerator != "gpu":
+            return None
+        if not self.policy.own_environments:
+            return self.env
+        from .litert_c import Environment
+
+        group = _env_group(name)
+        if group not in self.own_envs:
+            self.own_envs[group] = Environment()
+        return self.own_envs[group]
+
+    def _close(self, name: str, m) -> None:
+        """Free a released model, and its environment when no other resident model shares it (overlapped: its worker
+        goes with its unit's last model)."""
+        if self.overlap is not None:
+            self.overlap.release(name, m)
+        else:
+            m.close()
+        group = _env_group(name)
+        env = None if any(_env_group(n) == group for n in self.loaded) else self.own_envs.pop(group, None)
+        if env is not None:
+            env.close()
+        return_freed_memory()
+        self.mark(name, "released")
+
+    def close(self) -> None:
+        for name in list(self.loaded):
+            self.release(name)
+        for pool in (self.workers, self.overlap):
+            if pool is not None:
+                pool.close()
+        self.workers = None
+        if self.env is not None:
+            self.env.close()
+            self.env = None
+        self.sampler.close()
+
+    # ------------------------------------------------------------------ reports
+
+    def record_overlap(self, host_peak_now_mb: float) -> None:
+        """Each model's measured memory after a prompt, for --memory-budget-mb (runtime/overlap.py)."""
+        if self.overlap is not None:
+            own_gpu = self.sampler.gpu.pid_mb(os.getpid()) if self.sampler.gpu.available else None
+            self.overlap.record(max(self.sampler.host_peak_total_mb, host_peak_now_mb) + (own_gpu or 0.0))
+
+    def memory_report(self) -> dict:
+        """Measured: the whole run's peaks (host, GPU, host + GPU) and every phase; the cache's state."""
+        released = [p["released_mb"] for p in self.phases if p["phase"] == "pages_released"]
+        return {**self.sampler.totals(), "phases": list(self.phases),
+                "release_file_pages": self.release_file_pages, "pages_released_mb": round(sum(released), 1),
+                "gpu_cache": self.cache.summary() if self.cache is not None else None,
+                "loading_policy": self.policy.name, "models": {n: m.memory() for n, m in self.models.items() if m.loads},
+                **({"overlap": self.overlap.report()} if self.overlap is not None else {}),
+                **({"unet_compile_order": self.chunk_order.report()} if self.chunk_order is not None else {})}
