@@ -56,8 +56,9 @@ def ddim_timesteps(num_train_timesteps: int, steps: int, *, spacing: str, steps_
         ts = np.linspace(0, T - 1, n).round()[::-1].astype(np.int64)
     else:
         raise PocketdiffError(f"timestep_spacing must be one of {', '.join(SPACINGS)}, got {spacing!r}")
-    if ts.max() >= T or ts.min() < 0:
-        raise PocketdiffError(f"{n} {spacing} steps with steps_offset {offset} give timestep {int(ts.max())}, outside [0, {T})")
+    if ts.max() >= T or ts.min() < 0:  # a large offset; numpy's float arange gives trailing one step too many (61 of 1000)
+        bad = int(ts.max()) if ts.max() >= T else int(ts.min())
+        raise PocketdiffError(f"{n} {spacing} steps with steps_offset {offset} give timestep {bad}, outside [0, {T})")
     return [int(t) for t in ts]
 
 

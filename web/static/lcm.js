@@ -1,14 +1,32 @@
 // The consistency (LCM) step of a bundle whose manifest says scheduler.type "lcm": the same
-// arithmetic as runtime/lcm_step.py (runtime/BUNDLE.md, "Order of calls"); the page calls it through
-// schedulers.js's LCMScheduler. Plain module (no LiteRT import), so tests run it under node.
+// arithmetic as runtime/lcm_step.py and the timestep rule of pocketdiff/scheduler_blocks.py (runtime/BUNDLE.md,
+// "Order of calls"); the page calls it through schedulers.js's LCMScheduler. Plain module (no LiteRT import),
+// so tests run it under node.
 export const SCHEDULER_TYPES = ['ddim', 'lcm'];
 
-/** Descending timesteps of an N-step run on the K-point training grid t_n = (n + 1) * (T // K) - 1. */
-export function lcmTimesteps(T, K, N) {
+/** strength as a number in (0, 1] (img2img), else an error naming it. */
+export function checkedStrength(strength) {
+  if (!(typeof strength === 'number' && Number.isFinite(strength) && strength > 0 && strength <= 1)) {
+    throw new Error(`strength must be in (0, 1], got ${JSON.stringify(strength)}`);
+  }
+  return strength;
+}
+
+/** Descending timesteps of an N-step run on the K-point training grid t_n = (n + 1) * (T // K) - 1; with
+ * strength s < 1 on its first trunc(K s) points (diffusers' LCMScheduler.set_timesteps(N, strength=s)). The
+ * indices are numpy's floor(linspace(0, points, N, endpoint=False)): floor(i * (points / N)) in doubles. */
+export function lcmTimesteps(T, K, N, strength = 1) {
+  const s = checkedStrength(strength);
+  if (!(Number.isInteger(K) && K >= 1 && K <= T)) throw new Error(`original_inference_steps must be in [1, ${T}], got ${K}`);
+  if (!(Number.isInteger(N) && N >= 1 && N <= K)) {
+    throw new Error(`a consistency student trained on a ${K}-point grid samples with 1 to ${K} steps, got ${N}`);
+  }
+  const points = Math.trunc(K * s);
+  if (points < N) throw new Error(`strength ${s} keeps ${points} of the ${K}-point grid's points, fewer than the ${N} steps`);
   const grid = [];
-  for (let n = K - 1; n >= 0; n--) grid.push((n + 1) * Math.floor(T / K) - 1);
+  for (let n = points - 1; n >= 0; n--) grid.push((n + 1) * Math.floor(T / K) - 1);
   const out = [];
-  for (let i = 0; i < N; i++) out.push(grid[Math.floor((i * K) / N)]);
+  for (let i = 0; i < N; i++) out.push(grid[Math.floor(i * (points / N))]);
   return out;
 }
 
@@ -25,7 +43,12 @@ export function schedulerProblem(sched) {
   for (const k of ['timestep_scaling', 'sigma_data']) {
     if (!(Number.isFinite(sched[k]) && sched[k] > 0)) return `manifest: scheduler.${k} must be a finite number > 0, got ${JSON.stringify(sched[k])}`;
   }
-  const want = lcmTimesteps(sched.num_train_timesteps, sched.original_inference_steps, sched.steps);
+  let want;
+  try {
+    want = lcmTimesteps(sched.num_train_timesteps, sched.original_inference_steps, sched.steps);
+  } catch (e) {
+    return `manifest: scheduler: ${e.message}`;
+  }
   if (JSON.stringify(want) !== JSON.stringify(sched.timesteps)) {
     return `manifest: scheduler.timesteps ${JSON.stringify(sched.timesteps)} are not ${sched.steps} lcm steps on the ${sched.original_inference_steps}-point grid (${JSON.stringify(want)})`;
   }
