@@ -50,12 +50,11 @@ _ROLES = (
     ("_lora.down.weight", "down"), ("_lora.up.weight", "up"),  # attention processors: processor.to_q_lora
     (".alpha", "alpha"),
 )
-# parts of a key that mark an adapter kind we do not fuse -> what to call it
+# keys of adapter kinds we do not fuse (regex searched in the key) -> what to call them
 _UNSUPPORTED = (
-    ("hada_", "a LyCORIS LoHa factor"), ("lokr_", "a LyCORIS LoKr factor"), ("lora_mid", "a LyCORIS Tucker (lora_mid) factor"),
-    ("dora_scale", "a DoRA magnitude"), ("lora_magnitude_vector", "a DoRA magnitude"),
-    ("lora_embedding_", "an embedding LoRA"), ("lora_B.bias", "a LoRA bias"), ("lora_up.bias", "a LoRA bias"),
-    (".diff", "a full weight difference"), ("oft_", "an OFT factor"), ("ia3", "an IA3 vector"),
+    (r"\.hada_", "a LyCORIS LoHa factor"), (r"\.lokr_", "a LyCORIS LoKr factor"), (r"\.lora_mid\.", "a LyCORIS Tucker (lora_mid) factor"),
+    (r"\.dora_scale$|lora_magnitude_vector", "a DoRA magnitude"), (r"lora_embedding_", "an embedding LoRA"),
+    (r"\.lora_(B|up)\.bias$", "a LoRA bias"), (r"\.diff(_b)?$", "a full weight difference"), (r"\.oft_", "an OFT factor"),
 )
 
 
@@ -112,7 +111,7 @@ def check_file(path: Any, key: str) -> Path:
         head = f.read(9)
         n = _header_length(head, p.stat().st_size, p, key)
         f.seek(8)
-        _parse_header(f.read(n), p, key)
+        _parse_header(f.read(n), p, key, data_size=p.stat().st_size - 8 - n)
     return p
 
 
@@ -127,13 +126,20 @@ def _header_length(head: bytes, size: int, path: Path, key: str) -> int:
     raise ConfigError(f"{key}: {path} is not a valid safetensors file (corrupt or truncated header)")
 
 
-def _parse_header(raw: bytes, path: Path, key: str) -> dict:
+def _parse_header(raw: bytes, path: Path, key: str, data_size: int) -> dict:
+    """The JSON header, its tensors' byte ranges ending where the file does (else corrupt or truncated)."""
     try:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError):
         header = None
     if not isinstance(header, dict):
         raise ConfigError(f"{key}: {path} is not a valid safetensors file (corrupt header)")
+    try:
+        end = max([int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"], default=0)
+    except (TypeError, KeyError, IndexError, ValueError):
+        raise ConfigError(f"{key}: {path} is not a valid safetensors file (corrupt header)") from None
+    if end != data_size:
+        raise ConfigError(f"{key}: {path} is not a valid safetensors file (its tensors need {end} bytes, it holds {data_size}: truncated?)")
     return header
 
 
@@ -169,7 +175,7 @@ def read_lora(path: Path, key: str) -> LoraFile:
     path = check_file(path, key)
     data = path.read_bytes()
     n = _header_length(data[:9], len(data), path, key)
-    header = _parse_header(data[8:8 + n], path, key)
+    header = _parse_header(data[8:8 + n], path, key, data_size=len(data) - 8 - n)
     meta = header.get("__metadata__") or {}
     try:
         tensors = load_bytes(data)
@@ -191,8 +197,8 @@ def _role(k: str) -> tuple[str, str]:
 
 
 def _unsupported(k: str) -> Optional[str]:
-    for part, what in _UNSUPPORTED:
-        if part in k:
+    for pattern, what in _UNSUPPORTED:
+        if re.search(pattern, k):
             return what
     return None
 

@@ -9,6 +9,7 @@ the kohya files are the same factors under kohya's names with per-layer alphas.
 from __future__ import annotations
 
 import copy
+import re
 import pickle
 from pathlib import Path
 
@@ -160,3 +161,168 @@ def test_two_loras_add_as_diffusers_fusing_one_after_the_other(base, peft_file, 
     ours = load_or_build(ModelConfig(pretrained=str(base), lora=specs))
     ref = _diffusers_fused(base, [(peft_file, 0.5), (kohya_file, -0.8)])
     _assert_parity(ours, ref, load_pipeline(str(base)), min_changed_unet=40, min_changed_te=8)
+
+
+# ----------------------------------------------------------------------------- key spellings and the formula
+
+
+def _spellings(unet: dict, te: dict, alpha) -> dict[str, dict]:
+    """The same factors and alphas in each key spelling pocketdiff reads."""
+    kohya = _kohya_state(unet, te, alpha)
+    old, processor, peft_prefixed = {}, {}, {}
+    for comp, layers in (("unet", unet), ("text_encoder", te)):
+        for k, v in layers.items():
+            if ".lora_A." not in k:
+                continue
+            module, up = k.split(".lora_A.")[0], layers[k.replace(".lora_A.", ".lora_B.")]
+            a = torch.tensor(float(alpha(module, v)))
+            mid = "lora" if comp == "unet" else "lora_linear_layer"
+            old.update({f"{comp}.{module}.{mid}.down.weight": v, f"{comp}.{module}.{mid}.up.weight": up, f"{comp}.{module}.alpha": a})
+            attn = re.match(r"(.*\.attn[12])\.(to_q|to_k|to_v|to_out)(\.0)?$", module)
+            name = f"{comp}.{attn.group(1)}.processor.{attn.group(2)}_lora" if attn else f"{comp}.{module}.lora"
+            processor.update({f"{name}.down.weight": v, f"{name}.up.weight": up,
+                              f"{name.removesuffix('_lora').removesuffix('.lora')}.alpha": a})
+            if comp == "unet":
+                peft_prefixed.update({f"base_model.model.{module}.lora_A.weight": v, f"base_model.model.{module}.lora_B.weight": up,
+                                      f"base_model.model.{module}.alpha": a})
+    return {"kohya": kohya, "diffusers_old": old, "attention_processors": processor, "peft_unet_only": peft_prefixed}
+
+
+def test_every_key_spelling_fuses_the_formula(base, peft_factors, tmp_path):
+    unet, te, _, _ = peft_factors
+    alpha = lambda module, down: 1.0 + len(module) % 5  # noqa: E731  per-layer alphas (kohya files may carry them)
+    plain = load_pipeline(str(base))
+    for name, state in _spellings(unet, te, alpha).items():
+        path = tmp_path / f"{name}.safetensors"
+        save_file(state, str(path))
+        pipe = load_pipeline(str(base))
+        fuse_loras(pipe, [LoraSpec(str(path), 0.6)])
+        comps = ("unet",) if name == "peft_unet_only" else ("unet", "text_encoder")
+        for comp, layers in zip(("unet", "text_encoder"), (unet, te)):
+            if comp not in comps:
+                assert _max_diff(getattr(pipe, comp), getattr(plain, comp)) == 0.0, name
+                continue
+            params, params_plain = dict(getattr(pipe, comp).named_parameters()), dict(getattr(plain, comp).named_parameters())
+            for k, down in layers.items():
+                if ".lora_A." not in k:
+                    continue
+                module = k.split(".lora_A.")[0]
+                up = layers[k.replace(".lora_A.", ".lora_B.")]
+                want = 0.6 * alpha(module, down) / down.shape[0] * (up.flatten(1) @ down.flatten(1))
+                got = params[f"{module}.weight"] - params_plain[f"{module}.weight"]
+                assert float((got - want.reshape(got.shape)).abs().max()) <= MAX_WEIGHT_DIFF, (name, module)
+
+
+def test_a_conv_lora_acts_as_its_down_conv_then_its_up_conv(base, peft_factors, tmp_path):
+    """The fused 3x3 conv equals the layer plus the LoRA branch run as convolutions (LoCon's definition)."""
+    unet, _, _, _ = peft_factors
+    module = "down_blocks.0.resnets.0.conv1"
+    down, up = unet[f"{module}.lora_A.weight"], unet[f"{module}.lora_B.weight"]
+    assert down.shape[-2:] == (3, 3) and up.shape[-2:] == (1, 1)
+    path = tmp_path / "conv.safetensors"
+    save_file({f"lora_unet_{module.replace('.', '_')}.lora_down.weight": down,
+               f"lora_unet_{module.replace('.', '_')}.lora_up.weight": up,
+               f"lora_unet_{module.replace('.', '_')}.alpha": torch.tensor(2.0)}, str(path))
+    plain, pipe = load_pipeline(str(base)), load_pipeline(str(base))
+    fuse_loras(pipe, [LoraSpec(str(path), 0.9)])
+    layer, fused = plain.unet.get_submodule(module), pipe.unet.get_submodule(module)
+    x = torch.randn(1, layer.in_channels, 8, 8, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        branch = torch.nn.functional.conv2d(torch.nn.functional.conv2d(x, down, padding=1), up)
+        want = layer(x) + 0.9 * 2.0 / down.shape[0] * branch
+        assert float((fused(x) - want).abs().max()) <= 1e-4  # float32 sums of 9 * 32 products, two orders
+        assert float((branch).abs().max()) > 1e-2
+
+
+# ----------------------------------------------------------------------------- refusals
+
+
+class _Evil:
+    """Unpickling this writes a file: the proof that nothing was unpickled is that file's absence."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def _snapshot(pipe) -> dict:
+    return {c: {k: v.clone() for k, v in getattr(pipe, c).state_dict().items()} for c in ("unet", "text_encoder")}
+
+
+def _unchanged(pipe, snap) -> bool:
+    return all(torch.equal(v, getattr(pipe, c).state_dict()[k]) for c, sd in snap.items() for k, v in sd.items())
+
+
+@pytest.mark.parametrize("suffix", [".ckpt", ".pt", ".bin", ".safetensors"])
+def test_a_pickle_is_refused_unopened(tmp_path, suffix):
+    marker = tmp_path / "unpickled"
+    path = tmp_path / f"evil{suffix}"
+    path.write_bytes(pickle.dumps({"lora_unet_x.lora_down.weight": _Evil(marker)}, protocol=4))
+    with pytest.raises(ConfigError, match="pickle") as e:
+        ModelConfig(lora=[{"path": str(path), "scale": 1.0}])
+    assert "model.lora[0]" in str(e.value) and "\n" not in str(e.value)
+    if suffix == ".safetensors":  # a torch zip archive named .safetensors too
+        torch.save({"w": torch.zeros(2)}, str(path))
+        with pytest.raises(ConfigError, match="pickle"):
+            ModelConfig(lora=[{"path": str(path)}])
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "empty", "header"])
+def test_a_corrupt_file_is_refused_in_one_line(tmp_path, kohya_file, damage):
+    path = tmp_path / "bad.safetensors"
+    data = kohya_file.read_bytes()
+    path.write_bytes({"truncated": data[: len(data) // 2], "garbage": b"\x00not safetensors" * 64, "empty": b"",
+                      "header": data[:8] + b"[" + data[9:]}[damage])
+    with pytest.raises(PocketdiffError, match="not a valid safetensors file") as e:
+        ModelConfig(lora=[{"path": str(path)}])
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("entry,match", [
+    ({"path": "missing.safetensors"}, "not found"),
+    ({"path": "x.txt"}, "must be a .safetensors file"),
+    ({"path": ""}, "must name a .safetensors LoRA file"),
+    ({"path": "K", "scale": float("nan")}, "scale: must be a finite number"),
+    ({"path": "K", "scale": float("inf")}, "scale: must be a finite number"),
+    ({"path": "K", "weight": 1.0}, "unknown key 'weight'"),
+])
+def test_bad_entries_are_refused_naming_the_key(kohya_file, entry, match):
+    entry = {k: (str(kohya_file) if v == "K" else v) for k, v in entry.items()}
+    with pytest.raises(ConfigError, match=match) as e:
+        ModelConfig(lora=[entry])
+    assert str(e.value).startswith("model.lora[0]")
+
+
+def _mismatch_states() -> dict[str, tuple[dict, str]]:
+    """LoRAs of another base: (state dict, what the refusal must name)."""
+    down, up = torch.randn(4, 320), torch.randn(320, 4)
+    q = "lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q"
+    return {
+        "missing layer": ({"lora_unet_down_blocks_3_attentions_0_proj_in.lora_down.weight": down,
+                           "lora_unet_down_blocks_3_attentions_0_proj_in.lora_up.weight": up},
+                          "lora_unet_down_blocks_3_attentions_0_proj_in.lora_down.weight"),
+        "shape": ({f"{q}.lora_down.weight": down, f"{q}.lora_up.weight": up}, "(4, 320) x up (320, 4) does not fit"),
+        "sdxl te2": ({"lora_te2_text_model_encoder_layers_0_self_attn_q_proj.lora_down.weight": down,
+                      "lora_te2_text_model_encoder_layers_0_self_attn_q_proj.lora_up.weight": up}, "second text encoder"),
+        "loha": ({f"{q}.hada_w1_a": down, f"{q}.hada_w1_b": up}, "LoHa"),
+        "not lora": ({"model.diffusion_model.input_blocks.0.0.weight": down}, "is not a LoRA factor"),
+        "no up": ({f"{q}.lora_down.weight": down}, "has no up factor"),
+        "diff": ({f"{q}.diff": down}, "a full weight difference"),
+    }
+
+
+@pytest.mark.parametrize("case", ["missing layer", "shape", "sdxl te2", "loha", "not lora", "no up", "diff"])
+def test_a_lora_of_another_base_is_refused_and_the_model_is_unchanged(base, kohya_file, tmp_path, case):
+    state, named = _mismatch_states()[case]
+    path = tmp_path / "other.safetensors"
+    save_file(state, str(path))
+    pipe = load_pipeline(str(base))
+    snap = _snapshot(pipe)
+    # a good LoRA first: nothing of it may be fused either when the second one is refused
+    with pytest.raises(PocketdiffError) as e:
+        fuse_loras(pipe, [LoraSpec(str(kohya_file), 1.0), LoraSpec(str(path), 1.0)])
+    assert named in str(e.value) and "model.lora[1]" in str(e.value) and "\n" not in str(e.value)
+    assert _unchanged(pipe, snap)
