@@ -128,7 +128,7 @@ def _check_contract(man: dict, ios: dict, found: Found) -> None:
 def runner_components(man: dict) -> tuple[str, ...]:
     """The components run-bundle needs: every stage's models, in the pipeline's order."""
     stages = pipeline_of(man).get("stages")
-    if not isinstance(stages, list) or not all(isinstance(s, dict) and s.get("component") in REGISTRY for s in stages):
+    if not isinstance(stages, list) or not all(isinstance(s, dict) and s.get("component") in COMPONENTS for s in stages):
         return (*parts_of(man, TEXT_ENCODER), *parts_of(man), *decoder_components(man))  # pipeline_problems names the fault
     return tuple(p for s in stages for p in stage_parts(man, s["component"]))
 
@@ -329,7 +329,8 @@ def manifest_problems(bundle: str | Path, manifest: dict, need: Optional[Iterabl
     found = Found()
     for check in FIELD_CHECKS:
         check(manifest, found)
-    _check_components(manifest, runner_components(manifest) if need is None else need, found)
+    # need None: the pipeline's stages say what must be present, and its check names the stage that runs a missing one
+    _check_components(manifest, () if need is None else need, found)
     if files:
         _check_files(Path(bundle), manifest, found)
     return found.items

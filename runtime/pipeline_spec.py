@@ -151,7 +151,8 @@ def _check_stage_fields(i: int, stage: Any, comps: dict, man: dict, found) -> bo
         return False
     missing = [p for p in stage_parts(man, comp) if p not in comps]
     if missing:
-        found.add(f"{where}.component", "present", f"stage {stage.get('stage')} runs {comp}, the bundle lacks {', '.join(missing)}")
+        found.add(f"{where}.component", "present", f"stage {stage.get('stage')} runs {comp}: "
+                  f"{', '.join(f'components.{m}' for m in missing)} missing (the bundle has {', '.join(comps)})")
         return False
     ins, outs = stage.get("inputs"), stage.get("outputs")
     if not isinstance(ins, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in ins.items()):
