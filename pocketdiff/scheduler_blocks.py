@@ -63,10 +63,9 @@ def ddim_timesteps(num_train_timesteps: int, steps: int, *, spacing: str, steps_
 
 
 def _strength(strength: Any) -> float:
-    s = float(strength)
-    if not (math.isfinite(s) and 0 < s <= 1):
-        raise PocketdiffError(f"strength must be in (0, 1], got {strength!r}")
-    return s
+    if not (_is_num(strength) and math.isfinite(strength) and 0 < strength <= 1):
+        raise PocketdiffError(f"strength must be a number in (0, 1], got {strength!r}")
+    return float(strength)
 
 
 def lcm_timesteps(num_train_timesteps: int, original_inference_steps: int, steps: int, strength: float = 1.0) -> list[int]:

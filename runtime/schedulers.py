@@ -219,7 +219,7 @@ def scheduler_for(block: dict, strength: float = 1.0) -> Scheduler:
     sched.set_timesteps(timesteps=block["timesteps"])
     if int(block.get("steps", len(sched.timesteps))) != len(sched.timesteps):
         raise PocketdiffError(f"bundle: scheduler.steps is {block['steps']} with {len(sched.timesteps)} timesteps")
-    if float(strength) != 1.0:
+    if strength != 1.0:
         sched.set_timesteps(len(sched.timesteps), strength=strength)
     return sched
 

@@ -7,7 +7,7 @@ export const SCHEDULER_TYPES = ['ddim', 'lcm'];
 /** strength as a number in (0, 1] (img2img), else an error naming it. */
 export function checkedStrength(strength) {
   if (!(typeof strength === 'number' && Number.isFinite(strength) && strength > 0 && strength <= 1)) {
-    throw new Error(`strength must be in (0, 1], got ${JSON.stringify(strength)}`);
+    throw new Error(`strength must be a number in (0, 1], got ${JSON.stringify(strength)}`);
   }
   return strength;
 }
