@@ -110,6 +110,22 @@ def _format_omegaconf_error(err: OmegaConfBaseException, where: str) -> str:
     return f"{where}: {key + ': ' if key else ''}{msg}"
 
 
+def _check_sections(cfg, raw: dict, where: str, prefix: str = "") -> None:
+    """A plain value where the schema has a section (a dataclass of fields) is named by its key (OmegaConf's
+    merge names none: "str is not a subclass of ..."), e.g. another verb's config given to this one."""
+    for key, value in raw.items():
+        node = cfg._get_node(key) if isinstance(cfg, DictConfig) and isinstance(key, str) and key in cfg else None
+        if not isinstance(node, DictConfig) or value is None:
+            continue
+        section = OmegaConf.get_type(node)
+        if not dataclasses.is_dataclass(section):
+            continue
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: {prefix}{key}: must be a section of {section.__name__} fields (key: value lines), "
+                              f"got {type(value).__name__} {str(value)[:60]!r} (is this another verb's config?)")
+        _check_sections(node, value, where, f"{prefix}{key}.")
+
+
 def _override(cfg, item: str):
     """`key=value` as a config to merge. Values are YAML-typed, except for string fields,
     which keep the text as written ("007" stays "007", not 7; "null" means None only where
@@ -145,6 +161,7 @@ def load_config(schema: type[T], path: Optional[str | Path] = None, overrides: O
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: top level must be a mapping, got {type(raw).__name__}")
         raw = _rename_raw(raw, _renamed_keys(schema))
+        _check_sections(cfg, raw, str(path))
         try:
             cfg = OmegaConf.merge(cfg, OmegaConf.create(raw))
         except OmegaConfBaseException as e:
@@ -165,7 +182,9 @@ def _finish(cfg, overrides: Optional[list[str]], where: str):
             raise ConfigError(f"command line: override {item!r} must look like key=value")
         item = _rename_override(item, renames)
         try:
-            cfg = OmegaConf.merge(cfg, _override(cfg, item))
+            change = _override(cfg, item)
+            _check_sections(cfg, OmegaConf.to_container(change), f"command line override {item!r}")
+            cfg = OmegaConf.merge(cfg, change)
         except OmegaConfBaseException as e:
             raise ConfigError(_format_omegaconf_error(e, f"command line override {item!r}")) from None
         except yaml.YAMLError as e:  # the value is parsed as YAML (e.g. an unclosed list "[a, b")
