@@ -35,6 +35,7 @@ import torch
 
 from pocketdiff.errors import PocketdiffError, require
 from pocketdiff.config import renamed_value
+from pocketdiff.lora import LoraSpec, check_lora_specs, fuse_loras
 from pocketdiff.models import read_distill_meta
 from pocketdiff.names import GUIDANCE_MODES as BUNDLE_GUIDANCE_MODES
 from pocketdiff.names import OLD_GUIDANCE_MODES
@@ -60,9 +61,12 @@ class ModelSpec:
     scheduler: dict = dataclasses.field(default_factory=dict)
     build: Optional[str] = None  # instead of path: build this arch (tiny | small ...) with random weights (smoke runs)
     build_resolution: int = 32  # image size of a built model
+    lora: list[LoraSpec] = dataclasses.field(default_factory=list)  # {path, scale} LoRAs fused into the loaded model (pocketdiff/lora.py)
 
     def __post_init__(self) -> None:
         require(not (self.build and self.path), "models.build", "set either path or build, not both")
+        self.lora = check_lora_specs(self.lora, "models.lora")
+        require(not (self.lora and self.kind == "bundle"), "models.lora", "applies to pipelines only (export the bundle with model.lora)")
         require(self.kind in KINDS, "models.kind", f"must be one of {KINDS}, got {self.kind!r}")
         self.guidance_mode = renamed_value(self.guidance_mode, "models.guidance_mode", OLD_GUIDANCE_MODES)
         require(self.guidance_mode in GUIDANCE_MODES, "models.guidance_mode", f"must be one of {GUIDANCE_MODES}, got {self.guidance_mode!r}")
@@ -189,6 +193,12 @@ def resolve_model(spec_or_obj: Any, index: int = 0, device: Optional[torch.devic
     if spec.unet:
         unet = _load_unet(spec.unet, dtype)
     unet = unet if unet is not None else pipe.unet
+    if spec.lora:
+        if not (spec.path or spec.build) or isinstance(spec_or_obj, dict):
+            raise PocketdiffError(f"models[{index}].lora: fuses into a model loaded from path or build, not a pipeline passed in")
+        from types import SimpleNamespace
+
+        fuse_loras(SimpleNamespace(unet=unet, text_encoder=pipe.text_encoder), spec.lora, f"models[{index}].lora")
     if device is not None:
         pipe.to(device)
         unet.to(device)

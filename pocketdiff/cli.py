@@ -194,6 +194,11 @@ def run_stage(verb: str, config: Optional[str], output: str | Path, overrides: O
         raise
     report.setdefault("verb", verb)
     report.setdefault("wall_time_s", round(time.time() - start, 3))
+    from .lora import config_lora_entries
+
+    lora = config_lora_entries(cfg)  # every LoRA the config fused (model.lora, models[i].lora): file, sha256, scale
+    if lora:
+        report.setdefault("lora", lora)
     write_json(out / "report.json", report)
     finish_output_dir(out)
     if state is not None:

@@ -320,8 +320,15 @@ def _delta_shape_ok(layer: nn.Module, down: torch.Tensor, up: torch.Tensor) -> b
 
 
 def _module_index(module: nn.Module) -> tuple[dict[str, nn.Module], dict[str, str]]:
-    named = dict(module.named_modules())
-    return named, {n.replace(".", "_"): n for n in named if n}
+    """{name: module} and {name with '_' for '.': name}, a CLIP text encoder's layers under both spellings
+    (transformers 5 dropped the `text_model.` level that LoRA files name)."""
+    named = {n: m for n, m in module.named_modules() if n}
+    if hasattr(module, "text_model"):
+        named.update({n.removeprefix("text_model."): m for n, m in list(named.items()) if n.startswith("text_model.")})
+    elif hasattr(module, "encoder") and hasattr(module, "embeddings"):
+        named.update({f"text_model.{n}": m for n, m in list(named.items())})
+    canonical = {m: n for n, m in module.named_modules() if n}
+    return named, {n.replace(".", "_"): canonical[m] for n, m in named.items()}
 
 
 def plan_fusion(pipe, loras: list[tuple[LoraFile, float, str]]) -> list[tuple[nn.Parameter, Factor, float]]:

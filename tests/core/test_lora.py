@@ -86,7 +86,7 @@ def _kohya_state(unet: dict, te: dict, alphas) -> dict:
             if ".lora_A." not in k:
                 continue
             module = k.split(".lora_A.")[0]
-            name = prefix + module.replace(".", "_")
+            name = prefix + (f"text_model.{module}" if prefix == "lora_te_" else module).replace(".", "_")  # CLIP's text_model
             out[f"{name}.lora_down.weight"] = v
             out[f"{name}.lora_up.weight"] = layers[k.replace(".lora_A.", ".lora_B.")]
             out[f"{name}.alpha"] = torch.tensor(float(alphas(module, v)))
@@ -176,6 +176,7 @@ def _spellings(unet: dict, te: dict, alpha) -> dict[str, dict]:
                 continue
             module, up = k.split(".lora_A.")[0], layers[k.replace(".lora_A.", ".lora_B.")]
             a = torch.tensor(float(alpha(module, v)))
+            module = f"text_model.{module}" if comp == "text_encoder" else module  # as files made with transformers 4 name it
             mid = "lora" if comp == "unet" else "lora_linear_layer"
             old.update({f"{comp}.{module}.{mid}.down.weight": v, f"{comp}.{module}.{mid}.up.weight": up, f"{comp}.{module}.alpha": a})
             attn = re.match(r"(.*\.attn[12])\.(to_q|to_k|to_v|to_out)(\.0)?$", module)
