@@ -53,14 +53,24 @@ class _PassThrough(nn.Module):
         return x
 
 
+def added_conditioning_inputs(unet) -> tuple[str, ...]:
+    """The graph inputs a UNet's added embedding takes besides the text: SDXL's (`addition_embed_type: text_time`)
+    pooled text embedding and time ids, computed inside the graph from them (they depend on the prompt, so no
+    per-timestep table can hold them: runtime/BUNDLE.md), else none."""
+    return ("text_embeds", "time_ids") if getattr(unet.config, "addition_embed_type", None) == "text_time" else ()
+
+
 class UNetGraph(nn.Module):
-    """UNet2DConditionModel with its time embedding inside the graph or fed in."""
+    """UNet2DConditionModel with its time embedding inside the graph or fed in, and its conditioning's fields as inputs:
+    (sample, timestep, encoder_hidden_states[, timestep_cond][, text_embeds, time_ids]) in that order, the order the
+    export passes them and the manifest's pipeline block names them by role (runtime/components.py)."""
 
     def __init__(self, unet: nn.Module, external_time_embedding: bool = False, timestep_cond: bool = False):
         super().__init__()
         self.unet = unet
         self.external_time_embedding = external_time_embedding
         self.takes_timestep_cond = timestep_cond and not external_time_embedding
+        self.extra_inputs = (("timestep_cond",) if self.takes_timestep_cond else ()) + added_conditioning_inputs(unet)
         if external_time_embedding:
             # get_time_embed returns what we feed; time_embedding becomes the identity
             if type(unet) is UNet2DConditionModel:
@@ -69,10 +79,13 @@ class UNetGraph(nn.Module):
                 unet.get_time_embed = types.MethodType(_fed_time_embed, unet)
             unet.time_embedding = _PassThrough()
 
-    def forward(self, sample, timestep, encoder_hidden_states, timestep_cond=None):
+    def forward(self, sample, timestep, encoder_hidden_states, *extra):
+        fed = dict(zip(self.extra_inputs, extra))
         kwargs = {}
         if self.takes_timestep_cond:
-            kwargs["timestep_cond"] = timestep_cond
+            kwargs["timestep_cond"] = fed["timestep_cond"]
+        if "text_embeds" in fed:  # the added embedding, from the prompt's pooled embedding and the size / crop ids
+            kwargs["added_cond_kwargs"] = {"text_embeds": fed["text_embeds"], "time_ids": fed["time_ids"]}
         return self.unet(sample, timestep, encoder_hidden_states=encoder_hidden_states, return_dict=False, **kwargs)[0]
 
 
