@@ -15,9 +15,9 @@
            summary JSON (per component: fully accelerated, finite at fp16, compile, latency;
            end to end per layout, plain vs pipelined peak RSS; XNNPACK beside).
 
-  python benchmarks/sd21_bundle.py pack /tmp/sd21_cfg:cfg /tmp/sd21_student:student --dest .devbundle
-  python benchmarks/sd21_bundle.py pack /work/sd/chunk1:whole /work/sd/chunk2:chunk2 --dest .devbundle --max-golden-mb 16
-  python benchmarks/sd21_bundle.py unpack .devbundle /tmp/bundles
+  python benchmarks/sd21_bundle.py pack runs/sd21_cfg:cfg runs/sd21_student:student --dest .devbundle
+  python benchmarks/sd21_bundle.py pack runs/chunk1:whole runs/chunk2:chunk2 --dest .devbundle --max-golden-mb 16
+  python benchmarks/sd21_bundle.py unpack .devbundle bundles
   python benchmarks/sd21_bundle.py collect $OUT --out $OUT/sd21_bundle.json
 """
 from __future__ import annotations
@@ -178,7 +178,7 @@ def summarize(bundle: Path, packed: Path | None) -> dict:
         }
     out = {
         "what": "pocketdiff export of an SD-2.1-size bundle (random tiled weights, norm affines perturbed) on a 2-core / 24 GB machine",
-        "command": "flock /work/signals/bigmem.lock pocketdiff export --config <config> --output <bundle>",
+        "command": "pocketdiff export --config <config> --output <bundle>",
         "config": cfg, "host": os.uname().nodename, "cpu_count": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "guidance": rep.get("guidance"), "resolution": rep.get("resolution"), "weights": rep.get("weights"),
         "export_s": rep.get("export_s"), "timings": rep.get("timings"), "bundle_bytes": rep.get("bundle_bytes"),
