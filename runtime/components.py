@@ -68,12 +68,14 @@ REGISTRY: dict[str, Component] = {c.name: c for c in (
     Component(VAE_UP_TILE, "decode", ("features", "weight", "stats", "own"), part_of=VAE_DECODER, pipeline_attr="vae"),
 )}
 
+ENCODE_PROMPT, DENOISE, DECODE = "encode_prompt", "denoise", "decode"  # the stage kinds a runner knows (pipeline_spec)
+
 # A model family's pipeline: its stages in order, each (stage name, kind, component, tokenizer block or None). A new
 # family is a new entry (and its components above); the runners know the kinds (runtime/pipeline_spec.py STAGE_KINDS).
 FAMILIES: dict[str, tuple[tuple[str, str, str, Optional[str]], ...]] = {
-    "sd": (("encode_prompt", "encode_prompt", TEXT_ENCODER, "tokenizer"),
-           ("denoise", "denoise", UNET, None),
-           ("decode", "decode", VAE_DECODER, None)),
+    "sd": (("encode_prompt", ENCODE_PROMPT, TEXT_ENCODER, "tokenizer"),
+           ("denoise", DENOISE, UNET, None),
+           ("decode", DECODE, VAE_DECODER, None)),
 }
 
 # the components an export config names (parts of a tiled layout come with their whole), in call order

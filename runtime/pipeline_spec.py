@@ -25,10 +25,10 @@ import dataclasses
 from typing import Any, Optional
 
 from .chunks import block_key, parts_of
-from .components import CHUNKABLE, FAMILIES, REGISTRY, TILED_DECODER, VAE_DECODER, up_tile_parts
+from .components import CHUNKABLE, DECODE, DENOISE, ENCODE_PROMPT, FAMILIES, REGISTRY, TILED_DECODER, VAE_DECODER, up_tile_parts
+from .stage_shapes import check_stage_shapes
 
 PIPELINE_SCHEMA_VERSION = 3  # a manifest with a `pipeline` block; 1 and 2 are read through derive_pipeline
-ENCODE_PROMPT, DENOISE, DECODE = "encode_prompt", "denoise", "decode"
 STAGE_KINDS = (ENCODE_PROMPT, DENOISE, DECODE)
 TASKS = ("text_to_image",)
 PROMPT, SAMPLE = "prompt", "sample"
@@ -214,6 +214,4 @@ def pipeline_problems(man: dict, ios: dict, found, lacking: frozenset = frozense
     if not all([_check_stage_fields(i, s, comps, man, found) for i, s in enumerate(stages)]):
         return
     _check_order(stages, man, found)
-    from .stage_shapes import check_stage_shapes  # the role-fed shapes (needs the components' io)
-
     check_stage_shapes(man, stages, ios, found, lacking)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Optional
 
 from .manifest_fields import is_int
-from .pipeline_spec import DECODE, DENOISE, ENCODE_PROMPT
+from .components import DECODE, DENOISE, ENCODE_PROMPT
 
 
 def _expect(found, where: str, got: list, want: list, what: str) -> None:

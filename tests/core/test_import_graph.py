@@ -55,6 +55,7 @@ INTERFACES: dict[str, dict[str, str]] = {
         "pocketdiff.runtime.memory": "export measures each component's peak RSS as the runner measures its own",
         "pocketdiff.runtime.chunks": "a chunked UNet or text encoder is exported under the names and order the runner passes tensors by",
         "pocketdiff.runtime.components": "export converts the components the registry lists (names, inputs, splits, int8 prefixes)",
+        "pocketdiff.runtime.pipeline_spec": "export writes the manifest's pipeline block (stages, roles) the runners read",
     },
     "pocketdiff.compress.prune": {
         "pocketdiff.train.loop": "recovery distillation reuses train's loop",
@@ -76,6 +77,7 @@ INTERFACES: dict[str, dict[str, str]] = {
     "pocketdiff.web": {
         "pocketdiff.runtime.bundle": "the page reads the bundle's manifest with the runtime's reader",
         "pocketdiff.runtime.run_bundle": "the page's reference image is run-bundle's, from the same latents",
+        "pocketdiff.runtime.cli_checks": "`web` checks its prompt and timeout flags as the bundle runners do",
     },
 }
 
