@@ -389,8 +389,8 @@ def _train_round(cfg: Config, spec: RoundSpec, acc, pipe, teacher_unet, t_sched,
 
 def _teacher_folder(cfg: Config) -> Optional[Path]:
     """The teacher's local pipeline folder, whose text encoder, tokenizer and VAE round 0 can
-    hardlink (None for a built teacher, a hub id, or a VAE replaced by model.vae)."""
-    if not cfg.model.pretrained or cfg.model.vae:
+    hardlink (None for a built teacher, a hub id, a VAE replaced by model.vae, or a LoRA fused into its text encoder)."""
+    if not cfg.model.pretrained or cfg.model.vae or cfg.model.lora:
         return None
     path = Path(resolve_shipped(cfg.model.pretrained)).expanduser()
     return path if (path / "model_index.json").is_file() else None

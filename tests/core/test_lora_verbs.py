@@ -142,3 +142,23 @@ def test_the_bundle_manifest_names_the_lora(tiny, tmp_path, monkeypatch):
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["provenance"]["lora"] == [{"key": "model.lora[0]", "file": str(tiny["lora"].resolve()), "scale": 0.75,
                                                "sha256": hashlib.sha256(tiny["lora"].read_bytes()).hexdigest()}]
+
+
+def test_a_distilled_student_keeps_the_lora_in_its_text_encoder(tmp_path):
+    """Round folders share the teacher's unchanged components by hardlink; with a LoRA fused into the teacher's text
+    encoder, the student's must be the fused one, not the file in the teacher's folder."""
+    from pocketdiff.models import embedded_teacher_dir
+
+    teacher = load_pipeline(str(embedded_teacher_dir()))
+    lora = kohya_lora(teacher, tmp_path / "style.safetensors")
+    out = tmp_path / "run"
+    run_stage("distill", "configs/smoke/distill.yaml", out, [
+        _lora_override(lora, 0.5), "guided.enabled=false", "progressive.start_steps=4", "progressive.final_steps=2",
+        "progressive.train.max_steps=1", "progressive.train.checkpoint_every=1", "data.shapes_count=8",
+        "eval.num_images=2", "eval.prompts=[a red circle]"])
+    folders = sorted(p.parent for p in out.rglob("model_index.json"))
+    assert folders, "distill wrote no pipeline folder"
+    student = load_pipeline(str(folders[-1]))
+    for name in TE_TARGETS:
+        delta = student.text_encoder.get_submodule(name).weight - teacher.text_encoder.get_submodule(name).weight
+        assert float(delta.abs().max()) > 1e-3, name
