@@ -50,6 +50,7 @@ from .onepass_export import split_one_pass
 from .tiled_export import expand_components, parity_latents, split_decoder
 from .chunk_export import check_chunk_plans
 from .unet_chunks import CUTS, MAX_CHUNKS, precheck_chunks
+from .up_parts_check import precheck_up_parts
 
 log = logging.getLogger(__name__)
 
@@ -178,6 +179,8 @@ class Config:
         require(self.int8.gpu_weights == "dequantize" or self.weights == "int8", "int8.gpu_weights", "direct needs weights: int8")
         require(not self.vae_tiling.enabled or "vae_decoder" in self.components, "vae_tiling.enabled",
                 "tiles the vae_decoder component, which components does not list")
+        if self.vae_tiling.enabled:  # the up path's layer count from the VAE's config alone, before any model is built
+            precheck_up_parts(self.model, self.int8.checkpoint, self.vae_tiling.up_parts)
         require(self.unet_chunk_cut in CUTS, "unet_chunk_cut", f"must be one of {', '.join(CUTS)}, got {self.unet_chunk_cut!r}")
         for component in CHUNKABLE:
             self._check_chunks(component)

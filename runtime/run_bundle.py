@@ -136,6 +136,9 @@ def generate(
 
 def check_flags(args) -> None:
     """run-bundle's flags that contradict each other or say nothing: one line naming them, before anything is read."""
+    from .cli_checks import check_run_bundle_flags
+
+    check_run_bundle_flags(args)  # --prompt's text, --gpu-cache outside the bundle, GPU-only flags (runtime/cli_checks.py)
     workers = getattr(args, "load_workers", None)
     if workers is not None:
         check_count(workers)  # `--load-workers 0` is refused, not run as plain without a word

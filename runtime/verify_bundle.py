@@ -310,6 +310,9 @@ def _verify_one_chain(report: dict, man: dict, base: str, accelerator: str, prec
 
 def main(args) -> int:
     """CLI entry (bundle, accelerator, precisions, components, json, no_run, keep_going, timeout, debug)."""
+    from .cli_checks import check_verify_bundle_flags
+
+    check_verify_bundle_flags(args)  # --timeout a positive number, --json outside the bundle: before any check runs
     precisions = [p for p in args.precisions.split(",") if p]
     components = [c for c in args.components.split(",") if c] if args.components else None
     try:

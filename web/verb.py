@@ -64,8 +64,11 @@ def summarize(result: dict) -> str:
 
 
 def main(args) -> int:
+    from pocketdiff.runtime.cli_checks import check_web_flags
+
     from .page import PageConfig, write_page
 
+    check_web_flags(args)  # before the page folder is touched
     t0 = time.perf_counter()
     cfg = PageConfig(bundle=args.bundle, reference=not args.no_reference, prompt=args.prompt, seed=args.seed,
                      reference_accelerator=args.reference_accelerator, litertjs=args.litertjs, overwrite=args.overwrite)

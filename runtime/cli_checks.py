@@ -1,0 +1,70 @@
+"""Flag checks of the bundle runners (run-bundle, verify-bundle, web), each one line naming the flag, before the
+bundle is read or anything is written: text a tokenizer cannot take, a timeout that is no time, a flag that does
+nothing with the others given, and a path that would write into the input bundle (nothing ever is written there).
+"""
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Optional
+
+from pocketdiff.errors import PocketdiffError
+
+
+def check_text(value: Optional[str], flag: str) -> None:
+    """Text from argv that is not valid UTF-8 (Python keeps the bytes as surrogate escapes) is refused by name."""
+    if value is None:
+        return
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = value[e.start:e.end].encode("utf-8", "surrogateescape")
+        raise PocketdiffError(f"{flag}: not valid UTF-8 text (byte {bad[:4].hex(' ')} at character {e.start}); "
+                              "pass it as UTF-8 (the shell's locale decides how arguments arrive)") from None
+
+
+def check_timeout(value: float, flag: str = "--timeout") -> None:
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        raise PocketdiffError(f"{flag} {value}: must be a positive number of seconds")
+
+
+def _forms(path: Path) -> set[Path]:
+    return {Path(os.path.abspath(path)), path.resolve()}
+
+
+def check_outside_bundle(path: Optional[str], flag: str, bundle: str) -> None:
+    """`path` (a file or folder to write) must be neither the bundle folder nor inside it, by name or through links."""
+    if path is None:
+        return
+    roots = _forms(Path(bundle).expanduser())
+    for p in _forms(Path(path).expanduser()):
+        if any(p == r or r in p.parents for r in roots):
+            raise PocketdiffError(f"{flag} {path} is inside the input bundle {bundle}: nothing is written into a bundle; "
+                                  "choose a path outside it")
+
+
+def check_run_bundle_flags(args) -> None:
+    """run-bundle's text, paths and accelerator-only flags."""
+    check_text(getattr(args, "prompt", None), "--prompt")
+    check_outside_bundle(getattr(args, "gpu_cache", None), "--gpu-cache", args.bundle)
+    if getattr(args, "keep_file_pages", False) and args.accelerator != "gpu":
+        raise PocketdiffError("--keep-file-pages keeps the GPU accelerator's .tflite pages: it does nothing with "
+                              f"--accelerator {args.accelerator}; drop it")
+
+
+def check_verify_bundle_flags(args) -> None:
+    check_timeout(args.timeout)
+    check_outside_bundle(getattr(args, "json", None), "--json", args.bundle)
+    for flag, value in (("--precisions", args.precisions), ("--components", getattr(args, "components", None))):
+        check_text(value, flag)
+
+
+def check_web_flags(args) -> None:
+    """`pocketdiff web`: the reference prompt, --check's own flags without --check, the timeout."""
+    check_text(getattr(args, "prompt", None), "--prompt")
+    check_timeout(args.timeout)
+    if not args.check:
+        for flag, given in (("--screenshot", args.screenshot is not None), ("--accelerator", args.accelerator != "webgpu")):
+            if given:
+                raise PocketdiffError(f"{flag} belongs to --check (the headless run): add --check, or drop {flag}")
