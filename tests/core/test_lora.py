@@ -327,3 +327,22 @@ def test_a_lora_of_another_base_is_refused_and_the_model_is_unchanged(base, kohy
         fuse_loras(pipe, [LoraSpec(str(kohya_file), 1.0), LoraSpec(str(path), 1.0)])
     assert named in str(e.value) and "model.lora[1]" in str(e.value) and "\n" not in str(e.value)
     assert _unchanged(pipe, snap)
+
+
+def test_one_by_one_factors_fit_a_linear_and_flat_factors_a_one_by_one_conv(base, tmp_path):
+    """SD 1.x's proj_in is a 1x1 conv, SD 2.x's a linear: files store either shape; both fuse as the same matrix."""
+    g = torch.Generator().manual_seed(3)
+    to_q = "down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q"  # Linear 32 -> 32
+    proj_in = "down_blocks.0.attentions.0.proj_in"  # Conv2d 1x1 32 -> 32
+    down_q, up_q, down_p, up_p = (torch.randn(2, 32, generator=g) for _ in range(4))
+    state = {f"lora_unet_{to_q.replace('.', '_')}.lora_down.weight": down_q[:, :, None, None],
+             f"lora_unet_{to_q.replace('.', '_')}.lora_up.weight": up_q.T[:, :, None, None].contiguous(),
+             f"lora_unet_{proj_in.replace('.', '_')}.lora_down.weight": down_p,
+             f"lora_unet_{proj_in.replace('.', '_')}.lora_up.weight": up_p.T.contiguous()}
+    path = tmp_path / "mixed.safetensors"
+    save_file(state, str(path))
+    plain, pipe = load_pipeline(str(base)), load_pipeline(str(base))
+    fuse_loras(pipe, [LoraSpec(str(path), 1.0)])  # no alpha: alpha = rank, scale 1
+    for name, down, up in ((to_q, down_q, up_q.T), (proj_in, down_p, up_p.T)):
+        got = pipe.unet.get_submodule(name).weight - plain.unet.get_submodule(name).weight
+        assert float((got.reshape(32, 32) - up @ down).abs().max()) <= MAX_WEIGHT_DIFF, name
