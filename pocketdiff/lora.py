@@ -189,7 +189,7 @@ def read_lora(path: Path, key: str) -> LoraFile:
 
 
 def _role(k: str) -> tuple[str, str]:
-    """(base, role) of a key; PocketdiffError-ready text when the key is not a LoRA factor."""
+    """(base, role) of a key: role down / up / alpha, or "" when the key is no LoRA factor."""
     for suffix, role in _ROLES:
         if k.endswith(suffix):
             return k[: -len(suffix)], role
@@ -287,8 +287,11 @@ def _alpha(roles: dict, alphas: dict, component: str, name: str, rank: int, wher
     if not fields:
         return float(rank)  # no alpha: scale 1, as diffusers loads such files
     for pattern, value in (fields.get("alpha_pattern") or {}).items():
-        if re.match(rf"(.*\.)?({pattern})$", name):
-            return float(value)
+        try:
+            if re.match(rf"(.*\.)?({pattern})$", name):  # PEFT's rule: the pattern names the module or its tail
+                return float(value)
+        except re.error:
+            raise PocketdiffError(f"{where}: its {component} alpha_pattern key {pattern!r} is not a valid pattern") from None
     return float(fields.get("lora_alpha", rank))
 
 
