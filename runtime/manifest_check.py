@@ -78,7 +78,7 @@ def _expect(found: Found, where: str, got: list, want: list, what: str) -> None:
         found.add(where, "consistency", f"shape {got}, but {what} gives {want}")
 
 
-def _check_components(man: dict, need: Iterable[str], found: Found) -> None:
+def _check_components(man: dict, need: Iterable[str], found: Found, runnable: bool = True) -> None:
     comps = man.get("components")
     if not isinstance(comps, dict) or not comps:
         found.add("components", "present", "missing or empty")
@@ -100,7 +100,7 @@ def _check_components(man: dict, need: Iterable[str], found: Found) -> None:
         whole = check_chunks_block(man, ios, found, _io, base)
         if whole:
             ios[base] = whole
-    _check_contract(man, ios, found)
+    _check_contract(man, ios, found, runnable)
 
 
 def _missing_inputs(ios: dict, found: Found) -> set[str]:
@@ -116,11 +116,11 @@ def _missing_inputs(ios: dict, found: Found) -> set[str]:
     return lacking
 
 
-def _check_contract(man: dict, ios: dict, found: Found) -> None:
+def _check_contract(man: dict, ios: dict, found: Found, runnable: bool = True) -> None:
     """The pipeline's stages (runtime/pipeline_spec.py: roles, order, the shapes each role feeds and reads) against the
     components, then a tiled decoder's block."""
     lacking = _missing_inputs(ios, found)
-    pipeline_problems(man, ios, found, frozenset(lacking))
+    pipeline_problems(man, ios, found, frozenset(lacking), require_present=runnable)
     lat = man.get("latent") if isinstance(man.get("latent"), dict) else {}
     _check_tiling(man, ios, [lat.get("channels"), lat.get("height"), lat.get("width")], found)
 
@@ -330,7 +330,7 @@ def manifest_problems(bundle: str | Path, manifest: dict, need: Optional[Iterabl
     for check in FIELD_CHECKS:
         check(manifest, found)
     # need None: the pipeline's stages say what must be present, and its check names the stage that runs a missing one
-    _check_components(manifest, () if need is None else need, found)
+    _check_components(manifest, () if need is None else need, found, runnable=need is None)
     if files:
         _check_files(Path(bundle), manifest, found)
     return found.items

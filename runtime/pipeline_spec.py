@@ -136,8 +136,9 @@ def _where(i: int, stage: Any) -> str:
     return f"pipeline.stages[{i}]" + (f" ({name})" if isinstance(name, str) else "")
 
 
-def _check_stage_fields(i: int, stage: Any, comps: dict, man: dict, found) -> bool:
-    """The stage's own fields: kind, component (present, whole or in parts), inputs and outputs by known roles."""
+def _check_stage_fields(i: int, stage: Any, comps: dict, man: dict, found, require_present: bool = True) -> Optional[bool]:
+    """The stage's own fields: kind, component (present, whole or in parts), inputs and outputs by known roles. None:
+    its component is absent from a bundle that need not run whole (`require_present` False)."""
     where = _where(i, stage)
     if not isinstance(stage, dict):
         found.add(where, "type", "must be an object {stage, kind, component, inputs, outputs}")
@@ -150,6 +151,8 @@ def _check_stage_fields(i: int, stage: Any, comps: dict, man: dict, found) -> bo
         found.add(f"{where}.component", "value", f"{comp!r} is not a component of the registry ({', '.join(REGISTRY)})")
         return False
     missing = [p for p in stage_parts(man, comp) if p not in comps]
+    if missing and not require_present:  # a partial bundle (verify-bundle, export of some components): not run whole
+        return None
     if missing:
         found.add(f"{where}.component", "present", f"stage {stage.get('stage')} runs {comp}: "
                   f"{', '.join(f'components.{m}' for m in missing)} missing (the bundle has {', '.join(comps)})")
@@ -194,10 +197,10 @@ def _check_order(stages: list, man: dict, found) -> None:
         found.add("pipeline.stages", "consistency", f"one denoise stage then one decode stage, got kinds {kinds}")
 
 
-def pipeline_problems(man: dict, ios: dict, found, lacking: frozenset = frozenset()) -> None:
+def pipeline_problems(man: dict, ios: dict, found, lacking: frozenset = frozenset(), require_present: bool = True) -> None:
     """The pipeline block (or the derived one) against the registry and the manifest: stages, roles, shapes
     (`ios`: component -> declared (inputs, outputs), chunked models as one; `lacking`: components already reported
-    for an input the registry requires)."""
+    for an input the registry requires; `require_present` False: a partial bundle, whose absent stages are skipped)."""
     block = man.get("pipeline")
     if block is not None and not isinstance(block, dict):
         found.add("pipeline", "type", "must be an object {family, tasks, stages}")
@@ -211,7 +214,11 @@ def pipeline_problems(man: dict, ios: dict, found, lacking: frozenset = frozense
     if not isinstance(tasks, list) or not tasks or any(t not in TASKS for t in tasks):
         found.add("pipeline.tasks", "value", f"must list tasks of {', '.join(TASKS)}, got {tasks!r}")
     comps = man.get("components") if isinstance(man.get("components"), dict) else {}
-    if not all([_check_stage_fields(i, s, comps, man, found) for i, s in enumerate(stages)]):
+    fields = [_check_stage_fields(i, s, comps, man, found, require_present) for i, s in enumerate(stages)]
+    if False in fields:
+        return
+    if None in fields:  # a partial bundle: the stages it holds are checked on their own, not as one pipeline
+        check_stage_shapes(man, [s for s, ok in zip(stages, fields) if ok], ios, found, lacking)
         return
     _check_order(stages, man, found)
     check_stage_shapes(man, stages, ios, found, lacking)
