@@ -235,7 +235,7 @@ async function main() {
   const limits = bundleLimits(adapter.limits, parseLimitOverrides(opts.limit));
   const fit = await preflight(bundle, limits, { accelerator: 'webgpu', streamed: opts.unet === 'streamed' });
   const ref = loadReference(opts.bundle);
-  const prompt = opts.prompt ?? ref?.prompt ?? man.tokenizer.golden?.prompt ?? 'a photograph of an astronaut riding a horse';
+  const prompt = opts.prompt ?? ref?.prompt ?? bundle.tokenizerBlock.golden?.prompt ?? 'a photograph of an astronaut riding a horse';
   const seed = opts.seed ?? ref?.seed ?? 0;
   const useRef = ref && ref.prompt === prompt && ref.seed === seed;
   const say = (text) => process.stderr.write(`[${((performance.now() - t0) / 1000).toFixed(1)} s] ${text}\n`);

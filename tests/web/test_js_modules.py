@@ -268,7 +268,7 @@ def test_page_prepare_check_and_unet_layouts(node, tmp_path):
     assert whole == {"problem": None, "parts": ["unet"], "layout": None}
     assert chunks == {"problem": None, "parts": ["unet.0", "unet.1"], "layout": None}
     assert "schema version 2 is not supported" in v2_whole["problem"] and v2_whole["layout"] == v2_whole["problem"]
-    assert "(expected 1, or 2 with unet_chunks or text_encoder_chunks)" in v2_whole["problem"]
+    assert "(expected 1, or 2 with unet_chunks or text_encoder_chunks, or 3 with its pipeline block)" in v2_whole["problem"]
     assert "a bundle with unet_chunks has schema version 2, got 1" in v1_chunks["problem"]
     assert "unet_chunks.components must list unet.0, unet.1" in unordered["problem"]
 
@@ -311,7 +311,7 @@ def test_text_encoder_layouts_name_their_own_block(node, tmp_path):
         assert "manifest: text_encoder_chunks.components must list text_encoder.0, text_encoder.1, ... (at least two)" in bad["problem"], bad
         assert bad["parts"] is None and bad["layout"] == bad["problem"]
     assert '["text_encoder.1","text_encoder.0"]' in unordered["problem"] and '["unet.0","unet.1"]' in other_names["problem"]
-    assert v1_chunks["problem"] == "manifest.json: a bundle with text_encoder_chunks has schema version 2, got 1"
+    assert v1_chunks["problem"] == "manifest.json: a bundle with text_encoder_chunks has schema version 2, got 1 (or 3, with its pipeline block)"
     # the UNet's own block is fine, the manifest is not: the page refuses it for the text encoder's
     assert bad_te_beside["problem"] is None and "text_encoder_chunks.components must list" in bad_te_beside["layout"]
 
@@ -402,3 +402,18 @@ def test_golden_outputs_are_matched_by_name_not_position(node, tmp_path):
     reordered, same, unknown = out["golden_order"]
     assert reordered == [1, 0, 2] and same == [0]
     assert "output other is not among the manifest's declared outputs (hidden)" in unknown
+
+
+def test_chunk_blocks_of_a_v3_manifest_are_accepted(node, tmp_path):
+    """schema_version 3 (the manifest declares its pipeline, stages.js) holds a chunks block or none; other versions are
+    refused as before, naming the versions the page reads."""
+    te_chunks = {"schema_version": 3, "text_encoder_chunks": TE_CHUNKS, "pipeline": {}}
+    cases = [({"schema_version": 3, "pipeline": {}}, "unet"), (te_chunks, "text_encoder"), (te_chunks, "unet"),
+             ({"schema_version": 4}, "unet"), ({"schema_version": 4, "unet_chunks": {"components": ["unet.0", "unet.1"]}}, "unet")]
+    out = _run(node, tmp_path, _plain_request(layouts=[{"manifest": m, "base": b} for m, b in cases]))["layouts"]
+    assert out[0] == {"problem": None, "parts": ["unet"], "layout": None}
+    assert out[1] == {"problem": None, "parts": ["text_encoder.0", "text_encoder.1"], "layout": None}
+    assert out[2] == {"problem": None, "parts": ["unet"], "layout": None}
+    assert out[3]["problem"] == ("manifest.json: schema version 4 is not supported (expected 1, or 2 with unet_chunks or "
+                                 "text_encoder_chunks, or 3 with its pipeline block)")
+    assert out[4]["problem"] == "manifest.json: a bundle with unet_chunks has schema version 2, got 4 (or 3, with its pipeline block)"

@@ -91,7 +91,6 @@ function draw(image) {
 }
 
 async function run(prompt, seed) {
-  const man = bundle.man;
   const accelerator = $('accelerator').value;
   const scale = Number($('guidance').value);
   const useRef = reference && reference.seed === seed;
@@ -107,7 +106,7 @@ async function run(prompt, seed) {
   const t = res.tokens;
   $('prompt-note').hidden = t.truncated === 0;
   $('prompt-note').textContent = t.truncated
-    ? `The prompt has ${t.tokens} tokens; the text encoder takes ${man.tokenizer.max_length - 2}: the last ${t.truncated} were dropped (as the Python runner does).`
+    ? `The prompt has ${t.tokens} tokens; the text encoder takes ${bundle.tokenizerBlock.max_length - 2}: the last ${t.truncated} were dropped (as the Python runner does).`
     : '';
   const L = res.latency;
   $('latency').textContent = `total ${L.total_ms.toFixed(0)} ms, UNet ${L.unet_step_mean_ms.toFixed(1)} ms/step over ${L.unet_steps_ms.length} steps`;

@@ -1,5 +1,6 @@
-// A model exported in chunks (export `unet_chunks: K`, `text_encoder_chunks: K`, manifest schema_version 2),
-// as run-bundle runs it (runtime/chunks.py). `base` names the model: 'unet' or 'text_encoder'; its block
+// A model exported in chunks (export `unet_chunks: K`, `text_encoder_chunks: K`, manifest schema_version 2, or 3
+// with its pipeline block), as run-bundle runs it (runtime/chunks.py). `base` names the model: a chunkable component
+// of the registry (stages.js CHUNKABLE: the UNet, the text encoder), the component of a pipeline stage; its block
 // is the manifest's `<base>_chunks`. <base>.0 ... <base>.K-1 run in sequence, a table of named tensors
 // between them (the model's inputs first: the UNet's sample, timestep, encoder_hidden_states; the text
 // encoder's input_ids; each chunk reads its inputs from it by name and writes its outputs into it:
@@ -9,34 +10,28 @@
 // Errors here are plain Errors with the component or field named; pipeline.js turns a manifest problem
 // (layoutProblem) into its BundleError.
 
-export const CHUNKED_SCHEMA_VERSION = 2;
-export const UNET = 'unet';
-export const TEXT_ENCODER = 'text_encoder';
-/** The models a bundle may hold in chunks (a manifest's layout checked in this order: the UNet's first). */
-export const CHUNKABLE = [UNET, TEXT_ENCODER];
-const SPOKEN = { [UNET]: 'UNet', [TEXT_ENCODER]: 'text encoder' };
+import { CHUNKABLE, PIPELINE_SCHEMA_VERSION, REGISTRY, blockKey } from './stages.js';
 
-/** The manifest key of `base`'s chunks block: unet_chunks, text_encoder_chunks. */
-export function blockKey(base) {
-  return `${base}_chunks`;
-}
+export { CHUNKABLE, blockKey }; // the models a bundle may hold in chunks (the registry's; the UNet's layout checked first)
+export const CHUNKED_SCHEMA_VERSION = 2;
+const spoken = (base) => REGISTRY[base]?.spoken ?? base;
 
 /** What is wrong with the manifest's layout of `base` (its `<base>_chunks` block, and the schema version
- *  that goes with it: 2 iff the manifest has a chunks block), or null. */
-export function partsProblem(man, base = UNET) {
+ *  that goes with it: 2 iff the manifest has a chunks block, or 3, whose pipeline block says, chunked or not), or null. */
+export function partsProblem(man, base) {
   const key = blockKey(base);
   const block = man[key];
   if (!block) {
     if (CHUNKABLE.some((b) => man[blockKey(b)])) return null; // another model's block: its own check
-    return man.schema_version === 1 ? null
-      : `manifest.json: schema version ${man.schema_version} is not supported (expected 1, or ${CHUNKED_SCHEMA_VERSION} with ${CHUNKABLE.map(blockKey).join(' or ')})`;
+    return man.schema_version === 1 || man.schema_version === PIPELINE_SCHEMA_VERSION ? null
+      : `manifest.json: schema version ${man.schema_version} is not supported (expected 1, or ${CHUNKED_SCHEMA_VERSION} with ${CHUNKABLE.map(blockKey).join(' or ')}, or ${PIPELINE_SCHEMA_VERSION} with its pipeline block)`;
   }
   const parts = block.components;
   if (!Array.isArray(parts) || parts.length < 2 || parts.some((p, i) => p !== `${base}.${i}`)) {
     return `manifest: ${key}.components must list ${base}.0, ${base}.1, ... (at least two), got ${JSON.stringify(parts)}`;
   }
-  if (man.schema_version !== CHUNKED_SCHEMA_VERSION) {
-    return `manifest.json: a bundle with ${key} has schema version ${CHUNKED_SCHEMA_VERSION}, got ${man.schema_version}`;
+  if (man.schema_version !== CHUNKED_SCHEMA_VERSION && man.schema_version !== PIPELINE_SCHEMA_VERSION) {
+    return `manifest.json: a bundle with ${key} has schema version ${CHUNKED_SCHEMA_VERSION}, got ${man.schema_version} (or ${PIPELINE_SCHEMA_VERSION}, with its pipeline block)`;
   }
   return null;
 }
@@ -51,7 +46,7 @@ export function layoutProblem(man) {
 }
 
 /** A model's component names in call order: [base], or its chunks base.0, base.1, ... (after partsProblem). */
-export function modelParts(man, base = UNET) {
+export function modelParts(man, base) {
   const block = man[blockKey(base)];
   return block ? block.components.slice() : [base];
 }
@@ -69,7 +64,7 @@ export function outputNames(component, declared) {
 }
 
 /** Per chunk of `base`, {alias: the chunk's output it names} ({} where the manifest has no aliases). */
-export function chunkAliases(man, base = UNET) {
+export function chunkAliases(man, base) {
   const block = man[blockKey(base)] || {};
   const n = (block.components || []).length;
   return Array.isArray(block.aliases) && block.aliases.length === n ? block.aliases.map((a) => ({ ...a })) : Array.from({ length: n }, () => ({}));
@@ -90,10 +85,10 @@ export function goldenIndices(names, declared) {
 /** One compiled chunk `c` of `base` run on its inputs from the table of named tensors (`tensors`, changed
  *  here): its outputs (`names`, in its run's order) and their `aliases` written back into the table;
  *  returns its outputs. */
-export async function runChunk(tensors, c, names, aliases = {}, base = UNET) {
+export async function runChunk(tensors, c, names, aliases, base) {
   const mine = {};
   for (const d of c.model.getInputDetails()) {
-    if (!(d.name in tensors)) throw new Error(`${c.name}: no earlier chunk (nor the ${SPOKEN[base] ?? base}'s inputs) makes its input ${d.name}`);
+    if (!(d.name in tensors)) throw new Error(`${c.name}: no earlier chunk (nor the ${spoken(base)}'s inputs) makes its input ${d.name}`);
     mine[d.name] = tensors[d.name];
   }
   const outs = await c.runAll(mine);
@@ -109,7 +104,7 @@ export async function runChunk(tensors, c, names, aliases = {}, base = UNET) {
  *  Components kept resident, or StreamedChunks compiled for this use and released after it);
  *  `outNames`: each part's output names (outputNames; found once, filled here for a streamed chunk);
  *  `aliases`: chunkAliases(man, base). */
-export async function runParts(parts, feeds, outNames, aliases = [], base = UNET) {
+export async function runParts(parts, feeds, outNames, aliases, base) {
   if (parts.length === 1 && !parts[0].open) return parts[0].run(feeds);
   const tensors = { ...feeds };
   let outs = [];
@@ -130,19 +125,19 @@ export async function runParts(parts, feeds, outNames, aliases = [], base = UNET
  *  or a run fails; `outputNames(c)`): part k runs on every feed before part k + 1 opens (a chunked text
  *  encoder on the prompt and the empty prompt, one chunk in memory, as run-bundle's _encode), each feed's
  *  tensors passed between the chunks by name as runParts passes them; one whole model runs on each feed.
- *  `aliases`: chunkAliases(man, base). */
-export async function runPartsOnEach(parts, feedsList, aliases = [], base = UNET) {
+ *  `aliases`: chunkAliases(man, base). `every`: each feed's every output, {outs, names} (the last part's, in its
+ *  run's order), instead of its first. */
+export async function runPartsOnEach(parts, feedsList, aliases, base, every = false) {
   const tables = feedsList.map((feeds) => ({ ...feeds }));
   let outs = [];
   for (const [k, part] of parts.entries()) {
     try {
       const c = await part.open();
       outs = [];
-      if (parts.length === 1) {
-        for (const feeds of tables) outs.push(await c.run(feeds));
-      } else {
-        const names = part.outputNames(c);
-        for (const tensors of tables) outs.push((await runChunk(tensors, c, names, aliases[k], base))[0]);
+      const names = parts.length > 1 || every ? part.outputNames(c) : null;
+      for (const tensors of tables) {
+        const all = parts.length === 1 ? (every ? await c.runAll(tensors) : [await c.run(tensors)]) : await runChunk(tensors, c, names, aliases[k], base);
+        outs.push(every ? { outs: all, names } : all[0]);
       }
     } finally {
       part.close();

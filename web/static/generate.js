@@ -1,10 +1,14 @@
-// One prompt through the bundle, pipelined as `run-bundle --pipelined` (a tiled decoder as tiled.js, a UNet or a
-// text encoder in chunks as chunks.js).
+// One prompt through the bundle's pipeline (stages.js: its encode-prompt stages, the denoise stage, the decode stage),
+// pipelined as `run-bundle --pipelined` (a tiled decoder as tiled.js, a UNet or a text encoder in chunks as chunks.js).
+// Every model's feeds are built from its stage by role (runtime/pipeline.py's twin): token ids from the stage's
+// tokenizer, prompt roles from the encode stages (stacked by the declared guidance, stages.js Guidance), the latents,
+// the timestep or its row of the time-embedding table, the block's constants.
 import { BundleError, Component, pageNoise, parity, toHwc } from './pipeline.js';
-import { StreamedChunk, TEXT_ENCODER, UNET, chunkAliases, goldenIndices, outputNames, runParts, runPartsOnEach } from './chunks.js';
+import { StreamedChunk, chunkAliases, goldenIndices, outputNames, runParts, runPartsOnEach } from './chunks.js';
 import { schedulerFor } from './schedulers.js';
-import { ONE_PASS, onePassDecode, statsDecode } from './tiled.js';
+import { ONE_PASS, UP_TILE, onePassDecode, statsDecode } from './tiled.js';
 import { halfPrecisionProblem } from './prepare.js';
+import { Guidance, PROMPT, REGISTRY, ROLES, concatLast } from './stages.js';
 
 export const DECODER_PRECISION = 'fp32'; // the decoder's precision unless opts.decoderPrecision says otherwise
 
@@ -14,14 +18,19 @@ function requireFinite(what, data, precision) {
   if (problem) throw new BundleError(problem);
 }
 
+/** The graph inputs of a stage fed `role`. */
+function fedBy(stage, role) {
+  return Object.keys(stage.inputs).filter((name) => stage.inputs[name] === role);
+}
+
 /** Latents -> pixels [1, 3, H, W] through the whole decoder, or the tiled one (tiled.js). `fetches`: the decoder's
- *  components fetched (bundle.decoder's order); `open(fetched)` compiles one, golden-checked, to run. A tiled decoder's
- *  head compiles, runs once on the whole latent and is released before its up path compiles, so no two decoder graphs
- *  are on the GPU together. */
-async function decode(man, fetches, open, latents) {
-  if (fetches.length === 1) return (await open(fetches[0])).run({ latents });
+ *  components fetched (bundle.decoder's order); `open(fetched)` compiles one, golden-checked, to run; `fed`: the
+ *  decoder's (or its head's) input of role latents. A tiled decoder's head compiles, runs once on the whole latent and
+ *  is released before its up path compiles, so no two decoder graphs are on the GPU together. */
+async function decode(man, fetches, open, latents, fed) {
+  if (fetches.length === 1) return (await open(fetches[0])).run({ [fed]: latents });
   const head = await open(fetches[0]);
-  const feats = await head.run({ latents });
+  const feats = await head.run({ [fed]: latents });
   head.release(); // its memory back before the up path compiles (release is idempotent)
   const block = man.vae_tiling, runHead = async () => feats;
   if ((block.scheme ?? 'plain') === ONE_PASS) return onePassDecode(latents, runHead, upPartRunners(man, fetches.slice(1), open), block);
@@ -30,8 +39,9 @@ async function decode(man, fetches, open, latents) {
   const declared = man.components[up.name].outputs;
   const names = outputNames(up, declared);
   const [pixelsAt, sumsAt] = declared.map((o) => names.indexOf(o.name));
+  const [fName, wName, sName, oName] = REGISTRY[UP_TILE].inputs; // the up tile's: features, weight, stats, own
   return statsDecode(latents, runHead, async (features, weight, stats, own) => {
-    const outs = await up.runAll({ features, weight, stats, own });
+    const outs = await up.runAll({ [fName]: features, [wName]: weight, [sName]: stats, [oName]: own });
     return { pixels: outs[pixelsAt], sums: outs[sumsAt] };
   }, block);
 }
@@ -54,49 +64,49 @@ function upPartRunners(man, fetches, open) {
   });
 }
 
-/**
- * opts: {prompt, seed, scale, accelerator, latents (Float32Array|null), noise (Float32Array|null: an lcm
- *        bundle's re-noising draws, steps - 1 latents long), goldens (bool), streamUnet (bool: a chunked
- *        UNet's chunks compiled one at a time for each step and released after it, instead of kept),
- *        precision ('fp32', LiteRT.js's default, or 'fp16': the text encoder's and UNet's WebGPU weights and
- *        arithmetic at half precision), decoderPrecision (the decoder's, DECODER_PRECISION unless given: fp16 only
- *        for a decoder exported with its 3x3 convs lowered, rewrites.conv_lowering_components [vae_decoder]),
- *        onStage(name, info), onStep(i, n, ms)}
- * returns {image: {img, h, w, c, finite}, tokens, stages, golden, latency}
- */
-export async function generate(bundle, opts) {
-  const man = bundle.man;
-  const sched = man.scheduler;
-  const B = man.guidance.unet_batch;
-  const lat = man.latent;
-  const stages = {};
-  const golden = {};
-  const latency = {};
-  const note = opts.onStage || (() => {});
-  const tStart = performance.now();
+/** One generation's bookkeeping: per model the stage table (accelerator, precision, fetch, compile and run times,
+ *  reported as they come through opts.onStage), the golden checks (check mode: opts.goldens) and the latency. */
+class RunLog {
+  constructor(bundle, opts) {
+    this.bundle = bundle;
+    this.man = bundle.man;
+    this.opts = opts;
+    this.stages = {};
+    this.golden = {};
+    this.latency = {};
+    this.goldenMs = 0; // check mode's golden runs, kept out of the generation latency
+    this.note = opts.onStage || (() => {});
+  }
 
-  const t0 = performance.now();
-  const enc = bundle.tokenizer.encode(opts.prompt);
-  const empty = B === 2 ? bundle.tokenizer.encode('') : null;
-  latency.tokenize_ms = performance.now() - t0;
+  compile(fetched, precision = this.opts.precision) {
+    return Component.compile(fetched, this.opts.accelerator, precision);
+  }
 
-  const record = (c) => {
-    stages[c.name] = { accelerator: c.accelerator, precision: c.precision, fully_accelerated: c.fullyAccelerated, fetch_ms: c.fetchMs, compile_ms: c.compileMs, run_ms: 0 };
-    note(c.name, stages[c.name]);
-  };
-  let goldenMs = 0; // check mode's golden runs, kept out of the generation latency
-  const checkGolden = async (c) => {
-    if (!opts.goldens) return;
+  record(c) {
+    this.stages[c.name] = { accelerator: c.accelerator, precision: c.precision, fully_accelerated: c.fullyAccelerated, fetch_ms: c.fetchMs, compile_ms: c.compileMs, run_ms: 0 };
+    this.note(c.name, this.stages[c.name]);
+  }
+
+  /** A model's runs added up into its row (with `more`), reported. */
+  ran(c, more = {}) {
+    Object.assign(this.stages[c.name], { run_ms: c.runMs.reduce((a, b) => a + b, 0) }, more);
+    this.note(c.name, this.stages[c.name]);
+  }
+
+  async checkGolden(c) {
+    if (!this.opts.goldens) return;
     const tg = performance.now();
     try {
-      await runGolden(c);
+      await this.runGolden(c);
     } finally {
-      goldenMs += performance.now() - tg;
+      this.goldenMs += performance.now() - tg;
     }
-  };
-  const runGolden = async (c) => {
-    const g = await bundle.golden(c.name);
-    if (!g) { golden[c.name] = { skipped: 'the manifest has no golden vectors for this component' }; return; }
+  }
+
+  async runGolden(c) {
+    const man = this.man;
+    const g = await this.bundle.golden(c.name);
+    if (!g) { this.golden[c.name] = { skipped: 'the manifest has no golden vectors for this component' }; return; }
     const feeds = {};
     for (const [k, v] of Object.entries(g)) if (k.startsWith('input_')) feeds[k.slice(6)] = v;
     const outs = await c.runAll(feeds);
@@ -109,188 +119,268 @@ export async function generate(bundle, opts) {
     const m = worstParity(outs.map((o, i) => parity(g[`output_${at[i]}`].data, o.data)));
     const pass = m.finite && m.cosine >= (tol.cosine_min ?? 0.999) && m.psnr_db >= (tol.psnr_min_db ?? 30);
     // the first run of a compiled model also builds its GPU pipelines (shader compilation)
-    golden[c.name] = { ...m, precision, tolerances: tol, pass, first_run_ms: firstRunMs };
-  };
+    this.golden[c.name] = { ...m, precision, tolerances: tol, pass, first_run_ms: firstRunMs };
+  }
 
-  // text encoder and UNet download together; the text encoder compiles, runs and is released
-  // before the UNet compiles (one model compiling at a time on the page's thread); a text encoder in
-  // chunks compiles, runs and releases one chunk after another
-  const teFetch = bundle.teParts.map((name) => Component.fetch(bundle, name));
-  for (const p of teFetch) p.catch(() => {}); // awaited below; an early failure must not go unhandled
-  // the UNet (its chunks, one after another) stays resident between prompts (as run-bundle --pipelined keeps it),
-  // unless its chunks are streamed (compiled for each use: they do not fit the page's memory together)
+  /** A fetched model as a part opened once (chunks.js runPartsOnEach's protocol): compiled, recorded and
+   *  golden-checked at open, its runs recorded and released at close. */
+  onceOpened(fetched) {
+    let c = null;
+    return {
+      open: async () => {
+        c = await this.compile(fetched);
+        this.record(c);
+        await this.checkGolden(c);
+        return c;
+      },
+      close: () => {
+        if (!c) return;
+        this.ran(c);
+        c.release();
+        c = null;
+      },
+      outputNames: (comp) => outputNames(comp, this.man.components[comp.name].outputs),
+    };
+  }
+}
+
+/** Each model of `names` fetched (sha256-checked) from now on; an early failure waits for its await. */
+function startFetches(bundle, names) {
+  const fetches = names.map((name) => Component.fetch(bundle, name));
+  for (const p of fetches) p.catch(() => {});
+  return fetches;
+}
+
+/** Per encode stage, the tokens of each prompt it runs on (the prompt, then for cfg the empty one). */
+function tokenRows(bundle, guidance, prompt) {
+  const prompts = guidance.prompts(prompt);
+  return Object.fromEntries(bundle.encoders.map((s) => [s.stage, prompts.map((p) => bundle.tokenizers[s.stage].encode(p))]));
+}
+
+/** One encode stage on each prompt's tokens: each part compiled in turn, golden-checked, run on every prompt and
+ *  released before the next compiles (chunks.js runPartsOnEach); per prompt, its outputs in the stage's role order. */
+async function encodeStage(log, stage, rows, fetches) {
+  const man = log.man, comp = stage.component;
+  const fed = fedBy(stage, 'token_ids');
+  const feeds = rows.map((p) => Object.fromEntries(fed.map((name) => [name, { data: p.ids, shape: [1, p.ids.length] }])));
+  const every = stage.outputs.length > 1;
+  const outs = await runPartsOnEach(fetches.map((f) => log.onceOpened(f)), feeds, chunkAliases(man, comp), comp, every);
+  const parts = log.bundle.parts[stage.stage];
+  const declared = man.components[parts[parts.length - 1]].outputs.map((o) => o.name);
+  const values = every ? outs.map(({ outs: o, names }) => declared.map((d) => o[names.indexOf(d)])) : outs.map((o) => [o]);
+  for (const row of values) for (const t of row) requireFinite(comp, t.data, log.opts.precision);
+  return values;
+}
+
+/** Every prompt role the encode stages make, stacked as the UNet's batch ([uncond, cond] for cfg); a role two stages
+ *  make is their outputs joined on the last axis, in stage order. */
+async function encodePrompts(log, guidance, rows, encFetches) {
+  const perRole = {};
+  for (const [k, stage] of log.bundle.encoders.entries()) {
+    const values = await encodeStage(log, stage, rows[stage.stage], encFetches[k]);
+    stage.outputs.forEach((r, j) => {
+      const got = values.map((row) => row[j]);
+      perRole[r] = perRole[r] ? perRole[r].map((a, i) => concatLast(a, got[i])) : got;
+    });
+  }
+  return Object.fromEntries(Object.entries(perRole).map(([r, v]) => [r, guidance.stack(v)]));
+}
+
+/** The denoiser's models: kept resident from the last prompt (same accelerator and precision), streamed (its chunks
+ *  compiled for each use: they do not fit the page's memory together; their verified bytes, fetched once, serve every
+ *  later prompt: bundle.streamedBytes), or fetched now. */
+function denoiserFetches(bundle, opts) {
   const streamed = Boolean(opts.streamUnet) && bundle.unetParts.length > 1;
   let kept = bundle.residentUnet;
   if (kept && (streamed || kept[0].accelerator !== opts.accelerator || kept[0].precision !== (opts.precision ?? 'fp32'))) {
     for (const c of kept) c.release();
     kept = bundle.residentUnet = null;
   }
-  // streamed: the chunks' verified bytes, fetched once, serve every later prompt (bundle.streamedBytes)
   if (!streamed) bundle.streamedBytes = null;
-  const unetFetch = kept ? null
+  const fetches = kept ? null
     : streamed && bundle.streamedBytes ? bundle.streamedBytes.map((f) => Promise.resolve({ ...f, fetchMs: 0 }))
       : bundle.unetParts.map((name) => Component.fetch(bundle, name));
-  for (const p of unetFetch || []) p.catch(() => {}); // awaited below; an early failure must not go unhandled
-  // each part compiled in turn, checked against its golden, run on the prompt (and the empty prompt), and
-  // released before the next one compiles (chunks.js runPartsOnEach)
-  const teParts = teFetch.map((fetched) => {
-    let c = null;
-    return {
-      async open() {
-        c = await Component.compile(fetched, opts.accelerator, opts.precision);
-        record(c);
-        await checkGolden(c);
-        return c;
-      },
-      close() {
-        if (!c) return;
-        stages[c.name].run_ms = c.runMs.reduce((a, b) => a + b, 0);
-        note(c.name, stages[c.name]);
-        c.release();
-        c = null;
-      },
-      outputNames: (comp) => outputNames(comp, man.components[comp.name].outputs),
-    };
-  });
-  const prompts = empty ? [enc, empty] : [enc];
-  const [cond, uncond] = await runPartsOnEach(teParts, prompts.map((p) => ({ input_ids: { data: p.ids, shape: [1, p.ids.length] } })),
-    chunkAliases(man, TEXT_ENCODER), TEXT_ENCODER);
-  for (const t of [cond, uncond]) if (t) requireFinite('text_encoder', t.data, opts.precision);
-  const text = { cond, uncond };
-  const unet = kept ?? [];
-  bundle.residentUnet = null; // held by this call until it ends
-  let decoderP = null;
+  for (const p of fetches || []) p.catch(() => {}); // awaited later; an early failure must not go unhandled
+  return { streamed, kept, fetches };
+}
+
+/** The denoiser's models into `unet`: streamed chunks (each compiled once for its golden check), or compiled ones
+ *  (kept from the last prompt, or compiled now), recorded and golden-checked. */
+async function openDenoiser(log, unet, den) {
+  if (den.streamed) {
+    await openStreamedChunks(unet, den.fetches, (f) => log.compile(f), log);
+    log.bundle.streamedBytes = unet.map((part) => part.fetched);
+    return;
+  }
+  if (!den.kept) for (const p of den.fetches) unet.push(await log.compile(p));
+  for (const c of unet) {
+    if (den.kept) {
+      c.fetchMs = 0;
+      c.compileMs = 0;
+      c.runMs = [];
+    }
+    log.record(c);
+    log.stages[c.name].resident = Boolean(den.kept);
+  }
+  for (const c of unet) await log.checkGolden(c);
+}
+
+/** The denoise stage's feeds of one step, by role, in its inputs' order: the step's latents and timestep (or its row
+ *  of the time-embedding table) batched, and `fixed`, the per-prompt roles and constants (the same every step). */
+function stepFeeds(stage, guidance, fixed, x, t, table, latentShape) {
+  const feeds = {};
+  for (const [name, r] of Object.entries(stage.inputs)) {
+    if (Object.hasOwn(fixed, name)) feeds[name] = fixed[name];
+    else if (r === 'latents') feeds[name] = guidance.repeat({ data: x, shape: latentShape });
+    else if (r === 'timestep') feeds[name] = { data: new Float32Array(guidance.batch).fill(t), shape: [guidance.batch] };
+    else if (r === 'timestep_embedding') {
+      const D = table.shape[1];
+      feeds[name] = guidance.repeat({ data: table.data.subarray(t * D, (t + 1) * D), shape: [1, D] });
+    }
+  }
+  return feeds;
+}
+
+/** The denoise stage's inputs that stay the same at every step: the prompt roles and the block's constants. */
+function fixedFeeds(bundle, stage, guidance, cond) {
+  const ids = bundle.conditioning?.time_ids;
+  const constants = Array.isArray(ids) ? { time_ids: { data: Float32Array.from(ids), shape: [1, ids.length] } } : {};
+  const feeds = {};
+  for (const [name, r] of Object.entries(stage.inputs)) {
+    if (ROLES[r].per === PROMPT) feeds[name] = cond[r];
+    else if (Object.hasOwn(constants, r)) feeds[name] = guidance.repeat(constants[r]);
+  }
+  return feeds;
+}
+
+/** The initial latents (given: run-bundle's, else the page's seeded noise) and the noise between an lcm scheduler's
+ *  steps (given, else the page's own). */
+function latentSource(opts, n, steps) {
+  const x = opts.latents ?? pageNoise(opts.seed, n);
+  if (x.length !== n) throw new BundleError(`latents: ${x.length} values, the bundle's latent is ${n}`);
+  const stepNoise = (i) => {
+    const given = opts.noise ? opts.noise.subarray(i * n, (i + 1) * n) : null;
+    if (given && given.length !== n) throw new BundleError(`noise: ${opts.noise.length} values, too few for ${steps - 1} re-noisings of ${n}`);
+    return given ?? pageNoise((opts.seed + 0x9e3779b9 * (i + 1)) >>> 0, n);
+  };
+  return { x, stepNoise };
+}
+
+/** The sampling loop under the manifest's scheduler (schedulers.js: DDIM or LCM, one interface), the denoiser run on
+ *  each step's feeds and its batch output combined by the guidance; `lastStep()` is called as the last step begins
+ *  (the decoder downloads during it). Returns the final latents. */
+async function denoise(log, guidance, cond, unet, streamed, lastStep) {
+  const { bundle, man, opts } = log;
+  const stage = bundle.denoiser, comp = stage.component, lat = man.latent;
+  // a chunk's output names, found once (not per step; a streamed chunk's at its first use); a whole UNet returns its one output
+  const outNames = streamed ? new Array(unet.length) : (unet.length > 1 ? unet.map((c) => outputNames(c, man.components[c.name].outputs)) : null);
+  const aliases = chunkAliases(man, comp);
+  const n = lat.channels * lat.height * lat.width, latentShape = [1, lat.channels, lat.height, lat.width];
+  const scheduler = schedulerFor(man.scheduler);
+  const ts = scheduler.timesteps;
+  const source = latentSource(opts, n, ts.length);
+  let x = source.x;
+  const fixed = fixedFeeds(bundle, stage, guidance, cond);
+  const stepMs = [];
+  for (let i = 0; i < ts.length; i++) {
+    const t = ts[i];
+    if (i === ts.length - 1) lastStep();
+    const res = await runParts(unet, stepFeeds(stage, guidance, fixed, x, t, bundle.table, latentShape), outNames, aliases, comp);
+    requireFinite(`${comp} (step ${i + 1})`, res.data, opts.precision);
+    stepMs.push(unet.reduce((a, c) => a + c.runMs[c.runMs.length - 1], 0));
+    x = scheduler.step(guidance.combine(res.data), t, x, () => source.stepNoise(i)).prevSample; // noise drawn only where the scheduler re-noises
+    if (opts.onStep) opts.onStep(i + 1, ts.length, stepMs[stepMs.length - 1]);
+  }
+  for (const c of unet) log.ran(c, streamed ? { compiles: c.compiles, compile_ms_all: c.compileMsAll.reduce((a, b) => a + b, 0) } : {});
+  log.latency.unet_steps_ms = stepMs;
+  log.latency.unet_step_mean_ms = stepMs.reduce((a, b) => a + b, 0) / Math.max(1, stepMs.length);
+  return x;
+}
+
+/** The decode stage: a whole decoder compiles and runs; a tiled one's head compiles, runs once on the whole latent and
+ *  is released before the up path compiles, and each part of a split up path is released before the next compiles
+ *  (run-bundle --pipelined), so no two decoder graphs are on the GPU together (decode above). */
+async function decodeStage(log, x, fetches) {
+  const { bundle, man, opts } = log;
+  const stage = bundle.decodeStage, lat = man.latent;
+  const decs = [];
+  const latents = { data: x, shape: [1, lat.channels, lat.height, lat.width] };
+  const precision = opts.decoderPrecision ?? DECODER_PRECISION;
+  const open = async (fetched) => { // fp32 unless asked: LiteRT.js 2.5.3's half-precision 3x3 conv breaks the
+    // smoke decoder's up_blocks.1 upsampler conv (a black image on lavapipe); lowered to 1x1 taps it runs at fp16
+    const c = await log.compile(fetched, precision);
+    decs.push(c); // released below whatever happens (release is idempotent)
+    log.record(c);
+    await log.checkGolden(c);
+    return c;
+  };
   try {
-    if (streamed) {
-      await openStreamedChunks(unet, unetFetch, (f) => Component.compile(f, opts.accelerator, opts.precision), man, record, checkGolden);
-      bundle.streamedBytes = unet.map((part) => part.fetched);
-    } else {
-      if (!kept) for (const p of unetFetch) unet.push(await Component.compile(p, opts.accelerator, opts.precision));
-      for (const c of unet) {
-        if (kept) {
-          c.fetchMs = 0;
-          c.compileMs = 0;
-          c.runMs = [];
-        }
-        record(c);
-        stages[c.name].resident = Boolean(kept);
-      }
-      for (const c of unet) await checkGolden(c);
+    const d = await decode(man, fetches, open, latents, fedBy(stage, 'latents')[0]);
+    requireFinite(stage.component, d.data, precision);
+    const image = toHwc(d.data, d.shape);
+    for (const c of decs) {
+      const upPath = d.calls !== undefined && c.name !== bundle.decoder[0];
+      log.ran(c, upPath ? { calls: c.calls ?? d.calls } : {});
     }
-    // a chunk's output names, found once (not per step; a streamed chunk's at its first use); a whole UNet
-    // returns its one output
-    const outNames = streamed ? new Array(unet.length) : (unet.length > 1 ? unet.map((c) => outputNames(c, man.components[c.name].outputs)) : null);
-    const aliases = chunkAliases(man, UNET);
-    const stepMs = [];
-    const h = text.cond.shape;
-    let ehs = text.cond.data;
-    let ehsShape = h;
-    if (B === 2) {
-      ehs = new Float32Array(2 * text.cond.data.length);
-      ehs.set(text.uncond.data, 0);
-      ehs.set(text.cond.data, text.cond.data.length);
-      ehsShape = [2, ...h.slice(1)];
-    }
-
-    const n = lat.channels * lat.height * lat.width;
-    let x = opts.latents ?? pageNoise(opts.seed, n);
-    if (x.length !== n) throw new BundleError(`latents: ${x.length} values, the bundle's latent is ${n}`);
-    const scheduler = schedulerFor(sched); // DDIM or LCM, one interface (schedulers.js)
-    const ts = scheduler.timesteps;
-    const table = bundle.table;
-    // lcm: the noise between steps, run-bundle's draws when given (check mode), else the page's own
-    const stepNoise = (i) => {
-      const given = opts.noise ? opts.noise.subarray(i * n, (i + 1) * n) : null;
-      if (given && given.length !== n) throw new BundleError(`noise: ${opts.noise.length} values, too few for ${ts.length - 1} re-noisings of ${n}`);
-      return given ?? pageNoise((opts.seed + 0x9e3779b9 * (i + 1)) >>> 0, n);
-    };
-    for (let i = 0; i < ts.length; i++) {
-      const t = ts[i];
-      if (i === ts.length - 1) { // the decoder (a tiled one's head and up tile or its parts) downloads during the last step
-        decoderP = bundle.decoder.map((name) => Component.fetch(bundle, name));
-        for (const p of decoderP) p.catch(() => {});
-      }
-      const sample = new Float32Array(B * n);
-      for (let b = 0; b < B; b++) sample.set(x, b * n);
-      const feeds = { sample: { data: sample, shape: [B, lat.channels, lat.height, lat.width] }, encoder_hidden_states: { data: ehs, shape: ehsShape } };
-      if (table) {
-        const D = table.shape[1];
-        const row = table.data.subarray(t * D, (t + 1) * D);
-        const tt = new Float32Array(B * D);
-        for (let b = 0; b < B; b++) tt.set(row, b * D);
-        feeds.timestep = { data: tt, shape: [B, D] };
-      } else {
-        feeds.timestep = { data: new Float32Array(B).fill(t), shape: [B] };
-      }
-      const res = await runParts(unet, feeds, outNames, aliases, UNET);
-      requireFinite(`unet (step ${i + 1})`, res.data, opts.precision);
-      stepMs.push(unet.reduce((a, c) => a + c.runMs[c.runMs.length - 1], 0));
-      let out = res.data;
-      if (B === 2) {
-        out = new Float32Array(n);
-        for (let k = 0; k < n; k++) out[k] = res.data[k] + opts.scale * (res.data[n + k] - res.data[k]);
-      }
-      x = scheduler.step(out, t, x, () => stepNoise(i)).prevSample; // the noise is drawn only where the scheduler re-noises
-      if (opts.onStep) opts.onStep(i + 1, ts.length, stepMs[stepMs.length - 1]);
-    }
-    for (const c of unet) {
-      stages[c.name].run_ms = c.runMs.reduce((a, b) => a + b, 0);
-      if (streamed) Object.assign(stages[c.name], { compiles: c.compiles, compile_ms_all: c.compileMsAll.reduce((a, b) => a + b, 0) });
-      note(c.name, stages[c.name]);
-    }
-    latency.unet_steps_ms = stepMs;
-    latency.unet_step_mean_ms = stepMs.reduce((a, b) => a + b, 0) / Math.max(1, stepMs.length);
-
-    // the decoder: a whole one compiles and runs; a tiled one's head compiles, runs once on the whole latent and is
-    // released before the up path compiles, and each part of a split up path is released before the next compiles
-    // (run-bundle --pipelined), so no two decoder graphs are on the GPU together (decode above)
-    const decs = [];
-    const latents = { data: x, shape: [1, lat.channels, lat.height, lat.width] };
-    const decoderPrecision = opts.decoderPrecision ?? DECODER_PRECISION;
-    const openDecoder = async (fetched) => { // fp32 unless asked: LiteRT.js 2.5.3's half-precision 3x3 conv breaks the
-      // smoke decoder's up_blocks.1 upsampler conv (a black image on lavapipe); lowered to 1x1 taps it runs at fp16
-      const c = await Component.compile(fetched, opts.accelerator, decoderPrecision);
-      decs.push(c); // released below whatever happens (release is idempotent)
-      record(c);
-      await checkGolden(c);
-      return c;
-    };
-    let image;
-    try {
-      const d = await decode(man, decoderP, openDecoder, latents);
-      requireFinite('vae_decoder', d.data, decoderPrecision);
-      image = toHwc(d.data, d.shape);
-      for (const c of decs) {
-        stages[c.name].run_ms = c.runMs.reduce((a, b) => a + b, 0);
-        if (d.calls !== undefined && c.name !== bundle.decoder[0]) stages[c.name].calls = c.calls ?? d.calls; // the up path's
-        note(c.name, stages[c.name]);
-      }
-      if (d.calls !== undefined) latency.vae_up_tile_calls = d.calls; // tiles (passes x tiles for the iterated schemes)
-    } finally {
-      for (const c of decs) c.release();
-    }
-    latency.total_ms = performance.now() - tStart - goldenMs;
-    if (opts.goldens) latency.golden_checks_ms = goldenMs;
-    return { image, tokens: enc, stages, golden, latency };
+    if (d.calls !== undefined) log.latency.vae_up_tile_calls = d.calls; // tiles (passes x tiles for the iterated schemes)
+    return image;
   } finally {
-    // the text encoder and decoder were released after use; a streamed UNet's chunks after each
-    bundle.residentUnet = !streamed && unet.length === bundle.unetParts.length ? unet : null;
-    if (!bundle.residentUnet) for (const c of unet) (streamed ? c.close() : c.release()); // a chunk failed to compile: none is kept
+    for (const c of decs) c.release();
+  }
+}
+
+/**
+ * opts: {prompt, seed, scale, accelerator, latents (Float32Array|null), noise (Float32Array|null: an lcm
+ *        bundle's re-noising draws, steps - 1 latents long), goldens (bool), streamUnet (bool: a chunked
+ *        UNet's chunks compiled one at a time for each step and released after it, instead of kept),
+ *        precision ('fp32', LiteRT.js's default, or 'fp16': the text encoder's and UNet's WebGPU weights and
+ *        arithmetic at half precision), decoderPrecision (the decoder's, DECODER_PRECISION unless given: fp16 only
+ *        for a decoder exported with its 3x3 convs lowered, rewrites.conv_lowering_components [vae_decoder]),
+ *        onStage(name, info), onStep(i, n, ms)}
+ * returns {image: {img, h, w, c, finite}, tokens, stages, golden, latency}
+ */
+export async function generate(bundle, opts) {
+  const log = new RunLog(bundle, opts);
+  const guidance = new Guidance(bundle.man.guidance, opts.scale);
+  const tStart = performance.now();
+  const rows = tokenRows(bundle, guidance, opts.prompt);
+  log.latency.tokenize_ms = performance.now() - tStart;
+  // the encode stages' models and the denoiser's download together; each encode stage's model compiles, runs and is
+  // released before the denoiser compiles (one model compiling at a time on the page's thread; a model in chunks
+  // compiles, runs and releases one chunk after another); the denoiser stays resident between prompts (as run-bundle
+  // --pipelined keeps it), unless its chunks are streamed
+  const encFetches = bundle.encoders.map((s) => startFetches(bundle, bundle.parts[s.stage]));
+  const den = denoiserFetches(bundle, opts);
+  const cond = await encodePrompts(log, guidance, rows, encFetches);
+  const unet = den.kept ?? [];
+  bundle.residentUnet = null; // held by this call until it ends
+  try {
+    await openDenoiser(log, unet, den);
+    let decoderFetches = null; // the decoder (a tiled one's head and up path) downloads during the last step
+    const x = await denoise(log, guidance, cond, unet, den.streamed, () => { decoderFetches = startFetches(bundle, bundle.decoder); });
+    const image = await decodeStage(log, x, decoderFetches);
+    log.latency.total_ms = performance.now() - tStart - log.goldenMs;
+    if (opts.goldens) log.latency.golden_checks_ms = log.goldenMs;
+    return { image, tokens: rows[bundle.encoders[0].stage][0], stages: log.stages, golden: log.golden, latency: log.latency };
+  } finally {
+    // the encoders and decoder were released after use; a streamed denoiser's chunks after each
+    bundle.residentUnet = !den.streamed && unet.length === bundle.unetParts.length ? unet : null;
+    if (!bundle.residentUnet) for (const c of unet) (den.streamed ? c.close() : c.release()); // a chunk failed to compile: none is kept
   }
 }
 
 /** Streamed chunks (StreamedChunk) into `unet`, each compiled once here for its golden check and the stage
  *  table (its first compile), then released until its first step. */
-async function openStreamedChunks(unet, fetches, compile, man, record, checkGolden) {
+async function openStreamedChunks(unet, fetches, compile, log) {
   for (const p of fetches) {
     const fetched = await p;
-    unet.push(new StreamedChunk(fetched, compile, man.components[fetched.name].outputs));
+    unet.push(new StreamedChunk(fetched, compile, log.man.components[fetched.name].outputs));
   }
   for (const part of unet) {
     const c = await part.open();
     try {
-      record(c);
-      await checkGolden(c);
+      log.record(c);
+      await log.checkGolden(c);
     } finally {
       part.close();
     }

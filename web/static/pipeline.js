@@ -1,5 +1,7 @@
 // The bundle in the browser: the same steps as `pocketdiff run-bundle` (runtime/run_bundle.py)
-// on LiteRT.js. Every file is checked against the manifest's sha256 before use; the manifest's scheduler
+// on LiteRT.js. The manifest's pipeline block (stages.js; derived for a bundle from before it) says which models run
+// in which stage and what feeds each of their inputs, checked before any model loads. Every file is checked against
+// the manifest's sha256 before use; the manifest's scheduler
 // (schedulers.js: DDIM, or the lcm step) on its timesteps; classifier-free guidance in one batch-2 UNet call or the
 // student's embedded guidance; the time embedding looked up in the bundle's table when it was
 // computed outside the graph; a UNet or a text encoder in chunks run in sequence (chunks.js). Pipelined
@@ -11,12 +13,13 @@ import { ClipBpe } from './bpe.js';
 import { parseNpy, parseNpz } from './npy.js';
 import { sha256Hex } from './sha256.js';
 import { schedulerProblem } from './schedulers.js';
-import { tilingComponents, tilingProblem, upPartsProblem } from './tiled.js';
-import { TEXT_ENCODER, UNET, layoutProblem, modelParts } from './chunks.js';
+import { tilingProblem, upPartsProblem } from './tiled.js';
+import { layoutProblem } from './chunks.js';
+import { BundleError, DECODE, DENOISE, ENCODE_PROMPT, checkPipeline, pipelineOf, stageParts } from './stages.js';
 import { consoleMark, consoleSince, prepareFailure } from './prepare.js';
 import { modelEvent, openModelGpu, settleUploads } from './gpu_device.js';
 
-export class BundleError extends Error {}
+export { BundleError };
 
 function safePath(rel, what) {
   if (typeof rel !== 'string' || !rel || rel.startsWith('/') || rel.startsWith('\\') || /^[a-zA-Z]:/.test(rel)
@@ -54,30 +57,56 @@ export class Bundle {
     if (man.schema !== 'pocketdiff-bundle') throw new BundleError('manifest.json: not a pocketdiff bundle manifest');
     const layout = layoutProblem(man);
     if (layout) throw new BundleError(layout);
-    this.teParts = modelParts(man, TEXT_ENCODER); // ['text_encoder'], or the chunks text_encoder.0, ... (chunks.js)
-    this.unetParts = modelParts(man, UNET); // ['unet'], or the chunks unet.0, unet.1, ...
     const schedProblem = schedulerProblem(man.scheduler);
     if (schedProblem) throw new BundleError(schedProblem);
     if (man.vae_tiling) {
       const problem = tilingProblem(man.vae_tiling);
       if (problem) throw new BundleError(problem);
     }
-    // ['vae_decoder'], or the tiled decoder's head and up path: vae_up_tile, or its parts vae_up_tile.0, ... (tiled.js)
-    this.decoder = man.vae_tiling ? tilingComponents(man.vae_tiling) : ['vae_decoder'];
-    for (const need of [...this.teParts, ...this.unetParts, ...this.decoder]) {
-      if (!man.components?.[need]) throw new BundleError(`bundle: has no ${need} (exported with components=${Object.keys(man.components || {})})`);
-    }
+    checkPipeline(man); // stages, roles, the components present, the role-fed shapes: one line, before any model loads
+    this.readStages(man);
     const chain = man.vae_tiling ? upPartsProblem(man) : null;
     if (chain) throw new BundleError(chain);
     this.man = man;
-    const tokEntry = man.tokenizer.files['tokenizer.json'];
-    const tokJson = JSON.parse(new TextDecoder().decode(await this.fetchVerified(tokEntry, 'tokenizer file tokenizer.json')));
-    this.tokenizer = new ClipBpe(tokJson, man.tokenizer);
+    await this.openTokenizers(man);
     this.table = null;
     if (man.time_embedding) {
       this.table = parseNpy(await this.fetchVerified(man.time_embedding, 'time embedding table'), man.time_embedding.path);
     }
     return man;
+  }
+
+  /** The pipeline's stages (stages.js) and the models each runs: a component, its chunks, or a tiled decoder's head
+   *  and up path (tiled.js); `teParts`, `unetParts` and `decoder` name the encode stages', the denoise stage's and the
+   *  decode stage's models in order of use (limits.js preflight reads them). */
+  readStages(man) {
+    const pipe = pipelineOf(man);
+    this.stages = pipe.stages;
+    this.conditioning = pipe.conditioning ?? {}; // the block's constants (time_ids)
+    this.parts = Object.fromEntries(this.stages.map((s) => [s.stage, stageParts(man, s.component)]));
+    this.encoders = this.stages.filter((s) => s.kind === ENCODE_PROMPT);
+    this.denoiser = this.stages.find((s) => s.kind === DENOISE);
+    this.decodeStage = this.stages.find((s) => s.kind === DECODE);
+    this.teParts = this.encoders.flatMap((s) => this.parts[s.stage]);
+    this.unetParts = this.parts[this.denoiser.stage];
+    this.decoder = this.parts[this.decodeStage.stage];
+  }
+
+  /** Each encode stage's tokenizer (its manifest block's tokenizer.json, checked, read once per block); `tokenizer`
+   *  and `tokenizerBlock`: the first stage's, whose tokens the page reports. */
+  async openTokenizers(man) {
+    const byBlock = {};
+    this.tokenizers = {};
+    for (const s of this.encoders) {
+      if (!byBlock[s.tokenizer]) {
+        const block = man[s.tokenizer];
+        const bytes = await this.fetchVerified(block.files['tokenizer.json'], 'tokenizer file tokenizer.json');
+        byBlock[s.tokenizer] = new ClipBpe(JSON.parse(new TextDecoder().decode(bytes)), block);
+      }
+      this.tokenizers[s.stage] = byBlock[s.tokenizer];
+    }
+    this.tokenizerBlock = man[this.encoders[0].tokenizer];
+    this.tokenizer = this.tokenizers[this.encoders[0].stage];
   }
 
   async golden(name) {
@@ -93,15 +122,18 @@ export class Bundle {
 export class Component {
   static fetch(bundle, name) {
     const t0 = performance.now();
-    return bundle.fetchVerified(bundle.man.components[name], `component ${name}`).then((bytes) => ({ name, bytes, fetchMs: performance.now() - t0 }));
+    // `streamable`: a chunk of the denoiser, which the page option unet=streamed compiles one at a time
+    const streamable = bundle.unetParts.length > 1 && bundle.unetParts.includes(name);
+    return bundle.fetchVerified(bundle.man.components[name], `component ${name}`).then((bytes) => ({ name, bytes, fetchMs: performance.now() - t0, streamable }));
   }
 
   /** `precision` (webgpu): 'fp32', LiteRT.js's default, or 'fp16', its weights and activations at half precision
    *  (rgba16float weight textures: half the GPU memory). */
   static async compile(fetched, accelerator, precision = 'fp32') {
     const c = new Component();
-    const { name, bytes, fetchMs } = await fetched;
+    const { name, bytes, fetchMs, streamable } = await fetched;
     c.name = name;
+    c.streamable = Boolean(streamable);
     c.accelerator = accelerator;
     c.precision = precision;
     const t1 = performance.now();
@@ -175,7 +207,7 @@ export class Component {
     if (bad) {
       throw new BundleError(`${this.name}: LiteRT.js could not prepare the model on ${this.accelerator === 'webgpu' ? 'WebGPU' : 'the wasm CPU path'} `
         + `(it said: ${bad.replace(/^\s*(error:\s*)?/, '').trim()}); a model this size does not fit LiteRT.js's 2 GB wasm heap`
-        + (this.name.startsWith('unet.') ? ' (with the other chunks held: the page option unet=streamed compiles one chunk at a time)' : ''));
+        + (this.streamable ? ' (with the other chunks held: the page option unet=streamed compiles one chunk at a time)' : ''));
     }
   }
 
@@ -230,7 +262,7 @@ export function imagePsnr(ref, out) {
 /** The tokenizer's part of a check: its tokens for the prompt, and whether the manifest's golden
  *  prompt still encodes to the manifest's ids (null when the bundle has none). */
 export function tokenizerCheck(bundle, tokens) {
-  const golden = bundle.man.tokenizer.golden;
+  const golden = bundle.tokenizerBlock.golden;
   const ids = golden ? Array.from(bundle.tokenizer.encode(golden.prompt).ids) : null;
   return { tokens: tokens.tokens, truncated: tokens.truncated, golden_ids_match: golden ? ids.join(',') === golden.ids.join(',') : null };
 }

@@ -10,11 +10,13 @@
 // (`vae_tiling.components`: vae_decoder_head, vae_up_tile.0 ... vae_up_tile.K-1, issue 50): part k runs on every
 // tile before part k + 1 (part-major), each tile's output waiting in memory for the next part.
 
+import { TILED_DECODER } from './stages.js';
+
 export const ONE_PASS = 'one_pass';
 export const STATS_SCHEMES = ['plain', 'control_variate']; // runtime/tiled_decode.SCHEMES
-export const HEAD = 'vae_decoder_head';
-export const UP_TILE = 'vae_up_tile';
-export const TILED_DECODER = [HEAD, UP_TILE]; // the classic two, what a block without `components` means
+// the registry's tiled decoder (stages.js): its head and up tile, the classic two, what a block without `components` means
+export const [HEAD, UP_TILE] = TILED_DECODER;
+export { TILED_DECODER };
 
 class TilingError extends Error {}
 
