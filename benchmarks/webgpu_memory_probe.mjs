@@ -14,10 +14,11 @@
 // device's tick, then the event poll that resolves onSubmittedWorkDone) only while a promise is pending. So after the
 // writes' onSubmittedWorkDone nothing ticks until a later submission; and when the GPU finishes between a tick and the
 // poll of one ProcessEvents, that submission's promise resolves before any tick saw it, and the staging stays until the
-// next one. Each tick's Deallocate also erases about every other empty ring buffer, so how much one submission frees
-// (none, half, three quarters) depends on how many ticks it saw: on lavapipe, whose "GPU" is CPU threads, that varies
-// with the machine's load. A pause does not help (nothing ticks while no promise is pending); more submissions do:
-// on the 2-core CPU, loaded or not, the RSS reached its floor within three (tests/benchmarks/test_webgpu_memory_probe.py).
+// next one. Each tick's Deallocate also erases about every other empty ring buffer (as Dawn's source reads), so what
+// one submission frees (none, half, three quarters) depends on how many ticks it saw: on lavapipe, whose "GPU" is CPU
+// threads, that varies with the machine's load. A pause does not help (nothing ticks while no promise is pending); more
+// submissions do: on the 2-core CPU, loaded or not, the RSS reached its floor within three
+// (benchmarks/results/webgpu_memory_probe_rounds_lavapipe_cpu.json; tests/benchmarks/test_webgpu_memory_probe.py).
 import { execFileSync } from 'node:child_process';
 import fs from 'node:fs';
 import { createRequire } from 'node:module';
