@@ -190,6 +190,24 @@ def test_the_node_runner_refuses_a_bad_stage_before_any_model_loads(dawn, smoke_
     assert "compiled in" not in p.stderr  # no model was compiled (the runner says each one it compiles)
 
 
+def test_the_page_refuses_a_stage_naming_a_component_the_bundle_lacks(smoke_bundle, check_with_manifest):
+    """The page's check mode (headless Chromium) on a v3 manifest whose decode stage names the tiled decoder's parts,
+    which the bundle lacks: one line naming the stage and component, before any model loads."""
+    from pocketdiff.web.page import PageConfig, write_page
+
+    write_page(PageConfig(bundle=str(smoke_bundle), reference=False))
+
+    def edit(man):
+        man.update(_v3(man))
+        man["vae_tiling"] = {"scheme": "one_pass", "tile": 4, "overlap": 2, "margin": 1, "factor": 8, "passes": 1}
+
+    r = check_with_manifest(smoke_bundle, edit)
+    assert r["ok"] is False and "\n" not in r["error"], r
+    assert r["error"].startswith("bundle: has no vae_decoder_head, vae_up_tile (exported with components=text_encoder,unet,vae_decoder)"), r["error"]
+    assert "pipeline.stages[2] (decode): stage decode, component vae_decoder runs" in r["error"], r["error"]
+    assert "components" not in r  # refused before any model was compiled
+
+
 def test_a_v3_smoke_bundle_through_the_node_runner_matches_run_bundle(dawn, smoke_bundle, tmp_path):
     """The smoke bundle with its pipeline block (schema_version 3, as export now writes it): run-bundle's reference and
     the Node runner's image from the same latents, the stages' models in the block's order."""
