@@ -8,7 +8,9 @@ It does not decide when: the pipeline (run_bundle.BundleRunner) asks its `Loadin
 The policies (`loading_policy` picks one from run-bundle's flags and refuses a contradictory set in one line):
 - `plain`: every model loaded at the first prompt and kept (the naive app), one LiteRT environment for all;
 - `pipelined` (`--pipelined`): each model loaded just before its use and released right after it, one at a
-  time, each model (a chunked one's chunks together) in an environment of its own, destroyed with it;
+  time, each model (a chunked one's chunks together) in an environment of its own, destroyed with it; with
+  `--keep unet` (an app drawing many images) the kept components stay from prompt to prompt and only the others
+  load just in time around them;
 - `streamed` (`--pipelined --stream-unet`): pipelined, and a chunked UNet's chunks loaded for each step and
   released after it (one chunk in memory at a time);
 - `workers` (`--load-workers N`): plain, the models compiled in N worker processes at once
@@ -41,12 +43,24 @@ class LoadingPolicy:
     own_environments: bool  # each model (a chunked one's chunks together) in a LiteRT environment of its own
     load_workers: int = 0  # > 0: compiled in that many worker processes
     overlap: bool = False  # each model in a worker process of its own, the next one compiled during the current one
+    keep: tuple[str, ...] = ()  # pipelined: components whose models stay resident from prompt to prompt (an app's UNet)
+
+    def releases(self, component: str) -> bool:
+        """Whether a model of `component` goes right after its use."""
+        return self.release_after_use and component not in self.keep
 
 
 def loading_policy(accelerator: str, pipelined: bool = False, stream_unet: bool = False,
-                   load_workers: Optional[int] = 0, overlap_loads: bool = False) -> LoadingPolicy:
+                   load_workers: Optional[int] = 0, overlap_loads: bool = False, keep: tuple = ()) -> LoadingPolicy:
     """The policy run-bundle's flags ask for; a contradictory set is one line naming the flags.
-    `load_workers` None or 0 (the API's default): no workers; the CLI refuses an explicit 0 (run_bundle.main)."""
+    `load_workers` None or 0 (the API's default): no workers; the CLI refuses an explicit 0 (run_bundle.main).
+    `keep` (pipelined): components kept resident between prompts, the others loaded just in time around them."""
+    keep = tuple(keep or ())
+    if keep and (not pipelined or overlap_loads or (stream_unet and "unet" in keep)):
+        raise PocketdiffError(f"--keep {','.join(keep)} keeps those models between prompts while the others load just in time: "
+                              "it needs --pipelined, and no --overlap-loads (nor --stream-unet with --keep unet)")
+    if keep:
+        return LoadingPolicy(STREAMED if stream_unet else PIPELINED, False, True, stream_unet, accelerator == "gpu", keep=keep)
     if overlap_loads and (not pipelined or accelerator != "gpu" or stream_unet or load_workers):
         raise PocketdiffError("--overlap-loads compiles the next model in a worker process while the current one runs: it "
                               "needs --pipelined and --accelerator gpu, and no --stream-unet or --load-workers")

@@ -176,7 +176,7 @@ class ModelPool:
 
     def done(self, name: str) -> None:
         """NAME's use is over: the policy says whether it goes now (pipelined) or stays (plain, workers)."""
-        if self.policy.release_after_use:
+        if self.policy.releases(base_of(name)):
             self.release(name)
 
     def release(self, name: str) -> None:

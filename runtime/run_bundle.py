@@ -70,15 +70,19 @@ class BundleRunner:
     def __init__(self, bundle: str | Path, accelerator: str = "gpu", pipelined: bool = False, manifest: Optional[dict] = None,
                  gpu_cache: Union[str, Path, None, bool] = None, gpu_options: Optional[dict] = None, stream_unet: bool = False,
                  load_workers: int = 0, overlap_loads: bool = False, memory_budget_mb: Optional[float] = None,
-                 release_file_pages: bool = True):
+                 release_file_pages: bool = True, keep: tuple = ()):
         if accelerator not in ("cpu", "gpu"):
             raise PocketdiffError(f"accelerator must be cpu or gpu, got {accelerator!r}")
         # plain, pipelined, streamed, workers or overlapped (runtime/managed_model.py), checked before the bundle is read
-        self.policy = loading_policy(accelerator, pipelined, stream_unet, load_workers, overlap_loads)
+        self.policy = loading_policy(accelerator, pipelined, stream_unet, load_workers, overlap_loads, keep)
         budget = check_budget(memory_budget_mb, self.policy.overlap)
         self.bundle, self.accelerator = bundle, accelerator
         self.man = manifest or check_bundle(bundle)  # fields, stages, sizes and every .tflite's signature, before anything runs
         self.pipeline = BundlePipeline(self.man, bundle)
+        absent = [k for k in self.policy.keep if k not in {s["component"] for s in self.pipeline.stages}]
+        if absent:
+            raise PocketdiffError(f"--keep {','.join(absent)}: no stage of bundle {bundle} runs it "
+                                  f"(its stages run {', '.join(s['component'] for s in self.pipeline.stages)})")
         if stream_unet and len(self.pipeline.denoiser_parts()) == 1:
             raise PocketdiffError(f"bundle {bundle}: --stream-unet streams a UNet exported in chunks; this one is one model "
                                   "(export with unet_chunks=N)")

@@ -4,6 +4,7 @@ runner on the smoke bundle (CPU) choosing by policy: plain keeps every model, pi
 use, the image the same."""
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -80,3 +81,37 @@ def test_runner_releases_by_policy_and_the_image_is_the_same(tmp_path):
     assert not [p for p in plain_mem["phases"] if p["phase"] == "released"]
     assert [p["phase"] for p in piped_mem["models"]["unet"]["phases"]][-1] == "released"
     np.testing.assert_array_equal(images[False], images[True])
+
+
+def test_an_app_keeps_its_unet_between_prompts_and_loads_the_others_around_it(tmp_path):
+    """`keep=("unet",)` (pipelined): the UNet loads once for every prompt, the text encoder and decoder load just in time
+    for each and go after their use; the images are the plain runner's (issue 66 item 4)."""
+    from pocketdiff.runtime.run_bundle import BundleRunner
+
+    bundle = shutil.copytree(SMOKE, tmp_path / "bundle")
+    with BundleRunner(bundle, "cpu") as plain:
+        want = [plain.run("a red circle", seed=s)[0] for s in (3, 4, 5)]
+    with BundleRunner(bundle, "cpu", pipelined=True, keep=("unet",)) as runner:
+        got = []
+        for s in (3, 4, 5):
+            image, stats = runner.run("a red circle", seed=s)
+            got.append(image)
+            assert set(runner.loaded) == {"unet"}  # the text encoder and decoder went after their use
+        loads = {n: m["loads"] for n, m in stats["memory"]["models"].items()}
+    assert loads == {"text_encoder": 3, "unet": 1, "vae_decoder": 3}, loads
+    assert stats["memory"]["loading_policy"] == "pipelined"
+    for a, b in zip(want, got):
+        np.testing.assert_allclose(a, b, atol=1e-6)  # the same models on the same inputs; only the loading differs
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    ({"keep": ("unet",)}, "needs --pipelined"),
+    ({"keep": ("unet",), "pipelined": True, "stream_unet": True}, "nor --stream-unet with --keep unet"),
+    ({"keep": ("vae_encoder",), "pipelined": True}, "--keep vae_encoder: no stage of bundle"),
+])
+def test_keep_is_refused_in_one_line_where_it_cannot_hold(kwargs, needle, tmp_path):
+    from pocketdiff.errors import PocketdiffError
+    from pocketdiff.runtime.run_bundle import BundleRunner
+
+    with pytest.raises(PocketdiffError, match=re.escape(needle)):
+        BundleRunner(SMOKE, "cpu", **kwargs)
