@@ -19,8 +19,10 @@ def tables_module():
     return module
 
 
-def test_readme_is_at_most_320_lines():
-    assert len((ROOT / "README.md").read_text().splitlines()) <= 320
+def test_readme_is_at_most_360_lines():
+    # a user's guide, not a lab log (measurements live in docs/MEASUREMENTS.md); 360 leaves room for one short
+    # walk-through per family and task (SDXL, image-to-image, LoRA) beside SD 1.5 / 2.1
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 360
 
 
 def test_no_lending_tool_kind_names_in_readme_or_docs():
