@@ -44,6 +44,7 @@ def v2_copy(src: Path, dest: Path) -> dict:
     man = json.loads((src / "manifest.json").read_text())
     if dest.exists():
         shutil.rmtree(dest)
+    dest.mkdir(parents=True)
     for p in sorted(src.rglob("*")):
         rel = p.relative_to(src)
         if p.is_dir() or rel.as_posix() == "manifest.json":
