@@ -14,17 +14,19 @@
 # Each variant runs with its site first on PYTHONPATH (checked: the report names the pocketdiff it imported).
 # ORDER (default before,after,after,before) blocks on the version-2 manifest, then V3 (default 1) blocks of the code
 # after on the version-3 one; a block: --pipelined cold, --pipelined warm, plain warm (benchmarks/runner_before_after.py).
+# SETUP_ONLY=1 stops once the wheels, both sites and the bundles are in /tmp (kept while the machine stays warm): the
+# measurement then has a call of its own (a call's 10 minutes), carrying only .gl.
 # Writes $OUT/runner_before_after.json, $OUT/runner_before_after.log.
 #   bash scripts/gpu/stage.sh split .whl .before .devbundle/rr --every .gl --part-mb 5 \
-#     --then "bash scripts/gpu/runner_before_after.sh"
+#     --then "SETUP_ONLY=1 bash scripts/gpu/runner_before_after.sh"
+#   and then, back to back, carry .gl: bash scripts/gpu/runner_before_after.sh
 set -u
 REPO=$PWD
 OUT=${OUT:-/tmp/out}
-RES=/tmp/rba_out
-rm -rf "$RES" && mkdir -p "$OUT" "$RES"
+RES=$OUT  # written in place: a call cut at its limit still returns what ran (the JSON is rewritten after every launch)
+mkdir -p "$OUT"
 exec > >(tee -a "$RES/runner_before_after.log") 2>&1
 say() { echo "[$(date +%H:%M:%S)] $*"; }
-ship() { cp "$RES"/*.json "$RES"/*.log "$OUT"/ 2>/dev/null; }
 source "$REPO/scripts/gpu/vulkan_env.sh"
 source "$REPO/scripts/gpu/env.sh" || exit 3  # cd /tmp/runs: the repo's pocketdiff/ would shadow the installed ones
 PY=python3
@@ -47,10 +49,10 @@ for d in "$REPO"/.devbundle/*/; do
 done
 LAYOUT=${LAYOUT:-$(ls "$BUNDLES" | grep -v '_v2$' | head -1)}
 $PY "$REPO"/benchmarks/runner_before_after.py v2 "$BUNDLES/$LAYOUT" "$BUNDLES/${LAYOUT}_v2" || exit 6
+if [ -n "${SETUP_ONLY:-}" ]; then say "set up: $(ls "$SITES") $(ls "$BUNDLES")"; exit 0; fi  # the next call of this warm machine measures
 say "layout $LAYOUT; $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader)"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$RES/device.txt"
 $PY "$REPO"/benchmarks/runner_before_after.py run --v2-bundle "$BUNDLES/${LAYOUT}_v2" --v3-bundle "$BUNDLES/$LAYOUT" \
   --site before="$SITES/site_before" --site after="$SITES/site_after" --order "${ORDER:-before,after,after,before}" \
   --v3 "${V3:-1}" --timeout "${LAUNCH_TIMEOUT:-150}" --out "$RES/runner_before_after.json"
 say "done"
-ship
