@@ -1,18 +1,20 @@
 """Architecture configs of the Stable-Diffusion family, as diffusers config dicts (nothing is
-downloaded): `ARCHS` (tiny, small, sd15, sd21) and the UNet, VAE, text encoder and scheduler
-configs `pocketdiff.models.build_pipeline` constructs from.
+downloaded): `ARCHS` (tiny, small, sd15, sd21; and the SDXL family's tiny_xl, small_xl, sdxl from
+`pocketdiff.archs_xl`) and the UNet, VAE, text encoder and scheduler configs `pocketdiff.models.build_pipeline`
+constructs from.
 """
 from __future__ import annotations
 
 from typing import Optional
 
+from .archs_xl import SDXL_VAE_SCALING, XL_ARCHS, XL_DEFAULT_RESOLUTION, is_xl, xl_text_dims, xl_unet_config, xl_vae_arch
 from .errors import PocketdiffError, require
 from .names import MODEL_PREDICTION_TYPES
 
-ARCHS = ("tiny", "small", "sd15", "sd21")
+ARCHS = ("tiny", "small", "sd15", "sd21", *XL_ARCHS)
 
 # Image size each architecture is built for when no resolution is given.
-DEFAULT_RESOLUTION = {"tiny": 32, "small": 64, "sd15": 512, "sd21": 768}
+DEFAULT_RESOLUTION = {"tiny": 32, "small": 64, "sd15": 512, "sd21": 768, **XL_DEFAULT_RESOLUTION}
 
 
 def _check_arch(arch: str) -> None:
@@ -29,8 +31,11 @@ def default_resolution(arch: str, prediction_type: str = "epsilon") -> int:
 
 
 def vae_config(arch: str, resolution: Optional[int] = None) -> dict:
-    """AutoencoderKL config dict. Factor 4 for tiny/small, 8 for the SD archs."""
+    """AutoencoderKL config dict. Factor 4 for tiny/small (and tiny_xl/small_xl), 8 for the SD archs."""
     _check_arch(arch)
+    if is_xl(arch):  # the SD arch's VAE of the same size; sdxl's latents are scaled as SDXL's VAE scales them
+        cfg = vae_config(xl_vae_arch(arch), resolution or DEFAULT_RESOLUTION[arch])
+        return {**cfg, "scaling_factor": SDXL_VAE_SCALING} if arch == "sdxl" else cfg
     if arch == "tiny":
         cfg = dict(block_out_channels=(32, 64, 64), layers_per_block=1, norm_num_groups=8)
     elif arch == "small":
@@ -68,7 +73,9 @@ def unet_config(
     resolution = int(resolution or default_resolution(arch, prediction_type))
     if vae_factor is None:
         vae_factor = 2 ** (len(vae_config(arch)["block_out_channels"]) - 1)
-    if arch == "tiny":
+    if is_xl(arch):
+        cfg = xl_unet_config(arch)
+    elif arch == "tiny":
         cfg = dict(
             block_out_channels=(32, 64),
             down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
@@ -139,15 +146,20 @@ def text_encoder_config(
     eos_token_id: Optional[int] = None,
     pad_token_id: Optional[int] = None,
     max_position_embeddings: int = 77,
+    which: int = 1,
 ):
     """transformers.CLIPTextConfig. Token ids default to CLIP's layout (bos, eos = last two ids).
 
-    sd15: CLIP ViT-L/14 text tower; sd21: OpenCLIP ViT-H/14 text tower (23 layers, gelu).
+    sd15: CLIP ViT-L/14 text tower; sd21: OpenCLIP ViT-H/14 text tower (23 layers, gelu). An XL arch has two
+    (`which` 1 or 2; the second's `projection_dim` is the pooled embedding's width).
     """
     from transformers import CLIPTextConfig
 
     _check_arch(arch)
-    if arch == "tiny":
+    require(which == 1 or (which == 2 and is_xl(arch)), "model.arch", f"{arch!r} has no text encoder {which}")
+    if is_xl(arch):
+        dims = xl_text_dims(arch, which)
+    elif arch == "tiny":
         dims = dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2, projection_dim=64, hidden_act="quick_gelu")
     elif arch == "small":
         dims = dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4, projection_dim=128, hidden_act="quick_gelu")

@@ -1,14 +1,18 @@
 """Model factories and loading: every stage gets its Stable-Diffusion-family pipeline here.
 
-Two ways in, one type out (`diffusers.StableDiffusionPipeline`):
+Two ways in, one pipeline type per family out (`diffusers.StableDiffusionPipeline`; for the SDXL family,
+`StableDiffusionXLPipeline`: `pocketdiff.models_xl`):
 
 - `build_pipeline`: an architecture from `ARCHS` (`pocketdiff.archs`) with random weights, constructed from
   config dicts (nothing is downloaded), plus a CLIP-format tokenizer trained on the
   captions (`pocketdiff.tokenizer`). `tiny` trains on CPU in minutes (32 px), `small`
   is a few-MB teacher for 64 px domains, `sd15` / `sd21` are the real SD-1.5 / SD-2.1
-  architectures for export and benchmarks.
+  architectures for export and benchmarks; `tiny_xl` / `small_xl` / `sdxl` their SDXL-shaped
+  counterparts (`pocketdiff.archs_xl`: two text encoders, pooled embeddings, size / crop time ids).
 - `load_pipeline`: a diffusers pipeline folder or hub id through the stock
-  `StableDiffusionPipeline.from_pretrained` (safetensors only, safety checker off).
+  `StableDiffusionPipeline.from_pretrained` (safetensors only, safety checker off), or
+  `StableDiffusionXLPipeline.from_pretrained` when its model_index names an SDXL pipeline
+  (refiners and folders without the second text encoder / tokenizer refused before any weights load).
 
 Outputs are written with `save_pipeline`, which any stock diffusers install can load.
 
@@ -38,7 +42,9 @@ from .archs import (  # noqa: F401  (ARCHS and the config factories are also imp
     vae_config,
 )
 from .errors import PocketdiffError, require
+from .archs_xl import is_xl
 from .lora import LoraSpec, check_lora_specs, fuse_loras
+from .models_xl import SDXL, XL_COMPONENTS, XL_WEIGHTED, family_of_index, read_index
 from .normfree import apply_norm_free, norm_free_names
 from .shipped import resolve_shipped
 from .unet_blocks import PRESETS as BLOCK_PRESETS, apply_preset
@@ -118,6 +124,29 @@ def check_resolution(pipe, resolution: int, key: str = "data.resolution", unet=N
                               f"{down}: a multiple of {factor * down})")
 
 
+def precheck_resolution(model: "ModelConfig", resolution: Optional[int], key: str = "resolution") -> None:
+    """`resolution` against the model's configs alone, before any weights load: a built arch's (its UNet config
+    refuses a size it cannot divide), or a local pipeline folder's unet/ and vae/ config.json (a hub id is checked
+    once loaded, by `check_resolution`)."""
+    if resolution is None:
+        return
+    if not model.pretrained:
+        built_unet_config(model, int(resolution))
+        return
+    import json
+
+    folder = Path(resolve_shipped(str(model.pretrained))).expanduser()
+    try:
+        unet = json.loads((folder / "unet" / "config.json").read_text(encoding="utf-8"))
+        vae = json.loads((folder / "vae" / "config.json").read_text(encoding="utf-8"))
+        factor, down = 2 ** (len(vae["block_out_channels"]) - 1), 2 ** (len(unet["block_out_channels"]) - 1)
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # not a readable local folder: loading names the problem
+    if int(resolution) % (factor * down):
+        raise PocketdiffError(f"{key}={resolution} does not fit {model.pretrained} (VAE factor {factor}, UNet downsampling "
+                              f"{down}: a multiple of {factor * down})")
+
+
 def count_params(module: nn.Module) -> int:
     """Number of (distinct) parameters; works on `meta`-device models."""
     return sum(p.numel() for p in module.parameters())
@@ -187,7 +216,8 @@ def build_pipeline(
     seed: int = 0,
     tokenizer_dir: Optional[Path] = None,
 ):
-    """A `StableDiffusionPipeline` of architecture `cfg.arch` with random weights (never downloaded).
+    """A `StableDiffusionPipeline` of architecture `cfg.arch` with random weights (never downloaded); an XL arch
+    gives a `StableDiffusionXLPipeline` (whose two text encoders share the one trained tokenizer).
 
     The tokenizer is trained on `captions` (a small built-in corpus when None), at most
     `cfg.vocab_size` tokens; the text encoder's embedding table has `cfg.vocab_size` rows.
@@ -208,6 +238,11 @@ def build_pipeline(
     vae = load_vae(cfg.vae) if cfg.vae else build_vae(cfg.arch, resolution, seed)
     factor = vae_scale_factor(vae)
 
+    if is_xl(cfg.arch):  # two text encoders and a text_time UNet (pocketdiff/models_xl.py)
+        from .models_xl import build_xl_pipeline
+
+        unet_conf = built_unet_config(cfg, resolution, latent_channels=vae.config.latent_channels, vae_factor=factor)
+        return build_xl_pipeline(cfg, tokenizer, vae, unet_conf, seed, _seeded, DDIMScheduler(**scheduler_config(cfg.prediction_type)))
     with _seeded(seed):
         text_encoder = CLIPTextModel(
             text_encoder_config(
@@ -260,25 +295,33 @@ def _looks_like_hub_id(source: str) -> bool:
 
 
 def check_pipeline_folder(path: Path) -> None:
-    """Raise PocketdiffError naming the folder and the first missing piece of a diffusers SD folder."""
+    """Raise PocketdiffError naming the folder and the first missing piece of a diffusers SD folder (an SDXL one:
+    also its second text encoder and tokenizer, not a refiner, its configs agreeing: `models_xl.check_xl_folder`)."""
     path = Path(path)
     if not path.is_dir():
         raise PocketdiffError(f"{path}: not a folder")
-    for comp in _COMPONENTS:
+    index = read_index(path)
+    xl = family_of_index(index) == SDXL
+    if xl:
+        from .models_xl import check_xl_folder
+
+        check_xl_folder(path, index)
+    for comp in XL_COMPONENTS if xl else _COMPONENTS:
         if not (path / comp).is_dir():
             raise PocketdiffError(f"{path}: no {comp}/ (not a diffusers pipeline folder)")
     if not (path / "model_index.json").is_file():
         raise PocketdiffError(f"{path}: no model_index.json (not a diffusers pipeline folder)")
-    for comp in _WEIGHTED:
+    for comp in XL_WEIGHTED if xl else _WEIGHTED:
         if not (path / comp / "config.json").is_file():
             raise PocketdiffError(f"{path}: no {comp}/config.json (incomplete diffusers pipeline folder)")
         if not _has_safetensors(path / comp):
             raise PocketdiffError(
                 f"{path}: no {comp}/*.safetensors (pocketdiff loads safetensors only; convert .bin/.ckpt weights first)"
             )
-    tok = path / "tokenizer"
-    if not ((tok / "tokenizer.json").is_file() or ((tok / "vocab.json").is_file() and (tok / "merges.txt").is_file())):
-        raise PocketdiffError(f"{path}: no tokenizer/vocab.json + merges.txt or tokenizer/tokenizer.json")
+    for name in ("tokenizer", "tokenizer_2") if xl else ("tokenizer",):
+        tok = path / name
+        if not ((tok / "tokenizer.json").is_file() or ((tok / "vocab.json").is_file() and (tok / "merges.txt").is_file())):
+            raise PocketdiffError(f"{path}: no {name}/vocab.json + merges.txt or {name}/tokenizer.json")
     if not (path / "scheduler" / "scheduler_config.json").is_file():
         raise PocketdiffError(f"{path}: no scheduler/scheduler_config.json (incomplete diffusers pipeline folder)")
 
@@ -322,8 +365,18 @@ def import_declared_classes(folder: Path) -> list[str]:
     return imported
 
 
+def _family_of_source(src: str, local: bool) -> str:
+    """`sd` or `sdxl` from the folder's (or hub id's) model_index.json; a refiner is refused here."""
+    from .models_xl import check_not_refiner, hub_index
+
+    index = read_index(Path(src)) if local else (hub_index(src) or {})
+    check_not_refiner(src, index)
+    return family_of_index(index)
+
+
 def load_pipeline(source: str, prediction_type: Optional[str] = None, torch_dtype=None):
-    """Load a diffusers SD pipeline folder or hub id with the stock `StableDiffusionPipeline.from_pretrained`.
+    """Load a diffusers SD pipeline folder or hub id with the stock `StableDiffusionPipeline.from_pretrained`
+    (an SDXL-family one, as its model_index.json says: `StableDiffusionXLPipeline.from_pretrained`).
 
     Safetensors only, safety checker and feature extractor off. Local folders are checked
     first and load offline. `prediction_type` (when given) overrides the scheduler's.
@@ -331,7 +384,7 @@ def load_pipeline(source: str, prediction_type: Optional[str] = None, torch_dtyp
     (left to itself, diffusers upcasts its own models of a float16 folder but transformers
     keeps the text encoder in float16, and a mixed pipeline fails at the cross-attention).
     """
-    from diffusers import StableDiffusionPipeline
+    from .models_xl import pipeline_class, xl_pipeline_kwargs
 
     if prediction_type is not None:
         require(prediction_type in MODEL_PREDICTION_TYPES, "model.prediction_type", f"must be one of {MODEL_PREDICTION_TYPES}, got {prediction_type!r}")
@@ -339,19 +392,25 @@ def load_pipeline(source: str, prediction_type: Optional[str] = None, torch_dtyp
     if local:
         check_pipeline_folder(Path(src))
         import_declared_classes(Path(src))
-    kwargs: dict[str, Any] = dict(
-        use_safetensors=True, safety_checker=None, feature_extractor=None, requires_safety_checker=False
-    )
-    kwargs["dtype"] = torch_dtype if torch_dtype is not None else torch.float32  # diffusers 0.42 name (torch_dtype is deprecated)
+    family = _family_of_source(src, local)
+    dtype = torch_dtype if torch_dtype is not None else torch.float32  # diffusers 0.42 name (torch_dtype is deprecated)
+    if family == SDXL:
+        kwargs: dict[str, Any] = xl_pipeline_kwargs(dtype)
+    else:
+        kwargs = dict(use_safetensors=True, safety_checker=None, feature_extractor=None, requires_safety_checker=False, dtype=dtype)
     if local:
         kwargs["local_files_only"] = True
     try:
-        pipe = StableDiffusionPipeline.from_pretrained(src, **kwargs)
+        pipe = pipeline_class(family).from_pretrained(src, **kwargs)
     except PocketdiffError:
         raise
     except (OSError, ValueError, KeyError, TypeError, RuntimeError, AttributeError) as e:
         raise _load_error(src, e) from e
-    for comp in _WEIGHTED:
+    if family == SDXL and not local:  # a local folder's configs were checked before loading
+        from .models_xl import check_xl_configs
+
+        check_xl_configs(src, dict(pipe.unet.config), pipe.text_encoder.config.to_dict(), pipe.text_encoder_2.config.to_dict())
+    for comp in XL_WEIGHTED if family == SDXL else _WEIGHTED:
         check_finite_weights(getattr(pipe, comp, None), f"{src}: {comp}")
     if prediction_type is not None and pipe.scheduler.config.get("prediction_type") != prediction_type:
         pipe.scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config, prediction_type=prediction_type)
@@ -456,23 +515,25 @@ def _load_or_build(cfg: ModelConfig, captions: Optional[list[str]], resolution: 
 
 
 def save_pipeline(pipe, out_dir: Union[str, Path]) -> Path:
-    """`save_pretrained(safe_serialization=True)`; loads back with `StableDiffusionPipeline.from_pretrained`.
+    """`save_pretrained(safe_serialization=True)`; loads back with `StableDiffusionPipeline.from_pretrained`
+    (an SDXL pipeline: `StableDiffusionXLPipeline.from_pretrained`).
 
     Also writes tokenizer/vocab.json + merges.txt (CLIP's file pair, for export bundles and
-    older readers) next to the tokenizer.json that transformers 5 saves.
+    older readers) next to the tokenizer.json that transformers 5 saves (and tokenizer_2/'s).
     """
     from .tokenizer import export_vocab_merges
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     pipe.save_pretrained(str(out), safe_serialization=True)
-    tok_dir = out / "tokenizer"
-    tokenizer = getattr(pipe, "tokenizer", None)
-    if tokenizer is not None and tok_dir.is_dir() and not (tok_dir / "vocab.json").is_file():
-        try:
-            export_vocab_merges(tokenizer, tok_dir)
-        except PocketdiffError as e:  # a non-BPE tokenizer: tokenizer.json alone is fine
-            log.info("tokenizer vocab/merges not written: %s", e)
+    for name in ("tokenizer", "tokenizer_2"):
+        tok_dir = out / name
+        tokenizer = getattr(pipe, name, None)
+        if tokenizer is not None and tok_dir.is_dir() and not (tok_dir / "vocab.json").is_file():
+            try:
+                export_vocab_merges(tokenizer, tok_dir)
+            except PocketdiffError as e:  # a non-BPE tokenizer: tokenizer.json alone is fine
+                log.info("%s vocab/merges not written: %s", name, e)
     return out
 
 
