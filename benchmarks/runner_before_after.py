@@ -114,6 +114,24 @@ def run_block(variant: str, site: str, bundle: str, manifest_version: int, block
     return rows
 
 
+FIELDS = ("start_s", "total_s", "host_peak_mb", "gpu_peak_mb", "host_plus_gpu_peak_mb", "host_plus_gpu_peak_at_once_mb")
+
+
+def summary(rows: list[dict]) -> list[dict]:
+    """Per variant, manifest version, mode and launch: each field's values over the blocks, in run order."""
+    groups: dict = {}
+    for r in rows:
+        if r.get("error"):
+            continue
+        key = (r["variant"], r["manifest_version"], r["mode"], r["launch"])
+        g = groups.setdefault(key, {f: [] for f in FIELDS} | {"unet_step_s": [], "images": set()})
+        for f in FIELDS + ("unet_step_s",):
+            g[f].append(r.get(f))
+        g["images"].add((r.get("image_sha256") or "")[:16])
+    return [{"variant": k[0], "manifest_version": k[1], "mode": k[2], "launch": k[3], "launches": len(g["start_s"]),
+             **{f: g[f] for f in FIELDS + ("unet_step_s",)}, "images": sorted(g["images"])} for k, g in groups.items()]
+
+
 def run(a) -> int:
     sites = dict(s.split("=", 1) for s in a.site)
     order = a.order.split(",")
@@ -134,6 +152,10 @@ def run(a) -> int:
         out.write_text(json.dumps(doc, indent=1))
     shas = {r["image_sha256"] for r in doc["rows"]}
     doc["images_identical"] = len(shas) == 1 and None not in shas
+    doc["summary"] = summary(doc["rows"])
+    for g in doc["summary"]:
+        print(json.dumps({k: g[k] for k in ("variant", "manifest_version", "mode", "launch", "start_s", "total_s",
+                                            "host_plus_gpu_peak_at_once_mb", "images")}))
     out.write_text(json.dumps(doc, indent=1))
     print(f"images identical across all {len(doc['rows'])} launches: {doc['images_identical']}")
     return 0
