@@ -21,6 +21,7 @@ from pocketdiff.runtime.memory import host_peak_mb, reset_host_peak
 from . import bundle as bundle_lib
 from .chunk_export import export_chunked
 from .components import Shapes, TextEncoderGraph, UNetGraph, VaeDecoderGraph
+from .vae_encoder import VaeEncoderGraph
 from .device_profile import check_component
 from .exporter import convert_job, finish_component, peak_rss_mb, prepare_component
 from .tiled_export import parity_latents, tiled_parity
@@ -45,6 +46,7 @@ class GoldenInputs:
     takes_cond: bool  # the UNet graph takes timestep_cond (a w-conditioned student, time embedding inside)
     vae_latents: torch.Tensor
     table: Optional[np.ndarray]  # the time-embedding table (time embedding outside the graph), else None
+    image_pixels: Optional[torch.Tensor] = None  # the image encoder's golden picture [1, 3, H, W] in [0, 1] (image tasks)
 
 
 class ComponentExport:
@@ -118,6 +120,8 @@ class ComponentExport:
 
             unet = copy.deepcopy(pipe.unet) if outside and not self.sequential else pipe.unet
             return UNetGraph(unet, external_time_embedding=outside, timestep_cond=g.takes_cond), g.unet_inputs
+        if name == "vae_encoder":
+            return VaeEncoderGraph(pipe.vae), {"pixels": g.image_pixels}
         if self.split is not None:
             return self.split.graphs.pop(name)  # held only while this component is prepared
         return VaeDecoderGraph(pipe.vae), {"latents": g.vae_latents}

@@ -64,10 +64,12 @@ def load_component_checkpoints(source: str | Path) -> dict[str, QuantizedCompone
 
 
 def rtn_checkpoint(module: nn.Module, component: str, bits: int = 8, skip: tuple[str, ...] = ()) -> QuantizedComponent:
-    """Round-to-nearest per-output-channel int8 of every Conv2d / Linear weight (benchmarks, smoke)."""
+    """Round-to-nearest per-output-channel int8 of every Conv2d / Linear weight (benchmarks, smoke). The tensors under
+    `skip` are left out of the checkpoint: two components of one module (the VAE's decoder and encoder) each apply
+    theirs without undoing the other's."""
     from pocketdiff.compress.quant.int8_format import LayerRecipe
 
-    state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    state = {k: v.detach().clone() for k, v in module.state_dict().items() if not any(k.startswith(s) for s in skip)}
     recipe = QuantRecipe(component=component, extra={"method": "rtn", "made_by": "pocketdiff export"})
     for name, m in module.named_modules():
         if not isinstance(m, (nn.Conv2d, nn.Linear)) or any(name.startswith(s) for s in skip):

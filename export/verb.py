@@ -33,7 +33,7 @@ from pocketdiff.outputs import write_json
 from pocketdiff.runtime.bundle import MANIFEST, load_manifest
 from pocketdiff.runtime.chunks import block_key
 from pocketdiff.names import GUIDANCE_MODES as BUNDLE_GUIDANCE_MODES
-from pocketdiff.runtime.components import CHUNKABLE, COMPONENTS, REGISTRY, TILED_DECODER
+from pocketdiff.runtime.components import CHUNKABLE, COMPONENTS, REGISTRY, TASK_STAGES, TEXT_TO_IMAGE_COMPONENTS, TILED_DECODER
 from pocketdiff.runtime.onepass_decode import ONE_PASS
 from pocketdiff.runtime.tiled_decode import SCHEMES as TILING_SCHEMES
 
@@ -51,6 +51,7 @@ from .tiled_export import expand_components, parity_latents, split_decoder
 from .chunk_export import check_chunk_plans
 from .unet_chunks import CUTS, MAX_CHUNKS, precheck_chunks
 from .up_parts_check import precheck_up_parts
+from .encoder_check import precheck_encoder
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +127,10 @@ class Config:
     perturb_norms: bool = False  # random-weight builds: trained-like norm affines (identity ones convert to BROADCAST_TO)
     synthetic_weights: Optional[str] = None  # built models only: "tiled" (export.synthetic: .tflite files that compress ~1000x)
     guidance_embed_dim: Optional[int] = None  # built models only: a w-conditioned UNet (time_cond_proj_dim), a student's layout
-    components: list[str] = dataclasses.field(default_factory=lambda: list(COMPONENTS))
+    components: list[str] = dataclasses.field(default_factory=lambda: list(TEXT_TO_IMAGE_COMPONENTS))
+    # what the bundle serves: text_to_image, image_to_image, inpaint (the image tasks add the vae_encoder component and
+    # the pipeline's encode_image stage; inpainting blends latents with any text-to-image UNet)
+    tasks: list[str] = dataclasses.field(default_factory=lambda: ["text_to_image"])
     weights: str = "fp16"  # fp32 | fp16 | int8 (int8 where a checkpoint exists, fp16 elsewhere)
     int8: Int8Config = dataclasses.field(default_factory=Int8Config)
     resolution: Optional[int] = None  # pixels; default: the UNet's sample size x the VAE factor
@@ -154,6 +158,19 @@ class Config:
             require(component in self.components, key, f"splits the {component} component, which components does not list")
             require(self.jobs == 1, key, f"converts the chunks one after another: needs jobs: 1, got {self.jobs}")
 
+    def _check_tasks(self) -> None:
+        """`tasks`: known, not repeated; an image task's components are added to `components` (the whole bundle's
+        export) and a task component without its task is refused."""
+        require(isinstance(self.tasks, list) and self.tasks and all(t in TASK_STAGES for t in self.tasks), "tasks",
+                f"must list tasks of {', '.join(TASK_STAGES)}, got {self.tasks!r}")
+        require(len(set(self.tasks)) == len(self.tasks), "tasks", f"must not repeat, got {self.tasks!r}")
+        needed = list(dict.fromkeys(s[2] for t in self.tasks for s in TASK_STAGES[t]))
+        for c in self.components:
+            require(c in TEXT_TO_IMAGE_COMPONENTS or c in needed, "components",
+                    f"{c} serves the tasks {', '.join(t for t, st in TASK_STAGES.items() if any(s[2] == c for s in st))}: add one to tasks")
+        if set(TEXT_TO_IMAGE_COMPONENTS) <= set(self.components):  # the whole bundle: the tasks' components with it
+            self.components += [c for c in needed if c not in self.components]
+
     def __post_init__(self) -> None:
         require(self.jobs >= 1, "jobs", f"must be >= 1, got {self.jobs}")
         require(self.synthetic_weights in (None, "tiled"), "synthetic_weights", f"must be null or tiled, got {self.synthetic_weights!r}")
@@ -168,6 +185,7 @@ class Config:
         for c in self.components:
             require(c in COMPONENTS, "components", f"unknown component {c!r}; choose from {COMPONENTS}")
         require(len(set(self.components)) == len(self.components), "components", "must not repeat")
+        self._check_tasks()
         require(self.steps >= 1, "steps", "must be >= 1")
         require(self.resolution is None or self.resolution >= 8, "resolution", "must be >= 8")
         for p in self.verify.precisions:
@@ -179,6 +197,9 @@ class Config:
         require(self.int8.gpu_weights == "dequantize" or self.weights == "int8", "int8.gpu_weights", "direct needs weights: int8")
         require(not self.vae_tiling.enabled or "vae_decoder" in self.components, "vae_tiling.enabled",
                 "tiles the vae_decoder component, which components does not list")
+        if "vae_encoder" in self.components and self.device_profile.enforce:  # no tiled encoder: over budget is refused now
+            precheck_encoder(self.model, self.int8.checkpoint, self.resolution, self.device_profile.budgets(),
+                             self.device_profile.activation_bytes)
         if self.vae_tiling.enabled:  # the up path's layer count from the VAE's config alone, before any model is built
             precheck_up_parts(self.model, self.int8.checkpoint, self.vae_tiling.up_parts)
         require(self.unet_chunk_cut in CUTS, "unet_chunk_cut", f"must be one of {', '.join(CUTS)}, got {self.unet_chunk_cut!r}")
@@ -322,7 +343,10 @@ def _golden_inputs(cfg: Config, pipe) -> GoldenInputs:
     if takes_cond:
         unet_inputs["timestep_cond"] = w_emb.expand(B, -1).contiguous()
     vae_latents = torch.randn(1, shapes.latent_channels, shapes.latent_size, shapes.latent_size, generator=gen)
-    return GoldenInputs(mode, shapes, timesteps, ids_prompt, unet_inputs, takes_cond, vae_latents, table)
+    # the image encoder's golden picture: smooth colour fields (8 x 8 random colours, bilinear), drawn after the rest
+    low = torch.rand(1, 3, 8, 8, generator=gen)
+    pixels = torch.nn.functional.interpolate(low, size=(shapes.resolution, shapes.resolution), mode="bilinear", align_corners=False)
+    return GoldenInputs(mode, shapes, timesteps, ids_prompt, unet_inputs, takes_cond, vae_latents, table, pixels.contiguous())
 
 
 def _scan_and_rewrites(cfg: Config, pipe, golden: GoldenInputs, work: Path, timings: dict):
@@ -430,7 +454,7 @@ def _manifest(cfg: Config, out: Path, sched, golden: GoldenInputs, model_cfg: Mo
         },
     }
     # the stages a runner runs and the role of every graph input, from the registry (runtime/pipeline_spec.py)
-    return {**manifest, "pipeline": derive_pipeline(manifest)}
+    return {**manifest, "pipeline": derive_pipeline(manifest, tasks=tuple(cfg.tasks))}
 
 
 def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:

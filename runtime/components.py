@@ -27,7 +27,7 @@ from typing import Optional
 @dataclasses.dataclass(frozen=True)
 class Component:
     name: str
-    role: str  # text | denoise | decode
+    role: str  # text | denoise | decode | encode (an image into latents)
     inputs: tuple[str, ...]
     optional_inputs: tuple[str, ...] = ()
     chunks: bool = False  # may be exported as K chunk files (`<name>_chunks` block)
@@ -51,6 +51,7 @@ UNET = "unet"
 VAE_DECODER = "vae_decoder"
 VAE_DECODER_HEAD = "vae_decoder_head"
 VAE_UP_TILE = "vae_up_tile"
+VAE_ENCODER = "vae_encoder"
 
 REGISTRY: dict[str, Component] = {c.name: c for c in (
     Component(TEXT_ENCODER, "text", ("input_ids",), chunks=True, pipeline_attr="text_encoder", graph_prefix="text_encoder.",
@@ -66,9 +67,14 @@ REGISTRY: dict[str, Component] = {c.name: c for c in (
               roles=(("latents", "latents"),), output_roles=("image",)),
     Component(VAE_DECODER_HEAD, "decode", ("latents",), part_of=VAE_DECODER, pipeline_attr="vae"),
     Component(VAE_UP_TILE, "decode", ("features", "weight", "stats", "own"), part_of=VAE_DECODER, pipeline_attr="vae"),
+    # image-to-image and inpainting: the user's picture [1, 3, H, W] in [0, 1] -> its latents (the distribution's mean x
+    # scaling_factor); int8 RTN leaves the decoder and the 1x1 quant conv (sliced to its mean half in the graph) float
+    Component(VAE_ENCODER, "encode", ("pixels",), pipeline_attr="vae", int8_skip=("decoder", "post_quant_conv", "quant_conv"),
+              roles=(("pixels", "init_image"),), output_roles=("image_latents",)),
 )}
 
 ENCODE_PROMPT, DENOISE, DECODE = "encode_prompt", "denoise", "decode"  # the stage kinds a runner knows (pipeline_spec)
+ENCODE_IMAGE = "encode_image"  # image-to-image and inpainting: the user's picture into latents, before the denoise stage
 
 # A model family's pipeline: its stages in order, each (stage name, kind, component, tokenizer block or None). A new
 # family is a new entry (and its components above); the runners know the kinds (runtime/pipeline_spec.py STAGE_KINDS).
@@ -77,11 +83,20 @@ FAMILIES: dict[str, tuple[tuple[str, str, str, Optional[str]], ...]] = {
            ("denoise", DENOISE, UNET, None),
            ("decode", DECODE, VAE_DECODER, None)),
 }
+# The stages a task adds to its family's (before the denoise stage), and the components they need exported.
+TASK_STAGES: dict[str, tuple[tuple[str, str, str, Optional[str]], ...]] = {
+    "text_to_image": (),
+    "image_to_image": (("encode_image", ENCODE_IMAGE, VAE_ENCODER, None),),
+    "inpaint": (("encode_image", ENCODE_IMAGE, VAE_ENCODER, None),),  # latent blending with any text-to-image UNet
+}
 
 # the components an export config names (parts of a tiled layout come with their whole), in call order
 COMPONENTS: tuple[str, ...] = tuple(n for n, c in REGISTRY.items() if c.part_of is None)
 CHUNKABLE: tuple[str, ...] = tuple(n for n in COMPONENTS if REGISTRY[n].chunks)
 TILED_DECODER: tuple[str, ...] = REGISTRY[VAE_DECODER].tiles
+# the components a task other than text-to-image adds (export `tasks`); the rest is what a text-to-image bundle holds
+TASK_COMPONENTS: tuple[str, ...] = tuple(dict.fromkeys(s[2] for stages in TASK_STAGES.values() for s in stages))
+TEXT_TO_IMAGE_COMPONENTS: tuple[str, ...] = tuple(n for n in COMPONENTS if n not in TASK_COMPONENTS)
 
 
 def up_tile_parts(k: int) -> tuple[str, ...]:

@@ -12,6 +12,8 @@ prompt (stacked `[unconditional, conditional]` under classifier-free guidance) o
 batch). A role produced by several encode stages (an SDXL-style pair of text encoders) is their outputs
 concatenated on the last axis, in stage order. So a new family is a registry entry (its components' roles and its
 stages, `components.FAMILIES`) and a new task a stage kind, not a rewrite of the runners.
+The tasks (`TASKS`): text_to_image, and image_to_image / inpaint, which add an `encode_image` stage before the
+denoise stage (`components.TASK_STAGES`: the VAE encoder, `init_image` -> `image_latents`, the loop's start).
 
 Bundles written before the block (schema_version 1 and 2) are read through `derive_pipeline`: the SD family's
 stages, with the UNet's `timestep` fed the table's row when the bundle has one. `pipeline_problems` checks a
@@ -25,12 +27,14 @@ import dataclasses
 from typing import Any, Optional
 
 from .chunks import block_key, parts_of
-from .components import CHUNKABLE, DECODE, DENOISE, ENCODE_PROMPT, FAMILIES, REGISTRY, TILED_DECODER, VAE_DECODER, up_tile_parts
+from .components import (CHUNKABLE, DECODE, DENOISE, ENCODE_IMAGE, ENCODE_PROMPT, FAMILIES, REGISTRY, TASK_STAGES, TILED_DECODER,
+                         VAE_DECODER, up_tile_parts)
 from .stage_shapes import check_stage_shapes
 
 PIPELINE_SCHEMA_VERSION = 3  # a manifest with a `pipeline` block; 1 and 2 are read through derive_pipeline
-STAGE_KINDS = (ENCODE_PROMPT, DENOISE, DECODE)
-TASKS = ("text_to_image",)
+STAGE_KINDS = (ENCODE_PROMPT, ENCODE_IMAGE, DENOISE, DECODE)
+TASKS = tuple(TASK_STAGES)  # text_to_image, image_to_image, inpaint (the stages each adds: components.TASK_STAGES)
+IMAGE_TASKS = tuple(t for t, stages in TASK_STAGES.items() if stages)  # the tasks that start from the user's picture
 PROMPT, SAMPLE = "prompt", "sample"
 
 
@@ -38,7 +42,7 @@ PROMPT, SAMPLE = "prompt", "sample"
 class Role:
     """Where a graph input's value comes from (`source`) and how it meets the UNet's batch (`per`)."""
 
-    source: str  # tokenizer | stage | scheduler | table | constant | latents | none (no runner feeds it)
+    source: str  # tokenizer | stage | scheduler | table | constant | latents | picture (the user's) | none (no runner feeds it)
     per: str  # prompt: a row per prompt ([uncond, cond] under cfg); sample: repeated to the batch
     rank: int  # the tensor's dims
 
@@ -54,8 +58,12 @@ ROLES: dict[str, Role] = {
     "guidance_embedding": Role("none", SAMPLE, 2),  # a w-conditioned student's timestep_cond, inside the table instead
     "noise_pred": Role("stage", SAMPLE, 4),  # the denoiser's output
     "image": Role("stage", SAMPLE, 4),  # the decoder's pixels [1, 3, H, W]
+    "init_image": Role("picture", SAMPLE, 4),  # [1, 3, H, W] float32 in [0, 1]: the user's picture (image-to-image, inpaint)
+    "image_latents": Role("stage", SAMPLE, 4),  # [1, C, h, w]: the encoder's latents of it (the denoise loop's start)
 }
-OUTPUT_ROLES = {ENCODE_PROMPT: ("prompt_embeds", "pooled_embeds"), DENOISE: ("noise_pred",), DECODE: ("image",)}
+OUTPUT_ROLES = {ENCODE_PROMPT: ("prompt_embeds", "pooled_embeds"), ENCODE_IMAGE: ("image_latents",), DENOISE: ("noise_pred",),
+                DECODE: ("image",)}
+NOT_FED = ("noise_pred", "image", "image_latents")  # roles a stage makes that no runner feeds a graph (yet)
 
 
 def tiled_components(block: dict) -> tuple[str, ...]:
@@ -106,15 +114,17 @@ def _roles_of(man: dict, component: str) -> dict[str, str]:
     return roles
 
 
-def derive_pipeline(man: dict, family: str = "sd") -> dict:
-    """The pipeline block of a manifest from the registry: `family`'s stages, each input's role. Export writes it;
-    a bundle from before the block (schema_version 1, 2) is read as this."""
+def derive_pipeline(man: dict, family: str = "sd", tasks: tuple = ("text_to_image",)) -> dict:
+    """The pipeline block of a manifest from the registry: `family`'s stages, with the stages `tasks` add
+    (components.TASK_STAGES: image-to-image's encode_image) before the denoise stage, each input's role. Export writes
+    it; a bundle from before the block (schema_version 1, 2) is read as this."""
+    added = list(dict.fromkeys(s for t in tasks for s in TASK_STAGES[t]))
     stages = []
     for stage, kind, component, tokenizer in FAMILIES[family]:
-        stages.append({"stage": stage, "kind": kind, "component": component,
-                       **({"tokenizer": tokenizer} if tokenizer else {}),
-                       "inputs": _roles_of(man, component), "outputs": list(REGISTRY[component].output_roles)})
-    return {"family": family, "tasks": ["text_to_image"], "conditioning": {}, "stages": stages}
+        for row in (added if kind == DENOISE else []) + [(stage, kind, component, tokenizer)]:
+            stages.append({"stage": row[0], "kind": row[1], "component": row[2], **({"tokenizer": row[3]} if row[3] else {}),
+                           "inputs": _roles_of(man, row[2]), "outputs": list(REGISTRY[row[2]].output_roles)})
+    return {"family": family, "tasks": list(tasks), "conditioning": {}, "stages": stages}
 
 
 def pipeline_of(man: dict) -> dict:
@@ -166,7 +176,7 @@ def _check_stage_fields(i: int, stage: Any, comps: dict, man: dict, found, requi
         return False
     ok = True
     for name, role in ins.items():
-        if role not in ROLES or role in ("noise_pred", "image"):
+        if role not in ROLES or role in NOT_FED:
             found.add(f"{where}.inputs.{name}", "value", f"component {comp}, input {name}: role {role!r} is not one a runner feeds")
             ok = False
     for role in outs:
@@ -195,6 +205,13 @@ def _check_order(stages: list, man: dict, found) -> None:
     kinds = [s["kind"] for s in stages]
     if kinds.count(DENOISE) != 1 or kinds.count(DECODE) != 1 or kinds.index(DENOISE) > kinds.index(DECODE):
         found.add("pipeline.stages", "consistency", f"one denoise stage then one decode stage, got kinds {kinds}")
+    elif kinds.count(ENCODE_IMAGE) > 1 or (ENCODE_IMAGE in kinds and kinds.index(ENCODE_IMAGE) > kinds.index(DENOISE)):
+        found.add("pipeline.stages", "consistency", f"at most one encode_image stage, before the denoise stage, got kinds {kinds}")
+    tasks = pipeline_of(man).get("tasks")
+    image_tasks = [t for t in tasks if t in IMAGE_TASKS] if isinstance(tasks, list) else []
+    if image_tasks and ENCODE_IMAGE not in kinds:
+        found.add("pipeline.tasks", "consistency", f"{', '.join(image_tasks)} start from the user's picture: the stages need an "
+                  f"encode_image stage, got kinds {kinds}")
 
 
 def pipeline_problems(man: dict, ios: dict, found, lacking: frozenset = frozenset(), require_present: bool = True) -> None:

@@ -5,7 +5,8 @@ stage's `prompt_embeds` [1, L, D] and `pooled_embeds` [1, P]; at the denoiser, w
 `latents` [B, C, h, w], `prompt_embeds` [B, L, sum of the encoders' D], `pooled_embeds` [B, sum of P],
 `time_ids` [B, K] (K = len(pipeline.conditioning.time_ids)), `timestep` [B] or `timestep_embedding` [B, W] (the
 table's width; the table has num_train_timesteps rows), `noise_pred` [B, C, h, w]; the decoder's `latents`
-[1, C, h, w] and `image` [1, 3, H, W] (a tiled decoder's io is checked with its vae_tiling block). A problem names
+[1, C, h, w] and `image` [1, 3, H, W] (a tiled decoder's io is checked with its vae_tiling block); the image encoder's
+`init_image` [1, 3, H, W] (the image's size) and `image_latents` [1, C, h, w] (the latent's). A problem names
 the component and input (`components.unet.inputs.sample`) as the per-name checks before the pipeline block did.
 """
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 from typing import Optional
 
 from .manifest_fields import is_int
-from .components import DECODE, DENOISE, ENCODE_PROMPT
+from .components import DECODE, DENOISE, ENCODE_IMAGE, ENCODE_PROMPT
 
 
 def _expect(found, where: str, got: list, want: list, what: str) -> None:
@@ -73,6 +74,9 @@ def _want_input(man: dict, stage: dict, role: str, made: _Made, found) -> tuple[
     lat = _section(man, "latent")
     latent = [lat.get("channels"), lat.get("height"), lat.get("width")]
     B = _section(man, "guidance").get("unet_batch") if stage["kind"] == DENOISE else 1
+    if role == "init_image":
+        image = _section(man, "image")
+        return [1, image.get("channels"), image.get("height"), image.get("width")], "image"
     if role == "token_ids":
         return [1, _section(man, str(stage.get("tokenizer"))).get("max_length")], "tokenizer.max_length"
     if role == "latents":
@@ -100,6 +104,8 @@ def _stage_outputs(man: dict, stage: dict, outs: dict, found) -> None:
         _expect(found, f"components.{comp}.outputs", first, [_section(man, "guidance").get("unet_batch"), *latent], "guidance.unet_batch x latent")
     elif stage["kind"] == DECODE:
         _expect(found, f"components.{comp}.outputs", first, [1, image.get("channels"), image.get("height"), image.get("width")], "image")
+    elif stage["kind"] == ENCODE_IMAGE:
+        _expect(found, f"components.{comp}.outputs", first, [1, *latent], "latent")
 
 
 def check_stage_shapes(man: dict, stages: list[dict], ios: dict, found, lacking: frozenset = frozenset()) -> None:

@@ -19,7 +19,7 @@ def test_the_registry_imports_without_torch_or_numpy():
     code = ("import sys, pocketdiff.runtime.components as c; "
             "print(sorted(m for m in ('torch', 'numpy', 'diffusers') if m in sys.modules), c.COMPONENTS)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "[] ('text_encoder', 'unet', 'vae_decoder')"
+    assert out.strip() == "[] ('text_encoder', 'unet', 'vae_decoder', 'vae_encoder')"
 
 
 def test_the_derived_lists_come_from_the_entries():
@@ -27,8 +27,9 @@ def test_the_derived_lists_come_from_the_entries():
     assert reg.TILED_DECODER == ("vae_decoder_head", "vae_up_tile")
     assert all(reg.REGISTRY[p].part_of == "vae_decoder" for p in reg.TILED_DECODER)
     assert reg.component("unet.3") is reg.REGISTRY["unet"] and reg.component("vae_up_tile").part_of == "vae_decoder"
-    with pytest.raises(KeyError, match="vae_encoder"):
-        reg.component("vae_encoder")
+    with pytest.raises(KeyError, match="controlnet"):
+        reg.component("controlnet")
+    assert reg.TASK_COMPONENTS == ("vae_encoder",) and reg.TEXT_TO_IMAGE_COMPONENTS == ("text_encoder", "unet", "vae_decoder")
     assert reg.expand(["text_encoder", "vae_decoder"], tiled=True) == ["text_encoder", "vae_decoder_head", "vae_up_tile"]
     assert reg.expand(["vae_decoder"], tiled=False) == ["vae_decoder"]
     assert reg.expand(["text_encoder", "vae_decoder"], tiled=True, up_parts=2) == ["text_encoder", "vae_decoder_head", "vae_up_tile.0", "vae_up_tile.1"]
@@ -41,7 +42,7 @@ def test_export_int8_calibrate_and_the_runtime_read_the_registry():
 
     assert components.COMPONENTS is reg.COMPONENTS and manifest_check.RUNNER_COMPONENTS is reg.COMPONENTS
     assert QUANTIZABLE is reg.COMPONENTS and verb.TILED_DECODER is reg.TILED_DECODER
-    assert int8.GRAPH_PREFIX == {"text_encoder": "text_encoder.", "unet": "unet.", "vae_decoder": ""}
+    assert int8.GRAPH_PREFIX == {"text_encoder": "text_encoder.", "unet": "unet.", "vae_decoder": "", "vae_encoder": ""}
     assert chunks.CHUNKABLE is reg.CHUNKABLE  # runtime/chunks.py reads the registry's
 
 
@@ -63,5 +64,5 @@ def test_an_unknown_component_in_an_export_config_is_one_line_naming_the_field()
     from pocketdiff.errors import ConfigError
     from pocketdiff.export.verb import Config
 
-    with pytest.raises(ConfigError, match=r"components: unknown component 'vae_encoder'"):
-        load_config(Config, None, ["components=[unet,vae_encoder]"])
+    with pytest.raises(ConfigError, match=r"components: unknown component 'controlnet'"):
+        load_config(Config, None, ["components=[unet,controlnet]"])

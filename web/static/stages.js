@@ -19,8 +19,9 @@ export const PIPELINE_SCHEMA_VERSION = 3; // a manifest with a `pipeline` block;
 export const ENCODE_PROMPT = 'encode_prompt';
 export const DENOISE = 'denoise';
 export const DECODE = 'decode';
-export const STAGE_KINDS = [ENCODE_PROMPT, DENOISE, DECODE];
-export const TASKS = ['text_to_image'];
+export const ENCODE_IMAGE = 'encode_image'; // image-to-image and inpainting: the user's picture into latents
+export const STAGE_KINDS = [ENCODE_PROMPT, ENCODE_IMAGE, DENOISE, DECODE];
+export const TASKS = ['text_to_image', 'image_to_image', 'inpaint'];
 export const PROMPT = 'prompt';
 export const SAMPLE = 'sample';
 
@@ -37,8 +38,12 @@ export const ROLES = Object.freeze({
   guidance_embedding: role('none', SAMPLE, 2), // a w-conditioned student's timestep_cond: no runner feeds it
   noise_pred: role('stage', SAMPLE, 4),
   image: role('stage', SAMPLE, 4),
+  init_image: role('picture', SAMPLE, 4), // [1, 3, H, W] in [0, 1]: the user's picture
+  image_latents: role('stage', SAMPLE, 4), // [1, C, h, w]: the encoder's latents of it
 });
-export const OUTPUT_ROLES = Object.freeze({ [ENCODE_PROMPT]: ['prompt_embeds', 'pooled_embeds'], [DENOISE]: ['noise_pred'], [DECODE]: ['image'] });
+export const OUTPUT_ROLES = Object.freeze({
+  [ENCODE_PROMPT]: ['prompt_embeds', 'pooled_embeds'], [ENCODE_IMAGE]: ['image_latents'], [DENOISE]: ['noise_pred'], [DECODE]: ['image'],
+});
 
 // The registry (runtime/components.py), the fields a runner reads: its role (text, denoise, decode), the inputs it feeds, what a component may be split
 // into (chunks, tiles), its inputs' and outputs' roles; `spoken`: its name in the page's messages.
@@ -52,6 +57,7 @@ export const REGISTRY = Object.freeze({
   vae_decoder: { role: 'decode', inputs: ['latents'], tiles: ['vae_decoder_head', 'vae_up_tile'], roles: { latents: 'latents' }, outputRoles: ['image'] },
   vae_decoder_head: { role: 'decode', inputs: ['latents'], partOf: 'vae_decoder' },
   vae_up_tile: { role: 'decode', inputs: ['features', 'weight', 'stats', 'own'], partOf: 'vae_decoder' },
+  vae_encoder: { role: 'encode', inputs: ['pixels'], roles: { pixels: 'init_image' }, outputRoles: ['image_latents'], spoken: 'image encoder' },
 });
 /** A model family's stages in order: [stage name, kind, component, tokenizer block or null]. */
 export const FAMILIES = Object.freeze({
@@ -180,7 +186,7 @@ function stageFieldProblems(i, stage, comps, man, found) {
   if (!Array.isArray(outs) || !outs.length || !outs.every((r) => typeof r === 'string')) return found.push(`${at}.outputs: ${named(stage, comp)}: must list the role of each output, in order`) && false;
   const before = found.length;
   for (const [name, r] of Object.entries(ins)) {
-    if (!has(ROLES, r) || r === 'noise_pred' || r === 'image') found.push(`${at}.inputs.${name}: ${named(stage, comp, name)}: role ${JSON.stringify(r)} is not one a runner feeds`);
+    if (!has(ROLES, r) || r === 'noise_pred' || r === 'image' || r === 'image_latents') found.push(`${at}.inputs.${name}: ${named(stage, comp, name)}: role ${JSON.stringify(r)} is not one a runner feeds`);
     else if (ROLES[r].source === 'none') found.push(`${at}.inputs.${name}: ${named(stage, comp, name)}: no runner feeds role ${r} (re-export with rewrites.time_embedding_outside: true)`);
   }
   for (const r of outs) if (!OUTPUT_ROLES[kind].includes(r)) found.push(`${at}.outputs: ${named(stage, comp)}: a ${kind} stage makes ${OUTPUT_ROLES[kind].join(', ')}, not ${JSON.stringify(r)}`);
@@ -204,6 +210,13 @@ function orderProblems(stages, man, found) {
   const count = (k) => kinds.filter((x) => x === k).length;
   if (count(DENOISE) !== 1 || count(DECODE) !== 1 || kinds.indexOf(DENOISE) > kinds.indexOf(DECODE)) {
     found.push(`pipeline.stages: one denoise stage then one decode stage, got kinds ${JSON.stringify(kinds)}`);
+  } else if (count(ENCODE_IMAGE) > 1 || (kinds.includes(ENCODE_IMAGE) && kinds.indexOf(ENCODE_IMAGE) > kinds.indexOf(DENOISE))) {
+    found.push(`pipeline.stages: at most one encode_image stage, before the denoise stage, got kinds ${JSON.stringify(kinds)}`);
+  }
+  const tasks = pipelineOf(man).tasks;
+  const imageTasks = Array.isArray(tasks) ? tasks.filter((t) => t !== 'text_to_image' && TASKS.includes(t)) : [];
+  if (imageTasks.length && !kinds.includes(ENCODE_IMAGE)) {
+    found.push(`pipeline.tasks: ${imageTasks.join(', ')} start from the user's picture: the stages need an encode_image stage, got kinds ${JSON.stringify(kinds)}`);
   }
 }
 
@@ -266,6 +279,7 @@ function wantInput(man, stage, r, made) {
   const B = stage.kind === DENOISE ? section(man, 'guidance').unet_batch : 1;
   const width = (key) => (made.widths[key]?.length && !made.widths[key].includes(null) ? made.widths[key].reduce((a, b) => a + b, 0) : null);
   switch (r) {
+    case 'init_image': { const im = section(man, 'image'); return [[1, im.channels, im.height, im.width], 'image']; }
     case 'token_ids': return [[1, section(man, String(stage.tokenizer)).max_length], 'tokenizer.max_length'];
     case 'latents': return stage.kind === DENOISE ? [[B, ...latent], 'guidance.unet_batch x latent'] : [[1, ...latent], 'latent'];
     case 'timestep': return [[B], 'guidance.unet_batch (no time-embedding table)'];
@@ -322,12 +336,14 @@ function stageShapeProblems(man, stages, found) {
   });
 }
 
-/** A denoise stage's output against [B, C, h, w], a decode stage's against the image [1, 3, H, W]. */
+/** A denoise stage's output against [B, C, h, w], an encode-image stage's against [1, C, h, w], a decode stage's against
+ *  the image [1, 3, H, W]. */
 function outputProblem(man, stage, got, found) {
   const lat = section(man, 'latent'), image = section(man, 'image');
   const [want, what] = stage.kind === DENOISE
     ? [[section(man, 'guidance').unet_batch, lat.channels, lat.height, lat.width], 'guidance.unet_batch x latent']
-    : [[1, image.channels, image.height, image.width], 'image'];
+    : stage.kind === ENCODE_IMAGE ? [[1, lat.channels, lat.height, lat.width], 'latent']
+      : [[1, image.channels, image.height, image.width], 'image'];
   if (!same(got, want)) found.push(`components.${stage.component}.outputs: ${named(stage, stage.component)}: shape ${JSON.stringify(got)}, but ${what} gives ${JSON.stringify(want)}`);
 }
 
