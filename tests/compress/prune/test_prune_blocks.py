@@ -76,7 +76,14 @@ def test_slim_unet_comes_from_the_kept_blocks_and_loads_in_stock_diffusers(tmp_p
     with torch.no_grad():
         a = student(x, 10, encoder_hidden_states=emb).sample
         b = loaded(x, 10, encoder_hidden_states=emb).sample
-    assert torch.equal(a, b) and a.shape == x.shape
+    # the saved weights load back to the bit (a copy: exact by construction) ...
+    l_state = loaded.state_dict()
+    assert l_state.keys() == s_state.keys() and all(torch.equal(l_state[k], s_state[k]) for k in s_state)
+    # ... but two module instances need not sum in the same order (CPU kernels pick vector paths by alignment and by
+    # the CPU: AVX-512, AVX2, default), so their outputs agree to float32 rounding, not to the bit: measured up to
+    # 1.1e-6 at |out| <= 0.94 under all three capabilities; 1e-5 is ~10x that, while a wrong block moves it by ~1e-1
+    assert a.shape == x.shape
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_explicit_list_and_per_stage_layers():
