@@ -26,10 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import math
-import re
-import struct
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
@@ -37,25 +34,9 @@ import torch
 from torch import nn
 
 from .errors import ConfigError, PocketdiffError
-
-PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".pkl", ".pickle")
-COMPONENTS = ("unet", "text_encoder")
-
-# (suffix of a key, role): the down / up factors and the alpha of one adapted layer
-_ROLES = (
-    (".lora_down.weight", "down"), (".lora_up.weight", "up"),
-    (".lora_A.weight", "down"), (".lora_B.weight", "up"),
-    (".lora.down.weight", "down"), (".lora.up.weight", "up"),
-    (".lora_linear_layer.down.weight", "down"), (".lora_linear_layer.up.weight", "up"),
-    ("_lora.down.weight", "down"), ("_lora.up.weight", "up"),  # attention processors: processor.to_q_lora
-    (".alpha", "alpha"),
-)
-# keys of adapter kinds we do not fuse (regex searched in the key) -> what to call them
-_UNSUPPORTED = (
-    (r"\.hada_", "a LyCORIS LoHa factor"), (r"\.lokr_", "a LyCORIS LoKr factor"), (r"\.lora_mid\.", "a LyCORIS Tucker (lora_mid) factor"),
-    (r"\.dora_scale$|lora_magnitude_vector", "a DoRA magnitude"), (r"lora_embedding_", "an embedding LoRA"),
-    (r"\.lora_(B|up)\.bias$", "a LoRA bias"), (r"\.diff(_b)?$", "a full weight difference"), (r"\.oft_", "an OFT factor"),
-)
+from .lora_keys import (COMPONENTS, PICKLE_SUFFIXES, check_file, group_keys, header_length as _header_length,  # noqa: F401
+                        is_kohya, key_role as _role, key_target as _target, metadata_alpha, metadata_alphas as _metadata_alphas,
+                        parse_header as _parse_header, unsupported as _unsupported)
 
 
 @dataclasses.dataclass
@@ -92,55 +73,6 @@ def check_lora_specs(specs: Any, key: str = "model.lora") -> list[LoraSpec]:
             raise ConfigError(f"{where}.scale: must be a finite number, got {item.scale!r}")
         out.append(LoraSpec(path=str(item.path), scale=scale))
     return out
-
-
-def check_file(path: Any, key: str) -> Path:
-    """A LoRA file path: .safetensors, present, its header readable. Pickles are refused by name, unopened."""
-    text = str(path or "").strip()
-    if not text:
-        raise ConfigError(f"{key}: must name a .safetensors LoRA file")
-    p = Path(text).expanduser()
-    suffix = p.suffix.lower()
-    if suffix in PICKLE_SUFFIXES:
-        raise ConfigError(f"{key}: {p} is a pickle ({suffix}); pocketdiff never unpickles files: convert the LoRA to .safetensors")
-    if suffix != ".safetensors":
-        raise ConfigError(f"{key}: {p} must be a .safetensors file, got suffix {suffix or '(none)'!r}")
-    if not p.is_file():
-        raise ConfigError(f"{key}: {p} not found")
-    with open(p, "rb") as f:
-        head = f.read(9)
-        n = _header_length(head, p.stat().st_size, p, key)
-        f.seek(8)
-        _parse_header(f.read(n), p, key, data_size=p.stat().st_size - 8 - n)
-    return p
-
-
-def _header_length(head: bytes, size: int, path: Path, key: str) -> int:
-    """The safetensors header length from a file's first 9 bytes (8-byte length, then '{'); a pickle
-    or torch zip archive is named as one, anything else called corrupt."""
-    n = struct.unpack("<Q", head[:8])[0] if len(head) >= 9 else -1
-    if n >= 2 and 8 + n <= size and head[8:9] == b"{":
-        return n
-    if head[:4] == b"PK\x03\x04" or (head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05")):
-        raise ConfigError(f"{key}: {path} holds a pickle / torch archive, not safetensors; pocketdiff never unpickles files")
-    raise ConfigError(f"{key}: {path} is not a valid safetensors file (corrupt or truncated header)")
-
-
-def _parse_header(raw: bytes, path: Path, key: str, data_size: int) -> dict:
-    """The JSON header, its tensors' byte ranges ending where the file does (else corrupt or truncated)."""
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        header = None
-    if not isinstance(header, dict):
-        raise ConfigError(f"{key}: {path} is not a valid safetensors file (corrupt header)")
-    try:
-        end = max([int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"], default=0)
-    except (TypeError, KeyError, IndexError, ValueError):
-        raise ConfigError(f"{key}: {path} is not a valid safetensors file (corrupt header)") from None
-    if end != data_size:
-        raise ConfigError(f"{key}: {path} is not a valid safetensors file (its tensors need {end} bytes, it holds {data_size}: truncated?)")
-    return header
 
 
 # ----------------------------------------------------------------------------- reading
@@ -188,111 +120,34 @@ def read_lora(path: Path, key: str) -> LoraFile:
     return LoraFile(path=path, sha256=hashlib.sha256(data).hexdigest(), format=fmt, factors=factors)
 
 
-def _role(k: str) -> tuple[str, str]:
-    """(base, role) of a key: role down / up / alpha, or "" when the key is no LoRA factor."""
-    for suffix, role in _ROLES:
-        if k.endswith(suffix):
-            return k[: -len(suffix)], role
-    return k, ""
-
-
-def _unsupported(k: str) -> Optional[str]:
-    for pattern, what in _UNSUPPORTED:
-        if re.search(pattern, k):
-            return what
-    return None
-
-
 def parse_factors(tensors: dict, meta: dict, where: str) -> tuple[str, list[Factor]]:
-    """(format, factors) of a LoRA state dict: every key a down / up / alpha of some layer, or refused."""
-    groups: dict[str, dict[str, tuple[str, torch.Tensor]]] = {}
-    for k in sorted(tensors):
-        what = _unsupported(k)
-        if what is not None:
-            raise PocketdiffError(f"{where}: key {k!r} is {what}; pocketdiff fuses LoRA / LoCon down-up factors only")
-        base, role = _role(k)
-        if not role:
-            raise PocketdiffError(f"{where}: key {k!r} is not a LoRA factor (lora_down / lora_up / lora_A / lora_B / alpha)")
-        groups.setdefault(base, {})[role] = (k, tensors[k])
-    kohya = any(b.startswith(("lora_unet_", "lora_te")) for b in groups)
+    """(format, factors) of a LoRA state dict: every key a down / up / alpha of some layer, or refused
+    (the key rules: pocketdiff/lora_keys.py, shared with the runtime's swapped LoRAs)."""
+    groups = group_keys(tensors, where)
+    kohya = any(is_kohya(b) for b in groups)
     alphas = _metadata_alphas(meta, where)
     factors = []
     for base, roles in groups.items():
-        if "down" not in roles or "up" not in roles:
-            missing = "up" if "down" in roles else "down"
-            first = next(iter(roles.values()))[0]
-            raise PocketdiffError(f"{where}: key {first!r} has no {missing} factor beside it")
-        (down_key, down), (_, up) = roles["down"], roles["up"]
+        down_key, down, up = roles["down"], tensors[roles["down"]], tensors[roles["up"]]
         component, name = _target(base, down_key, where)
         rank = int(down.shape[0]) if down.dim() >= 2 else 0
         if rank < 1 or up.dim() < 2 or int(up.shape[1]) != rank:
             raise PocketdiffError(f"{where}: key {down_key!r}: down {tuple(down.shape)} and up {tuple(up.shape)} are not LoRA factors of one rank")
-        alpha = _alpha(roles, alphas, component, name, rank, where)
+        alpha = _alpha(roles, tensors, alphas, component, name, rank, where)
         use_rs = bool(alphas.get(component, {}).get("use_rslora"))
         factors.append(Factor(component, name, down_key, down, up, alpha / (math.sqrt(rank) if use_rs else rank),
-                              kohya=base.startswith(("lora_unet_", "lora_te"))))
+                              kohya=is_kohya(base)))
     return ("kohya" if kohya else "diffusers"), factors
 
 
-def _target(base: str, key: str, where: str) -> tuple[str, str]:
-    """(component, module name) a key's base names."""
-    for prefix, comp in (("lora_unet_", "unet"), ("lora_te1_", "text_encoder"), ("lora_te_", "text_encoder")):
-        if base.startswith(prefix):
-            return comp, base[len(prefix):]
-    if base.startswith(("lora_te2_", "text_encoder_2.")):
-        raise PocketdiffError(f"{where}: key {key!r} adapts a second text encoder (SDXL); this model has one (a LoRA for another base)")
-    if base.startswith("lora_"):
-        raise PocketdiffError(f"{where}: key {key!r}: unknown kohya prefix (lora_unet_ / lora_te_ expected)")
-    name = base.removeprefix("base_model.model.")
-    component = "unet"
-    for comp in COMPONENTS:
-        if name.startswith(comp + "."):
-            component, name = comp, name[len(comp) + 1:]
-            break
-    else:
-        if name.startswith("text_model."):
-            component = "text_encoder"
-    name = re.sub(r"\.processor\.(to_[qkv])$", r".\1", name)  # attention processors' to_q_lora ...
-    name = re.sub(r"\.processor\.to_out$", ".to_out.0", name)
-    return component, name
-
-
-def _metadata_alphas(meta: dict, where: str) -> dict[str, dict]:
-    """diffusers' `lora_adapter_metadata` per component: {lora_alpha, alpha_pattern, use_rslora}."""
-    raw = meta.get("lora_adapter_metadata")
-    if not raw:
-        return {}
-    try:
-        data = json.loads(raw)
-    except json.JSONDecodeError:
-        raise PocketdiffError(f"{where}: its lora_adapter_metadata is not valid JSON") from None
-    out: dict[str, dict] = {}
-    for k, v in (data.items() if isinstance(data, dict) else []):
-        comp, _, field = k.partition(".")
-        if comp in COMPONENTS or comp == "text_encoder_2":
-            out.setdefault(comp, {})[field] = v
-    for comp, fields in out.items():
-        if fields.get("use_dora"):
-            raise PocketdiffError(f"{where}: its {comp} adapter is DoRA (use_dora); pocketdiff fuses LoRA factors only")
-    return out
-
-
-def _alpha(roles: dict, alphas: dict, component: str, name: str, rank: int, where: str) -> float:
+def _alpha(roles: dict, tensors: dict, alphas: dict, component: str, name: str, rank: int, where: str) -> float:
     if "alpha" in roles:
-        k, t = roles["alpha"]
+        k = roles["alpha"]
+        t = tensors[k]
         if t.numel() != 1 or not bool(torch.isfinite(t.float()).all()):
             raise PocketdiffError(f"{where}: key {k!r} must be one finite number")
         return float(t.float().reshape(-1)[0])
-    fields = alphas.get(component)
-    if not fields:
-        return float(rank)  # no alpha: scale 1, as diffusers loads such files
-    for pattern, value in (fields.get("alpha_pattern") or {}).items():
-        try:
-            if re.match(rf"(.*\.)?({pattern})$", name):  # PEFT's rule: the pattern names the module or its tail
-                return float(value)
-        except re.error:
-            raise PocketdiffError(f"{where}: its {component} alpha_pattern key {pattern!r} is not a valid pattern") from None
-    return float(fields.get("lora_alpha", rank))
+    return metadata_alpha(alphas, component, name, rank, where)
 
 
 # ----------------------------------------------------------------------------- matching and fusing
