@@ -1,6 +1,7 @@
 """The three exported graphs as torch modules with fixed shapes, and their fixed inputs.
 
-- `TextEncoderGraph`: input_ids int32 [1, L] -> last_hidden_state [1, L, D]
+- `TextEncoderGraph`: input_ids int32 [1, L] -> last_hidden_state [1, L, D] (the SDXL family: the penultimate
+  layer's [1, L, D], and for its second encoder also the projected pooled embedding [1, P])
 - `UNetGraph`: sample [B, C, h, w], timestep [B] (or the precomputed time embedding
   [B, T] when the time embedding is computed outside the graph), encoder_hidden_states
   [B, L, D] (+ timestep_cond [B, W] for guidance-embedded students) -> model output
@@ -27,12 +28,37 @@ from pocketdiff.runtime.components import COMPONENTS  # noqa: F401  (the registr
 
 
 class TextEncoderGraph(nn.Module):
-    def __init__(self, text_encoder: nn.Module):
-        super().__init__()
-        self.text_encoder = text_encoder
+    """A CLIP text encoder's graph: input_ids int32 [1, L] -> its output for the family.
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.text_encoder(input_ids, return_dict=False)[0]
+    - `hidden="last"` (SD 1.x / 2.x): the last hidden state after the final layer norm [1, L, D];
+    - `hidden="penultimate"` (the SDXL family, as StableDiffusionXLPipeline.encode_prompt takes
+      ``hidden_states[-2]``): the output of the last layer but one, no final norm (the last layer is not run);
+    - `pooled=True` (SDXL's second encoder, a CLIPTextModelWithProjection): also its ``text_embeds``, the
+      final-normed state at the end token projected by ``text_projection``: (hidden, pooled), two outputs in that
+      order (export/text_pooling.py picks the token with delegate-friendly ops).
+    """
+
+    def __init__(self, text_encoder: nn.Module, hidden: str = "last", pooled: bool = False):
+        super().__init__()
+        if hidden not in ("last", "penultimate") or (pooled and hidden != "penultimate"):
+            raise PocketdiffError(f"TextEncoderGraph: hidden={hidden!r}, pooled={pooled} is no family's text encoder output")
+        self.text_encoder = text_encoder
+        self.hidden, self.pooled = hidden, pooled
+        self.pool = None
+        if pooled:
+            from .text_pooling import EndTokenPool
+
+            self.pool = EndTokenPool(text_encoder.config)
+
+    def forward(self, input_ids: torch.Tensor):
+        if self.hidden == "last":
+            return self.text_encoder(input_ids, return_dict=False)[0]
+        from .text_pooling import run_clip
+
+        penultimate, last = run_clip(self.text_encoder, input_ids, final=self.pooled)
+        if not self.pooled:
+            return penultimate
+        return penultimate, self.text_encoder.text_projection(self.pool(input_ids, last))
 
 
 def _fed_time_embed(self, sample, timestep):

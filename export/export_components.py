@@ -23,6 +23,7 @@ from .chunk_export import export_chunked
 from .components import Shapes, TextEncoderGraph, UNetGraph, VaeDecoderGraph
 from .vae_encoder import VaeEncoderGraph
 from .device_profile import check_component
+from .family_export import golden_ids, text_encoder_graph
 from .exporter import convert_job, finish_component, peak_rss_mb, prepare_component
 from .tiled_export import parity_latents, tiled_parity
 
@@ -47,6 +48,9 @@ class GoldenInputs:
     vae_latents: torch.Tensor
     table: Optional[np.ndarray]  # the time-embedding table (time embedding outside the graph), else None
     image_pixels: Optional[torch.Tensor] = None  # the image encoder's golden picture [1, 3, H, W] in [0, 1] (image tasks)
+    ids_prompt_2: Optional[np.ndarray] = None  # the SDXL family: the golden prompt's ids by the second tokenizer [1, L]
+    time_ids: Optional[list] = None  # a text_time UNet's size / crop ids (pipeline.conditioning.time_ids), else None
+    family: str = "sd"  # the pipeline's family (export/family_export.py), the manifest's pipeline.family
 
 
 class ComponentExport:
@@ -113,8 +117,8 @@ class ComponentExport:
 
     def _graph_for(self, name: str):
         pipe, g, outside = self.pipe, self.golden, self.cfg.rewrites.time_embedding_outside
-        if name == "text_encoder":
-            return TextEncoderGraph(pipe.text_encoder), {"input_ids": torch.from_numpy(g.ids_prompt)}
+        if component(name).role == "text":  # the family's graph (export/family_export.py: SDXL's penultimate states, pooled)
+            return text_encoder_graph(pipe, name), {"input_ids": torch.from_numpy(golden_ids(g, name))}
         if name == "unet":
             import copy
 
@@ -133,6 +137,8 @@ class ComponentExport:
         prep = prepare_component(name, graph, inputs, self.out / f"{name}.tflite", self.rewrites_of[name], self.weights_of[name],
                                  self.quantized.get(name))
         prep.raw_path = self.work / f"{name}_fp32.tflite"
+        if len(prep.references or ()) > 1 and prep.references_by_name is None:  # every output checked (SDXL's text_encoder_2)
+            prep.references_by_name = {f"output_{i}": r for i, r in enumerate(prep.references)}
         self.timings[f"{name}_prepare_s"] = round(time.perf_counter() - t0, 2)
         return prep
 

@@ -28,7 +28,7 @@ import torch
 
 from pocketdiff.errors import PocketdiffError, require
 from pocketdiff.lora import lora_entries
-from pocketdiff.models import ModelConfig, load_or_build, perturb_norm_affines
+from pocketdiff.models import ModelConfig, load_or_build, perturb_norm_affines, precheck_resolution
 from pocketdiff.outputs import write_json
 from pocketdiff.runtime.bundle import MANIFEST, load_manifest
 from pocketdiff.runtime.chunks import block_key
@@ -43,6 +43,8 @@ from pocketdiff.runtime.pipeline_spec import derive_pipeline
 from .convert import WEIGHT_FORMATS
 from .device_profile import DeviceProfile
 from .export_components import ComponentExport, GoldenInputs, say
+from .family_export import (SDXL, check_family_settings, conditioning_block, family_blocks, pipeline_family, sdxl_golden,
+                            with_family_components, with_family_rewrites)
 from .exporter import VerifyConfig, peak_rss_mb
 from .parity import ParityConfig
 from .rewrites import RewriteConfig
@@ -188,6 +190,8 @@ class Config:
         self._check_tasks()
         require(self.steps >= 1, "steps", "must be >= 1")
         require(self.resolution is None or self.resolution >= 8, "resolution", "must be >= 8")
+        if self.model.pretrained:  # a size the folder's UNet cannot divide: refused before any weights load
+            precheck_resolution(self.model, self.resolution)
         for p in self.verify.precisions:
             require(p in ("fp16", "fp32"), "verify.precisions", f"must be fp16 and/or fp32, got {p!r}")
         if self.weights == "int8":
@@ -275,12 +279,15 @@ def _load_pipeline(cfg: Config):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.seed + 1)
             pipe.unet = UNet2DConditionModel(**{**dict(pipe.unet.config), "time_cond_proj_dim": int(cfg.guidance_embed_dim)})
-    for comp in (pipe.text_encoder, pipe.unet, pipe.vae):
-        comp.to(torch.float32).eval().requires_grad_(False)
+    for comp in (pipe.text_encoder, getattr(pipe, "text_encoder_2", None), pipe.unet, pipe.vae):
+        if comp is not None:
+            comp.to(torch.float32).eval().requires_grad_(False)
     if cfg.perturb_norms:
         perturb_norm_affines(pipe.unet, cfg.seed)
         perturb_norm_affines(pipe.vae, cfg.seed + 1)
         perturb_norm_affines(pipe.text_encoder, cfg.seed + 2)
+        if getattr(pipe, "text_encoder_2", None) is not None:
+            perturb_norm_affines(pipe.text_encoder_2, cfg.seed + 3)
     synthetic = None
     if cfg.synthetic_weights == "tiled":
         from .synthetic import tile_pipeline
@@ -342,11 +349,17 @@ def _golden_inputs(cfg: Config, pipe) -> GoldenInputs:
     takes_cond = mode == "embedded" and not cfg.rewrites.time_embedding_outside
     if takes_cond:
         unet_inputs["timestep_cond"] = w_emb.expand(B, -1).contiguous()
+    family, xl = pipeline_family(pipe), None
+    if family == SDXL:  # the two encoders' states side by side, the pooled embedding, the size / crop ids (family_export.py)
+        xl = sdxl_golden(pipe, cfg.golden_prompt, shapes.resolution, B)
+        unet_inputs.update(encoder_hidden_states=xl["encoder_hidden_states"], text_embeds=xl["text_embeds"], time_ids=xl["time_ids"])
+    family_fields = dict(family=family, ids_prompt_2=xl and xl["ids_2"], time_ids=xl and xl["time_ids"][0].tolist())
     vae_latents = torch.randn(1, shapes.latent_channels, shapes.latent_size, shapes.latent_size, generator=gen)
     # the image encoder's golden picture: smooth colour fields (8 x 8 random colours, bilinear), drawn after the rest
     low = torch.rand(1, 3, 8, 8, generator=gen)
     pixels = torch.nn.functional.interpolate(low, size=(shapes.resolution, shapes.resolution), mode="bilinear", align_corners=False)
-    return GoldenInputs(mode, shapes, timesteps, ids_prompt, unet_inputs, takes_cond, vae_latents, table, pixels.contiguous())
+    return GoldenInputs(mode, shapes, timesteps, ids_prompt, unet_inputs, takes_cond, vae_latents, table, pixels.contiguous(),
+                        **family_fields)
 
 
 def _scan_and_rewrites(cfg: Config, pipe, golden: GoldenInputs, work: Path, timings: dict):
@@ -389,9 +402,10 @@ def _scan_and_rewrites(cfg: Config, pipe, golden: GoldenInputs, work: Path, timi
     return scan, rewrites_of, split
 
 
-def _tokenizer_entry(cfg: Config, tok, out: Path, ids_prompt) -> dict:
-    """The bundle's tokenizer/ folder and its manifest entry (with the golden prompt's ids)."""
-    tok_files = _save_tokenizer(tok, out / "tokenizer")
+def _tokenizer_entry(cfg: Config, tok, out: Path, ids_prompt, folder: str = "tokenizer") -> dict:
+    """The bundle's tokenizer/ folder (`folder`: SDXL's second, tokenizer_2/) and its manifest entry (with the golden
+    prompt's ids)."""
+    tok_files = _save_tokenizer(tok, out / folder)
     return {
         "files": {n: bundle_lib.file_entry(out, p) for n, p in tok_files.items()},
         "max_length": int(tok.model_max_length),
@@ -422,7 +436,7 @@ def _scheduler_block(cfg: Config, sched, timesteps: list) -> dict:
 
 
 def _manifest(cfg: Config, out: Path, sched, golden: GoldenInputs, model_cfg: ModelConfig, tokenizer_entry: dict,
-              components: dict, split, tiling_report: dict, chunk_blocks: Optional[dict] = None) -> dict:
+              components: dict, split, tiling_report: dict, chunk_blocks: Optional[dict] = None, extra: Optional[dict] = None) -> dict:
     """manifest.json's content (time_embedding.npy written beside it when the table is outside the graph)."""
     shapes, table = golden.shapes, golden.table
     te_entry = None
@@ -437,6 +451,7 @@ def _manifest(cfg: Config, out: Path, sched, golden: GoldenInputs, model_cfg: Mo
         "scheduler": _scheduler_block(cfg, sched, golden.timesteps),
         "unet_time_input": "time_embedding" if table is not None else "timestep",
         "tokenizer": tokenizer_entry,
+        **(extra or {}),  # a family's blocks (SDXL: tokenizer_2)
         "time_embedding": te_entry,
         "components": components,
         **({"vae_tiling": {**split.block, "parity_psnr_db": tiling_report["psnr_db"]}} if split is not None else {}),
@@ -454,7 +469,9 @@ def _manifest(cfg: Config, out: Path, sched, golden: GoldenInputs, model_cfg: Mo
         },
     }
     # the stages a runner runs and the role of every graph input, from the registry (runtime/pipeline_spec.py)
-    return {**manifest, "pipeline": derive_pipeline(manifest, tasks=tuple(cfg.tasks))}
+    pipeline = derive_pipeline(manifest, golden.family, tasks=tuple(cfg.tasks))
+    pipeline["conditioning"] = conditioning_block(golden)  # a text_time UNet's time ids (family_export.py)
+    return {**manifest, "pipeline": pipeline}
 
 
 def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
@@ -471,6 +488,7 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
     # 1. pipeline and int8 checkpoints
     model_cfg, pipe, synthetic, quantized = _load_pipeline(cfg)
     check_chunk_plans(cfg, pipe)  # before the scan and any conversion (a hub id's UNet is first seen here)
+    check_family_settings(cfg, pipe)
     timings = {"load_s": round(time.perf_counter() - t_start, 2)}
 
     # 2. shapes and fixed inputs
@@ -480,7 +498,8 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
     # 3. fp16 overflow scan (before conversion: it can choose the residual-stream scale)
     scan, rewrites_of, split = _scan_and_rewrites(cfg, pipe, golden, work, timings)
     tiled = tuple(split.block["components"]) if split is not None else TILED_DECODER
-    names = expand_components(cfg.components, split is not None, cfg.vae_tiling.up_parts)
+    names = with_family_components(expand_components(cfg.components, split is not None, cfg.vae_tiling.up_parts), pipe)
+    rewrites_of = with_family_rewrites(rewrites_of, names)
 
     # 4. components (export_components: one at a time, or converted in parallel workers)
     weights_of = {n: (cfg.weights if (cfg.weights != "int8" or quantized.get(n) is not None) else "fp16") for n in names}
@@ -496,8 +515,12 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
     runner_ids = bundle_tokenize(out / "tokenizer" / "tokenizer.json", cfg.golden_prompt, tokenizer_entry)
     if runner_ids.tolist() != golden.ids_prompt[0].tolist():
         raise PocketdiffError("the bundle's tokenizer.json does not reproduce the pipeline tokenizer's ids for the golden prompt")
+    extra = family_blocks(pipe, golden, lambda tok, folder, ids: _tokenizer_entry(cfg, tok, out, ids, folder))
+    for key, entry in extra.items():  # SDXL's tokenizer_2, checked as the first
+        if bundle_tokenize(out / key / "tokenizer.json", cfg.golden_prompt, entry).tolist() != entry["golden"]["ids"]:
+            raise PocketdiffError(f"the bundle's {key}/tokenizer.json does not reproduce the pipeline's {key} ids for the golden prompt")
     manifest = _manifest(cfg, out, pipe.scheduler, golden, model_cfg, tokenizer_entry, comps.manifest, split, tiling_report,
-                         comps.chunk_blocks)
+                         comps.chunk_blocks, extra)
     bundle_lib.write_manifest(out, manifest)
     load_manifest(out)  # the bundle we wrote must pass the runner's checks
     from pocketdiff.runtime.verify_bundle import verify_bundle

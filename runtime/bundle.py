@@ -38,6 +38,7 @@ from .tflite_file import check_tflite_file, sha256_file
 from .verified_files import HashLedger
 from .chunks import CHUNKABLE, CHUNKED_SCHEMA_VERSION, block_key, has_chunks
 from .pipeline_spec import PIPELINE_SCHEMA_VERSION
+from .manifest_fields import tokenizer_blocks
 
 SCHEMA = "pocketdiff-bundle"
 SCHEMA_VERSION = 1
@@ -123,8 +124,9 @@ def _file_entries(manifest: dict, components: Optional[list[str]]) -> list[tuple
             out.append((entry, f"component {name}", True))
             if isinstance(entry, dict) and entry.get("golden"):
                 out.append((entry["golden"], f"golden of {name}", False))
-    tok = manifest.get("tokenizer") or {}
-    out += [(entry, f"tokenizer file {fname}", False) for fname, entry in (tok.get("files") or {}).items()]
+    for key in tokenizer_blocks(manifest):  # `tokenizer`, and the others encode stages name (SDXL's tokenizer_2)
+        tok = manifest.get(key) or {}
+        out += [(entry, f"{key} file {fname}", False) for fname, entry in (tok.get("files") or {}).items()]
     if manifest.get("time_embedding"):
         out.append((manifest["time_embedding"], "time embedding table", False))
     for base in CHUNKABLE:

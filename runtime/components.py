@@ -33,6 +33,7 @@ class Component:
     chunks: bool = False  # may be exported as K chunk files (`<name>_chunks` block)
     tiles: tuple[str, ...] = ()  # the components a tiled layout runs instead of this one
     part_of: Optional[str] = None  # a tile of this component
+    comes_with: Optional[str] = None  # exported with that component whenever the model holds its weights (SDXL's text_encoder_2)
     checks: tuple[str, ...] = ("golden",)
     pipeline_attr: Optional[str] = None  # where its weights are in a diffusers pipeline
     graph_prefix: str = ""  # its parameter names' prefix in the exported graph module
@@ -47,6 +48,7 @@ class Component:
 
 
 TEXT_ENCODER = "text_encoder"
+TEXT_ENCODER_2 = "text_encoder_2"
 UNET = "unet"
 VAE_DECODER = "vae_decoder"
 VAE_DECODER_HEAD = "vae_decoder_head"
@@ -56,6 +58,9 @@ VAE_ENCODER = "vae_encoder"
 REGISTRY: dict[str, Component] = {c.name: c for c in (
     Component(TEXT_ENCODER, "text", ("input_ids",), chunks=True, pipeline_attr="text_encoder", graph_prefix="text_encoder.",
               roles=(("input_ids", "token_ids"),), output_roles=("prompt_embeds",)),
+    # the SDXL family's second text encoder: its penultimate states (beside the first's) and its projected pooled embedding
+    Component(TEXT_ENCODER_2, "text", ("input_ids",), comes_with=TEXT_ENCODER, pipeline_attr="text_encoder_2",
+              graph_prefix="text_encoder.", roles=(("input_ids", "token_ids"),), output_roles=("prompt_embeds", "pooled_embeds")),
     Component(UNET, "denoise", ("sample", "timestep", "encoder_hidden_states"), ("timestep_cond",), chunks=True,
               pipeline_attr="unet", graph_prefix="unet.", residual_scaled=True,
               # `timestep` is fed a row of the bundle's time-embedding table when it has one (`timestep_embedding`)
@@ -82,6 +87,11 @@ FAMILIES: dict[str, tuple[tuple[str, str, str, Optional[str]], ...]] = {
     "sd": (("encode_prompt", ENCODE_PROMPT, TEXT_ENCODER, "tokenizer"),
            ("denoise", DENOISE, UNET, None),
            ("decode", DECODE, VAE_DECODER, None)),
+    # SDXL: two text encoders (prompt_embeds side by side, the second's pooled_embeds), size / crop time ids
+    "sdxl": (("encode_prompt", ENCODE_PROMPT, TEXT_ENCODER, "tokenizer"),
+             ("encode_prompt_2", ENCODE_PROMPT, TEXT_ENCODER_2, "tokenizer_2"),
+             ("denoise", DENOISE, UNET, None),
+             ("decode", DECODE, VAE_DECODER, None)),
 }
 # The stages a task adds to its family's (before the denoise stage), and the components they need exported.
 TASK_STAGES: dict[str, tuple[tuple[str, str, str, Optional[str]], ...]] = {
@@ -90,8 +100,10 @@ TASK_STAGES: dict[str, tuple[tuple[str, str, str, Optional[str]], ...]] = {
     "inpaint": (("encode_image", ENCODE_IMAGE, VAE_ENCODER, None),),  # latent blending with any text-to-image UNet
 }
 
-# the components an export config names (parts of a tiled layout come with their whole), in call order
-COMPONENTS: tuple[str, ...] = tuple(n for n, c in REGISTRY.items() if c.part_of is None)
+# the components an export config names (parts of a tiled layout come with their whole, a family's second text encoder
+# with the first), in call order; STAGE_COMPONENTS: every whole component a pipeline stage may name
+COMPONENTS: tuple[str, ...] = tuple(n for n, c in REGISTRY.items() if c.part_of is None and c.comes_with is None)
+STAGE_COMPONENTS: tuple[str, ...] = tuple(n for n, c in REGISTRY.items() if c.part_of is None)
 CHUNKABLE: tuple[str, ...] = tuple(n for n in COMPONENTS if REGISTRY[n].chunks)
 TILED_DECODER: tuple[str, ...] = REGISTRY[VAE_DECODER].tiles
 # the components a task other than text-to-image adds (export `tasks`); the rest is what a text-to-image bundle holds

@@ -29,12 +29,12 @@ import numpy as np
 
 from pocketdiff.errors import PocketdiffError
 
-from .manifest_fields import FIELD_CHECKS, Found, Problem, is_int, positive_ints
+from .manifest_fields import FIELD_CHECKS, Found, Problem, is_int, positive_ints, tokenizer_blocks
 from .onepass_decode import ONE_PASS, check_one_pass_block, one_pass_io
 from .tiled_decode import SCHEMES as TILING_SCHEMES
 from .chunks import block_key, parts_of
 from .chunks import check_block as check_chunks_block
-from .components import CHUNKABLE, COMPONENTS, REGISTRY, TEXT_ENCODER, TILED_DECODER
+from .components import CHUNKABLE, COMPONENTS, REGISTRY, STAGE_COMPONENTS, TEXT_ENCODER, TILED_DECODER
 from .pipeline_spec import decoder_components, pipeline_of, pipeline_problems, stage_parts, tiled_components  # noqa: F401
 
 RUNNER_COMPONENTS = COMPONENTS  # the registry's (runtime/components.py)
@@ -106,7 +106,7 @@ def _check_components(man: dict, need: Iterable[str], found: Found, runnable: bo
 def _missing_inputs(ios: dict, found: Found) -> set[str]:
     """The whole components that lack an input the runner feeds them (the registry's `inputs`)."""
     lacking = set()
-    for name in COMPONENTS:
+    for name in STAGE_COMPONENTS:
         if name in ios:
             ins = ios[name][0]
             missing = [k for k in REGISTRY[name].inputs if k not in ins]
@@ -128,7 +128,7 @@ def _check_contract(man: dict, ios: dict, found: Found, runnable: bool = True) -
 def runner_components(man: dict) -> tuple[str, ...]:
     """The components run-bundle needs: every stage's models, in the pipeline's order."""
     stages = pipeline_of(man).get("stages")
-    if not isinstance(stages, list) or not all(isinstance(s, dict) and s.get("component") in COMPONENTS for s in stages):
+    if not isinstance(stages, list) or not all(isinstance(s, dict) and s.get("component") in STAGE_COMPONENTS for s in stages):
         return (*parts_of(man, TEXT_ENCODER), *parts_of(man), *decoder_components(man))  # pipeline_problems names the fault
     return tuple(p for s in stages for p in stage_parts(man, s["component"]))
 
@@ -262,8 +262,9 @@ def _check_files(bundle: Path, man: dict, found: Found) -> None:
             entries.append((name, entry, True))
             if isinstance(entry.get("golden"), dict):
                 entries.append((f"golden of {name}", entry["golden"], False))
-    for fname, entry in ((man.get("tokenizer") or {}).get("files") or {}).items():
-        entries.append((f"tokenizer file {fname}", entry, False))
+    for key in tokenizer_blocks(man):
+        for fname, entry in ((man.get(key) or {}).get("files") or {}).items():
+            entries.append((f"{key} file {fname}", entry, False))
     if isinstance(man.get("time_embedding"), dict):
         entries.append(("time embedding table", man["time_embedding"], False))
     for base in CHUNKABLE:

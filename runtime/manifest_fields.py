@@ -104,19 +104,28 @@ def _check_scheduler(man: dict, found: Found) -> None:
         found.items += [Problem(*p) for p in block_problems(s)]
 
 
+def tokenizer_blocks(man: dict) -> list[str]:
+    """The manifest's tokenizer blocks: `tokenizer`, and every other one an encode stage of the pipeline names (an SDXL
+    bundle's `tokenizer_2`) that the manifest holds."""
+    stages = (man.get("pipeline") or {}).get("stages") if isinstance(man.get("pipeline"), dict) else None
+    named = [s.get("tokenizer") for s in stages if isinstance(s, dict)] if isinstance(stages, list) else []
+    return ["tokenizer"] + [k for k in dict.fromkeys(named) if isinstance(k, str) and k != "tokenizer" and isinstance(man.get(k), dict)]
+
+
 def _check_tokenizer(man: dict, found: Found) -> None:
-    tok = section(man, "tokenizer", found)
-    if tok is None:
-        return
-    positive_ints(tok, "tokenizer", ("max_length",), found)
-    for k in ("pad_id", "bos_id", "eos_id"):
-        if k in tok or k == "pad_id":
-            v = tok.get(k)
-            if not is_int(v) or v < 0:
-                found.add(f"tokenizer.{k}", "type", f"must be a non-negative integer, got {v!r}")
-    files = tok.get("files")
-    if not isinstance(files, dict) or "tokenizer.json" not in files:
-        found.add("tokenizer.files", "present", "must list tokenizer.json")
+    for key in tokenizer_blocks(man):
+        tok = section(man, key, found)
+        if tok is None:
+            continue
+        positive_ints(tok, key, ("max_length",), found)
+        for k in ("pad_id", "bos_id", "eos_id"):
+            if k in tok or k == "pad_id":
+                v = tok.get(k)
+                if not is_int(v) or v < 0:
+                    found.add(f"{key}.{k}", "type", f"must be a non-negative integer, got {v!r}")
+        files = tok.get("files")
+        if not isinstance(files, dict) or "tokenizer.json" not in files:
+            found.add(f"{key}.files", "present", "must list tokenizer.json")
 
 
 FIELD_CHECKS: tuple[Callable[[dict, Found], None], ...] = (_check_sizes, _check_guidance, _check_scheduler, _check_tokenizer)
