@@ -106,6 +106,14 @@ def build_parser() -> argparse.ArgumentParser:
                                 "once the GPU accelerator holds the whole model)")
             p.add_argument("--gpu-option", action="append", default=[], metavar="KEY=VALUE",
                            help="an option of LiteRT's GPU accelerator (runtime/litert_c.py: GPU_OPTION_KEYS), repeatable")
+            p.add_argument("--init-image", metavar="PATH", default=None,
+                           help="image-to-image: start from this picture (the bundle's size; the same aspect ratio is resized "
+                                "with a warning); needs a bundle exported with tasks image_to_image / inpaint")
+            p.add_argument("--strength", type=float, default=None, metavar="S",
+                           help="with --init-image: how much of the schedule runs from the picture, in (0, 1] (default 0.8; "
+                                "with --mask 1.0, as diffusers); the bundle's steps x S must leave at least one step")
+            p.add_argument("--mask", metavar="PATH", default=None,
+                           help="with --init-image: inpaint; white = repaint, black = keep (the picture's size)")
             p.add_argument("--seed", type=int, default=0)
             p.add_argument("--overwrite", action="store_true")
             p.add_argument("--debug", action="store_true")

@@ -57,6 +57,7 @@ def lcm_timesteps(num_train_timesteps: int, solver_steps: int, steps: int) -> li
     return scheduler_blocks.lcm_timesteps(num_train_timesteps, solver_steps, steps)
 
 
-def scheduler_lcm_timesteps(scheduler, steps: int) -> list[int]:
+def scheduler_lcm_timesteps(scheduler, steps: int, strength: float = 1.0) -> list[int]:
+    """The scheduler's timesteps for `steps` (img2img: on the grid's first int(K x strength) points)."""
     c = scheduler.config
-    return lcm_timesteps(c.num_train_timesteps, c.get("original_inference_steps", 50), steps)
+    return scheduler_blocks.lcm_timesteps(c.num_train_timesteps, c.get("original_inference_steps", 50), steps, strength)

@@ -16,12 +16,21 @@ the same here and in diffusers.
 A consistency-distilled student (its folder holds diffusers' LCMScheduler) samples through
 `consistency_sample` instead, as LCMScheduler does; `generate` picks it from the scheduler.
 
+Image-to-image and inpainting (`ImageInput`: the picture's latents from `encode_images`, a strength, a mask) run in
+the same two samplers, as diffusers' img2img / inpaint pipelines do: the last int(steps x strength) of the schedule
+(LCM: the grid's first int(K x strength) points; pocketdiff/scheduler_blocks.py), the start noised from the picture's
+latents at the first kept timestep, and under a mask (1 = repaint) the kept part replaced after every step by the
+picture's latents noised to the next timestep (none after the last). The picture's latents are the VAE's mean, not a
+sample (runtime/BUNDLE.md), as the bundle's encoder gives them.
+
 Conventions: latents are kept in float32 between steps; the UNet sees them in its own
 dtype. ``alpha_bar`` means the cumulative product of alphas (diffusers' alphas_cumprod).
 """
 from __future__ import annotations
 
 from typing import Any, Callable, Optional, Sequence, Union
+
+import dataclasses
 
 import numpy as np
 import torch
@@ -180,6 +189,47 @@ def default_w_embedding_fn(unet) -> Optional[Callable[[torch.Tensor], torch.Tens
 
 
 # --------------------------------------------------------------------------------------
+# Image-to-image and inpainting
+# --------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def encode_images(vae, images: torch.Tensor) -> torch.Tensor:
+    """Pictures [N, 3, H, W] in [0, 1] -> the sampler's latents: the VAE's mean (its mode), shifted and scaled."""
+    x = (images * 2 - 1).to(device=_module_device(vae, images.device), dtype=_module_dtype(vae, images.dtype))
+    mean = vae.encode(x).latent_dist.mode().to(torch.float32)
+    shift = getattr(vae.config, "shift_factor", None)
+    return (mean - shift if shift is not None else mean) * vae.config.scaling_factor
+
+
+@dataclasses.dataclass
+class ImageInput:
+    """A run from a picture: its latents [B or 1, C, h, w] (`encode_images`), `strength` in (0, 1], and for
+    inpainting `mask` [B or 1, 1, h, w] (1 = repaint, 0 = keep the picture)."""
+
+    latents: torch.Tensor
+    strength: float = 0.8
+    mask: Optional[torch.Tensor] = None
+
+    def start(self, noise: torch.Tensor, alpha_bar: torch.Tensor) -> torch.Tensor:
+        """The first latents: the picture noised to the first kept timestep (inpainting at strength 1: the noise)."""
+        if self.mask is not None and float(self.strength) == 1.0:
+            return noise
+        a = alpha_bar.to(device=noise.device, dtype=torch.float32)
+        return a ** 0.5 * self.latents.to(noise.device) + (1 - a) ** 0.5 * noise
+
+    def blend(self, x: torch.Tensor, noise: torch.Tensor, alpha_next: Optional[torch.Tensor]) -> torch.Tensor:
+        """After a step: outside the mask, the picture noised to the next timestep (None: after the last, as it is)."""
+        if self.mask is None:
+            return x
+        picture = self.latents.to(x.device)
+        if alpha_next is not None:
+            a = alpha_next.to(device=x.device, dtype=torch.float32)
+            picture = a ** 0.5 * picture + (1 - a) ** 0.5 * noise
+        m = self.mask.to(device=x.device, dtype=x.dtype)
+        return m * x + (1 - m) * picture
+
+
+# --------------------------------------------------------------------------------------
 # Sampling
 # --------------------------------------------------------------------------------------
 
@@ -252,6 +302,7 @@ def ddim_sample(
     progress: bool = False,
     *,
     prediction_type: Optional[str] = None,
+    image: Optional[ImageInput] = None,
 ) -> torch.Tensor:
     """Run `steps` deterministic DDIM steps from noise and return the final latents (float32).
 
@@ -266,6 +317,8 @@ def ddim_sample(
     - `callback(i, t, latent_model_input, t_batch, emb)` runs right before each UNet call with
       exactly the UNet's inputs, `emb` being the `Conditioning` (calibration records them); its return value is ignored.
     - `prediction_type` overrides ``scheduler.config.prediction_type``.
+    - `image` (img2img / inpainting): the last int(steps x strength) steps from the picture's latents noised with
+      `latents` (the module docstring); the stride stays T // steps, as diffusers' img2img pipeline keeps it.
     """
     config = scheduler.config
     if _cfg_get(config, "thresholding", False):
@@ -301,6 +354,11 @@ def ddim_sample(
         unet_kwargs["timestep_cond"] = w_embedding_fn(w).to(device=device, dtype=unet_dtype)
 
     schedule = step_alphas(scheduler, steps)
+    noise = latents
+    if image is not None:
+        keep = len(scheduler_blocks.strength_timesteps([t for t, _, _ in schedule], image.strength))
+        schedule = schedule[len(schedule) - keep:]
+        latents = image.start(noise, schedule[0][1])
     iterator = enumerate(schedule)
     if progress:
         from tqdm.auto import tqdm
@@ -317,6 +375,8 @@ def ddim_sample(
             out_uncond, out_cond = out.chunk(2)
             out = out_uncond + guidance_scale * (out_cond - out_uncond)
         latents = ddim_step(latents, out, a_t.to(device), a_prev.to(device), ptype, clip_x0)
+        if image is not None:
+            latents = image.blend(latents, noise, schedule[i + 1][1] if i + 1 < len(schedule) else None)
     return latents
 
 
@@ -330,8 +390,10 @@ def consistency_sample(
     generator: Union[torch.Generator, Sequence[torch.Generator], None] = None,
     w_embedding_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
     prediction_type: Optional[str] = None,
+    image: Optional[ImageInput] = None,
 ) -> torch.Tensor:
-    """`steps` consistency steps from the noise `latents` (float32 result, the final estimate).
+    """`steps` consistency steps from the noise `latents` (float32 result, the final estimate); with `image`
+    (img2img / inpainting) from the picture's latents noised with `latents`, on the grid's first int(K x strength) points.
 
     w goes in as ``timestep_cond`` (the pipeline's convention) when the UNet takes it; a student
     without a w embedding folded its guidance in and gets one conditional pass. The noise of
@@ -355,7 +417,10 @@ def consistency_sample(
         kwargs["timestep_cond"] = w_embedding_fn(w).to(device=device, dtype=dtype)
     emb = cond.expand(B, "cond").to(dtype=dtype)
     z = latents.to(device=device, dtype=torch.float32)
-    ts = scheduler_lcm_timesteps(scheduler, steps)
+    ts = scheduler_lcm_timesteps(scheduler, steps, 1.0 if image is None else image.strength)
+    noise0 = z
+    if image is not None:
+        z = image.start(noise0, alphas[ts[0]])
     for i, t in enumerate(ts):
         a_t = alphas[t].to(device)
         t_batch = torch.full((B,), t, device=device, dtype=torch.long)
@@ -366,10 +431,12 @@ def consistency_sample(
         c_skip, c_out = boundary_scalings(t, scaling)
         denoised = c_out.to(device) * x0 + c_skip.to(device) * z
         if i == len(ts) - 1:
-            return denoised
+            return denoised if image is None else image.blend(denoised, noise0, None)
         a_next = alphas[ts[i + 1]].to(device)
         noise = randn_latents(z.shape, generator, device)
         z = a_next.sqrt() * denoised + (1 - a_next).sqrt() * noise
+        if image is not None:
+            z = image.blend(z, noise0, a_next)
     return z
 
 

@@ -4,7 +4,8 @@ The manifest's `pipeline` block (runtime/pipeline_spec.py; derived for bundles f
 order; each names its component and feeds every graph input by role. This module runs them: encode-prompt stages
 (each on the prompt and, for classifier-free guidance, the empty prompt: runtime/guidance.py), the denoise stage
 under the manifest's scheduler (runtime/schedulers.py), the decode stage (a whole decoder, or its tiled graphs:
-runtime/tiled_bundle.py). It never loads a model itself: it asks the `ModelPool` (runtime/model_pool.py) for each by
+runtime/tiled_bundle.py); for image-to-image and inpainting the encode-image stage first, and the loop's start and blend
+from its latents (runtime/image_tasks.py). It never loads a model itself: it asks the `ModelPool` (runtime/model_pool.py) for each by
 name and says when its use is over, so the loading policy stays the pool's.
 """
 from __future__ import annotations
@@ -18,8 +19,9 @@ import numpy as np
 from pocketdiff.errors import PocketdiffError
 
 from .chunks import chunk_aliases, run_into, run_parts
-from .components import VAE_DECODER
+from .components import ENCODE_IMAGE, VAE_DECODER
 from .guidance import Guidance
+from .image_tasks import ImageStart
 from .memory import host_peak_mb, process_age_s
 from .model_pool import ModelPool
 from .pipeline_spec import DECODE, DENOISE, ENCODE_PROMPT, PROMPT, ROLES, pipeline_of, stage_parts
@@ -35,11 +37,17 @@ def _sum_loads(latency: dict, base: str, parts: tuple) -> None:
 
 
 class BundlePipeline:
-    """The stages of one bundle (`man`, checked), run with the models of `pool`."""
+    """The stages of one bundle (`man`, checked), run with the models of `pool`; `image_input`: runs start from the
+    user's picture (the encode-image stage is run; else it is left out, and its model never loads)."""
 
-    def __init__(self, man: dict, bundle=None):
+    def __init__(self, man: dict, bundle=None, image_input: bool = False):
         self.man, self.bundle = man, bundle
         self.stages = pipeline_of(man)["stages"]
+        self.image_encoder = next((s for s in self.stages if s["kind"] == ENCODE_IMAGE), None) if image_input else None
+        if image_input and self.image_encoder is None:
+            raise PocketdiffError(f"bundle {bundle}: no encode_image stage (tasks {pipeline_of(man).get('tasks')}): it cannot start "
+                                  "from a picture; export it with tasks: [text_to_image, image_to_image, inpaint]")
+        self.stages = [s for s in self.stages if s["kind"] != ENCODE_IMAGE or image_input]
         self.encoders = [s for s in self.stages if s["kind"] == ENCODE_PROMPT]
         self.denoiser = next(s for s in self.stages if s["kind"] == DENOISE)
         self.decoder = next(s for s in self.stages if s["kind"] == DECODE)
@@ -135,11 +143,25 @@ class BundlePipeline:
                 feeds[name] = np.full((B,), float(t), dtype=np.float32)
         return feeds
 
-    def denoise(self, x: np.ndarray, cond: dict, latency: dict, stats: dict, rng: np.random.Generator) -> np.ndarray:
+    def encode_image(self, pixels: np.ndarray, latency: dict) -> np.ndarray:
+        """The encode-image stage: the user's picture [1, 3, H, W] in [0, 1] -> its latents [1, C, h, w]."""
+        pool, name = self.pool, self.parts[self.image_encoder["stage"]][0]
+        fed = next(n for n, role in self.image_encoder["inputs"].items() if role == "init_image")
+        enc = pool.load(name, latency)
+        before = len(enc.run_s)
+        latents = np.asarray(enc({fed: pixels}), np.float32)
+        latency[f"{name}_run"] = float(sum(enc.run_s[before:]))
+        pool.ran(name)
+        pool.done(name)
+        return latents
+
+    def denoise(self, x: np.ndarray, cond: dict, latency: dict, stats: dict, rng: np.random.Generator,
+                start: Optional[ImageStart] = None) -> np.ndarray:
         """The sampling loop through the bundle's scheduler (DDIM, or the consistency step for `scheduler.type: lcm`,
-        whose re-noising draws from `rng`, the run's seeded generator, after the initial latents)."""
+        whose re-noising draws from `rng`, the run's seeded generator, after the initial latents); from a picture
+        (`start`) its partial schedule and, inpainting, the blend after each step."""
         pool, comp, names = self.pool, self.denoiser["component"], self.denoiser_parts()
-        scheduler = scheduler_for(self.man["scheduler"])
+        scheduler = start.scheduler if start is not None else scheduler_for(self.man["scheduler"])
         if pool.policy.stream_unet:
             parts = pool.streamed(names, latency)
         else:
@@ -159,7 +181,7 @@ class BundlePipeline:
                     pool.ran(name)
             return self.guidance.combine(out)
 
-        x = sample_loop(scheduler, x, model, generator=rng)
+        x = start.sample_loop(x, model, generator=rng) if start is not None else sample_loop(scheduler, x, model, generator=rng)
         latency[f"{comp}_steps"] = float(sum(step_s))
         latency[f"{comp}_step_mean"] = float(np.mean(step_s)) if step_s else 0.0
         for name in names:
@@ -205,8 +227,11 @@ class BundlePipeline:
 
     # ------------------------------------------------------------------ one prompt
 
-    def run(self, prompt: str, seed: int, init_latents: Optional[np.ndarray] = None) -> tuple[np.ndarray, dict]:
-        """One prompt through every stage: (image [H, W, 3] float32 in [0, 1], stats)."""
+    def run(self, prompt: str, seed: int, init_latents: Optional[np.ndarray] = None, init_image: Optional[np.ndarray] = None,
+            strength: float = 1.0, mask: Optional[np.ndarray] = None) -> tuple[np.ndarray, dict]:
+        """One prompt through every stage: (image [H, W, 3] float32 in [0, 1], stats). From a picture (`init_image`
+        [1, 3, H, W] in [0, 1], `strength`; `mask` [1, 1, h, w], 1 = repaint): the drawn (or given) latents are the
+        noise it is noised with (runtime/image_tasks.py)."""
         pool, lat = self.pool, self.man["latent"]
         latency: dict = {}
         stats: dict = {"latency_s": latency, "driver": pool.driver}
@@ -220,7 +245,13 @@ class BundlePipeline:
         rng = np.random.default_rng(seed)  # the initial latents, then (lcm) the noise between steps
         drawn = rng.standard_normal(shape).astype(np.float32)  # drawn even when given: the later draws stay the seed's
         x = drawn if init_latents is None else np.asarray(init_latents, np.float32).reshape(shape)
-        x = self.denoise(x, cond, latency, stats, rng)
+        start = None
+        if init_image is not None:
+            if self.image_encoder is None:
+                raise PocketdiffError(f"bundle {self.bundle}: the pipeline was built without image_input: it cannot start from a picture")
+            start = ImageStart(scheduler_for(self.man["scheduler"], strength), self.encode_image(init_image, latency), x, mask, strength)
+            x = start.start()
+        x = self.denoise(x, cond, latency, stats, rng, start)
         image = self.decode(x, latency, stats)
         stats["fully_accelerated"] = pool.accelerator == "gpu" and all(pool.accelerated.values())
         stats["fully_accelerated_by_component"] = dict(pool.accelerated)

@@ -45,6 +45,7 @@ from .litert_c import parse_gpu_option
 from .memory import process_age_s
 from .model_pool import ModelPool
 from .overlap import check_budget
+from .image_tasks import check_image_flags, image_inputs
 from .pipeline import BundlePipeline
 from .tiled_bundle import load_tiled_decoder, tiled_decode_bundle  # noqa: F401  (their home before runtime/tiled_bundle.py)
 from .tokens import bundle_tokenize, bundle_tokenizer, check_seed, prompt_ids  # noqa: F401  (likewise, runtime/tokens.py)
@@ -70,7 +71,7 @@ class BundleRunner:
     def __init__(self, bundle: str | Path, accelerator: str = "gpu", pipelined: bool = False, manifest: Optional[dict] = None,
                  gpu_cache: Union[str, Path, None, bool] = None, gpu_options: Optional[dict] = None, stream_unet: bool = False,
                  load_workers: int = 0, overlap_loads: bool = False, memory_budget_mb: Optional[float] = None,
-                 release_file_pages: bool = True, keep: tuple = ()):
+                 release_file_pages: bool = True, keep: tuple = (), image_input: bool = False):
         if accelerator not in ("cpu", "gpu"):
             raise PocketdiffError(f"accelerator must be cpu or gpu, got {accelerator!r}")
         # plain, pipelined, streamed, workers or overlapped (runtime/managed_model.py), checked before the bundle is read
@@ -78,7 +79,7 @@ class BundleRunner:
         budget = check_budget(memory_budget_mb, self.policy.overlap)
         self.bundle, self.accelerator = bundle, accelerator
         self.man = manifest or check_bundle(bundle)  # fields, stages, sizes and every .tflite's signature, before anything runs
-        self.pipeline = BundlePipeline(self.man, bundle)
+        self.pipeline = BundlePipeline(self.man, bundle, image_input)  # image_input: runs from a picture (img2img, inpaint)
         absent = [k for k in self.policy.keep if k not in {s["component"] for s in self.pipeline.stages}]
         if absent:
             raise PocketdiffError(f"--keep {','.join(absent)}: no stage of bundle {bundle} runs it "
@@ -111,11 +112,12 @@ class BundleRunner:
     def close(self) -> None:
         self.pool.close()
 
-    def run(self, prompt: str, seed: int = 0, init_latents: Optional[np.ndarray] = None) -> tuple[np.ndarray, dict]:
+    def run(self, prompt: str, seed: int = 0, init_latents: Optional[np.ndarray] = None, **image) -> tuple[np.ndarray, dict]:
         """One prompt: (image [H, W, 3] float32 in [0, 1], stats). Loads what is not resident;
-        `latency_s` holds this prompt's loads and runs only; `memory` the measured phases so far."""
+        `latency_s` holds this prompt's loads and runs only; `memory` the measured phases so far. `image`: init_image,
+        strength, mask (runtime/pipeline.py `run`; the runner made with image_input)."""
         check_seed(seed)
-        return self.pipeline.run(prompt, seed, init_latents)
+        return self.pipeline.run(prompt, seed, init_latents, **image)
 
     def memory_report(self) -> dict:
         """Measured: the whole run's peaks (host, GPU, host + GPU) and every phase; the cache's state."""
@@ -151,6 +153,7 @@ def check_flags(args) -> None:
     check_budget(getattr(args, "memory_budget_mb", None), overlap)
     if getattr(args, "gpu_cache", None) is not None and getattr(args, "no_gpu_cache", False):
         raise PocketdiffError(f"--gpu-cache {args.gpu_cache} and --no-gpu-cache contradict each other: give one of them")
+    check_image_flags(args)  # --mask / --strength without --init-image, a strength outside (0, 1] (runtime/image_tasks.py)
 
 
 def hash_ledger(args) -> Optional[HashLedger]:
@@ -172,6 +175,7 @@ def main(args) -> int:
     gpu_options = dict(parse_gpu_option(o) for o in getattr(args, "gpu_option", None) or [])
     man = check_bundle(args.bundle, ledger=hash_ledger(args))  # refuses bad bundles (files, fields, signatures) before touching --output
     startup["bundle_checked"] = process_age_s()  # sha256 (of the files changed since the last launch) and .tflite checks
+    picture = image_inputs(args, man)  # img2img / inpaint: the bundle's tasks, the strength's steps, the picture and mask read
     fresh = not Path(args.output).exists()
     out = prepare_output_dir(args.output, overwrite=args.overwrite, inputs=[("bundle", args.bundle)], verb="run-bundle")
     fully = None
@@ -181,8 +185,8 @@ def main(args) -> int:
                           stream_unet=getattr(args, "stream_unet", False), load_workers=getattr(args, "load_workers", None) or 0,
                           overlap_loads=getattr(args, "overlap_loads", False),
                           memory_budget_mb=getattr(args, "memory_budget_mb", None),
-                          release_file_pages=not getattr(args, "keep_file_pages", False)) as runner:
-            image, stats = runner.run(args.prompt, seed=args.seed)
+                          release_file_pages=not getattr(args, "keep_file_pages", False), image_input=bool(picture)) as runner:
+            image, stats = runner.run(args.prompt, seed=args.seed, **picture)
         if not stats["finite"]:
             raise PocketdiffError(f"bundle {args.bundle}: the image has NaN/Inf values ({args.accelerator})")
     except PocketdiffError:
@@ -200,6 +204,8 @@ def main(args) -> int:
         "image": str(path.resolve()),
         "prompt": args.prompt,
         "seed": args.seed,
+        **({"init_image": str(Path(args.init_image).resolve()), "strength": picture["strength"],
+            "mask": str(Path(args.mask).resolve()) if args.mask else None} if picture else {}),
         "bundle": str(Path(args.bundle).resolve()),
         "accelerator": args.accelerator,
         "driver": stats["driver"],
