@@ -8,6 +8,7 @@ import { StreamedChunk, chunkAliases, goldenIndices, outputNames, runParts, runP
 import { schedulerFor } from './schedulers.js';
 import { ONE_PASS, UP_TILE, onePassDecode, statsDecode } from './tiled.js';
 import { halfPrecisionProblem } from './prepare.js';
+import { ImageStart, encodeImage, imagePlan } from './image_input.js';
 import { Guidance, PROMPT, REGISTRY, ROLES, concatLast } from './stages.js';
 
 export const DECODER_PRECISION = 'fp32'; // the decoder's precision unless opts.decoderPrecision says otherwise
@@ -276,10 +277,12 @@ async function denoise(log, guidance, cond, unet, streamed, lastStep) {
   const outNames = streamed ? new Array(unet.length) : (unet.length > 1 ? unet.map((c) => outputNames(c, man.components[c.name].outputs)) : null);
   const aliases = chunkAliases(man, comp);
   const n = lat.channels * lat.height * lat.width, latentShape = [1, lat.channels, lat.height, lat.width];
-  const scheduler = schedulerFor(man.scheduler);
+  const scheduler = log.image?.scheduler ?? schedulerFor(man.scheduler); // from a picture: the strength's partial schedule
   const ts = scheduler.timesteps;
   const source = latentSource(opts, n, ts.length);
-  let x = source.x;
+  // from a picture (image_input.js): the initial latents are the noise it is noised with; a mask blends after each step
+  const start = log.image ? new ImageStart(scheduler, log.image.latents, source.x, log.image.mask, log.image.strength) : null;
+  let x = start ? start.start() : source.x;
   const fixed = fixedFeeds(bundle, stage, guidance, cond);
   const stepMs = [];
   for (let i = 0; i < ts.length; i++) {
@@ -289,6 +292,7 @@ async function denoise(log, guidance, cond, unet, streamed, lastStep) {
     requireFinite(`${comp} (step ${i + 1})`, res.data, opts.precision);
     stepMs.push(unet.reduce((a, c) => a + c.runMs[c.runMs.length - 1], 0));
     x = scheduler.step(guidance.combine(res.data), t, x, () => source.stepNoise(i)).prevSample; // noise drawn only where the scheduler re-noises
+    if (start) x = start.blend(i, x);
     if (opts.onStep) opts.onStep(i + 1, ts.length, stepMs[stepMs.length - 1]);
   }
   for (const c of unet) log.ran(c, streamed ? { compiles: c.compiles, compile_ms_all: c.compileMsAll.reduce((a, b) => a + b, 0) } : {});
@@ -336,10 +340,13 @@ async function decodeStage(log, x, fetches) {
  *        precision ('fp32', LiteRT.js's default, or 'fp16': the text encoder's and UNet's WebGPU weights and
  *        arithmetic at half precision), decoderPrecision (the decoder's, DECODER_PRECISION unless given: fp16 only
  *        for a decoder exported with its 3x3 convs lowered, rewrites.conv_lowering_components [vae_decoder]),
+ *        image ({pixels: {data, shape} [1, 3, H, W] in [0, 1], mask: {data, shape} [1, 1, h, w] (1 = repaint) | null,
+ *        strength | null}: image-to-image or inpainting, image_input.js; null: text to image),
  *        onStage(name, info), onStep(i, n, ms)}
- * returns {image: {img, h, w, c, finite}, tokens, stages, golden, latency}
+ * returns {image: {img, h, w, c, finite}, tokens, stages, golden, latency, task: {task, strength, steps}}
  */
 export async function generate(bundle, opts) {
+  const plan = opts.image ? imagePlan(bundle.man, opts.image) : null; // checked before any model loads (image_input.js)
   const log = new RunLog(bundle, opts);
   const guidance = new Guidance(bundle.man.guidance, opts.scale);
   const tStart = performance.now();
@@ -350,8 +357,10 @@ export async function generate(bundle, opts) {
   // compiles, runs and releases one chunk after another); the denoiser stays resident between prompts (as run-bundle
   // --pipelined keeps it), unless its chunks are streamed
   const encFetches = bundle.encoders.map((s) => startFetches(bundle, bundle.parts[s.stage]));
+  const imageFetch = plan ? startFetches(bundle, bundle.parts[plan.stage.stage])[0] : null; // a text run never loads it
   const den = denoiserFetches(bundle, opts);
   const cond = await encodePrompts(log, guidance, rows, encFetches);
+  if (plan) log.image = { ...plan, latents: await encodeImage(log, plan, imageFetch) };
   const unet = den.kept ?? [];
   bundle.residentUnet = null; // held by this call until it ends
   try {
@@ -361,7 +370,8 @@ export async function generate(bundle, opts) {
     const image = await decodeStage(log, x, decoderFetches);
     log.latency.total_ms = performance.now() - tStart - log.goldenMs;
     if (opts.goldens) log.latency.golden_checks_ms = log.goldenMs;
-    return { image, tokens: rows[bundle.encoders[0].stage][0], stages: log.stages, golden: log.golden, latency: log.latency };
+    const task = plan ? { task: plan.task, strength: plan.strength, steps: plan.scheduler.timesteps.length } : { task: 'text_to_image' };
+    return { image, tokens: rows[bundle.encoders[0].stage][0], stages: log.stages, golden: log.golden, latency: log.latency, task };
   } finally {
     // the encoders and decoder were released after use; a streamed denoiser's chunks after each
     bundle.residentUnet = !den.streamed && unet.length === bundle.unetParts.length ? unet : null;
