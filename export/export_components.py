@@ -69,6 +69,7 @@ class ComponentExport:
         self.manifest: dict = {}
         self.tiling_report: dict = {}
         self.chunk_blocks: dict[str, dict] = {}  # the manifest's <base>_chunks blocks (unet_chunks, text_encoder_chunks > 1)
+        self.lora_block: Optional[dict] = None  # the manifest's lora_slots block (export lora_slots: export/lora_slots.py)
 
     def run(self) -> None:
         (self.out / "golden").mkdir(exist_ok=True)
@@ -123,7 +124,13 @@ class ComponentExport:
             import copy
 
             unet = copy.deepcopy(pipe.unet) if outside and not self.sequential else pipe.unet
-            return UNetGraph(unet, external_time_embedding=outside, timestep_cond=g.takes_cond), g.unet_inputs
+            graph = UNetGraph(unet, external_time_embedding=outside, timestep_cond=g.takes_cond)
+            if getattr(self.cfg, "lora_slots", None) is not None:  # the attention projections take LoRA factors as inputs
+                from .lora_slots import add_lora_slots
+
+                graph, inputs, self.lora_block = add_lora_slots(graph, g.unet_inputs, self.cfg.lora_slots, self.cfg.seed)
+                return graph, inputs
+            return graph, g.unet_inputs
         if name == "vae_encoder":
             return VaeEncoderGraph(pipe.vae), {"pixels": g.image_pixels}
         if self.split is not None:

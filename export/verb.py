@@ -53,6 +53,7 @@ from .tiled_export import expand_components, parity_latents, split_decoder
 from .chunk_export import check_chunk_plans
 from .unet_chunks import CUTS, MAX_CHUNKS, precheck_chunks
 from .up_parts_check import precheck_up_parts
+from .lora_slots import LoraSlotsConfig, check_slot_settings
 from .encoder_check import precheck_encoder
 
 log = logging.getLogger(__name__)
@@ -150,6 +151,8 @@ class Config:
     unet_chunks: int = 1  # > 1: the UNet as that many .tflite files cut at block boundaries, weights balanced (export/unet_chunks.py)
     unet_chunk_cut: str = "block"  # block | layer: also between a down/up block's layers (lighter chunks, more of them)
     text_encoder_chunks: int = 1  # > 1: the text encoder as that many .tflite files cut between its layers (export/text_encoder_chunks.py)
+    # {rank, targets}: the UNet's attention projections take LoRA factors as graph inputs, swapped by the runners (export/lora_slots.py)
+    lora_slots: Optional[LoraSlotsConfig] = None
 
     def _check_chunks(self, component: str) -> None:
         """`<component>_chunks`: an int from 1 to MAX_CHUNKS; above 1, the component exported, one conversion at a time."""
@@ -209,6 +212,7 @@ class Config:
         require(self.unet_chunk_cut in CUTS, "unet_chunk_cut", f"must be one of {', '.join(CUTS)}, got {self.unet_chunk_cut!r}")
         for component in CHUNKABLE:
             self._check_chunks(component)
+        check_slot_settings(self.lora_slots, self.unet_chunks, self.components)
         if self.unet_chunks > 1:
             require(self.rewrites.time_embedding_outside, "unet_chunks",
                     "needs rewrites.time_embedding_outside: true (the chunks take the time embedding as an input)")
@@ -519,6 +523,8 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
     for key, entry in extra.items():  # SDXL's tokenizer_2, checked as the first
         if bundle_tokenize(out / key / "tokenizer.json", cfg.golden_prompt, entry).tolist() != entry["golden"]["ids"]:
             raise PocketdiffError(f"the bundle's {key}/tokenizer.json does not reproduce the pipeline's {key} ids for the golden prompt")
+    if comps.lora_block is not None:  # the UNet's LoRA slots: rank, modules, their factor inputs (export/lora_slots.py)
+        extra = {**extra, "lora_slots": comps.lora_block}
     manifest = _manifest(cfg, out, pipe.scheduler, golden, model_cfg, tokenizer_entry, comps.manifest, split, tiling_report,
                          comps.chunk_blocks, extra)
     bundle_lib.write_manifest(out, manifest)

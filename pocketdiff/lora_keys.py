@@ -193,3 +193,16 @@ def metadata_alpha(alphas: dict, component: str, name: str, rank: int, where: st
         except re.error:
             raise PocketdiffError(f"{where}: its {component} alpha_pattern key {pattern!r} is not a valid pattern") from None
     return float(fields.get("lora_alpha", rank))
+
+
+# ----------------------------------------------------------------------------- a bundle's LoRA slots
+
+
+SLOT_ATTENTIONS = {"attn": ("attn1", "attn2"), "attn1": ("attn1",), "attn2": ("attn2",)}  # export `lora_slots.targets`
+SLOT_PROJECTIONS = ("to_q", "to_k", "to_v", "to_out.0")  # MediaPipe's choice: q, k, v and out of each attention
+
+
+def slot_input_names(module: str) -> tuple[str, str]:
+    """The graph inputs of one slotted projection (a UNet module name): its down [in, rank] and up [rank, out] factors."""
+    stem = "lora_" + module.replace(".", "_")
+    return f"{stem}_down", f"{stem}_up"

@@ -26,6 +26,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
+from pocketdiff.lora_keys import slot_input_names
+
 from .chunks import block_key, parts_of
 from .components import (CHUNKABLE, DECODE, DENOISE, ENCODE_IMAGE, ENCODE_PROMPT, FAMILIES, REGISTRY, TASK_STAGES, TILED_DECODER,
                          VAE_DECODER, up_tile_parts)
@@ -35,15 +37,15 @@ PIPELINE_SCHEMA_VERSION = 3  # a manifest with a `pipeline` block; 1 and 2 are r
 STAGE_KINDS = (ENCODE_PROMPT, ENCODE_IMAGE, DENOISE, DECODE)
 TASKS = tuple(TASK_STAGES)  # text_to_image, image_to_image, inpaint (the stages each adds: components.TASK_STAGES)
 IMAGE_TASKS = tuple(t for t, stages in TASK_STAGES.items() if stages)  # the tasks that start from the user's picture
-PROMPT, SAMPLE = "prompt", "sample"
+PROMPT, SAMPLE, MODEL = "prompt", "sample", "model"
 
 
 @dataclasses.dataclass(frozen=True)
 class Role:
     """Where a graph input's value comes from (`source`) and how it meets the UNet's batch (`per`)."""
 
-    source: str  # tokenizer | stage | scheduler | table | constant | latents | picture (the user's) | none (no runner feeds it)
-    per: str  # prompt: a row per prompt ([uncond, cond] under cfg); sample: repeated to the batch
+    source: str  # tokenizer | stage | scheduler | table | constant | latents | picture (the user's) | adapter (the user's LoRA) | none
+    per: str  # prompt: a row per prompt ([uncond, cond] under cfg); sample: repeated to the batch; model: one for all rows
     rank: int  # the tensor's dims
 
 
@@ -60,6 +62,8 @@ ROLES: dict[str, Role] = {
     "image": Role("stage", SAMPLE, 4),  # the decoder's pixels [1, 3, H, W]
     "init_image": Role("picture", SAMPLE, 4),  # [1, 3, H, W] float32 in [0, 1]: the user's picture (image-to-image, inpaint)
     "image_latents": Role("stage", SAMPLE, 4),  # [1, C, h, w]: the encoder's latents of it (the denoise loop's start)
+    # a LoRA slot's factor (manifest `lora_slots`): down [in, rank] or up [rank, out] (scaled) of the user's LoRA, zeros without one
+    "lora_factors": Role("adapter", MODEL, 2),
 }
 OUTPUT_ROLES = {ENCODE_PROMPT: ("prompt_embeds", "pooled_embeds"), ENCODE_IMAGE: ("image_latents",), DENOISE: ("noise_pred",),
                 DECODE: ("image",)}
@@ -104,12 +108,16 @@ def whole_inputs(man: dict, component: str) -> Optional[list[dict]]:
 def _roles_of(man: dict, component: str) -> dict[str, str]:
     reg = REGISTRY[component]
     table = bool(man.get("time_embedding"))
+    slots = man.get("lora_slots") if isinstance(man.get("lora_slots"), dict) else {}
+    slotted = {n for m in slots.get("targets") or [] if isinstance(m, str) for n in slot_input_names(m)}
     roles = {}
     for item in whole_inputs(man, component) or [{"name": n} for n in reg.inputs]:
         name = item.get("name") if isinstance(item, dict) else None
         role = reg.role_of(name) if isinstance(name, str) else None
         if role == "timestep" and table:
             role = "timestep_embedding"  # the UNet's time embedding computed outside the graph: the table's row
+        if role is None and name in slotted:
+            role = "lora_factors"  # a LoRA slot's factor (export lora_slots)
         roles[str(name)] = role or "unknown"
     return roles
 
@@ -196,6 +204,8 @@ def _check_order(stages: list, man: dict, found) -> None:
         made.discard("time_ids")
     if not man.get("time_embedding"):
         made.discard("timestep_embedding")
+    if not isinstance(man.get("lora_slots"), dict):
+        made.discard("lora_factors")
     for i, stage in enumerate(stages):
         for name, role in stage["inputs"].items():
             if role not in made and ROLES[role].source != "none":
