@@ -114,6 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
                                 "with --mask 1.0, as diffusers); the bundle's steps x S must leave at least one step")
             p.add_argument("--mask", metavar="PATH", default=None,
                            help="with --init-image: inpaint; white = repaint, black = keep (the picture's size)")
+            p.add_argument("--lora", metavar="FILE", default=None,
+                           help="a LoRA (.safetensors) fed to a bundle exported with lora_slots: its UNet attention factors, "
+                                "no re-export or recompiling")
+            p.add_argument("--lora-scale", type=float, default=None, metavar="S", help="with --lora: its strength (default 1.0)")
             p.add_argument("--seed", type=int, default=0)
             p.add_argument("--overwrite", action="store_true")
             p.add_argument("--debug", action="store_true")

@@ -22,6 +22,7 @@ from .chunks import chunk_aliases, run_into, run_parts
 from .components import ENCODE_IMAGE, VAE_DECODER
 from .guidance import Guidance
 from .image_tasks import ImageStart
+from .lora_slots import LoraFeeds
 from .memory import host_peak_mb, process_age_s
 from .model_pool import ModelPool
 from .pipeline_spec import DECODE, DENOISE, ENCODE_PROMPT, PROMPT, ROLES, pipeline_of, stage_parts
@@ -63,6 +64,7 @@ class BundlePipeline:
         self.table = np.load(man["time_embedding"]["_path"]) if man.get("time_embedding") else None
         ids = (pipeline_of(man).get("conditioning") or {}).get("time_ids")
         self.constants = {"time_ids": np.asarray(ids, np.float32)[None]} if ids is not None else {}
+        self.lora = LoraFeeds(man, bundle)  # a slotted UNet's LoRA factors (runtime/lora_slots.py): zeros until one is loaded
         self.pool: Optional[ModelPool] = None
 
     def names(self) -> tuple[str, ...]:
@@ -129,6 +131,8 @@ class BundlePipeline:
                 feeds[name] = cond[role]
             elif role in self.constants:
                 feeds[name] = self.guidance.repeat(self.constants[role])
+            elif role == "lora_factors":
+                feeds[name] = self.lora.feeds[name]
         return feeds
 
     def _step_feeds(self, x: np.ndarray, t: int) -> dict[str, np.ndarray]:

@@ -46,6 +46,7 @@ from .memory import process_age_s
 from .model_pool import ModelPool
 from .overlap import check_budget
 from .image_tasks import check_image_flags, image_inputs
+from .lora_slots import LoraFeeds, check_lora_flags
 from .pipeline import BundlePipeline
 from .tiled_bundle import load_tiled_decoder, tiled_decode_bundle  # noqa: F401  (their home before runtime/tiled_bundle.py)
 from .tokens import bundle_tokenize, bundle_tokenizer, check_seed, prompt_ids  # noqa: F401  (likewise, runtime/tokens.py)
@@ -71,7 +72,8 @@ class BundleRunner:
     def __init__(self, bundle: str | Path, accelerator: str = "gpu", pipelined: bool = False, manifest: Optional[dict] = None,
                  gpu_cache: Union[str, Path, None, bool] = None, gpu_options: Optional[dict] = None, stream_unet: bool = False,
                  load_workers: int = 0, overlap_loads: bool = False, memory_budget_mb: Optional[float] = None,
-                 release_file_pages: bool = True, keep: tuple = (), image_input: bool = False):
+                 release_file_pages: bool = True, keep: tuple = (), image_input: bool = False,
+                 lora: Union[str, Path, LoraFeeds, None] = None, lora_scale: float = 1.0):
         if accelerator not in ("cpu", "gpu"):
             raise PocketdiffError(f"accelerator must be cpu or gpu, got {accelerator!r}")
         # plain, pipelined, streamed, workers or overlapped (runtime/managed_model.py), checked before the bundle is read
@@ -80,6 +82,10 @@ class BundleRunner:
         self.bundle, self.accelerator = bundle, accelerator
         self.man = manifest or check_bundle(bundle)  # fields, stages, sizes and every .tflite's signature, before anything runs
         self.pipeline = BundlePipeline(self.man, bundle, image_input)  # image_input: runs from a picture (img2img, inpaint)
+        if isinstance(lora, LoraFeeds):  # read and checked by the caller (run-bundle, before --output is made)
+            self.pipeline.lora = lora
+        elif lora is not None:
+            self.set_lora(lora, lora_scale)
         absent = [k for k in self.policy.keep if k not in {s["component"] for s in self.pipeline.stages}]
         if absent:
             raise PocketdiffError(f"--keep {','.join(absent)}: no stage of bundle {bundle} runs it "
@@ -119,6 +125,15 @@ class BundleRunner:
         check_seed(seed)
         return self.pipeline.run(prompt, seed, init_latents, **image)
 
+    def set_lora(self, path: Union[str, Path, None], scale: float = 1.0) -> Optional[dict]:
+        """Swap the LoRA a bundle exported with lora_slots feeds its UNet, between images (None: none, zero factors):
+        new factor inputs only, no model reloaded or recompiled (runtime/lora_slots.py). Refused in one line, the
+        previous LoRA kept, for a file that does not fit the slots."""
+        if path is None:
+            self.pipeline.lora.clear()
+            return None
+        return self.pipeline.lora.load(path, scale)
+
     def memory_report(self) -> dict:
         """Measured: the whole run's peaks (host, GPU, host + GPU) and every phase; the cache's state."""
         return self.pool.memory_report()
@@ -154,6 +169,7 @@ def check_flags(args) -> None:
     if getattr(args, "gpu_cache", None) is not None and getattr(args, "no_gpu_cache", False):
         raise PocketdiffError(f"--gpu-cache {args.gpu_cache} and --no-gpu-cache contradict each other: give one of them")
     check_image_flags(args)  # --mask / --strength without --init-image, a strength outside (0, 1] (runtime/image_tasks.py)
+    check_lora_flags(args)  # --lora-scale without --lora, a pickle or another suffix (runtime/lora_slots.py)
 
 
 def hash_ledger(args) -> Optional[HashLedger]:
@@ -176,6 +192,10 @@ def main(args) -> int:
     man = check_bundle(args.bundle, ledger=hash_ledger(args))  # refuses bad bundles (files, fields, signatures) before touching --output
     startup["bundle_checked"] = process_age_s()  # sha256 (of the files changed since the last launch) and .tflite checks
     picture = image_inputs(args, man)  # img2img / inpaint: the bundle's tasks, the strength's steps, the picture and mask read
+    lora = None
+    if getattr(args, "lora", None):  # read and checked against the bundle's slots before --output is made
+        lora = LoraFeeds(man, args.bundle)
+        lora.load(args.lora, 1.0 if args.lora_scale is None else args.lora_scale)
     fresh = not Path(args.output).exists()
     out = prepare_output_dir(args.output, overwrite=args.overwrite, inputs=[("bundle", args.bundle)], verb="run-bundle")
     fully = None
@@ -185,7 +205,8 @@ def main(args) -> int:
                           stream_unet=getattr(args, "stream_unet", False), load_workers=getattr(args, "load_workers", None) or 0,
                           overlap_loads=getattr(args, "overlap_loads", False),
                           memory_budget_mb=getattr(args, "memory_budget_mb", None),
-                          release_file_pages=not getattr(args, "keep_file_pages", False), image_input=bool(picture)) as runner:
+                          release_file_pages=not getattr(args, "keep_file_pages", False), image_input=bool(picture),
+                          lora=lora) as runner:
             image, stats = runner.run(args.prompt, seed=args.seed, **picture)
         if not stats["finite"]:
             raise PocketdiffError(f"bundle {args.bundle}: the image has NaN/Inf values ({args.accelerator})")
@@ -207,6 +228,7 @@ def main(args) -> int:
         **({"init_image": str(Path(args.init_image).resolve()), "strength": picture["strength"],
             "mask": str(Path(args.mask).resolve()) if args.mask else None} if picture else {}),
         "bundle": str(Path(args.bundle).resolve()),
+        "lora": lora.loaded if lora is not None else None,  # the LoRA fed to the slots: file, scale, layers
         "accelerator": args.accelerator,
         "driver": stats["driver"],
         "pipelined": bool(args.pipelined),
