@@ -10,6 +10,7 @@ import { ONE_PASS, UP_TILE, onePassDecode, statsDecode } from './tiled.js';
 import { halfPrecisionProblem } from './prepare.js';
 import { ImageStart, encodeImage, imagePlan } from './image_input.js';
 import { Guidance, PROMPT, REGISTRY, ROLES, concatLast } from './stages.js';
+import { loraFeeds } from './lora.js';
 
 export const DECODER_PRECISION = 'fp32'; // the decoder's precision unless opts.decoderPrecision says otherwise
 
@@ -243,13 +244,15 @@ function stepFeeds(stage, guidance, fixed, x, t, table, latentShape) {
 }
 
 /** The denoise stage's inputs that stay the same at every step: the prompt roles and the block's constants. */
-function fixedFeeds(bundle, stage, guidance, cond) {
+function fixedFeeds(bundle, stage, guidance, cond, lora) {
   const ids = bundle.conditioning?.time_ids;
   const constants = Array.isArray(ids) ? { time_ids: { data: Float32Array.from(ids), shape: [1, ids.length] } } : {};
+  const factors = Object.values(stage.inputs).includes('lora_factors') ? loraFeeds(bundle.man, lora) : {}; // zeros without opts.lora
   const feeds = {};
   for (const [name, r] of Object.entries(stage.inputs)) {
     if (ROLES[r].per === PROMPT) feeds[name] = cond[r];
     else if (Object.hasOwn(constants, r)) feeds[name] = guidance.repeat(constants[r]);
+    else if (r === 'lora_factors') feeds[name] = factors[name];
   }
   return feeds;
 }
@@ -283,7 +286,7 @@ async function denoise(log, guidance, cond, unet, streamed, lastStep) {
   // from a picture (image_input.js): the initial latents are the noise it is noised with; a mask blends after each step
   const start = log.image ? new ImageStart(scheduler, log.image.latents, source.x, log.image.mask, log.image.strength) : null;
   let x = start ? start.start() : source.x;
-  const fixed = fixedFeeds(bundle, stage, guidance, cond);
+  const fixed = fixedFeeds(bundle, stage, guidance, cond, opts.lora); // opts.lora {bytes, scale, name}: swapped per image
   const stepMs = [];
   for (let i = 0; i < ts.length; i++) {
     const t = ts[i];

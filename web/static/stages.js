@@ -24,6 +24,7 @@ export const STAGE_KINDS = [ENCODE_PROMPT, ENCODE_IMAGE, DENOISE, DECODE];
 export const TASKS = ['text_to_image', 'image_to_image', 'inpaint'];
 export const PROMPT = 'prompt';
 export const SAMPLE = 'sample';
+export const MODEL = 'model'; // one value for every batch row (a LoRA slot's factors)
 
 const role = (source, per, rank) => Object.freeze({ source, per, rank });
 /** Where a graph input's value comes from (`source`) and how it meets the UNet's batch (`per`). */
@@ -40,6 +41,7 @@ export const ROLES = Object.freeze({
   image: role('stage', SAMPLE, 4),
   init_image: role('picture', SAMPLE, 4), // [1, 3, H, W] in [0, 1]: the user's picture
   image_latents: role('stage', SAMPLE, 4), // [1, C, h, w]: the encoder's latents of it
+  lora_factors: role('adapter', MODEL, 2), // a LoRA slot's down [in, rank] / up [rank, out] (manifest lora_slots; lora.js)
 });
 export const OUTPUT_ROLES = Object.freeze({
   [ENCODE_PROMPT]: ['prompt_embeds', 'pooled_embeds'], [ENCODE_IMAGE]: ['image_latents'], [DENOISE]: ['noise_pred'], [DECODE]: ['image'],
@@ -200,6 +202,7 @@ function orderProblems(stages, man, found) {
   const made = new Set(Object.keys(ROLES).filter((r) => !['stage', 'none'].includes(ROLES[r].source)));
   if (!has(man.pipeline?.conditioning, 'time_ids')) made.delete('time_ids');
   if (!truthy(man.time_embedding)) made.delete('timestep_embedding');
+  if (!man.lora_slots || typeof man.lora_slots !== 'object') made.delete('lora_factors');
   stages.forEach((stage, i) => {
     for (const [name, r] of Object.entries(stage.inputs)) {
       if (!made.has(r) && ROLES[r].source !== 'none') found.push(`${where(i, stage)}.inputs.${name}: ${named(stage, stage.component, name)}: no earlier stage or bundle field makes ${r}`);
