@@ -204,38 +204,73 @@ def encode_prompts(pipe, prompts: Union[str, Sequence[str]], device=None) -> tor
     return hidden.to(device) if device is not None else hidden
 
 
-def _encode_sd(pipe, prompts: Sequence[str], device, unet) -> Conditioning:
+def _encode_sd(pipe, prompts: Sequence[str], device, unet, resolution=None) -> Conditioning:
     return Conditioning(prompt_embeds=encode_prompts(pipe, prompts, device))
 
 
-def sdxl_time_ids(unet, vae, batch: int, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
-    """[batch, 6]: (original H, W, crop top, left, target H, W) of an uncropped image at the UNet's
-    native size in pixels, as StableDiffusionXLPipeline's defaults give them."""
-    from .models import vae_scale_factor
+def _from_ids_sd(encoders, ids: Sequence[torch.Tensor], unet, size) -> Conditioning:
+    """The SD family from token ids (no attention mask: the text encoders we build use none), with autograd as
+    the caller has it (train-teacher trains the encoder through this)."""
+    return Conditioning(prompt_embeds=encoders[0](ids[0])[0])
 
-    side = _config_get(unet, "sample_size")
-    h, w = (side, side) if isinstance(side, int) else tuple(side)
-    factor = vae_scale_factor(vae)
-    row = torch.tensor([h * factor, w * factor, 0, 0, h * factor, w * factor], dtype=dtype, device=device)
+
+def _side(resolution) -> tuple[int, int]:
+    return (int(resolution), int(resolution)) if isinstance(resolution, (int, float)) else tuple(int(v) for v in resolution)
+
+
+def sdxl_time_ids(unet, vae, batch: int, dtype: torch.dtype = torch.float32, device=None,
+                  resolution=None) -> torch.Tensor:
+    """[batch, 6]: (original H, W, crop top, left, target H, W) as StableDiffusionXLPipeline's defaults give them:
+    original size = target size = the generation resolution (`resolution`, pixels: an int or (H, W); default the
+    UNet's native size times the VAE factor), crop (0, 0)."""
+    if resolution is None:
+        from .models import vae_scale_factor
+
+        side, factor = _config_get(unet, "sample_size"), vae_scale_factor(vae)
+        resolution = tuple(v * factor for v in _side(side))
+    h, w = _side(resolution)
+    row = torch.tensor([h, w, 0, 0, h, w], dtype=dtype, device=device)
     return row.expand(batch, 6).clone()
 
 
-@torch.no_grad()
-def _encode_sdxl(pipe, prompts: Sequence[str], device, unet) -> Conditioning:
-    """Two text encoders: their penultimate hidden states side by side, the second one's projected
-    pooled output, the default added time ids (StableDiffusionXLPipeline.encode_prompt's recipe)."""
+def _from_ids_sdxl(encoders, ids: Sequence[torch.Tensor], unet, size) -> Conditioning:
+    """Two text encoders: their penultimate hidden states side by side, the second one's projected pooled output,
+    the added time ids at `size` (StableDiffusionXLPipeline.encode_prompt's recipe), autograd as the caller has it."""
     hidden, pooled = [], None
-    for name in ("", "_2"):
-        tokenizer, encoder = getattr(pipe, "tokenizer" + name, None), getattr(pipe, "text_encoder" + name, None)
-        if tokenizer is None or encoder is None:
-            raise PocketdiffError(f"pipe.text_encoder{name} / pipe.tokenizer{name} missing: an SDXL-family model needs two text encoders")
-        ids = _tokenize(tokenizer, prompts).input_ids.to(_module_device(encoder))
-        out = encoder(ids, output_hidden_states=True)
+    for encoder, tokens in zip(encoders, ids):
+        out = encoder(tokens, output_hidden_states=True)
         hidden.append(out.hidden_states[-2])
         pooled = out[0]
     emb = torch.cat(hidden, dim=-1)
-    time_ids = sdxl_time_ids(unet, pipe.vae, emb.shape[0], emb.dtype, emb.device)
-    return Conditioning(prompt_embeds=emb, pooled_embeds=pooled, time_ids=time_ids).to(device)
+    return Conditioning(prompt_embeds=emb, pooled_embeds=pooled,
+                        time_ids=sdxl_time_ids(unet, None, emb.shape[0], emb.dtype, emb.device, resolution=size))
+
+
+def _towers(pipe, family: "Family") -> list[tuple[Any, Any]]:
+    """(tokenizer, text encoder) of each of the family's text towers, or a one-line error naming the missing one."""
+    towers = []
+    for name in family.towers:
+        tokenizer, encoder = getattr(pipe, "tokenizer" + name, None), getattr(pipe, "text_encoder" + name, None)
+        if tokenizer is None or encoder is None:
+            raise PocketdiffError(f"pipe.text_encoder{name} / pipe.tokenizer{name} missing: the {family.name} family "
+                                  f"needs {len(family.towers)} text encoder(s)")
+        towers.append((tokenizer, encoder))
+    return towers
+
+
+def _native_size(unet, vae) -> tuple[int, int]:
+    from .models import vae_scale_factor
+
+    factor = vae_scale_factor(vae)
+    return tuple(v * factor for v in _side(_config_get(unet, "sample_size")))
+
+
+@torch.no_grad()
+def _encode_sdxl(pipe, prompts: Sequence[str], device, unet, resolution=None) -> Conditioning:
+    towers = _towers(pipe, FAMILIES["text_time"])
+    ids = [_tokenize(tok, prompts).input_ids.to(_module_device(enc)) for tok, enc in towers]
+    size = _native_size(unet, pipe.vae) if resolution is None else resolution
+    return _from_ids_sdxl([enc for _, enc in towers], ids, unet, size).to(device)
 
 
 def _placeholder_sd(config, batch: int, tokens: int, device, dtype) -> Conditioning:
@@ -256,15 +291,19 @@ class Family:
     right shapes (zeros; e.g. on the meta device) for tracing a UNet of the family."""
 
     name: str
-    encode: Callable[..., Conditioning]  # (pipe, prompts, device, unet) -> Conditioning
+    encode: Callable[..., Conditioning]  # (pipe, prompts, device, unet, resolution) -> Conditioning
     placeholder: Callable[..., Conditioning]  # (unet config, batch, tokens, device, dtype) -> Conditioning
     fields: tuple[str, ...] = ("prompt_embeds",)  # the Conditioning fields its UNet needs
+    from_ids: Optional[Callable[..., Conditioning]] = None  # (encoders, ids per tower, unet, (H, W)) -> Conditioning
+    towers: tuple[str, ...] = ("",)  # suffixes of its (tokenizer, text_encoder) attributes: "" and "_2" for SDXL
+    uncond_fields: tuple[str, ...] = ("prompt_embeds",)  # the fields a zero unconditional row zeroes (text outputs)
 
 
 # UNet config ``addition_embed_type`` -> the family adapter
 FAMILIES: dict[Optional[str], Family] = {
-    None: Family("sd", _encode_sd, _placeholder_sd),
-    "text_time": Family("sdxl", _encode_sdxl, _placeholder_sdxl, ("prompt_embeds", "pooled_embeds", "time_ids")),
+    None: Family("sd", _encode_sd, _placeholder_sd, from_ids=_from_ids_sd),
+    "text_time": Family("sdxl", _encode_sdxl, _placeholder_sdxl, ("prompt_embeds", "pooled_embeds", "time_ids"),
+                        from_ids=_from_ids_sdxl, towers=("", "_2"), uncond_fields=("prompt_embeds", "pooled_embeds")),
 }
 
 
@@ -288,12 +327,65 @@ def check_conditioning(unet, cond: Conditioning) -> Conditioning:
     return cond
 
 
-def encode_conditioning(pipe, prompts: Union[str, Sequence[str]], device=None, unet=None) -> Conditioning:
-    """Prompts -> the `Conditioning` the family of `unet` (default ``pipe.unet``) takes, on `device`."""
+def encode_conditioning(pipe, prompts: Union[str, Sequence[str]], device=None, unet=None,
+                        resolution=None) -> Conditioning:
+    """Prompts -> the `Conditioning` the family of `unet` (default ``pipe.unet``) takes, on `device`, for images of
+    `resolution` pixels (an int or (H, W); default the UNet's native size: SDXL's time ids carry it)."""
     if isinstance(prompts, str):
         prompts = [prompts]
     unet = pipe.unet if unet is None else unet
-    return family_of(unet).encode(pipe, list(prompts), device, unet)
+    return family_of(unet).encode(pipe, list(prompts), device, unet, resolution)
+
+
+def zero_unconditional(pipe) -> bool:
+    """Whether an empty unconditional prompt is zeros rather than the encoding of "": the pipeline folder's
+    ``force_zeros_for_empty_prompt`` (SDXL base sets it; StableDiffusionPipeline has no such flag: False)."""
+    config = getattr(pipe, "config", None)
+    get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
+    return bool(config is not None and get("force_zeros_for_empty_prompt", False))
+
+
+def encode_unconditional(pipe, negative_prompts: Union[str, Sequence[str]], device=None, unet=None,
+                         resolution=None) -> Conditioning:
+    """The unconditional rows of classifier-free guidance. The rule (the bundle's ``conditioning.zero_unconditional``
+    and the runners follow it): when `zero_unconditional(pipe)`, an empty negative prompt's row is zeros in the text
+    fields (prompt and pooled embeddings; time ids as for the prompt), as StableDiffusionXLPipeline does with no
+    negative prompt; a non-empty negative prompt is always encoded."""
+    if isinstance(negative_prompts, str):
+        negative_prompts = [negative_prompts]
+    cond = encode_conditioning(pipe, negative_prompts, device, unet, resolution)
+    empty = torch.tensor([p == "" for p in negative_prompts], device=cond.device)
+    if not zero_unconditional(pipe) or not bool(empty.any()):
+        return cond
+    return zero_rows(cond, empty, family_of(pipe.unet if unet is None else unet))
+
+
+def zero_rows(cond: Conditioning, rows: torch.Tensor, family: "Family") -> Conditioning:
+    """`cond` with the text fields (``family.uncond_fields``) of the rows where `rows` (bool [B]) is true zeroed."""
+    out = {}
+    for name, v in cond.tensors().items():
+        if name in family.uncond_fields:
+            keep = (~rows).to(v.dtype).view(-1, *([1] * (v.dim() - 1)))
+            v = v * keep
+        out[name] = v
+    return Conditioning(**out)
+
+
+def tokenize_prompts(pipe, prompts: Sequence[str], unet=None) -> tuple[torch.Tensor, ...]:
+    """Token ids [B, 77] per text tower of the family of `unet` (default ``pipe.unet``), for `conditioning_from_ids`."""
+    unet = pipe.unet if unet is None else unet
+    return tuple(_tokenize(tok, list(prompts)).input_ids for tok, _ in _towers(pipe, family_of(unet)))
+
+
+def conditioning_from_ids(encoders, ids: Sequence[torch.Tensor], unet, resolution) -> Conditioning:
+    """The family's `Conditioning` from `tokenize_prompts`' ids and the text encoders (one per tower, in order),
+    with autograd as the caller has it (a trained text encoder gets its gradients); `resolution`: the images'
+    size in pixels (an int or (H, W)), SDXL's time ids."""
+    family = family_of(unet)
+    if len(encoders) != len(family.towers) or len(ids) != len(family.towers):
+        raise PocketdiffError(f"the {family.name} family takes {len(family.towers)} text encoder(s) and id tensor(s), "
+                              f"got {len(encoders)} and {len(ids)}")
+    return family.from_ids(list(encoders), list(ids), unet, resolution)
 
 
 def placeholder_conditioning(unet, batch: int = 1, tokens: int = 77, device=None,

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from . import scheduler_blocks
-from .conditioning import Conditioning, as_conditioning, check_conditioning, encode_conditioning
+from .conditioning import Conditioning, as_conditioning, check_conditioning, encode_conditioning, encode_unconditional
 from .conditioning import encode_prompts  # noqa: F401  (its home was here; callers import it from sampling)
 from .consistency_sampling import boundary_scalings, is_consistency_scheduler, scheduler_lcm_timesteps
 from .errors import PocketdiffError
@@ -510,8 +510,9 @@ def generate(
         chunk = prompts[start : start + batch_size]
         gens = [torch.Generator("cpu").manual_seed(int(seed) + start + j) for j in range(len(chunk))]
         noise = randn_latents((len(chunk), channels, side, side), gens, device)
-        cond = encode_conditioning(pipe, chunk, device, unet=ucfg)
-        uncond = encode_conditioning(pipe, [negative_prompt] * len(chunk), device, unet=ucfg) if float(guidance_scale) != 1.0 else None
+        cond = encode_conditioning(pipe, chunk, device, unet=ucfg, resolution=resolution)
+        uncond = (encode_unconditional(pipe, [negative_prompt] * len(chunk), device, unet=ucfg, resolution=resolution)
+                  if float(guidance_scale) != 1.0 else None)
         if is_consistency_scheduler(pipe.scheduler):  # a consistency (LCM) student: LCMScheduler's steps
             latents = consistency_sample(unet, pipe.scheduler, cond, noise, steps, guidance_scale, gens)
         else:

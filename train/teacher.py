@@ -15,16 +15,16 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from pocketdiff.conditioning import Conditioning
+from pocketdiff.conditioning import conditioning_from_ids, family_of, tokenize_prompts, zero_rows, zero_unconditional
 from pocketdiff.config import DataConfig
 from pocketdiff.data import ImageCaptionDataset, InMemoryImageCaptionDataset, collate, load_captioned_dataset
 from pocketdiff.errors import PocketdiffError, require
-from pocketdiff.models import ModelConfig, check_resolution, count_params, load_or_build, save_pipeline
+from pocketdiff.models import ModelConfig, check_resolution, count_params, load_or_build, save_pipeline, vae_scale_factor
 from pocketdiff.report import img, plot_curves, save_grid, write_page
 from pocketdiff.sampling import generate
 
 from .loop import BatchRandom, LoopConfig, make_accelerator, train_loop, use_ema_weights
-from .losses import diffusion_loss, tokenize
+from .losses import diffusion_loss
 
 
 @dataclasses.dataclass
@@ -70,19 +70,28 @@ class Config:
 
 
 class _DiffusionModel(torch.nn.Module):
-    """What the optimizer (and DDP) sees: the UNet, plus the text encoder when it is trained.
+    """What the optimizer (and DDP) sees: the UNet, plus the text encoders (one per text tower of the model's
+    family: two for SDXL) when they are trained.
 
     The whole prediction goes through `forward`, so DDP's hooks average the gradients."""
 
-    def __init__(self, unet, text_encoder, train_text_encoder: bool):
+    def __init__(self, unet, text_encoders: dict, train_text_encoder: bool, vae_factor: int, zero_dropped: bool = False):
         super().__init__()
         self.unet = unet
-        self.text_encoder = text_encoder
-        text_encoder.requires_grad_(train_text_encoder)
+        self.towers = list(text_encoders)  # attribute names (the pipeline's: text_encoder, text_encoder_2), so
+        for name, encoder in text_encoders.items():  # checkpoint keys stay text_encoder.* for the SD family
+            setattr(self, name, encoder)
+            encoder.requires_grad_(train_text_encoder)
+        self.vae_factor = vae_factor
+        self.zero_dropped = zero_dropped  # dropped captions as zero rows (the folder's force_zeros_for_empty_prompt)
 
-    def forward(self, input_ids, noisy_latents, timesteps):
-        # the SD family's conditioning, computed inside forward so the text encoder trains with the UNet
-        cond = Conditioning(prompt_embeds=self.text_encoder(input_ids)[0])
+    def forward(self, input_ids, noisy_latents, timesteps, dropped):
+        # the family's conditioning (pocketdiff.conditioning), inside forward so the text encoders train with the UNet
+        h, w = noisy_latents.shape[-2:]
+        cond = conditioning_from_ids([getattr(self, n) for n in self.towers], input_ids, self.unet.config,
+                                     (h * self.vae_factor, w * self.vae_factor))
+        if self.zero_dropped:
+            cond = zero_rows(cond, dropped, family_of(self.unet.config))
         return self.unet(noisy_latents, timesteps, **cond.unet_kwargs()).sample
 
 
@@ -147,9 +156,9 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
     pipe.vae.requires_grad_(False).eval().to(acc.device)
 
     # 3. UNet (+ text encoder)
-    model = _DiffusionModel(pipe.unet, pipe.text_encoder, cfg.train_text_encoder)
+    encoders = {"text_encoder" + t: getattr(pipe, "text_encoder" + t) for t in family_of(pipe.unet).towers}
+    model = _DiffusionModel(pipe.unet, encoders, cfg.train_text_encoder, vae_scale_factor(pipe.vae), zero_unconditional(pipe))
     scheduler = pipe.scheduler
-    tokenizer = pipe.tokenizer
     vae = pipe.vae
 
     def loss_fn(m, batch, rng: BatchRandom):
@@ -159,8 +168,9 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
             latents = (dist.mean + dist.std * rng.randn(*dist.mean.shape[1:])) * vae.config.scaling_factor
         drop = rng.rand() < cfg.caption_dropout
         texts = ["" if d else t for d, t in zip(drop.tolist(), batch["text"])]
-        ids = tokenize(tokenizer, texts).to(rng.device)
-        return diffusion_loss(lambda noisy, t: m(ids, noisy, t), scheduler, latents, rng)
+        ids = tuple(i.to(rng.device) for i in tokenize_prompts(pipe, texts))
+        dropped = drop.to(rng.device)
+        return diffusion_loss(lambda noisy, t: m(ids, noisy, t, dropped), scheduler, latents, rng)
 
     result = train_loop(cfg.train, model=model, loss_fn=loss_fn, dataset=dataset, collate=collate,
                         ckpt_dir=out / "checkpoints" / "unet", seed=cfg.seed, resume=resume, desc="unet",
@@ -169,12 +179,13 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
 
     # 4. outputs
     pipe.unet.eval()
-    pipe.text_encoder.eval()
+    for encoder in encoders.values():
+        encoder.eval()
     pipeline_dir = save_pipeline(pipe, out / "pipeline")
     report.update({
         "pipeline_dir": str(pipeline_dir), "steps": result.steps, "final_loss": result.final_loss,
         "losses": result.losses, "skipped_steps": result.skipped_steps, "stopped_early": result.stopped_early,
-        "params": {"unet": count_params(pipe.unet), "text_encoder": count_params(pipe.text_encoder), "vae": count_params(pipe.vae)},
+        "params": {"unet": count_params(pipe.unet), "text_encoder": sum(count_params(e) for e in encoders.values()), "vae": count_params(pipe.vae)},
         "prediction_type": scheduler.config.prediction_type,
     })
     sections = []

@@ -162,18 +162,42 @@ def test_sdxl_adapter_encodes_as_stable_diffusion_xl_pipeline(xl_pipe, xl_unet):
         encode_conditioning(sd, prompts, unet=xl_unet)
 
 
-def test_generate_samples_an_sdxl_style_pipeline_as_diffusers_does(xl_pipe):
+@pytest.mark.parametrize("zeros", [True, False])
+def test_generate_samples_an_sdxl_style_pipeline_as_diffusers_does(xl_pipe, zeros):
     """The SD path's own `generate` on the SDXL-style pipeline (the adapter is the only family-specific
-    piece) against StableDiffusionXLPipeline with the same scheduler, noise and negative prompt."""
+    piece) against StableDiffusionXLPipeline with the same scheduler and noise, with no negative prompt: the
+    folder's force_zeros_for_empty_prompt decides whether the unconditional row is zeros (true, diffusers'
+    negative_prompt=None path) or the encoding of "" (false)."""
     from pocketdiff.sampling import generate, randn_latents
 
     prompts = ["a red circle", "a blue star"]
-    ours = generate(xl_pipe, prompts, steps=3, guidance_scale=4.0, seed=0, output_type="latent")
-    gens = [torch.Generator("cpu").manual_seed(i) for i in range(2)]
-    with torch.no_grad():
-        ref = xl_pipe(prompts, negative_prompt=["", ""], num_inference_steps=3, guidance_scale=4.0, output_type="latent",
-                      latents=randn_latents((2, 4, 8, 8), gens)).images
+    before = xl_pipe.config.force_zeros_for_empty_prompt
+    xl_pipe.register_to_config(force_zeros_for_empty_prompt=zeros)
+    try:
+        ours = generate(xl_pipe, prompts, steps=3, guidance_scale=4.0, seed=0, output_type="latent")
+        gens = [torch.Generator("cpu").manual_seed(i) for i in range(2)]
+        with torch.no_grad():
+            ref = xl_pipe(prompts, num_inference_steps=3, guidance_scale=4.0, output_type="latent",
+                          latents=randn_latents((2, 4, 8, 8), gens)).images
+            other = xl_pipe(prompts, negative_prompt=["", ""] if zeros else None, num_inference_steps=3, guidance_scale=4.0,
+                            output_type="latent", latents=randn_latents((2, 4, 8, 8), gens))
+    finally:
+        xl_pipe.register_to_config(force_zeros_for_empty_prompt=before)
     torch.testing.assert_close(ours, ref.float(), rtol=1e-4, atol=1e-5)
+    assert (ours - other.images.float()).abs().max() > 1e-3  # the two rules give different images here
+
+
+def test_sdxl_time_ids_follow_the_generation_resolution(xl_pipe):
+    """Original size = target size = the resolution asked for, crop (0, 0), as StableDiffusionXLPipeline's
+    defaults at height = width = that resolution; default: the UNet's native size."""
+    from diffusers import StableDiffusionXLPipeline
+
+    native = encode_conditioning(xl_pipe, ["a red circle"]).time_ids
+    assert native.tolist() == [[32.0, 32.0, 0.0, 0.0, 32.0, 32.0]]  # 8 x 8 latents, the tiny VAE's factor 4
+    at = encode_conditioning(xl_pipe, ["a red circle"], resolution=48).time_ids
+    ref = StableDiffusionXLPipeline._get_add_time_ids(xl_pipe, (48, 48), (0, 0), (48, 48), torch.float32,
+                                                      text_encoder_projection_dim=POOLED)
+    assert torch.equal(at, ref)
 
 
 # ------------------------------------------------------------------ the SD path: bit-identical to encoder_hidden_states=
