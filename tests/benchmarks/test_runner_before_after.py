@@ -73,3 +73,8 @@ def test_largest_sums_a_chunked_models_parts(rba):
     top = rba.largest(rba.intervals(_row()), n=2)
     assert top[0] == {"what": "unet compile", "s": pytest.approx(6.3)}  # unet.0 3.3 s + unet.1 3.0 s
     assert top[1]["what"] == "text_encoder compile" or top[1]["what"] == "process interpreter + imports"
+
+
+def test_records_name_no_scratch_path(rba):
+    doc = {"a": ["/tmp/rba-cache/x/programs", "see /tmp/site/y"], "b": {"c": "x/tmp/keep", "d": 3}}
+    assert rba._relative(doc) == {"a": ["rba-cache/x/programs", "see site/y"], "b": {"c": "x/tmp/keep", "d": 3}}
