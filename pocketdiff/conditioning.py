@@ -371,6 +371,14 @@ def zero_rows(cond: Conditioning, rows: torch.Tensor, family: "Family") -> Condi
     return Conditioning(**out)
 
 
+def pixel_size(latents: torch.Tensor, vae) -> tuple[int, int]:
+    """(H, W) in pixels of the images that `latents` [B, C, h, w] decode to: the resolution their time ids carry."""
+    from .models import vae_scale_factor
+
+    factor = vae_scale_factor(vae)
+    return int(latents.shape[-2]) * factor, int(latents.shape[-1]) * factor
+
+
 def tokenize_prompts(pipe, prompts: Sequence[str], unet=None) -> tuple[torch.Tensor, ...]:
     """Token ids [B, 77] per text tower of the family of `unet` (default ``pipe.unet``), for `conditioning_from_ids`."""
     unet = pipe.unet if unet is None else unet

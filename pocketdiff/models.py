@@ -514,6 +514,30 @@ def _load_or_build(cfg: ModelConfig, captions: Optional[list[str]], resolution: 
     return pipe
 
 
+def pipeline_like(pipe, **replace):
+    """A pipeline of `pipe`'s own family and class (StableDiffusionPipeline, StableDiffusionXLPipeline) with its
+    components, `replace` swapped in (e.g. ``unet=student, scheduler=sched``), its config flags kept (an SDXL
+    folder's force_zeros_for_empty_prompt); no safety checker. What every stage that saves or samples a student,
+    pruned or quantized model builds, so a family's extra components (text_encoder_2, tokenizer_2) travel."""
+    components = dict(pipe.components)
+    unknown = sorted(set(replace) - set(components))
+    if unknown:
+        raise PocketdiffError(f"{type(pipe).__name__} has no component {unknown[0]!r}")
+    components.update(replace)
+    kwargs = {}
+    if "safety_checker" in components:
+        components.update(safety_checker=None, feature_extractor=None)
+        kwargs["requires_safety_checker"] = False
+    for flag in ("force_zeros_for_empty_prompt", "add_watermarker"):
+        if flag in pipe.config:
+            kwargs[flag] = pipe.config[flag]
+    if kwargs.get("add_watermarker") is None:
+        kwargs.pop("add_watermarker", None)
+    out = type(pipe)(**components, **kwargs)
+    out.set_progress_bar_config(disable=True)
+    return out
+
+
 def save_pipeline(pipe, out_dir: Union[str, Path]) -> Path:
     """`save_pretrained(safe_serialization=True)`; loads back with `StableDiffusionPipeline.from_pretrained`
     (an SDXL pipeline: `StableDiffusionXLPipeline.from_pretrained`).

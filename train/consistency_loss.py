@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from pocketdiff.conditioning import Conditioning, encode_conditioning
+from pocketdiff.conditioning import Conditioning, encode_conditioning, pixel_size
 
 from .consistency_targets import SkippingPlan, TargetNetwork, consistency_function, pseudo_huber, solver_step
 from .distill_config import Config
@@ -72,7 +72,7 @@ def make_consistency_loss_fn(cfg: Config, teacher: GuidedTeacher, target: Target
         eps = rng.randn(*mean.shape[1:])
         n = rng.randint(0, len(plan.t_hi))
         w = draw_w(cfg, rng)
-        cond = encode_conditioning(pipe, batch["text"], device)
+        cond = encode_conditioning(pipe, batch["text"], device, resolution=pixel_size(mean, pipe.vae))
         unc = uncond.to(device).expand(cond.batch_size)
         z_hi = noisy_latents(x0, eps, a_hi[n])
         return pair_loss(model, teacher, target, settings, z_hi, (t_hi[n], a_hi[n]), (t_lo[n], a_lo[n]), cond, unc, w)

@@ -5,7 +5,7 @@ from typing import Optional
 
 import torch
 
-from pocketdiff.conditioning import Conditioning, encode_conditioning
+from pocketdiff.conditioning import Conditioning, encode_conditioning, pixel_size
 
 from .distill_config import Config
 from .distill_data import _encode
@@ -37,7 +37,7 @@ def make_loss_fn(cfg: Config, spec: RoundSpec, teacher: GuidedTeacher, plan: Opt
         eps = rng.randn(*mean.shape[1:])
         u = rng.rand()
         w = g.w_min + (g.w_max - g.w_min) * u if g.conditioned else torch.full_like(u, g.scale)
-        cond = encode_conditioning(pipe, batch["text"], device)
+        cond = encode_conditioning(pipe, batch["text"], device, resolution=pixel_size(mean, pipe.vae))
         unc = uncond.to(device).expand(cond.batch_size) if uncond is not None else None
         if spec.stage == "guided":
             t = rng.randint(0, T)

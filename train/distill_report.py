@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 
 from pocketdiff.errors import PocketdiffError
-from pocketdiff.models import DISTILL_META
+from pocketdiff.models import DISTILL_META, pipeline_like
 from pocketdiff.outputs import atomic_path, commit_folder, read_json, write_json
 from pocketdiff.report import img, plot_curves, save_grid, table, write_page
 from pocketdiff.sampling import generate
@@ -28,19 +28,16 @@ def _write_round_folder(pipe, student, sched, folder: Path, meta: dict, share_fr
     """Save a stock pipeline folder under a temporary name, fsync, rename: atomic completion.
     The unchanged components (text encoder, tokenizer, VAE) are hardlinked (else copied) from
     `share_from` when it holds them as safetensors, else written; the free space is checked first."""
-    from diffusers import StableDiffusionPipeline
-
     tmp = folder.parent / f".{folder.name}.tmp"
     if tmp.exists():
         shutil.rmtree(tmp)
     student = student.to(memory_format=torch.contiguous_format)
-    sp = StableDiffusionPipeline(vae=pipe.vae, text_encoder=pipe.text_encoder, tokenizer=pipe.tokenizer, unet=student,
-                                 scheduler=sched, safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+    sp = pipeline_like(pipe, unet=student, scheduler=sched)  # the teacher's family (SDXL: text_encoder_2 too)
     shared = {name: share_from for name in SHAREABLE if shareable_component(share_from, name) is not None}
     check_free_space(folder.parent, pipeline_bytes_to_write(sp, set(shared)), f"the {folder.name} pipeline folder")
     meta["report"]["folder_files"] = write_pipeline_folder(sp, tmp, shared)
     (tmp / DISTILL_META).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-    (tmp / "README.md").write_text(_readme(meta), encoding="utf-8")
+    (tmp / "README.md").write_text(_readme(meta).replace("StableDiffusionPipeline", type(sp).__name__), encoding="utf-8")
     return commit_folder(tmp, folder)
 
 
@@ -84,12 +81,7 @@ def _consistency_readme(meta: dict) -> str:
 
 
 def _student_pipe(pipe, unet, sched):
-    from diffusers import StableDiffusionPipeline
-
-    sp = StableDiffusionPipeline(vae=pipe.vae, text_encoder=pipe.text_encoder, tokenizer=pipe.tokenizer, unet=unet,
-                                 scheduler=sched, safety_checker=None, feature_extractor=None, requires_safety_checker=False)
-    sp.set_progress_bar_config(disable=True)
-    return sp
+    return pipeline_like(pipe, unet=unet, scheduler=sched)
 
 
 class RoundEvaluator:

@@ -20,7 +20,8 @@ from typing import Optional
 from pocketdiff.errors import PocketdiffError
 from pocketdiff.models import save_pipeline
 
-SHAREABLE = ("text_encoder", "tokenizer", "vae")  # what a distillation round never changes
+SHAREABLE = ("text_encoder", "tokenizer", "vae", "text_encoder_2", "tokenizer_2")  # what a distillation round never changes
+_TOKENIZERS = ("tokenizer", "tokenizer_2")
 
 
 def link_or_copy(src: Path, dst: Path) -> str:
@@ -42,7 +43,7 @@ def shareable_component(folder: Optional[Path], name: str) -> Optional[Path]:
     sub = Path(folder) / name
     if not sub.is_dir() or not (Path(folder) / "model_index.json").is_file():
         return None
-    if name == "tokenizer":
+    if name in _TOKENIZERS:
         return sub if any(sub.iterdir()) else None
     if not (sub / "config.json").is_file():
         return None
@@ -53,7 +54,7 @@ def shareable_component(folder: Optional[Path], name: str) -> Optional[Path]:
 
 
 def write_pipeline_folder(pipe, out: Path, share_from: Optional[dict[str, Optional[Path]]] = None) -> dict:
-    """Save `pipe` (a StableDiffusionPipeline) as a stock folder `out`; components named in
+    """Save `pipe` (a StableDiffusionPipeline or StableDiffusionXLPipeline) as a stock folder `out`; components named in
     `share_from` (name -> folder holding it) are linked or copied from that folder instead of
     written. Returns {"linked": [...], "copied": [...], "written": [...]} (component names)."""
     share_from = share_from or {}
@@ -72,19 +73,19 @@ def write_pipeline_folder(pipe, out: Path, share_from: Optional[dict[str, Option
                      for f in sorted(sources[name].rglob("*")) if f.is_file()}
             done["copied" if "copy" in kinds else "linked"].append(name)
         elif hasattr(component, "save_pretrained"):
-            kwargs = {"safe_serialization": True} if name in ("unet", "vae", "text_encoder") else {}
+            kwargs = {"safe_serialization": True} if name in ("unet", "vae", "text_encoder", "text_encoder_2") else {}
             component.save_pretrained(str(out / name), **kwargs)
             done["written"].append(name)
         else:
             raise PocketdiffError(f"pipeline component {name} ({type(component).__name__}) cannot be saved")
     pipe.save_config(str(out))  # model_index.json, as DiffusionPipeline.save_pretrained writes it
-    if "tokenizer" in done["written"]:
+    for name in (n for n in _TOKENIZERS if n in done["written"]):
         from pocketdiff.tokenizer import export_vocab_merges
 
-        tok_dir = out / "tokenizer"
+        tok_dir = out / name
         if not (tok_dir / "vocab.json").is_file():
             try:
-                export_vocab_merges(pipe.tokenizer, tok_dir)
+                export_vocab_merges(getattr(pipe, name), tok_dir)
             except PocketdiffError:  # a non-BPE tokenizer: tokenizer.json alone is fine
                 pass
     return done

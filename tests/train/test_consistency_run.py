@@ -228,7 +228,7 @@ def test_top_step_input_noise_feeds_pure_noise_at_the_top_transition(teacher_dir
 
     monkeypatch.setattr(distill_loss, "student_forward", fake_student_forward)
     monkeypatch.setattr(distill_loss, "two_step_x_target", lambda *a, **k: torch.zeros(8, 4, 8, 8))
-    monkeypatch.setattr(distill_loss, "encode_conditioning", lambda pipe, text, device: Conditioning(torch.zeros(len(text), 4, 8)))
+    monkeypatch.setattr(distill_loss, "encode_conditioning", lambda pipe, text, device, **kw: Conditioning(torch.zeros(len(text), 4, 8)))
     from types import SimpleNamespace
 
     from pocketdiff.train.distill_targets import round_plan
