@@ -12,6 +12,8 @@ released after it), keep_unet (pipelined, the UNet kept from image to image: `ke
         [--launch warm] --out rows.json
     python benchmarks/app_images.py --smoke --accelerator cpu --mode keep_unet --images 3 --out /tmp/rows.json
         (tests/web/smoke_bundle_tiny, assembled with smoke_bundle's shared files)
+    python benchmarks/app_images.py --summarize rows.json [--device-file device.txt] --out result.json
+        (a summary per mode and launch beside the rows: later images' seconds, peaks, where a later image's seconds go)
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -116,18 +119,84 @@ def append_rows(out: Path, rows: list[dict]) -> None:
     tmp.replace(out)
 
 
+def load_s(latency: dict, base: str) -> float:
+    """A component's load seconds in one image: its chunks' (`unet.2_load`) where chunked, else `<base>_load`."""
+    parts = [v for k, v in latency.items() if re.fullmatch(rf"{base}\.\d+_load", k)]
+    return float(sum(parts)) if parts else float(latency.get(f"{base}_load", 0.0))
+
+
+def decoder_load_s(latency: dict) -> float:
+    """The decoder's load seconds: a whole one's, or a tiled one's head and up-path graphs together."""
+    return float(sum(v for k, v in latency.items() if re.fullmatch(r"vae_[\w.]+_load", k)))
+
+
+def _later_phases(later: list[dict]) -> dict:
+    """Mean seconds of the later images' text encoder, UNet and decoder loads, the runs (encoder, steps, decoder
+    graphs), and the rest (releases, LiteRT environments, tokenizer)."""
+    def parts(L):
+        runs = sum(L.get(k, 0.0) for k in ("text_encoder_run", "unet_steps", "vae_decoder_run", "vae_decoder_head_run",
+                                           "vae_up_tiles_run"))
+        te, unet, dec = load_s(L, "text_encoder"), load_s(L, "unet"), decoder_load_s(L)
+        return {"text_encoder_load": te, "unet_load": unet, "decoder_load": dec, "runs": runs,
+                "rest": L["total"] - te - unet - dec - runs, "total": L["total"]}
+    each = [parts(r["latency_s"]) for r in later]
+    return {k: round(sum(e[k] for e in each) / len(each), 3) for k in each[0]}
+
+
+def summarize(rows: list[dict], budget_mb: float = 4000.0, later_s: float = 1.0) -> list[dict]:
+    """Per mode and launch (in run order): first, second and last image seconds, the later images' range, the
+    whole run's peaks (its last row), where a later image's seconds go, and whether it meets the issue's targets."""
+    out = []
+    for key in dict.fromkeys((r["mode"], r["launch"]) for r in rows):
+        rs = sorted((r for r in rows if (r["mode"], r["launch"]) == key), key=lambda r: r["image"])
+        later = [r for r in rs if r["image"] > 0]
+        last = rs[-1]
+        once = last["host_plus_gpu_peak_at_once_mb"]
+        out.append({"mode": key[0], "keep": last["keep"], "launch": key[1], "images": len(rs),
+                    "runner_ready_s": rs[0]["runner_ready_s"], "first_s": rs[0]["seconds"],
+                    "second_s": rs[1]["seconds"] if len(rs) > 1 else None, "last_s": last["seconds"],
+                    "later_min_s": min((r["seconds"] for r in later), default=None),
+                    "later_max_s": max((r["seconds"] for r in later), default=None),
+                    "later_mean_s": round(sum(r["seconds"] for r in later) / len(later), 3) if later else None,
+                    **{k: last[k] for k in PEAKS},
+                    "later_phases_mean_s": _later_phases(later) if later else None,
+                    "later_loads": later[-1]["loads"] if later else None,
+                    "later_within_1s": bool(later) and max(r["seconds"] for r in later) <= later_s,
+                    "at_once_within_4gb": None if once is None else once <= budget_mb})
+    return out
+
+
+def write_summary(raw: Path, out: Path, device_file) -> None:
+    rows = json.loads(raw.read_text())["rows"]
+    seeds = {}
+    for r in rows:
+        seeds.setdefault(r["seed"], set()).add(r["image_sha256"])
+    device = Path(device_file).read_text().strip() if device_file else None
+    out.write_text(json.dumps({"device": device, "litert": rows[0]["litert"], "prompt": rows[0]["prompt"],
+                               "same_image_per_seed_in_every_mode": all(len(v) == 1 for v in seeds.values()),
+                               "summary": summarize(rows), "rows": rows}, indent=1) + "\n")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("bundle", nargs="?")
     ap.add_argument("--smoke", action="store_true", help="tests/web/smoke_bundle_tiny, assembled in a temporary folder")
-    ap.add_argument("--mode", required=True, choices=sorted(MODES))
     ap.add_argument("--images", type=int, default=10)
     ap.add_argument("--prompt", default="a photo of a red fox in the snow")
     ap.add_argument("--accelerator", default="gpu", choices=("cpu", "gpu"))
     ap.add_argument("--gpu-cache", default=None, help="the program cache folder (default: the bundle's own)")
     ap.add_argument("--launch", default="warm", help="a label: cold (empty caches) or warm")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--summarize", metavar="ROWS", help="write ROWS' summary and rows to --out (nothing runs)")
+    ap.add_argument("--device-file", help="--summarize: nvidia-smi's name, driver, memory line")
+    ap.add_argument("--mode", choices=sorted(MODES))
     args = ap.parse_args(argv)
+    if args.summarize:
+        write_summary(Path(args.summarize), Path(args.out), args.device_file)
+        return 0
+    if not args.mode:
+        print("app_images: --mode is needed to draw images", file=sys.stderr)
+        return 2
     if bool(args.bundle) == args.smoke:
         print("app_images: give a BUNDLE or --smoke (not both)", file=sys.stderr)
         return 2
