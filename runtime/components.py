@@ -127,6 +127,16 @@ def component(name: str) -> Component:
     return REGISTRY[base]
 
 
+def whole_of(name: str) -> str:
+    """The whole component a model belongs to: a chunk's (`unet.3` -> unet), a tiled part's (`vae_up_tile.1`,
+    `vae_decoder_head` -> vae_decoder), else itself (a name outside the registry too)."""
+    try:
+        entry = component(name)
+    except KeyError:
+        return name
+    return entry.part_of or entry.name
+
+
 def expand(names: list[str] | tuple[str, ...], tiled: bool, up_parts: int = 1) -> list[str]:
     """The component names of an export: a tiled layout's parts in place of their whole, its up tile as `up_parts`
     graphs (`up_tile_parts`)."""

@@ -21,6 +21,7 @@ from typing import Optional, Sequence, Union
 
 from .chunks import StreamedPart, base_of
 from .compile_order import ChunkOrder
+from .components import whole_of
 from .gpu_cache import bundle_digest
 from .load_workers import LoadWorkers, settle
 from .loaded_model import LoadedModel
@@ -176,7 +177,7 @@ class ModelPool:
 
     def done(self, name: str) -> None:
         """NAME's use is over: the policy says whether it goes now (pipelined) or stays (plain, workers)."""
-        if self.policy.releases(base_of(name)):
+        if self.policy.releases(whole_of(name)):  # a kept component keeps all its models (chunks, tiled parts)
             self.release(name)
 
     def release(self, name: str) -> None:

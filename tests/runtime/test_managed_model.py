@@ -115,3 +115,22 @@ def test_keep_is_refused_in_one_line_where_it_cannot_hold(kwargs, needle, tmp_pa
 
     with pytest.raises(PocketdiffError, match=re.escape(needle)):
         BundleRunner(SMOKE, "cpu", **kwargs)
+
+
+def test_keeping_a_tiled_decoder_keeps_its_head_and_up_path(tmp_path):
+    """`keep=("unet", "vae_decoder")` on a bundle whose decoder is tiled: its head and up tile stay too."""
+    import importlib.util
+
+    from pocketdiff.runtime.run_bundle import BundleRunner
+
+    web = SMOKE.parent
+    spec = importlib.util.spec_from_file_location("web_conftest", web / "conftest.py")  # how tests/web assembles twins
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    bundle = module.assemble_twin_bundle(web / "smoke_bundle_tiled", tmp_path / "tiled")
+    with BundleRunner(bundle, "cpu", pipelined=True, keep=("unet", "vae_decoder")) as runner:
+        for s in (3, 4):
+            _, stats = runner.run("a red circle", seed=s)
+        assert set(runner.loaded) == {"unet", "vae_decoder_head", "vae_up_tile"}
+        loads = {n: m["loads"] for n, m in stats["memory"]["models"].items()}
+    assert loads == {"text_encoder": 2, "unet": 1, "vae_decoder_head": 1, "vae_up_tile": 1}, loads
