@@ -379,6 +379,12 @@ def pixel_size(latents: torch.Tensor, vae) -> tuple[int, int]:
     return int(latents.shape[-2]) * factor, int(latents.shape[-1]) * factor
 
 
+def text_encoders(pipe, unet=None) -> list:
+    """The text encoders of the family of `unet` (default ``pipe.unet``), in tower order (SDXL: two)."""
+    unet = pipe.unet if unet is None else unet
+    return [encoder for _, encoder in _towers(pipe, family_of(unet))]
+
+
 def tokenize_prompts(pipe, prompts: Sequence[str], unet=None) -> tuple[torch.Tensor, ...]:
     """Token ids [B, 77] per text tower of the family of `unet` (default ``pipe.unet``), for `conditioning_from_ids`."""
     unet = pipe.unet if unet is None else unet

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pocketdiff.conditioning import encode_conditioning
+from pocketdiff.conditioning import encode_conditioning, family_of, pixel_size, text_encoders, zero_rows, zero_unconditional
 from pocketdiff.errors import require
 from pocketdiff.sampling import default_w_embedding_fn
 from pocketdiff.train.loop import BatchRandom, LoopConfig, train_loop, use_ema_weights
@@ -117,8 +117,9 @@ def recover(
 
     A guidance-conditioned teacher (``time_cond_proj_dim``) gets the same random
     ``timestep_cond`` as the student, w ~ U[`w_range`] per sample."""
-    vae, text_encoder, scheduler = pipe.vae, pipe.text_encoder, pipe.scheduler
-    for m in (teacher, vae, text_encoder):
+    vae, encoders, scheduler = pipe.vae, text_encoders(pipe), pipe.scheduler
+    zero_dropped = zero_unconditional(pipe)
+    for m in (teacher, vae, *encoders):
         m.requires_grad_(False).eval()
     student.requires_grad_(True).train()
     pairs = (dict(feature_pairs) if feature_pairs is not None else {n: n for n in block_names(student)}) if cfg.feature_weight > 0 else {}
@@ -134,13 +135,16 @@ def recover(
         x = batch["pixel_values"].to(dev)
         with torch.no_grad():
             vae.to(dev)
-            text_encoder.to(dev)
+            for encoder in encoders:
+                encoder.to(dev)
             teacher.to(dev)
             dist = vae.encode(x).latent_dist
             latents = (dist.mean + dist.std * rng.randn(*dist.mean.shape[1:])) * vae.config.scaling_factor
             drop = rng.rand() < cfg.caption_dropout
             texts = ["" if d else t for d, t in zip(drop.tolist(), batch["text"])]
-            emb = encode_conditioning(pipe, texts, dev)
+            emb = encode_conditioning(pipe, texts, dev, resolution=pixel_size(latents, vae))
+            if zero_dropped:  # the folder's empty-prompt rule: dropped captions are zero rows
+                emb = zero_rows(emb, drop.to(dev), family_of(pipe.unet))
             noise = rng.randn(*latents.shape[1:]).to(latents.dtype)
             t = rng.randint(0, scheduler.config.num_train_timesteps)
             noisy = scheduler.add_noise(latents, noise, t)

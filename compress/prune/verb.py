@@ -40,6 +40,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from pocketdiff.conditioning import text_encoders
 from pocketdiff.errors import PocketdiffError
 from pocketdiff.models import DISTILL_META, count_params, read_distill_meta
 from pocketdiff.device import resolve_device
@@ -137,7 +138,8 @@ def _load_teacher(cfg: Config, device) -> tuple[_Teacher, dict]:
     check_resolution(pipe, cfg.data.resolution)  # before any work
     teacher = pipe.unet.to(device).eval().requires_grad_(False)
     pipe.vae.to(device).eval().requires_grad_(False)
-    pipe.text_encoder.to(device).eval().requires_grad_(False)
+    for encoder in text_encoders(pipe):  # SDXL: text_encoder_2 too
+        encoder.to(device).eval().requires_grad_(False)
     report: dict[str, Any] = {"data": {"source": cfg.data.source, "items": len(dataset), "resolution": cfg.data.resolution},
                               "teacher": cfg.model.pretrained or f"built {cfg.model.arch} (random weights)"}
     meta = read_distill_meta(cfg.model.pretrained)
@@ -263,11 +265,9 @@ def _recover(cfg: Config, out: Path, resume: Optional[str], device, t: _Teacher,
 
 def _save_pipeline(out: Path, t: _Teacher, report: dict, student) -> None:
     """Step 6a: pipeline/ with the pruned UNet (a distilled teacher's distill.json carried over)."""
-    from pocketdiff.models import save_pipeline
+    from pocketdiff.models import pipeline_like, save_pipeline
 
-    components = dict(t.pipe.components)
-    components["unet"] = student
-    final = type(t.pipe)(**components, requires_safety_checker=False)
+    final = pipeline_like(t.pipe, unet=student)  # the teacher's family (SDXL: text_encoder_2, its config flags)
     pipeline_dir = save_pipeline(final, out / "pipeline")
     if t.meta:  # a pruned distilled student keeps its sampling recipe (steps, guidance) for evaluate / export
         meta = {**t.meta, "pruned_by": "pocketdiff prune", "report": None}

@@ -29,7 +29,7 @@ import torch
 from pocketdiff.errors import ParityError, PocketdiffError
 from pocketdiff.models import load_or_build, load_pipeline, perturb_norm_affines, save_pipeline
 from pocketdiff.outputs import commit_folder, write_json
-from pocketdiff.conditioning import encode_conditioning, encode_prompts
+from pocketdiff.conditioning import encode_conditioning, encode_prompts, encode_unconditional
 from pocketdiff.device import cap_cuda_memory, resolve_device
 from pocketdiff.runtime.memory import tune_allocator
 
@@ -111,7 +111,7 @@ def _collect(pipe, prompts, cfg: CalibDataConfig, seed: int, device):
     cond = encode_conditioning(pipe, prompts, device).to(dtype=torch.float32)
     uncond = None
     if float(cfg.guidance_scale) != 1.0:
-        uncond = encode_conditioning(pipe, [cfg.negative_prompt] * len(prompts), device).to(dtype=torch.float32)
+        uncond = encode_unconditional(pipe, [cfg.negative_prompt] * len(prompts), device).to(dtype=torch.float32)
     side = pipe.unet.config.sample_size
     if isinstance(side, (list, tuple)):
         shape = (pipe.unet.config.in_channels, *side)
