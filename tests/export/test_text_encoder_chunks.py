@@ -85,7 +85,7 @@ def bundle(gpu_delegate, shared_conversions, tmp_path_factory):
 def test_manifest_lists_the_chunks_with_parity_per_chunk_and_end_to_end(bundle):
     man = json.loads((bundle / "manifest.json").read_text())
     block = man["text_encoder_chunks"]
-    assert man["schema_version"] == 2 and "unet_chunks" not in man
+    assert man["schema_version"] == 3 and "unet_chunks" not in man
     assert block["components"] == ["text_encoder.0", "text_encoder.1"] and "text_encoder" not in man["components"]
     assert [i["name"] for i in block["inputs"]] == ["input_ids"] and block["aliases"] == [{}, {}]
     assert [i["name"] for i in man["components"]["text_encoder.1"]["inputs"]] == ["hidden"]
@@ -142,7 +142,7 @@ def test_verify_bundle_checks_each_chunk_and_the_chain(bundle, tmp_path):
     ("missing-entry", lambda m: m["components"].pop("text_encoder.1"), "components.text_encoder.1: missing"),
     ("order", lambda m: m["text_encoder_chunks"].update(components=["text_encoder.1", "text_encoder.0"]),
      "text_encoder_chunks.components: must list text_encoder.0, text_encoder.1"),
-    ("no-block", lambda m: m.pop("text_encoder_chunks"), "is for a model in chunks"),
+    ("no-block", lambda m: m.pop("text_encoder_chunks"), "a text_encoder chunk needs the manifest's text_encoder_chunks block"),
     ("shape", lambda m: m["components"]["text_encoder.1"]["inputs"][0].update(shape=[1, 7, 1]), "components.text_encoder.1.inputs.hidden"),
 ])
 def test_run_bundle_refuses_a_broken_manifest_naming_the_field(bundle, tmp_path, capsys, name, edit, message):
