@@ -51,6 +51,7 @@ class GoldenInputs:
     ids_prompt_2: Optional[np.ndarray] = None  # the SDXL family: the golden prompt's ids by the second tokenizer [1, L]
     time_ids: Optional[list] = None  # a text_time UNet's size / crop ids (pipeline.conditioning.time_ids), else None
     family: str = "sd"  # the pipeline's family (export/family_export.py), the manifest's pipeline.family
+    zero_unconditional: bool = False  # cfg's unconditional rows are zeros (the folder's force_zeros_for_empty_prompt)
 
 
 class ComponentExport:

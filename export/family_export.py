@@ -9,7 +9,8 @@ family (`sdxl`):
 - golden inputs: the UNet's `encoder_hidden_states` are the two encoders' states side by side, its `text_embeds` the
   pooled embedding, its `time_ids` the size / crop ids of the export's resolution: (original H, W, crop top, left,
   target H, W) = (res, res, 0, 0, res, res), what StableDiffusionXLPipeline uses for an uncropped image of that size;
-- the bundle: a `tokenizer_2` block (its own folder), `pipeline.conditioning.time_ids`, `pipeline.family`.
+- the bundle: a `tokenizer_2` block (its own folder), `pipeline.conditioning.time_ids`, `pipeline.family`, and
+  `pipeline.conditioning.zero_unconditional` for a folder with `force_zeros_for_empty_prompt` (SDXL base's setting).
 """
 from __future__ import annotations
 
@@ -89,8 +90,13 @@ def family_blocks(pipe, golden, tokenizer_entry) -> dict:
 
 
 def conditioning_block(golden) -> dict:
-    """`pipeline.conditioning`: the time ids a text_time UNet is fed (the golden run's), else nothing."""
-    return {"time_ids": golden.time_ids} if golden.time_ids is not None else {}
+    """`pipeline.conditioning`: the time ids a text_time UNet is fed (the golden run's); `zero_unconditional: true` when
+    the folder says an empty prompt is zeros (`force_zeros_for_empty_prompt`) and guidance runs an unconditional row:
+    the runners then feed zeros as every prompt role's unconditional row (runtime/guidance.py)."""
+    block = {"time_ids": golden.time_ids} if golden.time_ids is not None else {}
+    if golden.zero_unconditional:
+        block["zero_unconditional"] = True
+    return block
 
 
 def golden_ids(golden, name: str) -> Optional[np.ndarray]:

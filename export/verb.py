@@ -26,6 +26,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from pocketdiff.conditioning import zero_unconditional
 from pocketdiff.errors import PocketdiffError, require
 from pocketdiff.lora import lora_entries
 from pocketdiff.models import ModelConfig, load_or_build, perturb_norm_affines, precheck_resolution
@@ -357,7 +358,8 @@ def _golden_inputs(cfg: Config, pipe) -> GoldenInputs:
     if family == SDXL:  # the two encoders' states side by side, the pooled embedding, the size / crop ids (family_export.py)
         xl = sdxl_golden(pipe, cfg.golden_prompt, shapes.resolution, B)
         unet_inputs.update(encoder_hidden_states=xl["encoder_hidden_states"], text_embeds=xl["text_embeds"], time_ids=xl["time_ids"])
-    family_fields = dict(family=family, ids_prompt_2=xl and xl["ids_2"], time_ids=xl and xl["time_ids"][0].tolist())
+    family_fields = dict(family=family, ids_prompt_2=xl and xl["ids_2"], time_ids=xl and xl["time_ids"][0].tolist(),
+                         zero_unconditional=mode == "cfg" and zero_unconditional(pipe))
     vae_latents = torch.randn(1, shapes.latent_channels, shapes.latent_size, shapes.latent_size, generator=gen)
     # the image encoder's golden picture: smooth colour fields (8 x 8 random colours, bilinear), drawn after the rest
     low = torch.rand(1, 3, 8, 8, generator=gen)

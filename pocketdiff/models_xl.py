@@ -96,7 +96,8 @@ def build_xl_pipeline(cfg: Any, tokenizer, vae, unet_config: dict, seed: int, se
     """A `StableDiffusionXLPipeline` of XL arch `cfg.arch` around a built `tokenizer` (used for both encoders),
     `vae` and `scheduler`: two CLIP text encoders (the second with its projection) and a text_time UNet, random
     weights from `seed` (`seeded(s)` forks the RNG). The unconditional prompt is encoded, not zeroed
-    (`force_zeros_for_empty_prompt` false), as every pocketdiff sampler and runner does."""
+    (`force_zeros_for_empty_prompt` false); a folder that sets the flag (SDXL base) has zero unconditional rows in
+    every pocketdiff sampler and runner (`pocketdiff.conditioning.encode_unconditional`, runtime/guidance.py)."""
     import copy
 
     from diffusers import StableDiffusionXLPipeline, UNet2DConditionModel

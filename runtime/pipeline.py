@@ -2,7 +2,8 @@
 
 The manifest's `pipeline` block (runtime/pipeline_spec.py; derived for bundles from before it) lists the stages in
 order; each names its component and feeds every graph input by role. This module runs them: encode-prompt stages
-(each on the prompt and, for classifier-free guidance, the empty prompt: runtime/guidance.py), the denoise stage
+(each on the prompt and, for classifier-free guidance, the empty prompt, or zero rows under the manifest's
+conditioning.zero_unconditional: runtime/guidance.py), the denoise stage
 under the manifest's scheduler (runtime/schedulers.py), the decode stage (a whole decoder, or its tiled graphs:
 runtime/tiled_bundle.py); for image-to-image and inpainting the encode-image stage first, and the loop's start and blend
 from its latents (runtime/image_tasks.py). It never loads a model itself: it asks the `ModelPool` (runtime/model_pool.py) for each by
@@ -58,11 +59,12 @@ class BundlePipeline:
                     raise PocketdiffError(f"bundle {bundle}: stage {stage['stage']}, component {stage['component']}, input {name}: "
                                           f"no runner feeds role {role} (re-export with rewrites.time_embedding_outside: true)")
         self.parts = {s["stage"]: stage_parts(man, s["component"]) for s in self.stages}
-        self.guidance = Guidance(man["guidance"])
+        conditioning = pipeline_of(man).get("conditioning") or {}
+        self.guidance = Guidance(man["guidance"], zero_unconditional=bool(conditioning.get("zero_unconditional")))
         self.tokenizers = {s["stage"]: bundle_tokenizer(man[s["tokenizer"]]["files"]["tokenizer.json"]["_path"], man[s["tokenizer"]])
                            for s in self.encoders}
         self.table = np.load(man["time_embedding"]["_path"]) if man.get("time_embedding") else None
-        ids = (pipeline_of(man).get("conditioning") or {}).get("time_ids")
+        ids = conditioning.get("time_ids")
         self.constants = {"time_ids": np.asarray(ids, np.float32)[None]} if ids is not None else {}
         self.lora = LoraFeeds(man, bundle)  # a slotted UNet's LoRA factors (runtime/lora_slots.py): zeros until one is loaded
         self.pool: Optional[ModelPool] = None

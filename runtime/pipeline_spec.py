@@ -240,6 +240,9 @@ def pipeline_problems(man: dict, ios: dict, found, lacking: frozenset = frozense
     tasks = pipe.get("tasks")
     if not isinstance(tasks, list) or not tasks or any(t not in TASKS for t in tasks):
         found.add("pipeline.tasks", "value", f"must list tasks of {', '.join(TASKS)}, got {tasks!r}")
+    zero = (pipe.get("conditioning") or {}).get("zero_unconditional") if isinstance(pipe.get("conditioning") or {}, dict) else None
+    if zero is not None and not isinstance(zero, bool):
+        found.add("pipeline.conditioning.zero_unconditional", "type", f"must be true or false, got {zero!r}")
     comps = man.get("components") if isinstance(man.get("components"), dict) else {}
     fields = [_check_stage_fields(i, s, comps, man, found, require_present) for i, s in enumerate(stages)]
     if False in fields:

@@ -195,3 +195,12 @@ def lcm_bundle_2_steps(lcm_student, export_lcm, tmp_path_factory):
     tests/export/test_lcm_export.py, checked in the page (on a copy) by tests/web/test_check_lcm.py. Tests that
     change a bundle change a copy."""
     return export_lcm(lcm_student, tmp_path_factory.mktemp("lcm_export"), steps=2, guidance_scale=2.0)
+
+
+@pytest.fixture(scope="session")
+def sdxl_bundle(gpu_delegate, tmp_path_factory):
+    """The tiny SDXL folder (force_zeros_for_empty_prompt true) and its bundle, exported once for the session
+    (tests/tiny_sdxl.py `export_tiny_sdxl`): {"folder", "out", "report"}. Tests that change the bundle change a copy."""
+    from tiny_sdxl import export_tiny_sdxl
+
+    return export_tiny_sdxl(tmp_path_factory.mktemp("sdxl"))

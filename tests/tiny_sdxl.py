@@ -1,6 +1,7 @@
 """A tiny SDXL-style UNet (``addition_embed_type="text_time"``) and conditionings for it, shared by the
-conditioning-seam tests (tests/core, tests/train, tests/compress/quant). Importable as `tiny_sdxl`:
-tests/conftest.py puts this folder on sys.path."""
+conditioning-seam tests (tests/core, tests/train, tests/compress/quant); the tiny SDXL bundle's export
+(`export_tiny_sdxl`: tests/conftest.py's session fixture `sdxl_bundle`, read by tests/export/test_sdxl_bundle.py and
+tests/web/test_node_runner_sdxl.py). Importable as `tiny_sdxl`: tests/conftest.py puts this folder on sys.path."""
 from __future__ import annotations
 
 import torch
@@ -35,3 +36,31 @@ def noise(n: int = 2, seed: int = 0) -> torch.Tensor:
 
 def ddim_scheduler() -> DDIMScheduler:
     return DDIMScheduler(**scheduler_config())
+
+
+SDXL_PROMPT, SDXL_STEPS, SDXL_SCALE = "a red circle on a white background", 4, 3.0
+SDXL_CAPTIONS = ["a red circle on a white background", "a blue square", "a green star on a black background"]
+
+
+def export_tiny_sdxl(root) -> dict:
+    """A tiny SDXL pipeline (arch tiny_xl, trained-like norms) saved as a stock StableDiffusionXLPipeline folder with
+    SDXL base's `force_zeros_for_empty_prompt: true`, and `pocketdiff export` of that folder (cfg guidance, DDIM 4
+    steps, an fp16 scan). {"folder", "out": the bundle, "report": export's report.json}."""
+    import json
+
+    import yaml
+
+    from pocketdiff.cli import main
+    from pocketdiff.models import ModelConfig, build_pipeline, perturb_norm_affines, save_pipeline
+
+    pipe = build_pipeline(ModelConfig(arch="tiny_xl"), captions=SDXL_CAPTIONS)
+    for i, name in enumerate(("unet", "vae", "text_encoder", "text_encoder_2")):  # trained-like norms (identity ones
+        perturb_norm_affines(getattr(pipe, name), i)  # fold into BROADCAST_TO, which the delegate rejects)
+    pipe.register_to_config(force_zeros_for_empty_prompt=True)  # SDXL base's setting: the unconditional rows are zeros
+    save_pipeline(pipe, root / "xl")
+    cfg = {"seed": 0, "model": {"pretrained": str(root / "xl")}, "guidance": "cfg", "guidance_scale": SDXL_SCALE,
+           "steps": SDXL_STEPS, "golden_prompt": SDXL_PROMPT, "fp16_scan": {"enabled": True, "prompts": ["a red circle"], "steps": 1}}
+    (root / "export.yaml").write_text(yaml.safe_dump(cfg))
+    out = root / "bundle"
+    assert main(["export", "--config", str(root / "export.yaml"), "--output", str(out)]) == 0
+    return {"folder": root / "xl", "out": out, "report": json.loads((out / "report.json").read_text())}

@@ -1,9 +1,10 @@
 """The SDXL family through export, run-bundle and verify-bundle (issue 63 part 1), on a tiny SDXL-shaped pipeline built
-from config (arch tiny_xl), saved as a stock StableDiffusionXLPipeline folder and exported from that folder (the real
-loading path). Both text encoders, the UNet (pooled embeddings and time ids as declared inputs) and the decoder run
+from config (arch tiny_xl), saved as a stock StableDiffusionXLPipeline folder with SDXL base's
+force_zeros_for_empty_prompt: true and exported from that folder (the real loading path; tests/conftest.py `sdxl_bundle`). Both text encoders, the UNet (pooled embeddings and time ids as declared inputs) and the decoder run
 fully on the GPU delegate (lavapipe); the bundle runs with no SDXL-specific runner code: its pipeline block is data.
 
-Parity with diffusers' StableDiffusionXLPipeline (same prompt, the empty negative prompt, DDIM, 4 steps, guidance 3,
+Parity with diffusers' StableDiffusionXLPipeline (same prompt, no negative prompt: the unconditional rows are zeros
+under the folder's flag, the manifest's pipeline.conditioning.zero_unconditional; DDIM, 4 steps, guidance 3,
 size / crop ids (32, 32) / (0, 0) / (32, 32), the bundle's initial latents): the torch path (encode_conditioning +
 ddim_sample + decode_latents) is the same arithmetic (measured bit-identical; >= 60 dB allows other CPUs' kernels);
 the bundle on the CPU runs fp16-stored weights in float32 (measured 74 dB, cosine 1 - 5e-8: >= 50 dB, >= 0.9999);
@@ -16,35 +17,24 @@ import shutil
 import numpy as np
 import pytest
 import torch
-import yaml
 
-PROMPT, SEED, STEPS, SCALE = "a red circle on a white background", 3, 4, 3.0
-CAPTIONS = ["a red circle on a white background", "a blue square", "a green star on a black background"]
+from tiny_sdxl import SDXL_PROMPT as PROMPT, SDXL_SCALE as SCALE, SDXL_STEPS as STEPS  # tests/tiny_sdxl.py
+
+SEED = 3
 
 
 @pytest.fixture(scope="module")
-def xl(gpu_delegate, tmp_path_factory):
-    """{"folder": the saved tiny SDXL pipeline, "out": its bundle, "report": export's report.json}."""
-    from pocketdiff.cli import main
-    from pocketdiff.models import ModelConfig, build_pipeline, perturb_norm_affines, save_pipeline
-
-    root = tmp_path_factory.mktemp("sdxl")
-    pipe = build_pipeline(ModelConfig(arch="tiny_xl"), captions=CAPTIONS)
-    for i, name in enumerate(("unet", "vae", "text_encoder", "text_encoder_2")):  # trained-like norms (identity ones
-        perturb_norm_affines(getattr(pipe, name), i)  # fold into BROADCAST_TO, which the delegate rejects)
-    save_pipeline(pipe, root / "xl")
-    cfg = {"seed": 0, "model": {"pretrained": str(root / "xl")}, "guidance": "cfg", "guidance_scale": SCALE, "steps": STEPS,
-           "golden_prompt": PROMPT, "fp16_scan": {"enabled": True, "prompts": ["a red circle"], "steps": 1}}
-    (root / "export.yaml").write_text(yaml.safe_dump(cfg))
-    out = root / "bundle"
-    assert main(["export", "--config", str(root / "export.yaml"), "--output", str(out)]) == 0
-    return {"folder": root / "xl", "out": out, "report": json.loads((out / "report.json").read_text())}
+def xl(sdxl_bundle):
+    """{"folder": the saved tiny SDXL pipeline (force_zeros_for_empty_prompt true), "out": its bundle, "report": export's
+    report.json}: tests/conftest.py's session fixture, shared with tests/web/test_node_runner_sdxl.py."""
+    return sdxl_bundle
 
 
 def test_the_bundle_declares_the_sdxl_pipeline(xl):
     man = json.loads((xl["out"] / "manifest.json").read_text())
     block = man["pipeline"]
-    assert block["family"] == "sdxl" and block["conditioning"] == {"time_ids": [32.0, 32.0, 0.0, 0.0, 32.0, 32.0]}
+    assert block["family"] == "sdxl"
+    assert block["conditioning"] == {"time_ids": [32.0, 32.0, 0.0, 0.0, 32.0, 32.0], "zero_unconditional": True}  # the folder's flag
     assert [(s["stage"], s["component"], s.get("tokenizer")) for s in block["stages"]] == [
         ("encode_prompt", "text_encoder", "tokenizer"), ("encode_prompt_2", "text_encoder_2", "tokenizer_2"),
         ("denoise", "unet", None), ("decode", "vae_decoder", None)]
@@ -65,18 +55,20 @@ def _diffusers_image(folder, latents: np.ndarray) -> np.ndarray:
 
     stock = StableDiffusionXLPipeline.from_pretrained(str(folder))
     stock.set_progress_bar_config(disable=True)
-    return stock(PROMPT, negative_prompt="", num_inference_steps=STEPS, guidance_scale=SCALE, latents=torch.from_numpy(latents),
+    assert stock.config.force_zeros_for_empty_prompt  # no negative prompt: zero unconditional rows
+    return stock(PROMPT, num_inference_steps=STEPS, guidance_scale=SCALE, latents=torch.from_numpy(latents),
                  original_size=(32, 32), crops_coords_top_left=(0, 0), target_size=(32, 32), output_type="np").images[0]
 
 
 def _torch_image(folder, latents: np.ndarray) -> np.ndarray:
-    from pocketdiff.conditioning import encode_conditioning
+    from pocketdiff.conditioning import encode_conditioning, encode_unconditional
     from pocketdiff.models import load_pipeline
     from pocketdiff.sampling import ddim_sample, decode_latents
 
     pipe = load_pipeline(str(folder))
     with torch.no_grad():
-        cond, uncond = encode_conditioning(pipe, [PROMPT]), encode_conditioning(pipe, [""])
+        cond, uncond = encode_conditioning(pipe, [PROMPT]), encode_unconditional(pipe, [""])
+        assert float(uncond.prompt_embeds.abs().max()) == 0.0 and float(uncond.time_ids.abs().max()) > 0  # the flag's rule
         lat = ddim_sample(pipe.unet, pipe.scheduler, cond, uncond, steps=STEPS, guidance_scale=SCALE, latents=torch.from_numpy(latents))
         return decode_latents(pipe.vae, lat)[0].permute(1, 2, 0).numpy()
 

@@ -27,7 +27,7 @@ out.manifests = (req.manifests || []).map((man) => {
 const tensor = (t) => ({ data: Float32Array.from(t.data), shape: t.shape });
 const plain = (t) => ({ data: Array.from(t.data), shape: t.shape });
 out.guidance = (req.guidance || []).map((c) => {
-  const g = new stages.Guidance(c.block, c.scale);
+  const g = new stages.Guidance(c.block, c.scale, Boolean(c.zero));
   return {
     prompts: g.prompts(c.prompt), unconditional: g.unconditional,
     stack: plain(g.stack(c.rows.map(tensor))), repeat: plain(g.repeat(tensor(c.sample))),

@@ -145,20 +145,26 @@ def test_versions_and_roles_no_runner_feeds_are_refused(node, tmp_path):
     assert "stage denoise, component unet, input timestep_cond: no runner feeds role guidance_embedding" in msgs[2]
 
 
-@pytest.mark.parametrize("mode,batch,scale", [("cfg", 2, 7.5), ("embedded", 1, 4.0), ("none", 1, 1.0)])
-def test_guidance_is_the_pythons(node, tmp_path, mode, batch, scale):
+@pytest.mark.parametrize("mode,batch,scale,zero", [("cfg", 2, 7.5, False), ("embedded", 1, 4.0, False), ("none", 1, 1.0, False),
+                                                ("cfg", 2, 7.5, True), ("embedded", 1, 4.0, True)])
+def test_guidance_is_the_pythons(node, tmp_path, mode, batch, scale, zero):
+    """zero: pipeline.conditioning.zero_unconditional (the empty prompt is not encoded; its rows are zeros)."""
     rng = np.random.default_rng(batch)
     block = {"mode": mode, "scale": scale, "unet_batch": batch}
     cond, uncond = (rng.standard_normal((1, 3, 4)).astype(np.float32) for _ in range(2))
-    rows = [cond, uncond][:batch]
+    rows = [cond, uncond][:1 if zero else batch]
     sample = rng.standard_normal((1, 2, 3, 3)).astype(np.float32)
     unet_out = rng.standard_normal((batch, 2, 3, 3)).astype(np.float32)
     t = lambda a: {"data": a.ravel().tolist(), "shape": list(a.shape)}  # noqa: E731
-    case = {"block": block, "scale": scale, "prompt": "a cat", "rows": [t(r) for r in rows], "sample": t(sample), "out": unet_out.ravel().tolist()}
+    case = {"block": block, "scale": scale, "prompt": "a cat", "rows": [t(r) for r in rows], "sample": t(sample), "out": unet_out.ravel().tolist(),
+            "zero": zero}
     pairs = [(rng.standard_normal((2, 3, 4)).astype(np.float32), rng.standard_normal((2, 3, 5)).astype(np.float32))]
     out = _run(node, tmp_path, {"guidance": [case], "concat": [[t(a), t(b)] for a, b in pairs]})
-    got, g = out["guidance"][0], Guidance(block)
+    got, g = out["guidance"][0], Guidance(block, zero_unconditional=zero)
     assert got["prompts"] == g.prompts("a cat") and got["unconditional"] == g.unconditional
+    assert g.prompts("a cat") == (["a cat", ""] if batch == 2 and not zero else ["a cat"])
+    if zero and batch == 2:  # [zeros, cond]
+        np.testing.assert_array_equal(g.stack(rows), np.concatenate([np.zeros_like(cond), cond]))
     for key, want in (("stack", g.stack(rows)), ("repeat", g.repeat(sample))):
         assert got[key]["shape"] == list(want.shape), key
         np.testing.assert_array_equal(np.asarray(got[key]["data"], np.float32), want.ravel())  # copies: exact

@@ -351,7 +351,8 @@ async function decodeStage(log, x, fetches) {
 export async function generate(bundle, opts) {
   const plan = opts.image ? imagePlan(bundle.man, opts.image) : null; // checked before any model loads (image_input.js)
   const log = new RunLog(bundle, opts);
-  const guidance = new Guidance(bundle.man.guidance, opts.scale);
+  const zeroUncond = Boolean(bundle.man.pipeline?.conditioning?.zero_unconditional); // runtime/guidance.py's rule
+  const guidance = new Guidance(bundle.man.guidance, opts.scale, zeroUncond);
   const tStart = performance.now();
   const rows = tokenRows(bundle, guidance, opts.prompt);
   log.latency.tokenize_ms = performance.now() - tStart;

@@ -357,15 +357,17 @@ function outputProblem(man, stage, got, found) {
  *  out[0] + scale * (out[1] - out[0]); `embedded` and `none` (unet_batch 1) run the prompt alone. Tensors are
  *  {data: Float32Array, shape}. `scale`: the page's (its guidance field), else the block's. */
 export class Guidance {
-  constructor(block, scale = block.scale) {
+  /** zeroUnconditional: the manifest's pipeline.conditioning.zero_unconditional (runtime/guidance.py's rule). */
+  constructor(block, scale = block.scale, zeroUnconditional = false) {
     this.mode = String(block.mode);
     this.scale = Number(scale);
     this.batch = Number(block.unet_batch);
+    this.zeroUnconditional = Boolean(zeroUnconditional);
   }
 
-  /** Whether the empty prompt is encoded too (its row goes first in the UNet's batch). */
+  /** Whether the empty prompt is encoded too (its row goes first in the UNet's batch); not when its rows are zeros. */
   get unconditional() {
-    return this.batch === 2;
+    return this.batch === 2 && !this.zeroUnconditional;
   }
 
   /** The prompts each encode stage runs on, in order: the prompt, then (cfg) the empty prompt. */
@@ -375,6 +377,12 @@ export class Guidance {
 
   /** A prompt role's rows (in `prompts` order) as the UNet's batch: [uncond, cond] for cfg. */
   stack(rows) {
+    if (this.batch === 2 && this.zeroUnconditional) {
+      const cond = rows[0]; // [zeros, cond]: a Float32Array starts zeroed
+      const data = new Float32Array(2 * cond.data.length);
+      data.set(cond.data, cond.data.length);
+      return { data, shape: [2 * cond.shape[0], ...cond.shape.slice(1)] };
+    }
     if (rows.length === 1) return rows[0];
     const [cond, uncond] = rows;
     const data = new Float32Array(uncond.data.length + cond.data.length);
