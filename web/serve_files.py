@@ -148,6 +148,8 @@ class BundleFiles:
                     entries = _file_entries(man, None)
                 except PocketdiffError as e:
                     raise Refused(503, str(e)) from None
+                except (AttributeError, TypeError, KeyError, ValueError) as e:  # a field of the wrong kind
+                    raise Refused(503, f"{mpath}: not a bundle manifest serve can read ({type(e).__name__}: {e})") from None
                 self._named = {posixpath.normpath(e["path"]): (e, what, is_model) for e, what, is_model in entries
                                if isinstance(e, dict) and isinstance(e.get("path"), str) and e["path"]}
                 self._manifest_id = ident

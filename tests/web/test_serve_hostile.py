@@ -281,3 +281,17 @@ def test_report_files_are_bounded_and_named_by_the_path(page_bundle, tmp_path, m
         assert codes == [204, 204, 507, 204]  # a third name is refused, a known name replaces its file
         assert request(srv.port, "POST", "/report/a", body=b'{"x": "' + b"y" * 100 + b'"}', headers=JSON)[0] == 413
     assert sorted(p.name for p in out.iterdir()) == ["report_a.json", "report_b.json"]
+
+
+def test_a_manifest_damaged_while_served_is_a_503_not_a_crash(page_bundle, capfd):
+    mpath = page_bundle / "manifest.json"
+    good = mpath.read_text()
+    with PageServer(page_bundle, port=0) as srv:
+        for damage in ('{"components": {"unet": {"path": "unet.tflite"}}, "tokenizer": 7}', "[1, 2", '{"components": 3}'):
+            mpath.write_text(damage)
+            code, body, _ = request(srv.port, "GET", "/unet.tflite")
+            assert code == 503 and b"manifest" in body, damage
+            assert request(srv.port, "GET", "/manifest.json")[0] == 200  # the page reads it and says what is wrong
+        mpath.write_text(good)
+        assert request(srv.port, "GET", "/unet.tflite")[0] == 200
+    assert "Traceback" not in capfd.readouterr().err
