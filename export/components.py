@@ -50,6 +50,16 @@ class TextEncoderGraph(nn.Module):
 
             self.pool = EndTokenPool(text_encoder.config)
 
+    def unused_modules(self) -> tuple[str, ...]:
+        """Prefixes of the module names `forward` never runs (the penultimate state alone: the last encoder layer);
+        int8 leaves their layers out of the graph (export/int8.py `pieces_for`: reported outside the graph)."""
+        if self.hidden != "penultimate" or self.pooled:
+            return ()
+        for name, m in self.text_encoder.named_modules():
+            if isinstance(m, nn.ModuleList) and name.endswith("layers") and len(m):
+                return (f"text_encoder.{name}.{len(m) - 1}.",)
+        return ()
+
     def forward(self, input_ids: torch.Tensor):
         if self.hidden == "last":
             return self.text_encoder(input_ids, return_dict=False)[0]

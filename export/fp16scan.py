@@ -183,6 +183,7 @@ class Fp16Scanner:
             "fp16_max": FP16_MAX,
             "emulated": self.emulate,
             "modules_scanned": len(self.order),
+            "components": sorted({n.split(".", 1)[0] for n in self.order}),  # the models watched (text_encoder_2 for SDXL)
             "overflowing_ops": len(entries),
             "unmitigated": len(unmitigated),
             "first_overflow": self.first_overflow,
@@ -238,6 +239,8 @@ def scan_pipeline(pipe, prompts: list[str], steps: int = 4, guidance_scale: floa
 
     scanner = Fp16Scanner(emulate=emulate)
     scanner.attach(pipe.text_encoder, "text_encoder")
+    if getattr(pipe, "text_encoder_2", None) is not None:  # the SDXL family's second text encoder
+        scanner.attach(pipe.text_encoder_2, "text_encoder_2")
     scanner.attach(pipe.unet, "unet")
     scanner.attach(pipe.vae.decoder, "vae_decoder")
     if getattr(pipe.vae, "post_quant_conv", None) is not None:

@@ -27,13 +27,13 @@ from pocketdiff.compress.quant.int8_format import (
     rtn_scale,
 )
 from pocketdiff.errors import PocketdiffError
-from pocketdiff.runtime.components import COMPONENTS, REGISTRY
+from pocketdiff.runtime.components import COMPONENTS, REGISTRY, STAGE_COMPONENTS
 
 from .convert import Int8Piece
 from .rewrites import Conv1x1Linear, SerializedConv2d, swap_modules
 
 # component -> prefix of its names inside the exported graph module (the registry's graph_prefix)
-GRAPH_PREFIX = {n: REGISTRY[n].graph_prefix for n in COMPONENTS}
+GRAPH_PREFIX = {n: REGISTRY[n].graph_prefix for n in STAGE_COMPONENTS}  # SDXL's text_encoder_2 too
 
 
 @dataclasses.dataclass
@@ -132,11 +132,12 @@ def pieces_for(graph: nn.Module, q: QuantizedComponent) -> list[Int8Piece]:
     prefix = GRAPH_PREFIX[q.component]
     pieces: list[Int8Piece] = []
     seen_layers = set()
+    unused = tuple(getattr(graph, "unused_modules", lambda: ())())  # modules its forward never runs: no tensor to hold codes
     for name, m in graph.named_modules():
         if not isinstance(m, (nn.Conv2d, nn.Linear)):
             continue
         src, rows, cols = getattr(m, "pd_source", (name, None, None))
-        if not src.startswith(prefix):
+        if not src.startswith(prefix) or src.startswith(unused or ("\0",)):
             continue
         layer = src[len(prefix) :]
         lr = q.recipe.layers.get(layer)

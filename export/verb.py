@@ -34,7 +34,8 @@ from pocketdiff.outputs import write_json
 from pocketdiff.runtime.bundle import MANIFEST, load_manifest
 from pocketdiff.runtime.chunks import block_key
 from pocketdiff.names import GUIDANCE_MODES as BUNDLE_GUIDANCE_MODES
-from pocketdiff.runtime.components import CHUNKABLE, COMPONENTS, REGISTRY, TASK_STAGES, TEXT_TO_IMAGE_COMPONENTS, TILED_DECODER
+from pocketdiff.runtime.components import (CHUNKABLE, COMPONENTS, REGISTRY, STAGE_COMPONENTS, TASK_STAGES, TEXT_TO_IMAGE_COMPONENTS,
+                                          TILED_DECODER)
 from pocketdiff.runtime.onepass_decode import ONE_PASS
 from pocketdiff.runtime.tiled_decode import SCHEMES as TILING_SCHEMES
 
@@ -81,7 +82,7 @@ class Int8Config:
         require(self.float_storage in ("fp16", "fp32"), "int8.float_storage", "must be fp16 or fp32")
         require(self.gpu_weights in ("dequantize", "direct"), "int8.gpu_weights", f"must be dequantize or direct, got {self.gpu_weights!r}")
         for c in self.components:
-            require(c in COMPONENTS, "int8.components", f"unknown component {c!r}; choose from {COMPONENTS}")
+            require(c in STAGE_COMPONENTS, "int8.components", f"unknown component {c!r}; choose from {STAGE_COMPONENTS}")
 
 
 @dataclasses.dataclass
@@ -304,12 +305,14 @@ def _load_pipeline(cfg: Config):
             quantized = load_component_checkpoints(cfg.int8.checkpoint)
         else:
             for c in cfg.int8.components:
+                if getattr(pipe, REGISTRY[c].pipeline_attr, None) is None:
+                    raise PocketdiffError(f"int8.components: {c}: the model has no {c} (the SDXL family's second text encoder)")
                 quantized[c] = rtn_checkpoint(getattr(pipe, REGISTRY[c].pipeline_attr), c, cfg.int8.bits, skip=REGISTRY[c].int8_skip)
         if cfg.rewrites.conv_lowering != "none":  # before any conversion: the lowered taps carry one scale per output channel
             grouped = [f"{c}.{n}" for c, q in quantized.items() if c in cfg.rewrites.conv_lowering_components
                        for n, lr in q.recipe.layers.items() if lr.group_size is not None]
             require(not grouped, "rewrites.conv_lowering", f"cannot lower group-wise quantized layers ({', '.join(grouped[:3])}); use none")
-        for c in COMPONENTS:
+        for c in STAGE_COMPONENTS:  # text_encoder_2 too
             if c in quantized:
                 apply_to_module(getattr(pipe, REGISTRY[c].pipeline_attr), quantized[c])
     return model_cfg, pipe, synthetic, quantized
@@ -551,7 +554,8 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
         "components": summary,
         "bundle_bytes": int(sum(p.stat().st_size for p in out.rglob("*") if p.is_file() and "_export" not in p.parts)),
         "vae_tiling": {**split.block, **tiling_report, "residual_scale": split.residual_scale} if split is not None else None,
-        "fp16_scan": None if scan is None else {k: scan.get(k) for k in ("overflowing_ops", "unmitigated", "first_overflow", "max_abs", "peaks", "residual_scale_auto")},
+        "fp16_scan": None if scan is None else {k: scan.get(k) for k in ("overflowing_ops", "unmitigated", "first_overflow", "max_abs", "peaks",
+                                                                   "residual_scale_auto", "components")},
         "peak_rss_mb": round(peak_rss_mb(), 1),
         "synthetic_weights": synthetic,
         "timings": {**timings, "bundle_s": round(time.perf_counter() - t_bundle, 2),

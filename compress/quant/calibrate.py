@@ -29,7 +29,7 @@ import torch
 from pocketdiff.errors import ParityError, PocketdiffError
 from pocketdiff.models import load_or_build, load_pipeline, perturb_norm_affines, save_pipeline
 from pocketdiff.outputs import commit_folder, write_json
-from pocketdiff.conditioning import encode_conditioning, encode_prompts, encode_unconditional
+from pocketdiff.conditioning import encode_conditioning, encode_unconditional, text_encoders
 from pocketdiff.device import cap_cuda_memory, resolve_device
 from pocketdiff.runtime.memory import tune_allocator
 
@@ -45,6 +45,12 @@ from .reconstruct import reconstruct_unet, write_weights
 UNET_FILE = "unet_int8.safetensors"
 TEXT_ENCODER_FILE = "text_encoder_int8.safetensors"
 VAE_DECODER_FILE = "vae_decoder_int8.safetensors"
+TEXT_ENCODERS = ("text_encoder", "text_encoder_2")  # quantized by RTN at searched scales when listed
+
+
+def int8_file(component: str) -> str:
+    """A quantized component's checkpoint file name (text_encoder_int8.safetensors, ...)."""
+    return f"{component}_int8.safetensors"
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -261,12 +267,17 @@ def _load_model(cfg: Config, device, timings: dict) -> tuple:
     if cfg.perturb_norms > 0:
         if cfg.model.pretrained:
             raise PocketdiffError("perturb_norms applies to built (random) models only; unset it for model.pretrained")
-        for i, comp in enumerate((pipe.unet, pipe.text_encoder, pipe.vae)):
-            perturb_norm_affines(comp, cfg.seed + i, scale=cfg.perturb_norms)
+        for i, comp in enumerate((pipe.unet, pipe.text_encoder, pipe.vae, getattr(pipe, "text_encoder_2", None))):
+            if comp is not None:
+                perturb_norm_affines(comp, cfg.seed + i, scale=cfg.perturb_norms)
     # NaN / Inf weights were refused by load_pipeline (models.check_finite_weights)
     pipe.unet.to(device=device, dtype=torch.float32).eval().requires_grad_(False)
-    pipe.text_encoder.to(device=device, dtype=torch.float32).eval().requires_grad_(False)
+    for encoder in text_encoders(pipe):  # SDXL: text_encoder_2 too
+        encoder.to(device=device, dtype=torch.float32).eval().requires_grad_(False)
     pipe.vae.to(device=device, dtype=torch.float32).eval().requires_grad_(False)
+    missing = [c for c in cfg.quant.components if c in TEXT_ENCODERS and getattr(pipe, c, None) is None]
+    if missing:
+        raise PocketdiffError(f"quant.components: {missing[0]}: the model has no {missing[0]} (the SDXL family's second text encoder)")
     timings["load_s"] = round(time.time() - t, 3)
     return pipe, calib_prompts, holdout_prompts
 
@@ -293,14 +304,16 @@ def _reconstruct(cfg: Config, pipe, calib, device, cap: Optional[int], timings: 
         raise PocketdiffError("the UNet has no Conv2d / Linear layer left to quantize (check quant.skip)")
     shapes = {g: unet.get_submodule(g).weight.shape for g in names}
     specs = layer_specs(names, shapes, cfg.quant.bits, cfg.quant.group_size, cfg.quant.layer_bits)
-    if cfg.recon.stream:  # the text encoder and VAE wait on the host
-        pipe.text_encoder.to("cpu")
+    if cfg.recon.stream:  # the text encoders and VAE wait on the host
+        for encoder in text_encoders(pipe):
+            encoder.to("cpu")
         pipe.vae.to("cpu")
         if device.type == "cuda":
             torch.cuda.empty_cache()
     results, info = reconstruct_unet(unet, calib, specs, cfg.recon, device=device, skip=cfg.quant.skip, seed=cfg.seed,
                                      log=_log, devices=_worker_devices(cfg, device), memory_cap_bytes=cap, host_cache=host_cache)
-    pipe.text_encoder.to(device)
+    for encoder in text_encoders(pipe):
+        encoder.to(device)
     pipe.vae.to(device)
     timings["reconstruct_s"] = round(time.time() - t, 3)
     return specs, results, info
@@ -440,8 +453,8 @@ def _set_state(module: torch.nn.Module, state: dict) -> None:
 
 
 def _set_component(pipe, component: str, state: dict) -> None:
-    if component == "text_encoder":
-        _set_state(pipe.text_encoder, state)
+    if component in TEXT_ENCODERS:
+        _set_state(getattr(pipe, component), state)
     elif component == "vae_decoder":
         pipe.vae.load_state_dict(state, strict=False)
 
@@ -452,14 +465,43 @@ def _parity(cfg: Config, min_bits: int, unet_cos: float, rtn_cos: float, extras:
     checks["min_unet_cosine"] = {"value": unet_cos, "threshold": thr, "passed": unet_cos >= thr}
     if cfg.parity.recon_not_worse_than_rtn:
         checks["recon_not_worse_than_rtn"] = {"value": unet_cos, "threshold": rtn_cos - 1e-4, "passed": unet_cos >= rtn_cos - 1e-4}
-    for key, comp_bits in (("text_encoder", cfg.quant.bits), ("vae_decoder", cfg.quant.bits)):
+    for key, comp_bits in (("text_encoder", cfg.quant.bits), ("text_encoder_2", cfg.quant.bits), ("vae_decoder", cfg.quant.bits)):
         if key in extras.get("cosines", {}):
             name = f"min_{key}_cosine"
             val = extras["cosines"][key]
-            t = getattr(cfg.parity, name)
+            t = getattr(cfg.parity, name.replace("_2_", "_"))  # text_encoder_2: the text encoders' bar
             t = t if t is not None else DEFAULT_MIN_COSINE[comp_bits]
             checks[name] = {"value": val, "threshold": t, "passed": val >= t}
     return {"passed": all(c["passed"] for c in checks.values()), "checks": checks}
+
+
+def _text_cos(pipe, name: str, module, prompts, device, ref=None):
+    """The conditioning the prompts make with `module` as text encoder `name` (its text fields flattened side by side);
+    with `ref`, its cosine to `ref`."""
+    saved = getattr(pipe, name)
+    setattr(pipe, name, module)
+    try:
+        cond = encode_conditioning(pipe, prompts, device)
+    finally:
+        setattr(pipe, name, saved)
+    flat = torch.cat([v.float().flatten(1) for k, v in cond.tensors().items() if k != "time_ids"], dim=1)
+    return flat if ref is None else _cos(flat, ref)
+
+
+def _text_encoder_int8(cfg: Config, pipe, name: str, holdout_prompts, device, result: dict) -> dict:
+    """Text encoder `name`: RTN at searched scales; cosine of the prompts' conditioning vs float (its save entry)."""
+    te = getattr(pipe, name)
+    names = list(_component_layers(te))
+    rtn_res, searched, specs = _quantize_simple(te, names, cfg.quant.bits, cfg.quant.group_size, cfg.quant.layer_bits, device)
+    q_te = copy.deepcopy(te)
+    _apply(q_te, searched, specs)
+    cos = _text_cos(pipe, name, q_te, holdout_prompts, device, _text_cos(pipe, name, te, holdout_prompts, device))
+    result["cosines"][name] = cos
+    result["report"][f"{name}_cosine"] = cos
+    state, src = te.state_dict(), {"source_pipeline": cfg.model.pretrained or f"built:{cfg.model.arch}"}
+    return {"component": name, "file": int8_file(name), "state": quantized_state_dict(state, searched),
+            "recipe": _recipe(name, specs, {n: "rtn_mse" for n in names}, cfg.seed, src),
+            "rtn_state": quantized_state_dict(state, rtn_res), "rtn_recipe": _recipe(name, specs, {n: "rtn" for n in names}, cfg.seed, src)}
 
 
 @torch.no_grad()
@@ -467,26 +509,8 @@ def _optional_components(cfg: Config, pipe, holdout_prompts, calib, device) -> d
     """Text encoder / VAE decoder: RTN at searched scales; cosine vs float on held-out prompts / latents."""
     result: dict = {"save": [], "cosines": {}, "report": {}}
     seed = cfg.seed
-    if "text_encoder" in cfg.quant.components:
-        te = pipe.text_encoder
-        names = list(_component_layers(te))
-        rtn_res, searched, specs = _quantize_simple(te, names, cfg.quant.bits, cfg.quant.group_size, cfg.quant.layer_bits, device)
-        ref = encode_prompts(pipe, holdout_prompts, device).float()
-        q_te = copy.deepcopy(te)
-        _apply(q_te, searched, specs)
-        saved, pipe.text_encoder = pipe.text_encoder, q_te
-        cos = _cos(encode_prompts(pipe, holdout_prompts, device).float(), ref)
-        pipe.text_encoder = saved
-        result["cosines"]["text_encoder"] = cos
-        result["report"]["text_encoder_cosine"] = cos
-        state = te.state_dict()
-        result["save"].append({
-            "component": "text_encoder", "file": TEXT_ENCODER_FILE,
-            "state": quantized_state_dict(state, searched),
-            "recipe": _recipe("text_encoder", specs, {n: "rtn_mse" for n in names}, seed, {"source_pipeline": cfg.model.pretrained or f"built:{cfg.model.arch}"}),
-            "rtn_state": quantized_state_dict(state, rtn_res),
-            "rtn_recipe": _recipe("text_encoder", specs, {n: "rtn" for n in names}, seed, {"source_pipeline": cfg.model.pretrained or f"built:{cfg.model.arch}"}),
-        })
+    for name in (n for n in TEXT_ENCODERS if n in cfg.quant.components):  # SDXL's text_encoder_2 as the first
+        result["save"].append(_text_encoder_int8(cfg, pipe, name, holdout_prompts, device, result))
     if "vae_decoder" in cfg.quant.components:
         vae = pipe.vae
         names = list(_component_layers(vae, ("decoder", "post_quant_conv")))
@@ -598,7 +622,7 @@ def load_quantized_pipeline(folder, variant: str = "recon", device=None, torch_d
         base = Path(src)
     pipe = load_pipeline(str(base))
     _set_state(pipe.unet, dequantized_state_dict(state, recipe))
-    for file, comp in ((TEXT_ENCODER_FILE, "text_encoder"), (VAE_DECODER_FILE, "vae_decoder")):
+    for file, comp in ((int8_file(c), c) for c in (*TEXT_ENCODERS, "vae_decoder")):
         if (qdir / file).is_file():
             s, r = load_quantized(qdir / file)
             _set_component(pipe, comp, dequantized_state_dict(s, r))

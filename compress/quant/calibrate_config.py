@@ -10,12 +10,13 @@ from typing import Optional
 from pocketdiff.config import DataConfig, deprecated
 from pocketdiff.errors import require
 from pocketdiff.models import ModelConfig
-from pocketdiff.runtime.components import COMPONENTS
+from pocketdiff.runtime.components import STAGE_COMPONENTS
 
 from .block_recon import ReconConfig
 
 DEFAULT_MIN_COSINE = {8: 0.99, 4: 0.9}
-QUANTIZABLE = COMPONENTS  # the registry's (runtime/components.py)
+QUANTIZABLE = STAGE_COMPONENTS  # the registry's whole components (runtime/components.py), SDXL's text_encoder_2 too
+CALIBRATED = ("unet", "text_encoder", "text_encoder_2", "vae_decoder")  # what calibrate itself quantizes
 
 
 @dataclasses.dataclass
@@ -52,7 +53,7 @@ class QuantConfig:
     group_size: Optional[int] = None  # None: per output channel; else group-wise over the flattened input
     layer_bits: dict[str, int] = dataclasses.field(default_factory=dict)  # fnmatch pattern -> bits (e.g. conv_in: 8)
     skip: list[str] = dataclasses.field(default_factory=list)  # fnmatch patterns of UNet layers kept float
-    # what to quantize: the UNet (block reconstruction) and optionally text_encoder / vae_decoder (RTN at
+    # what to quantize: the UNet (block reconstruction) and optionally text_encoder(_2) / vae_decoder (RTN at
     # searched scales), as export's int8.components names them
     components: list[str] = dataclasses.field(default_factory=lambda: ["unet"])
     text_encoder: Optional[bool] = None  # deprecated: components: [unet, text_encoder]
@@ -67,6 +68,8 @@ class QuantConfig:
                 setattr(self, old, None)
         for c in self.components:
             require(c in QUANTIZABLE, "quant.components", f"unknown component {c!r}; choose from {QUANTIZABLE}")
+            require(c in CALIBRATED, "quant.components", f"calibrate quantizes {', '.join(CALIBRATED)}, not {c} "
+                    "(export's int8.rtn quantizes any registry component)")
         require("unet" in self.components, "quant.components", "must list unet (calibrate reconstructs the UNet)")
         require(self.bits in (4, 8), "quant.bits", f"must be 4 or 8, got {self.bits}")
         require(self.group_size is None or self.group_size >= 2, "quant.group_size", "must be >= 2 or null")
