@@ -26,6 +26,7 @@ from pocketdiff.errors import PocketdiffError, require
 PAGE_DIR = "web"
 STATIC = Path(__file__).resolve().parent / "static"
 PAGE_FILES = ("index.html", "style.css", "app.js", "generate.js", "pipeline.js", "stages.js", "chunks.js", "prepare.js", "tiled.js", "lcm.js", "schedulers.js", "bpe.js", "npy.js", "sha256.js",
+              "png.js", "image_input.js", "lora.js",
               "gpu_device.js", "limits.js", "tflite.js")
 LITERTJS_VERSION = "2.5.3"  # pinned in web/package.json
 # what the page loads from @litertjs: the ESM build, its wasm-utils import, and the wasm
