@@ -8,7 +8,10 @@ and any static file server that serves the bundle folder serves the page with it
 
 With a reference (the default), the folder also gets `reference/`: the initial latents of
 one prompt and seed (numpy's, as run-bundle draws them) and run-bundle's image from them, so
-the page's check mode can compare its image with the Python runner's.
+the page's check mode can compare its image with the Python runner's. From a picture (PageConfig init_image, mask,
+strength: run-bundle's --init-image, --mask, --strength) the reference is run-bundle's image-to-image or inpainting
+run, the picture and mask copied beside it (reference/init_image.png, mask.png) for the check mode's
+`?init_image=reference/init_image.png&mask=reference/mask.png&strength=S`.
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ from pocketdiff.errors import PocketdiffError, require
 PAGE_DIR = "web"
 STATIC = Path(__file__).resolve().parent / "static"
 PAGE_FILES = ("index.html", "style.css", "app.js", "generate.js", "pipeline.js", "stages.js", "chunks.js", "prepare.js", "tiled.js", "lcm.js", "schedulers.js", "bpe.js", "npy.js", "sha256.js",
-              "png.js", "image_input.js", "lora.js",
+              "png.js", "image_input.js", "picture_ui.js", "lora.js",
               "gpu_device.js", "limits.js", "tflite.js")
 LITERTJS_VERSION = "2.5.3"  # pinned in web/package.json
 # what the page loads from @litertjs: the ESM build, its wasm-utils import, and the wasm
@@ -57,12 +60,20 @@ class PageConfig:
     reference_accelerator: str = "cpu"  # run-bundle's accelerator for the reference image: cpu | gpu
     litertjs: Optional[str] = None  # folder with core/ and wasm-utils/; default: web/node_modules/@litertjs
     overwrite: bool = False
+    # the reference from a picture (img2img; with a mask, inpainting): run-bundle's --init-image, --mask, --strength
+    # (None: the task's default); the files are copied into reference/ for the check mode's URL parameters
+    init_image: Optional[str] = None
+    mask: Optional[str] = None
+    strength: Optional[float] = None
 
     def __post_init__(self) -> None:
         require(self.seed >= 0, "seed", f"must be >= 0, got {self.seed}")
         require(self.reference_accelerator in ("cpu", "gpu"), "reference_accelerator", f"must be cpu or gpu, got {self.reference_accelerator!r}")
         if not Path(self.bundle).is_dir():
             raise PocketdiffError(f"bundle {self.bundle}: not a folder")
+        from pocketdiff.runtime.image_tasks import check_image_flags
+
+        check_image_flags(self)  # a mask or strength without a picture, a strength outside (0, 1]
 
 
 def litertjs_files(folder: Optional[str | Path] = None) -> dict[str, Path]:
@@ -79,9 +90,28 @@ def litertjs_files(folder: Optional[str | Path] = None) -> dict[str, Path]:
     return {f: root / f for f in LITERTJS_FILES}
 
 
-def _reference(bundle: Path, man: dict, prompt: str, seed: int, accelerator: str, folder: Path) -> dict:
+def _picture_run(bundle: Path, man: dict, prompt: str, seed: int, accelerator: str, latents: np.ndarray, cfg: PageConfig):
+    """run-bundle's image from `cfg`'s picture (and mask, strength) as `run-bundle --init-image` makes it: (image, stats,
+    the reference's picture fields)."""
+    import argparse
+
+    from pocketdiff.runtime.image_tasks import image_inputs
+    from pocketdiff.runtime.run_bundle import BundleRunner
+
+    args = argparse.Namespace(bundle=str(bundle), init_image=cfg.init_image, mask=cfg.mask, strength=cfg.strength)
+    picture = image_inputs(args, man)  # the bundle's tasks, the strength's steps, the picture and mask read and checked
+    with BundleRunner(bundle, accelerator, manifest=man, image_input=True) as runner:
+        image, stats = runner.run(prompt, seed=seed, init_latents=latents, **picture)
+    fields = {"init_image": "init_image" + Path(cfg.init_image).suffix.lower(), "strength": picture["strength"],
+              "mask": "mask" + Path(cfg.mask).suffix.lower() if cfg.mask else None}
+    return image, stats, fields
+
+
+def _reference(bundle: Path, man: dict, prompt: str, seed: int, accelerator: str, folder: Path,
+               cfg: Optional[PageConfig] = None) -> dict:
     """run-bundle's image from numpy's seeded latents (exactly as `run-bundle --seed` draws them; an lcm
-    bundle's re-noising draws, the same generator's next ones, go to noise.bin)."""
+    bundle's re-noising draws, the same generator's next ones, go to noise.bin); from `cfg`'s picture when it gives one
+    (the latents are then the noise it is noised with; the picture and mask copied next to it)."""
     from PIL import Image
 
     from pocketdiff.runtime.run_bundle import generate
@@ -94,11 +124,18 @@ def _reference(bundle: Path, man: dict, prompt: str, seed: int, accelerator: str
     renoisings = len(sched["timesteps"]) - 1 if sched.get("type", "ddim") == "lcm" else 0
     noise = np.stack([rng.standard_normal(shape).astype(np.float32) for _ in range(renoisings)]) if renoisings else None
     t0 = time.perf_counter()
-    image, stats = generate(bundle, prompt, seed=seed, accelerator=accelerator, init_latents=latents, manifest=man)
+    picture = {}
+    if cfg is not None and cfg.init_image is not None:
+        image, stats, picture = _picture_run(bundle, man, prompt, seed, accelerator, latents, cfg)
+    else:
+        image, stats = generate(bundle, prompt, seed=seed, accelerator=accelerator, init_latents=latents, manifest=man)
     if not stats["finite"]:
         raise PocketdiffError(f"bundle {bundle}: run-bundle's reference image has NaN/Inf values ({accelerator})")
     folder.mkdir(parents=True)
     latents.tofile(folder / "latents.bin")
+    for key, src in (("init_image", cfg and cfg.init_image), ("mask", cfg and cfg.mask)):
+        if picture.get(key):  # the check mode's ?init_image=reference/... (&mask=...)
+            shutil.copyfile(src, folder / picture[key])
     if noise is not None:  # an lcm bundle's re-noising draws, as run-bundle takes them after the latents
         noise.tofile(folder / "noise.bin")
     image.astype(np.float32).tofile(folder / "image.bin")  # HWC in [0, 1], as run-bundle clips it
@@ -112,6 +149,7 @@ def _reference(bundle: Path, man: dict, prompt: str, seed: int, accelerator: str
         "image": "image.bin",
         "image_shape": list(image.shape),
         "png": "image.png",
+        **picture,  # init_image, mask, strength: the files under reference/ and the strength run-bundle ran
         "dtype": "float32 little-endian",
         "made_by": {"runner": "pocketdiff run-bundle", "accelerator": accelerator, "driver": stats["driver"],
                     "fully_accelerated": stats["fully_accelerated"], "seconds": round(time.perf_counter() - t0, 3)},
@@ -143,7 +181,7 @@ def write_page(cfg: PageConfig) -> dict:
         ref = None
         if cfg.reference:
             prompt = cfg.prompt if cfg.prompt is not None else (man["tokenizer"].get("golden") or {}).get("prompt", "")
-            ref = _reference(bundle, man, prompt, cfg.seed, cfg.reference_accelerator, tmp / "reference")
+            ref = _reference(bundle, man, prompt, cfg.seed, cfg.reference_accelerator, tmp / "reference", cfg)
         info = {
             "made_by": "pocketdiff web",
             "litertjs": LITERTJS_VERSION,

@@ -7,6 +7,7 @@ import { generate } from './generate.js';
 import { installConsoleTap } from './prepare.js';
 import { GpuLedger, useModelDevices } from './gpu_device.js';
 import { bundleLimits, parseLimitOverrides, preflight } from './limits.js';
+import { PictureControls, pictureMismatch } from './picture_ui.js';
 
 installConsoleTap(); // before LiteRT.js loads and binds console.error (prepare.js)
 
@@ -28,6 +29,7 @@ let fit = null; // limits.js preflight's sizes of each component
 let fitFor = null; // {accelerator, limits} that preflight checked: another accelerator chosen later is checked again
 const bundle = new Bundle(new URL(params.get('bundle') || '../', location.href));
 let reference = null;
+let picture = null; // the picture controls (picture_ui.js): img2img / inpainting where the bundle has an encoder
 let webgpu = { available: false, adapter: null, reason: null };
 
 function status(text, cls = '') {
@@ -97,7 +99,8 @@ async function run(prompt, seed) {
   $('stage-rows').innerHTML = '';
   const res = await generate(bundle, {
     prompt, seed, scale, accelerator, precision: PRECISION, decoderPrecision: DECODER_PRECISION, goldens: CHECK, streamUnet: STREAM_UNET,
-    latents: useRef ? reference.latentsData : null,
+    latents: useRef ? reference.latentsData : null, // from a picture: the noise it is noised with
+    image: picture?.input() ?? null,
     noise: useRef ? reference.noiseData : null,
     onStage: showStage,
     onStep: (i, n, ms) => status(`denoising step ${i}/${n} (${ms.toFixed(0)} ms)`),
@@ -123,12 +126,14 @@ function summary(prompt, seed, out, runtimeMs) {
   const components = componentReports(res);
   const tokenizer = tokenizerCheck(bundle, res.tokens);
   const image = { finite: res.image.finite, height: res.image.h, width: res.image.w, min_psnr_db: MIN_IMAGE_PSNR_DB };
-  if (reference && reference.prompt === prompt && reference.seed === seed) {
+  const otherPicture = reference ? pictureMismatch(reference, res.task, picture, location.href) : null;
+  if (reference && reference.prompt === prompt && reference.seed === seed && !otherPicture) {
     image.reference = `reference/${reference.image}`;
     image.reference_made_by = reference.made_by;
     image.psnr_db = imagePsnr(reference.imageData, res.image.img);
   } else {
-    image.skipped = reference ? `the reference is for prompt ${JSON.stringify(reference.prompt)}, seed ${reference.seed}` : 'no reference/ in this page (pocketdiff web --no-reference)';
+    image.skipped = !reference ? 'no reference/ in this page (pocketdiff web --no-reference)'
+      : reference.prompt !== prompt || reference.seed !== seed ? `the reference is for prompt ${JSON.stringify(reference.prompt)}, seed ${reference.seed}` : otherPicture;
   }
   failures.push(...checkFailures(res, tokenizer, image, { accelerated: accelerator === 'webgpu' }));
   const nav = performance.getEntriesByType('navigation')[0];
@@ -147,6 +152,7 @@ function summary(prompt, seed, out, runtimeMs) {
     preflight: fit,
     webgpu,
     latents: out.latentsSource,
+    picture: picture.describe(res.task), // the task, strength and steps run, and the picture and mask
     tokenizer,
     components,
     image,
@@ -198,6 +204,8 @@ async function main() {
     fit = await preflight(bundle, limits, { accelerator: $('accelerator').value, streamed: STREAM_UNET });
     fitFor = { accelerator: $('accelerator').value, limits };
     reference = await loadReference();
+    picture = new PictureControls($, man);
+    await picture.fromParams(params, location.href); // ?init_image=URL&mask=URL&strength=S
   } catch (e) {
     status(`error: ${e.message}`, 'error');
     if (CHECK) await report({ ok: false, failures: [e.message], error: e.message, webgpu });
