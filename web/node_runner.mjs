@@ -8,7 +8,7 @@
 //   node web/node_runner.mjs BUNDLE [--unet resident|streamed] [--out report.json] [--image image.png]
 //        [--prompt P] [--seed S] [--no-goldens] [--min-image-psnr 30] [--gpu-device per-model|shared]
 //        [--limit NAME=BYTES ...] [--no-gc] [--dawn-toggle NAME ...] [--no-settle-uploads] [--precision fp32|fp16]
-//        [--decoder-precision fp32|fp16]
+//        [--decoder-precision fp32|fp16] [--init-image PICTURE.png [--mask MASK.png] [--strength S]]
 // Each model compiles on a WebGPU device of its own, destroyed when it is released (--gpu-device shared: LiteRT.js's
 // one default device, as before), then garbage-collected at once (V8's gc; --no-gc: whenever V8 gets to it); the
 // report gives the WebGPU bytes alive at the peak, in all and per model (static/gpu_device.js), the host peak while
@@ -20,6 +20,10 @@
 // for half precision on WebGPU for the text encoder and UNet (their weights as rgba16float textures instead of
 // rgba32float: half their GPU memory); the decoder stays fp32 (static/generate.js DECODER_PRECISION) unless
 // --decoder-precision fp16, for a decoder exported with its 3x3 convs lowered (rewrites.conv_lowering_components).
+// --init-image (a PNG, read by static/png.js as PIL reads it for run-bundle) runs image to image from it, --mask (white =
+// repaint; the picture's size) inpainting, --strength the part of the schedule run (default 0.8, 1 with a mask), as
+// run-bundle's flags (static/image_input.js); the image is compared with the reference only when it was made from the
+// same picture, mask and strength (pocketdiff web's reference from a picture: web/reference/init_image.png, mask.png).
 // Exit 0 when every check passed, 1 when one failed (the report says which), 2 on bad input or no GPU.
 import fs from 'node:fs';
 import path from 'node:path';
@@ -46,8 +50,10 @@ function options() {
       'no-gc': { type: 'boolean', default: false }, 'dawn-toggle': { type: 'string', multiple: true, default: [] },
       'no-settle-uploads': { type: 'boolean', default: false }, precision: { type: 'string', default: 'fp32' },
       'decoder-precision': { type: 'string', default: 'fp32' }, // generate.js's DECODER_PRECISION
+      'init-image': { type: 'string' }, mask: { type: 'string' }, strength: { type: 'string' },
     },
   });
+  checkPictureFlags(values);
   if (positionals.length !== 1) throw new UsageError('usage: node web/node_runner.mjs BUNDLE [--unet resident|streamed] [--out report.json] [--image image.png]');
   const bundle = path.resolve(positionals[0]);
   if (!fs.existsSync(path.join(bundle, 'manifest.json'))) throw new UsageError(`BUNDLE: ${bundle} has no manifest.json`);
@@ -63,6 +69,47 @@ function options() {
   const seed = values.seed === undefined ? undefined : Number(values.seed);
   if (seed !== undefined && !Number.isInteger(seed)) throw new UsageError(`--seed: ${values.seed} is not an integer`);
   return { ...values, bundle, seed, minPsnr, goldens: !values['no-goldens'] };
+}
+
+/** --mask / --strength without --init-image, a strength outside (0, 1]: one line, before anything is read. */
+function checkPictureFlags(values) {
+  if (!values['init-image'] && (values.mask !== undefined || values.strength !== undefined)) {
+    const flag = values.mask !== undefined ? `--mask ${values.mask}` : `--strength ${values.strength}`;
+    throw new UsageError(`${flag}: only with --init-image PATH (the picture it starts from)`);
+  }
+  const s = Number(values.strength);
+  if (values.strength !== undefined && !(s > 0 && s <= 1)) throw new UsageError(`--strength ${values.strength}: must be a number in (0, 1]`);
+}
+
+/** --init-image, --mask, --strength as generate.js's opts.image (static/image_input.js), or null (text to image). */
+async function pictureInput(opts, man) {
+  if (!opts['init-image']) return null;
+  const { decodePng } = await import('./static/png.js');
+  const { latentMask, maskGrey, pictureTensor } = await import('./static/image_input.js');
+  const read = (file, flag) => {
+    let bytes;
+    try {
+      bytes = fs.readFileSync(file);
+    } catch (e) {
+      throw new UsageError(`${flag} ${file}: ${e.code === 'ENOENT' ? 'no such file' : e.message}`);
+    }
+    return decodePng(new Uint8Array(bytes), (b) => zlib.inflateSync(b), `${flag} ${file}`);
+  };
+  const pic = await read(opts['init-image'], '--init-image');
+  const pixels = pictureTensor(pic, man, `--init-image ${opts['init-image']}`);
+  const mask = opts.mask ? latentMask(maskGrey(await read(opts.mask, '--mask'), man, [pic.width, pic.height], `--mask ${opts.mask}`), man) : null;
+  if (pixels.warning) process.stderr.write(`${pixels.warning}\n`);
+  return { pixels, mask, strength: opts.strength === undefined ? null : Number(opts.strength) };
+}
+
+/** Why this run is not the reference's (its picture, mask and strength: reference.json), or null when it is. */
+function pictureMismatch(ref, opts, task) {
+  const dir = path.join(opts.bundle, 'web', 'reference'), real = (f) => (f ? fs.realpathSync(f) : null);
+  const want = ref.init_image ? { init_image: real(path.join(dir, ref.init_image)), mask: ref.mask ? real(path.join(dir, ref.mask)) : null, strength: ref.strength } : null;
+  const got = task.task === 'text_to_image' ? null : { init_image: real(opts['init-image']), mask: real(opts.mask), strength: task.strength };
+  if (JSON.stringify(want) === JSON.stringify(got)) return null;
+  const say = (v) => (v ? `from picture ${v.init_image}${v.mask ? ` with mask ${v.mask}` : ''} at strength ${v.strength}` : 'text to image');
+  return `the reference is ${say(want)}; this run is ${say(got)}`;
 }
 
 /** navigator.gpu and the WebGPU constants from Dawn's Node bindings; the adapter, or a UsageError naming why not. */
@@ -232,6 +279,7 @@ async function main() {
   const { generate } = await import('./static/generate.js');
   const bundle = new Bundle(pathToFileURL(opts.bundle).href + '/');
   const man = await bundle.open();
+  const picture = await pictureInput(opts, man); // refused (exit 2) before anything compiles
   const limits = bundleLimits(adapter.limits, parseLimitOverrides(opts.limit));
   const fit = await preflight(bundle, limits, { accelerator: 'webgpu', streamed: opts.unet === 'streamed' });
   const ref = loadReference(opts.bundle);
@@ -241,13 +289,14 @@ async function main() {
   const say = (text) => process.stderr.write(`[${((performance.now() - t0) / 1000).toFixed(1)} s] ${text}\n`);
   const res = await generate(bundle, {
     prompt, seed, scale: man.guidance.scale, accelerator: 'webgpu', precision: opts.precision, decoderPrecision: opts['decoder-precision'], goldens: opts.goldens, streamUnet: opts.unet === 'streamed',
-    latents: useRef ? ref.latentsData : null, noise: useRef ? ref.noiseData : null,
+    latents: useRef ? ref.latentsData : null, noise: useRef ? ref.noiseData : null, image: picture,
     onStage: (name, s) => say(`${name}: compiled in ${(s.compile_ms ?? 0).toFixed(0)} ms${s.run_ms ? `, ran ${s.run_ms.toFixed(0)} ms` : ''}`),
     onStep: (i, n, ms) => say(`denoising step ${i}/${n} (${ms.toFixed(0)} ms)`),
   });
   const image = { finite: res.image.finite, height: res.image.h, width: res.image.w, min_psnr_db: opts.minPsnr };
-  if (useRef) image.psnr_db = imagePsnr(ref.imageData, res.image.img);
-  else image.skipped = ref ? `the reference is for prompt ${JSON.stringify(ref.prompt)}, seed ${ref.seed}` : 'no web/reference/ in the bundle (pocketdiff web writes it)';
+  const otherPicture = ref ? pictureMismatch(ref, opts, res.task) : null;
+  if (useRef && !otherPicture) image.psnr_db = imagePsnr(ref.imageData, res.image.img);
+  else image.skipped = !ref ? 'no web/reference/ in the bundle (pocketdiff web writes it)' : useRef ? otherPicture : `the reference is for prompt ${JSON.stringify(ref.prompt)}, seed ${ref.seed}`;
   if (opts.image) writePng(opts.image, res.image);
   const tokenizer = tokenizerCheck(bundle, res.tokens);
   const failures = checkFailures(res, tokenizer, image);
@@ -256,7 +305,8 @@ async function main() {
     ok: failures.length === 0, failures, runner: 'node', node: process.version, adapter, prompt, seed,
     steps: man.scheduler.timesteps.length, resolution: man.image.width, unet: opts.unet, precision: opts.precision,
     decoder_precision: opts['decoder-precision'],
-    latents: useRef ? 'reference/' + ref.latents : 'page noise (seeded)', tokenizer, components, image,
+    latents: useRef ? 'reference/' + ref.latents : 'page noise (seeded)', tokenizer,
+    picture: { ...res.task, init_image: opts['init-image'] ?? null, mask: opts.mask ?? null }, components, image,
     latency_ms: { runtime_ready: runtimeMs, ...res.latency }, host_peak_mb: host.processPeakMb(),
     gpu_device: opts['gpu-device'], dawn_toggles: opts['dawn-toggle'], settle_uploads: !opts['no-settle-uploads'], gpu_memory: { ...ledger.summary(), what: 'bytes of WebGPU buffers and textures alive (static/gpu_device.js)' },
     host_per_model_peak_mb: host.peaks, memory_events: host.events, limits, preflight: fit,
