@@ -51,6 +51,11 @@ export const OUTPUT_ROLES = Object.freeze({
 // into (chunks, tiles), its inputs' and outputs' roles; `spoken`: its name in the page's messages.
 export const REGISTRY = Object.freeze({
   text_encoder: { role: 'text', inputs: ['input_ids'], chunks: true, roles: { input_ids: 'token_ids' }, outputRoles: ['prompt_embeds'], spoken: 'text encoder' },
+  // the SDXL family's second text encoder: its penultimate states (beside the first's) and its projected pooled embedding
+  text_encoder_2: {
+    role: 'text', inputs: ['input_ids'], roles: { input_ids: 'token_ids' }, outputRoles: ['prompt_embeds', 'pooled_embeds'],
+    comesWith: 'text_encoder', spoken: 'second text encoder',
+  },
   unet: {
     role: 'denoise', inputs: ['sample', 'timestep', 'encoder_hidden_states'], optionalInputs: ['timestep_cond'], chunks: true, spoken: 'UNet',
     roles: { sample: 'latents', timestep: 'timestep', encoder_hidden_states: 'prompt_embeds', timestep_cond: 'guidance_embedding', text_embeds: 'pooled_embeds', time_ids: 'time_ids' },
@@ -64,6 +69,8 @@ export const REGISTRY = Object.freeze({
 /** A model family's stages in order: [stage name, kind, component, tokenizer block or null]. */
 export const FAMILIES = Object.freeze({
   sd: [[ENCODE_PROMPT, ENCODE_PROMPT, 'text_encoder', 'tokenizer'], [DENOISE, DENOISE, 'unet', null], [DECODE, DECODE, 'vae_decoder', null]],
+  sdxl: [[ENCODE_PROMPT, ENCODE_PROMPT, 'text_encoder', 'tokenizer'], ['encode_prompt_2', ENCODE_PROMPT, 'text_encoder_2', 'tokenizer_2'],
+    [DENOISE, DENOISE, 'unet', null], [DECODE, DECODE, 'vae_decoder', null]],
 });
 export const COMPONENTS = Object.keys(REGISTRY).filter((n) => !REGISTRY[n].partOf);
 // the models a bundle may hold in chunks, the denoiser's first (the order the page checks a manifest's chunks blocks in)
