@@ -47,7 +47,7 @@ from .lora import LoraSpec, check_lora_specs, fuse_loras
 from .models_xl import SDXL, XL_COMPONENTS, XL_WEIGHTED, family_of_index, read_index
 from .normfree import apply_norm_free, norm_free_names
 from .shipped import resolve_shipped
-from .unet_blocks import PRESETS as BLOCK_PRESETS, apply_preset
+from .unet_blocks import ALL_PRESETS as BLOCK_PRESETS, apply_preset
 
 log = logging.getLogger(__name__)
 

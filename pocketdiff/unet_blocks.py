@@ -14,6 +14,17 @@ Presets (on any SD-family config; with SD's 2 layers per down stage):
 - `tiny`: `small` without the lowest-resolution stage (the last down block and the first up block):
   SD's 4 stages become 3, `block_out_channels` (320, 640, 1280), every block with attention.
 
+KOALA-style presets (for SDXL-shaped UNets, whose lowest stage's transformers are deep: SDXL's 10 blocks each):
+
+- `koala_1b`: `base`, and the transformers of the lowest-resolution stage with attention keep their first 60% of
+  transformer blocks (SDXL: 10 -> 6; the mid block, which diffusers builds at that stage's depth, too): SDXL's 2.57 B
+  UNet -> 1.16 B;
+- `koala_700m`: `small` with the first 50% kept (10 -> 5): 0.78 B.
+
+A transformer-depth cut is named `down_blocks.I.transformer_blocks.K` (block K of every transformer of down stage I
+and of its mirrored up stage); only a tail can go (the first blocks keep their names, so the teacher's weights map
+by name), and at least one block stays.
+
 Which teacher layers the slim UNet keeps is decided by shapes. In a down stage the first layer takes the
 previous stage's channels, the others the stage's own: the first is kept. In an up stage the last layer takes
 the skip connection of the previous (higher-resolution) stage's downsampler, so its input is narrower than the
@@ -32,13 +43,16 @@ from typing import Optional, Sequence
 
 from .errors import PocketdiffError
 
-PRESETS = ("base", "small", "tiny")
+PRESETS = ("base", "small", "tiny")  # the SD family's (configs/sd21/prune_blocks_<preset>.yaml)
+XL_PRESETS = {"koala_1b": ("base", 0.6), "koala_700m": ("small", 0.5)}  # (layers / mid preset, lowest stage's kept depth)
+ALL_PRESETS = PRESETS + tuple(XL_PRESETS)
 MID = "mid_block"
 # config keys holding one entry per down block (in down order) / per up block (in up order)
 _PER_DOWN = ("block_out_channels", "down_block_types", "layers_per_block", "attention_head_dim", "num_attention_heads",
              "cross_attention_dim", "only_cross_attention", "transformer_layers_per_block")
 _PER_UP = ("up_block_types", "reverse_transformer_layers_per_block")
 _NAME = re.compile(r"^(down_blocks|up_blocks)\.(\d+)(?:\.(layers|resnets|attentions)\.(\d+))?$")
+_DEPTH = re.compile(r"^down_blocks\.(\d+)\.transformer_blocks\.(\d+)$")
 
 
 def _layers_per_down(config: dict) -> list[int]:
@@ -51,10 +65,32 @@ def _has_mid(config: dict) -> bool:
     return config.get("mid_block_type", "UNetMidBlock2DCrossAttn") is not None
 
 
+def _depths(config: dict) -> list[int]:
+    """Transformer blocks per attention of each down stage (0: a stage without attention)."""
+    n = len(config["down_block_types"])
+    d = config.get("transformer_layers_per_block", 1)
+    d = [int(x) for x in d] if isinstance(d, (list, tuple)) else [int(d)] * n
+    return [d[i] if "CrossAttn" in config["down_block_types"][i] else 0 for i in range(n)]
+
+
+def _koala_cut(config: dict, keep: float) -> list[str]:
+    """The transformer blocks past the first `keep` share in the lowest-resolution stage with attention."""
+    depths = _depths(config)
+    stages = [i for i, d in enumerate(depths) if d > 0]
+    if not stages:
+        return []
+    i = stages[-1]
+    kept = max(1, round(depths[i] * keep))
+    return [f"down_blocks.{i}.transformer_blocks.{k}" for k in range(kept, depths[i])]
+
+
 def preset_removals(config: dict, preset: str, key: str = "blocks.preset") -> list[str]:
     """The layers, mid block and stages a preset removes from a UNet of `config` (names as above)."""
+    if preset in XL_PRESETS:
+        base, keep = XL_PRESETS[preset]
+        return preset_removals(config, base, key) + _koala_cut(config, keep)
     if preset not in PRESETS:
-        raise PocketdiffError(f"{key}: must be one of {', '.join(PRESETS)} (or null), got {preset!r}")
+        raise PocketdiffError(f"{key}: must be one of {', '.join(ALL_PRESETS)} (or null), got {preset!r}")
     down = _layers_per_down(config)
     n = len(down)
     out = []
@@ -75,7 +111,16 @@ def _parse(remove: Sequence[str], config: dict, key: str) -> tuple[set, bool, di
     down = _layers_per_down(config)
     n = len(down)
     stages_down, stages_up, layers, mid = set(), set(), {}, False
+    depth_cuts: dict[int, set] = {}
     for name in remove:
+        d = _DEPTH.match(str(name))
+        if d is not None:
+            i, k = int(d.group(1)), int(d.group(2))
+            depths = _depths(config) if i < n else []
+            if i >= n or k >= depths[i]:
+                raise PocketdiffError(f"{key}: {name}: down_blocks.{i} has {depths[i] if i < n else 0} transformer blocks per attention")
+            depth_cuts.setdefault(i, set()).add(k)
+            continue
         if name == MID:
             if not _has_mid(config):
                 raise PocketdiffError(f"{key}: mid_block: this UNet has no mid block")
@@ -103,7 +148,19 @@ def _parse(remove: Sequence[str], config: dict, key: str) -> tuple[set, bool, di
         raise PocketdiffError(f"{key}: stages go from the lowest resolution up: remove down_blocks.{n - 1} (and up_blocks.0) first")
     if len(stages_down) >= n:
         raise PocketdiffError(f"{key}: removes every stage; the UNet needs at least one")
-    return stages_down, mid, layers
+    return stages_down, mid, layers, _kept_depths(depth_cuts, _depths(config), key)
+
+
+def _kept_depths(cuts: dict[int, set], depths: list[int], key: str) -> dict[int, int]:
+    """{down stage: transformer blocks kept}: each cut a tail of the stage's blocks, at least one kept."""
+    out = {}
+    for i, ks in cuts.items():
+        first = min(ks)
+        if ks != set(range(first, depths[i])) or first == 0:
+            raise PocketdiffError(f"{key}: down_blocks.{i}.transformer_blocks: only a tail can go, keeping at least the "
+                                  f"first: remove {first or 1}..{depths[i] - 1}, got {sorted(ks)}")
+        out[i] = first
+    return out
 
 
 def slim_unet_config(config: dict, remove: Sequence[str], key: str = "blocks.remove") -> tuple[dict, dict[str, str]]:
@@ -112,7 +169,9 @@ def slim_unet_config(config: dict, remove: Sequence[str], key: str = "blocks.rem
     config = {k: v for k, v in dict(config).items() if not k.startswith("_")}
     down = _layers_per_down(config)
     n = len(down)
-    gone, mid, layers = _parse(remove, config, key)
+    gone, mid, layers, kept_depth = _parse(remove, config, key)
+    if kept_depth:  # before the per-stage lists are sliced: the depths of the original stages
+        _cut_depths(config, kept_depth, n)
     kept = [i for i in range(n) if i not in gone]
     lmap: dict[str, str] = {}
     new_down = []
@@ -147,6 +206,17 @@ def slim_unet_config(config: dict, remove: Sequence[str], key: str = "blocks.rem
     elif _has_mid(config):  # (after a stage removal it works at the lowest kept stage's width: shapes are checked at init)
         lmap[MID] = MID
     return config, lmap
+
+
+def _cut_depths(config: dict, kept: dict[int, int], n: int) -> None:
+    """`transformer_layers_per_block` (and an explicit `reverse_transformer_layers_per_block`, the up stages') with
+    down stage i's transformers (and its mirrored up stage's) at `kept[i]` blocks."""
+    d = config.get("transformer_layers_per_block", 1)
+    d = [int(x) for x in d] if isinstance(d, (list, tuple)) else [int(d)] * n
+    config["transformer_layers_per_block"] = [kept.get(i, v) for i, v in enumerate(d)]
+    rev = config.get("reverse_transformer_layers_per_block")
+    if isinstance(rev, (list, tuple)) and len(rev) == n:
+        config["reverse_transformer_layers_per_block"] = [kept.get(n - 1 - j, v) for j, v in enumerate(rev)]
 
 
 def removals(config: dict, preset: Optional[str], remove: Sequence[str] = (), key: str = "blocks") -> list[str]:

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from pocketdiff.errors import PocketdiffError, require
-from pocketdiff.unet_blocks import MID, PRESETS, removals, slim_unet_config
+from pocketdiff.unet_blocks import ALL_PRESETS, MID, removals, slim_unet_config
 
 _BLOCKS = ("down_blocks.", "up_blocks.", MID)
 
@@ -31,12 +31,12 @@ _BLOCKS = ("down_blocks.", "up_blocks.", MID)
 class BlocksSettings:
     """The `blocks:` section: which blocks `prune` removes (before any channel pruning of the same run)."""
 
-    preset: Optional[str] = None  # base | small | tiny | null (pocketdiff/unet_blocks.py)
+    preset: Optional[str] = None  # base | small | tiny | koala_1b | koala_700m | null (pocketdiff/unet_blocks.py)
     remove: list[str] = dataclasses.field(default_factory=list)  # more blocks: mid_block, down_blocks.I.layers.K, ...
 
     def __post_init__(self) -> None:
-        require(self.preset is None or self.preset in PRESETS, "blocks.preset",
-                f"must be one of {', '.join(PRESETS)} or null, got {self.preset!r}")
+        require(self.preset is None or self.preset in ALL_PRESETS, "blocks.preset",
+                f"must be one of {', '.join(ALL_PRESETS)} or null, got {self.preset!r}")
         require(isinstance(self.remove, list) and all(isinstance(r, str) for r in self.remove), "blocks.remove",
                 f"must be a list of block names, got {self.remove!r}")
 
