@@ -315,7 +315,7 @@ def _class_label_images(model: LoadedModel, prompts: list[str], steps: int, guid
         side = res // factor
         gens = [torch.Generator("cpu").manual_seed(int(seed) + start + j) for j in range(len(chunk))]
         noise = randn_latents((len(chunk), unet.config.in_channels, side, side), gens, device)
-        cond = encode_conditioning(pipe, chunk, device, unet=unet)
+        cond = encode_conditioning(pipe, chunk, device, unet=unet, resolution=res)  # SDXL's time ids: the size asked for
         latents = ddim_sample(unet, pipe.scheduler, cond, None, steps=steps, guidance_scale=1.0, latents=noise,
                               extra_unet_kwargs={"class_labels": labels})
         out.append(decode_latents(pipe.vae, latents).cpu())

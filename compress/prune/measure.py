@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from pocketdiff.conditioning import Conditioning, encode_conditioning
+from pocketdiff.conditioning import Conditioning, encode_conditioning, pixel_size
 
 from .config import Config
 
@@ -22,7 +22,7 @@ def _encode(pipe, items: list[dict], generator: torch.Generator, device) -> tupl
     dist = pipe.vae.encode(x).latent_dist
     eps = torch.randn(dist.mean.shape, generator=generator).to(device)
     latents = (dist.mean + dist.std * eps) * pipe.vae.config.scaling_factor
-    return latents, encode_conditioning(pipe, list(batch["text"]), device)
+    return latents, encode_conditioning(pipe, list(batch["text"]), device, resolution=pixel_size(latents, pipe.vae))
 
 
 def _calibration_batches(pipe, dataset, n: int, batch_size: int, generator: torch.Generator, device):
