@@ -231,3 +231,44 @@ def test_sd_sampling_is_bit_identical_to_encoder_hidden_states_calls(sd_pipe):
             u, c = out.chunk(2)
             x = ddim_step(x, u + 3.0 * (c - u), a_t, a_prev, "epsilon")
     assert torch.equal(ours, from_tensors) and torch.equal(ours, x)
+
+
+def test_ids_path_is_the_prompt_path_and_carries_gradients(xl_pipe, sd_pipe):
+    """conditioning_from_ids (train-teacher's, with autograd) gives encode_conditioning's tensors for both families,
+    and a loss on it reaches both SDXL text encoders."""
+    from pocketdiff.conditioning import conditioning_from_ids, text_encoders, tokenize_prompts
+
+    prompts = ["a red circle", "a blue star"]
+    for pipe, size in ((sd_pipe, 32), (xl_pipe, 32)):
+        want = encode_conditioning(pipe, prompts)
+        got = conditioning_from_ids(text_encoders(pipe), tokenize_prompts(pipe, prompts), pipe.unet.config, size)
+        assert got.tensors().keys() == want.tensors().keys()
+        for k, v in want.tensors().items():
+            torch.testing.assert_close(got.tensors()[k], v, rtol=0, atol=0)  # the same modules on the same ids
+    encoders = text_encoders(xl_pipe)
+    for e in encoders:
+        e.zero_grad()
+    got = conditioning_from_ids(encoders, tokenize_prompts(xl_pipe, prompts), xl_pipe.unet.config, 32)
+    (got.prompt_embeds.sum() + got.pooled_embeds.sum()).backward()
+    assert all(any(p.grad is not None and p.grad.abs().sum() > 0 for p in e.parameters()) for e in encoders)
+    for e in encoders:
+        e.zero_grad(set_to_none=True)
+
+
+def test_the_unconditional_rule_zeroes_only_empty_negative_prompts(xl_pipe):
+    """Under force_zeros_for_empty_prompt an empty negative prompt's text fields are zeros (time ids kept); a
+    non-empty one is encoded; without the flag "" is encoded."""
+    from pocketdiff.conditioning import encode_unconditional
+
+    before = xl_pipe.config.force_zeros_for_empty_prompt
+    try:
+        xl_pipe.register_to_config(force_zeros_for_empty_prompt=True)
+        got = encode_unconditional(xl_pipe, ["", "blurry"])
+        want = encode_conditioning(xl_pipe, ["", "blurry"])
+        assert float(got.prompt_embeds[0].abs().max()) == 0 and float(got.pooled_embeds[0].abs().max()) == 0
+        assert torch.equal(got.time_ids, want.time_ids)
+        assert torch.equal(got.prompt_embeds[1], want.prompt_embeds[1]) and torch.equal(got.pooled_embeds[1], want.pooled_embeds[1])
+        xl_pipe.register_to_config(force_zeros_for_empty_prompt=False)
+        assert torch.equal(encode_unconditional(xl_pipe, [""]).prompt_embeds, encode_conditioning(xl_pipe, [""]).prompt_embeds)
+    finally:
+        xl_pipe.register_to_config(force_zeros_for_empty_prompt=before)
