@@ -9,6 +9,7 @@
 //        [--prompt P] [--seed S] [--no-goldens] [--min-image-psnr 30] [--gpu-device per-model|shared]
 //        [--limit NAME=BYTES ...] [--no-gc] [--dawn-toggle NAME ...] [--no-settle-uploads] [--precision fp32|fp16]
 //        [--decoder-precision fp32|fp16] [--init-image PICTURE.png [--mask MASK.png] [--strength S]]
+//        [--lora FILE.safetensors [--lora-scale S]]
 // Each model compiles on a WebGPU device of its own, destroyed when it is released (--gpu-device shared: LiteRT.js's
 // one default device, as before), then garbage-collected at once (V8's gc; --no-gc: whenever V8 gets to it); the
 // report gives the WebGPU bytes alive at the peak, in all and per model (static/gpu_device.js), the host peak while
@@ -24,6 +25,9 @@
 // repaint; the picture's size) inpainting, --strength the part of the schedule run (default 0.8, 1 with a mask), as
 // run-bundle's flags (static/image_input.js); the image is compared with the reference only when it was made from the
 // same picture, mask and strength (pocketdiff web's reference from a picture: web/reference/init_image.png, mask.png).
+// --lora feeds a LoRA (safetensors; static/lora.js, run-bundle's --lora twin) to a bundle exported with lora_slots, at
+// --lora-scale (default 1): the file is read and checked against the slots before anything compiles; the image is
+// compared with the reference only when it was made with the same LoRA and scale (web/reference/lora.safetensors).
 // Exit 0 when every check passed, 1 when one failed (the report says which), 2 on bad input or no GPU.
 import fs from 'node:fs';
 import path from 'node:path';
@@ -51,9 +55,11 @@ function options() {
       'no-settle-uploads': { type: 'boolean', default: false }, precision: { type: 'string', default: 'fp32' },
       'decoder-precision': { type: 'string', default: 'fp32' }, // generate.js's DECODER_PRECISION
       'init-image': { type: 'string' }, mask: { type: 'string' }, strength: { type: 'string' },
+      lora: { type: 'string' }, 'lora-scale': { type: 'string' },
     },
   });
   checkPictureFlags(values);
+  checkLoraFlags(values);
   if (positionals.length !== 1) throw new UsageError('usage: node web/node_runner.mjs BUNDLE [--unet resident|streamed] [--out report.json] [--image image.png]');
   const bundle = path.resolve(positionals[0]);
   if (!fs.existsSync(path.join(bundle, 'manifest.json'))) throw new UsageError(`BUNDLE: ${bundle} has no manifest.json`);
@@ -79,6 +85,47 @@ function checkPictureFlags(values) {
   }
   const s = Number(values.strength);
   if (values.strength !== undefined && !(s > 0 && s <= 1)) throw new UsageError(`--strength ${values.strength}: must be a number in (0, 1]`);
+}
+
+/** --lora-scale without --lora, a scale that is no finite number, a pickle (never opened): one line, before anything is read. */
+function checkLoraFlags(values) {
+  const scale = values['lora-scale'];
+  if (scale !== undefined && !values.lora) throw new UsageError(`--lora-scale ${scale}: scales a LoRA; give it with --lora FILE`);
+  if (scale !== undefined && !(scale.trim() !== '' && Number.isFinite(Number(scale)))) throw new UsageError(`--lora-scale ${scale}: not a finite number`);
+  const suffix = values.lora ? (/\.[^./\\]*$/.exec(values.lora)?.[0] ?? '').toLowerCase() : '.safetensors';
+  if (['.ckpt', '.pt', '.pth', '.bin', '.pkl', '.pickle'].includes(suffix)) { // pocketdiff/lora_keys.py PICKLE_SUFFIXES
+    throw new UsageError(`--lora ${values.lora}: a pickle (${suffix}); it is never unpickled: convert the LoRA to .safetensors`);
+  }
+  if (suffix !== '.safetensors') throw new UsageError(`--lora ${values.lora}: must be a .safetensors file, got suffix ${suffix || '(none)'}`);
+}
+
+/** --lora as generate.js's opts.lora ({bytes, scale, name}), read and checked against the bundle's slots (static/lora.js's
+ *  refusals as a UsageError: exit 2 before anything compiles), or null. */
+async function loraInput(opts, man) {
+  if (!opts.lora) return null;
+  const { loraFeeds } = await import('./static/lora.js');
+  let bytes;
+  try {
+    bytes = new Uint8Array(fs.readFileSync(opts.lora));
+  } catch (e) {
+    throw new UsageError(`--lora ${opts.lora}: ${e.code === 'ENOENT' ? 'no such file' : e.message}`);
+  }
+  const lora = { bytes, scale: opts['lora-scale'] === undefined ? 1 : Number(opts['lora-scale']), name: opts.lora };
+  try {
+    loraFeeds(man, lora);
+  } catch (e) {
+    throw new UsageError(e.message.startsWith('lora ') ? `--${e.message}` : e.message);
+  }
+  return lora;
+}
+
+/** Why this run's LoRA is not the reference's (reference.json lora, lora_scale: the same bytes at the same scale), or null. */
+function loraMismatch(ref, opts, lora) {
+  const file = ref.lora ? path.join(opts.bundle, 'web', 'reference', ref.lora) : null;
+  const same = file && lora ? Buffer.compare(fs.readFileSync(file), lora.bytes) === 0 && ref.lora_scale === lora.scale : !file && !lora;
+  if (same) return null;
+  const say = (name, scale) => (name ? `LoRA ${name} at scale ${scale}` : 'no LoRA');
+  return `the reference is made with ${say(file, ref.lora_scale)}; this run with ${say(opts.lora, lora?.scale)}`;
 }
 
 /** --init-image, --mask, --strength as generate.js's opts.image (static/image_input.js), or null (text to image). */
@@ -280,6 +327,7 @@ async function main() {
   const bundle = new Bundle(pathToFileURL(opts.bundle).href + '/');
   const man = await bundle.open();
   const picture = await pictureInput(opts, man); // refused (exit 2) before anything compiles
+  const lora = await loraInput(opts, man); // likewise
   const limits = bundleLimits(adapter.limits, parseLimitOverrides(opts.limit));
   const fit = await preflight(bundle, limits, { accelerator: 'webgpu', streamed: opts.unet === 'streamed' });
   const ref = loadReference(opts.bundle);
@@ -289,12 +337,12 @@ async function main() {
   const say = (text) => process.stderr.write(`[${((performance.now() - t0) / 1000).toFixed(1)} s] ${text}\n`);
   const res = await generate(bundle, {
     prompt, seed, scale: man.guidance.scale, accelerator: 'webgpu', precision: opts.precision, decoderPrecision: opts['decoder-precision'], goldens: opts.goldens, streamUnet: opts.unet === 'streamed',
-    latents: useRef ? ref.latentsData : null, noise: useRef ? ref.noiseData : null, image: picture,
+    latents: useRef ? ref.latentsData : null, noise: useRef ? ref.noiseData : null, image: picture, lora,
     onStage: (name, s) => say(`${name}: compiled in ${(s.compile_ms ?? 0).toFixed(0)} ms${s.run_ms ? `, ran ${s.run_ms.toFixed(0)} ms` : ''}`),
     onStep: (i, n, ms) => say(`denoising step ${i}/${n} (${ms.toFixed(0)} ms)`),
   });
   const image = { finite: res.image.finite, height: res.image.h, width: res.image.w, min_psnr_db: opts.minPsnr };
-  const otherPicture = ref ? pictureMismatch(ref, opts, res.task) : null;
+  const otherPicture = ref ? pictureMismatch(ref, opts, res.task) ?? loraMismatch(ref, opts, lora) : null;
   if (useRef && !otherPicture) image.psnr_db = imagePsnr(ref.imageData, res.image.img);
   else image.skipped = !ref ? 'no web/reference/ in the bundle (pocketdiff web writes it)' : useRef ? otherPicture : `the reference is for prompt ${JSON.stringify(ref.prompt)}, seed ${ref.seed}`;
   if (opts.image) writePng(opts.image, res.image);
@@ -307,6 +355,7 @@ async function main() {
     decoder_precision: opts['decoder-precision'],
     latents: useRef ? 'reference/' + ref.latents : 'page noise (seeded)', tokenizer,
     picture: { ...res.task, init_image: opts['init-image'] ?? null, mask: opts.mask ?? null }, components, image,
+    lora: lora ? { file: opts.lora, scale: lora.scale } : null,
     latency_ms: { runtime_ready: runtimeMs, ...res.latency }, host_peak_mb: host.processPeakMb(),
     gpu_device: opts['gpu-device'], dawn_toggles: opts['dawn-toggle'], settle_uploads: !opts['no-settle-uploads'], gpu_memory: { ...ledger.summary(), what: 'bytes of WebGPU buffers and textures alive (static/gpu_device.js)' },
     host_per_model_peak_mb: host.peaks, memory_events: host.events, limits, preflight: fit,

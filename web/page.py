@@ -11,7 +11,9 @@ one prompt and seed (numpy's, as run-bundle draws them) and run-bundle's image f
 the page's check mode can compare its image with the Python runner's. From a picture (PageConfig init_image, mask,
 strength: run-bundle's --init-image, --mask, --strength) the reference is run-bundle's image-to-image or inpainting
 run, the picture and mask copied beside it (reference/init_image.png, mask.png) for the check mode's
-`?init_image=reference/init_image.png&mask=reference/mask.png&strength=S`.
+`?init_image=reference/init_image.png&mask=reference/mask.png&strength=S`. With a LoRA (PageConfig lora, lora_scale:
+run-bundle's --lora, --lora-scale, for a bundle exported with lora_slots) the reference is run-bundle's image with it, the
+file copied to reference/lora.safetensors for the check mode's `?lora=reference/lora.safetensors&lora_scale=S`.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ from pocketdiff.errors import PocketdiffError, require
 PAGE_DIR = "web"
 STATIC = Path(__file__).resolve().parent / "static"
 PAGE_FILES = ("index.html", "style.css", "app.js", "generate.js", "pipeline.js", "stages.js", "chunks.js", "prepare.js", "tiled.js", "lcm.js", "schedulers.js", "bpe.js", "npy.js", "sha256.js",
-              "png.js", "image_input.js", "picture_ui.js", "lora.js",
+              "png.js", "image_input.js", "picture_ui.js", "lora.js", "lora_ui.js",
               "gpu_device.js", "limits.js", "tflite.js")
 LITERTJS_VERSION = "2.5.3"  # pinned in web/package.json
 # what the page loads from @litertjs: the ESM build, its wasm-utils import, and the wasm
@@ -65,6 +67,9 @@ class PageConfig:
     init_image: Optional[str] = None
     mask: Optional[str] = None
     strength: Optional[float] = None
+    # the reference with a LoRA fed to the bundle's slots (run-bundle's --lora, --lora-scale; None: 1.0), copied into reference/
+    lora: Optional[str] = None
+    lora_scale: Optional[float] = None
 
     def __post_init__(self) -> None:
         require(self.seed >= 0, "seed", f"must be >= 0, got {self.seed}")
@@ -74,6 +79,9 @@ class PageConfig:
         from pocketdiff.runtime.image_tasks import check_image_flags
 
         check_image_flags(self)  # a mask or strength without a picture, a strength outside (0, 1]
+        from pocketdiff.runtime.lora_slots import check_lora_flags
+
+        check_lora_flags(self)  # a scale without a LoRA, a pickle (never opened), a file that is not there
 
 
 def litertjs_files(folder: Optional[str | Path] = None) -> dict[str, Path]:
@@ -91,19 +99,25 @@ def litertjs_files(folder: Optional[str | Path] = None) -> dict[str, Path]:
 
 
 def _picture_run(bundle: Path, man: dict, prompt: str, seed: int, accelerator: str, latents: np.ndarray, cfg: PageConfig):
-    """run-bundle's image from `cfg`'s picture (and mask, strength) as `run-bundle --init-image` makes it: (image, stats,
-    the reference's picture fields)."""
+    """run-bundle's image from `cfg`'s picture (and mask, strength) as `run-bundle --init-image` makes it, with `cfg`'s
+    LoRA as `--lora --lora-scale` feeds it: (image, stats, the reference's picture and LoRA fields)."""
     import argparse
 
     from pocketdiff.runtime.image_tasks import image_inputs
     from pocketdiff.runtime.run_bundle import BundleRunner
 
-    args = argparse.Namespace(bundle=str(bundle), init_image=cfg.init_image, mask=cfg.mask, strength=cfg.strength)
-    picture = image_inputs(args, man)  # the bundle's tasks, the strength's steps, the picture and mask read and checked
-    with BundleRunner(bundle, accelerator, manifest=man, image_input=True) as runner:
+    picture, fields = {}, {}
+    if cfg.init_image is not None:
+        args = argparse.Namespace(bundle=str(bundle), init_image=cfg.init_image, mask=cfg.mask, strength=cfg.strength)
+        picture = image_inputs(args, man)  # the bundle's tasks, the strength's steps, the picture and mask read and checked
+        fields = {"init_image": "init_image" + Path(cfg.init_image).suffix.lower(), "strength": picture["strength"],
+                  "mask": "mask" + Path(cfg.mask).suffix.lower() if cfg.mask else None}
+    scale = 1.0 if cfg.lora_scale is None else float(cfg.lora_scale)
+    # the LoRA read and checked against the bundle's slots when the runner is made, before anything runs
+    with BundleRunner(bundle, accelerator, manifest=man, image_input=bool(picture), lora=cfg.lora, lora_scale=scale) as runner:
         image, stats = runner.run(prompt, seed=seed, init_latents=latents, **picture)
-    fields = {"init_image": "init_image" + Path(cfg.init_image).suffix.lower(), "strength": picture["strength"],
-              "mask": "mask" + Path(cfg.mask).suffix.lower() if cfg.mask else None}
+    if cfg.lora is not None:
+        fields.update(lora="lora.safetensors", lora_scale=scale)
     return image, stats, fields
 
 
@@ -125,7 +139,7 @@ def _reference(bundle: Path, man: dict, prompt: str, seed: int, accelerator: str
     noise = np.stack([rng.standard_normal(shape).astype(np.float32) for _ in range(renoisings)]) if renoisings else None
     t0 = time.perf_counter()
     picture = {}
-    if cfg is not None and cfg.init_image is not None:
+    if cfg is not None and (cfg.init_image is not None or cfg.lora is not None):
         image, stats, picture = _picture_run(bundle, man, prompt, seed, accelerator, latents, cfg)
     else:
         image, stats = generate(bundle, prompt, seed=seed, accelerator=accelerator, init_latents=latents, manifest=man)
@@ -133,8 +147,8 @@ def _reference(bundle: Path, man: dict, prompt: str, seed: int, accelerator: str
         raise PocketdiffError(f"bundle {bundle}: run-bundle's reference image has NaN/Inf values ({accelerator})")
     folder.mkdir(parents=True)
     latents.tofile(folder / "latents.bin")
-    for key, src in (("init_image", cfg and cfg.init_image), ("mask", cfg and cfg.mask)):
-        if picture.get(key):  # the check mode's ?init_image=reference/... (&mask=...)
+    for key, src in (("init_image", cfg and cfg.init_image), ("mask", cfg and cfg.mask), ("lora", cfg and cfg.lora)):
+        if picture.get(key):  # the check mode's ?init_image=reference/... (&mask=...) (&lora=...)
             shutil.copyfile(src, folder / picture[key])
     if noise is not None:  # an lcm bundle's re-noising draws, as run-bundle takes them after the latents
         noise.tofile(folder / "noise.bin")
@@ -149,7 +163,7 @@ def _reference(bundle: Path, man: dict, prompt: str, seed: int, accelerator: str
         "image": "image.bin",
         "image_shape": list(image.shape),
         "png": "image.png",
-        **picture,  # init_image, mask, strength: the files under reference/ and the strength run-bundle ran
+        **picture,  # init_image, mask, strength, lora, lora_scale: the files under reference/ and what run-bundle ran
         "dtype": "float32 little-endian",
         "made_by": {"runner": "pocketdiff run-bundle", "accelerator": accelerator, "driver": stats["driver"],
                     "fully_accelerated": stats["fully_accelerated"], "seconds": round(time.perf_counter() - t0, 3)},

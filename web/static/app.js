@@ -8,6 +8,7 @@ import { installConsoleTap } from './prepare.js';
 import { GpuLedger, useModelDevices } from './gpu_device.js';
 import { bundleLimits, parseLimitOverrides, preflight } from './limits.js';
 import { PictureControls, pictureMismatch } from './picture_ui.js';
+import { LoraControls, loraMismatch } from './lora_ui.js';
 
 installConsoleTap(); // before LiteRT.js loads and binds console.error (prepare.js)
 
@@ -30,6 +31,7 @@ let fitFor = null; // {accelerator, limits} that preflight checked: another acce
 const bundle = new Bundle(new URL(params.get('bundle') || '../', location.href));
 let reference = null;
 let picture = null; // the picture controls (picture_ui.js): img2img / inpainting where the bundle has an encoder
+let lora = null; // the LoRA controls (lora_ui.js): a LoRA fed to a bundle exported with lora_slots
 let webgpu = { available: false, adapter: null, reason: null };
 
 function status(text, cls = '') {
@@ -101,6 +103,7 @@ async function run(prompt, seed) {
     prompt, seed, scale, accelerator, precision: PRECISION, decoderPrecision: DECODER_PRECISION, goldens: CHECK, streamUnet: STREAM_UNET,
     latents: useRef ? reference.latentsData : null, // from a picture: the noise it is noised with
     image: picture?.input() ?? null,
+    lora: lora?.input() ?? null, // read at each image: swapped without reloading models
     noise: useRef ? reference.noiseData : null,
     onStage: showStage,
     onStep: (i, n, ms) => status(`denoising step ${i}/${n} (${ms.toFixed(0)} ms)`),
@@ -126,7 +129,7 @@ function summary(prompt, seed, out, runtimeMs) {
   const components = componentReports(res);
   const tokenizer = tokenizerCheck(bundle, res.tokens);
   const image = { finite: res.image.finite, height: res.image.h, width: res.image.w, min_psnr_db: MIN_IMAGE_PSNR_DB };
-  const otherPicture = reference ? pictureMismatch(reference, res.task, picture, location.href) : null;
+  const otherPicture = reference ? pictureMismatch(reference, res.task, picture, location.href) ?? loraMismatch(reference, lora, location.href) : null;
   if (reference && reference.prompt === prompt && reference.seed === seed && !otherPicture) {
     image.reference = `reference/${reference.image}`;
     image.reference_made_by = reference.made_by;
@@ -153,6 +156,7 @@ function summary(prompt, seed, out, runtimeMs) {
     webgpu,
     latents: out.latentsSource,
     picture: picture.describe(res.task), // the task, strength and steps run, and the picture and mask
+    lora: lora.describe(), // the LoRA fed to the slots and its scale (null: none)
     tokenizer,
     components,
     image,
@@ -206,6 +210,8 @@ async function main() {
     reference = await loadReference();
     picture = new PictureControls($, man);
     await picture.fromParams(params, location.href); // ?init_image=URL&mask=URL&strength=S
+    lora = new LoraControls($, man);
+    await lora.fromParams(params, location.href); // ?lora=URL&lora_scale=S
   } catch (e) {
     status(`error: ${e.message}`, 'error');
     if (CHECK) await report({ ok: false, failures: [e.message], error: e.message, webgpu });
