@@ -41,8 +41,10 @@ def test_export_int8_calibrate_and_the_runtime_read_the_registry():
     from pocketdiff.runtime import chunks, manifest_check
 
     assert components.COMPONENTS is reg.COMPONENTS and manifest_check.RUNNER_COMPONENTS is reg.COMPONENTS
-    assert QUANTIZABLE is reg.COMPONENTS and verb.TILED_DECODER is reg.TILED_DECODER
-    assert int8.GRAPH_PREFIX == {"text_encoder": "text_encoder.", "unet": "unet.", "vae_decoder": "", "vae_encoder": ""}
+    # calibrate and int8 take every whole component a stage may name (SDXL's text_encoder_2 too)
+    assert QUANTIZABLE is reg.STAGE_COMPONENTS and verb.TILED_DECODER is reg.TILED_DECODER
+    assert int8.GRAPH_PREFIX == {"text_encoder": "text_encoder.", "text_encoder_2": "text_encoder.", "unet": "unet.",
+                                 "vae_decoder": "", "vae_encoder": ""}
     assert chunks.CHUNKABLE is reg.CHUNKABLE  # runtime/chunks.py reads the registry's
 
 
