@@ -159,7 +159,9 @@ def test_export_of_a_refiner_is_one_line_exit_2_and_writes_nothing(saved, tmp_pa
 
 
 def test_a_long_prompt_warns_once_for_both_encoders(xl, capsys):
-    long = " ".join(["a red circle on a white background"] * 20)  # well over 77 tokens for either tokenizer
+    # well over 77 tokens for either tokenizer; words of this test's own, since a prompt warns once per process and
+    # another test on the same worker may have encoded a long prompt before
+    long = " ".join(["a long sdxl warning test prompt of many words"] * 20)
     encode_conditioning(xl, [long])
     encode_conditioning(xl, [long])
     warnings = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("warning: prompt is")]
