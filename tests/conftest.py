@@ -204,3 +204,12 @@ def sdxl_bundle(gpu_delegate, tmp_path_factory):
     from tiny_sdxl import export_tiny_sdxl
 
     return export_tiny_sdxl(tmp_path_factory.mktemp("sdxl"))
+
+
+@pytest.fixture(scope="session")
+def smoke_encoder_export(gpu_delegate, tmp_path_factory):
+    """The shapes teacher's VAE encoder exported alone, once per worker (tests/img2img_fixtures.py), for the tests that
+    graft it onto the web smoke bundle."""
+    from img2img_fixtures import export_smoke_encoder
+
+    return export_smoke_encoder(tmp_path_factory.mktemp("smoke_encoder"))

@@ -11,61 +11,29 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import yaml
+
+from img2img_fixtures import graft_encoder, make_pictures  # tests/img2img_fixtures.py
 
 from pocketdiff.errors import PocketdiffError
 
 SMOKE = Path(__file__).resolve().parents[1] / "web" / "smoke_bundle"
 PROMPT = "a large red circle at the center"
-TASKS = ["text_to_image", "image_to_image", "inpaint"]
-
-
-def graft_encoder(bundle: Path, encoder_export: Path, tasks=TASKS) -> None:
-    """Copy an encoder-only export's vae_encoder into `bundle` (same model and size) and declare the image tasks."""
-    from pocketdiff.runtime.pipeline_spec import PIPELINE_SCHEMA_VERSION, derive_pipeline
-
-    man = json.loads((bundle / "manifest.json").read_text())
-    enc = json.loads((encoder_export / "manifest.json").read_text())["components"]["vae_encoder"]
-    shutil.copy(encoder_export / enc["path"], bundle / enc["path"])
-    shutil.copy(encoder_export / enc["golden"]["path"], bundle / enc["golden"]["path"])
-    man["components"]["vae_encoder"] = enc
-    man["schema_version"] = PIPELINE_SCHEMA_VERSION
-    man["pipeline"] = derive_pipeline(man, tasks=tuple(tasks))
-    (bundle / "manifest.json").write_text(json.dumps(man, indent=1))
 
 
 @pytest.fixture(scope="module")
-def bundle(tmp_path_factory, gpu_delegate):
-    from pocketdiff.cli import main as cli_main
-
+def bundle(tmp_path_factory, smoke_encoder_export):
+    """The web smoke bundle with the shapes teacher's encoder (tests/conftest.py `smoke_encoder_export`) grafted in."""
     root = tmp_path_factory.mktemp("img2img")
-    cfg = {"seed": 0, "model": {"pretrained": "pocketdiff:shapes-teacher"}, "components": ["vae_encoder"],
-           "tasks": ["image_to_image", "inpaint"], "weights": "fp16", "guidance": "cfg", "guidance_scale": 3.0, "steps": 4,
-           "fp16_scan": {"enabled": False}}
-    (root / "export.yaml").write_text(yaml.safe_dump(cfg))
-    assert cli_main(["export", "--config", str(root / "export.yaml"), "--output", str(root / "enc")]) == 0
-    report = json.loads((root / "enc" / "report.json").read_text())["components"]["vae_encoder"]
+    report = json.loads((smoke_encoder_export / "report.json").read_text())["components"]["vae_encoder"]
     assert report["fully_accelerated"] and report["cosine"] > 0.999, report
     shutil.copytree(SMOKE, root / "bundle")
-    graft_encoder(root / "bundle", root / "enc")
+    graft_encoder(root / "bundle", smoke_encoder_export)
     return root / "bundle"
 
 
 @pytest.fixture(scope="module")
 def pictures(tmp_path_factory):
-    from PIL import Image
-
-    d = tmp_path_factory.mktemp("pictures")
-    low = np.random.default_rng(0).uniform(0, 255, (4, 4, 3)).astype(np.uint8)
-    Image.fromarray(low).resize((32, 32), Image.BILINEAR).save(d / "pic.png")
-    Image.fromarray(low).resize((64, 64), Image.BILINEAR).save(d / "pic64.png")
-    Image.fromarray(low).resize((48, 32), Image.BILINEAR).save(d / "wide.png")
-    mask = np.zeros((32, 32), np.uint8)
-    mask[:, 16:] = 255
-    Image.fromarray(mask).save(d / "mask.png")
-    Image.fromarray(mask[:16, :16]).save(d / "mask16.png")
-    (d / "not_an_image.png").write_text("hello")
-    return d
+    return make_pictures(tmp_path_factory.mktemp("pictures"))
 
 
 def _torch_image(man: dict, pic_path: Path, strength: float, noise: np.ndarray, mask_path=None) -> np.ndarray:

@@ -11,54 +11,20 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
+from img2img_fixtures import graft_encoder, make_pictures  # tests/img2img_fixtures.py
 from node_runner_cli import dawn_or_skip, run_node_runner  # tests/node_runner_cli.py
 
 SMOKE = Path(__file__).resolve().parent / "smoke_bundle"
-TASKS = ("text_to_image", "image_to_image", "inpaint")
-
-
-def graft_encoder(bundle: Path, encoder_export: Path) -> None:
-    """An encoder-only export's vae_encoder copied into `bundle` (same model and size), the image tasks declared."""
-    from pocketdiff.runtime.pipeline_spec import PIPELINE_SCHEMA_VERSION, derive_pipeline
-
-    man = json.loads((bundle / "manifest.json").read_text())
-    enc = json.loads((encoder_export / "manifest.json").read_text())["components"]["vae_encoder"]
-    for rel in (enc["path"], enc["golden"]["path"]):
-        shutil.copy(encoder_export / rel, bundle / rel)
-    man["components"]["vae_encoder"] = enc
-    man["schema_version"] = PIPELINE_SCHEMA_VERSION
-    man["pipeline"] = derive_pipeline(man, tasks=TASKS)
-    (bundle / "manifest.json").write_text(json.dumps(man, indent=1))
 
 
 @pytest.fixture(scope="module")
-def encoder_export(tmp_path_factory, gpu_delegate) -> Path:
-    from pocketdiff.cli import main as cli_main
-
-    root = tmp_path_factory.mktemp("img2img_web")
-    cfg = {"seed": 0, "model": {"pretrained": "pocketdiff:shapes-teacher"}, "components": ["vae_encoder"],
-           "tasks": ["image_to_image", "inpaint"], "weights": "fp16", "guidance": "cfg", "guidance_scale": 3.0, "steps": 4,
-           "fp16_scan": {"enabled": False}}
-    (root / "export.yaml").write_text(yaml.safe_dump(cfg))
-    assert cli_main(["export", "--config", str(root / "export.yaml"), "--output", str(root / "enc")]) == 0
-    return root / "enc"
+def encoder_export(smoke_encoder_export) -> Path:
+    return smoke_encoder_export  # tests/conftest.py: exported once per worker
 
 
 @pytest.fixture(scope="module")
 def pictures(tmp_path_factory) -> Path:
-    """A 32 px picture (the bundle's size), the same at 64 px, a wide one, and a mask: the right half repainted."""
-    from PIL import Image
-
-    d = tmp_path_factory.mktemp("pictures")
-    low = np.random.default_rng(0).uniform(0, 255, (4, 4, 3)).astype(np.uint8)
-    Image.fromarray(low).resize((32, 32), Image.BILINEAR).save(d / "pic.png")
-    Image.fromarray(low).resize((64, 64), Image.BILINEAR).save(d / "pic64.png")
-    Image.fromarray(low).resize((48, 32), Image.BILINEAR).save(d / "wide.png")
-    mask = np.zeros((32, 32), np.uint8)
-    mask[:, 16:] = 255
-    Image.fromarray(mask).save(d / "mask.png")
-    return d
+    return make_pictures(tmp_path_factory.mktemp("pictures"))  # tests/img2img_fixtures.py
 
 
 @pytest.fixture(scope="module")

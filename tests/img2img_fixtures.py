@@ -1,0 +1,58 @@
+"""The image-to-image test material shared by tests/runtime/test_image_tasks.py and tests/web/test_check_img2img.py:
+the shipped shapes teacher's VAE encoder exported alone (`components: [vae_encoder]`), grafted onto a copy of the web
+smoke bundle (the same model and size), and the pictures and masks the tests feed. Importable as `img2img_fixtures`
+(tests/conftest.py puts this folder on sys.path); tests/conftest.py's session fixture `smoke_encoder_export` exports
+the encoder once per worker."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+TASKS = ("text_to_image", "image_to_image", "inpaint")
+
+
+def export_smoke_encoder(root: Path) -> Path:
+    """The shapes teacher's encoder-only export in `root / "enc"` (fully on the delegate, golden, parity gate)."""
+    from pocketdiff.cli import main as cli_main
+
+    cfg = {"seed": 0, "model": {"pretrained": "pocketdiff:shapes-teacher"}, "components": ["vae_encoder"],
+           "tasks": ["image_to_image", "inpaint"], "weights": "fp16", "guidance": "cfg", "guidance_scale": 3.0, "steps": 4,
+           "fp16_scan": {"enabled": False}}
+    (root / "export.yaml").write_text(yaml.safe_dump(cfg))
+    assert cli_main(["export", "--config", str(root / "export.yaml"), "--output", str(root / "enc")]) == 0
+    return root / "enc"
+
+
+def graft_encoder(bundle: Path, encoder_export: Path, tasks=TASKS) -> None:
+    """An encoder-only export's vae_encoder copied into `bundle` (same model and size), the image tasks declared."""
+    from pocketdiff.runtime.pipeline_spec import PIPELINE_SCHEMA_VERSION, derive_pipeline
+
+    man = json.loads((bundle / "manifest.json").read_text())
+    enc = json.loads((encoder_export / "manifest.json").read_text())["components"]["vae_encoder"]
+    for rel in (enc["path"], enc["golden"]["path"]):
+        shutil.copy(encoder_export / rel, bundle / rel)
+    man["components"]["vae_encoder"] = enc
+    man["schema_version"] = PIPELINE_SCHEMA_VERSION
+    man["pipeline"] = derive_pipeline(man, tasks=tuple(tasks))
+    (bundle / "manifest.json").write_text(json.dumps(man, indent=1))
+
+
+def make_pictures(d: Path) -> Path:
+    """In `d`: a 32 px picture (the bundle's size), the same at 64 px, a wide one, a mask (the right half repainted),
+    a mask of another size and a file that is not an image."""
+    from PIL import Image
+
+    low = np.random.default_rng(0).uniform(0, 255, (4, 4, 3)).astype(np.uint8)
+    Image.fromarray(low).resize((32, 32), Image.BILINEAR).save(d / "pic.png")
+    Image.fromarray(low).resize((64, 64), Image.BILINEAR).save(d / "pic64.png")
+    Image.fromarray(low).resize((48, 32), Image.BILINEAR).save(d / "wide.png")
+    mask = np.zeros((32, 32), np.uint8)
+    mask[:, 16:] = 255
+    Image.fromarray(mask).save(d / "mask.png")
+    Image.fromarray(mask[:16, :16]).save(d / "mask16.png")
+    (d / "not_an_image.png").write_text("hello")
+    return d
