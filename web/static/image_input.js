@@ -85,13 +85,14 @@ export function fitted(pic, ch, man, what) {
   return resizeLanczos(data, w, h, ch, W, H);
 }
 
-/** The picture as the encoder's input: {data: [1, 3, H, W] float32 in [0, 1], shape}; `warning`: the resize's line. */
+/** The picture as the encoder's input: {data: [1, 3, H, W] float32 in [0, 1], shape}; `rgb`: its interleaved bytes at the
+ *  bundle's size (what the page shows); `warning`: the resize's line. */
 export function pictureTensor(pic, man, what = 'init_image') {
   const W = man.image.width, H = man.image.height, rgb = fitted(pic, 3, man, what);
   const data = new Float32Array(3 * H * W);
   for (let i = 0; i < H * W; i++) for (let k = 0; k < 3; k++) data[k * H * W + i] = rgb[3 * i + k] / 255;
   const warning = pic.width === W && pic.height === H ? null : `warning: ${what} is ${pic.width}x${pic.height} px; resized to the bundle's ${W}x${H}`;
-  return { data, shape: [1, 3, H, W], warning };
+  return { data, shape: [1, 3, H, W], rgb, warning };
 }
 
 /** Grey at the bundle's size (one byte a pixel) -> the mask on the latent grid [1, 1, h, w]: 1 = repaint. */

@@ -4,7 +4,7 @@
 // [&mask=URL] [&strength=S] (URLs relative to the page, e.g. reference/init_image.png). image_input.js does the
 // arithmetic; this module holds the DOM.
 import { BundleError, ENCODE_IMAGE, pipelineOf } from './stages.js';
-import { DEFAULT_STRENGTH, IMAGE_TO_IMAGE, INPAINT, checkStrength, fitted, latentMask, maskGrey, pictureTensor } from './image_input.js';
+import { DEFAULT_STRENGTH, IMAGE_TO_IMAGE, INPAINT, checkStrength, latentMask, maskGrey, pictureTensor } from './image_input.js';
 import { decodePng, isPng } from './png.js';
 
 /** zlib's inflate through the browser's DecompressionStream. */
@@ -93,7 +93,7 @@ export class PictureControls {
     const pic = await decodePicture(bytes, `picture ${source}`);
     const tensor = pictureTensor(pic, this.man, `picture ${source}`);
     this.clearPicture();
-    Object.assign(this, { rgb: fitted(pic, 3, this.man, source), pixels: tensor, size: [pic.width, pic.height], source });
+    Object.assign(this, { rgb: tensor.rgb, pixels: tensor, size: [pic.width, pic.height], source });
     this.show();
     this.note(tensor.warning ?? `${source}: ${pic.width}x${pic.height} px`, tensor.warning ? 'warn' : 'note');
   }
