@@ -223,12 +223,7 @@ def sdxl_time_ids(unet, vae, batch: int, dtype: torch.dtype = torch.float32, dev
     """[batch, 6]: (original H, W, crop top, left, target H, W) as StableDiffusionXLPipeline's defaults give them:
     original size = target size = the generation resolution (`resolution`, pixels: an int or (H, W); default the
     UNet's native size times the VAE factor), crop (0, 0)."""
-    if resolution is None:
-        from .models import vae_scale_factor
-
-        side, factor = _config_get(unet, "sample_size"), vae_scale_factor(vae)
-        resolution = tuple(v * factor for v in _side(side))
-    h, w = _side(resolution)
+    h, w = _native_size(unet, vae) if resolution is None else _side(resolution)
     row = torch.tensor([h, w, 0, 0, h, w], dtype=dtype, device=device)
     return row.expand(batch, 6).clone()
 
@@ -340,9 +335,7 @@ def encode_conditioning(pipe, prompts: Union[str, Sequence[str]], device=None, u
 def zero_unconditional(pipe) -> bool:
     """Whether an empty unconditional prompt is zeros rather than the encoding of "": the pipeline folder's
     ``force_zeros_for_empty_prompt`` (SDXL base sets it; StableDiffusionPipeline has no such flag: False)."""
-    config = getattr(pipe, "config", None)
-    get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
-    return bool(config is not None and get("force_zeros_for_empty_prompt", False))
+    return bool(getattr(pipe, "config", None) is not None and _config_get(pipe, "force_zeros_for_empty_prompt", False))
 
 
 def encode_unconditional(pipe, negative_prompts: Union[str, Sequence[str]], device=None, unet=None,
