@@ -267,19 +267,12 @@ def check_port(port: int) -> int:
     return port
 
 
-def check_reports_dir(reports: Optional[str], bundle: str) -> None:
-    """--reports DIR must be outside the bundle (serve writes nothing into what it serves)."""
-    if reports is None:
-        return
-    where, root = Path(reports).resolve(), Path(bundle).resolve()
-    if where == root or root in where.parents:
-        raise PocketdiffError(f"--reports {reports} is inside the bundle {bundle}: serve writes nothing into the bundle it serves; pick a folder outside it")
-
-
 def main(args) -> int:
     """CLI entry: bundle, host, port, https, cert, key, reports."""
+    from pocketdiff.runtime.cli_checks import check_outside_bundle
+
     check_port(args.port)
-    check_reports_dir(args.reports, args.bundle)
+    check_outside_bundle(args.reports, "--reports", args.bundle)  # serve writes nothing into the bundle it serves
     srv = PageServer(args.bundle, host=args.host, port=args.port, https=args.https, reports_dir=args.reports, verbose=True,
                      keep_reports=False, cert=getattr(args, "cert", None), key=getattr(args, "key", None), check_at_start=True)
     print(f"serving {srv.bundle} at {srv.url}")

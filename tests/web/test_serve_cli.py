@@ -41,7 +41,7 @@ def test_a_port_out_of_range_is_one_line(page_bundle, capsys, port):
 
 def test_reports_inside_the_bundle_are_refused(page_bundle, capsys):
     line = refused(["serve", str(page_bundle), "--port", "0", "--reports", str(page_bundle / "web" / "reports")], capsys)
-    assert "--reports" in line and "inside the bundle" in line
+    assert "--reports" in line and "inside the input bundle" in line
     assert not (page_bundle / "web" / "reports").exists()
 
 
