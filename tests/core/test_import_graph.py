@@ -77,7 +77,7 @@ INTERFACES: dict[str, dict[str, str]] = {
     "pocketdiff.web": {
         "pocketdiff.runtime.bundle": "the page reads the bundle's manifest with the runtime's reader",
         "pocketdiff.runtime.run_bundle": "the page's reference image is run-bundle's, from the same latents",
-        "pocketdiff.runtime.cli_checks": "`web` checks its prompt and timeout flags as the bundle runners do",
+        "pocketdiff.runtime.cli_checks": "`web` checks its prompt and timeout flags, `serve` its --reports folder, as the bundle runners do",
         "pocketdiff.runtime.image_tasks": "the page's picture reference is run-bundle's image-to-image run (same flags, same picture reading)",
         "pocketdiff.runtime.lora_slots": "the page's LoRA reference is run-bundle's swapped-LoRA run (same flags and file checks)",
     },
