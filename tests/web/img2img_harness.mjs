@@ -23,7 +23,7 @@ async function answer(c) {
     }
     if (c.ch === 3) {
       const t = pictureTensor(pic, man);
-      return { values: Array.from(fitted(pic, 3, man, 'x')), tensor_sum: t.data.reduce((a, b) => a + b, 0), warning: t.warning };
+      return { values: Array.from(t.rgb), tensor_sum: t.data.reduce((a, b) => a + b, 0), warning: t.warning };
     }
     return { values: Array.from(fitted(pic, 1, man, 'x')) };
   } catch (e) {
