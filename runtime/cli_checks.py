@@ -5,11 +5,11 @@ nothing with the others given, and a path that would write into the input bundle
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 from typing import Optional
 
 from pocketdiff.errors import PocketdiffError
+from pocketdiff.outputs import _forms  # a path as written and with its links resolved (the output checks' own)
 
 
 def check_text(value: Optional[str], flag: str) -> None:
@@ -27,10 +27,6 @@ def check_text(value: Optional[str], flag: str) -> None:
 def check_timeout(value: float, flag: str = "--timeout") -> None:
     if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
         raise PocketdiffError(f"{flag} {value}: must be a positive number of seconds")
-
-
-def _forms(path: Path) -> set[Path]:
-    return {Path(os.path.abspath(path)), path.resolve()}
 
 
 def check_outside_bundle(path: Optional[str], flag: str, bundle: str) -> None:
