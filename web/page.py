@@ -98,9 +98,9 @@ def litertjs_files(folder: Optional[str | Path] = None) -> dict[str, Path]:
     return {f: root / f for f in LITERTJS_FILES}
 
 
-def _picture_run(bundle: Path, man: dict, prompt: str, seed: int, accelerator: str, latents: np.ndarray, cfg: PageConfig):
-    """run-bundle's image from `cfg`'s picture (and mask, strength) as `run-bundle --init-image` makes it, with `cfg`'s
-    LoRA as `--lora --lora-scale` feeds it: (image, stats, the reference's picture and LoRA fields)."""
+def _reference_run(bundle: Path, man: dict, prompt: str, seed: int, accelerator: str, latents: np.ndarray, cfg: PageConfig):
+    """run-bundle's image from `latents`; from `cfg`'s picture (and mask, strength) as `run-bundle --init-image` makes it,
+    with `cfg`'s LoRA as `--lora --lora-scale` feeds it: (image, stats, the reference's picture and LoRA fields)."""
     import argparse
 
     from pocketdiff.runtime.image_tasks import image_inputs
@@ -121,14 +121,11 @@ def _picture_run(bundle: Path, man: dict, prompt: str, seed: int, accelerator: s
     return image, stats, fields
 
 
-def _reference(bundle: Path, man: dict, prompt: str, seed: int, accelerator: str, folder: Path,
-               cfg: Optional[PageConfig] = None) -> dict:
+def _reference(bundle: Path, man: dict, prompt: str, seed: int, accelerator: str, folder: Path, cfg: PageConfig) -> dict:
     """run-bundle's image from numpy's seeded latents (exactly as `run-bundle --seed` draws them; an lcm
     bundle's re-noising draws, the same generator's next ones, go to noise.bin); from `cfg`'s picture when it gives one
     (the latents are then the noise it is noised with; the picture and mask copied next to it)."""
     from PIL import Image
-
-    from pocketdiff.runtime.run_bundle import generate
 
     lat = man["latent"]
     shape = (1, int(lat["channels"]), int(lat["height"]), int(lat["width"]))
@@ -138,16 +135,12 @@ def _reference(bundle: Path, man: dict, prompt: str, seed: int, accelerator: str
     renoisings = len(sched["timesteps"]) - 1 if sched.get("type", "ddim") == "lcm" else 0
     noise = np.stack([rng.standard_normal(shape).astype(np.float32) for _ in range(renoisings)]) if renoisings else None
     t0 = time.perf_counter()
-    picture = {}
-    if cfg is not None and (cfg.init_image is not None or cfg.lora is not None):
-        image, stats, picture = _picture_run(bundle, man, prompt, seed, accelerator, latents, cfg)
-    else:
-        image, stats = generate(bundle, prompt, seed=seed, accelerator=accelerator, init_latents=latents, manifest=man)
+    image, stats, picture = _reference_run(bundle, man, prompt, seed, accelerator, latents, cfg)
     if not stats["finite"]:
         raise PocketdiffError(f"bundle {bundle}: run-bundle's reference image has NaN/Inf values ({accelerator})")
     folder.mkdir(parents=True)
     latents.tofile(folder / "latents.bin")
-    for key, src in (("init_image", cfg and cfg.init_image), ("mask", cfg and cfg.mask), ("lora", cfg and cfg.lora)):
+    for key, src in (("init_image", cfg.init_image), ("mask", cfg.mask), ("lora", cfg.lora)):
         if picture.get(key):  # the check mode's ?init_image=reference/... (&mask=...) (&lora=...)
             shutil.copyfile(src, folder / picture[key])
     if noise is not None:  # an lcm bundle's re-noising draws, as run-bundle takes them after the latents
