@@ -29,13 +29,13 @@ import numpy as np
 
 from pocketdiff.errors import PocketdiffError
 
-from .manifest_fields import FIELD_CHECKS, Found, Problem, is_int, positive_ints, tokenizer_blocks
+from .manifest_fields import FIELD_CHECKS, Found, Problem, expect_shape, is_int, positive_ints, tokenizer_blocks
 from .onepass_decode import ONE_PASS, check_one_pass_block, one_pass_io
 from .tiled_decode import SCHEMES as TILING_SCHEMES
-from .chunks import block_key, parts_of
+from .chunks import block_key
 from .chunks import check_block as check_chunks_block
-from .components import CHUNKABLE, COMPONENTS, REGISTRY, STAGE_COMPONENTS, TEXT_ENCODER, TILED_DECODER
-from .pipeline_spec import decoder_components, pipeline_of, pipeline_problems, stage_parts, tiled_components  # noqa: F401
+from .components import CHUNKABLE, COMPONENTS, REGISTRY, STAGE_COMPONENTS, TILED_DECODER
+from .pipeline_spec import decoder_components, pipeline_problems, tiled_components  # noqa: F401  (their home before pipeline_spec)
 
 RUNNER_COMPONENTS = COMPONENTS  # the registry's (runtime/components.py)
 
@@ -72,10 +72,6 @@ def _io(entry: dict, key: str, name: str, found: Found) -> Optional[dict[str, di
         io[it["name"]] = {"shape": list(shape), "dtype": str(np.dtype(dtype))}
     return io
 
-
-def _expect(found: Found, where: str, got: list, want: list, what: str) -> None:
-    if got != want:
-        found.add(where, "consistency", f"shape {got}, but {what} gives {want}")
 
 
 def _check_components(man: dict, need: Iterable[str], found: Found, runnable: bool = True) -> None:
@@ -123,14 +119,6 @@ def _check_contract(man: dict, ios: dict, found: Found, runnable: bool = True) -
     pipeline_problems(man, ios, found, frozenset(lacking), require_present=runnable)
     lat = man.get("latent") if isinstance(man.get("latent"), dict) else {}
     _check_tiling(man, ios, [lat.get("channels"), lat.get("height"), lat.get("width")], found)
-
-
-def runner_components(man: dict) -> tuple[str, ...]:
-    """The components run-bundle needs: every stage's models, in the pipeline's order."""
-    stages = pipeline_of(man).get("stages")
-    if not isinstance(stages, list) or not all(isinstance(s, dict) and s.get("component") in STAGE_COMPONENTS for s in stages):
-        return (*parts_of(man, TEXT_ENCODER), *parts_of(man), *decoder_components(man))  # pipeline_problems names the fault
-    return tuple(p for s in stages for p in stage_parts(man, s["component"]))
 
 
 def _check_tiling(man: dict, ios: dict, latent: list, found: Found) -> None:
@@ -195,7 +183,7 @@ def _check_tiling(man: dict, ios: dict, latent: list, found: Found) -> None:
             found.add(f"components.{name}.inputs", "consistency", f"names {sorted(ins)}, the tiled decoder feeds {sorted(want_in)}")
             continue
         for k, shape in want_in.items():
-            _expect(found, f"components.{name}.inputs.{k}", ins[k]["shape"], shape, "vae_tiling and latent")
+            expect_shape(found, f"components.{name}.inputs.{k}", ins[k]["shape"], shape, "vae_tiling and latent")
         got_out = [o["shape"] for o in outs.values()]
         if want_out is None:  # an up-path part before the last: one tensor, which the next part takes
             if len(got_out) != 1:
@@ -326,7 +314,7 @@ def manifest_problems(bundle: str | Path, manifest: dict, need: Optional[Iterabl
                       files: bool = True) -> list[Problem]:
     """Every problem of `manifest` (as `load_manifest` returns it, or the raw JSON) and, with
     `files`, of the files it names. `need`: components that must be present (default: what the
-    runner needs, `runner_components`)."""
+    runner needs: every stage's component, named with its stage by the pipeline check)."""
     found = Found()
     for check in FIELD_CHECKS:
         check(manifest, found)

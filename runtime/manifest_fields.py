@@ -57,6 +57,12 @@ def section(man: dict, key: str, found: Found) -> Optional[dict]:
     return sec
 
 
+def expect_shape(found: Found, where: str, got: list, want: list, what: str) -> None:
+    """A declared shape against the one the manifest's sizes give (`what` names them)."""
+    if got != want:
+        found.add(where, "consistency", f"shape {got}, but {what} gives {want}")
+
+
 def positive_ints(sec: dict, prefix: str, keys: Iterable[str], found: Found) -> bool:
     ok = True
     for k in keys:

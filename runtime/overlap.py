@@ -182,12 +182,6 @@ def check_budget(budget_mb, overlap: bool) -> Optional[MemoryBudget]:
     return budget
 
 
-def overlap_units(te_parts, unet_parts, decoder) -> list[tuple[str, tuple[str, ...]]]:
-    """(unit, its models) in the order of use: each text-encoder part, the UNet (its chunks together), each decoder part
-    (the SD layout; the pipeline gives its own stages' units: runtime/pipeline.py `BundlePipeline.units`)."""
-    return [(p, (p,)) for p in te_parts] + [(UNET, tuple(unet_parts))] + [(p, (p,)) for p in decoder]
-
-
 def plan_levels(units: list[str], figures: Optional[MemoryFigures], budget: Optional[MemoryBudget], where: str) -> list[dict]:
     """Per pair of consecutive units: {first, then, level, at_once_mb}; a unit that cannot fit is refused."""
     pairs = list(zip(units, units[1:]))

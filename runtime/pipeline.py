@@ -44,10 +44,11 @@ class BundlePipeline:
 
     def __init__(self, man: dict, bundle=None, image_input: bool = False):
         self.man, self.bundle = man, bundle
-        self.stages = pipeline_of(man)["stages"]
+        block = pipeline_of(man)
+        self.stages = block["stages"]
         self.image_encoder = next((s for s in self.stages if s["kind"] == ENCODE_IMAGE), None) if image_input else None
         if image_input and self.image_encoder is None:
-            raise PocketdiffError(f"bundle {bundle}: no encode_image stage (tasks {pipeline_of(man).get('tasks')}): it cannot start "
+            raise PocketdiffError(f"bundle {bundle}: no encode_image stage (tasks {block.get('tasks')}): it cannot start "
                                   "from a picture; export it with tasks: [text_to_image, image_to_image, inpaint]")
         self.stages = [s for s in self.stages if s["kind"] != ENCODE_IMAGE or image_input]
         self.encoders = [s for s in self.stages if s["kind"] == ENCODE_PROMPT]
@@ -59,10 +60,12 @@ class BundlePipeline:
                     raise PocketdiffError(f"bundle {bundle}: stage {stage['stage']}, component {stage['component']}, input {name}: "
                                           f"no runner feeds role {role} (re-export with rewrites.time_embedding_outside: true)")
         self.parts = {s["stage"]: stage_parts(man, s["component"]) for s in self.stages}
-        conditioning = pipeline_of(man).get("conditioning") or {}
+        conditioning = block.get("conditioning") or {}
         self.guidance = Guidance(man["guidance"], zero_unconditional=bool(conditioning.get("zero_unconditional")))
         self.tokenizers = {s["stage"]: bundle_tokenizer(man[s["tokenizer"]]["files"]["tokenizer.json"]["_path"], man[s["tokenizer"]])
                            for s in self.encoders}
+        # each encode stage's ids of the empty prompt (cfg), read once, as the runner always did: every prompt reuses them
+        self.empty_ids = {s["stage"]: prompt_ids(self.tokenizers[s["stage"]], "", man[s["tokenizer"]]) for s in self.encoders}
         self.table = np.load(man["time_embedding"]["_path"]) if man.get("time_embedding") else None
         ids = conditioning.get("time_ids")
         self.constants = {"time_ids": np.asarray(ids, np.float32)[None]} if ids is not None else {}
@@ -88,8 +91,8 @@ class BundlePipeline:
 
     def token_rows(self, prompt: str) -> dict[str, list[np.ndarray]]:
         """Per encode stage, the ids of each prompt it runs on (the prompt, then for cfg the empty one)."""
-        return {s["stage"]: [prompt_ids(self.tokenizers[s["stage"]], p, self.man[s["tokenizer"]]) for p in self.guidance.prompts(prompt)]
-                for s in self.encoders}
+        return {s["stage"]: [self.empty_ids[s["stage"]] if p == "" else prompt_ids(self.tokenizers[s["stage"]], p, self.man[s["tokenizer"]])
+                             for p in self.guidance.prompts(prompt)] for s in self.encoders}
 
     def encode(self, rows: dict[str, list[np.ndarray]], latency: dict) -> dict[str, np.ndarray]:
         """Every prompt role the encode stages make, stacked as the UNet's batch ([uncond, cond] for cfg); a role

@@ -141,11 +141,6 @@ def pipeline_of(man: dict) -> dict:
     return block if isinstance(block, dict) else derive_pipeline(man)
 
 
-def stages_of(man: dict, kind: str) -> list[dict]:
-    """The pipeline's stages of one kind, in order."""
-    return [s for s in pipeline_of(man).get("stages") or [] if isinstance(s, dict) and s.get("kind") == kind]
-
-
 # ------------------------------------------------------------------------------- checks
 
 

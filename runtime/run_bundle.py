@@ -49,9 +49,8 @@ from .image_tasks import check_image_flags, image_inputs
 from .lora_slots import LoraFeeds, check_lora_flags
 from .pipeline import BundlePipeline
 from .tiled_bundle import load_tiled_decoder, tiled_decode_bundle  # noqa: F401  (their home before runtime/tiled_bundle.py)
-from .tokens import bundle_tokenize, bundle_tokenizer, check_seed, prompt_ids  # noqa: F401  (likewise, runtime/tokens.py)
+from .tokens import bundle_tokenize, bundle_tokenizer, check_seed  # noqa: F401  (likewise, runtime/tokens.py)
 
-_ids = prompt_ids
 
 
 class BundleRunner:

@@ -13,13 +13,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .manifest_fields import is_int
+from .manifest_fields import expect_shape, is_int
 from .components import DECODE, DENOISE, ENCODE_IMAGE, ENCODE_PROMPT
 
-
-def _expect(found, where: str, got: list, want: list, what: str) -> None:
-    if got != want:
-        found.add(where, "consistency", f"shape {got}, but {what} gives {want}")
 
 
 def _section(man: dict, key: str) -> dict:
@@ -101,11 +97,11 @@ def _stage_outputs(man: dict, stage: dict, outs: dict, found) -> None:
     latent = [lat.get("channels"), lat.get("height"), lat.get("width")]
     first = next(iter(outs.values()))["shape"]
     if stage["kind"] == DENOISE:
-        _expect(found, f"components.{comp}.outputs", first, [_section(man, "guidance").get("unet_batch"), *latent], "guidance.unet_batch x latent")
+        expect_shape(found, f"components.{comp}.outputs", first, [_section(man, "guidance").get("unet_batch"), *latent], "guidance.unet_batch x latent")
     elif stage["kind"] == DECODE:
-        _expect(found, f"components.{comp}.outputs", first, [1, image.get("channels"), image.get("height"), image.get("width")], "image")
+        expect_shape(found, f"components.{comp}.outputs", first, [1, image.get("channels"), image.get("height"), image.get("width")], "image")
     elif stage["kind"] == ENCODE_IMAGE:
-        _expect(found, f"components.{comp}.outputs", first, [1, *latent], "latent")
+        expect_shape(found, f"components.{comp}.outputs", first, [1, *latent], "latent")
 
 
 def check_stage_shapes(man: dict, stages: list[dict], ios: dict, found, lacking: frozenset = frozenset()) -> None:
@@ -131,7 +127,7 @@ def check_stage_shapes(man: dict, stages: list[dict], ios: dict, found, lacking:
                     continue
                 want, what = _want_input(man, stage, role, made, found)
                 if want is not None:
-                    _expect(found, f"components.{comp}.inputs.{name}", ins[name]["shape"], want, what)
+                    expect_shape(found, f"components.{comp}.inputs.{name}", ins[name]["shape"], want, what)
         if stage["kind"] == ENCODE_PROMPT:
             _encode_outputs(man, stage, outs, made, found)
         else:
