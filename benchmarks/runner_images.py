@@ -21,12 +21,12 @@ WEB = ROOT / "tests" / "web"
 
 
 def assemble(twin: Path, dst: Path) -> Path:
-    """`twin`'s manifest files, from it where present, else from smoke_bundle."""
+    """`twin`'s manifest files (the runtime's list of the files a manifest names), from it where present, else from
+    smoke_bundle."""
+    from pocketdiff.runtime.bundle import _file_entries
+
     man = json.loads((twin / "manifest.json").read_text())
-    entries = [*man["tokenizer"]["files"].values(), *([man["time_embedding"]] if man.get("time_embedding") else [])]
-    for comp in [*man["components"].values(), *(man[k] for k in ("text_encoder_chunks", "unet_chunks") if man.get(k))]:
-        entries += [*([comp] if comp.get("path") else []), *([comp["golden"]] if comp.get("golden") else [])]
-    for rel in ["manifest.json", *(e["path"] for e in entries)]:
+    for rel in ["manifest.json", *(e["path"] for e, _, _ in _file_entries(man, None))]:
         src = twin / rel if (twin / rel).is_file() else WEB / "smoke_bundle" / rel
         (dst / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(src, dst / rel)

@@ -32,15 +32,14 @@ def smoke_bundle(tmp_path) -> Path:
 
 def assemble_twin_bundle(twin: Path, dst: Path) -> Path:
     """A twin smoke bundle (`twin`: smoke_bundle_tiled or smoke_bundle_chunked) in `dst`: its manifest's
-    files from `twin` where they are there, else from smoke_bundle (the files they share are kept once)."""
+    files (the runtime's list of the files a manifest names; benchmarks/runner_images.py assembles the same way) from
+    `twin` where they are there, else from smoke_bundle (the files they share are kept once)."""
     import json
 
+    from pocketdiff.runtime.bundle import _file_entries
+
     man = json.loads((twin / "manifest.json").read_text())
-    entries = [*man["tokenizer"]["files"].values(), *([man["time_embedding"]] if man.get("time_embedding") else [])]
-    blocks = [man[key] for key in ("text_encoder_chunks", "unet_chunks") if man.get(key)]  # their whole models' goldens
-    for comp in [*man["components"].values(), *blocks]:
-        entries += [*([comp] if comp.get("path") else []), *([comp["golden"]] if comp.get("golden") else [])]
-    for rel in ["manifest.json", "config.yaml", *(e["path"] for e in entries)]:
+    for rel in ["manifest.json", "config.yaml", *(e["path"] for e, _, _ in _file_entries(man, None))]:
         src = twin / rel if (twin / rel).is_file() else SMOKE_BUNDLE / rel
         (dst / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(src, dst / rel)
