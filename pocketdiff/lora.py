@@ -34,9 +34,9 @@ import torch
 from torch import nn
 
 from .errors import ConfigError, PocketdiffError
-from .lora_keys import (COMPONENTS, PICKLE_SUFFIXES, check_file, group_keys, header_length as _header_length,  # noqa: F401
-                        is_kohya, key_role as _role, key_target as _target, metadata_alpha, metadata_alphas as _metadata_alphas,
-                        parse_header as _parse_header, unsupported as _unsupported)
+from .lora_keys import (COMPONENTS, check_file, check_suffix, group_keys, header_length, is_kohya, key_target, metadata_alpha,
+                        metadata_alphas, parse_header)
+from .outputs import sha256_file
 
 
 @dataclasses.dataclass
@@ -104,10 +104,10 @@ def read_lora(path: Path, key: str) -> LoraFile:
     from safetensors import SafetensorError
     from safetensors.torch import load as load_bytes
 
-    path = check_file(path, key)
+    path = check_suffix(path, key)  # the header is checked below, from the bytes parsed
     data = path.read_bytes()
-    n = _header_length(data[:9], len(data), path, key)
-    header = _parse_header(data[8:8 + n], path, key, data_size=len(data) - 8 - n)
+    n = header_length(data[:9], len(data), path, key)
+    header = parse_header(data[8:8 + n], path, key, data_size=len(data) - 8 - n)
     meta = header.get("__metadata__") or {}
     try:
         tensors = load_bytes(data)
@@ -125,11 +125,11 @@ def parse_factors(tensors: dict, meta: dict, where: str) -> tuple[str, list[Fact
     (the key rules: pocketdiff/lora_keys.py, shared with the runtime's swapped LoRAs)."""
     groups = group_keys(tensors, where)
     kohya = any(is_kohya(b) for b in groups)
-    alphas = _metadata_alphas(meta, where)
+    alphas = metadata_alphas(meta, where)
     factors = []
     for base, roles in groups.items():
         down_key, down, up = roles["down"], tensors[roles["down"]], tensors[roles["up"]]
-        component, name = _target(base, down_key, where)
+        component, name = key_target(base, down_key, where)
         rank = int(down.shape[0]) if down.dim() >= 2 else 0
         if rank < 1 or up.dim() < 2 or int(up.shape[1]) != rank:
             raise PocketdiffError(f"{where}: key {down_key!r}: down {tuple(down.shape)} and up {tuple(up.shape)} are not LoRA factors of one rank")
@@ -258,14 +258,6 @@ def fuse_loras(pipe, specs: Iterable[LoraSpec], key: str = "model.lora") -> list
 
 
 # ----------------------------------------------------------------------------- provenance
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def lora_entries(specs: Iterable[Any], key: str = "model.lora") -> list[dict]:

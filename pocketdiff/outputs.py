@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import logging
 import math
@@ -226,6 +227,16 @@ def read_json(path: str | Path, where: str = "") -> Any:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise PocketdiffError(f"{where + ': ' if where else ''}{path} is not valid JSON ({first})") from None
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
+    """The sha256 hex digest of a file, read in `chunk`-byte blocks (the one helper: the runtime's bundle checks, export's
+    manifest, the LoRA provenance)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(chunk), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def read_safetensors(path: str | Path, where: str = "") -> dict:

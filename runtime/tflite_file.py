@@ -15,7 +15,6 @@ pocketdiff.export.tflite_file.
 from __future__ import annotations
 
 import collections
-import hashlib
 import mmap
 from pathlib import Path
 from typing import Optional, Union
@@ -25,6 +24,7 @@ import numpy as np
 from ai_edge_litert import schema_py_generated as schema
 
 from pocketdiff.errors import PocketdiffError
+from pocketdiff.outputs import sha256_file  # noqa: F401  (the core's; bundle checks import it from here)
 
 OP_NAMES = {v: k for k, v in vars(schema.BuiltinOperator).items() if not k.startswith("_")}
 TYPE_NAMES = {v: k for k, v in vars(schema.TensorType).items() if not k.startswith("_")}
@@ -41,17 +41,6 @@ NP_TYPES = {
 ALIGN = 64
 INLINE_LIMIT = 1_800_000_000
 TFLITE_IDENTIFIER = b"TFL3"
-
-
-def sha256_file(path: Union[str, Path], chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while True:
-            block = f.read(chunk)
-            if not block:
-                break
-            h.update(block)
-    return h.hexdigest()
 
 
 def check_tflite_file(path: Union[str, Path]) -> None:
