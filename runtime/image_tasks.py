@@ -110,12 +110,6 @@ class ImageStart:
         kept = self.image_latents if i + 1 == len(ts) else self.scheduler.add_noise(self.image_latents, self.noise, ts[i + 1])
         return (self.mask * x + (1.0 - self.mask) * kept).astype(np.float32)
 
-    def sample_loop(self, x: np.ndarray, model, generator: Optional[np.random.Generator] = None) -> np.ndarray:
-        """schedulers.sample_loop with the blend after every step."""
-        for i, t in enumerate(self.scheduler.timesteps):
-            x = self.blend(i, self.scheduler.step(model(x, t), t, x, generator=generator).prev_sample)
-        return x
-
 
 # ------------------------------------------------------------------------------- run-bundle's flags
 

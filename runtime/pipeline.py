@@ -190,7 +190,7 @@ class BundlePipeline:
                     pool.ran(name)
             return self.guidance.combine(out)
 
-        x = start.sample_loop(x, model, generator=rng) if start is not None else sample_loop(scheduler, x, model, generator=rng)
+        x = sample_loop(scheduler, x, model, generator=rng, after_step=start.blend if start is not None else None)
         latency[f"{comp}_steps"] = float(sum(step_s))
         latency[f"{comp}_step_mean"] = float(np.mean(step_s)) if step_s else 0.0
         for name in names:

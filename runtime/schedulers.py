@@ -224,8 +224,12 @@ def scheduler_for(block: dict, strength: float = 1.0) -> Scheduler:
     return sched
 
 
-def sample_loop(scheduler: Scheduler, x: np.ndarray, model, generator: Optional[np.random.Generator] = None) -> np.ndarray:
-    """Every timestep: `model(x, t)` -> the (guided) model output, then the scheduler's step. Returns the final latents."""
-    for t in scheduler.timesteps:
+def sample_loop(scheduler: Scheduler, x: np.ndarray, model, generator: Optional[np.random.Generator] = None,
+                after_step=None) -> np.ndarray:
+    """Every timestep: `model(x, t)` -> the (guided) model output, then the scheduler's step; `after_step(i, x)` (when
+    given) maps step i's latents before the next (inpainting's blend, runtime/image_tasks.py). Returns the final latents."""
+    for i, t in enumerate(scheduler.timesteps):
         x = scheduler.step(model(x, t), t, x, generator=generator).prev_sample
+        if after_step is not None:
+            x = after_step(i, x)
     return x
