@@ -19,7 +19,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from pocketdiff.conditioning import family_of
+from pocketdiff.conditioning import family_of, sdxl_time_ids
 from pocketdiff.errors import PocketdiffError
 from pocketdiff.runtime.components import REGISTRY
 
@@ -57,11 +57,6 @@ def check_family_settings(cfg, pipe) -> None:
                               "second's pooled embedding), which the chunked graphs do not build; use 1")
 
 
-def sdxl_time_ids(resolution: int) -> list[float]:
-    """(original H, W, crop top, left, target H, W) of an uncropped `resolution` x `resolution` image."""
-    return [float(resolution), float(resolution), 0.0, 0.0, float(resolution), float(resolution)]
-
-
 @torch.no_grad()
 def sdxl_golden(pipe, prompt: str, resolution: int, batch: int) -> dict:
     """The SDXL family's golden inputs: the second tokenizer's ids of `prompt` [1, L] int32, and the UNet's
@@ -76,7 +71,7 @@ def sdxl_golden(pipe, prompt: str, resolution: int, batch: int) -> dict:
         if isinstance(out, tuple):
             out, pooled = out
         states.append(out)
-    time_ids = torch.tensor([sdxl_time_ids(resolution)] * batch, dtype=torch.float32)
+    time_ids = sdxl_time_ids(None, None, batch, resolution=resolution)  # the samplers' own ids (pocketdiff.conditioning)
     return {"ids_2": ids["text_encoder_2"], "encoder_hidden_states": torch.cat(states, dim=-1), "text_embeds": pooled,
             "time_ids": time_ids}
 
