@@ -34,8 +34,8 @@ import torch
 from torch import nn
 
 from .errors import ConfigError, PocketdiffError
-from .lora_keys import (COMPONENTS, check_file, check_suffix, group_keys, header_length, is_kohya, key_target, metadata_alpha,
-                        metadata_alphas, parse_header)
+from .lora_keys import (COMPONENTS, check_file, check_suffix, group_keys, header_length, is_kohya, key_target,
+                        layer_multiplier, metadata_alphas, parse_header)
 from .outputs import sha256_file
 
 
@@ -133,21 +133,10 @@ def parse_factors(tensors: dict, meta: dict, where: str) -> tuple[str, list[Fact
         rank = int(down.shape[0]) if down.dim() >= 2 else 0
         if rank < 1 or up.dim() < 2 or int(up.shape[1]) != rank:
             raise PocketdiffError(f"{where}: key {down_key!r}: down {tuple(down.shape)} and up {tuple(up.shape)} are not LoRA factors of one rank")
-        alpha = _alpha(roles, tensors, alphas, component, name, rank, where)
-        use_rs = bool(alphas.get(component, {}).get("use_rslora"))
-        factors.append(Factor(component, name, down_key, down, up, alpha / (math.sqrt(rank) if use_rs else rank),
-                              kohya=is_kohya(base)))
+        alpha_values = tensors[roles["alpha"]].float().reshape(-1).tolist() if "alpha" in roles else None
+        multiplier = layer_multiplier(roles, alpha_values, alphas, component, name, rank, where)
+        factors.append(Factor(component, name, down_key, down, up, multiplier, kohya=is_kohya(base)))
     return ("kohya" if kohya else "diffusers"), factors
-
-
-def _alpha(roles: dict, tensors: dict, alphas: dict, component: str, name: str, rank: int, where: str) -> float:
-    if "alpha" in roles:
-        k = roles["alpha"]
-        t = tensors[k]
-        if t.numel() != 1 or not bool(torch.isfinite(t.float()).all()):
-            raise PocketdiffError(f"{where}: key {k!r} must be one finite number")
-        return float(t.float().reshape(-1)[0])
-    return metadata_alpha(alphas, component, name, rank, where)
 
 
 # ----------------------------------------------------------------------------- matching and fusing

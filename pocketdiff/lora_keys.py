@@ -13,6 +13,7 @@ runtime's swapped LoRAs (runtime/lora_slots.py), so both name the same modules f
 from __future__ import annotations
 
 import json
+import math
 import re
 import struct
 from pathlib import Path
@@ -193,6 +194,19 @@ def metadata_alpha(alphas: dict, component: str, name: str, rank: int, where: st
         except re.error:
             raise PocketdiffError(f"{where}: its {component} alpha_pattern key {pattern!r} is not a valid pattern") from None
     return float(fields.get("lora_alpha", rank))
+
+
+def layer_multiplier(roles: dict, alpha_values: Optional[list], alphas: dict, component: str, name: str, rank: int,
+                     where: str) -> float:
+    """alpha / rank of one layer (alpha / sqrt(rank) for rsLoRA): alpha from its `.alpha` key (`alpha_values`: that
+    tensor's values, flat) when `roles` has one, else from the metadata (`metadata_alpha`)."""
+    if "alpha" in roles:
+        if alpha_values is None or len(alpha_values) != 1 or not math.isfinite(alpha_values[0]):
+            raise PocketdiffError(f"{where}: key {roles['alpha']!r} must be one finite number")
+        alpha = float(alpha_values[0])
+    else:
+        alpha = metadata_alpha(alphas, component, name, rank, where)
+    return alpha / (math.sqrt(rank) if alphas.get(component, {}).get("use_rslora") else rank)
 
 
 # ----------------------------------------------------------------------------- a bundle's LoRA slots

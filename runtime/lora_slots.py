@@ -22,7 +22,7 @@ from typing import Optional
 import numpy as np
 
 from pocketdiff.errors import PocketdiffError
-from pocketdiff.lora_keys import (check_suffix, group_keys, header_length, is_kohya, key_target, metadata_alpha, metadata_alphas,
+from pocketdiff.lora_keys import (check_suffix, group_keys, header_length, is_kohya, key_target, layer_multiplier, metadata_alphas,
                                   parse_header, slot_input_names)
 
 DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "F64": np.dtype("<f8"), "BF16": np.dtype("<u2")}
@@ -146,15 +146,8 @@ class LoraFeeds:
                                   f"(export with lora_slots.rank >= {r})")
         if not (np.isfinite(down).all() and np.isfinite(up).all()):
             raise PocketdiffError(f"{where}: key {down_key!r}: its factors are not finite numbers")
-        if "alpha" in roles:
-            a = tensors[roles["alpha"]]
-            if a.size != 1 or not np.isfinite(a).all():
-                raise PocketdiffError(f"{where}: key {roles['alpha']!r} must be one finite number")
-            alpha = float(a.reshape(-1)[0])
-        else:
-            alpha = metadata_alpha(alphas, "unet", module, r, where)
-        rs = bool(alphas.get("unet", {}).get("use_rslora"))
-        mult = scale * alpha / (math.sqrt(r) if rs else r)
+        alpha_values = tensors[roles["alpha"]].reshape(-1).tolist() if "alpha" in roles else None
+        mult = scale * layer_multiplier(roles, alpha_values, alphas, "unet", module, r, where)
         d = np.zeros((n_in, self.rank), np.float32)
         u = np.zeros((self.rank, n_out), np.float32)
         d[:, :r] = down.T
