@@ -13,9 +13,9 @@ After every step but the last, the estimate is noised again to the next timestep
 x_{t'} = sqrt(a_t') * denoised + sqrt(1 - a_t') * noise, with standard normal noise; the last step's
 `denoised` is what the decoder gets (runtime/schedulers.py's LCMScheduler runs the loop). The timesteps are N evenly
 spaced points, from the top down, of the grid the student was trained on, t_n = (n + 1) * (T // K) - 1 for n < K
-(K = `original_inference_steps`): `lcm_timesteps`, which lives with the block's writer and reader in
-pocketdiff/scheduler_blocks.py (the torch sampler takes it from there too), as does `check_lcm_block` (the
-problems of a manifest's lcm block beyond the fields every scheduler has); both are named here as before.
+(K = `original_inference_steps`): pocketdiff/scheduler_blocks.py's `lcm_timesteps`, which lives with the block's
+writer and reader (`lcm_field_problems`: the problems of a manifest's lcm block beyond the fields every scheduler
+has); the torch sampler takes it from there too.
 """
 from __future__ import annotations
 
@@ -24,8 +24,6 @@ import math
 import numpy as np
 
 from pocketdiff.errors import PocketdiffError
-from pocketdiff.scheduler_blocks import LCM, lcm_timesteps  # noqa: F401  (named here as before)
-from pocketdiff.scheduler_blocks import lcm_field_problems as check_lcm_block  # noqa: F401
 
 
 def boundary_scalings(t: int, timestep_scaling: float, sigma_data: float) -> tuple[float, float]:

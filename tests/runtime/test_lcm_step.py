@@ -1,13 +1,15 @@
 """The bundle's numpy consistency step (runtime/lcm_step.py, run by runtime/schedulers.py) against pocketdiff's torch sampler
 (pocketdiff.sampling.consistency_sample) on a stand-in UNet, fed the same noise; its grid against
-pocketdiff/consistency_sampling.py's; the lcm block's checks. No model files: milliseconds."""
+diffusers' LCMScheduler's; the lcm block's checks (pocketdiff/scheduler_blocks.py). No model files: milliseconds."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
 
-from pocketdiff.runtime.lcm_step import boundary_scalings, check_lcm_block, lcm_timesteps
+from pocketdiff.runtime.lcm_step import boundary_scalings
+from pocketdiff.scheduler_blocks import lcm_field_problems as check_lcm_block
+from pocketdiff.scheduler_blocks import lcm_timesteps
 from pocketdiff.runtime.schedulers import sample_loop, scheduler_for
 
 
@@ -38,12 +40,16 @@ def _block(sched, steps: int) -> dict:
             "timestep_scaling": c.timestep_scaling, "sigma_data": 0.5, "clip_sample_range": c.clip_sample_range if c.clip_sample else None}
 
 
-def test_lcm_timesteps_equal_the_torch_samplers_grid():
-    from pocketdiff.consistency_sampling import lcm_timesteps as torch_side
+def test_lcm_timesteps_equal_diffusers_lcm_scheduler():
+    """The rule against diffusers' LCMScheduler (the torch sampler takes the same function from
+    pocketdiff/scheduler_blocks.py, so comparing with it could not fail)."""
+    from diffusers import LCMScheduler
 
     for T, K in ((1000, 50), (1000, 10), (1000, 7), (100, 100), (999, 4)):
         for n in range(1, K + 1):
-            assert lcm_timesteps(T, K, n) == torch_side(T, K, n), (T, K, n)
+            ref = LCMScheduler(num_train_timesteps=T, original_inference_steps=K)
+            ref.set_timesteps(n)
+            assert lcm_timesteps(T, K, n) == ref.timesteps.tolist(), (T, K, n)
     assert lcm_timesteps(1000, 10, 2) == [999, 499]
 
 

@@ -205,7 +205,7 @@ def tile_starts_of(case: dict, axis: str) -> list:
 
 
 def _lcm_block(prediction_type: str, steps: int, clip=None) -> dict:
-    from pocketdiff.runtime.lcm_step import lcm_timesteps
+    from pocketdiff.scheduler_blocks import lcm_timesteps
 
     betas = np.linspace(0.00085 ** 0.5, 0.012 ** 0.5, 1000) ** 2  # scaled_linear
     return {"type": "lcm", "prediction_type": prediction_type, "num_train_timesteps": 1000, "steps": steps,
@@ -217,7 +217,7 @@ def test_page_lcm_step_matches_the_runner(node, tmp_path):
     """lcm.js against runtime/lcm_step.py: grids, and whole 1- and 3-step loops through each side's scheduler
     interface (schedulers.js, runtime/schedulers.py) on a stand-in model fed numpy's noise (every prediction type,
     clipping); its scheduler problems by name."""
-    from pocketdiff.runtime.lcm_step import lcm_timesteps
+    from pocketdiff.scheduler_blocks import lcm_timesteps
     from pocketdiff.runtime.schedulers import sample_loop, scheduler_for
 
     grids = [[1000, 10, n] for n in range(1, 11)] + [[1000, 50, 4], [1000, 7, 3], [999, 4, 4]]
