@@ -5,6 +5,8 @@
 // [rank, out] (scaled by scale * alpha / rank, alpha / sqrt(rank) for rsLoRA), zero-padded to the slots' rank; no
 // LoRA is zeros. A file that does not fit the slots is refused in one line naming the first key at fault.
 
+import { halfToFloat } from './npy.js';
+
 export class LoraError extends Error {}
 
 const ROLE_SUFFIXES = [
@@ -17,13 +19,6 @@ const ROLE_SUFFIXES = [
 export function slotInputNames(module) {
   const stem = `lora_${module.replaceAll('.', '_')}`;
   return [`${stem}_down`, `${stem}_up`];
-}
-
-function f16(h) {
-  const s = h & 0x8000 ? -1 : 1, e = (h >> 10) & 0x1f, m = h & 0x3ff;
-  if (e === 0) return s * m * 2 ** -24;
-  if (e === 31) return m ? NaN : s * Infinity;
-  return s * (1 + m / 1024) * 2 ** (e - 15);
 }
 
 /** name -> {data: Float32Array, shape} and the metadata of a safetensors file's bytes (LoraError when it is none). */
@@ -50,7 +45,7 @@ export function readSafetensors(bytes, where) {
     for (let i = 0; i < count; i++) {
       const at = body + start + i * size;
       data[i] = info.dtype === 'F32' ? view.getFloat32(at, true)
-        : info.dtype === 'F16' ? f16(view.getUint16(at, true)) : new Float32Array(new Uint32Array([view.getUint16(at, true) << 16]).buffer)[0];
+        : info.dtype === 'F16' ? halfToFloat(view.getUint16(at, true)) : new Float32Array(new Uint32Array([view.getUint16(at, true) << 16]).buffer)[0];
     }
     tensors[name] = { data, shape };
   }

@@ -6,7 +6,8 @@ const DTYPES = {
   '|u1': [Uint8Array, 1], '|i1': [Int8Array, 1], '<f2': [Uint16Array, 2],
 };
 
-function halfToFloat(h) {
+/** An IEEE half's bits as a number (also lora.js's F16 factors). */
+export function halfToFloat(h) {
   const s = h & 0x8000 ? -1 : 1;
   const e = (h >> 10) & 0x1f;
   const f = h & 0x3ff;
