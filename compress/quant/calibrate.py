@@ -465,13 +465,13 @@ def _parity(cfg: Config, min_bits: int, unet_cos: float, rtn_cos: float, extras:
     checks["min_unet_cosine"] = {"value": unet_cos, "threshold": thr, "passed": unet_cos >= thr}
     if cfg.parity.recon_not_worse_than_rtn:
         checks["recon_not_worse_than_rtn"] = {"value": unet_cos, "threshold": rtn_cos - 1e-4, "passed": unet_cos >= rtn_cos - 1e-4}
-    for key, comp_bits in (("text_encoder", cfg.quant.bits), ("text_encoder_2", cfg.quant.bits), ("vae_decoder", cfg.quant.bits)):
+    bars = {"text_encoder": cfg.parity.min_text_encoder_cosine, "text_encoder_2": cfg.parity.min_text_encoder_cosine,
+            "vae_decoder": cfg.parity.min_vae_decoder_cosine}  # text_encoder_2: the text encoders' bar
+    for key, bar in bars.items():
         if key in extras.get("cosines", {}):
-            name = f"min_{key}_cosine"
             val = extras["cosines"][key]
-            t = getattr(cfg.parity, name.replace("_2_", "_"))  # text_encoder_2: the text encoders' bar
-            t = t if t is not None else DEFAULT_MIN_COSINE[comp_bits]
-            checks[name] = {"value": val, "threshold": t, "passed": val >= t}
+            t = bar if bar is not None else DEFAULT_MIN_COSINE[cfg.quant.bits]
+            checks[f"min_{key}_cosine"] = {"value": val, "threshold": t, "passed": val >= t}
     return {"passed": all(c["passed"] for c in checks.values()), "checks": checks}
 
 
