@@ -1,7 +1,7 @@
 """Image-to-image and inpainting in the page (headless Chromium, check mode) and the Node runner, against run-bundle's
 image from the same picture, mask, strength and noise (web/static/image_input.js, the twin of runtime/image_tasks.py):
 the web smoke bundle with its VAE encoder exported here (`components: [vae_encoder]`) and grafted in, as
-tests/runtime/test_image_tasks.py does. One export per module; each page has one reference (`pocketdiff web`'s
+tests/runtime/test_image_tasks.py does. One encoder export per worker; each page has one reference (`pocketdiff web`'s
 PageConfig init_image / mask / strength), so the img2img, inpainting and text runs each get a copy of the bundle."""
 from __future__ import annotations
 
@@ -18,19 +18,15 @@ SMOKE = Path(__file__).resolve().parent / "smoke_bundle"
 
 
 @pytest.fixture(scope="module")
-def encoder_export(smoke_encoder_export) -> Path:
-    return smoke_encoder_export  # tests/conftest.py: exported once per worker
-
-
-@pytest.fixture(scope="module")
 def pictures(tmp_path_factory) -> Path:
     return make_pictures(tmp_path_factory.mktemp("pictures"))  # tests/img2img_fixtures.py
 
 
 @pytest.fixture(scope="module")
-def bundles(tmp_path_factory, encoder_export, pictures) -> dict[str, Path]:
+def bundles(tmp_path_factory, smoke_encoder_export, pictures) -> dict[str, Path]:
     """Per run, the grafted bundle with its page and run-bundle's reference: img2img at the default strength (0.8: 3 of
-    the 4 DDIM steps), inpainting at 0.75, and text to image."""
+    the 4 DDIM steps), inpainting at 0.75, and text to image. The encoder: tests/conftest.py's smoke_encoder_export
+    (exported once per worker)."""
     from pocketdiff.web.page import PageConfig, write_page
 
     root = tmp_path_factory.mktemp("img2img_bundles")
@@ -41,7 +37,7 @@ def bundles(tmp_path_factory, encoder_export, pictures) -> dict[str, Path]:
     for name, picture in runs.items():
         bundle = root / name
         shutil.copytree(SMOKE, bundle, ignore=shutil.ignore_patterns("README.md", "web"))
-        graft_encoder(bundle, encoder_export)
+        graft_encoder(bundle, smoke_encoder_export)
         write_page(PageConfig(bundle=str(bundle), **picture))
         out[name] = bundle
     return out
@@ -88,6 +84,9 @@ def test_page_runs_text_to_image_on_a_bundle_with_an_encoder(bundles, chromium):
     img_ref = np.fromfile(bundles["img2img"] / "web/reference/image.bin", np.float32)
     txt_ref = np.fromfile(bundles["text"] / "web/reference/image.bin", np.float32)
     assert 10 * np.log10(1 / np.mean((img_ref - txt_ref) ** 2)) < 30  # the picture changes the image
+    ref = _reference(bundles["img2img"])
+    r = check_page(bundles["img2img"], prompt=ref["prompt"], seed=ref["seed"], timeout_s=600, executable=chromium)
+    assert "psnr_db" not in r["image"] and r["image"]["skipped"].startswith("the reference is from picture"), r["image"]
 
 
 def test_page_refuses_a_picture_of_another_aspect_ratio(bundles, chromium, pictures):
