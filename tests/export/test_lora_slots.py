@@ -96,7 +96,9 @@ def test_the_slotted_unet_takes_every_attention_projections_factors_fully_accele
     report = json.loads((bundles["slots"] / "report.json").read_text())
     block = man["lora_slots"]
     assert block["rank"] == 4 and len(block["targets"]) == 32  # 4 transformer blocks x (attn1, attn2) x (q, k, v, out)
-    assert all(t.rsplit(".", 2)[-2:] != ["to_out", "0"] or t.endswith("to_out.0") for t in block["targets"])
+    # every target is an attention projection's Linear: to_out's first module (to_out.0), never the to_out list itself
+    projections = tuple(f".{a}.{p}" for a in ("attn1", "attn2") for p in ("to_q", "to_k", "to_v", "to_out.0"))
+    assert all(t.endswith(projections) for t in block["targets"]), block["targets"]
     unet = report["components"]["unet"]
     assert unet["fully_accelerated"] is True  # the export requires it: on lavapipe, at fp16 and fp32 (verify.precisions)
     parity = unet["details"]["parity"]
