@@ -44,7 +44,7 @@ from typing import Optional
 
 import torch
 
-from pocketdiff.conditioning import encode_unconditional, family_of
+from pocketdiff.conditioning import encode_unconditional, text_encoders
 from pocketdiff.data import ImageCaptionDataset, collate, load_captioned_dataset
 from pocketdiff.errors import PocketdiffError
 from pocketdiff.models import DISTILL_META, check_resolution, count_params, load_or_build
@@ -179,8 +179,8 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
     pipe = load_or_build(cfg.model, captions=captions, resolution=cfg.data.resolution)
     _check_teacher(cfg, pipe, plan)
     pipe.vae.requires_grad_(False).eval()
-    for tower in family_of(pipe.unet).towers:  # SDXL: text_encoder_2 too
-        getattr(pipe, "text_encoder" + tower).requires_grad_(False).eval().to(device)
+    for encoder in text_encoders(pipe):  # SDXL: text_encoder_2 too
+        encoder.requires_grad_(False).eval().to(device)
     teacher_unet = pipe.unet.requires_grad_(False).eval()
     t_sched = pipe.scheduler
     s_sched = student_scheduler(cfg, t_sched)

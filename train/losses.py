@@ -7,10 +7,6 @@ import torch.nn.functional as F
 from .loop import BatchRandom
 
 
-def tokenize(tokenizer, texts: list[str]) -> torch.Tensor:
-    return tokenizer(texts, padding="max_length", max_length=tokenizer.model_max_length, truncation=True, return_tensors="pt").input_ids
-
-
 def diffusion_target(scheduler, latents, noise, timesteps) -> torch.Tensor:
     """epsilon or v (Salimans & Ho) target for the scheduler's prediction type."""
     kind = scheduler.config.prediction_type
