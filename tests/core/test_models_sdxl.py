@@ -26,7 +26,7 @@ from pocketdiff.models import (
     vae_config,
 )
 
-CAPTIONS = ["a red circle on a white background", "a blue square", "a green star on a black background"]
+from tiny_sdxl import SDXL_CAPTIONS as CAPTIONS  # tests/tiny_sdxl.py: the SDXL tests' captions
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 

@@ -17,3 +17,19 @@ def clip_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("clip") / "clip"
     train_clip.save_clip(model, processor, out, {"domain": "test", "label": "test-CLIP"})
     return out
+
+
+@pytest.fixture(scope="session")
+def save_shapes_teacher(tmp_path_factory):
+    """A function `(**model) -> folder`: a teacher built from `ModelConfig(**model)` (random weights, its tokenizer
+    trained on 16 shapes captions) at 32 px, saved as a pipeline folder; what the distill tests train from."""
+    from pocketdiff.config import DataConfig
+    from pocketdiff.data import load_captions
+    from pocketdiff.models import ModelConfig, build_pipeline, save_pipeline
+
+    def make(**model):
+        captions = load_captions(DataConfig(source="shapes", shapes_count=16, resolution=32))
+        pipe = build_pipeline(ModelConfig(**model), captions=captions, resolution=32)
+        return save_pipeline(pipe, tmp_path_factory.mktemp("teacher") / "pipeline")
+
+    return make

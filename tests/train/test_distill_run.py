@@ -19,14 +19,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")
-def teacher_dir(tmp_path_factory):
-    from pocketdiff.data import load_captions
-    from pocketdiff.config import DataConfig
-    from pocketdiff.models import ModelConfig, build_pipeline, save_pipeline
-
-    captions = load_captions(DataConfig(source="shapes", shapes_count=16, resolution=32))
-    pipe = build_pipeline(ModelConfig(arch="tiny"), captions=captions, resolution=32)
-    return save_pipeline(pipe, tmp_path_factory.mktemp("teacher") / "pipeline")
+def teacher_dir(save_shapes_teacher):
+    return save_shapes_teacher(arch="tiny")  # tests/train/conftest.py
 
 
 def _cfg(teacher_dir, *extra):

@@ -14,14 +14,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")
-def xl_teacher(tmp_path_factory):
-    from pocketdiff.config import DataConfig
-    from pocketdiff.data import load_captions
-    from pocketdiff.models import ModelConfig, build_pipeline, save_pipeline
-
-    captions = load_captions(DataConfig(source="shapes", shapes_count=16, resolution=32))
-    pipe = build_pipeline(ModelConfig(arch="tiny_xl"), captions=captions, resolution=32)
-    return save_pipeline(pipe, tmp_path_factory.mktemp("xl_teacher") / "pipeline")
+def xl_teacher(save_shapes_teacher):
+    return save_shapes_teacher(arch="tiny_xl")  # tests/train/conftest.py
 
 
 COMMON = ["data.source=shapes", "data.shapes_count=16", "data.resolution=32", "guidance.embed_dim=16",
