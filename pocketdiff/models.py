@@ -115,12 +115,19 @@ def check_resolution(pipe, resolution: int, key: str = "data.resolution", unet=N
     """`resolution` (pixels) must fit the pipeline: a multiple of the VAE factor times the UNet's
     downsampling (`unet`'s when given, e.g. a replacement UNet, else the pipeline's). Raised
     naming `key`, before any work."""
-    factor = vae_scale_factor(pipe)
     config = getattr(unet, "config", None) or pipe.unet.config
+    _check_fit(resolution, vae_scale_factor(pipe), _unet_downsampling(config), key, "the model")
+
+
+def _unet_downsampling(config) -> int:
     channels = config["block_out_channels"] if isinstance(config, dict) else config.block_out_channels
-    down = 2 ** (len(channels) - 1)
-    if resolution % factor or (resolution // factor) % down:
-        raise PocketdiffError(f"{key}={resolution} does not fit the model (VAE factor {factor}, UNet downsampling "
+    return 2 ** (len(channels) - 1)
+
+
+def _check_fit(resolution: int, factor: int, down: int, key: str, what: str) -> None:
+    """`resolution` a multiple of the VAE factor times the UNet's downsampling (both 2 ** (levels - 1))."""
+    if int(resolution) % (factor * down):
+        raise PocketdiffError(f"{key}={resolution} does not fit {what} (VAE factor {factor}, UNet downsampling "
                               f"{down}: a multiple of {factor * down})")
 
 
@@ -139,12 +146,10 @@ def precheck_resolution(model: "ModelConfig", resolution: Optional[int], key: st
     try:
         unet = json.loads((folder / "unet" / "config.json").read_text(encoding="utf-8"))
         vae = json.loads((folder / "vae" / "config.json").read_text(encoding="utf-8"))
-        factor, down = 2 ** (len(vae["block_out_channels"]) - 1), 2 ** (len(unet["block_out_channels"]) - 1)
+        factor, down = vae_scale_factor(vae), _unet_downsampling(unet)
     except (OSError, ValueError, KeyError, TypeError):
         return  # not a readable local folder: loading names the problem
-    if int(resolution) % (factor * down):
-        raise PocketdiffError(f"{key}={resolution} does not fit {model.pretrained} (VAE factor {factor}, UNet downsampling "
-                              f"{down}: a multiple of {factor * down})")
+    _check_fit(resolution, factor, down, key, str(model.pretrained))
 
 
 def count_params(module: nn.Module) -> int:
