@@ -266,13 +266,15 @@ def run_on_delegate(
     timeout_s: float = 900.0,
     driver: Optional[str] = None,
     num_threads: int = 0,
+    timed_read: bool = False,
 ) -> DelegateRun:
     """Compile `model_path` on the GPU delegate (or CPU) in a child process and run `inputs`.
 
     `inputs`: arrays in signature input order (or a dict name -> array); None compiles only.
     `precisions`: "fp16" (the delegate's default) and/or "fp32" (`enforce_f32`); ignored on CPU
-    (one run, reported under "fp32"). Never raises for delegate failures: read `.compiled`,
-    `.fully_accelerated`, `.rejected`, `.error`.
+    (one run, reported under "fp32"). `timed_read`: each timed repeat also reads the outputs back (a GPU run
+    may return on submission; with it, latency is run + readback). Never raises for delegate failures: read
+    `.compiled`, `.fully_accelerated`, `.rejected`, `.error`.
     """
     model_path = Path(model_path)
     if not model_path.is_file():
@@ -299,6 +301,7 @@ def run_on_delegate(
             "precisions": list(precisions),
             "repeats": int(repeats),
             "warmup": int(warmup),
+            "timed_read": bool(timed_read),
             "num_threads": int(num_threads),
             "inputs": str(work / "inputs.npz") if inputs is not None else None,
             "out_dir": str(work),
