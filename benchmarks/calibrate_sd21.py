@@ -2,6 +2,12 @@
 
     python benchmarks/calibrate_sd21.py --out result.json [--arch sd21] [--device cuda]
     python benchmarks/calibrate_sd21.py --out tiny.json --arch tiny --device cpu   # quick check
+    python benchmarks/calibrate_sd21.py --out sdxl.json --arch sdxl   # SDXL base's UNet at 1024 px (128x128 latents)
+
+An SDXL-family arch (`sdxl`, `tiny_xl`, `small_xl`) is conditioned as StableDiffusionXLPipeline conditions it: random
+text embeddings of both encoders' width, a random pooled embedding, and the time ids of its resolution (original =
+target size, crop (0, 0)). The product's own path at SDXL size (`pocketdiff calibrate` on a saved SDXL folder) is
+scripts/gpu/sdxl_size.sh with configs/sdxl/calibrate_smoke.yaml.
 
 What it measures (JSON):
 - `activations`: per-block output std / max-abs on the calibration inputs (random weights
@@ -37,6 +43,8 @@ from _checkout import use_checkout  # noqa: E402
 
 use_checkout()
 
+from pocketdiff.archs import ARCHS, default_resolution  # noqa: E402
+
 
 def sync(device):
     if torch.device(device).type == "cuda":
@@ -57,14 +65,32 @@ def build_unet(arch: str, resolution: int, seed: int, device, norm_scale: float)
     return unet, DDIMScheduler(**scheduler_config("epsilon")), cfg
 
 
-def calib_set(unet, scheduler, cfg, trajectories: int, steps: int, seed: int, device, guidance: float = 3.0):
+def xl_time_ids(cond, unet, side: int):
+    """`cond` with its time ids as StableDiffusionXLPipeline gives them for `side`-pixel images (a family without
+    time ids: as it is)."""
+    import dataclasses
+
+    from pocketdiff.conditioning import sdxl_time_ids
+
+    if cond.time_ids is None:
+        return cond
+    return dataclasses.replace(cond, time_ids=sdxl_time_ids(unet, None, len(cond), resolution=side))
+
+
+def calib_set(unet, scheduler, cfg, trajectories: int, steps: int, seed: int, device, guidance: float = 3.0,
+              pixels: int | None = None):
+    """Calibration inputs from DDIM trajectories with random text conditioning: every field of the UNet family's
+    conditioning drawn (SD: the prompt embeddings, the same draws as before the family seam); SDXL's time ids those
+    of `pixels`-square images."""
     from pocketdiff.compress.quant.calib_data import collect_unet_inputs
+    from pocketdiff.conditioning import placeholder_conditioning
 
     g = torch.Generator("cpu").manual_seed(seed)
-    dim = cfg["cross_attention_dim"]
-    cond = torch.randn(trajectories, 77, dim, generator=g).to(device)
-    uncond = torch.randn(1, 77, dim, generator=g).to(device)
     side = cfg["sample_size"]
+    draw = lambda v: torch.randn(v.shape, generator=g)  # noqa: E731
+    pixels = pixels or side * 8
+    cond = xl_time_ids(placeholder_conditioning(unet, trajectories, 77).map(draw), unet, pixels).to(device)
+    uncond = xl_time_ids(placeholder_conditioning(unet, 1, 77).map(draw), unet, pixels).to(device)
     return collect_unet_inputs(unet, scheduler, cond, uncond, steps=steps, guidance_scale=guidance,
                                latent_shape=(cfg["in_channels"], side, side), seed=seed, batch_size=8)
 
@@ -176,7 +202,7 @@ def compare_with_reference(full: dict, path: str) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
-    p.add_argument("--arch", default="sd21", choices=["tiny", "small", "sd15", "sd21"])
+    p.add_argument("--arch", default="sd21", choices=ARCHS, help="sdxl: SDXL base's UNet (two text widths, pooled embedding, time ids)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--resolution", type=int, default=None, help="pixels (default: 512 for sd15/sd21, the arch's own otherwise)")
     p.add_argument("--bits", type=int, default=8)
@@ -255,7 +281,8 @@ def main(argv=None) -> int:
     result["build_s"] = round(time.time() - t0, 2)
 
     t = time.time()
-    calib = calib_set(unet, scheduler, ucfg, args.trajectories, args.steps, args.seed + 1, device)
+    calib = calib_set(unet, scheduler, ucfg, args.trajectories, args.steps, args.seed + 1, device,
+                      pixels=resolution or default_resolution(args.arch))
     sync(device)
     result["calibration"] = {"samples": len(calib), "collect_s": round(time.time() - t, 2)}
     print(f"{len(calib)} calibration inputs in {result['calibration']['collect_s']} s", file=sys.stderr, flush=True)

@@ -2,8 +2,9 @@
 
 One step = the teacher's two classifier-free-guided DDIM steps (the Salimans & Ho target) +
 the student's forward and backward + the optimizer step, on random weights and random latents
-(SD-2.1-size UNet by default, 64x64 latents, batch 16). Variants, measured side by side in one
-process:
+(SD-2.1-size UNet by default, 64x64 latents, batch 16; `--arch sdxl`: SDXL base's UNet built from its config,
+1024 px = 128x128 latents, conditioned on both text encoders' hidden states, the pooled embedding and the six
+time ids (1024, 1024, 0, 0, 1024, 1024)). Variants, measured side by side in one process:
 
 - `eager`: what a plain diffusers-style script does: fp32 teacher weights under bf16 autocast,
   conditional and unconditional teacher passes as separate calls, no channels_last, no
@@ -38,9 +39,15 @@ step, so compare it on samples/s).
 Memory: `--grad-ckpt`, `--optimizer adamw8bit` (`--optimizer-lib`, as `train.optimizer` / `train.optimizer_lib`), `--memory-cap-gib`
 (the process's CUDA allocator capped as `train.memory_cap_gib` does) and `--batches 8,16,24`
 (every variant at each batch, ascending; a batch that runs out of memory ends the sweep: the
-largest batch per cap).
+largest batch per cap). Without `--batches`, a variant that runs out of memory is a row with `oom: true` and the
+others still run (at SDXL size the eager step may not fit a batch the product's step fits). `--flops off` skips
+the FLOP count (at SDXL size it holds an extra float32 teacher and runs math attention over 4096 tokens; the
+`tflops` fields are then null). Every row names its levers (`levers`: teacher dtype, fused cond/uncond,
+channels_last, compile, cudnn.benchmark, fused AdamW) and its peak GPU bytes.
 
     python benchmarks/distill_step.py --out result.json --arch sd21 --device cuda
+    python benchmarks/distill_step.py --out sdxl.json --arch sdxl --batch 2 --compile off --flops off \
+        --variants eager,ours_eager,ours_wcond,ours_lcm          # scripts/gpu/sdxl_size.sh
     python benchmarks/distill_step.py --out tiny.json --arch tiny --device cpu --iters 2   # quick check
 """
 from __future__ import annotations
@@ -62,7 +69,8 @@ from _checkout import use_checkout  # noqa: E402
 
 use_checkout()
 
-from pocketdiff.conditioning import placeholder_conditioning  # noqa: E402
+from pocketdiff.archs import ARCHS, vae_config  # noqa: E402
+from pocketdiff.conditioning import placeholder_conditioning, sdxl_time_ids  # noqa: E402
 from pocketdiff.models import default_resolution, perturb_norm_affines, scheduler_config, unet_config  # noqa: E402
 from pocketdiff.outputs import write_json  # noqa: E402
 from pocketdiff.train.consistency_loss import PairSettings, pair_loss  # noqa: E402
@@ -88,11 +96,16 @@ LCM = PairSettings("v_prediction", timestep_scaling=10.0, huber_c=0.001, student
 LCM_SOLVER_STEPS, LCM_TARGET_DECAY = 10, 0.0  # decay 0: the target is the live student (no copy)
 
 
+def vae_factor(arch: str) -> int:
+    """Pixels per latent of `arch`'s VAE (4 for tiny / small / tiny_xl / small_xl, 8 for the SD and SDXL sizes)."""
+    return 2 ** (len(vae_config(arch)["block_out_channels"]) - 1)
+
+
 def build_unet(arch: str, latent: int, seed: int = 0):
     from diffusers import UNet2DConditionModel
 
-    vae_factor = 4 if arch in ("tiny", "small") else 8
-    cfg = unet_config(arch, resolution=latent * vae_factor, vae_factor=vae_factor)
+    factor = vae_factor(arch)
+    cfg = unet_config(arch, resolution=latent * factor, vae_factor=factor)
     torch.manual_seed(seed)
     unet = UNet2DConditionModel(**cfg)
     perturb_norm_affines(unet, seed)
@@ -124,10 +137,18 @@ def sync(device):
         torch.cuda.synchronize()
 
 
+def with_time_ids(cond, unet, pixels: int):
+    """`cond` with an SDXL family's time ids as StableDiffusionXLPipeline gives them for `pixels`-square images
+    (original = target size, crop (0, 0)) instead of random draws; a family without time ids: as it is."""
+    if cond.time_ids is None:
+        return cond
+    return dataclasses.replace(cond, time_ids=sdxl_time_ids(unet, None, len(cond), resolution=pixels))
+
+
 class Batch:
     """Random latents / text embeddings / draws for one step (fixed across variants)."""
 
-    def __init__(self, unet, batch: int, latent: int, steps: int, device, seed: int = 0):
+    def __init__(self, unet, batch: int, latent: int, steps: int, device, seed: int = 0, pixels: int | None = None):
         from diffusers import DDIMScheduler
 
         g = torch.Generator().manual_seed(seed)
@@ -141,8 +162,9 @@ class Batch:
         eps = torch.randn(batch, ch, latent, latent, generator=g)
         self.z = noisy_latents(x0, eps, self.a_t.cpu()).to(device)
         draw = lambda v: 0.5 * torch.randn(v.shape, generator=g)  # noqa: E731  (every field of the UNet family's conditioning)
-        self.cond = placeholder_conditioning(unet, batch, 77).map(draw).to(device)
-        self.uncond = placeholder_conditioning(unet, 1, 77).map(draw).to(device)
+        pixels = pixels or latent * 8
+        self.cond = with_time_ids(placeholder_conditioning(unet, batch, 77).map(draw), unet, pixels).to(device)
+        self.uncond = with_time_ids(placeholder_conditioning(unet, 1, 77).map(draw), unet, pixels).to(device)
         self.w = (1.0 + 7.0 * torch.rand(batch, generator=g)).to(device)
         # ours_lcm: a pair (t_hi -> t_lo) of the skipping grid per sample, z at t_hi
         lcm = skipping_plan(self.sched, LCM_SOLVER_STEPS)
@@ -220,11 +242,11 @@ def with_cudnn_attention(fn):
 
 
 def step_flops(name, base_unet, teacher_unet, student, opt, nb: int, latent: int, steps: int, device, amp, seed: int = 0,
-               lcm_target: TargetNetwork | None = None):
+               lcm_target: TargetNetwork | None = None, pixels: int | None = None):
     """(FLOPs of one step of variant `name` per sample, FLOPs of one UNet forward per sample):
     eager fp32 modules, math attention, counted on a batch of `nb` (every op is per sample); the
     optimizer step is not counted. `teacher_unet` is copied; `student`'s gradients are cleared."""
-    small = Batch(base_unet, nb, latent, steps, device, seed)
+    small = Batch(base_unet, nb, latent, steps, device, seed, pixels=pixels)
     flop_teacher = GuidedTeacher(copy.deepcopy(teacher_unet), "v_prediction", dtype=torch.float32, device=device)
     uncond = None if name == "ours_wcond" else small.uncond
     per_sample = count_flops(lambda: ours_step(flop_teacher, student, opt, small, amp, EMBED_DIM, False, uncond,
@@ -296,15 +318,22 @@ def measure(name, args, base_unet, device, amp_dtype):
                              lr=1e-6, weight_decay=0.0, fused=False)
     else:
         opt = torch.optim.AdamW(student.parameters(), lr=1e-6, **({"fused": True} if fused else {}))
-    b = Batch(base_unet, args.batch, args.latent, args.steps, device)
+    pixels = args.latent * vae_factor(args.arch)
+    b = Batch(base_unet, args.batch, args.latent, args.steps, device, pixels=pixels)
     teacher_unet = teacher_unet_for(name, base_unet, embed_dim)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = ours
     teacher_dtype = (amp_dtype or torch.float32) if ours else torch.float32
     uncond = None if name == "ours_wcond" else b.uncond
-    per_sample, fwd = step_flops(name, base_unet, teacher_unet, student, opt, min(2, args.batch), args.latent, args.steps, device, amp,
-                                 lcm_target=lcm_target)
-    flops = per_sample * args.batch
+    per_sample, fwd = None, None
+    if args.flops:
+        per_sample, fwd = step_flops(name, base_unet, teacher_unet, student, opt, min(2, args.batch), args.latent, args.steps, device,
+                                     amp, lcm_target=lcm_target, pixels=pixels)
+    flops = per_sample * args.batch if per_sample else None
+    levers = {"teacher_dtype": str(teacher_dtype).replace("torch.", ""), "fused_cond_uncond": ours,
+              "channels_last": ours and args.channels_last, "compiled": compile_it, "cudnn_benchmark": ours and device.type == "cuda",
+              "fused_adamw": fused and args.optimizer == "adamw", "optimizer": args.optimizer, "grad_ckpt": args.grad_ckpt,
+              "autocast": str(amp_dtype).replace("torch.", "") if amp_dtype else "off"}
     if ours:
         teacher = GuidedTeacher(teacher_unet, "v_prediction", dtype=teacher_dtype, fused_cfg=True,
                                 channels_last=args.channels_last, device=device,
@@ -338,14 +367,17 @@ def measure(name, args, base_unet, device, amp_dtype):
     sync(device)
     dt = (time.perf_counter() - t0) / args.iters
     result = {
-        "variant": name, "step_s": dt, "samples_per_s": args.batch / dt, "tflops_per_s": flops / dt / 1e12,
-        "flops_per_step": flops, "flops_per_sample": flops / args.batch, "unet_forward_tflop_per_sample": fwd / 1e12,
-        "forward_equivalents_per_sample": flops / args.batch / fwd, "first_step_s": first,
+        "variant": name, "step_s": dt, "samples_per_s": args.batch / dt, "tflops_per_s": flops / dt / 1e12 if flops else None,
+        "flops_per_step": flops, "flops_per_sample": flops / args.batch if flops else None,
+        "unet_forward_tflop_per_sample": fwd / 1e12 if fwd else None,
+        "forward_equivalents_per_sample": flops / args.batch / fwd if flops else None, "first_step_s": first,
         "loss": float(loss.detach()), "teacher_passes_per_step": 2 if name in ("ours_wcond", "ours_lcm") else 4,
         "target_network_passes_per_step": 1 if name == "ours_lcm" else 0,
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+        "peak_mem_bytes": torch.cuda.max_memory_allocated() if device.type == "cuda" else None,
+        "peak_reserved_bytes": torch.cuda.max_memory_reserved() if device.type == "cuda" else None,
         "compiled": compile_it, "fused_adam": fused and args.optimizer == "adamw", "optimizer": args.optimizer,
-        "grad_ckpt": args.grad_ckpt, "batch": args.batch,
+        "grad_ckpt": args.grad_ckpt, "batch": args.batch, "levers": levers,
         "channels_last_params": not all(in_default_layout(p) for p in student.parameters()),
     }
     if args.profile:
@@ -389,9 +421,21 @@ def measure_loop(args, student, teacher, b: Batch, device, flops, amp_dtype, emb
                    ckpt_dir=Path(tmp) / "ckpt", seed=0, accelerator=acc, desc="bench")
     steps = [b2 - a2 for a2, b2 in zip(stamps[args.warmup:-1], stamps[args.warmup + 1:])]
     dt = sum(steps) / len(steps)
-    return {"variant": "ours_loop", "step_s": dt, "samples_per_s": args.batch / dt, "tflops_per_s": flops / dt / 1e12,
+    return {"variant": "ours_loop", "step_s": dt, "samples_per_s": args.batch / dt, "tflops_per_s": flops / dt / 1e12 if flops else None,
             "flops_per_step": flops, "first_step_s": stamps[1] - stamps[0], "teacher_passes_per_step": 2 if uncond is None else 4,
             "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None, "compiled": args.compile}
+
+
+def measure_or_oom(name, args, base_unet, device, amp_dtype) -> dict:
+    """`measure`, or a row {variant, batch, oom: true} when the variant runs out of GPU memory (its models freed)."""
+    try:
+        return measure(name, args, base_unet, device, amp_dtype)
+    except torch.OutOfMemoryError:
+        pass  # outside the handler, so that the traceback's frames (and the variant's tensors) are gone
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"variant": name, "batch": args.batch, "oom": True, "peak_mem_gib": None}
 
 
 def batch_sweep(args, variants, base, device, amp_dtype, result) -> list[dict]:
@@ -422,10 +466,10 @@ def batch_sweep(args, variants, base, device, amp_dtype, result) -> list[dict]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="JSON result file")
-    p.add_argument("--arch", default="sd21", choices=("tiny", "small", "sd15", "sd21"))
+    p.add_argument("--arch", default="sd21", choices=ARCHS, help="sdxl: SDXL base's UNet (1024 px, 128x128 latents)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--latent", type=int, default=None, help="latent side (default: the arch's: sd21 64, tiny 8)")
+    p.add_argument("--latent", type=int, default=None, help="latent side (default: the arch's: sd21 64, sdxl 128, tiny 8)")
     p.add_argument("--steps", type=int, default=32, help="the student's step count (teacher: twice that)")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
@@ -442,6 +486,7 @@ def main(argv=None) -> int:
                    help="adamw8bit's library (train.optimizer_lib); torchao compiles a kernel per parameter shape on the first step")
     p.add_argument("--memory-cap-gib", type=float, default=0.0, help="cap the CUDA allocator (train.memory_cap_gib)")
     p.add_argument("--batches", default="", help="comma list: every variant at each batch, ascending, until one runs out of memory")
+    p.add_argument("--flops", default="on", choices=("on", "off"), help="count each variant's FLOPs (off: tflops fields null)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="after timing, profile N steps per variant: top kernels and time share by kernel kind")
     args = p.parse_args(argv)
@@ -450,7 +495,10 @@ def main(argv=None) -> int:
     dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[dtype]
     if args.latent is None:
-        args.latent = default_resolution(args.arch) // (4 if args.arch in ("tiny", "small") else 8)
+        args.latent = default_resolution(args.arch) // vae_factor(args.arch)
+    if args.latent < 1 or args.batch < 1 or args.iters < 1:
+        p.error(f"--latent, --batch and --iters must be >= 1 (got {args.latent}, {args.batch}, {args.iters})")
+    args.flops = args.flops == "on"
     args.compile = args.compile == "on" or (args.compile == "auto" and device.type == "cuda")
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     bad = [v for v in variants if v not in VARIANTS]
@@ -473,13 +521,17 @@ def main(argv=None) -> int:
         return 0
     for name in variants:  # the JSON is rewritten after every variant: a run cut short keeps what it measured
         print(f"[distill_step] {name} ...", flush=True)
-        r = measure(name, args, base, device, amp_dtype)
+        r = measure_or_oom(name, args, base, device, amp_dtype)
         result["variants"][name] = r
-        print(f"[distill_step] {name}: {r['samples_per_s']:.2f} samples/s, {r['tflops_per_s']:.1f} TFLOP/s "
-              f"(first step {r['first_step_s']:.1f} s)", flush=True)
-        if "eager" in result["variants"]:
-            ref = result["variants"]["eager"]["samples_per_s"]
-            result["speedup_vs_eager"] = {k: v["samples_per_s"] / ref for k, v in result["variants"].items()}
+        if r.get("oom"):
+            print(f"[distill_step] {name}: out of memory at batch {args.batch}", flush=True)
+        else:
+            tflops = f", {r['tflops_per_s']:.1f} TFLOP/s" if r["tflops_per_s"] else ""
+            print(f"[distill_step] {name}: {r['samples_per_s']:.2f} samples/s{tflops}, peak {r['peak_mem_gib']} GiB "
+                  f"(first step {r['first_step_s']:.1f} s)", flush=True)
+        ref = result["variants"].get("eager", {}).get("samples_per_s")
+        if ref:
+            result["speedup_vs_eager"] = {k: v["samples_per_s"] / ref for k, v in result["variants"].items() if not v.get("oom")}
         write_json(args.out, result)  # atomic: a run killed mid-write keeps the previous variants
     print(json.dumps(result.get("speedup_vs_eager", {}), indent=2))
     return 0
