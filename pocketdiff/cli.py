@@ -101,6 +101,16 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--memory-budget-mb", type=float, default=None, metavar="MB",
                            help="with --overlap-loads: host + GPU MB; checked before loading from the figures a run measured: "
                                 "a pair that would exceed it does not overlap, a model that cannot fit is refused")
+            p.add_argument("--overlap-ahead", type=int, default=None, metavar="N",
+                           help="with --overlap-loads (no --memory-budget-mb): compile the N models after the current one at "
+                                "once, each in its worker (default 1: the next one); faster start, more memory at once")
+            p.add_argument("--on-cpu", default=None, metavar="COMPONENT[,COMPONENT]",
+                           help="run these components on the CPU (XNNPACK) while the others use the GPU, e.g. text_encoder: "
+                                "no GPU compile or GPU memory for them; an int8 file's CPU variant is made at the first launch "
+                                "and kept in the --gpu-cache folder")
+            p.add_argument("--one-environment", action="store_true",
+                           help="with --pipelined: every model in one LiteRT environment (as plain mode) instead of one each: "
+                                "no environment made per model; memory only an environment frees stays until the end")
             p.add_argument("--keep-file-pages", action="store_true",
                            help="keep each compiled model's .tflite pages resident (by default they go back to the system "
                                 "once the GPU accelerator holds the whole model)")

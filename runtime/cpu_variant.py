@@ -88,3 +88,28 @@ def fp16_variant(src, dst) -> int:
     n = dequantize_int8_to_fp16(m) + direct_int8_filters_to_float(m)
     m.save(dst)
     return n
+
+
+VARIANT_VERSION = 1  # bump when fp16_variant writes another graph: the kept files of earlier versions are then not read
+
+
+def kept_variant(src, sha256: str, folder) -> tuple[str, bool]:
+    """The CPU variant of `src` (whose checked sha256 is `sha256`) kept in `folder` between launches: made once (written
+    to a private file, then renamed, so a killed launch leaves no half file under the final name), read as it is later.
+    Its name holds the source's sha256 and VARIANT_VERSION: another file or converter never reads it. Returns (path,
+    whether it was made now)."""
+    import os
+    from pathlib import Path
+
+    folder = Path(folder)
+    path = folder / f"{sha256}.v{VARIANT_VERSION}.tflite"
+    if path.is_file():
+        return str(path), False
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".tmp-{os.getpid()}-{path.name}"
+    try:
+        fp16_variant(src, tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return str(path), True

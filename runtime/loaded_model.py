@@ -21,13 +21,15 @@ class LoadedModel:
     much, and `on_phase("pages_released", **that)` is called)."""
 
     def __init__(self, name: str, entry: dict, accelerator: str, cpu_int8_as_fp16: bool = True,
-                 env=None, gpu_options: Optional[dict] = None, on_phase=None, release_file_pages: bool = False):
+                 env=None, gpu_options: Optional[dict] = None, on_phase=None, release_file_pages: bool = False,
+                 cpu_variant_dir=None):
         t0 = time.perf_counter()
         path = entry["_path"]
         self._tmp = None
         self.name, self.entry, self.accelerator = name, entry, accelerator
         self.run_s: list[float] = []
         self.pages_released: Optional[dict] = None
+        self.cpu_variant: Optional[str] = None  # CPU, int8 file: made | kept (in cpu_variant_dir) | temporary
         if accelerator == "gpu":
             from .litert_c import CompiledModel as CModel
 
@@ -41,15 +43,29 @@ class LoadedModel:
                 self._release_file_pages(path, on_phase)
         else:
             if cpu_int8_as_fp16 and entry.get("weights") == "int8":
-                import tempfile
-
-                from .cpu_variant import fp16_variant
-
-                self._tmp = tempfile.TemporaryDirectory(prefix="pocketdiff-cpu-")
-                path = str(Path(self._tmp.name) / Path(path).name)
-                fp16_variant(entry["_path"], path)  # XNNPACK: fp16 storage runs ~fp16-file speed, int8 DEQUANTIZE does not
+                path = self._cpu_variant(entry, cpu_variant_dir, on_phase)
             self._load_cpu(path, on_phase)
         self.load_s = time.perf_counter() - t0
+
+    def _cpu_variant(self, entry: dict, folder, on_phase) -> str:
+        """The int8 file's CPU variant (runtime/cpu_variant.py; XNNPACK: fp16 storage runs ~fp16-file speed, int8
+        DEQUANTIZE does not, and int8 filters read by a conv directly do not run at all): kept in `folder` between launches
+        when one is given (made at the first), else written to a temporary folder for this load. `cpu_variant` says which."""
+        from .cpu_variant import fp16_variant, kept_variant
+
+        if folder is not None and entry.get("sha256"):
+            path, made = kept_variant(entry["_path"], entry["sha256"], folder)
+            self.cpu_variant = "made" if made else "kept"
+        else:
+            import tempfile
+
+            self._tmp = tempfile.TemporaryDirectory(prefix="pocketdiff-cpu-")
+            path = str(Path(self._tmp.name) / Path(entry["_path"]).name)
+            fp16_variant(entry["_path"], path)
+            self.cpu_variant = "temporary"
+        if on_phase:
+            on_phase("cpu_variant", variant=self.cpu_variant)
+        return path
 
     def _release_file_pages(self, path: str, on_phase) -> None:
         from .file_pages import release_file_pages

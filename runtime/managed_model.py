@@ -18,6 +18,11 @@ The policies (`loading_policy` picks one from run-bundle's flags and refuses a c
 - `overlapped` (`--pipelined --overlap-loads`): pipelined, each model (a UNet's chunks together) compiled and run in a
   worker process of its own, the next one compiling while the current one loads or runs, as far as
   `--memory-budget-mb` lets (runtime/overlap.py).
+
+`--pipelined --one-environment`: pipelined (or with `--keep`), but every model in the one LiteRT environment the runner
+holds, as plain mode's: no environment (Vulkan device, program cache reader) is made per model, and what a released
+model's own release frees goes at once while what only the environment frees stays until the runner closes (issue 66
+measured which is which: benchmarks/startup_levers.py `env_probe`).
 """
 from __future__ import annotations
 
@@ -51,16 +56,21 @@ class LoadingPolicy:
 
 
 def loading_policy(accelerator: str, pipelined: bool = False, stream_unet: bool = False,
-                   load_workers: Optional[int] = 0, overlap_loads: bool = False, keep: tuple = ()) -> LoadingPolicy:
+                   load_workers: Optional[int] = 0, overlap_loads: bool = False, keep: tuple = (),
+                   one_environment: bool = False) -> LoadingPolicy:
     """The policy run-bundle's flags ask for; a contradictory set is one line naming the flags.
     `load_workers` None or 0 (the API's default): no workers; the CLI refuses an explicit 0 (run_bundle.main).
     `keep` (pipelined): components kept resident between prompts, the others loaded just in time around them."""
     keep = tuple(keep or ())
+    if one_environment and (not pipelined or accelerator != "gpu" or overlap_loads):
+        raise PocketdiffError("--one-environment keeps a pipelined runner's models in one LiteRT environment: it needs "
+                              "--pipelined and --accelerator gpu, and no --overlap-loads (whose models live in worker processes)")
+    own = accelerator == "gpu" and not one_environment
     if keep and (not pipelined or overlap_loads or (stream_unet and "unet" in keep)):
         raise PocketdiffError(f"--keep {','.join(keep)} keeps those models between prompts while the others load just in time: "
                               "it needs --pipelined, and no --overlap-loads (nor --stream-unet with --keep unet)")
     if keep:
-        return LoadingPolicy(STREAMED if stream_unet else PIPELINED, False, True, stream_unet, accelerator == "gpu", keep=keep)
+        return LoadingPolicy(STREAMED if stream_unet else PIPELINED, False, True, stream_unet, own, keep=keep)
     if overlap_loads and (not pipelined or accelerator != "gpu" or stream_unet or load_workers):
         raise PocketdiffError("--overlap-loads compiles the next model in a worker process while the current one runs: it "
                               "needs --pipelined and --accelerator gpu, and no --stream-unet or --load-workers")
@@ -75,7 +85,7 @@ def loading_policy(accelerator: str, pipelined: bool = False, stream_unet: bool 
     if load_workers:
         return LoadingPolicy(WORKERS, True, False, False, False, check_count(load_workers))
     if pipelined:
-        return LoadingPolicy(STREAMED if stream_unet else PIPELINED, False, True, stream_unet, accelerator == "gpu")
+        return LoadingPolicy(STREAMED if stream_unet else PIPELINED, False, True, stream_unet, own)
     return LoadingPolicy(PLAIN, True, False, False, False)
 
 

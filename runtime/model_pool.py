@@ -36,12 +36,19 @@ class ModelPool:
     """The models `names` (every model the pipeline may use, in the order of use) of one bundle.
 
     `units`: (unit, its models) in the order of use, for the overlapped loader (a chunked denoiser's chunks are one
-    unit); `chunk_group`: the chunks whose compile order is learnt between launches (pipelined, GPU)."""
+    unit); `chunk_group`: the chunks whose compile order is learnt between launches (pipelined, GPU). `on_cpu`: whole
+    components whose models run on the CPU (XNNPACK, in this process, their int8 files' CPU variants kept in the program
+    cache's folder) while the others use `accelerator` gpu: the workers and the overlapped loader compile only the GPU
+    models, so a CPU text encoder loads and runs while they compile. `overlap_ahead`: how many units after the current
+    one the overlapped loader compiles at once (runtime/overlap.py)."""
 
     def __init__(self, bundle: Union[str, Path], man: dict, names: Sequence[str], units: list, policy: LoadingPolicy,
                  accelerator: str, gpu_cache: Union[str, Path, None, bool] = None, gpu_options: Optional[dict] = None,
-                 release_file_pages: bool = True, budget=None, chunk_group: Sequence[str] = ()):
+                 release_file_pages: bool = True, budget=None, chunk_group: Sequence[str] = (), on_cpu: Sequence[str] = (),
+                 overlap_ahead: int = 1):
         self.bundle, self.man, self.comps, self.policy, self.accelerator = bundle, man, man["components"], policy, accelerator
+        self.on_cpu = tuple(on_cpu) if accelerator == "gpu" else ()
+        self.placed: dict[str, str] = {}  # every model loaded so far: the accelerator it ran on (cpu | gpu)
         tune_allocator()  # large buffers the accelerator frees go back to the system at once (runtime/memory.py)
         self.sampler = PeakSampler()
         self.phases: list[dict] = []
@@ -54,13 +61,16 @@ class ModelPool:
             self._prepare_gpu(gpu_cache)
         # every model the pipeline may use, loaded on use and released on request (runtime/managed_model.py)
         self.models = {n: ManagedModel(n, functools.partial(self._open, n), functools.partial(self._close, n)) for n in names}
-        self.accelerated: dict[str, bool] = {}  # every model loaded so far: fully on the GPU delegate
+        self.accelerated: dict[str, bool] = {}  # every GPU model loaded so far: fully on the GPU delegate
         self.workers = self.overlap = None
         cache_folder = self.cache.folder if self.cache is not None and self.cache.enabled else None
+        self.cpu_variants = None if cache_folder is None else Path(cache_folder) / "cpu"  # int8 files' CPU variants, kept
         if policy.overlap:  # the budget checked from measured figures before anything loads (runtime/overlap.py)
-            self.overlap = overlap_loader(units, cache_folder, (bundle_digest(self.comps), self.gpu_identity), budget,
+            gpu_units = [(u, tuple(p for p in parts if self.accelerator_of(p) == "gpu")) for u, parts in units]
+            self.overlap = overlap_loader([(u, parts) for u, parts in gpu_units if parts], cache_folder,
+                                          (bundle_digest(self.comps), self.gpu_identity), budget,
                                           lambda n: (self.comps[n], self.options_for(n)), self.sampler,
-                                          release_file_pages=self.release_file_pages)
+                                          release_file_pages=self.release_file_pages, ahead=overlap_ahead)
         self.chunk_order = None  # pipelined, chunks kept: the order they compile in (runtime/compile_order.py)
         if policy.name == PIPELINED and accelerator == "gpu" and len(chunk_group) > 1:
             self.chunk_order = ChunkOrder(tuple(chunk_group), cache_folder, (bundle_digest(self.comps), self.gpu_identity),
@@ -104,6 +114,10 @@ class ModelPool:
         if n <= 2:
             self.mark(name, "first_run" if n == 1 else "steady_run")
 
+    def accelerator_of(self, name: str) -> str:
+        """Where model NAME runs: cpu for a model of an `on_cpu` component, else the runner's accelerator."""
+        return "cpu" if whole_of(name) in self.on_cpu else self.accelerator
+
     def options_for(self, name: str) -> dict:
         """The accelerator's options for one model: the user's, int8 kept int8 where exported so, the program cache."""
         options = dict(self.gpu_options)
@@ -125,7 +139,8 @@ class ModelPool:
         if not self.policy.up_front:
             return
         if self.workers is not None:
-            self.workers.submit([(n, self.comps[n], self.options_for(n)) for n in names if n not in self.loaded])
+            self.workers.submit([(n, self.comps[n], self.options_for(n)) for n in names
+                                 if n not in self.loaded and self.accelerator_of(n) == "gpu"])
         for name in names:
             self.load(name, latency)
 
@@ -135,9 +150,11 @@ class ModelPool:
         fresh, t0 = not managed.loaded, time.perf_counter()
         m = managed.get()
         if fresh:
-            if self.cache is not None:
+            self.placed[name] = self.accelerator_of(name)
+            if self.cache is not None and self.placed[name] == "gpu":
                 self.cache.record(name)
-            self.accelerated[name] = m.fully_accelerated
+            if self.placed[name] == "gpu":
+                self.accelerated[name] = m.fully_accelerated
             latency[f"{name}_load"] = m.load_s
             if self.overlap is not None:  # compiled in its worker: how long the pipeline waited (the load time not hidden)
                 latency[f"{name}_wait"] = time.perf_counter() - t0
@@ -152,7 +169,7 @@ class ModelPool:
         loaded = {}
         for name in order:
             loaded[name] = self.load(name, latency)
-            if name in fresh and self.accelerator == "gpu" and len(parts) > 1 and self.overlap is None:  # its worker settles it
+            if name in fresh and self.accelerator_of(name) == "gpu" and len(parts) > 1 and self.overlap is None:  # its worker settles it
                 settle(loaded[name])  # not a step: the latency report counts the sampling runs only
                 self.mark(name, "settled")
                 if self.policy.release_after_use:
@@ -184,7 +201,11 @@ class ModelPool:
         self.models[name].release()
 
     def _open(self, name: str):
-        """Compile NAME: in its load worker (`workers`, `overlapped`), else here, in the environment the policy gives it."""
+        """Compile NAME: in its load worker (`workers`, `overlapped`), else here, in the environment the policy gives it;
+        a model on the CPU here, always."""
+        mark = lambda phase, **extra: self.mark(name, phase, **extra)  # noqa: E731
+        if self.accelerator_of(name) == "cpu" and self.accelerator == "gpu":
+            return LoadedModel(name, self.comps[name], "cpu", on_phase=mark, cpu_variant_dir=self.cpu_variants)
         if self.workers is not None or self.overlap is not None:
             m = (self.workers or self.overlap).get(name)
             self.mark(name, "compiled")
@@ -192,8 +213,7 @@ class ModelPool:
                 self.mark(name, "pages_released", **m.pages_released)
             return m
         return LoadedModel(name, self.comps[name], self.accelerator, env=self._environment_for(name),
-                           gpu_options=self.options_for(name), on_phase=lambda phase, **extra: self.mark(name, phase, **extra),
-                           release_file_pages=self.release_file_pages)
+                           gpu_options=self.options_for(name), on_phase=mark, release_file_pages=self.release_file_pages)
 
     def _environment_for(self, name: str):
         """Plain: the one shared environment. Pipelined: an environment of the model's own (a chunked model's chunks
@@ -212,7 +232,7 @@ class ModelPool:
     def _close(self, name: str, m) -> None:
         """Free a released model, and its environment when no other resident model shares it (overlapped: its worker
         goes with its unit's last model)."""
-        if self.overlap is not None:
+        if self.overlap is not None and self.accelerator_of(name) == "gpu":
             self.overlap.release(name, m)
         else:
             m.close()
@@ -250,5 +270,6 @@ class ModelPool:
                 "release_file_pages": self.release_file_pages, "pages_released_mb": round(sum(released), 1),
                 "gpu_cache": self.cache.summary() if self.cache is not None else None,
                 "loading_policy": self.policy.name, "models": {n: m.memory() for n, m in self.models.items() if m.loads},
+                "accelerator_by_model": dict(self.placed), "environments": "own" if self.policy.own_environments else "workers" if self.policy.overlap else "one",
                 **({"overlap": self.overlap.report()} if self.overlap is not None else {}),
                 **({"unet_compile_order": self.chunk_order.report()} if self.chunk_order is not None else {})}

@@ -12,7 +12,10 @@ pipeline is done with the unit (its GPU memory goes with it). Each pair of conse
 - `run`: B's worker starts once A's models are compiled (B compiles while A runs);
 - `none`: B's worker starts when A's has exited (as --pipelined).
 
-At most two workers live at once (the current unit's and the next one's). Without a budget every pair is `load`.
+At most two workers live at once (the current unit's and the next one's), unless `--overlap-ahead N` (no budget) lets
+the N units after the current one compile at once: N + 1 workers, e.g. with the text encoder on the CPU (`--on-cpu
+text_encoder`) the UNet and every decoder graph compile together while the text encoder runs. Without a budget every
+pair is `load`.
 
 The figures: `memory_figures.json` in the runner's GPU cache folder, written after every overlapped prompt. Each
 worker measures itself (memory.SelfMeter): `peak_mb`, its lifetime host high-water mark (the kernel's VmHWM) plus
@@ -214,8 +217,8 @@ class OverlapLoader:
     worker exits with its unit's last model, measured first), `record(runner_mb)` the figures after the prompt."""
 
     def __init__(self, units: list[tuple[str, tuple[str, ...]]], plan: list[dict], load_args: Callable[[str], tuple], sampler,
-                 figures_path: Optional[Path], key: tuple[str, str], release_file_pages: bool = False):
-        self.units, self.plan = units, plan
+                 figures_path: Optional[Path], key: tuple[str, str], release_file_pages: bool = False, ahead: int = 1):
+        self.units, self.plan, self.ahead = units, plan, ahead
         self.release_file_pages = release_file_pages  # each worker gives back its models' file pages (runtime/file_pages.py)
         self.levels = [p["level"] for p in plan]
         self.unit_of = {part: i for i, (_, parts) in enumerate(units) for part in parts}
@@ -248,10 +251,9 @@ class OverlapLoader:
             return
         if current not in self.workers:
             self._start(current)
-        nxt = current + 1
-        if nxt < len(self.units) and nxt not in self.workers:
-            level = self.levels[current]
-            if level == LOAD or (level == RUN and current in self.compiled):
+        for nxt in range(current + 1, min(current + 1 + self.ahead, len(self.units))):
+            level = self.levels[nxt - 1]
+            if nxt not in self.workers and nxt not in self.done and (level == LOAD or (level == RUN and current in self.compiled)):
                 self._start(nxt)
 
     def get(self, part: str):
@@ -299,7 +301,7 @@ class OverlapLoader:
             return None
 
     def report(self) -> dict:
-        return {"plan": self.plan, "timeline": [list(e) for e in self.timeline],
+        return {"plan": self.plan, "ahead": self.ahead, "timeline": [list(e) for e in self.timeline],
                 "figures": str(self.figures_path) if self.figures_path else None,
                 "measured": {k: asdict(v) for k, v in self.measured.items()}}
 
@@ -311,9 +313,22 @@ class OverlapLoader:
         self.workers = {}
 
 
+def check_ahead(ahead, overlap: bool, budget) -> int:
+    """--overlap-ahead N: an integer >= 1; above 1 it needs --overlap-loads and no --memory-budget-mb (whose plan is
+    made pair by pair)."""
+    if ahead is None:
+        return 1
+    if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 1:
+        raise PocketdiffError(f"--overlap-ahead {ahead}: must be a whole number of models, 1 or more")
+    if ahead > 1 and (not overlap or budget is not None):
+        raise PocketdiffError(f"--overlap-ahead {ahead} compiles that many models ahead in worker processes: it needs "
+                              "--pipelined --overlap-loads and no --memory-budget-mb (the budget's plan keeps pairs)")
+    return ahead
+
+
 def overlap_loader(units, cache_folder: Optional[Path], key: tuple[str, str], budget: Optional[MemoryBudget],
                    load_args: Callable[[str], tuple], sampler, warn: Optional[Callable[[str], None]] = None,
-                   release_file_pages: bool = False) -> OverlapLoader:
+                   release_file_pages: bool = False, ahead: int = 1) -> OverlapLoader:
     """The loader of an overlapped runner: the budget checked against the measured figures before anything loads (a
     refusal raises; a pair that does not fit overlapped is said in one line)."""
     warn = warn or (lambda msg: print(f"warning: {msg}", file=sys.stderr))
@@ -327,4 +342,4 @@ def overlap_loader(units, cache_folder: Optional[Path], key: tuple[str, str], bu
         if p["level"] == NONE:
             print(f"--memory-budget-mb {budget.mb:g}: {p['first']} and {p['then']} would hold {p['overlapped_mb']:.0f} MB at "
                   f"once (measured); {p['then']} loads after {p['first']} is released", file=sys.stderr)
-    return OverlapLoader(units, plan, load_args, sampler, path, key, release_file_pages)
+    return OverlapLoader(units, plan, load_args, sampler, path, key, release_file_pages, ahead)

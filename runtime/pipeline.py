@@ -263,7 +263,8 @@ class BundlePipeline:
         x = self.denoise(x, cond, latency, stats, rng, start)
         image = self.decode(x, latency, stats)
         stats["fully_accelerated"] = pool.accelerator == "gpu" and all(pool.accelerated.values())
-        stats["fully_accelerated_by_component"] = dict(pool.accelerated)
+        stats["fully_accelerated_by_component"] = dict(pool.accelerated)  # the GPU's models (--on-cpu ones are not here)
+        stats["accelerator_by_model"] = dict(pool.placed)  # cpu | gpu, every model loaded so far
         latency["total"] = time.perf_counter() - t_total
         age = process_age_s()
         stats["total_s"] = None if age is None else round(age, 3)  # process start -> this image

@@ -22,7 +22,11 @@ chunk is instead loaded for each step and released after it (one chunk in memory
 in chunks (`text_encoder_chunks`) runs chunk after chunk on the prompt; pipelined, each is released before the
 next loads. `--pipelined --overlap-loads`: each model (a UNet's chunks together) compiled and run in a worker process
 of its own, the next one compiling while the current one loads and runs, within `--memory-budget-mb` checked from
-measured figures (runtime/overlap.py). On the GPU the
+measured figures (runtime/overlap.py); `--overlap-ahead N` compiles the N models after the current one at once.
+`--on-cpu text_encoder` runs that component on the CPU (XNNPACK; an int8 file through its CPU variant, made at the
+first launch and kept in the --gpu-cache folder) while the rest run on the GPU: no GPU compile for it and no GPU memory,
+and with --overlap-loads it loads and runs while the GPU models compile in their workers. `--one-environment`
+(pipelined): every model in one LiteRT environment instead of one each. On the GPU the
 models run through LiteRT's C API (runtime/litert_c.py) with the compiled-program cache
 (runtime/gpu_cache.py). The report has per-stage latency and the measured memory: host and GPU
 peaks and every model's phases (runtime/memory.py).
@@ -44,7 +48,7 @@ from .managed_model import loading_policy
 from .litert_c import parse_gpu_option
 from .memory import process_age_s
 from .model_pool import ModelPool
-from .overlap import check_budget
+from .overlap import check_ahead, check_budget
 from .image_tasks import check_image_flags, image_inputs
 from .lora_slots import LoraFeeds, check_lora_flags
 from .pipeline import BundlePipeline
@@ -65,19 +69,26 @@ class BundleRunner:
     GPU): each model in a worker of its own, the next one compiled during the current one, as far as
     `memory_budget_mb` lets. `gpu_cache`: the accelerator's compiled-program cache folder (None: the default one per
     bundle, False: none). `release_file_pages` (GPU): a compiled model's .tflite pages go back. Memory is measured
-    per phase (runtime/memory.py).
+    per phase (runtime/memory.py). The start-up levers (issue 66; each off by default): `on_cpu` (GPU runner): whole
+    components run on the CPU (XNNPACK) in this process, e.g. ("text_encoder",), their int8 files' CPU variants kept in
+    the cache folder (the report's `accelerator_by_model` says where each model ran); `overlap_ahead` N (overlap_loads,
+    no budget): the N units after the current one compile at once in their workers; `one_environment` (pipelined, GPU):
+    the models share one LiteRT environment.
     """
 
     def __init__(self, bundle: str | Path, accelerator: str = "gpu", pipelined: bool = False, manifest: Optional[dict] = None,
                  gpu_cache: Union[str, Path, None, bool] = None, gpu_options: Optional[dict] = None, stream_unet: bool = False,
                  load_workers: int = 0, overlap_loads: bool = False, memory_budget_mb: Optional[float] = None,
                  release_file_pages: bool = True, keep: tuple = (), image_input: bool = False,
-                 lora: Union[str, Path, LoraFeeds, None] = None, lora_scale: float = 1.0):
+                 lora: Union[str, Path, LoraFeeds, None] = None, lora_scale: float = 1.0, on_cpu: tuple = (),
+                 overlap_ahead: int = 1, one_environment: bool = False):
         if accelerator not in ("cpu", "gpu"):
             raise PocketdiffError(f"accelerator must be cpu or gpu, got {accelerator!r}")
         # plain, pipelined, streamed, workers or overlapped (runtime/managed_model.py), checked before the bundle is read
-        self.policy = loading_policy(accelerator, pipelined, stream_unet, load_workers, overlap_loads, keep)
+        self.policy = loading_policy(accelerator, pipelined, stream_unet, load_workers, overlap_loads, keep, one_environment)
         budget = check_budget(memory_budget_mb, self.policy.overlap)
+        overlap_ahead = check_ahead(overlap_ahead, self.policy.overlap, budget)
+        on_cpu = check_on_cpu_names(on_cpu, accelerator)
         self.bundle, self.accelerator = bundle, accelerator
         self.man = manifest or check_bundle(bundle)  # fields, stages, sizes and every .tflite's signature, before anything runs
         self.pipeline = BundlePipeline(self.man, bundle, image_input)  # image_input: runs from a picture (img2img, inpaint)
@@ -89,12 +100,13 @@ class BundleRunner:
         if absent:
             raise PocketdiffError(f"--keep {','.join(absent)}: no stage of bundle {bundle} runs it "
                                   f"(its stages run {', '.join(s['component'] for s in self.pipeline.stages)})")
+        check_on_cpu_stages(on_cpu, self.man, bundle)
         if stream_unet and len(self.pipeline.denoiser_parts()) == 1:
             raise PocketdiffError(f"bundle {bundle}: --stream-unet streams a UNet exported in chunks; this one is one model "
                                   "(export with unet_chunks=N)")
         self.pool = ModelPool(bundle, self.man, self.pipeline.names(), self.pipeline.units(), self.policy, accelerator,
                               gpu_cache=gpu_cache, gpu_options=gpu_options, release_file_pages=release_file_pages, budget=budget,
-                              chunk_group=self.pipeline.denoiser_parts())
+                              chunk_group=self.pipeline.denoiser_parts(), on_cpu=on_cpu, overlap_ahead=overlap_ahead)
         self.pipeline.pool = self.pool
         self.pool.mark("runner", "ready")
 
@@ -154,6 +166,30 @@ def generate(
         return runner.run(prompt, seed=seed, init_latents=init_latents)
 
 
+def check_on_cpu_names(names, accelerator: str) -> tuple[str, ...]:
+    """--on-cpu's components (a comma list or a sequence): components a pipeline stage may name, on a GPU runner."""
+    from .components import STAGE_COMPONENTS
+
+    names = tuple(n.strip() for n in (names.split(",") if isinstance(names, str) else names or ()) if n.strip())
+    unknown = [n for n in names if n not in STAGE_COMPONENTS]
+    if unknown:
+        raise PocketdiffError(f"--on-cpu {','.join(unknown)}: not a component (components: {', '.join(STAGE_COMPONENTS)})")
+    if names and accelerator != "gpu":
+        raise PocketdiffError(f"--on-cpu {','.join(names)} runs those components on the CPU beside the GPU: it needs "
+                              f"--accelerator gpu (with --accelerator {accelerator} every model runs there already)")
+    return names
+
+
+def check_on_cpu_stages(names, man: dict, bundle) -> None:
+    """Each --on-cpu component is one a stage of this bundle runs."""
+    from .pipeline_spec import pipeline_of
+
+    stages = [s["component"] for s in pipeline_of(man)["stages"]]
+    absent = [n for n in names if n not in stages]
+    if absent:
+        raise PocketdiffError(f"--on-cpu {','.join(absent)}: no stage of bundle {bundle} runs it (its stages run {', '.join(stages)})")
+
+
 def check_flags(args) -> None:
     """run-bundle's flags that contradict each other or say nothing: one line naming them, before anything is read."""
     from .cli_checks import check_run_bundle_flags
@@ -163,8 +199,10 @@ def check_flags(args) -> None:
     if workers is not None:
         check_count(workers)  # `--load-workers 0` is refused, not run as plain without a word
     overlap = bool(getattr(args, "overlap_loads", False))
-    loading_policy(args.accelerator, args.pipelined, getattr(args, "stream_unet", False), workers, overlap)
-    check_budget(getattr(args, "memory_budget_mb", None), overlap)
+    loading_policy(args.accelerator, args.pipelined, getattr(args, "stream_unet", False), workers, overlap,
+                   one_environment=getattr(args, "one_environment", False))
+    check_ahead(getattr(args, "overlap_ahead", None), overlap, check_budget(getattr(args, "memory_budget_mb", None), overlap))
+    check_on_cpu_names(getattr(args, "on_cpu", None), args.accelerator)
     if getattr(args, "gpu_cache", None) is not None and getattr(args, "no_gpu_cache", False):
         raise PocketdiffError(f"--gpu-cache {args.gpu_cache} and --no-gpu-cache contradict each other: give one of them")
     check_image_flags(args)  # --mask / --strength without --init-image, a strength outside (0, 1] (runtime/image_tasks.py)
@@ -189,6 +227,8 @@ def main(args) -> int:
     check_flags(args)
     gpu_options = dict(parse_gpu_option(o) for o in getattr(args, "gpu_option", None) or [])
     man = check_bundle(args.bundle, ledger=hash_ledger(args))  # refuses bad bundles (files, fields, signatures) before touching --output
+    on_cpu = check_on_cpu_names(getattr(args, "on_cpu", None), args.accelerator)
+    check_on_cpu_stages(on_cpu, man, args.bundle)
     startup["bundle_checked"] = process_age_s()  # sha256 (of the files changed since the last launch) and .tflite checks
     picture = image_inputs(args, man)  # img2img / inpaint: the bundle's tasks, the strength's steps, the picture and mask read
     lora = None
@@ -205,7 +245,8 @@ def main(args) -> int:
                           overlap_loads=getattr(args, "overlap_loads", False),
                           memory_budget_mb=getattr(args, "memory_budget_mb", None),
                           release_file_pages=not getattr(args, "keep_file_pages", False), image_input=bool(picture),
-                          lora=lora) as runner:
+                          lora=lora, on_cpu=on_cpu, overlap_ahead=getattr(args, "overlap_ahead", None) or 1,
+                          one_environment=getattr(args, "one_environment", False)) as runner:
             image, stats = runner.run(args.prompt, seed=args.seed, **picture)
         if not stats["finite"]:
             raise PocketdiffError(f"bundle {args.bundle}: the image has NaN/Inf values ({args.accelerator})")
@@ -237,7 +278,11 @@ def main(args) -> int:
         "memory_budget_mb": getattr(args, "memory_budget_mb", None),
         "loading_policy": runner.policy.name,
         "fully_accelerated": fully,
-        "fully_accelerated_by_component": stats["fully_accelerated_by_component"],
+        "fully_accelerated_by_component": stats["fully_accelerated_by_component"],  # the GPU's models
+        "on_cpu": list(on_cpu),
+        "accelerator_by_model": stats["accelerator_by_model"],  # where each model ran: cpu | gpu
+        "overlap_ahead": getattr(args, "overlap_ahead", None) or 1,
+        "one_environment": bool(getattr(args, "one_environment", False)),
         "latency_s": {k: round(v, 4) for k, v in stats["latency_s"].items()},
         # measured (runtime/memory.py): host peak RSS, the process's GPU memory where NVML tells it, per phase
         "host_peak_mb": stats["memory"]["host_peak_mb"],
