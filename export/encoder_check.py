@@ -1,46 +1,37 @@
 """The VAE encoder (export `tasks: [image_to_image | inpaint]`) against the device profile, at config time.
 
-The encoder is exported whole: there is no tiled encoder. Its largest activations are at full resolution: the first
-down block's resnets (channels x H x W) and its downsampler's input, padded by one row and column before the stride-2
-conv (channels x (H + 1) x (W + 1)). Conv inputs are split by `rewrites.conv_budget_mb`, but these tensors are not; so
-when `device_profile.enforce` holds a `max_tensor_mb` they exceed, the export is refused here, before any conversion,
-naming the size (SD's encoder at 512 px: 128 x 513 x 513 at fp16 = 64.3 MB, over the phone profile's 64 MB). Shapes come
-from the VAE's config (export/up_parts_check.vae_shape); an unreadable one is left to the check after conversion
-(export/device_profile.check_component), which refuses the same graph by its measured tensors.
+The encoder's largest activations are at full resolution: the first down block's resnets (channels x H x W) and its
+downsampler's input, padded by one row and column before the stride-2 conv (channels x (H + 1) x (W + 1)): SD's at
+512 px, 128 x 513 x 513 at fp16 = 64.3 MB, over the phone profile's 64 MB; at 768 px the resnets are 144 MB. Conv
+inputs are split by `rewrites.conv_budget_mb`, but these tensors are not; so when the device profile holds a
+`max_tensor_mb` they exceed, the export runs the leading down blocks in row bands inside the one graph
+(export/banded_encoder.py: the whole encoder's values, every tensor one band's size). `precheck_encoder` plans the
+bands from the VAE's config alone (export/up_parts_check.vae_shape) before any model is built, and refuses only a size
+no band count fits; an unreadable config is left to the plan at graph time and the check after conversion
+(export/device_profile.check_component), which measures the converted graph's tensors.
 """
 from __future__ import annotations
 
 from typing import Optional
 
-from pocketdiff.errors import PocketdiffError
-
+from .banded_encoder import plan_bands
 from .up_parts_check import vae_shape
 
 
-def largest_encoder_tensor(vae_conf: dict, resolution: int) -> tuple[int, str]:
-    """(elements, what) of the encoder's largest activation at `resolution` px (square)."""
-    chans = [int(c) for c in vae_conf["block_out_channels"]]
-    best, what, side, prev = 0, "", int(resolution), chans[0]
-    for i, c in enumerate(chans):
-        for n, label in ((max(prev, c) * side * side, f"down_blocks.{i} resnets [{max(prev, c)}, {side}, {side}]"),
-                         ((c * (side + 1) ** 2, f"down_blocks.{i} downsampler's padded input [{c}, {side + 1}, {side + 1}]")
-                          if i < len(chans) - 1 else (0, ""))):
-            if n > best:
-                best, what = n, label
-        prev, side = c, side // 2
-    return best, what
+def encoder_plan(vae_conf: dict, resolution: int, max_tensor_mb: Optional[float], activation_bytes: int = 2) -> dict:
+    """plan_bands for a square image of `resolution` px under `max_tensor_mb` (None: no budget), plus the largest
+    tensor in MB at the activation width."""
+    limit = None if max_tensor_mb is None else max_tensor_mb * 2**20 / activation_bytes
+    plan = plan_bands(list(vae_conf["block_out_channels"]), int(resolution), int(resolution), limit)
+    return {**plan, "largest_mb": round(plan["largest"] * activation_bytes / 2**20, 2)}
 
 
 def precheck_encoder(model_cfg, int8_checkpoint: Optional[str], resolution: Optional[int], budgets: dict,
-                     activation_bytes: int = 2) -> None:
-    """Refuse image tasks whose whole encoder is over an enforced max_tensor_mb (resolution None: not known yet)."""
+                     activation_bytes: int = 2) -> Optional[dict]:
+    """The encoder's band plan under the enforced max_tensor_mb (None: resolution or budget or config not known yet);
+    a size no band count fits raises PocketdiffError naming device_profile.max_tensor_mb."""
     limit = budgets.get("max_tensor_mb")
     conf = vae_shape(model_cfg, int8_checkpoint) if resolution and limit else None
     if conf is None:
-        return
-    n, what = largest_encoder_tensor(conf, resolution)
-    mb = n * activation_bytes / 2**20
-    if mb > limit:
-        raise PocketdiffError(f"tasks: the image tasks' vae_encoder at {resolution} px holds {what}, {mb:.1f} MB at fp16, over "
-                              f"device_profile.max_tensor_mb={limit}; the encoder is not tiled: export the image tasks at a "
-                              "lower resolution, or with device_profile.enforce: false (the report then lists it over budget)")
+        return None
+    return encoder_plan(conf, resolution, limit, activation_bytes)

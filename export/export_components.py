@@ -21,7 +21,7 @@ from pocketdiff.runtime.memory import host_peak_mb, reset_host_peak
 from . import bundle as bundle_lib
 from .chunk_export import export_chunked
 from .components import Shapes, TextEncoderGraph, UNetGraph, VaeDecoderGraph
-from .vae_encoder import VaeEncoderGraph
+from .banded_encoder import check_band_parity, encoder_graph
 from .device_profile import check_component
 from .family_export import golden_ids, text_encoder_graph
 from .exporter import convert_job, finish_component, peak_rss_mb, prepare_component
@@ -71,6 +71,7 @@ class ComponentExport:
         self.tiling_report: dict = {}
         self.chunk_blocks: dict[str, dict] = {}  # the manifest's <base>_chunks blocks (unet_chunks, text_encoder_chunks > 1)
         self.lora_block: Optional[dict] = None  # the manifest's lora_slots block (export lora_slots: export/lora_slots.py)
+        self.encoder_bands: Optional[dict] = None  # the vae_encoder's band plan (export/banded_encoder.py), for its report
 
     def run(self) -> None:
         (self.out / "golden").mkdir(exist_ok=True)
@@ -133,10 +134,20 @@ class ComponentExport:
                 return graph, inputs
             return graph, g.unet_inputs
         if name == "vae_encoder":
-            return VaeEncoderGraph(pipe.vae), {"pixels": g.image_pixels}
+            return self._encoder_graph(), {"pixels": g.image_pixels}
         if self.split is not None:
             return self.split.graphs.pop(name)  # held only while this component is prepared
         return VaeDecoderGraph(pipe.vae), {"latents": g.vae_latents}
+
+    def _encoder_graph(self):
+        """The whole encoder, or under the profile's max_tensor_mb the banded one, gated against the whole in torch."""
+        px, prof = self.golden.image_pixels, self.cfg.device_profile
+        graph, plan = encoder_graph(self.pipe.vae, px.shape[2], px.shape[3], prof.budgets()["max_tensor_mb"], prof.activation_bytes)
+        if plan["levels"]:
+            say(f"vae_encoder: {plan['what']} (device_profile.max_tensor_mb); parity against the whole encoder in torch ...")
+            plan["parity_psnr_db"] = round(check_band_parity(self.pipe.vae, graph, px, self.cfg.parity.encoder_bands_psnr_db), 1)
+        self.encoder_bands = plan
+        return graph
 
     def _prepare(self, name: str):
         t0 = time.perf_counter()
@@ -172,6 +183,8 @@ class ComponentExport:
             write_json(self.work / f"{name}_int8_map.json", int8_map)
         rep["device_profile"] = check_component(name, out / f"{name}.tflite", cfg.device_profile)
         rep["params"] = int(sum(p.numel() for p in prep.rewritten.parameters()))
+        if name == "vae_encoder" and self.encoder_bands is not None:
+            rep["bands"] = {k: v for k, v in self.encoder_bands.items() if k != "largest"}
         if rep.get("bytes"):
             rep["bytes_per_param"] = round(rep["bytes"] / max(1, rep["params"]), 4)
         self.reports[name] = rep

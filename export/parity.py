@@ -17,6 +17,7 @@ class ParityConfig:
     fp16: Thresholds = dataclasses.field(default_factory=lambda: Thresholds(cosine_min=0.999, psnr_min_db=30.0))
     fp32: Thresholds = dataclasses.field(default_factory=lambda: Thresholds(cosine_min=0.99999, psnr_min_db=60.0))
     enforce: bool = True  # False: report only
+    encoder_bands_psnr_db: float = 60.0  # the banded VAE encoder vs the whole one, both torch fp32 (export/banded_encoder.py)
 
     def for_precision(self, precision: str) -> Thresholds:
         return self.fp16 if precision == "fp16" else self.fp32

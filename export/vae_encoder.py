@@ -1,7 +1,7 @@
 """The VAE encoder's exported graph (export `tasks: [image_to_image | inpaint]`, the registry's `vae_encoder`):
 pixels [1, 3, H, W] in [0, 1] -> latents [1, C, h, w] as the sampler takes them: the mean of the VAE's latent
-distribution, shifted and scaled (deterministic, no sampling). The whole encoder at once: there is no tiled encoder
-(export/encoder_check.py refuses one over an enforced device profile).
+distribution, shifted and scaled (deterministic, no sampling). The whole encoder at once; where a tensor of it is over
+the device profile's max_tensor_mb, export/banded_encoder.py runs its leading down blocks in row bands instead.
 """
 from __future__ import annotations
 
@@ -32,7 +32,10 @@ class VaeEncoderGraph(nn.Module):
         self.shift_factor = float(shift) if shift is not None else 0.0
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        h = self.encoder(pixels * 2.0 - 1.0)
+        return self.latents_from(self.encoder(pixels * 2.0 - 1.0))
+
+    def latents_from(self, h: torch.Tensor) -> torch.Tensor:
+        """The encoder's output -> the sampler's latents (quant_conv's mean half, shifted and scaled)."""
         mean = self.quant_conv(h) if self.quant_conv is not None else h[:, : self.channels]
         if self.shift_factor:
             mean = mean - self.shift_factor

@@ -206,7 +206,7 @@ class Config:
         require(self.int8.gpu_weights == "dequantize" or self.weights == "int8", "int8.gpu_weights", "direct needs weights: int8")
         require(not self.vae_tiling.enabled or "vae_decoder" in self.components, "vae_tiling.enabled",
                 "tiles the vae_decoder component, which components does not list")
-        if "vae_encoder" in self.components and self.device_profile.enforce:  # no tiled encoder: over budget is refused now
+        if "vae_encoder" in self.components and self.device_profile.enforce:  # a size no band count fits is refused now
             precheck_encoder(self.model, self.int8.checkpoint, self.resolution, self.device_profile.budgets(),
                              self.device_profile.activation_bytes)
         if self.vae_tiling.enabled:  # the up path's layer count from the VAE's config alone, before any model is built
