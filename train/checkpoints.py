@@ -74,3 +74,23 @@ def read_state(checkpoint: Path) -> dict:
     if not isinstance(state, dict) or not isinstance(state.get("step"), int):
         raise PocketdiffError(f"--resume: {checkpoint / STATE_FILE} has no integer 'step'")
     return state
+
+
+def model_state(model, trainable_only: bool = False) -> dict:
+    """What a checkpoint's model.safetensors holds: the whole state dict, or (`trainable_only`: a LoRA student over
+    a frozen teacher) the trainable parameters alone, the frozen rest being rebuilt as it was before training."""
+    if trainable_only:
+        return {n: p for n, p in model.named_parameters() if p.requires_grad}
+    return model.state_dict()
+
+
+def load_model_state(model, state: dict, trainable_only: bool) -> None:
+    """`state` into `model`; `trainable_only`: exactly its trainable parameters (the frozen ones are as built)."""
+    if not trainable_only:
+        model.load_state_dict(state)
+        return
+    want = set(model_state(model, True))
+    if set(state) != want:
+        odd = sorted(set(state) ^ want)[0]
+        raise ValueError(f"holds other trained parameters than this model's ({odd!r} is in one only)")
+    model.load_state_dict(state, strict=False)

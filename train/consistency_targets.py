@@ -18,6 +18,7 @@ The student is w-conditioned through the project's guidance embedding
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Optional
 
@@ -80,26 +81,40 @@ class TargetNetwork:
 
         self.decay = float(decay)
         self.live = self.decay == 0.0
+        # a LoRA student (train/distill_lora.py): only its factors move, so only they are averaged and checkpointed
+        self.lora = any(".lora_A." in n for n, _ in student.named_parameters())
         if self.live:
             self.net = student
             return
-        self.net = UNet2DConditionModel.from_config(student.config)
-        self.net.load_state_dict(student.state_dict())
+        if self.lora:
+            self.net = copy.deepcopy(student)  # the peft layers too (a plain UNet has no place for the factors)
+        else:
+            self.net = UNet2DConditionModel.from_config(student.config)
+            self.net.load_state_dict(student.state_dict())
         self.net.to(device=device, dtype=torch.float32).requires_grad_(False).eval()
+        trained = {n for n, p in student.named_parameters() if p.requires_grad} if self.lora else None
+        self.moving = [(n, p) for n, p in self.net.named_parameters() if trained is None or n in trained]
 
     @torch.no_grad()
     def after_update(self, student: torch.nn.Module) -> None:
         if self.live:
             return
         live = dict(student.named_parameters())
-        for name, p in self.net.named_parameters():
+        for name, p in self.moving:
             p.lerp_(live[name].detach().to(p.dtype), 1.0 - self.decay)
 
     def state_dict(self) -> dict:
+        if self.lora:
+            return {n: p.detach() for n, p in self.moving}
         return {k: v.detach() for k, v in self.net.state_dict().items()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.net.load_state_dict(state)
+        if not self.lora:
+            self.net.load_state_dict(state)
+            return
+        if set(state) != {n for n, _ in self.moving}:
+            raise ValueError("holds other LoRA factors than this target network's")
+        self.net.load_state_dict(state, strict=False)
 
     @torch.no_grad()
     def __call__(self, z, t, cond, timestep_cond: Optional[torch.Tensor]) -> torch.Tensor:

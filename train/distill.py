@@ -66,6 +66,7 @@ from .distill_config import (  # noqa: F401  (re-exported: the recipe's sections
     accelerator_section,
     embed_lr_scale,
 )
+from .distill_lora import LORA_FILE, add_lora, check_lora_teacher, is_lora_unet, write_lora_outputs
 from .distill_data import LatentDataset, PixelDataset, build_latent_dataset  # noqa: F401
 from .distill_loss import make_loss_fn
 from .distill_report import RoundEvaluator, _write_page, _write_round_folder
@@ -118,6 +119,7 @@ def _check_teacher(cfg: Config, pipe, plan: list[RoundSpec]) -> None:
     if cfg.method == "consistency" and cfg.consistency.solver_steps > T:
         raise PocketdiffError(f"consistency.solver_steps: {cfg.consistency.solver_steps} is above the teacher's {T} training timesteps")
     check_resolution(pipe, cfg.data.resolution)
+    check_lora_teacher(cfg, pipe.unet, sched.config.prediction_type)
     if is_w_conditioned(pipe.unet):
         raise PocketdiffError("the teacher UNet is already guidance-conditioned (time_cond_proj_dim set); distill from a classifier-free-guided model")
 
@@ -147,7 +149,9 @@ def _teacher_dtype(cfg: Config, device) -> torch.dtype:
 
 
 def _prepare_student(student, cfg: Config):
-    student.requires_grad_(True).train()
+    if not is_lora_unet(student):  # a LoRA student trains its factors alone (add_lora froze the rest)
+        student.requires_grad_(True)
+    student.train()
     if cfg.speed.gradient_checkpointing:
         student.enable_gradient_checkpointing()
     set_student_layout(student, cfg.speed.channels_last, cfg.speed.compile_student)
@@ -207,7 +211,8 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
         "data": {"source": cfg.data.source, "items": len(dataset), "resolution": cfg.data.resolution},
         "method": cfg.method,
         "student": {"prediction_type": s_sched.config.prediction_type, "timestep_spacing": s_sched.config.timestep_spacing,
-                    "loss_weighting": cfg.loss_weighting, "scheduler": type(s_sched).__name__},
+                    "loss_weighting": cfg.loss_weighting, "scheduler": type(s_sched).__name__,
+                    **({"lora": cfg.student.record()} if cfg.student.enabled else {})},
         "guidance": {**dataclasses.asdict(cfg.guidance), "how": USAGE if cfg.guidance.conditioned else
                      f"folded: guidance {cfg.guidance.scale} baked in, call with guidance_scale=1"},
         "rounds": [],
@@ -246,6 +251,8 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
     report["final_steps"] = last["steps"] if last else None
     report["pipeline_dir"] = last["pipeline_dir"] if last else None
     report["complete"] = len(report["rounds"]) == len(plan)
+    if cfg.student.enabled:  # the LoRA's file, sha256, rank and size (the round's entry)
+        report["lora"] = last.get("lora") if last else None
     if acc.is_main_process:
         _write_page(out, report)
     return report
@@ -303,7 +310,10 @@ def _round_models(cfg: Config, spec: RoundSpec, teacher_unet, t_sched, s_sched, 
         teacher = GuidedTeacher(_copy_unet(teacher_unet), t_sched.config.prediction_type, **speed)
         base = _copy_unet(teacher_unet)
         base = base if base.dtype == torch.float32 else base.float()
-        student = add_guidance_embedding(base, cfg.guidance.embed_dim) if cfg.guidance.conditioned else base
+        if cfg.student.enabled:  # a LoRA over the teacher (guidance folded: check_lora_config)
+            student = add_lora(base, cfg.student)
+        else:
+            student = add_guidance_embedding(base, cfg.guidance.embed_dim) if cfg.guidance.conditioned else base
         return teacher, student, uncond
     # the previous student teaches (guidance already folded in: one pass per step)
     return GuidedTeacher(_load_unet(prev_folder), s_sched.config.prediction_type, **speed), _load_unet(prev_folder), None
@@ -344,7 +354,8 @@ def _train_round(cfg: Config, spec: RoundSpec, acc, pipe, teacher_unet, t_sched,
                         ckpt_dir=out / "checkpoints" / spec.name, seed=cfg.seed + 1000 * spec.index, resume=resume,
                         desc=spec.name, log_path=out / "logs.jsonl", accelerator=acc,
                         extra_state={"round": spec.index, "stage": spec.stage, "student_steps": spec.steps},
-                        lr_scale=embed_lr_scale(cfg, spec), companion=companion, on_checkpoint=on_checkpoint)
+                        lr_scale=embed_lr_scale(cfg, spec), companion=companion, on_checkpoint=on_checkpoint,
+                        trainable_only=cfg.student.enabled)
     # this invocation's seconds without the curve's evaluations; the round's: the loop's time over every
     # invocation (from its checkpoints) plus this invocation's set-up before the loop
     elapsed, timing = time.time() - t0, result.timing
@@ -378,7 +389,14 @@ def _train_round(cfg: Config, spec: RoundSpec, acc, pipe, teacher_unet, t_sched,
         "report": round_report,
     }
     if acc.is_main_process:
-        _write_round_folder(pipe, student, s_sched, folder, meta, share_from=prev_folder or _teacher_folder(cfg))
+        saved, extra = student, {}
+        if cfg.student.enabled:  # the LoRA file, and the teacher with it fused as the folder's UNet
+            staging = out / f".{spec.name}.lora"
+            saved, round_report["lora"], extra[LORA_FILE] = write_lora_outputs(student, teacher_unet, cfg.student, staging, folder)
+            meta["lora"] = {"file": LORA_FILE, **cfg.student.record()}
+        _write_round_folder(pipe, saved, s_sched, folder, meta, share_from=prev_folder or _teacher_folder(cfg), extra_files=extra)
+        if extra:
+            shutil.rmtree(out / f".{spec.name}.lora", ignore_errors=True)
         if not cfg.keep_round_checkpoints:  # the round folder is its result: resume never reads these again
             shutil.rmtree(out / "checkpoints" / spec.name, ignore_errors=True)
     acc.wait_for_everyone()

@@ -10,6 +10,7 @@ from pocketdiff.errors import PocketdiffError, require
 from pocketdiff.models import ModelConfig
 
 from .consistency_config import ConsistencyConfig
+from .distill_lora import StudentConfig, check_lora_config
 from .distill_targets import WEIGHTINGS
 from .guidance_embedding import DEFAULT_EMBED_DIM
 from .loop import LoopConfig
@@ -170,6 +171,7 @@ class Config:
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)  # the teacher
     student_prediction_type: str = "v_prediction"  # v_prediction | epsilon | teacher
+    student: StudentConfig = dataclasses.field(default_factory=StudentConfig)  # lora_rank: the student as a LoRA over its teacher
     timestep_spacing: str = "trailing"  # students' DDIM spacing: trailing | leading | teacher
     loss_weighting: str = "truncated_snr"  # truncated_snr (x space, max(SNR, 1)) | snr_plus_one (= v space)
     cache_latents: bool = True
@@ -192,6 +194,7 @@ class Config:
         require(self.loss_weighting in WEIGHTINGS, "loss_weighting", f"must be one of {WEIGHTINGS}")
         require(not self.eval.curve_steps or self.method == "consistency", "eval.curve_steps",
                 "is for method: consistency (a progressive run's rounds are its points)")
+        check_lora_config(self)
         if self.method == "consistency":
             for n in self.eval.curve_steps:
                 require(n <= self.consistency.solver_steps, "eval.curve_steps",

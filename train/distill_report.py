@@ -24,10 +24,12 @@ from .guidance_embedding import USAGE, is_w_conditioned
 log = logging.getLogger(__name__)
 
 
-def _write_round_folder(pipe, student, sched, folder: Path, meta: dict, share_from: Optional[Path] = None) -> Path:
+def _write_round_folder(pipe, student, sched, folder: Path, meta: dict, share_from: Optional[Path] = None,
+                        extra_files: Optional[dict] = None) -> Path:
     """Save a stock pipeline folder under a temporary name, fsync, rename: atomic completion.
     The unchanged components (text encoder, tokenizer, VAE) are hardlinked (else copied) from
-    `share_from` when it holds them as safetensors, else written; the free space is checked first."""
+    `share_from` when it holds them as safetensors, else written; the free space is checked first.
+    `extra_files` ({name: path}) are moved in beside them (a LoRA student's pytorch_lora_weights.safetensors)."""
     tmp = folder.parent / f".{folder.name}.tmp"
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -36,6 +38,8 @@ def _write_round_folder(pipe, student, sched, folder: Path, meta: dict, share_fr
     shared = {name: share_from for name in SHAREABLE if shareable_component(share_from, name) is not None}
     check_free_space(folder.parent, pipeline_bytes_to_write(sp, set(shared)), f"the {folder.name} pipeline folder")
     meta["report"]["folder_files"] = write_pipeline_folder(sp, tmp, shared)
+    for name, path in (extra_files or {}).items():
+        shutil.move(str(path), str(tmp / name))
     (tmp / DISTILL_META).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
     (tmp / "README.md").write_text(_readme(meta).replace("StableDiffusionPipeline", type(sp).__name__), encoding="utf-8")
     return commit_folder(tmp, folder)
@@ -76,7 +80,23 @@ def _consistency_readme(meta: dict) -> str:
         f"from 1 to {meta['solver_steps']} works; measured at {counts}. Multi-step sampling re-noises between steps.\n"
         f"- Guidance: {USAGE if g['conditioned'] else 'folded in at the fixed scale'}\n"
         f"- In pocketdiff: `pocketdiff.sampling.generate(pipe, prompts, steps=N, guidance_scale=w)` (it follows the LCMScheduler).\n"
-        f"- Teacher: {meta['teacher']}.\n"
+        f"- Teacher: {meta['teacher']}.\n" + (_lora_readme(meta) if meta.get("lora") else "")
+    )
+
+
+def _lora_readme(meta: dict) -> str:
+    lora = meta["lora"]
+    return (
+        f"\n## The same student as a LoRA ({lora['file']}, rank {lora['lora_rank']})\n\n"
+        f"This folder's UNet is the teacher with `{lora['file']}` fused. The LoRA alone turns the teacher (or another "
+        f"fine-tune of the same base) into this few-step student:\n\n"
+        f"```python\nfrom diffusers import LCMScheduler, StableDiffusionPipeline\n"
+        f"pipe = StableDiffusionPipeline.from_pretrained(TEACHER)\n"
+        f"pipe.scheduler = LCMScheduler.from_pretrained(\"{{this folder}}\", subfolder=\"scheduler\")\n"
+        f"pipe.load_lora_weights(\"{{this folder}}\")  # {lora['file']}\npipe.fuse_lora()\n"
+        f"pipe(prompt, num_inference_steps=4, guidance_scale=1.0)  # guidance {meta['guidance']['scale']} is folded in\n```\n\n"
+        f"In pocketdiff: `model.lora: [{{path: {{this folder}}/{lora['file']}, scale: 1.0}}]` on the teacher, with this "
+        f"folder's scheduler.\n"
     )
 
 

@@ -67,6 +67,7 @@ def _plan_record(cfg: Config, plan: list[RoundSpec]) -> dict:
         **({"top_step_input": cfg.progressive.top_step_input} if cfg.progressive.top_step_input != "data" else {}),
         **({"consistency": {k: getattr(cfg.consistency, k) for k in ("solver_steps", "timestep_scaling", "target_ema_decay", "huber_c")}}
            if cfg.method == "consistency" else {}),
+        **({"student": cfg.student.record()} if cfg.student.enabled else {}),
     }
 
 

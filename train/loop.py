@@ -26,7 +26,8 @@ from pocketdiff.config import off_at_null
 from pocketdiff.errors import PocketdiffError, require
 from pocketdiff.runtime.memory import host_peak_mb
 
-from .checkpoints import begin_checkpoint, commit_checkpoint, folder_bytes, list_checkpoints, read_state, resolve_resume
+from .checkpoints import (begin_checkpoint, commit_checkpoint, folder_bytes, list_checkpoints, load_model_state, model_state, read_state,
+                          resolve_resume)
 from .ema import EMA
 from .memory import (
     EMA_DEVICES,
@@ -170,24 +171,24 @@ class Companion(Protocol):
     def load_state_dict(self, state: dict) -> None: ...
 
 
-def checkpoint_bytes(ckpt_dir: Path, model, optimizer, ema, companion=None) -> int:
+def checkpoint_bytes(ckpt_dir: Path, model, optimizer, ema, companion=None, trainable_only: bool = False) -> int:
     """Bytes the next checkpoint will take: the newest one's size when there is one, else its tensors'."""
     found = list_checkpoints(ckpt_dir)
     if found:
         return folder_bytes(found[-1])
-    return (tensor_bytes(model.state_dict()) + tensor_bytes(optimizer.state_dict()["state"])
+    return (tensor_bytes(model_state(model, trainable_only)) + tensor_bytes(optimizer.state_dict()["state"])
             + (tensor_bytes(ema.shadow) if ema is not None else 0)
             + (tensor_bytes(companion.state_dict()) if companion is not None else 0) + (1 << 20))
 
 
-def _save(ckpt_dir, step, model, optimizer, scheduler, ema, losses, skipped, total_limit, extra, companion=None):
+def _save(ckpt_dir, step, model, optimizer, scheduler, ema, losses, skipped, total_limit, extra, companion=None, trainable_only=False):
     found = list_checkpoints(ckpt_dir)
-    check_free_space(ckpt_dir, checkpoint_bytes(ckpt_dir, model, optimizer, ema, companion), f"checkpoint-{step}",
+    check_free_space(ckpt_dir, checkpoint_bytes(ckpt_dir, model, optimizer, ema, companion, trainable_only), f"checkpoint-{step}",
                      kept=found[-1] if found else None)
     tmp = begin_checkpoint(ckpt_dir, step)
     # to the host first, then contiguous there: `.contiguous()` on the GPU copied every channels_last weight
     # into new device memory, and the allocator, near its cap, freed and synchronised for steps after the save
-    save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, str(tmp / "model.safetensors"))
+    save_file({k: v.detach().cpu().contiguous() for k, v in model_state(model, trainable_only).items()}, str(tmp / "model.safetensors"))
     if ema is not None:
         save_file({k: v.cpu().contiguous() for k, v in ema.shadow.items()}, str(tmp / "ema.safetensors"))
     if companion is not None:
@@ -196,7 +197,7 @@ def _save(ckpt_dir, step, model, optimizer, scheduler, ema, losses, skipped, tot
     return commit_checkpoint(tmp, step, {"losses": losses, "skipped_steps": skipped, **extra}, total_limit)
 
 
-def _load(ckpt: Path, model, optimizer, scheduler, ema, companion=None):
+def _load(ckpt: Path, model, optimizer, scheduler, ema, companion=None, trainable_only=False):
     state = read_state(ckpt)
     if ema is not None and not (ckpt / "ema.safetensors").is_file():
         raise PocketdiffError(f"{ckpt}: no ema.safetensors although train.ema_decay > 0")
@@ -204,7 +205,7 @@ def _load(ckpt: Path, model, optimizer, scheduler, ema, companion=None):
         raise PocketdiffError(f"{ckpt}: no {COMPANION_FILE} (the target network this training needs)")
     name = "model.safetensors"
     try:  # a damaged file or a checkpoint of another model: one line naming it, not a bare library error
-        model.load_state_dict(load_file(str(ckpt / name)))
+        load_model_state(model, load_file(str(ckpt / name)), trainable_only)
         if ema is not None:
             name = "ema.safetensors"
             ema.shadow = {k: v.float() for k, v in load_file(str(ckpt / name)).items()}
@@ -270,6 +271,7 @@ def train_loop(
     lr_scale: Optional[dict] = None,
     companion: Optional[Companion] = None,
     on_checkpoint: Optional[CheckpointHook] = None,
+    trainable_only: bool = False,
 ) -> LoopResult:
     """Optimise the trainable parameters of `model` on `loss_fn` for `cfg.max_steps` steps.
 
@@ -283,6 +285,7 @@ def train_loop(
     `on_checkpoint(step, model, ema, train_s)` runs on the main process after each checkpoint is saved
     (`train_s`: the training seconds so far, earlier invocations included); its own time counts neither
     there nor in the timing (`timing["paused_s"]`).
+    `trainable_only`: checkpoints hold the trainable parameters alone (a LoRA over a frozen model: `model_state`).
     """
     # 1. accelerator, model on its device, optimizer, warm-up schedule, EMA
     acc = accelerator or make_accelerator(cfg, ckpt_dir.parent)
@@ -299,14 +302,15 @@ def train_loop(
     start, losses, skipped, prior_s = 0, [], 0, 0.0
     ckpt = resolve_resume(ckpt_dir, resume)
     if ckpt is not None:
-        state = _load(ckpt, model, optimizer, scheduler, ema, companion)
+        state = _load(ckpt, model, optimizer, scheduler, ema, companion, trainable_only)
         start, losses, skipped = state["step"], state.get("losses", []), state.get("skipped_steps", 0)
         prior_s = state.get("train_s", 0.0)  # checkpoints of older versions: this invocation's time only
         acc.print(f"[{desc}] resumed from {ckpt} at step {start}")
 
     # 3. the steps (4. the timing summary: `_Loop.result`)
     loop = _Loop(cfg, acc, memory, model, params, optimizer, scheduler, ema, dataset, collate, loss_fn, ckpt_dir, seed,
-                 desc, log_path, extra_state, start, losses, skipped, companion, prior_s=prior_s, on_checkpoint=on_checkpoint)
+                 desc, log_path, extra_state, start, losses, skipped, companion, prior_s=prior_s, on_checkpoint=on_checkpoint,
+                 trainable_only=trainable_only)
     loop.run()
     return loop.result()
 
@@ -359,8 +363,9 @@ class _Loop:
     def __init__(self, cfg: LoopConfig, acc, memory: GpuMemory, model, params, optimizer, scheduler, ema, dataset,
                  collate: Callable, loss_fn: LossFn, ckpt_dir: Path, seed: int, desc: str, log_path: Optional[Path],
                  extra_state: Optional[dict], start: int, losses: list, skipped: int, companion: Optional[Companion] = None,
-                 prior_s: float = 0.0, on_checkpoint: Optional[CheckpointHook] = None):
+                 prior_s: float = 0.0, on_checkpoint: Optional[CheckpointHook] = None, trainable_only: bool = False):
         self.cfg, self.acc, self.memory, self.model, self.params = cfg, acc, memory, model, params
+        self.trainable_only = trainable_only
         self.scheduler, self.ema, self.dataset, self.collate, self.loss_fn = scheduler, ema, dataset, collate, loss_fn
         self.ckpt_dir, self.seed, self.desc, self.extra_state = ckpt_dir, seed, desc, extra_state
         self.companion = companion
@@ -539,7 +544,8 @@ class _Loop:
         if acc.is_main_process:
             model, train_s = acc.unwrap_model(self.wrapped), self.train_s()
             _save(self.ckpt_dir, done, model, self.optimizer, self.scheduler, self.ema, self.losses,
-                  self.skipped, self.cfg.checkpoints_total_limit, {**(self.extra_state or {}), "train_s": train_s}, self.companion)
+                  self.skipped, self.cfg.checkpoints_total_limit, {**(self.extra_state or {}), "train_s": train_s}, self.companion,
+                  self.trainable_only)
             if self.on_checkpoint is not None:
                 hook_t0 = perf_counter()
                 self.on_checkpoint(done, model, self.ema, train_s)
