@@ -129,13 +129,19 @@ def ddim_fields(config: Any) -> dict:
             "steps_offset": int(_get(config, "steps_offset", 0))}
 
 
+def clip_sample_range(config: Any, what: str) -> Optional[float]:
+    """A diffusers scheduler config's x0 clipping: its `clip_sample_range` when `clip_sample` is on, else None (no
+    clipping). Dynamic thresholding, which no runner implements, is refused naming WHAT (the scheduler's owner)."""
+    if _get(config, "thresholding", False):
+        raise PocketdiffError(f"{what}: the scheduler uses dynamic thresholding, which the bundle's runners do not implement; "
+                              "set thresholding: false in its scheduler_config.json")
+    return float(_get(config, "clip_sample_range", 1.0)) if _get(config, "clip_sample", False) else None
+
+
 def lcm_fields(config: Any) -> dict:
     """A diffusers LCMScheduler config's fields the bundle's consistency step reads (LCMScheduler's defaults
     where it has none); a scheduler the step does not implement (dynamic thresholding) is refused."""
-    if _get(config, "thresholding", False):
-        raise PocketdiffError("model.pretrained: the consistency student's scheduler uses dynamic thresholding, which the "
-                              "bundle's lcm step does not implement")
-    clip = float(_get(config, "clip_sample_range", 1.0)) if _get(config, "clip_sample", False) else None
+    clip = clip_sample_range(config, "model.pretrained: the consistency student")
     return {"original_inference_steps": int(_get(config, "original_inference_steps", 50)),
             "timestep_scaling": float(_get(config, "timestep_scaling", 10.0)),
             "sigma_data": float(LCM_SIGMA_DATA), "clip_sample_range": clip}
@@ -167,7 +173,9 @@ def block_for(scheduler_type: str, config: Any, steps: int, alphas_cumprod: Sequ
         return {**head, **lcm_fields(config)}
     if final_alpha_cumprod is None:
         final_alpha_cumprod = 1.0 if _get(config, "set_alpha_to_one", True) else alphas[0]
-    return {**head, "final_alpha_cumprod": float(final_alpha_cumprod), **ddim_fields(config), "eta": 0.0}
+    clip = clip_sample_range(config, "model.pretrained")  # written only when on: blocks of non-clipping DDIMs unchanged
+    return {**head, "final_alpha_cumprod": float(final_alpha_cumprod), **ddim_fields(config), "eta": 0.0,
+            **({} if clip is None else {"clip_sample_range": clip})}
 
 
 # ------------------------------------------------------------------------------- reading a block
@@ -244,7 +252,7 @@ def _timestep_problems(ts: Any, T: Optional[int], steps: Optional[int], out: lis
 
 
 def ddim_field_problems(s: Mapping, T: Optional[int], steps: Optional[int], ts_ok: bool) -> list[Problem]:
-    """timestep_spacing and steps_offset (both carried, no default) and the timesteps they give."""
+    """timestep_spacing and steps_offset (both carried, no default), the timesteps they give, clip_sample_range."""
     missing = [k for k in ("timestep_spacing", "steps_offset") if k not in s]
     if missing:
         return [(f"scheduler.{missing[0]}", "present", "missing: a ddim block carries it (no default; diffusers' DDIMScheduler "
@@ -254,6 +262,8 @@ def ddim_field_problems(s: Mapping, T: Optional[int], steps: Optional[int], ts_o
         return [("scheduler.timestep_spacing", "value", f"must be one of {', '.join(SPACINGS)}, got {spacing!r}")]
     if not _is_int(offset) or offset < 0:
         return [("scheduler.steps_offset", "type", f"must be a non-negative integer, got {offset!r}")]
+    if _clip_problems(s):
+        return _clip_problems(s)
     if not (ts_ok and T is not None and steps is not None and steps <= T):
         return []
     ts = list(s["timesteps"])
@@ -286,10 +296,15 @@ def lcm_field_problems(s: Mapping, T: Optional[int], steps: Optional[int], ts_ok
     for key in ("timestep_scaling", "sigma_data"):
         if not _is_positive(s.get(key)):
             out.append((f"scheduler.{key}", "value", f"must be a finite number > 0 (the boundary scalings), got {s.get(key)!r}"))
+    return out + _clip_problems(s)
+
+
+def _clip_problems(s: Mapping) -> list[Problem]:
+    """clip_sample_range: null or absent (no clipping; ddim blocks written before it was carried) or a number > 0."""
     clip = s.get("clip_sample_range")
     if clip is not None and not _is_positive(clip):
-        out.append(("scheduler.clip_sample_range", "value", f"must be null (no clipping) or a finite number > 0, got {clip!r}"))
-    return out
+        return [("scheduler.clip_sample_range", "value", f"must be null (no clipping) or a finite number > 0, got {clip!r}")]
+    return []
 
 
 def _alpha_problems(s: Mapping, T: Optional[int], stype: str) -> list[Problem]:

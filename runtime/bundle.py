@@ -8,7 +8,7 @@ version 2 with `unet_chunks`):
     latent: {channels, height, width, vae_factor}
     guidance: {mode: cfg|embedded|none, scale, unet_batch}
     scheduler: {type: ddim, prediction_type, num_train_timesteps, steps, timesteps,
-                alphas_cumprod, final_alpha_cumprod, timestep_spacing, steps_offset, eta}
+                alphas_cumprod, final_alpha_cumprod, timestep_spacing, steps_offset, eta, clip_sample_range}
     tokenizer: {files: {name: {path, sha256}}, max_length, pad_id, bos_id, eos_id, golden: {prompt, ids}}
     time_embedding: null | {path, sha256, shape, dtype}  (table [num_train_timesteps, T])
     components: {name: {path, sha256, bytes, weights, inputs: [{name, shape, dtype}],

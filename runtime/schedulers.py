@@ -63,6 +63,7 @@ class DDIMConfig:
     prediction_type: str = "epsilon"  # epsilon | v_prediction
     timestep_spacing: Optional[str] = None  # leading | trailing | linspace: set_timesteps(steps) needs it (no default)
     steps_offset: Optional[int] = None  # likewise (diffusers' config default 0, SD checkpoints 1)
+    clip_sample_range: Optional[float] = None  # None: x0 not clipped (diffusers' clip_sample off)
 
 
 @dataclass(frozen=True)
@@ -164,6 +165,8 @@ class DDIMScheduler(_Base):
             eps = np.sqrt(a_t) * out + np.sqrt(1.0 - a_t) * x
         else:
             raise PocketdiffError(f"bundle: prediction type {self.config.prediction_type!r} is not supported")
+        if self.config.clip_sample_range is not None:  # diffusers' clip_sample: x0 clipped, eps kept as predicted
+            x0 = np.clip(x0, -self.config.clip_sample_range, self.config.clip_sample_range)
         prev_sample = (np.sqrt(a_prev) * x0 + np.sqrt(1.0 - a_prev) * eps).astype(np.float32)
         return StepOutput(prev_sample, np.asarray(x0, dtype=np.float32))
 
@@ -209,7 +212,7 @@ def scheduler_for(block: dict, strength: float = 1.0) -> Scheduler:
     if kind == DDIM:
         sched: Scheduler = DDIMScheduler(DDIMConfig(
             T, alphas, float(block["final_alpha_cumprod"]), block["prediction_type"],
-            block.get("timestep_spacing"), block.get("steps_offset")))
+            block.get("timestep_spacing"), block.get("steps_offset"), block.get("clip_sample_range")))
     elif kind == LCM:
         sched = LCMScheduler(LCMConfig(
             T, alphas, int(block["original_inference_steps"]), block["prediction_type"], float(block["timestep_scaling"]),

@@ -22,7 +22,8 @@ LCM = {"num_train_timesteps": 1000, "prediction_type": "epsilon", "original_infe
 def test_block_for_writes_every_field_explicitly_in_the_manifest_order():
     block = sb.block_for(sb.DDIM, SD_DDIM, 4, ALPHAS)
     assert list(block) == ["type", "prediction_type", "num_train_timesteps", "steps", "timesteps", "alphas_cumprod",
-                           "final_alpha_cumprod", "timestep_spacing", "steps_offset", "eta"]
+                           "final_alpha_cumprod", "timestep_spacing", "steps_offset", "eta"]  # SD_DDIM: clip_sample off
+    assert sb.block_for(sb.DDIM, {**SD_DDIM, "clip_sample": True}, 4, ALPHAS)["clip_sample_range"] == 1.0  # diffusers' default range
     assert block["timesteps"] == [751, 501, 251, 1] and block["final_alpha_cumprod"] == ALPHAS[0]  # set_alpha_to_one False
     # a config without the offset (diffusers' DDIMScheduler default): 0, written out
     bare = sb.block_for(sb.DDIM, {"num_train_timesteps": 1000}, 4, ALPHAS)

@@ -21,10 +21,11 @@ HARNESS = ROOT / "tests" / "web" / "js_harness.mjs"
 SHAPE = (1, 4, 3, 3)
 BETAS = {"beta_schedule": "scaled_linear", "beta_start": 0.00085, "beta_end": 0.012}
 
-DDIM_CASES = [  # (prediction_type, timestep_spacing, steps_offset, set_alpha_to_one, steps)
-    ("epsilon", "leading", 1, False, 4),  # the last step's prev < 0: final_alpha_cumprod = alphas[0]
-    ("v_prediction", "trailing", 0, True, 16),  # T / 16 = 62.5: numpy rounds the halves to even
-    ("epsilon", "linspace", 0, True, 7),
+DDIM_CASES = [  # (prediction_type, timestep_spacing, steps_offset, set_alpha_to_one, steps, clip_sample)
+    ("epsilon", "leading", 1, False, 4, False),  # the last step's prev < 0: final_alpha_cumprod = alphas[0]
+    ("v_prediction", "trailing", 0, True, 16, False),  # T / 16 = 62.5: numpy rounds the halves to even
+    ("epsilon", "linspace", 0, True, 7, False),
+    ("epsilon", "leading", 1, True, 4, True),  # clip_sample at 1.5: x0 at t=751 is far outside it
 ]
 LCM_CASES = [  # (prediction_type, original_inference_steps, steps, clip)
     ("epsilon", 50, 4, False),
@@ -59,13 +60,13 @@ def _ddim_vectors() -> list[dict]:
     from diffusers import DDIMScheduler as Ref
 
     cases = []
-    for k, (ptype, spacing, offset, to_one, steps) in enumerate(DDIM_CASES):
-        ref = Ref(num_train_timesteps=1000, **BETAS, clip_sample=False, set_alpha_to_one=to_one, steps_offset=offset,
-                  timestep_spacing=spacing, prediction_type=ptype)
+    for k, (ptype, spacing, offset, to_one, steps, clip) in enumerate(DDIM_CASES):
+        ref = Ref(num_train_timesteps=1000, **BETAS, clip_sample=clip, clip_sample_range=1.5, set_alpha_to_one=to_one,
+                  steps_offset=offset, timestep_spacing=spacing, prediction_type=ptype)
         ref.set_timesteps(steps)
         block = {"type": "ddim", "prediction_type": ptype, "num_train_timesteps": 1000, "steps": steps,
                  "timesteps": ref.timesteps.tolist(), "alphas_cumprod": _alphas(ref), "final_alpha_cumprod": float(ref.final_alpha_cumprod),
-                 "timestep_spacing": spacing, "steps_offset": offset, "eta": 0}
+                 "timestep_spacing": spacing, "steps_offset": offset, "eta": 0, "clip_sample_range": 1.5 if clip else None}
 
         def step(out, t, x, gen, ref=ref):
             r = ref.step(out, t, x, eta=0.0)
@@ -146,8 +147,14 @@ def test_ddim_matches_diffusers_in_numpy_and_in_the_page(tmp_path):
     vectors = _write(tmp_path, "ddim_vectors.json", cases)
     assert 811 in cases[1]["block"]["timesteps"] and 812 not in cases[1]["block"]["timesteps"]  # 812.5 rounds to 812, minus 1
     assert cases[0]["block"]["final_alpha_cumprod"] < 1.0 and cases[0]["block"]["timesteps"][-1] == 1
+    clipped = cases[3]
+    unclipped = scheduler_for({**clipped["block"], "clip_sample_range": None})
+    row = clipped["inputs"][0]
+    free = unclipped.step(_arr(row, "model_output"), row["t"], _arr(row, "sample"))
+    assert np.abs(free.pred_original_sample.ravel() - row["pred_original_sample"]).max() > 1e-2  # the clip changed something
     _check_python(json.loads(vectors.read_text()), lambda b: DDIMScheduler(DDIMConfig(
-        1000, np.asarray(b["alphas_cumprod"]), b["final_alpha_cumprod"], b["prediction_type"], b["timestep_spacing"], b["steps_offset"])))
+        1000, np.asarray(b["alphas_cumprod"]), b["final_alpha_cumprod"], b["prediction_type"], b["timestep_spacing"], b["steps_offset"],
+        b["clip_sample_range"])))
     _check_js(cases, vectors, tmp_path)
 
 

@@ -231,15 +231,16 @@ def test_page_lcm_step_matches_the_runner(node, tmp_path):
         runs.append({"sched": block, "x": x.ravel().tolist(), "noise": noise.ravel().tolist(), "a": 0.7, "b": 0.3})
     good = _lcm_block("epsilon", 2)
     schedulers = [good, {**good, "type": "euler"}, {**good, "timesteps": [999, 500]}, {**good, "sigma_data": 0},
-                  {**good, "prediction_type": "flow"}, {"type": "ddim"}]
+                  {**good, "prediction_type": "flow"}, {"type": "ddim"}, {"type": "ddim", "clip_sample_range": -1}]
     out = _run(node, tmp_path, {"tokenizer_json": str(STATIC.parents[1] / "pocketdiff/assets/shapes-teacher/tokenizer/tokenizer.json"),
                                 "tokenizer": {"max_length": 77, "pad_id": 593, "bos_id": 592, "eos_id": 593}, "prompts": [],
                                 "files": [], "npy": [], "npz": [], "lcm_grids": grids, "lcm_runs": runs, "schedulers": schedulers})
     assert out["lcm_grids"] == [lcm_timesteps(*g) for g in grids]
     for want, got in zip(wants, out["lcm_runs"]):
         np.testing.assert_allclose(np.asarray(got, np.float32).reshape(want.shape), want, rtol=1e-5, atol=1e-5)
-    ok, euler, off_grid, sigma, ptype, ddim = out["lcm_problems"]
+    ok, euler, off_grid, sigma, ptype, ddim, ddim_clip = out["lcm_problems"]
     assert ok is None and ddim is None
+    assert "scheduler.clip_sample_range" in ddim_clip
     assert '"euler"' in euler and "not supported by the page" in euler
     assert "scheduler.timesteps" in off_grid and "[999,499]" in off_grid
     assert "scheduler.sigma_data" in sigma and "scheduler.prediction_type" in ptype

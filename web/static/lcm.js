@@ -36,6 +36,10 @@ export function schedulerProblem(sched) {
   if (!SCHEDULER_TYPES.includes(type)) {
     return `bundle: scheduler type ${JSON.stringify(type)} is not supported by the page (it runs ${SCHEDULER_TYPES.join(' and ')})`;
   }
+  const clip = sched.clip_sample_range ?? null;
+  if (clip !== null && !(Number.isFinite(clip) && clip > 0)) {
+    return `manifest: scheduler.clip_sample_range must be null (no clipping) or a finite number > 0, got ${JSON.stringify(clip)}`;
+  }
   if (type !== 'lcm') return null;
   if (!['epsilon', 'v_prediction', 'sample'].includes(sched.prediction_type)) {
     return `manifest: scheduler.prediction_type must be epsilon, v_prediction or sample for lcm, got ${JSON.stringify(sched.prediction_type)}`;

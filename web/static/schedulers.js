@@ -125,9 +125,11 @@ export class DDIMScheduler extends BaseScheduler {
     const sa = Math.sqrt(aT), sb = Math.sqrt(1 - aT), pa = Math.sqrt(aPrev), pb = Math.sqrt(1 - aPrev);
     const p = c.prediction_type;
     if (p !== 'epsilon' && p !== 'v_prediction') throw new Error(`bundle: prediction type ${p} is not supported`);
+    const clip = c.clip_sample_range ?? null;  // diffusers' clip_sample: x0 clipped, eps kept as predicted
     const prevSample = new Float32Array(x.length), x0s = new Float32Array(x.length);
     for (let i = 0; i < x.length; i++) {
-      const x0 = p === 'epsilon' ? (x[i] - sb * out[i]) / sa : sa * x[i] - sb * out[i];
+      let x0 = p === 'epsilon' ? (x[i] - sb * out[i]) / sa : sa * x[i] - sb * out[i];
+      if (clip !== null) x0 = Math.min(clip, Math.max(-clip, x0));
       const eps = p === 'epsilon' ? out[i] : sa * out[i] + sb * x[i];
       x0s[i] = x0;
       prevSample[i] = pa * x0 + pb * eps;
