@@ -6,7 +6,9 @@ mode, fill one file.
 
 Modes: plain (every model loaded at the first image and kept), pipelined (each model loaded just before its use and
 released after it), keep_unet (pipelined, the UNet kept from image to image: `keep=("unet",)`), keep_unet_text
-(the UNet and text encoder kept), keep_unet_decoder (the UNet and decoder kept).
+(the UNet and text encoder kept), keep_unet_decoder (the UNet and decoder kept); with the text encoder on the CPU
+(`on_cpu=("text_encoder",)`, issue 66's lever: no GPU compile or memory for it, reloaded from its kept CPU variant each
+image where not kept): keep_unet_te_cpu, keep_unet_decoder_te_cpu, plain_te_cpu (every model kept, the encoder on the CPU).
 
     python benchmarks/app_images.py BUNDLE --mode keep_unet [--images 10] [--accelerator gpu] [--gpu-cache DIR]
         [--launch warm] --out rows.json
@@ -30,7 +32,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = {"plain": (False, ()), "pipelined": (True, ()), "keep_unet": (True, ("unet",)),
-         "keep_unet_text": (True, ("unet", "text_encoder")), "keep_unet_decoder": (True, ("unet", "vae_decoder"))}
+         "keep_unet_text": (True, ("unet", "text_encoder")), "keep_unet_decoder": (True, ("unet", "vae_decoder")),
+         # (pipelined, keep, other BundleRunner options)
+         "keep_unet_te_cpu": (True, ("unet",), {"on_cpu": ("text_encoder",)}),
+         "keep_unet_decoder_te_cpu": (True, ("unet", "vae_decoder"), {"on_cpu": ("text_encoder",)}),
+         "plain_te_cpu": (False, (), {"on_cpu": ("text_encoder",)})}
 PEAKS = ("host_peak_mb", "gpu_peak_mb", "host_plus_gpu_peak_mb", "host_plus_gpu_peak_at_once_mb")
 
 
@@ -79,11 +85,12 @@ def draw(bundle: Path, mode: str, images: int, prompt: str, accelerator: str, gp
     from pocketdiff.runtime.memory import process_age_s
     from pocketdiff.runtime.run_bundle import BundleRunner
 
-    pipelined, keep = MODES[mode]
-    common = {"mode": mode, "keep": list(keep), "launch": launch, "accelerator": accelerator, "bundle": bundle.name,
+    pipelined, keep, *more = MODES[mode]
+    options = more[0] if more else {}
+    common = {"mode": mode, "keep": list(keep), "on_cpu": list(options.get("on_cpu", ())), "launch": launch, "accelerator": accelerator, "bundle": bundle.name,
               "prompt": prompt, "litert": litert_version(), "pid": os.getpid()}
     t0 = time.perf_counter()
-    runner = BundleRunner(bundle, accelerator, pipelined, gpu_cache=gpu_cache, keep=keep)
+    runner = BundleRunner(bundle, accelerator, pipelined, gpu_cache=gpu_cache, keep=keep, **options)
     ready_s = time.perf_counter() - t0
     rows = []
     try:
@@ -103,6 +110,7 @@ def draw(bundle: Path, mode: str, images: int, prompt: str, accelerator: str, gp
                          "image_window": window(runner.pool.phases[seen:]),
                          "device": mem.get("gpu_name"), "gpu_source": mem.get("gpu_source"), "driver": stats["driver"],
                          "loading_policy": runner.policy.name, "fully_accelerated": stats["fully_accelerated"],
+                         "accelerator_by_model": stats.get("accelerator_by_model"),
                          "finite": stats["finite"], "image_sha256": png_sha256(image)})
             r = rows[-1]
             print(json.dumps({k: r[k] for k in ("mode", "launch", "image", "seconds", "loads", *PEAKS)}), flush=True)

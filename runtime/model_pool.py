@@ -150,7 +150,7 @@ class ModelPool:
         fresh, t0 = not managed.loaded, time.perf_counter()
         m = managed.get()
         if fresh:
-            self.placed[name] = self.accelerator_of(name)
+            self.placed[name] = getattr(m, "accelerator", None) or self.accelerator_of(name)  # the loaded model's own word
             if self.cache is not None and self.placed[name] == "gpu":
                 self.cache.record(name)
             if self.placed[name] == "gpu":

@@ -1,0 +1,144 @@
+"""run-bundle's start-up levers (issue 66 items 3 and 4), each off by default, on the tiny smoke bundle on the GPU
+delegate (lavapipe here): `on_cpu` (a component on XNNPACK beside the GPU, its int8 file's CPU variant made once and
+kept), `one_environment` (pipelined models in one LiteRT environment), `overlap_ahead` (the overlapped loader compiling
+several models ahead), an app keeping its UNet and decoder with the text encoder on the CPU; and each flag refused in
+one line where it cannot hold. No timings are asserted: what ran where, what loaded how often, and the images."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pocketdiff.errors import PocketdiffError
+from pocketdiff.runtime.managed_model import loading_policy
+from pocketdiff.runtime.overlap import check_ahead
+
+WEB = Path(__file__).resolve().parents[1] / "web"
+PROMPT, SEED = "a red circle", 3
+UNET = ("unet.0", "unet.1", "unet.2", "unet.3")
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    mse = float(((a.astype(np.float64) - b.astype(np.float64)) ** 2).mean())
+    return float("inf") if mse == 0 else 10 * np.log10(1.0 / mse)  # images in [0, 1]
+
+
+def _assemble(dst: Path) -> Path:
+    spec = importlib.util.spec_from_file_location("web_conftest", WEB / "conftest.py")  # how tests/web assembles twins
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.assemble_twin_bundle(WEB / "smoke_bundle_tiny", dst)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, gpu_delegate):
+    """One prompt through the pipelined runner and each lever, on one program cache."""
+    from pocketdiff.runtime.run_bundle import BundleRunner
+
+    root = tmp_path_factory.mktemp("levers")
+    bundle, cache = _assemble(root / "bundle"), root / "cache"
+    out = {"bundle": bundle, "cache": cache}
+    for key, kwargs in (("base", {}), ("te_cpu", {"on_cpu": ("text_encoder",)}), ("te_cpu_again", {"on_cpu": ("text_encoder",)}),
+                        ("one_env", {"one_environment": True}),
+                        ("ahead", {"overlap_loads": True, "overlap_ahead": 3, "on_cpu": ("text_encoder",)})):
+        with BundleRunner(bundle, gpu_cache=cache, pipelined=True, **kwargs) as runner:
+            out[key] = runner.run(PROMPT, seed=SEED)
+    return out
+
+
+def _phases(stats: dict, component: str) -> list[str]:
+    return [p["phase"] for p in stats["memory"]["phases"] if p["component"] == component]
+
+
+def test_the_text_encoder_runs_on_the_cpu_and_the_image_stays_the_gpus(runs):
+    base, base_stats = runs["base"]
+    image, stats = runs["te_cpu"]
+    assert stats["accelerator_by_model"] == {"text_encoder": "cpu", **{n: "gpu" for n in UNET}, "vae_decoder": "gpu"}
+    assert base_stats["accelerator_by_model"]["text_encoder"] == "gpu"
+    assert "text_encoder" not in stats["fully_accelerated_by_component"] and stats["fully_accelerated"]  # the GPU's models all on it
+    assert _phases(stats, "text_encoder")[:2] == ["cpu_variant", "opened"]  # the int8 file's CPU variant, then XNNPACK
+    # the encoder's states differ (fp32 XNNPACK against the GPU's fp16) and the image moves a little: the bundle contract's
+    # bar between two runners of one bundle (runtime/BUNDLE.md, Tolerances: the page against run-bundle, >= 30 dB)
+    assert not np.array_equal(image, base)
+    assert psnr(image, base) >= 30.0, psnr(image, base)
+
+
+def test_the_cpu_variant_is_made_at_the_first_launch_and_read_at_the_next(runs):
+    made = [p.get("variant") for p in runs["te_cpu"][1]["memory"]["phases"] if p["phase"] == "cpu_variant"]
+    kept = [p.get("variant") for p in runs["te_cpu_again"][1]["memory"]["phases"] if p["phase"] == "cpu_variant"]
+    assert made == ["made"] and kept == ["kept"], (made, kept)
+    from pocketdiff.runtime.bundle import load_manifest
+
+    sha = load_manifest(runs["bundle"])["components"]["text_encoder"]["sha256"]
+    files = sorted(p.name for p in (runs["cache"] / "cpu").iterdir())
+    assert files == [f"{sha}.v1.tflite"], files  # named by the source's sha256; no private file left behind
+    np.testing.assert_allclose(runs["te_cpu_again"][0], runs["te_cpu"][0], atol=1e-6)  # the same variant file and models
+
+
+def test_one_environment_loads_and_releases_each_model_as_pipelined_and_gives_its_image(runs):
+    image, stats = runs["one_env"]
+    mem = stats["memory"]
+    assert mem["environments"] == "one" and runs["base"][1]["memory"]["environments"] == "own"
+    assert mem["loading_policy"] == "pipelined"
+    for name, m in mem["models"].items():
+        assert m["loads"] == 1 and m["phases"][-1]["phase"] == "released", name  # each released after its use
+    np.testing.assert_array_equal(image, runs["base"][0])  # the same programs on the same device; only the environment differs
+
+
+def test_overlap_ahead_compiles_the_unet_and_decoder_together_while_the_text_encoder_runs_on_the_cpu(runs):
+    image, stats = runs["ahead"]
+    overlap = stats["memory"]["overlap"]
+    assert overlap["ahead"] == 3
+    assert [p["first"] for p in overlap["plan"]] == ["unet"]  # the CPU encoder is no worker's unit
+    events = [tuple(e) for e in overlap["timeline"]]
+    assert events.index(("start", "vae_decoder")) < events.index(("compiled", "unet")), events  # both compiling at once
+    assert stats["accelerator_by_model"]["text_encoder"] == "cpu"
+    assert _phases(stats, "text_encoder")[0] == "cpu_variant"  # loaded here, in the runner's process
+    # the same models on the same accelerators as te_cpu's, only compiled in worker processes
+    np.testing.assert_allclose(image, runs["te_cpu"][0], atol=1e-6)
+
+
+def test_an_app_keeps_its_unet_and_decoder_and_reloads_the_cpu_text_encoder(runs):
+    """Issue 66 item 4's candidate: keep=("unet", "vae_decoder") with the text encoder on the CPU, three prompts."""
+    from pocketdiff.runtime.run_bundle import BundleRunner
+
+    with BundleRunner(runs["bundle"], gpu_cache=runs["cache"], pipelined=True, keep=("unet", "vae_decoder"),
+                      on_cpu=("text_encoder",)) as runner:
+        for _ in range(3):
+            image, stats = runner.run(PROMPT, seed=SEED)
+            assert set(runner.loaded) == {*UNET, "vae_decoder"}  # the encoder went after its use
+        loads = {n: m["loads"] for n, m in stats["memory"]["models"].items()}
+    assert loads == {"text_encoder": 3, **{n: 1 for n in UNET}, "vae_decoder": 1}, loads
+    np.testing.assert_allclose(image, runs["te_cpu"][0], atol=1e-6)  # the pipelined te_cpu image: only the loading differs
+
+
+def test_the_policies_and_the_ahead_count():
+    assert loading_policy("gpu", pipelined=True, one_environment=True).own_environments is False
+    assert loading_policy("gpu", pipelined=True, keep=("unet",), one_environment=True).own_environments is False
+    assert loading_policy("gpu", pipelined=True).own_environments is True
+    assert check_ahead(None, False, None) == 1 and check_ahead(3, True, None) == 3
+    for bad in (0, -1, True, 2.5):
+        with pytest.raises(PocketdiffError, match="--overlap-ahead .*: must be a whole number"):
+            check_ahead(bad, True, None)
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--on-cpu", "text_encodr"], "--on-cpu text_encodr: not a component (components: text_encoder, "),
+    (["--on-cpu", "text_encoder", "--accelerator", "cpu"], "--on-cpu text_encoder runs those components on the CPU beside the GPU: it needs --accelerator gpu"),
+    (["--on-cpu", "vae_encoder", "--pipelined"], "--on-cpu vae_encoder: no stage of bundle"),
+    (["--one-environment"], "--one-environment keeps a pipelined runner's models in one LiteRT environment: it needs --pipelined"),
+    (["--one-environment", "--pipelined", "--overlap-loads"], "and no --overlap-loads"),
+    (["--overlap-ahead", "0", "--pipelined", "--overlap-loads"], "--overlap-ahead 0: must be a whole number of models, 1 or more"),
+    (["--overlap-ahead", "2", "--pipelined"], "--overlap-ahead 2 compiles that many models ahead in worker processes: it needs"),
+    (["--overlap-ahead", "2", "--pipelined", "--overlap-loads", "--memory-budget-mb", "4000"], "and no --memory-budget-mb"),
+])
+def test_run_bundle_refuses_a_lever_that_cannot_hold_in_one_line_before_anything_is_made(tmp_path, capsys, argv, needle):
+    from pocketdiff.cli import main
+
+    out = tmp_path / "out"
+    code = main(["run-bundle", str(WEB / "smoke_bundle"), "--prompt", PROMPT, "--output", str(out), *argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and needle in err[0], err
+    assert not out.exists()
