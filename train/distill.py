@@ -19,7 +19,9 @@
 consistency distillation with w as an input, straight from the classifier-free-guided teacher
 (skipping-step DDIM solver, target network = EMA of the student, pseudo-Huber loss). Its folder
 holds an `LCMScheduler` (the student samples with 1..consistency.solver_steps steps) and is
-evaluated at each of `consistency.sample_steps`.
+evaluated at each of `consistency.sample_steps`. With `student.lora_rank` that student is a LoRA over the
+frozen teacher (`distill_lora`: peft layers, only the factors train and checkpoint); its folder then also holds
+`pytorch_lora_weights.safetensors` (diffusers' format), and its UNet is the teacher with that file fused.
 
 Each round is one `train_loop` call with its own checkpoint folder DIR/checkpoints/round-K, so
 `--resume latest` skips complete rounds and continues the interrupted one at its step and
