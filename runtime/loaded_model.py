@@ -22,7 +22,7 @@ class LoadedModel:
 
     def __init__(self, name: str, entry: dict, accelerator: str, cpu_int8_as_fp16: bool = True,
                  env=None, gpu_options: Optional[dict] = None, on_phase=None, release_file_pages: bool = False,
-                 cpu_variant_dir=None):
+                 cpu_variant_dir=None, cpu_threads: Optional[int] = None):
         t0 = time.perf_counter()
         path = entry["_path"]
         self._tmp = None
@@ -44,7 +44,7 @@ class LoadedModel:
         else:
             if cpu_int8_as_fp16 and entry.get("weights") == "int8":
                 path = self._cpu_variant(entry, cpu_variant_dir, on_phase)
-            self._load_cpu(path, on_phase)
+            self._load_cpu(path, on_phase, cpu_threads)
         self.load_s = time.perf_counter() - t0
 
     def _cpu_variant(self, entry: dict, folder, on_phase) -> str:
@@ -74,12 +74,14 @@ class LoadedModel:
         if on_phase and self.pages_released is not None:
             on_phase("pages_released", **self.pages_released)
 
-    def _load_cpu(self, path: str, on_phase) -> None:
-        from ai_edge_litert.compiled_model import CompiledModel, HardwareAccelerator, Options
+    def _load_cpu(self, path: str, on_phase, threads: Optional[int] = None) -> None:
+        """XNNPACK through ai-edge-litert's CompiledModel; `threads` None: the library's default count."""
+        from ai_edge_litert.compiled_model import CompiledModel, CpuOptions, HardwareAccelerator, Options
 
         if on_phase:
             on_phase("opened")
-        self.model = CompiledModel.from_file(path, options=Options(hardware_accelerators=HardwareAccelerator.CPU))
+        cpu = CpuOptions(num_threads=int(threads)) if threads else None
+        self.model = CompiledModel.from_file(path, options=Options(hardware_accelerators=HardwareAccelerator.CPU, cpu_options=cpu))
         self.fully_accelerated = False
         sigs = self.model.get_signature_list()
         self.sig = next(iter(sigs))

@@ -205,7 +205,8 @@ class ModelPool:
         a model on the CPU here, always."""
         mark = lambda phase, **extra: self.mark(name, phase, **extra)  # noqa: E731
         if self.accelerator_of(name) == "cpu" and self.accelerator == "gpu":
-            return LoadedModel(name, self.comps[name], "cpu", on_phase=mark, cpu_variant_dir=self.cpu_variants)
+            return LoadedModel(name, self.comps[name], "cpu", on_phase=mark, cpu_variant_dir=self.cpu_variants,
+                               cpu_threads=len(os.sched_getaffinity(0)))  # every core this process may use
         if self.workers is not None or self.overlap is not None:
             m = (self.workers or self.overlap).get(name)
             self.mark(name, "compiled")
