@@ -155,6 +155,13 @@ def _fmt(v, spec: str = ".2f") -> str:
 
 
 def print_summary(d: dict, c: dict) -> None:
+    if d.get("rows") is not None:
+        print_distill(d)
+    if c:
+        print_calibrate(c)
+
+
+def print_distill(d: dict) -> None:
     print(f"== SDXL distill step ({d.get('device')}, torch {d.get('torch')}, latent {d.get('latent')}) ==")
     for r in d.get("rows", []):
         if r["oom"]:
@@ -165,6 +172,9 @@ def print_summary(d: dict, c: dict) -> None:
     best = d.get("best")
     if best:
         print(f"  best: {best['variant']} at batch {best['batch']}: x{best['ratio']:.2f} (target >= {DISTILL_TARGET_RATIO})")
+
+
+def print_calibrate(c: dict) -> None:
     t = c.get("targets", {})
     print(f"== SDXL calibrate W8 ({c.get('meta', {}).get('device')}) ==")
     print(f"  exit {c.get('meta', {}).get('calibrate_exit')}, wall {c.get('wall_time_s')} s, iters {c.get('iters')}, "
@@ -177,10 +187,11 @@ def print_summary(d: dict, c: dict) -> None:
 
 def summary(args) -> int:
     meta = _read(args.meta) if args.meta else {}
-    d = distill_summary(args.distill or [], meta)
+    d = distill_summary(args.distill or [], meta) if args.distill else {}
     c = calibrate_summary(args.calibrate, args.time_v, args.smi, meta) if args.calibrate else {}
-    write_json(args.out_distill, d)
-    if args.out_calibrate:
+    if args.out_distill and d:
+        write_json(args.out_distill, d)
+    if args.out_calibrate and c:
         write_json(args.out_calibrate, c)
     print_summary(d, c)
     return 0
@@ -199,7 +210,7 @@ def main(argv=None) -> int:
     s.add_argument("--time-v", help="/usr/bin/time -v output of the calibrate process")
     s.add_argument("--smi", help="nvidia-smi memory.used samples (MiB) during calibrate")
     s.add_argument("--meta", help="the script's meta JSON (exit codes, wall times, device)")
-    s.add_argument("--out-distill", required=True)
+    s.add_argument("--out-distill")
     s.add_argument("--out-calibrate")
     args = p.parse_args(argv)
     return build(args) if args.cmd == "build" else summary(args)

@@ -15,15 +15,19 @@
 # 4. benchmarks/sdxl_size.py summary -> $OUT/sdxl_distill_step_<gpu>.json and $OUT/sdxl_calibrate_<gpu>.json (copy them
 #    into benchmarks/results/ here), logs in $OUT/sdxl_size_logs.tgz; the run folders are deleted at the end.
 # Settings by environment: BUDGET=450 (s, the whole script) DISTILL_S=210 (distill watchdog) ARCH=sdxl BATCH=2
-#   VARIANTS=eager,ours_wcond,ours_eager,ours_lcm ITERS=8 WARMUP=2 COMPILE=off CAL_ITERS=10 CAL_EXTRA= (key=value overrides
-#   of calibrate) PY=python3; SKIP_ENV=1: no env.sh (a CPU dry run: ARCH=tiny_xl CAL_EXTRA="device=cpu memory_cap_gib=null
-#   recon.autocast=off" OUT=/tmp/out RUNS=/tmp/runs, see tests/benchmarks/test_sdxl_size.py)
+#   VARIANTS=eager,ours_wcond,ours_eager,ours_lcm ITERS=8 WARMUP=2 COMPILE=off CAL_ITERS=20 CAL_EXTRA= (key=value
+#   overrides of calibrate) PY=python3 PARTS=distill,calibrate TAG= (a suffix of the output files' names). A second call
+#   for the compiled step alone: PARTS=distill COMPILE=on VARIANTS=eager,ours_wcond DISTILL_S=420 TAG=_compiled.
+#   SKIP_ENV=1: no env.sh (a CPU dry run: SKIP_ENV=1 PY=$PWD/.venv/bin/python ARCH=tiny_xl ITERS=1 WARMUP=1 CAL_ITERS=2
+#   CAL_EXTRA="device=cpu memory_cap_gib=null recon.autocast=off" OUT=/tmp/dry/out RUNS=/tmp/dry/runs; ~2 min)
 set -u
 T0=$SECONDS; BUDGET=${BUDGET:-450}
 if [ -z "${SKIP_ENV:-}" ]; then source scripts/gpu/env.sh; else REPO=$PWD; RUNS=${RUNS:-/tmp/runs}; mkdir -p $RUNS; fi
 PY=${PY:-python3} ARCH=${ARCH:-sdxl} BATCH=${BATCH:-2} ITERS=${ITERS:-8} WARMUP=${WARMUP:-2} COMPILE=${COMPILE:-off}
-VARIANTS=${VARIANTS:-eager,ours_wcond,ours_eager,ours_lcm} CAL_ITERS=${CAL_ITERS:-10} CAL_EXTRA=${CAL_EXTRA:-}
-CAL_CONFIG=configs/sdxl/calibrate_smoke.yaml
+VARIANTS=${VARIANTS:-eager,ours_wcond,ours_eager,ours_lcm} CAL_ITERS=${CAL_ITERS:-20} CAL_EXTRA=${CAL_EXTRA:-}
+CAL_CONFIG=configs/sdxl/calibrate_smoke.yaml PARTS=${PARTS:-distill,calibrate}
+TAG=${TAG:-}
+want() { [[ ",$PARTS," == *",$1,"* ]]; }
 OUT=${OUT:-$RUNS/out}; mkdir -p $OUT
 GPU=$($PY -c "import torch; print(torch.cuda.get_device_name(0).split()[1].lower() if torch.cuda.is_available() else 'cpu')" 2>/dev/null || echo cpu)
 L=$RUNS/sdxl_size && rm -rf $L && mkdir -p $L || exit 1
@@ -49,12 +53,14 @@ meta device "\"$($PY -c 'import torch; print(torch.cuda.get_device_name() if tor
 meta budget_s $BUDGET
 
 # 1. the folder, built on the CPU while the GPU runs the distill step (8 threads: the step's own CPU work keeps the rest)
-( s=$SECONDS; OMP_NUM_THREADS=8 timeout -k 10 $(( $(left) - 60 )) $PY $REPO/benchmarks/sdxl_size.py build $L/sdxl --arch $ARCH --threads 8 \
+want calibrate && ( s=$SECONDS; OMP_NUM_THREADS=8 timeout -k 10 $(( $(left) - 60 )) $PY $REPO/benchmarks/sdxl_size.py build $L/sdxl --arch $ARCH --threads 8 \
     > $L/build.log 2>&1; echo "$? $((SECONDS - s))" > $L/build.rc ) < /dev/null &
 BUILD=$!
 
 # 2. the distill step (the benchmark imports the installed package: run from benchmarks/)
 BENCH_ARGS="--arch $ARCH --compile $COMPILE --flops off --iters $ITERS --warmup $WARMUP"
+DISTILL_JSONS=""
+if want distill; then
 (cd $REPO/benchmarks && step distill ${DISTILL_S:-210} $PY distill_step.py --out $L/distill.json $BENCH_ARGS --batch $BATCH --variants $VARIANTS)
 grep '^\[distill_step\]' $L/distill.log
 DISTILL_JSONS="--distill $L/distill.json"
@@ -64,8 +70,10 @@ if $PY -c "import json, sys; sys.exit(0 if json.load(open('$L/distill.json'))['v
   grep '^\[distill_step\]' $L/distill_b1.log
   DISTILL_JSONS="$DISTILL_JSONS --distill $L/distill_b1.json"
 fi
+fi
 
 # 3. calibrate W8 through the verb on the saved folder
+if want calibrate; then
 wait $BUILD; BUILD_RC=1 BUILD_S=0; [ -f $L/build.rc ] && read BUILD_RC BUILD_S < $L/build.rc; meta build_exit $BUILD_RC; meta build_wall_s $BUILD_S
 tail -1 $L/build.log
 if [ "$BUILD_RC" = 0 ]; then
@@ -80,11 +88,12 @@ if [ "$BUILD_RC" = 0 ]; then
 else
   tail -5 $L/build.log
 fi
+fi
 
 # 4. rows, logs, clean-up
-$PY $REPO/benchmarks/sdxl_size.py summary $DISTILL_JSONS --calibrate $L/cal --time-v $L/time_v.txt --smi $L/calibrate.smi \
-  --meta $META --out-distill $OUT/sdxl_distill_step_$GPU.json --out-calibrate $OUT/sdxl_calibrate_$GPU.json
-cp $L/sdxl.json $OUT/sdxl_folder_$GPU.json 2>/dev/null
-tar czf $OUT/sdxl_size_logs.tgz -C $L --exclude=sdxl --exclude=cal/pipeline --exclude='*.safetensors' --exclude='*.pt' . 2>/dev/null
+CAL_ARGS=""; want calibrate && CAL_ARGS="--calibrate $L/cal --time-v $L/time_v.txt --smi $L/calibrate.smi --out-calibrate $OUT/sdxl_calibrate${TAG}_$GPU.json"
+$PY $REPO/benchmarks/sdxl_size.py summary $DISTILL_JSONS $CAL_ARGS --meta $META --out-distill $OUT/sdxl_distill_step${TAG}_$GPU.json
+cp $L/sdxl.json $OUT/sdxl_folder${TAG}_$GPU.json 2>/dev/null
+tar czf $OUT/sdxl_size${TAG}_logs.tgz -C $L --exclude=sdxl --exclude=cal/pipeline --exclude='*.safetensors' --exclude='*.pt' . 2>/dev/null
 rm -rf $L
 echo "[$(date +%T)] done in $((SECONDS - T0)) s"
