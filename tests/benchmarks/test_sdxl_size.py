@@ -163,3 +163,41 @@ def test_rows_compare_each_batch_with_its_own_eager_row(size):
 
 def test_the_device_script_parses():
     assert subprocess.run(["bash", "-n", str(ROOT / "scripts/gpu/sdxl_size.sh")]).returncode == 0
+
+
+def test_docs_text_is_filled_from_the_rows(size, tmp_path):
+    """benchmarks/sdxl_size_text.py: the MEASUREMENTS sections and the README sentence carry the rows' figures, the
+    result files' names and each step's levers; a missing file is one line, exit 2."""
+    text_mod = _module("sdxl_size_text")
+    gib = 2 ** 30
+    step = {"device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0", "batch": 2, "latent": 128, "params": 2_567_463_684,
+            "dtype": "bf16", "variants": {
+                "eager": {"variant": "eager", "batch": 2, "samples_per_s": 4.0, "peak_mem_bytes": 70 * gib,
+                          "levers": {"teacher_dtype": "float32", "fused_cond_uncond": False}},
+                "ours_wcond": {"variant": "ours_wcond", "batch": 2, "samples_per_s": 6.4, "peak_mem_bytes": 63 * gib,
+                               "levers": {"teacher_dtype": "bfloat16", "fused_cond_uncond": True, "channels_last": True,
+                                          "compiled": False, "fused_adamw": True}}}}
+    (tmp_path / "step.json").write_text(json.dumps(step))
+    size.main(["summary", "--distill", str(tmp_path / "step.json"), "--out-distill", str(tmp_path / "sdxl_distill_step_h100.json")])
+    cal = {"meta": {"device": "NVIDIA H100 80GB HBM3"}, "iters": 20, "wall_time_s": 231.4, "calibration": {"samples": 32},
+           "timings": {"load_s": 20.0, "reconstruct_s": 150.2}, "blocks": [{}] * 34, "unet_cosine": 0.9999, "unet_cosine_rtn": 0.9998,
+           "host_memory": {"predicted_gb": 43.2}, "targets": {"host_peak_gib": 45.6, "gpu_peak_gib": 41.0, "host_ok": True, "gpu_ok": False}}
+    (tmp_path / "sdxl_calibrate_h100.json").write_text(json.dumps(cal))
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert text_mod.main(["--distill", str(tmp_path / "sdxl_distill_step_h100.json"),
+                              "--calibrate", str(tmp_path / "sdxl_calibrate_h100.json"), "--date", "2026-12-07"]) == 0
+    distill, calibrate, readme = buf.getvalue().split("\n\n----\n\n")
+    assert "(NVIDIA H100 80GB HBM3, 2026-12-07)" in distill and "2,567 M parameters" in distill
+    row = next(line for line in distill.splitlines() if "progressive round" in line)
+    assert "| 6.40 | 1.60 | 63.0 GiB | 0.90 |" in row
+    assert "bf16 teacher weights, one cond/uncond batch, channels_last, fused AdamW" in row and "torch.compile |" not in row
+    assert "is met: the best is ours_wcond at 1.60×" in distill and "torch.compile was off" in distill
+    assert "20 iterations per block (34 blocks), 32 calibration inputs" in calibrate
+    assert "peak GPU 41.0 GiB (over the 40 GiB target)" in calibrate and "45.6 GiB (within the 48 GiB target; predicted 43.2" in calibrate
+    assert "1.60× diffusers' default eager step's samples/s, 63.0 GiB of GPU against 70.0 GiB" in readme
+    assert "`benchmarks/results/sdxl_distill_step_h100.json`" in readme and "`benchmarks/results/sdxl_calibrate_h100.json`" in readme
+    assert text_mod.main(["--distill", str(tmp_path / "missing.json"), "--calibrate", str(tmp_path / "sdxl_calibrate_h100.json")]) == 2
