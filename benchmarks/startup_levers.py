@@ -51,12 +51,13 @@ CONFIGS = {
     "overlap": ["--pipelined", "--overlap-loads"],  # lever b as it was: the next model compiled in a worker
     "overlap_te_cpu": ["--pipelined", "--overlap-loads", "--on-cpu", "text_encoder"],
     "overlap_ahead3_te_cpu": ["--pipelined", "--overlap-loads", "--overlap-ahead", "3", "--on-cpu", "text_encoder"],
+    "overlap_ahead2_te_cpu": ["--pipelined", "--overlap-loads", "--overlap-ahead", "2", "--on-cpu", "text_encoder"],
     "te_cpu_one_env": ["--pipelined", "--on-cpu", "text_encoder", "--one-environment"],
 }
 # the steps in order of importance (a call cut by --budget-s loses the last): a configuration's cold + warm launches,
 # `app:MODE` (app_images.py, warm on --app-folder's folders), `probe` (env-probe), `repeat` (a last warm baseline)
 DEFAULT_PLAN = ("pipelined,te_cpu,overlap_te_cpu,overlap_ahead3_te_cpu,app:keep_unet_decoder_te_cpu,app:keep_unet_te_cpu,"
-                "one_env,overlap,probe,app:plain_te_cpu,te_cpu_one_env,repeat")
+                "one_env,overlap,probe,overlap_ahead2_te_cpu,app:plain_te_cpu,te_cpu_one_env,repeat")
 PEAKS = ("host_peak_mb", "gpu_peak_mb", "host_plus_gpu_peak_mb", "host_plus_gpu_peak_at_once_mb")
 
 
@@ -121,9 +122,14 @@ def row_of(config: str, flags: list[str], when: str, layout: str, r: dict, image
             "fully_accelerated": r.get("fully_accelerated"), "loading_policy": r.get("loading_policy"),
             "environments": mem.get("environments"), "overlap": mem.get("overlap"),
             "cpu_variants": sorted({p.get("variant") for p in mem.get("phases") or [] if p.get("phase") == "cpu_variant"}),
-            "image_sha256": _sha(image), "psnr_vs_baseline_db": png_psnr(image, baseline) if baseline else None,
+            "image_sha256": _sha(image), "same_image_as_baseline": bool(baseline) and _sha(image) == _sha(baseline),
+            "psnr_vs_baseline_db": _finite(png_psnr(image, baseline)) if baseline else None,  # None: the same image
             "marks": [{k: v for k, v in p.items() if k in ("component", "phase", "t_s", "host_rss_mb", "gpu_mb", "variant")}
                       for p in mem.get("phases") or []]}
+
+
+def _finite(x: float | None) -> float | None:
+    return None if x is None or x == float("inf") else x
 
 
 def _sha(path: Path) -> str | None:
@@ -164,8 +170,7 @@ def run_config(a, doc: Doc, bundle: str, layout: str, config: str, whens=("cold"
         row = row_of(config, flags, when, layout, r, out / "image.png", baseline if baseline.is_file() else None)
         doc.doc["rows"].append(row)
         doc.write()
-        print(json.dumps({k: row.get(k) for k in ("mode", "launch", "start_s", "total_s", "host_plus_gpu_peak_at_once_mb",
-                                                 "psnr_vs_baseline_db", "error")}), flush=True)
+        print(json.dumps(summary_rows([row])[0]), flush=True)
 
 
 def run_app(a, doc: Doc, bundle: str, mode: str) -> None:
@@ -255,7 +260,7 @@ def env_probe(bundle: str, cache: str, models: list[str]) -> dict:
 
 
 def summary_rows(rows: list[dict]) -> list[dict]:
-    keep = ("mode", "launch", "start_s", "total_s", *PEAKS, "psnr_vs_baseline_db", "error")
+    keep = ("mode", "launch", "start_s", "total_s", *PEAKS, "same_image_as_baseline", "psnr_vs_baseline_db", "error")
     return [{k: r.get(k) for k in keep} for r in rows]
 
 

@@ -25,25 +25,27 @@ def psnr(a: np.ndarray, b: np.ndarray) -> float:
     return float("inf") if mse == 0 else 10 * np.log10(1.0 / mse)  # images in [0, 1]
 
 
-def _assemble(dst: Path) -> Path:
+def _assemble(name: str, dst: Path) -> Path:
     spec = importlib.util.spec_from_file_location("web_conftest", WEB / "conftest.py")  # how tests/web assembles twins
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.assemble_twin_bundle(WEB / "smoke_bundle_tiny", dst)
+    return module.assemble_twin_bundle(WEB / name, dst)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, gpu_delegate):
-    """One prompt through the pipelined runner and each lever, on one program cache."""
+    """One prompt through the pipelined runner and each lever, on one program cache: the tiny smoke bundle (a chunked UNet),
+    and for the overlapped loader the one whose decoder is a head and an up path in two graphs (four GPU units)."""
     from pocketdiff.runtime.run_bundle import BundleRunner
 
     root = tmp_path_factory.mktemp("levers")
-    bundle, cache = _assemble(root / "bundle"), root / "cache"
+    bundle, parts, cache = _assemble("smoke_bundle_tiny", root / "bundle"), _assemble("smoke_bundle_tiled_parts", root / "parts"), root / "cache"
     out = {"bundle": bundle, "cache": cache}
-    for key, kwargs in (("base", {}), ("te_cpu", {"on_cpu": ("text_encoder",)}), ("te_cpu_again", {"on_cpu": ("text_encoder",)}),
-                        ("one_env", {"one_environment": True}),
-                        ("ahead", {"overlap_loads": True, "overlap_ahead": 3, "on_cpu": ("text_encoder",)})):
-        with BundleRunner(bundle, gpu_cache=cache, pipelined=True, **kwargs) as runner:
+    te_cpu = {"on_cpu": ("text_encoder",)}
+    for key, b, kwargs in (("base", bundle, {}), ("te_cpu", bundle, te_cpu), ("te_cpu_again", bundle, te_cpu),
+                           ("one_env", bundle, {"one_environment": True}), ("parts_te_cpu", parts, te_cpu),
+                           ("ahead", parts, {"overlap_loads": True, "overlap_ahead": 3, **te_cpu})):
+        with BundleRunner(b, gpu_cache=cache, pipelined=True, **kwargs) as runner:
             out[key] = runner.run(PROMPT, seed=SEED)
     return out
 
@@ -87,17 +89,18 @@ def test_one_environment_loads_and_releases_each_model_as_pipelined_and_gives_it
     np.testing.assert_array_equal(image, runs["base"][0])  # the same programs on the same device; only the environment differs
 
 
-def test_overlap_ahead_compiles_the_unet_and_decoder_together_while_the_text_encoder_runs_on_the_cpu(runs):
+def test_overlap_ahead_compiles_the_unet_and_every_decoder_graph_together_while_the_text_encoder_runs_on_the_cpu(runs):
     image, stats = runs["ahead"]
     overlap = stats["memory"]["overlap"]
     assert overlap["ahead"] == 3
-    assert [p["first"] for p in overlap["plan"]] == ["unet"]  # the CPU encoder is no worker's unit
+    units = ["unet", "vae_decoder_head", "vae_up_tile.0", "vae_up_tile.1"]  # the CPU encoder is no worker's unit
+    assert [(p["first"], p["then"]) for p in overlap["plan"]] == list(zip(units, units[1:]))
     events = [tuple(e) for e in overlap["timeline"]]
-    assert events.index(("start", "vae_decoder")) < events.index(("compiled", "unet")), events  # both compiling at once
+    assert events[:4] == [("start", u) for u in units], events  # all four compiling at once (ahead 1: two at a time)
     assert stats["accelerator_by_model"]["text_encoder"] == "cpu"
-    assert _phases(stats, "text_encoder")[0] == "cpu_variant"  # loaded here, in the runner's process
-    # the same models on the same accelerators as te_cpu's, only compiled in worker processes
-    np.testing.assert_allclose(image, runs["te_cpu"][0], atol=1e-6)
+    assert _phases(stats, "text_encoder")[0] == "opened"  # loaded here, in the runner's process (an fp16 file: no variant)
+    # the same models on the same accelerators as the pipelined runner's, only compiled in worker processes
+    np.testing.assert_allclose(image, runs["parts_te_cpu"][0], atol=1e-6)
 
 
 def test_an_app_keeps_its_unet_and_decoder_and_reloads_the_cpu_text_encoder(runs):
