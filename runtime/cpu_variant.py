@@ -96,15 +96,23 @@ VARIANT_VERSION = 1  # bump when fp16_variant writes another graph: the kept fil
 def kept_variant(src, sha256: str, folder) -> tuple[str, bool]:
     """The CPU variant of `src` (whose checked sha256 is `sha256`) kept in `folder` between launches: made once (written
     to a private file, then renamed, so a killed launch leaves no half file under the final name), read as it is later.
-    Its name holds the source's sha256 and VARIANT_VERSION: another file or converter never reads it. Returns (path,
-    whether it was made now)."""
+    Its name holds the source's sha256 and VARIANT_VERSION: another file or converter never reads it. A kept file that is
+    not a whole .tflite (cut by a full disk, overwritten) is made again, with one warning line. Returns (path, whether
+    it was made now)."""
     import os
+    import sys
     from pathlib import Path
+
+    from .tflite_file import check_tflite_file
 
     folder = Path(folder)
     path = folder / f"{sha256}.v{VARIANT_VERSION}.tflite"
     if path.is_file():
-        return str(path), False
+        try:
+            check_tflite_file(path)
+            return str(path), False
+        except PocketdiffError as e:
+            print(f"warning: CPU variant: {e}; made again", file=sys.stderr)
     folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / f".tmp-{os.getpid()}-{path.name}"
     try:

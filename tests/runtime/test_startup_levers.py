@@ -145,3 +145,23 @@ def test_run_bundle_refuses_a_lever_that_cannot_hold_in_one_line_before_anything
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and needle in err[0], err
     assert not out.exists()
+
+
+def test_a_kept_cpu_variant_that_is_not_a_whole_file_is_made_again_with_one_warning(tmp_path, capsys):
+    from pocketdiff.runtime.cpu_variant import VARIANT_VERSION, kept_variant
+    from pocketdiff.runtime.tflite_file import check_tflite_file
+
+    src = WEB / "smoke_bundle_tiny" / "text_encoder.tflite"
+    folder = tmp_path / "cpu"
+    folder.mkdir()
+    (folder / f".tmp-99999-abc.v{VARIANT_VERSION}.tflite").write_bytes(b"half")  # a killed launch's private file: never read
+    path, made = kept_variant(src, "abc", folder)
+    assert made and Path(path).name == f"abc.v{VARIANT_VERSION}.tflite"
+    whole = Path(path).read_bytes()
+    assert kept_variant(src, "abc", folder) == (path, False) and capsys.readouterr().err == ""
+    Path(path).write_bytes(whole[: len(whole) // 2])  # cut short
+    assert kept_variant(src, "abc", folder) == (path, True)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("warning: CPU variant: ") and err[0].endswith("made again"), err
+    check_tflite_file(path)
+    assert Path(path).read_bytes() == whole  # the same conversion of the same file
