@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pocketdiff.errors import PocketdiffError
+
 FP16_MAX = 65504.0
 # blocks whose outputs are the residual stream of a UNet / VAE decoder
 STREAM_BLOCKS = ("ResnetBlock2D", "Transformer2DModel", "Downsample2D", "Upsample2D")
@@ -215,7 +217,12 @@ def _mitigation(kind: str, over: dict, rewrites) -> list[str]:
 
 
 def residual_scale_for(peak: float, target: float = FP16_MAX / 16) -> float:
-    """The power of two that brings a residual-stream peak down to `target` (1.0 when it fits)."""
+    """The power of two that brings a residual-stream peak down to `target` (1.0 when it fits). The peak must be a
+    float32 magnitude (`scan_pipeline` measures without fp16 emulation for `residual_scale_auto`): an emulated stream
+    that left the fp16 range reads inf."""
+    if not math.isfinite(peak):
+        raise PocketdiffError(f"rewrites.residual_scale_auto: the residual stream's peak is {peak} (an fp16-emulated "
+                              "scan); set rewrites.residual_scale to a power of two by hand")
     if not peak > target:
         return 1.0
     return 2.0 ** -math.ceil(math.log2(peak / target))
@@ -234,9 +241,14 @@ def stream_peaks(report: dict) -> dict[str, float]:
 @torch.no_grad()
 def scan_pipeline(pipe, prompts: list[str], steps: int = 4, guidance_scale: float = 7.5, resolution: Optional[int] = None,
                   seed: int = 0, rewrites=None, emulate: bool = True) -> dict:
-    """Sample `prompts` with the pipeline under the scanner; the report of `Fp16Scanner`."""
+    """Sample `prompts` with the pipeline under the scanner; the report of `Fp16Scanner`. With
+    `rewrites.residual_scale_auto` the scan runs without fp16 emulation: the stream peaks it picks the scale from
+    must be float32 magnitudes (emulated, a stream past 65504 reads inf, e.g. SDXL's VAE decoder); every op past
+    the fp16 range is still flagged, by its float32 value."""
     from pocketdiff.sampling import generate
 
+    if rewrites is not None and getattr(rewrites, "residual_scale_auto", False):
+        emulate = False
     scanner = Fp16Scanner(emulate=emulate)
     scanner.attach(pipe.text_encoder, "text_encoder")
     if getattr(pipe, "text_encoder_2", None) is not None:  # the SDXL family's second text encoder
