@@ -14,7 +14,7 @@
 #    reconstruction, $CAL_ITERS iterations per block) under /usr/bin/time -v, nvidia-smi sampled every 0.5 s
 # 4. benchmarks/sdxl_size.py summary -> $OUT/sdxl_distill_step_<gpu>.json and $OUT/sdxl_calibrate_<gpu>.json (copy them
 #    into benchmarks/results/ here), logs in $OUT/sdxl_size_logs.tgz; the run folders are deleted at the end.
-# Settings by environment: BUDGET=450 (s, the whole script) DISTILL_S=210 (distill watchdog) ARCH=sdxl BATCH=2
+# Settings by environment: BUDGET=450 (s, the whole script) DISTILL_S=180 (distill watchdog) ARCH=sdxl BATCH=2
 #   VARIANTS=eager,ours_wcond,ours_eager,ours_lcm ITERS=8 WARMUP=2 COMPILE=off CAL_ITERS=20 CAL_EXTRA= (key=value
 #   overrides of calibrate) PY=python3 PARTS=distill,calibrate TAG= (a suffix of the output files' names). A second call
 #   for the compiled step alone: PARTS=distill COMPILE=on VARIANTS=eager,ours_wcond DISTILL_S=420 TAG=_compiled.
@@ -61,7 +61,7 @@ BUILD=$!
 BENCH_ARGS="--arch $ARCH --compile $COMPILE --flops off --iters $ITERS --warmup $WARMUP"
 DISTILL_JSONS=""
 if want distill; then
-(cd $REPO/benchmarks && step distill ${DISTILL_S:-210} $PY distill_step.py --out $L/distill.json $BENCH_ARGS --batch $BATCH --variants $VARIANTS)
+(cd $REPO/benchmarks && step distill ${DISTILL_S:-180} $PY distill_step.py --out $L/distill.json $BENCH_ARGS --batch $BATCH --variants $VARIANTS)
 grep '^\[distill_step\]' $L/distill.log
 DISTILL_JSONS="--distill $L/distill.json"
 if $PY -c "import json, sys; sys.exit(0 if json.load(open('$L/distill.json'))['variants'].get('eager', {}).get('oom') else 1)" 2>/dev/null \
