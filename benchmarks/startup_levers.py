@@ -7,8 +7,9 @@
             report), cold (its own empty folders: program cache, CPU variants, driver shader cache) then warm on them:
             `pipelined` (the baseline), each lever alone (`te_cpu`: --on-cpu text_encoder; `one_env`:
             --one-environment; `overlap`: --overlap-loads, the next model, e.g. the decoder during the UNet's compile and
-            steps, compiled in a worker) and combined (`overlap_ahead3_te_cpu`: the UNet and every decoder graph compile
-            at once in workers while the text encoder loads and runs on the CPU);
+            steps, compiled in a worker; `compile_ahead`: the decoder's head compiled in a thread during the steps) and
+            combined (`te_cpu_ahead`: the UNet compiled in a thread while the text encoder loads and runs on the CPU;
+            `overlap_ahead3_te_cpu`: the UNet and every decoder graph compile at once in workers meanwhile);
           - `app:MODE`: benchmarks/app_images.py MODE, --images images in one process, on --app-folder's folders (an
             app's later images; launch "warm" when that configuration ran before);
           - `probe`: `env-probe` in a process of its own, on the baseline's program cache;
@@ -53,11 +54,16 @@ CONFIGS = {
     "overlap_ahead3_te_cpu": ["--pipelined", "--overlap-loads", "--overlap-ahead", "3", "--on-cpu", "text_encoder"],
     "overlap_ahead2_te_cpu": ["--pipelined", "--overlap-loads", "--overlap-ahead", "2", "--on-cpu", "text_encoder"],
     "te_cpu_one_env": ["--pipelined", "--on-cpu", "text_encoder", "--one-environment"],
+    # lever b in the runner's own process: the UNet compiled in a thread while the CPU encoder runs, the decoder's head
+    # during the steps (one model more resident than --pipelined, no worker processes)
+    "te_cpu_ahead": ["--pipelined", "--on-cpu", "text_encoder", "--compile-ahead"],
+    "compile_ahead": ["--pipelined", "--compile-ahead"],
 }
 # the steps in order of importance (a call cut by --budget-s loses the last): a configuration's cold + warm launches,
 # `app:MODE` (app_images.py, warm on --app-folder's folders), `probe` (env-probe), `repeat` (a last warm baseline)
-DEFAULT_PLAN = ("pipelined,te_cpu,overlap_te_cpu,overlap_ahead3_te_cpu,app:keep_unet_decoder_te_cpu,app:keep_unet_te_cpu,"
-                "one_env,overlap,probe,overlap_ahead2_te_cpu,app:plain_te_cpu,te_cpu_one_env,repeat")
+DEFAULT_PLAN = ("pipelined,te_cpu,te_cpu_ahead,overlap_te_cpu,overlap_ahead3_te_cpu,app:keep_unet_decoder_te_cpu,"
+                "app:keep_unet_te_cpu,one_env,overlap,probe,compile_ahead,overlap_ahead2_te_cpu,app:plain_te_cpu,te_cpu_one_env,"
+                "repeat")
 PEAKS = ("host_peak_mb", "gpu_peak_mb", "host_plus_gpu_peak_mb", "host_plus_gpu_peak_at_once_mb")
 
 

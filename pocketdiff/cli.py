@@ -108,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
                            help="run these components on the CPU (XNNPACK) while the others use the GPU, e.g. text_encoder: "
                                 "no GPU compile or GPU memory for them; an int8 file's CPU variant is made at the first launch "
                                 "and kept in the --gpu-cache folder")
+            p.add_argument("--compile-ahead", action="store_true",
+                           help="with --pipelined: compile the next GPU model in a thread while the current stage runs (the "
+                                "UNet while an --on-cpu text encoder runs, the decoder during the UNet's steps)")
             p.add_argument("--one-environment", action="store_true",
                            help="with --pipelined: every model in one LiteRT environment (as plain mode) instead of one each: "
                                 "no environment made per model; memory only an environment frees stays until the end")

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Optional, Sequence, Union
 
 from .chunks import StreamedPart, base_of
+from .compile_ahead import CompileAhead
 from .compile_order import ChunkOrder
 from .components import whole_of
 from .gpu_cache import bundle_digest
@@ -40,12 +41,14 @@ class ModelPool:
     components whose models run on the CPU (XNNPACK, in this process, their int8 files' CPU variants kept in the program
     cache's folder) while the others use `accelerator` gpu: the workers and the overlapped loader compile only the GPU
     models, so a CPU text encoder loads and runs while they compile. `overlap_ahead`: how many units after the current
-    one the overlapped loader compiles at once (runtime/overlap.py)."""
+    one the overlapped loader compiles at once (runtime/overlap.py). `compile_ahead` (pipelined): the first GPU unit
+    compiles in a thread while the CPU units before it load and run, and the unit after the denoiser's during its steps
+    (runtime/compile_ahead.py)."""
 
     def __init__(self, bundle: Union[str, Path], man: dict, names: Sequence[str], units: list, policy: LoadingPolicy,
                  accelerator: str, gpu_cache: Union[str, Path, None, bool] = None, gpu_options: Optional[dict] = None,
                  release_file_pages: bool = True, budget=None, chunk_group: Sequence[str] = (), on_cpu: Sequence[str] = (),
-                 overlap_ahead: int = 1):
+                 overlap_ahead: int = 1, compile_ahead: bool = False):
         self.bundle, self.man, self.comps, self.policy, self.accelerator = bundle, man, man["components"], policy, accelerator
         self.on_cpu = tuple(on_cpu) if accelerator == "gpu" else ()
         self.placed: dict[str, str] = {}  # every model loaded so far: the accelerator it ran on (cpu | gpu)
@@ -63,6 +66,8 @@ class ModelPool:
         self.models = {n: ManagedModel(n, functools.partial(self._open, n), functools.partial(self._close, n)) for n in names}
         self.accelerated: dict[str, bool] = {}  # every GPU model loaded so far: fully on the GPU delegate
         self.workers = self.overlap = None
+        self.units = [(u, tuple(parts)) for u, parts in units]
+        self.ahead = CompileAhead() if compile_ahead else None  # pipelined: the next GPU model compiled in a thread
         cache_folder = self.cache.folder if self.cache is not None and self.cache.enabled else None
         self.cpu_variants = None if cache_folder is None else Path(cache_folder) / "cpu"  # int8 files' CPU variants, kept
         if policy.overlap:  # the budget checked from measured figures before anything loads (runtime/overlap.py)
@@ -133,6 +138,28 @@ class ModelPool:
         """A prompt starts: the overlapped loader's first worker starts (and the next one's, as the budget lets)."""
         if self.overlap is not None:
             self.overlap.begin()
+        if self.ahead is not None:  # the first GPU unit, when CPU units come before it (a text encoder on the CPU)
+            first = next((i for i, (_, parts) in enumerate(self.units) if any(self.accelerator_of(p) == "gpu" for p in parts)), 0)
+            if first > 0:
+                self._compile_ahead(first)
+
+    def _compile_ahead(self, i: int) -> None:
+        """Unit I's GPU models not resident, compiled in the thread (a chunked one's in its compile order, each settled)."""
+        parts = self.units[i][1] if i < len(self.units) else ()
+        if self.chunk_order is not None and set(parts) == set(self.chunk_order.order):
+            parts = self.chunk_order.order
+        names = [p for p in parts if self.accelerator_of(p) == "gpu" and not self.models[p].loaded]
+        if names:
+            self.ahead.submit(names, functools.partial(self._load_ahead, len(parts) > 1))
+
+    def _load_ahead(self, settled: bool, names) -> None:
+        """In the thread: each model loaded (a chunk run once on zeros and the freed heap returned before the next)."""
+        for name in names:
+            m = self.models[name].get()
+            if settled:
+                settle(m)
+                self.mark(name, "settled")
+                return_freed_memory()
 
     def load_up_front(self, names: Sequence[str], latency: dict) -> None:
         """Plain and workers: every model loaded now (workers: all submitted at once, spread in the order of use)."""
@@ -147,8 +174,11 @@ class ModelPool:
     def load(self, name: str, latency: dict) -> LoadedModel:
         """The managed model NAME, loaded now if it is not resident (its load's seconds into `latency`)."""
         managed = self.models[name]
-        fresh, t0 = not managed.loaded, time.perf_counter()
+        waited = self.ahead.wait(name) if self.ahead is not None else None  # compiled in the thread: wait for it
+        fresh, t0 = not managed.loaded or waited is not None, time.perf_counter()
         m = managed.get()
+        if waited is not None:
+            latency[f"{name}_wait"] = waited  # the part of its load the stage before did not hide
         if fresh:
             self.placed[name] = getattr(m, "accelerator", None) or self.accelerator_of(name)  # the loaded model's own word
             if self.cache is not None and self.placed[name] == "gpu":
@@ -165,7 +195,7 @@ class ModelPool:
         zeros before the next compiles (the accelerator lets a model's host weight copies go at its first run);
         pipelined, the heap its compile freed goes back to the system first (one compile transient at a time)."""
         order = self.chunk_order.order if self.chunk_order is not None else tuple(parts)
-        fresh = [n for n in order if not self.models[n].loaded]
+        fresh = [n for n in order if not self.models[n].loaded and not (self.ahead and self.ahead.in_flight(n))]  # the thread settles its own
         loaded = {}
         for name in order:
             loaded[name] = self.load(name, latency)
@@ -176,6 +206,8 @@ class ModelPool:
                     return_freed_memory()
         if fresh and self.chunk_order is not None:  # what each compile needed, for the next launch's order
             self.chunk_order.record({n: self.models[n].phases for n in fresh})
+        if self.ahead is not None:  # the unit after this group compiles in the thread during its runs (the UNet's steps)
+            self._compile_ahead(1 + next((i for i, (_, ps) in enumerate(self.units) if parts[0] in ps), len(self.units)))
         return [loaded[n] for n in parts]
 
     def streamed(self, parts: Sequence[str], latency: dict) -> list:
@@ -245,6 +277,8 @@ class ModelPool:
         self.mark(name, "released")
 
     def close(self) -> None:
+        if self.ahead is not None:
+            self.ahead.close()  # what it was loading is resident then, and released below
         for name in list(self.loaded):
             self.release(name)
         for pool in (self.workers, self.overlap):
@@ -273,4 +307,5 @@ class ModelPool:
                 "loading_policy": self.policy.name, "models": {n: m.memory() for n, m in self.models.items() if m.loads},
                 "accelerator_by_model": dict(self.placed), "environments": "own" if self.policy.own_environments else "workers" if self.policy.overlap else "one",
                 **({"overlap": self.overlap.report()} if self.overlap is not None else {}),
+                **({"compiled_ahead": list(self.ahead.asked)} if self.ahead is not None else {}),
                 **({"unet_compile_order": self.chunk_order.report()} if self.chunk_order is not None else {})}

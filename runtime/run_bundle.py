@@ -26,7 +26,9 @@ measured figures (runtime/overlap.py); `--overlap-ahead N` compiles the N models
 `--on-cpu text_encoder` runs that component on the CPU (XNNPACK; an int8 file through its CPU variant, made at the
 first launch and kept in the --gpu-cache folder) while the rest run on the GPU: no GPU compile for it and no GPU memory,
 and with --overlap-loads it loads and runs while the GPU models compile in their workers. `--one-environment`
-(pipelined): every model in one LiteRT environment instead of one each. On the GPU the
+(pipelined): every model in one LiteRT environment instead of one each. `--compile-ahead` (pipelined): the next GPU
+model compiles in a thread while the current stage runs (the UNet during a CPU text encoder, the decoder's first graph
+during the steps; runtime/compile_ahead.py). On the GPU the
 models run through LiteRT's C API (runtime/litert_c.py) with the compiled-program cache
 (runtime/gpu_cache.py). The report has per-stage latency and the measured memory: host and GPU
 peaks and every model's phases (runtime/memory.py).
@@ -49,6 +51,7 @@ from .litert_c import parse_gpu_option
 from .memory import process_age_s
 from .model_pool import ModelPool
 from .overlap import check_ahead, check_budget
+from .compile_ahead import check_compile_ahead
 from .image_tasks import check_image_flags, image_inputs
 from .lora_slots import LoraFeeds, check_lora_flags
 from .pipeline import BundlePipeline
@@ -73,7 +76,8 @@ class BundleRunner:
     components run on the CPU (XNNPACK) in this process, e.g. ("text_encoder",), their int8 files' CPU variants kept in
     the cache folder (the report's `accelerator_by_model` says where each model ran); `overlap_ahead` N (overlap_loads,
     no budget): the N units after the current one compile at once in their workers; `one_environment` (pipelined, GPU):
-    the models share one LiteRT environment.
+    the models share one LiteRT environment; `compile_ahead` (pipelined, GPU): the next GPU model compiles in a thread
+    while the current stage runs (runtime/compile_ahead.py).
     """
 
     def __init__(self, bundle: str | Path, accelerator: str = "gpu", pipelined: bool = False, manifest: Optional[dict] = None,
@@ -81,7 +85,7 @@ class BundleRunner:
                  load_workers: int = 0, overlap_loads: bool = False, memory_budget_mb: Optional[float] = None,
                  release_file_pages: bool = True, keep: tuple = (), image_input: bool = False,
                  lora: Union[str, Path, LoraFeeds, None] = None, lora_scale: float = 1.0, on_cpu: tuple = (),
-                 overlap_ahead: int = 1, one_environment: bool = False):
+                 overlap_ahead: int = 1, one_environment: bool = False, compile_ahead: bool = False):
         if accelerator not in ("cpu", "gpu"):
             raise PocketdiffError(f"accelerator must be cpu or gpu, got {accelerator!r}")
         # plain, pipelined, streamed, workers or overlapped (runtime/managed_model.py), checked before the bundle is read
@@ -89,6 +93,7 @@ class BundleRunner:
         budget = check_budget(memory_budget_mb, self.policy.overlap)
         overlap_ahead = check_ahead(overlap_ahead, self.policy.overlap, budget)
         on_cpu = check_on_cpu_names(on_cpu, accelerator)
+        compile_ahead = check_compile_ahead(compile_ahead, self.policy, accelerator)
         self.bundle, self.accelerator = bundle, accelerator
         self.man = manifest or check_bundle(bundle)  # fields, stages, sizes and every .tflite's signature, before anything runs
         self.pipeline = BundlePipeline(self.man, bundle, image_input)  # image_input: runs from a picture (img2img, inpaint)
@@ -106,7 +111,8 @@ class BundleRunner:
                                   "(export with unet_chunks=N)")
         self.pool = ModelPool(bundle, self.man, self.pipeline.names(), self.pipeline.units(), self.policy, accelerator,
                               gpu_cache=gpu_cache, gpu_options=gpu_options, release_file_pages=release_file_pages, budget=budget,
-                              chunk_group=self.pipeline.denoiser_parts(), on_cpu=on_cpu, overlap_ahead=overlap_ahead)
+                              chunk_group=self.pipeline.denoiser_parts(), on_cpu=on_cpu, overlap_ahead=overlap_ahead,
+                              compile_ahead=compile_ahead)
         self.pipeline.pool = self.pool
         self.pool.mark("runner", "ready")
 
@@ -199,8 +205,9 @@ def check_flags(args) -> None:
     if workers is not None:
         check_count(workers)  # `--load-workers 0` is refused, not run as plain without a word
     overlap = bool(getattr(args, "overlap_loads", False))
-    loading_policy(args.accelerator, args.pipelined, getattr(args, "stream_unet", False), workers, overlap,
-                   one_environment=getattr(args, "one_environment", False))
+    policy = loading_policy(args.accelerator, args.pipelined, getattr(args, "stream_unet", False), workers, overlap,
+                            one_environment=getattr(args, "one_environment", False))
+    check_compile_ahead(getattr(args, "compile_ahead", False), policy, args.accelerator)
     check_ahead(getattr(args, "overlap_ahead", None), overlap, check_budget(getattr(args, "memory_budget_mb", None), overlap))
     check_on_cpu_names(getattr(args, "on_cpu", None), args.accelerator)
     if getattr(args, "gpu_cache", None) is not None and getattr(args, "no_gpu_cache", False):
@@ -246,7 +253,8 @@ def main(args) -> int:
                           memory_budget_mb=getattr(args, "memory_budget_mb", None),
                           release_file_pages=not getattr(args, "keep_file_pages", False), image_input=bool(picture),
                           lora=lora, on_cpu=on_cpu, overlap_ahead=getattr(args, "overlap_ahead", None) or 1,
-                          one_environment=getattr(args, "one_environment", False)) as runner:
+                          one_environment=getattr(args, "one_environment", False),
+                          compile_ahead=getattr(args, "compile_ahead", False)) as runner:
             image, stats = runner.run(args.prompt, seed=args.seed, **picture)
         if not stats["finite"]:
             raise PocketdiffError(f"bundle {args.bundle}: the image has NaN/Inf values ({args.accelerator})")
@@ -283,6 +291,7 @@ def main(args) -> int:
         "accelerator_by_model": stats["accelerator_by_model"],  # where each model ran: cpu | gpu
         "overlap_ahead": getattr(args, "overlap_ahead", None) or 1,
         "one_environment": bool(getattr(args, "one_environment", False)),
+        "compile_ahead": bool(getattr(args, "compile_ahead", False)),
         "latency_s": {k: round(v, 4) for k, v in stats["latency_s"].items()},
         # measured (runtime/memory.py): host peak RSS, the process's GPU memory where NVML tells it, per phase
         "host_peak_mb": stats["memory"]["host_peak_mb"],

@@ -2,9 +2,10 @@
 # Issue 66 items 3 and 4 on the GPU machine: run-bundle's start-up levers side by side on the `tiny` phone bundle
 # (.devbundle/rr, packed by benchmarks/sd21_bundle.py), one warm machine, one call (benchmarks/startup_levers.py, whose
 # docstring has the steps): cold (empty program cache, CPU variants, driver shader cache) and warm launches of
-# `run-bundle --pipelined` (the baseline), --on-cpu text_encoder, --overlap-loads [--overlap-ahead 3 or 2] with it,
-# --one-environment, --overlap-loads alone; an app's later images (app_images.py modes keep_unet_decoder_te_cpu,
-# keep_unet_te_cpu, plain_te_cpu: IMAGES each, warm on te_cpu's folders); the environment probe; a last warm baseline.
+# `run-bundle --pipelined` (the baseline), --on-cpu text_encoder [--compile-ahead], --overlap-loads [--overlap-ahead 3
+# or 2] with it, --one-environment, --overlap-loads alone, --compile-ahead alone; an app's later images (app_images.py
+# modes keep_unet_decoder_te_cpu, keep_unet_te_cpu, plain_te_cpu: IMAGES each, warm on te_cpu's folders); the
+# environment probe; a last warm baseline.
 # No step starts past BUDGET_S (default 390) seconds after this script started: with the last launch (<= ~40 s) the
 # call stays under 8 min. Staged as scripts/gpu/app_images.sh was (the tree leaves ~5 MB per call for carried files):
 #   bash scripts/gpu/stage.sh split .whl .devbundle/rr --every .gl --part-mb 4.7 --then "SETUP_ONLY=1 bash scripts/gpu/startup_levers.sh"

@@ -1,8 +1,8 @@
-"""run-bundle's start-up levers (issue 66 items 3 and 4), each off by default, on the tiny smoke bundle on the GPU
+"""run-bundle's start-up levers (issue 66 items 3 and 4), each off by default, on the smoke bundles on the GPU
 delegate (lavapipe here): `on_cpu` (a component on XNNPACK beside the GPU, its int8 file's CPU variant made once and
 kept), `one_environment` (pipelined models in one LiteRT environment), `overlap_ahead` (the overlapped loader compiling
-several models ahead), an app keeping its UNet and decoder with the text encoder on the CPU; and each flag refused in
-one line where it cannot hold. No timings are asserted: what ran where, what loaded how often, and the images."""
+several models ahead), `compile_ahead` (the next GPU model compiled in a thread), an app keeping its UNet and decoder
+with the text encoder on the CPU; and each flag refused in one line where it cannot hold. No timings are asserted: what ran where, what loaded how often, and the images."""
 from __future__ import annotations
 
 import importlib.util
@@ -44,7 +44,8 @@ def runs(tmp_path_factory, gpu_delegate):
     te_cpu = {"on_cpu": ("text_encoder",)}
     for key, b, kwargs in (("base", bundle, {}), ("te_cpu", bundle, te_cpu), ("te_cpu_again", bundle, te_cpu),
                            ("one_env", bundle, {"one_environment": True}), ("parts_te_cpu", parts, te_cpu),
-                           ("ahead", parts, {"overlap_loads": True, "overlap_ahead": 3, **te_cpu})):
+                           ("ahead", parts, {"overlap_loads": True, "overlap_ahead": 3, **te_cpu}),
+                           ("thread", parts, {"compile_ahead": True, **te_cpu})):
         with BundleRunner(b, gpu_cache=cache, pipelined=True, **kwargs) as runner:
             out[key] = runner.run(PROMPT, seed=SEED)
     return out
@@ -103,6 +104,17 @@ def test_overlap_ahead_compiles_the_unet_and_every_decoder_graph_together_while_
     np.testing.assert_allclose(image, runs["parts_te_cpu"][0], atol=1e-6)
 
 
+def test_compile_ahead_compiles_the_unet_during_the_cpu_encoder_and_the_decoder_head_during_the_steps(runs):
+    image, stats = runs["thread"]
+    assert stats["memory"]["compiled_ahead"] == ["unet", "vae_decoder_head"]
+    marks = [(p["component"], p["phase"]) for p in stats["memory"]["phases"]]
+    assert marks.index(("vae_decoder_head", "compiled")) < marks.index(("unet", "released")), marks  # during the steps
+    assert marks.index(("vae_up_tile.0", "opened")) > marks.index(("vae_decoder_head", "released")), marks  # then one at a time
+    assert {"unet_wait", "vae_decoder_head_wait"} <= set(stats["latency_s"])  # what the stage before did not hide
+    assert stats["accelerator_by_model"]["text_encoder"] == "cpu"
+    np.testing.assert_allclose(image, runs["parts_te_cpu"][0], atol=1e-6)  # the same models in the same process
+
+
 def test_an_app_keeps_its_unet_and_decoder_and_reloads_the_cpu_text_encoder(runs):
     """Issue 66 item 4's candidate: keep=("unet", "vae_decoder") with the text encoder on the CPU, three prompts."""
     from pocketdiff.runtime.run_bundle import BundleRunner
@@ -131,6 +143,8 @@ def test_the_policies_and_the_ahead_count():
     (["--on-cpu", "text_encodr"], "--on-cpu text_encodr: not a component (components: text_encoder, "),
     (["--on-cpu", "text_encoder", "--accelerator", "cpu"], "--on-cpu text_encoder runs those components on the CPU beside the GPU: it needs --accelerator gpu"),
     (["--on-cpu", "vae_encoder", "--pipelined"], "--on-cpu vae_encoder: no stage of bundle"),
+    (["--compile-ahead"], "--compile-ahead compiles the next GPU model in a thread while the current stage runs: it needs --pipelined"),
+    (["--compile-ahead", "--pipelined", "--overlap-loads"], "and no --overlap-loads or --stream-unet"),
     (["--one-environment"], "--one-environment keeps a pipelined runner's models in one LiteRT environment: it needs --pipelined"),
     (["--one-environment", "--pipelined", "--overlap-loads"], "and no --overlap-loads"),
     (["--overlap-ahead", "0", "--pipelined", "--overlap-loads"], "--overlap-ahead 0: must be a whole number of models, 1 or more"),
