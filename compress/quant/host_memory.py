@@ -54,7 +54,7 @@ class ModelSizes:
     """What the host accounting needs to know of a model, from its shapes only."""
 
     unet_bytes: int
-    text_encoder_bytes: int
+    text_encoder_bytes: int  # every text encoder (an SDXL family: both)
     vae_bytes: int
     quantized_numel: int  # weights of the quantized layers (one int8 code each)
     per_sample: dict  # block name -> {"in", "out"}: float32 bytes per calibration input
@@ -71,12 +71,13 @@ def _meta_unet(config: dict):
 
 
 def _skeleton(model_cfg):
-    """(meta UNet, text encoder bytes, VAE bytes) from the configs alone, or None where they cannot be
-    read without loading (a hub id not in the local cache)."""
+    """(meta UNet, text encoders' bytes (an SDXL family's two), VAE bytes) from the configs alone, or None where they
+    cannot be read without loading (a hub id not in the local cache)."""
     from diffusers import AutoencoderKL, UNet2DConditionModel
-    from transformers import CLIPTextConfig, CLIPTextModel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
-    from pocketdiff.archs import default_resolution, text_encoder_config, unet_config, vae_config
+    from pocketdiff.archs import default_resolution, is_xl, text_encoder_config, unet_config, vae_config
+    from pocketdiff.models_xl import SDXL, family_of_index, read_index
 
     if not model_cfg.pretrained:
         res = default_resolution(model_cfg.arch, model_cfg.prediction_type)
@@ -84,10 +85,12 @@ def _skeleton(model_cfg):
         factor = 2 ** (len(vae_cfg["block_out_channels"]) - 1)
         with torch.device("meta"):
             vae = AutoencoderKL(**vae_cfg)
-            te = CLIPTextModel(text_encoder_config(model_cfg.arch, vocab_size=model_cfg.vocab_size))
+            te = module_bytes(CLIPTextModel(text_encoder_config(model_cfg.arch, vocab_size=model_cfg.vocab_size)))
+            if is_xl(model_cfg.arch):
+                te += module_bytes(CLIPTextModelWithProjection(text_encoder_config(model_cfg.arch, vocab_size=model_cfg.vocab_size, which=2)))
         unet = _meta_unet(unet_config(model_cfg.arch, model_cfg.prediction_type, res, latent_channels=vae.config.latent_channels,
                                       vae_factor=factor))
-        return unet, module_bytes(te), module_bytes(vae)
+        return unet, te, module_bytes(vae)
     from pocketdiff.shipped import resolve_shipped
 
     src = resolve_shipped(model_cfg.pretrained)
@@ -95,10 +98,12 @@ def _skeleton(model_cfg):
         unet = _meta_unet(UNet2DConditionModel.load_config(src, subfolder="unet"))
         with torch.device("meta"):
             vae = AutoencoderKL.from_config(AutoencoderKL.load_config(model_cfg.vae or src, subfolder=None if model_cfg.vae else "vae"))
-            te = CLIPTextModel(CLIPTextConfig.from_pretrained(src, subfolder="text_encoder"))
+            te = module_bytes(CLIPTextModel(CLIPTextConfig.from_pretrained(src, subfolder="text_encoder")))
+            if family_of_index(read_index(src)) == SDXL:  # the second text encoder (with its projection)
+                te += module_bytes(CLIPTextModelWithProjection(CLIPTextConfig.from_pretrained(src, subfolder="text_encoder_2")))
     except (OSError, ValueError, EnvironmentError):
         return None
-    return unet, module_bytes(te), module_bytes(vae)
+    return unet, te, module_bytes(vae)
 
 
 def model_sizes(unet, text_encoder_bytes: int, vae_bytes: int, skip, opts) -> ModelSizes:
@@ -130,7 +135,10 @@ def sizes_before_loading(cfg) -> Optional[ModelSizes]:
 
 
 def sizes_of_pipeline(pipe, cfg) -> ModelSizes:
-    return model_sizes(pipe.unet, module_bytes(pipe.text_encoder), module_bytes(pipe.vae), cfg.quant.skip, cfg.recon)
+    from pocketdiff.conditioning import text_encoders
+
+    te = sum(module_bytes(e) for e in text_encoders(pipe))  # an SDXL family's two
+    return model_sizes(pipe.unet, te, module_bytes(pipe.vae), cfg.quant.skip, cfg.recon)
 
 
 def calibration_counts(calib_cfg) -> tuple[int, int]:
