@@ -87,7 +87,9 @@ def calibrate_section(c: dict, file: str, date: str) -> str:
             f"streamed per block, capped at 40 GiB GPU / 48 GiB host (`benchmarks/results/{file}`): {_num(c.get('wall_time_s'), '.0f')} s "
             f"({phases}); peak GPU {_num(t.get('gpu_peak_gib'), '.1f')} GiB ({_within(t.get('gpu_ok'), '40 GiB')}); host peak "
             f"RSS {_num(t.get('host_peak_gib'), '.1f')} GiB ({_within(t.get('host_ok'), '48 GiB')}; predicted "
-            f"{_num(host_pred, '.1f')} GiB); UNet cosine {_num(c.get('unet_cosine'), '.6f')} (RTN {_num(c.get('unet_cosine_rtn'), '.6f')}).")
+            f"{_num(host_pred, '.1f')} GiB); UNet cosine {_num(c.get('unet_cosine'), '.6f')} (RTN {_num(c.get('unet_cosine_rtn'), '.6f')})."
+            + (f" Under `host_cap_gib: 48` the run was refused before loading (`{refused}`); the figures are its rerun "
+               "under 64." if (refused := c.get("meta", {}).get("calibrate_refused_at_cap")) else ""))
 
 
 def readme_sentence(d: dict, c: dict, dfile: str, cfile: str) -> str:

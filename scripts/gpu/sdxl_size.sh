@@ -83,6 +83,13 @@ if [ "$BUILD_RC" = 0 ]; then
   meta calibrate_command "\"pocketdiff calibrate --config $CAL_CONFIG --output RUN model.pretrained=FOLDER recon.iters=$CAL_ITERS $CAL_EXTRA\""
   step calibrate $(( $(left) - 25 )) $TIMEV $PY -m pocketdiff calibrate --config $REPO/$CAL_CONFIG --output $L/cal \
     model.pretrained=$L/sdxl recon.iters=$CAL_ITERS $CAL_EXTRA
+  if grep -q "is below what the run needs" $L/calibrate.log; then  # refused before loading: the predicted need is over the
+    grep -o "host_cap_gib=.*" $L/calibrate.log | head -1                     # 48 GiB cap; measure it anyway, under 64
+    meta calibrate_refused_at_cap "\"$(grep -o 'host_cap_gib=.*' $L/calibrate.log | head -1 | tr -d '\"')\""
+    rm -rf $L/cal; mv $L/calibrate.log $L/calibrate_refused.log
+    step calibrate $(( $(left) - 25 )) $TIMEV $PY -m pocketdiff calibrate --config $REPO/$CAL_CONFIG --output $L/cal \
+      model.pretrained=$L/sdxl recon.iters=$CAL_ITERS $CAL_EXTRA host_cap_gib=64
+  fi
   kill $SMI 2>/dev/null
   tail -2 $L/calibrate.log
 else
