@@ -96,10 +96,17 @@ def added_conditioning_inputs(unet) -> tuple[str, ...]:
     return ("text_embeds", "time_ids") if getattr(unet.config, "addition_embed_type", None) == "text_time" else ()
 
 
+def inpainting_unet(unet) -> bool:
+    """An inpainting UNet (StableDiffusionInpaintPipeline's): in_channels = latents + mask + masked-picture latents."""
+    return int(unet.config.in_channels) == 2 * int(unet.config.out_channels) + 1
+
+
 class UNetGraph(nn.Module):
     """UNet2DConditionModel with its time embedding inside the graph or fed in, and its conditioning's fields as inputs:
-    (sample, timestep, encoder_hidden_states[, timestep_cond][, text_embeds, time_ids]) in that order, the order the
-    export passes them and the manifest's pipeline block names them by role (runtime/components.py)."""
+    (sample, timestep, encoder_hidden_states[, timestep_cond][, text_embeds, time_ids][, mask, masked_image_latents]) in
+    that order, the order the export passes them and the manifest's pipeline block names them by role
+    (runtime/components.py). An inpainting UNet's mask [B, 1, h, w] and masked-picture latents [B, C, h, w] are inputs
+    of their own, concatenated after the latents in the graph, as StableDiffusionInpaintPipeline concatenates them."""
 
     def __init__(self, unet: nn.Module, external_time_embedding: bool = False, timestep_cond: bool = False):
         super().__init__()
@@ -107,6 +114,9 @@ class UNetGraph(nn.Module):
         self.external_time_embedding = external_time_embedding
         self.takes_timestep_cond = timestep_cond and not external_time_embedding
         self.extra_inputs = (("timestep_cond",) if self.takes_timestep_cond else ()) + added_conditioning_inputs(unet)
+        self.inpainting = inpainting_unet(unet)
+        if self.inpainting:
+            self.extra_inputs += ("mask", "masked_image_latents")
         if external_time_embedding:
             # get_time_embed returns what we feed; time_embedding becomes the identity
             if type(unet) is UNet2DConditionModel:
@@ -122,6 +132,8 @@ class UNetGraph(nn.Module):
             kwargs["timestep_cond"] = fed["timestep_cond"]
         if "text_embeds" in fed:  # the added embedding, from the prompt's pooled embedding and the size / crop ids
             kwargs["added_cond_kwargs"] = {"text_embeds": fed["text_embeds"], "time_ids": fed["time_ids"]}
+        if self.inpainting:
+            sample = torch.cat([sample, fed["mask"], fed["masked_image_latents"]], dim=1)
         return self.unet(sample, timestep, encoder_hidden_states=encoder_hidden_states, return_dict=False, **kwargs)[0]
 
 
@@ -179,7 +191,7 @@ def shapes_for(pipe, resolution: Optional[int], unet_batch: int) -> Shapes:
     check_resolution(pipe, res, "resolution")
     return Shapes(
         resolution=res,
-        latent_channels=int(pipe.unet.config.in_channels),
+        latent_channels=int(pipe.unet.config.out_channels if inpainting_unet(pipe.unet) else pipe.unet.config.in_channels),
         latent_size=res // vae_factor,
         vae_factor=vae_factor,
         text_length=int(pipe.tokenizer.model_max_length),

@@ -40,7 +40,8 @@ from pocketdiff.runtime.onepass_decode import ONE_PASS
 from pocketdiff.runtime.tiled_decode import SCHEMES as TILING_SCHEMES
 
 from . import bundle as bundle_lib
-from .components import shapes_for, time_embedding_table, tokenize
+from .components import inpainting_unet, shapes_for, time_embedding_table, tokenize
+from .inpaint_check import check_inpainting_export, precheck_inpainting
 from pocketdiff.runtime.pipeline_spec import derive_pipeline
 from .convert import WEIGHT_FORMATS
 from .device_profile import DeviceProfile
@@ -197,6 +198,7 @@ class Config:
         require(self.resolution is None or self.resolution >= 8, "resolution", "must be >= 8")
         if self.model.pretrained:  # a size the folder's UNet cannot divide: refused before any weights load
             precheck_resolution(self.model, self.resolution)
+            precheck_inpainting(self)
         for p in self.verify.precisions:
             require(p in ("fp16", "fp32"), "verify.precisions", f"must be fp16 and/or fp32, got {p!r}")
         if self.weights == "int8":
@@ -367,6 +369,11 @@ def _golden_inputs(cfg: Config, pipe) -> GoldenInputs:
     # the image encoder's golden picture: smooth colour fields (8 x 8 random colours, bilinear), drawn after the rest
     low = torch.rand(1, 3, 8, 8, generator=gen)
     pixels = torch.nn.functional.interpolate(low, size=(shapes.resolution, shapes.resolution), mode="bilinear", align_corners=False)
+    if inpainting_unet(pipe.unet):  # its mask (the right half repainted) and masked-picture latents, drawn after the rest
+        check_inpainting_export(cfg)
+        side = shapes.latent_size
+        mask = (torch.arange(side) >= side // 2).to(torch.float32).expand(B, 1, side, side).contiguous()
+        unet_inputs.update(mask=mask, masked_image_latents=torch.randn(B, shapes.latent_channels, side, side, generator=gen))
     return GoldenInputs(mode, shapes, timesteps, ids_prompt, unet_inputs, takes_cond, vae_latents, table, pixels.contiguous(),
                         **family_fields)
 

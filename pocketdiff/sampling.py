@@ -209,6 +209,18 @@ class ImageInput:
     latents: torch.Tensor
     strength: float = 0.8
     mask: Optional[torch.Tensor] = None
+    # an inpainting UNet's (9 input channels): the masked picture's latents [B or 1, C, h, w] (`inpaint_input`); the
+    # UNet then takes cat([x, mask, masked_latents]) every step, as StableDiffusionInpaintPipeline feeds it, and no blend
+    masked_latents: Optional[torch.Tensor] = None
+
+    def unet_input(self, x: torch.Tensor) -> torch.Tensor:
+        """What the UNet takes for the latents `x` [N, C, h, w]: `x` itself, or an inpainting UNet's 9 channels."""
+        if self.masked_latents is None:
+            return x
+        n = x.shape[0]
+        m = self.mask.to(device=x.device, dtype=x.dtype)
+        lat = self.masked_latents.to(device=x.device, dtype=x.dtype)
+        return torch.cat([x, m.expand(n, *m.shape[1:]), lat.expand(n, *lat.shape[1:])], dim=1)
 
     def start(self, noise: torch.Tensor, alpha_bar: torch.Tensor) -> torch.Tensor:
         """The first latents: the picture noised to the first kept timestep (inpainting at strength 1: the noise)."""
@@ -218,8 +230,9 @@ class ImageInput:
         return a ** 0.5 * self.latents.to(noise.device) + (1 - a) ** 0.5 * noise
 
     def blend(self, x: torch.Tensor, noise: torch.Tensor, alpha_next: Optional[torch.Tensor]) -> torch.Tensor:
-        """After a step: outside the mask, the picture noised to the next timestep (None: after the last, as it is)."""
-        if self.mask is None:
+        """After a step: outside the mask, the picture noised to the next timestep (None: after the last, as it is); an
+        inpainting UNet's run is not blended."""
+        if self.mask is None or self.masked_latents is not None:
             return x
         picture = self.latents.to(x.device)
         if alpha_next is not None:
@@ -227,6 +240,28 @@ class ImageInput:
             picture = a ** 0.5 * picture + (1 - a) ** 0.5 * noise
         m = self.mask.to(device=x.device, dtype=x.dtype)
         return m * x + (1 - m) * picture
+
+
+def masked_pictures(images: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Pictures [N, 3, H, W] in [0, 1] with the repainted part (binary `mask` [N or 1, 1, H, W], 1 = repaint) grey:
+    0.5, diffusers' 0 in [-1, 1] (StableDiffusionInpaintPipeline's masked image)."""
+    m = (mask >= 0.5).to(images.dtype)
+    return images * (1 - m) + 0.5 * m
+
+
+def inpaint_input(vae, unet, images: torch.Tensor, mask: torch.Tensor, strength: float = 1.0) -> ImageInput:
+    """Inpainting from pictures [N, 3, H, W] in [0, 1] and a pixel mask [N or 1, 1, H, W] (>= 0.5 = repaint): the
+    pictures' latents, the mask on the latent grid (nearest, as diffusers' F.interpolate), and for an inpainting UNet
+    (in_channels = 2 x latent channels + 1) the masked pictures' latents."""
+    lat = encode_images(vae, images)
+    m = torch.nn.functional.interpolate((mask >= 0.5).to(torch.float32), size=lat.shape[-2:])
+    channels = int(lat.shape[1])
+    if int(unet.config.in_channels) == channels:
+        return ImageInput(lat, strength, m)
+    if int(unet.config.in_channels) != 2 * channels + 1:
+        raise PocketdiffError(f"the UNet takes {unet.config.in_channels} channels: neither the latents' {channels} nor an "
+                              f"inpainting UNet's {2 * channels + 1}")
+    return ImageInput(lat, strength, m, encode_images(vae, masked_pictures(images, mask)))
 
 
 # --------------------------------------------------------------------------------------
@@ -366,7 +401,7 @@ def ddim_sample(
         iterator = tqdm(iterator, total=len(schedule), desc="ddim", leave=False)
     for i, (t, a_t, a_prev) in iterator:
         x_in = torch.cat([latents, latents]) if use_cfg else latents
-        x_in = x_in.to(unet_dtype)
+        x_in = (image.unet_input(x_in) if image is not None else x_in).to(unet_dtype)
         t_batch = torch.full((x_in.shape[0],), t, device=device, dtype=torch.long)
         if callback is not None:
             callback(i, t, x_in, t_batch, emb)
@@ -424,7 +459,8 @@ def consistency_sample(
     for i, t in enumerate(ts):
         a_t = alphas[t].to(device)
         t_batch = torch.full((B,), t, device=device, dtype=torch.long)
-        out = _unet_output(unet(z.to(dtype), t_batch, **emb.unet_kwargs(), **kwargs)).to(torch.float32)
+        z_in = image.unet_input(z) if image is not None else z
+        out = _unet_output(unet(z_in.to(dtype), t_batch, **emb.unet_kwargs(), **kwargs)).to(torch.float32)
         x0, _ = predict_x0_eps(out, z, a_t, ptype)
         if clip is not None:
             x0 = x0.clamp(-clip, clip)

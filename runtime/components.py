@@ -61,11 +61,13 @@ REGISTRY: dict[str, Component] = {c.name: c for c in (
     # the SDXL family's second text encoder: its penultimate states (beside the first's) and its projected pooled embedding
     Component(TEXT_ENCODER_2, "text", ("input_ids",), comes_with=TEXT_ENCODER, pipeline_attr="text_encoder_2",
               graph_prefix="text_encoder.", roles=(("input_ids", "token_ids"),), output_roles=("prompt_embeds", "pooled_embeds")),
-    Component(UNET, "denoise", ("sample", "timestep", "encoder_hidden_states"), ("timestep_cond",), chunks=True,
-              pipeline_attr="unet", graph_prefix="unet.", residual_scaled=True,
-              # `timestep` is fed a row of the bundle's time-embedding table when it has one (`timestep_embedding`)
+    Component(UNET, "denoise", ("sample", "timestep", "encoder_hidden_states"), ("timestep_cond", "mask", "masked_image_latents"),
+              chunks=True, pipeline_attr="unet", graph_prefix="unet.", residual_scaled=True,
+              # `timestep` is fed a row of the bundle's time-embedding table when it has one (`timestep_embedding`);
+              # an inpainting UNet (9 input channels) also takes the latent mask and the masked picture's latents
               roles=(("sample", "latents"), ("timestep", "timestep"), ("encoder_hidden_states", "prompt_embeds"),
-                     ("timestep_cond", "guidance_embedding"), ("text_embeds", "pooled_embeds"), ("time_ids", "time_ids")),
+                     ("timestep_cond", "guidance_embedding"), ("text_embeds", "pooled_embeds"), ("time_ids", "time_ids"),
+                     ("mask", "mask"), ("masked_image_latents", "masked_image_latents")),
               output_roles=("noise_pred",)),
     Component(VAE_DECODER, "decode", ("latents",), tiles=(VAE_DECODER_HEAD, VAE_UP_TILE), checks=("golden", "tiled_psnr"),
               pipeline_attr="vae", int8_skip=("encoder.", "quant_conv."), residual_scaled=True,
@@ -99,6 +101,10 @@ TASK_STAGES: dict[str, tuple[tuple[str, str, str, Optional[str]], ...]] = {
     "image_to_image": (("encode_image", ENCODE_IMAGE, VAE_ENCODER, None),),
     "inpaint": (("encode_image", ENCODE_IMAGE, VAE_ENCODER, None),),  # latent blending with any text-to-image UNet
 }
+# An inpainting UNet (StableDiffusionInpaintPipeline, 9 input channels) also reads the masked picture's latents: a second
+# encode_image stage of the same encoder, on the picture with the repainted part grey, before the denoise stage.
+MASKED_IMAGE_STAGE: tuple[str, str, str, Optional[str]] = ("encode_masked_image", ENCODE_IMAGE, VAE_ENCODER, None)
+INPAINT_UNET_ROLES: tuple[str, ...] = ("mask", "masked_image_latents")  # the roles that make a UNet an inpainting one
 
 # the components an export config names (parts of a tiled layout come with their whole, a family's second text encoder
 # with the first), in call order; STAGE_COMPONENTS: every whole component a pipeline stage may name

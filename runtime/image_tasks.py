@@ -12,6 +12,9 @@ checked against the bundle, and the denoise loop's start and per-step blend (run
   from the noise itself (StableDiffusionInpaintPipeline). Inpainting blends after every step, as diffusers' inpaint
   pipeline does with a 4-channel UNet: `x = mask * x + (1 - mask) * add_noise(image_latents, noise, t_next)`, and
   after the last step the picture's latents themselves outside the mask.
+- An inpainting UNet (9 input channels: StableDiffusionInpaintPipeline folders) repaints by itself: it takes the mask on
+  the latent grid and the latents of the masked picture (the repainted part grey, 0.5) as inputs every step, and the
+  loop does not blend; such a bundle serves inpaint only (run-bundle needs --init-image and --mask).
 """
 from __future__ import annotations
 
@@ -69,8 +72,9 @@ def load_init_image(path: str, man: dict) -> tuple[np.ndarray, tuple[int, int]]:
     return pixels.transpose(2, 0, 1)[None].copy(), size
 
 
-def load_mask(path: str, man: dict, picture_size: tuple[int, int], picture: str) -> np.ndarray:
-    """The mask on the latent grid [1, 1, h, w]: 1 = repaint, 0 = keep the picture."""
+def load_mask(path: str, man: dict, picture_size: tuple[int, int], picture: str, pixels: bool = False):
+    """The mask on the latent grid [1, 1, h, w]: 1 = repaint, 0 = keep the picture; `pixels`: (that, the binary mask at
+    the bundle's image size [1, 1, H, W])."""
     im = _open(path, "--mask", "L")
     if im.size != tuple(picture_size):
         raise PocketdiffError(f"--mask {path}: {im.size[0]}x{im.size[1]} px, but --init-image {picture} is "
@@ -78,7 +82,13 @@ def load_mask(path: str, man: dict, picture_size: tuple[int, int], picture: str)
     im = _fitted(im, path, "--mask", int(man["image"]["width"]), int(man["image"]["height"]))
     binary = (np.asarray(im, dtype=np.float32) / 255.0 >= 0.5).astype(np.float32)
     f = int(man["latent"]["vae_factor"])
-    return binary[::f, ::f][None, None].copy()
+    grid = binary[::f, ::f][None, None].copy()
+    return (grid, binary[None, None]) if pixels else grid
+
+
+def masked_picture(pixels: np.ndarray, binary: np.ndarray) -> np.ndarray:
+    """An inpainting UNet's masked picture: the repainted part grey (0.5; diffusers' 0 in [-1, 1]), the rest kept."""
+    return (pixels * (1.0 - binary) + 0.5 * binary).astype(np.float32)
 
 
 def strength_scheduler(block: dict, strength: float) -> Scheduler:
@@ -93,9 +103,11 @@ class ImageStart:
     """The denoise loop from the user's picture: its start latents, then the scheduler's steps (blended under a mask)."""
 
     def __init__(self, scheduler: Scheduler, image_latents: np.ndarray, noise: np.ndarray, mask: Optional[np.ndarray] = None,
-                 strength: float = 1.0):
+                 strength: float = 1.0, unet_inputs: Optional[dict] = None):
         self.scheduler, self.image_latents, self.noise, self.mask = scheduler, image_latents, noise, mask
         self.strength = strength
+        # an inpainting UNet's mask and masked-picture latents (role -> [1, ...]): it repaints by itself, no blend
+        self.unet_inputs = dict(unet_inputs or {})
 
     def start(self) -> np.ndarray:
         if self.mask is not None and self.strength == 1.0:  # inpainting from scratch: pure noise, as diffusers
@@ -104,7 +116,7 @@ class ImageStart:
 
     def blend(self, i: int, x: np.ndarray) -> np.ndarray:
         """After step i: the picture's latents, noised to the next timestep (none after the last), outside the mask."""
-        if self.mask is None:
+        if self.mask is None or self.unet_inputs:
             return x
         ts = self.scheduler.timesteps
         kept = self.image_latents if i + 1 == len(ts) else self.scheduler.add_noise(self.image_latents, self.noise, ts[i + 1])
@@ -128,22 +140,30 @@ def check_image_flags(args) -> None:
 def image_inputs(args, man: dict) -> dict:
     """run-bundle's picture, strength and mask ({} for text to image), read and checked against the bundle (its tasks,
     sizes and schedule) before --output is made: `BundleRunner.run(..., **image_inputs(args, man))`."""
-    from .pipeline_spec import pipeline_of
+    from .pipeline_spec import inpainting_unet, pipeline_of
 
     path = getattr(args, "init_image", None)
     if path is None:
+        if inpainting_unet(man):
+            raise PocketdiffError(f"bundle {args.bundle}: its UNet inpaints (a 9-channel StableDiffusionInpaintPipeline UNet): "
+                                  "give --init-image PATH and --mask PATH")
         return {}
     mask_path = getattr(args, "mask", None)
     task, flag = (INPAINT, f"--mask {mask_path}") if mask_path is not None else (IMAGE_TO_IMAGE, f"--init-image {path}")
     tasks = pipeline_of(man).get("tasks") or []
+    if task not in tasks and inpainting_unet(man):
+        raise PocketdiffError(f"{flag}: bundle {args.bundle} serves inpaint only (its UNet inpaints): add --mask PATH")
     if task not in tasks:
         raise PocketdiffError(f"{flag}: bundle {args.bundle} serves {', '.join(tasks)}, not {task} (it has no image encoder "
                               f"stage): export it with tasks: [text_to_image, image_to_image, inpaint]")
     strength = DEFAULT_STRENGTH[task] if getattr(args, "strength", None) is None else args.strength
     strength_scheduler(man["scheduler"], strength)  # a strength that keeps none of the bundle's steps is refused here
     pixels, size = load_init_image(path, man)
-    mask = load_mask(mask_path, man, size, path) if mask_path is not None else None
+    mask, binary = load_mask(mask_path, man, size, path, pixels=True) if mask_path is not None else (None, None)
     width, height = int(man["image"]["width"]), int(man["image"]["height"])
     if size != (width, height):
         print(f"warning: --init-image {path} is {size[0]}x{size[1]} px; resized to the bundle's {width}x{height}", file=sys.stderr)
-    return {"init_image": pixels, "strength": float(strength), "mask": mask}
+    out = {"init_image": pixels, "strength": float(strength), "mask": mask}
+    if mask is not None and inpainting_unet(man):
+        out["masked_image"] = masked_picture(pixels, binary)
+    return out

@@ -26,7 +26,7 @@ from .image_tasks import ImageStart
 from .lora_slots import LoraFeeds
 from .memory import host_peak_mb, process_age_s
 from .model_pool import ModelPool
-from .pipeline_spec import DECODE, DENOISE, ENCODE_PROMPT, PROMPT, ROLES, pipeline_of, stage_parts
+from .pipeline_spec import DECODE, DENOISE, ENCODE_PROMPT, PROMPT, ROLES, inpainting_unet, pipeline_of, stage_parts
 from .schedulers import sample_loop, scheduler_for
 from .tiled_bundle import tiled_decode_bundle
 from .tokens import bundle_tokenizer, prompt_ids
@@ -46,10 +46,15 @@ class BundlePipeline:
         self.man, self.bundle = man, bundle
         block = pipeline_of(man)
         self.stages = block["stages"]
-        self.image_encoder = next((s for s in self.stages if s["kind"] == ENCODE_IMAGE), None) if image_input else None
+        self.image_encoders = [s for s in self.stages if s["kind"] == ENCODE_IMAGE] if image_input else []
+        self.image_encoder = self.image_encoders[0] if self.image_encoders else None
         if image_input and self.image_encoder is None:
             raise PocketdiffError(f"bundle {bundle}: no encode_image stage (tasks {block.get('tasks')}): it cannot start "
                                   "from a picture; export it with tasks: [text_to_image, image_to_image, inpaint]")
+        self.inpaint_unet = inpainting_unet(man)  # a 9-channel UNet: the mask and the masked picture's latents as inputs
+        if self.inpaint_unet and not image_input:
+            raise PocketdiffError(f"bundle {bundle}: its UNet inpaints (tasks {block.get('tasks')}): it runs from a picture "
+                                  "and a mask only (--init-image PATH --mask PATH)")
         self.stages = [s for s in self.stages if s["kind"] != ENCODE_IMAGE or image_input]
         self.encoders = [s for s in self.stages if s["kind"] == ENCODE_PROMPT]
         self.denoiser = next(s for s in self.stages if s["kind"] == DENOISE)
@@ -128,14 +133,17 @@ class BundlePipeline:
             return [[o[0]] for o in outs]
         return [[dict(zip(last.out_names, o))[n] for n in declared] for o in outs]
 
-    def _fixed_feeds(self, cond: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """The denoiser's inputs that stay the same at every step: the prompt roles and the declared constants."""
-        feeds = {}
+    def _fixed_feeds(self, cond: dict[str, np.ndarray], start: Optional[ImageStart] = None) -> dict[str, np.ndarray]:
+        """The denoiser's inputs that stay the same at every step: the prompt roles, the declared constants and an
+        inpainting UNet's mask and masked-picture latents (batched)."""
+        feeds, picture = {}, start.unet_inputs if start is not None else {}
         for name, role in self.denoiser["inputs"].items():
             if ROLES[role].per == PROMPT:
                 feeds[name] = cond[role]
             elif role in self.constants:
                 feeds[name] = self.guidance.repeat(self.constants[role])
+            elif role in picture:
+                feeds[name] = self.guidance.repeat(picture[role])
             elif role == "lora_factors":
                 feeds[name] = self.lora.feeds[name]
         return feeds
@@ -154,15 +162,21 @@ class BundlePipeline:
 
     def encode_image(self, pixels: np.ndarray, latency: dict) -> np.ndarray:
         """The encode-image stage: the user's picture [1, 3, H, W] in [0, 1] -> its latents [1, C, h, w]."""
+        return self.encode_pictures({"init_image": pixels}, latency)["image_latents"]
+
+    def encode_pictures(self, pictures: dict[str, np.ndarray], latency: dict) -> dict[str, np.ndarray]:
+        """Every encode-image stage on the picture role it reads (`pictures`: role -> [1, 3, H, W]): role -> latents.
+        The stages share one encoder, loaded once for all of them."""
         pool, name = self.pool, self.parts[self.image_encoder["stage"]][0]
-        fed = next(n for n, role in self.image_encoder["inputs"].items() if role == "init_image")
         enc = pool.load(name, latency)
-        before = len(enc.run_s)
-        latents = np.asarray(enc({fed: pixels}), np.float32)
+        before, out = len(enc.run_s), {}
+        for stage in self.image_encoders:
+            (fed, role), = stage["inputs"].items()
+            out[stage["outputs"][0]] = np.asarray(enc({fed: pictures[role]}), np.float32)
+            pool.ran(name)
         latency[f"{name}_run"] = float(sum(enc.run_s[before:]))
-        pool.ran(name)
         pool.done(name)
-        return latents
+        return out
 
     def denoise(self, x: np.ndarray, cond: dict, latency: dict, stats: dict, rng: np.random.Generator,
                 start: Optional[ImageStart] = None) -> np.ndarray:
@@ -176,7 +190,7 @@ class BundlePipeline:
         else:
             parts = pool.load_group(names, latency)
             _sum_loads(latency, comp, names)
-        aliases, fixed, step_s = chunk_aliases(self.man, comp), self._fixed_feeds(cond), []
+        aliases, fixed, step_s = chunk_aliases(self.man, comp), self._fixed_feeds(cond, start), []
 
         def model(x: np.ndarray, t: int) -> np.ndarray:
             if not step_s:
@@ -234,13 +248,24 @@ class BundlePipeline:
         stats["vae_up_tile_calls"] = timing["up_tile_calls"]
         return pixels[0].transpose(1, 2, 0)
 
+    def _image_start(self, init_image, strength, mask, masked_image, noise, latency) -> ImageStart:
+        """The loop's start from the picture: its latents (and an inpainting UNet's masked-picture latents and mask)."""
+        if self.inpaint_unet and (mask is None or masked_image is None):
+            raise PocketdiffError(f"bundle {self.bundle}: its UNet inpaints: a run needs the mask and the masked picture "
+                                  "(run-bundle --init-image PATH --mask PATH)")
+        pictures = {"init_image": init_image, **({"masked_image": masked_image} if self.inpaint_unet else {})}
+        latents = self.encode_pictures(pictures, latency)
+        extra = {"mask": np.asarray(mask, np.float32), "masked_image_latents": latents["masked_image_latents"]} if self.inpaint_unet else {}
+        return ImageStart(scheduler_for(self.man["scheduler"], strength), latents["image_latents"], noise, mask, strength, extra)
+
     # ------------------------------------------------------------------ one prompt
 
     def run(self, prompt: str, seed: int, init_latents: Optional[np.ndarray] = None, init_image: Optional[np.ndarray] = None,
-            strength: float = 1.0, mask: Optional[np.ndarray] = None) -> tuple[np.ndarray, dict]:
+            strength: float = 1.0, mask: Optional[np.ndarray] = None, masked_image: Optional[np.ndarray] = None) -> tuple[np.ndarray, dict]:
         """One prompt through every stage: (image [H, W, 3] float32 in [0, 1], stats). From a picture (`init_image`
-        [1, 3, H, W] in [0, 1], `strength`; `mask` [1, 1, h, w], 1 = repaint): the drawn (or given) latents are the
-        noise it is noised with (runtime/image_tasks.py)."""
+        [1, 3, H, W] in [0, 1], `strength`; `mask` [1, 1, h, w], 1 = repaint; an inpainting UNet's `masked_image`
+        [1, 3, H, W], image_tasks.masked_picture): the drawn (or given) latents are the noise it is noised with
+        (runtime/image_tasks.py)."""
         pool, lat = self.pool, self.man["latent"]
         latency: dict = {}
         stats: dict = {"latency_s": latency, "driver": pool.driver}
@@ -258,7 +283,7 @@ class BundlePipeline:
         if init_image is not None:
             if self.image_encoder is None:
                 raise PocketdiffError(f"bundle {self.bundle}: the pipeline was built without image_input: it cannot start from a picture")
-            start = ImageStart(scheduler_for(self.man["scheduler"], strength), self.encode_image(init_image, latency), x, mask, strength)
+            start = self._image_start(init_image, strength, mask, masked_image, x, latency)
             x = start.start()
         x = self.denoise(x, cond, latency, stats, rng, start)
         image = self.decode(x, latency, stats)

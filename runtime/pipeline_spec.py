@@ -13,7 +13,9 @@ batch). A role produced by several encode stages (an SDXL-style pair of text enc
 concatenated on the last axis, in stage order. So a new family is a registry entry (its components' roles and its
 stages, `components.FAMILIES`) and a new task a stage kind, not a rewrite of the runners.
 The tasks (`TASKS`): text_to_image, and image_to_image / inpaint, which add an `encode_image` stage before the
-denoise stage (`components.TASK_STAGES`: the VAE encoder, `init_image` -> `image_latents`, the loop's start).
+denoise stage (`components.TASK_STAGES`: the VAE encoder, `init_image` -> `image_latents`, the loop's start); a bundle
+whose UNet inpaints (9 channels: `mask` and `masked_image_latents` inputs) serves inpaint only and has a second one on the
+masked picture (`components.MASKED_IMAGE_STAGE`: `masked_image` -> `masked_image_latents`).
 
 Bundles written before the block (schema_version 1 and 2) are read through `derive_pipeline`: the SD family's
 stages, with the UNet's `timestep` fed the table's row when the bundle has one. `pipeline_problems` checks a
@@ -29,8 +31,8 @@ from typing import Any, Optional
 from pocketdiff.lora_keys import slot_input_names
 
 from .chunks import block_key, parts_of
-from .components import (CHUNKABLE, DECODE, DENOISE, ENCODE_IMAGE, ENCODE_PROMPT, FAMILIES, REGISTRY, TASK_STAGES, TILED_DECODER,
-                         VAE_DECODER, up_tile_parts)
+from .components import (CHUNKABLE, DECODE, DENOISE, ENCODE_IMAGE, ENCODE_PROMPT, FAMILIES, INPAINT_UNET_ROLES, MASKED_IMAGE_STAGE,
+                         REGISTRY, TASK_STAGES, TILED_DECODER, VAE_DECODER, up_tile_parts)
 from .stage_shapes import check_stage_shapes
 
 PIPELINE_SCHEMA_VERSION = 3  # a manifest with a `pipeline` block; 1 and 2 are read through derive_pipeline
@@ -62,10 +64,15 @@ ROLES: dict[str, Role] = {
     "image": Role("stage", SAMPLE, 4),  # the decoder's pixels [1, 3, H, W]
     "init_image": Role("picture", SAMPLE, 4),  # [1, 3, H, W] float32 in [0, 1]: the user's picture (image-to-image, inpaint)
     "image_latents": Role("stage", SAMPLE, 4),  # [1, C, h, w]: the encoder's latents of it (the denoise loop's start)
+    # an inpainting UNet's (9 channels): the mask on the latent grid [B, 1, h, w] (1 = repaint), the picture with the
+    # repainted part grey (0.5) [1, 3, H, W] and its latents [B, C, h, w] (an encode_image stage's)
+    "mask": Role("picture", SAMPLE, 4),
+    "masked_image": Role("picture", SAMPLE, 4),
+    "masked_image_latents": Role("stage", SAMPLE, 4),
     # a LoRA slot's factor (manifest `lora_slots`): down [in, rank] or up [rank, out] (scaled) of the user's LoRA, zeros without one
     "lora_factors": Role("adapter", MODEL, 2),
 }
-OUTPUT_ROLES = {ENCODE_PROMPT: ("prompt_embeds", "pooled_embeds"), ENCODE_IMAGE: ("image_latents",), DENOISE: ("noise_pred",),
+OUTPUT_ROLES = {ENCODE_PROMPT: ("prompt_embeds", "pooled_embeds"), ENCODE_IMAGE: ("image_latents", "masked_image_latents"), DENOISE: ("noise_pred",),
                 DECODE: ("image",)}
 NOT_FED = ("noise_pred", "image", "image_latents")  # roles a stage makes that no runner feeds a graph (yet)
 
@@ -127,12 +134,21 @@ def derive_pipeline(man: dict, family: str = "sd", tasks: tuple = ("text_to_imag
     (components.TASK_STAGES: image-to-image's encode_image) before the denoise stage, each input's role. Export writes
     it; a bundle from before the block (schema_version 1, 2) is read as this."""
     added = list(dict.fromkeys(s for t in tasks for s in TASK_STAGES[t]))
+    if "inpaint" in tasks and inpainting_unet(man):  # the masked picture's latents too, for the UNet's extra channels
+        added.append(MASKED_IMAGE_STAGE)
     stages = []
     for stage, kind, component, tokenizer in FAMILIES[family]:
         for row in (added if kind == DENOISE else []) + [(stage, kind, component, tokenizer)]:
+            io = ({"pixels": "masked_image"}, ["masked_image_latents"]) if row == MASKED_IMAGE_STAGE else (
+                _roles_of(man, row[2]), list(REGISTRY[row[2]].output_roles))
             stages.append({"stage": row[0], "kind": row[1], "component": row[2], **({"tokenizer": row[3]} if row[3] else {}),
-                           "inputs": _roles_of(man, row[2]), "outputs": list(REGISTRY[row[2]].output_roles)})
+                           "inputs": io[0], "outputs": io[1]})
     return {"family": family, "tasks": list(tasks), "conditioning": {}, "stages": stages}
+
+
+def inpainting_unet(man: dict) -> bool:
+    """The bundle's UNet takes the inpainting roles (a 9-channel StableDiffusionInpaintPipeline UNet)."""
+    return any(r in INPAINT_UNET_ROLES for r in _roles_of(man, "unet").values())
 
 
 def pipeline_of(man: dict) -> dict:
@@ -210,13 +226,18 @@ def _check_order(stages: list, man: dict, found) -> None:
     kinds = [s["kind"] for s in stages]
     if kinds.count(DENOISE) != 1 or kinds.count(DECODE) != 1 or kinds.index(DENOISE) > kinds.index(DECODE):
         found.add("pipeline.stages", "consistency", f"one denoise stage then one decode stage, got kinds {kinds}")
-    elif kinds.count(ENCODE_IMAGE) > 1 or (ENCODE_IMAGE in kinds and kinds.index(ENCODE_IMAGE) > kinds.index(DENOISE)):
-        found.add("pipeline.stages", "consistency", f"at most one encode_image stage, before the denoise stage, got kinds {kinds}")
+    elif kinds.count(ENCODE_IMAGE) > 2 or (ENCODE_IMAGE in kinds and len(kinds) - kinds[::-1].index(ENCODE_IMAGE) - 1 > kinds.index(DENOISE)):
+        found.add("pipeline.stages", "consistency", f"at most two encode_image stages (the picture, the masked picture), before "
+                  f"the denoise stage, got kinds {kinds}")
     tasks = pipeline_of(man).get("tasks")
     image_tasks = [t for t in tasks if t in IMAGE_TASKS] if isinstance(tasks, list) else []
     if image_tasks and ENCODE_IMAGE not in kinds:
         found.add("pipeline.tasks", "consistency", f"{', '.join(image_tasks)} start from the user's picture: the stages need an "
                   f"encode_image stage, got kinds {kinds}")
+    inpaint_roles = sorted({r for s in stages if s["kind"] == DENOISE for r in s["inputs"].values() if r in INPAINT_UNET_ROLES})
+    if inpaint_roles and tasks != ["inpaint"]:
+        found.add("pipeline.tasks", "consistency", f"the denoise stage reads {', '.join(inpaint_roles)} (an inpainting UNet): "
+                  f"the bundle serves inpaint only, got tasks {tasks!r}")
 
 
 def pipeline_problems(man: dict, ios: dict, found, lacking: frozenset = frozenset(), require_present: bool = True) -> None:

@@ -6,7 +6,8 @@ stage's `prompt_embeds` [1, L, D] and `pooled_embeds` [1, P]; at the denoiser, w
 `time_ids` [B, K] (K = len(pipeline.conditioning.time_ids)), `timestep` [B] or `timestep_embedding` [B, W] (the
 table's width; the table has num_train_timesteps rows), `noise_pred` [B, C, h, w]; the decoder's `latents`
 [1, C, h, w] and `image` [1, 3, H, W] (a tiled decoder's io is checked with its vae_tiling block); the image encoder's
-`init_image` [1, 3, H, W] (the image's size) and `image_latents` [1, C, h, w] (the latent's). A problem names
+`init_image` [1, 3, H, W] (the image's size) and `image_latents` [1, C, h, w] (the latent's); an inpainting UNet's
+`mask` [B, 1, h, w] and `masked_image_latents` [B, C, h, w], the encoder's `masked_image` as `init_image`. A problem names
 the component and input (`components.unet.inputs.sample`) as the per-name checks before the pipeline block did.
 """
 from __future__ import annotations
@@ -70,9 +71,13 @@ def _want_input(man: dict, stage: dict, role: str, made: _Made, found) -> tuple[
     lat = _section(man, "latent")
     latent = [lat.get("channels"), lat.get("height"), lat.get("width")]
     B = _section(man, "guidance").get("unet_batch") if stage["kind"] == DENOISE else 1
-    if role == "init_image":
+    if role in ("init_image", "masked_image"):
         image = _section(man, "image")
         return [1, image.get("channels"), image.get("height"), image.get("width")], "image"
+    if role == "mask":
+        return [B, 1, *latent[1:]], "guidance.unet_batch x 1 x the latent's size"
+    if role == "masked_image_latents":
+        return [B, *latent], "guidance.unet_batch x latent"
     if role == "token_ids":
         return [1, _section(man, str(stage.get("tokenizer"))).get("max_length")], "tokenizer.max_length"
     if role == "latents":

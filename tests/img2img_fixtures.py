@@ -56,3 +56,29 @@ def make_pictures(d: Path) -> Path:
     Image.fromarray(mask[:16, :16]).save(d / "mask16.png")
     (d / "not_an_image.png").write_text("hello")
     return d
+
+
+def save_inpaint_folder(out: Path) -> Path:
+    """A StableDiffusionInpaintPipeline folder: the shapes teacher with a 9-channel UNet (latents + mask + masked-picture
+    latents) whose first four input channels keep the teacher's conv_in weights and the five new ones small random
+    weights (seed 1), the rest of the UNet the teacher's: an inpainting UNet of SD-2-inpainting's layout, 32 px."""
+    import torch
+    from diffusers import StableDiffusionInpaintPipeline, UNet2DConditionModel
+
+    from pocketdiff.models import ModelConfig, load_or_build, save_pipeline
+
+    teacher = load_or_build(ModelConfig(pretrained="pocketdiff:shapes-teacher"))
+    unet = UNet2DConditionModel(**{**dict(teacher.unet.config), "in_channels": 9}).eval()
+    own = teacher.unet.state_dict()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for k, v in unet.state_dict().items():
+            if k == "conv_in.weight":
+                v[:, :4].copy_(own[k])
+                v[:, 4:].copy_(torch.randn(v[:, 4:].shape, generator=gen) * 0.05)
+            else:
+                v.copy_(own[k])
+    pipe = StableDiffusionInpaintPipeline(**{**teacher.components, "unet": unet, "safety_checker": None, "feature_extractor": None},
+                                          requires_safety_checker=False)
+    save_pipeline(pipe, out)
+    return out

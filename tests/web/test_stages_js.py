@@ -229,3 +229,38 @@ def test_a_v3_smoke_bundle_through_the_node_runner_matches_run_bundle(dawn, smok
     assert report["ok"] and report["failures"] == [], report["failures"]
     assert list(report["components"]) == ["text_encoder", "unet", "vae_decoder"]
     assert report["image"]["psnr_db"] >= 40  # the same latents as run-bundle's reference, as the v1 bundle's test holds
+
+
+def _inpainting(man: dict) -> dict:
+    """A v3 manifest whose UNet inpaints (9 channels: mask [B, 1, h, w] and masked-picture latents [B, C, h, w] as inputs
+    of their own) beside an image encoder: derive_pipeline's block for tasks [inpaint] (two encode_image stages)."""
+    out = copy.deepcopy(man)
+    B, lat, im = out["guidance"]["unet_batch"], out["latent"], out["image"]
+    out["components"]["unet"]["inputs"] += [
+        {"name": "mask", "shape": [B, 1, lat["height"], lat["width"]], "dtype": "float32"},
+        {"name": "masked_image_latents", "shape": [B, lat["channels"], lat["height"], lat["width"]], "dtype": "float32"}]
+    enc = copy.deepcopy(out["components"]["vae_decoder"])
+    enc.update(path="vae_encoder.tflite", inputs=[{"name": "pixels", "shape": [1, 3, im["height"], im["width"]], "dtype": "float32"}],
+               outputs=[{"name": "output_0", "shape": [1, lat["channels"], lat["height"], lat["width"]], "dtype": "float32"}])
+    out["components"]["vae_encoder"] = enc
+    return {**out, "schema_version": 3, "pipeline": derive_pipeline(out, tasks=("inpaint",))}
+
+
+def test_an_inpainting_unet_is_checked_as_in_python_and_refused_by_the_page_in_one_line(node, tmp_path):
+    """The block of a 9-channel UNet passes both checks (the twin's rules for mask, masked_image, masked_image_latents);
+    the page and the Node runner then refuse it in one line (checkRunnable: run-bundle runs it); served with another
+    task, or its mask fed the wrong shape, it is a problem in both."""
+    good = _inpainting(_manifest(HERE / "smoke_bundle"))
+    kinds = [s["kind"] for s in good["pipeline"]["stages"]]
+    assert kinds == ["encode_prompt", "encode_image", "encode_image", "denoise", "decode"]
+    assert good["pipeline"]["stages"][2]["inputs"] == {"pixels": "masked_image"}
+    two_tasks = copy.deepcopy(good)
+    two_tasks["pipeline"]["tasks"] = ["text_to_image", "inpaint"]
+    bad_mask = copy.deepcopy(good)
+    _unet_input(bad_mask, "mask")["shape"][1] = 4
+    out = _run(node, tmp_path, {"manifests": [good, two_tasks, bad_mask]})["manifests"]
+    assert out[0]["problems"] == [] and not manifest_problems("unused", good, files=False)
+    assert out[0]["error"]["message"].startswith("bundle: its UNet inpaints") and "run-bundle" in out[0]["error"]["message"]
+    assert "serves inpaint only" in out[1]["problems"][0] and manifest_problems("unused", two_tasks, files=False)
+    assert "components.unet.inputs.mask" in " ".join(out[2]["problems"]) or "input mask" in " ".join(out[2]["problems"])
+    assert manifest_problems("unused", bad_mask, files=False)

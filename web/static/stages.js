@@ -22,6 +22,7 @@ export const DECODE = 'decode';
 export const ENCODE_IMAGE = 'encode_image'; // image-to-image and inpainting: the user's picture into latents
 export const STAGE_KINDS = [ENCODE_PROMPT, ENCODE_IMAGE, DENOISE, DECODE];
 export const TASKS = ['text_to_image', 'image_to_image', 'inpaint'];
+const INPAINT_UNET_ROLES = ['mask', 'masked_image_latents']; // the roles that make a UNet an inpainting one (components.py)
 export const PROMPT = 'prompt';
 export const SAMPLE = 'sample';
 export const MODEL = 'model'; // one value for every batch row (a LoRA slot's factors)
@@ -41,10 +42,15 @@ export const ROLES = Object.freeze({
   image: role('stage', SAMPLE, 4),
   init_image: role('picture', SAMPLE, 4), // [1, 3, H, W] in [0, 1]: the user's picture
   image_latents: role('stage', SAMPLE, 4), // [1, C, h, w]: the encoder's latents of it
+  // an inpainting UNet's (9 channels): the mask on the latent grid [B, 1, h, w], the picture with the repainted part
+  // grey [1, 3, H, W] and its latents [B, C, h, w] (an encode_image stage's)
+  mask: role('picture', SAMPLE, 4),
+  masked_image: role('picture', SAMPLE, 4),
+  masked_image_latents: role('stage', SAMPLE, 4),
   lora_factors: role('adapter', MODEL, 2), // a LoRA slot's down [in, rank] / up [rank, out] (manifest lora_slots; lora.js)
 });
 export const OUTPUT_ROLES = Object.freeze({
-  [ENCODE_PROMPT]: ['prompt_embeds', 'pooled_embeds'], [ENCODE_IMAGE]: ['image_latents'], [DENOISE]: ['noise_pred'], [DECODE]: ['image'],
+  [ENCODE_PROMPT]: ['prompt_embeds', 'pooled_embeds'], [ENCODE_IMAGE]: ['image_latents', 'masked_image_latents'], [DENOISE]: ['noise_pred'], [DECODE]: ['image'],
 });
 
 // The registry (runtime/components.py), the fields a runner reads: its role (text, denoise, decode), the inputs it feeds, what a component may be split
@@ -57,8 +63,11 @@ export const REGISTRY = Object.freeze({
     comesWith: 'text_encoder', spoken: 'second text encoder',
   },
   unet: {
-    role: 'denoise', inputs: ['sample', 'timestep', 'encoder_hidden_states'], optionalInputs: ['timestep_cond'], chunks: true, spoken: 'UNet',
-    roles: { sample: 'latents', timestep: 'timestep', encoder_hidden_states: 'prompt_embeds', timestep_cond: 'guidance_embedding', text_embeds: 'pooled_embeds', time_ids: 'time_ids' },
+    role: 'denoise', inputs: ['sample', 'timestep', 'encoder_hidden_states'], optionalInputs: ['timestep_cond', 'mask', 'masked_image_latents'], chunks: true, spoken: 'UNet',
+    roles: {
+      sample: 'latents', timestep: 'timestep', encoder_hidden_states: 'prompt_embeds', timestep_cond: 'guidance_embedding', text_embeds: 'pooled_embeds', time_ids: 'time_ids',
+      mask: 'mask', masked_image_latents: 'masked_image_latents',
+    },
     outputRoles: ['noise_pred'],
   },
   vae_decoder: { role: 'decode', inputs: ['latents'], tiles: ['vae_decoder_head', 'vae_up_tile'], roles: { latents: 'latents' }, outputRoles: ['image'] },
@@ -220,13 +229,32 @@ function orderProblems(stages, man, found) {
   const count = (k) => kinds.filter((x) => x === k).length;
   if (count(DENOISE) !== 1 || count(DECODE) !== 1 || kinds.indexOf(DENOISE) > kinds.indexOf(DECODE)) {
     found.push(`pipeline.stages: one denoise stage then one decode stage, got kinds ${JSON.stringify(kinds)}`);
-  } else if (count(ENCODE_IMAGE) > 1 || (kinds.includes(ENCODE_IMAGE) && kinds.indexOf(ENCODE_IMAGE) > kinds.indexOf(DENOISE))) {
-    found.push(`pipeline.stages: at most one encode_image stage, before the denoise stage, got kinds ${JSON.stringify(kinds)}`);
+  } else if (count(ENCODE_IMAGE) > 2 || (kinds.includes(ENCODE_IMAGE) && kinds.lastIndexOf(ENCODE_IMAGE) > kinds.indexOf(DENOISE))) {
+    found.push(`pipeline.stages: at most two encode_image stages (the picture, the masked picture), before the denoise stage, got kinds ${JSON.stringify(kinds)}`);
   }
   const tasks = pipelineOf(man).tasks;
   const imageTasks = Array.isArray(tasks) ? tasks.filter((t) => t !== 'text_to_image' && TASKS.includes(t)) : [];
   if (imageTasks.length && !kinds.includes(ENCODE_IMAGE)) {
     found.push(`pipeline.tasks: ${imageTasks.join(', ')} start from the user's picture: the stages need an encode_image stage, got kinds ${JSON.stringify(kinds)}`);
+  }
+  const inpaintRoles = inpaintingRoles(stages);
+  if (inpaintRoles.length && !same(tasks, ['inpaint'])) {
+    found.push(`pipeline.tasks: the denoise stage reads ${inpaintRoles.join(', ')} (an inpainting UNet): the bundle serves inpaint only, got tasks ${JSON.stringify(tasks)}`);
+  }
+}
+
+/** The inpainting roles (mask, masked_image_latents) the denoise stage reads, sorted: a 9-channel UNet's. */
+export function inpaintingRoles(stages) {
+  const found = new Set();
+  for (const s of stages) if (isObj(s) && s.kind === DENOISE && isObj(s.inputs)) for (const r of Object.values(s.inputs)) if (INPAINT_UNET_ROLES.includes(r)) found.add(r);
+  return [...found].sort();
+}
+
+/** The page and the Node runner do not run an inpainting UNet yet (run-bundle does): one line, before any model loads. */
+export function checkRunnable(man) {
+  const roles = inpaintingRoles(pipelineOf(man).stages || []);
+  if (roles.length) {
+    throw new BundleError(`bundle: its UNet inpaints (a 9-channel StableDiffusionInpaintPipeline UNet reading ${roles.join(', ')}): the page and the Node runner do not run it yet; use pocketdiff run-bundle BUNDLE --init-image PATH --mask PATH`);
   }
 }
 
@@ -289,7 +317,9 @@ function wantInput(man, stage, r, made) {
   const B = stage.kind === DENOISE ? section(man, 'guidance').unet_batch : 1;
   const width = (key) => (made.widths[key]?.length && !made.widths[key].includes(null) ? made.widths[key].reduce((a, b) => a + b, 0) : null);
   switch (r) {
-    case 'init_image': { const im = section(man, 'image'); return [[1, im.channels, im.height, im.width], 'image']; }
+    case 'init_image': case 'masked_image': { const im = section(man, 'image'); return [[1, im.channels, im.height, im.width], 'image']; }
+    case 'mask': return [[B, 1, ...latent.slice(1)], "guidance.unet_batch x 1 x the latent's size"];
+    case 'masked_image_latents': return [[B, ...latent], 'guidance.unet_batch x latent'];
     case 'token_ids': return [[1, section(man, String(stage.tokenizer)).max_length], 'tokenizer.max_length'];
     case 'latents': return stage.kind === DENOISE ? [[B, ...latent], 'guidance.unet_batch x latent'] : [[1, ...latent], 'latent'];
     case 'timestep': return [[B], 'guidance.unet_batch (no time-embedding table)'];

@@ -1,0 +1,100 @@
+"""A 9-channel inpainting UNet (StableDiffusionInpaintPipeline folders) in the one torch sampler: pocketdiff.sampling
+`inpaint_input` (the picture's latents, the mask on the latent grid, the masked picture's latents) and `ddim_sample`
+feeding the UNet cat([x, mask, masked latents]) without blending, against diffusers' StableDiffusionInpaintPipeline on
+a tiny inpainting folder saved here (tests/img2img_fixtures.py).
+
+diffusers samples the VAE's latent distribution; pocketdiff takes its mean, so diffusers is handed our latents (a
+4-channel `image` and `masked_image_latents`) and both draw the noise from one seeded generator: what differs is float
+arithmetic only, >= 60 dB PSNR on [0, 1] (identical images on one x86-64 CPU); the masked latents' role is checked by
+zeroing them (< 30 dB) and the blend's absence by a 4-channel-style blended run (< 40 dB)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from img2img_fixtures import save_inpaint_folder  # tests/img2img_fixtures.py
+
+from pocketdiff.errors import PocketdiffError
+from pocketdiff.models import ModelConfig, load_or_build
+from pocketdiff.sampling import ImageInput, ddim_sample, decode_latents, encode_prompts, inpaint_input, masked_pictures
+
+PROMPT = "a large red circle at the center"
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+
+def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
+    mse = float(((a.float() - b.float()) ** 2).mean())
+    return float("inf") if mse == 0 else 10 * np.log10(1.0 / mse)
+
+
+def picture(seed: int = 0) -> torch.Tensor:
+    low = torch.rand(1, 3, 4, 4, generator=torch.Generator().manual_seed(seed))
+    return torch.nn.functional.interpolate(low, size=(32, 32), mode="bilinear", align_corners=False)
+
+
+def half_mask() -> torch.Tensor:
+    m = torch.zeros(1, 1, 32, 32)
+    m[..., 16:] = 1.0
+    return m
+
+
+@pytest.fixture(scope="module")
+def inpainter(tmp_path_factory):
+    """The saved folder, loaded as every stage loads a model (StableDiffusionPipeline.from_pretrained: a 9-channel UNet)."""
+    folder = save_inpaint_folder(tmp_path_factory.mktemp("inpaint9") / "model")
+    return load_or_build(ModelConfig(pretrained=str(folder)))
+
+
+def _ours(pipe, image: ImageInput, seed: int) -> torch.Tensor:
+    noise = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        lat = ddim_sample(pipe.unet, pipe.scheduler, encode_prompts(pipe, PROMPT), encode_prompts(pipe, ""), steps=4,
+                          guidance_scale=3.0, latents=noise, image=image)
+        return decode_latents(pipe.vae, lat)
+
+
+def test_the_folder_loads_with_its_9_channel_unet(inpainter):
+    assert inpainter.unet.config.in_channels == 9 and inpainter.unet.config.out_channels == 4
+
+
+@pytest.mark.parametrize("strength", [0.75, 1.0])
+def test_ddim_inpaint_matches_diffusers_with_a_9_channel_unet(inpainter, strength):
+    from diffusers import StableDiffusionInpaintPipeline
+
+    image = inpaint_input(inpainter.vae, inpainter.unet, picture(1), half_mask(), strength)
+    assert image.masked_latents is not None and image.mask.shape == (1, 1, 8, 8)
+    stock = StableDiffusionInpaintPipeline(**{**inpainter.components, "safety_checker": None, "feature_extractor": None},
+                                           requires_safety_checker=False)
+    ref = stock(PROMPT, image=image.latents, mask_image=half_mask(), masked_image_latents=image.masked_latents, height=32,
+                width=32, strength=strength, num_inference_steps=4, guidance_scale=3.0,
+                generator=torch.Generator().manual_seed(3), output_type="pt").images
+    ours = _ours(inpainter, image, seed=3)
+    assert psnr(ours, ref) >= 60
+    zeroed = ImageInput(image.latents, strength, image.mask, torch.zeros_like(image.masked_latents))
+    assert psnr(_ours(inpainter, zeroed, seed=3), ref) < 30  # the masked latents are read
+    if strength < 1:  # no blend: the 4-channel path's blend on top of the 9-channel inputs is another image
+        blended = _Blending(image.latents, strength, image.mask, image.masked_latents)
+        assert psnr(_ours(inpainter, blended, seed=3), ref) < 40
+
+
+class _Blending(ImageInput):
+    """The 9-channel UNet's inputs with the 4-channel path's per-step blend on top (what must not happen)."""
+
+    def blend(self, x, noise, alpha_next):
+        return ImageInput(self.latents, self.strength, self.mask).blend(x, noise, alpha_next)
+
+
+def test_masked_pictures_are_grey_where_repainted():
+    pic = picture(2)
+    out = masked_pictures(pic, half_mask())
+    assert torch.equal(out[..., :16], pic[..., :16]) and bool((out[..., 16:] == 0.5).all())
+
+
+def test_a_unet_of_another_width_is_refused(inpainter):
+    class Odd:
+        class config:
+            in_channels = 7
+
+    with pytest.raises(PocketdiffError, match="takes 7 channels"):
+        inpaint_input(inpainter.vae, Odd, picture(), half_mask())
