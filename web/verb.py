@@ -2,6 +2,8 @@
 
     pocketdiff web runs/bundle                      # page + reference (run-bundle's image, seed 0)
     pocketdiff web runs/bundle --check --screenshot shot.png
+    pocketdiff web runs/bundle --check --init-image in.png --mask mask.png --strength 0.75   # the page from a picture
+    pocketdiff web runs/bundle --check --lora style.safetensors --lora-scale 0.8             # a slotted bundle's LoRA
     pocketdiff serve runs/bundle --port 8000        # then open http://localhost:8000/
 
 --check serves the bundle on a free local port, opens `index.html?check=1` in headless
@@ -30,7 +32,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--accelerator", choices=["webgpu", "wasm"], default="webgpu", help="--check: what the page runs on")
     p.add_argument("--screenshot", default=None, metavar="PNG", help="--check: save a screenshot of the page")
     p.add_argument("--timeout", type=float, default=600.0, help="--check: seconds to wait for the page's report")
+    # the reference (and --check's run) from a picture or with a LoRA, as run-bundle's flags make it; the page itself picks
+    # pictures and LoRAs at run time: these only choose what its check mode compares with
+    p.add_argument("--init-image", default=None, metavar="PATH", help="the reference is run-bundle's image-to-image run from this "
+                   "picture (copied to reference/; --check opens the page with it); needs a bundle with an image encoder")
+    p.add_argument("--mask", default=None, metavar="PATH", help="with --init-image: inpainting (white = repaint, the picture's size)")
+    p.add_argument("--strength", type=float, default=None, metavar="S", help="with --init-image: as run-bundle's --strength")
+    p.add_argument("--lora", default=None, metavar="FILE", help="the reference with this LoRA fed to the bundle's slots "
+                   "(a .safetensors; copied to reference/; --check feeds the page the same)")
+    p.add_argument("--lora-scale", type=float, default=None, metavar="S", help="with --lora: as run-bundle's --lora-scale (default 1)")
     p.add_argument("--debug", action="store_true")
+
+
+def check_params(ref: dict) -> dict:
+    """The check mode's URL parameters for a reference made from a picture and/or with a LoRA (its files under
+    reference/): the page then runs what run-bundle ran."""
+    params = {}
+    if ref.get("init_image"):
+        params.update(init_image=f"reference/{ref['init_image']}", strength=ref["strength"])
+        if ref.get("mask"):
+            params["mask"] = f"reference/{ref['mask']}"
+    if ref.get("lora"):
+        params.update(lora=f"reference/{ref['lora']}", lora_scale=ref["lora_scale"])
+    return params
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -70,8 +94,13 @@ def main(args) -> int:
 
     check_web_flags(args)  # before the page folder is touched
     t0 = time.perf_counter()
+    picked = [f for f, v in (("--init-image", args.init_image), ("--lora", args.lora)) if v is not None]
+    if args.no_reference and picked:
+        raise PocketdiffError(f"{picked[0]} makes the reference: drop --no-reference, or drop {picked[0]}")
     cfg = PageConfig(bundle=args.bundle, reference=not args.no_reference, prompt=args.prompt, seed=args.seed,
-                     reference_accelerator=args.reference_accelerator, litertjs=args.litertjs, overwrite=args.overwrite)
+                     reference_accelerator=args.reference_accelerator, litertjs=args.litertjs, overwrite=args.overwrite,
+                     init_image=args.init_image, mask=args.mask, strength=args.strength, lora=args.lora,
+                     lora_scale=args.lora_scale)
     info = write_page(cfg)
     web = Path(args.bundle) / "web"
     ref = info["reference"]
@@ -86,7 +115,8 @@ def main(args) -> int:
         raise PocketdiffError("--check needs Chromium: apt-get install chromium (scripts/setup.sh does), or set POCKETDIFF_CHROMIUM")
     t1 = time.perf_counter()
     result = check_page(args.bundle, prompt=ref["prompt"] if ref else None, seed=ref["seed"] if ref else None,
-                        timeout_s=args.timeout, screenshot=args.screenshot, accelerator=args.accelerator)
+                        timeout_s=args.timeout, screenshot=args.screenshot, accelerator=args.accelerator,
+                        **(check_params(ref) if ref else {}))
     (web / "check.json").write_text(json.dumps(result, indent=1))
     print(f"check in headless Chromium ({time.perf_counter() - t1:.1f} s): {'ok' if result.get('ok') else 'FAILED'}\n{summarize(result)}")
     if args.screenshot:
