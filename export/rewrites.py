@@ -372,6 +372,8 @@ class SplitAttention(nn.Module):
         kt = k.reshape(B, Lk, h, d).permute(0, 2, 3, 1)  # [B, h, d, Lk]
         v = v.reshape(B, Lk, h, v.shape[-1] // h).permute(0, 2, 1, 3)  # [B, h, Lk, dv]
         n = attention_chunks(B * h, Lq, Lk, self.budget_bytes, self.bytes_per)
+        if B * h == 1:  # query pairs need 2 n | Lq: the next such n (smaller maps), so no chunk becomes a FULLY_CONNECTED
+            n = next((m for m in range(n, 4 * n + 1) if Lq % (2 * m) == 0), n)
         self.last_chunks = n
         if B * h == 1 and Lq % (2 * n) == 0:
             out = _paired_query_attention(q, kt, v, n)

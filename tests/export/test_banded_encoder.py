@@ -143,3 +143,32 @@ def test_tiny_banded_encoder_export_on_the_delegate(gpu_delegate, tmp_path):
     assert set(rep["details"]["parity"]) == {"fp16", "fp32"}
     for m in rep["details"]["parity"].values():
         assert m["psnr_db"] >= 30.0
+
+
+def test_single_head_attention_whose_chunks_do_not_pair_evenly_still_converts_without_fully_connected(tmp_path):
+    """SD's encoder at 768 px: 9216 queries, a 16 MB map budget gives 11 chunks, and 9216 is no multiple of 22, so the
+    chunks fell back to plain matmuls, which convert to a FULLY_CONNECTED over the keys (9 MB input, over the phone
+    profile's fc_input_mb). The chunk count now goes up to the next one that pairs (12 here): same result, no FC.
+    Small analog: 44 queries, 3 chunks by budget -> 11 pairs of 2 rows."""
+    import copy
+
+    from diffusers.models.attention_processor import Attention
+
+    from pocketdiff.export.convert import to_tflite
+    from pocketdiff.export.device_profile import graph_memory
+    from pocketdiff.export.rewrites import RewriteConfig, SplitAttention, apply_rewrites
+
+    torch.manual_seed(0)
+    attn = Attention(query_dim=16, heads=1, dim_head=16, norm_num_groups=4, residual_connection=True, rescale_output_factor=1.0,
+                     bias=True, upcast_softmax=True, _from_deprecated_attn_block=True).eval()
+    x = torch.randn(1, 16, 4, 11)
+    budget = 2 * 44 * 15  # 15 query rows of the 44 x 44 fp16 map: 3 chunks by budget
+    mine = SplitAttention(attn, budget_bytes=budget, bytes_per=2).eval()
+    torch.testing.assert_close(mine(x), attn(x), rtol=1e-4, atol=1e-5)
+    assert mine.last_chunks == 11 and 44 % (2 * mine.last_chunks) == 0
+    model = torch.nn.Sequential(copy.deepcopy(attn)).eval()
+    apply_rewrites(model, RewriteConfig(attention_budget_mb=budget / 2**20, group_norm=False, clipped_gelu=False,
+                                        time_embedding_outside=False))
+    to_tflite(model, (x,), tmp_path / "attn.tflite")
+    mem = graph_memory(tmp_path / "attn.tflite")
+    assert mem["largest_fc_input"] == "" and mem["largest_fc_input_mb"] == 0
