@@ -98,15 +98,29 @@ def phases_s(report: dict) -> dict:
     return out
 
 
+def run_group(cmd: list[str], timeout: float, env: dict | None = None) -> subprocess.CompletedProcess | None:
+    """CMD in a process group of its own; past `timeout` the whole group is killed (run-bundle's load workers too, which
+    would otherwise hold their GPU memory through the next launches) and None returned."""
+    import signal
+
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True) as p:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
+            return None
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
 def launch(bundle: str, out: Path, flags: list[str], programs: Path, driver: Path, timeout: float, accelerator: str) -> dict:
     """One run-bundle process; its report (or the error)."""
     cmd = [sys.executable, "-m", "pocketdiff.cli", "run-bundle", bundle, "--prompt", PROMPT, "--output", str(out),
            "--accelerator", accelerator, "--seed", "0", "--overwrite", "--gpu-cache", str(programs), *flags]
     env = dict(os.environ, __GL_SHADER_DISK_CACHE_PATH=str(driver), MESA_SHADER_CACHE_DIR=str(driver))  # cold: empty too
     t0 = time.perf_counter()
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired:
+    p = run_group(cmd, timeout, env)
+    if p is None:
         return {"error": f"timeout after {timeout} s"}
     wall = round(time.perf_counter() - t0, 2)
     report = out / "report.json"
@@ -128,7 +142,7 @@ def row_of(config: str, flags: list[str], when: str, layout: str, r: dict, image
             "fully_accelerated": r.get("fully_accelerated"), "loading_policy": r.get("loading_policy"),
             "environments": mem.get("environments"), "overlap": mem.get("overlap"),
             "cpu_variants": sorted({p.get("variant") for p in mem.get("phases") or [] if p.get("phase") == "cpu_variant"}),
-            "image_sha256": _sha(image), "same_image_as_baseline": bool(baseline) and _sha(image) == _sha(baseline),
+            "image_sha256": _sha(image), "same_image_as_baseline": _sha(image) == _sha(baseline) if baseline else None,
             "psnr_vs_baseline_db": _finite(png_psnr(image, baseline)) if baseline else None,  # None: the same image
             "marks": [{k: v for k, v in p.items() if k in ("component", "phase", "t_s", "host_rss_mb", "gpu_mb", "variant")}
                       for p in mem.get("phases") or []]}
@@ -193,11 +207,8 @@ def run_app(a, doc: Doc, bundle: str, mode: str) -> None:
            "--accelerator", a.accelerator, "--gpu-cache", str(folder / "programs"), "--launch", kind,
            "--prompt", PROMPT, "--out", str(rows_file)]
     env = dict(os.environ, __GL_SHADER_DISK_CACHE_PATH=str(folder / "driver"), MESA_SHADER_CACHE_DIR=str(folder / "driver"))
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout * 2, env=env)
-        err = None if p.returncode == 0 else f"exit {p.returncode}: {p.stderr[-1500:]}"
-    except subprocess.TimeoutExpired:
-        err = f"timeout after {a.timeout * 2} s"
+    p = run_group(cmd, a.timeout, env)
+    err = f"timeout after {a.timeout} s" if p is None else None if p.returncode == 0 else f"exit {p.returncode}: {p.stderr[-1500:]}"
     rows = json.loads(rows_file.read_text())["rows"] if rows_file.is_file() else []
     doc.doc["app_rows"] += [{**r, "layout": Path(bundle).name} for r in rows]
     doc.doc["app_summary"] += summarize(rows) if rows else [{"mode": mode, "error": err}]
@@ -212,10 +223,11 @@ def run_env_probe(a, doc: Doc, bundle: str) -> None:
     folder = Path(a.cache_root) / "pipelined"  # the baseline's program cache: the probe's loads are warm
     cmd = [sys.executable, str(HERE / "startup_levers.py"), "env-probe", bundle, "--cache", str(folder / "programs"),
            "--models", a.probe_models]
+    p = run_group(cmd, a.timeout)
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
-        doc.doc["env_probe"] = json.loads(p.stdout.strip().splitlines()[-1]) if p.returncode == 0 else {"error": p.stderr[-1500:]}
-    except (subprocess.TimeoutExpired, ValueError, IndexError) as e:
+        doc.doc["env_probe"] = ({"error": f"timeout after {a.timeout} s"} if p is None else
+                                json.loads(p.stdout.strip().splitlines()[-1]) if p.returncode == 0 else {"error": p.stderr[-1500:]})
+    except (ValueError, IndexError) as e:
         doc.doc["env_probe"] = {"error": str(e)}
     doc.write()
     print(json.dumps(doc.doc["env_probe"])[:1500], flush=True)
@@ -299,8 +311,10 @@ def run(a) -> int:
             run_app(a, doc, bundle, s[len("app:"):])
         elif s == "probe":
             run_env_probe(a, doc, bundle)
-        elif s == "repeat":  # a last warm baseline launch: the drift over the call
+        elif s == "repeat" and (Path(a.cache_root) / "pipelined").is_dir():  # a last warm baseline launch: the drift
             run_config(a, doc, bundle, layout, "pipelined", ("warm again",), fresh=False)
+        elif s == "repeat":
+            doc.doc["skipped"].append("repeat: no pipelined launch ran before it")
     doc.doc["elapsed_s"] = round(time.perf_counter() - a.t_start, 1)
     doc.write()
     for s in doc.doc["summary"]:
@@ -322,7 +336,7 @@ def main(argv=None) -> int:
     r.add_argument("--probe-models", default="text_encoder.0,text_encoder.1,text_encoder.2",
                    help="the probe's models, in order")
     r.add_argument("--accelerator", default="gpu", choices=("gpu",))
-    r.add_argument("--timeout", type=float, default=120.0, help="seconds per launch")
+    r.add_argument("--timeout", type=float, default=80.0, help="seconds per process (a launch, an app mode, the probe)")
     r.add_argument("--budget-s", type=float, default=420.0, help="no launch starts past this many seconds")
     p = sub.add_parser("env-probe")
     p.add_argument("bundle")

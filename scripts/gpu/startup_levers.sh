@@ -6,14 +6,14 @@
 # or 2] with it, --one-environment, --overlap-loads alone, --compile-ahead alone; an app's later images (app_images.py
 # modes keep_unet_decoder_te_cpu, keep_unet_te_cpu, plain_te_cpu: IMAGES each, warm on te_cpu's folders); the
 # environment probe; a last warm baseline.
-# No step starts past BUDGET_S (default 390) seconds after this script started: with the last launch (<= ~40 s) the
+# No step starts past BUDGET_S (default 380) seconds after this script started: with the last launch (<= ~40 s) the
 # call stays under 8 min. Staged as scripts/gpu/app_images.sh was (the tree leaves ~5 MB per call for carried files):
 #   bash scripts/gpu/stage.sh split .whl .devbundle/rr --every .gl --part-mb 4.7 --then "SETUP_ONLY=1 bash scripts/gpu/startup_levers.sh"
 #   then the calls it prints, back to back (each carries .gl and one part; the last one installs the wheels and this
 #   repo and unpacks the bundle into /tmp), then, on the same warm machine, the measuring call carrying [".gl"]:
 #   bash scripts/gpu/startup_levers.sh
 #   (a machine that already holds /tmp/sd21_bundles/tiny and /tmp/site, from an earlier script, needs only that call.)
-# PLAN (startup_levers.py --plan), IMAGES (default 6), BUDGET_S, LAUNCH_TIMEOUT (default 100 s) override the defaults.
+# PLAN (startup_levers.py --plan), IMAGES (default 6), BUDGET_S, LAUNCH_TIMEOUT (default 80 s, each process) override the defaults.
 # SMOKE=1: the smoke bundle on this machine's Vulkan (lavapipe on the 2-core box), nothing staged, a short plan.
 # Writes $OUT/startup_sd21.json (rewritten after every process: a cut call returns what ran), $OUT/startup_levers.log.
 set -u
@@ -39,6 +39,6 @@ BUNDLES=/tmp/sd21_bundles
 if [ -n "${SETUP_ONLY:-}" ]; then say "set up: $(ls "$BUNDLES"), $(ls /tmp/site | wc -l) packages in /tmp/site"; exit 0; fi
 say "$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader); $(nproc) cores; set up in $SECONDS s"
 $PY "$REPO"/benchmarks/startup_levers.py run "$BUNDLES/tiny" --cache-root /tmp/startup_levers --out "$OUT/startup_sd21.json" \
-  ${PLAN:+--plan "$PLAN"} --images "${IMAGES:-6}" --budget-s "$(( ${BUDGET_S:-390} - SECONDS ))" \
-  --timeout "${LAUNCH_TIMEOUT:-100}" 2>&1 | grep -v '^INFO: \|^WARNING: All log messages'
+  ${PLAN:+--plan "$PLAN"} --images "${IMAGES:-6}" --budget-s "$(( ${BUDGET_S:-380} - SECONDS ))" \
+  --timeout "${LAUNCH_TIMEOUT:-80}" 2>&1 | grep -v '^INFO: \|^WARNING: All log messages'
 say "done"
