@@ -154,9 +154,9 @@ def _adapter_metadata(unet) -> dict:
 def save_lora(unet, student: StudentConfig, folder: Path) -> Path:
     """The LoRA factors of `unet` (its current weights: the EMA's after use_ema_weights) as folder/LORA_FILE in
     student.lora_dtype: diffusers' layout (`unet.`-prefixed PEFT keys, the adapter config under
-    `lora_adapter_metadata`, as `save_lora_weights` writes them), with the metadata in one order so that the same
-    factors always make the same bytes (diffusers' own writer orders it by process history: a resumed run's file
-    hashed differently)."""
+    `lora_adapter_metadata`, as `save_lora_weights` writes them). That is the header's one metadata entry (no
+    "format": "pt", which no LoRA loader reads): safetensors writes its metadata map in a random order, so with two
+    entries the same factors made different bytes (a resumed run's file hashed differently from the uninterrupted one's)."""
     from peft.utils import get_peft_model_state_dict
     from safetensors.torch import save_file
 
@@ -164,7 +164,7 @@ def save_lora(unet, student: StudentConfig, folder: Path) -> Path:
     state = {f"unet.{k}": v.detach().to("cpu", dtype).contiguous() for k, v in get_peft_model_state_dict(unet).items()}
     meta = {f"unet.{k}": v for k, v in _adapter_metadata(unet).items()}
     folder.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(folder / LORA_FILE), metadata={"format": "pt", "lora_adapter_metadata": json.dumps(meta, indent=2, sort_keys=True)})
+    save_file(state, str(folder / LORA_FILE), metadata={"lora_adapter_metadata": json.dumps(meta, indent=2, sort_keys=True)})
     return folder / LORA_FILE
 
 

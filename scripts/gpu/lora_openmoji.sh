@@ -45,6 +45,8 @@ else
 fi
 C=$REPO/configs W=$RUNS/lora L=$RUNS/lora/logs
 mkdir -p $L && cd $W || exit 1
+# the LoRA student trains through peft (the CUDA image has it; diffusers 0.42 wants peft >= 0.17)
+python3 -c "import peft, diffusers; print('peft', peft.__version__, 'diffusers', diffusers.__version__)" | tee -a $L/timeline.log || exit 1
 T0=$(date +%s); BUDGET_S=${BUDGET_S:-$([ -n "${SMOKE:-}" ] && echo 3000 || { [ "$PHASE" = teacher ] && echo 560 || echo 520; })}
 left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
 stamp() { echo "[$(date +%T)] $*" | tee -a $L/timeline.log; }

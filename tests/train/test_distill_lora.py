@@ -40,14 +40,18 @@ def teacher_dir(save_shapes_teacher):
     return save_shapes_teacher(arch="tiny", prediction_type="v_prediction")
 
 
-def _cfg(teacher_dir, *extra):
-    return load_config(distill.Config, None, [
+def _cfg_args(teacher_dir, *extra) -> list[str]:
+    return [
         f"model.pretrained={teacher_dir}", "data.source=shapes", "data.shapes_count=16", "data.resolution=32",
         "method=consistency", "student_prediction_type=teacher", "guidance.conditioned=false", "guidance.scale=2",
         "consistency.solver_steps=10", "consistency.sample_steps=[2,4]", "consistency.target_ema_decay=0.5",
         "consistency.train.max_steps=4", "consistency.train.batch_size=2", "consistency.train.checkpoint_every=2",
         "consistency.train.log_every=1", "consistency.train.lr=0.01", "consistency.train.ema_decay=0.5",
-        "student.lora_rank=4", "student.lora_alpha=8", "eval.prompts=[a red circle]", "eval.reference_steps=8", *extra])
+        "student.lora_rank=4", "student.lora_alpha=8", "eval.prompts=[a red circle]", "eval.reference_steps=8", *extra]
+
+
+def _cfg(teacher_dir, *extra):
+    return load_config(distill.Config, None, _cfg_args(teacher_dir, *extra))
 
 
 def _digest(folder) -> dict:
@@ -227,3 +231,24 @@ def test_attention_targets_adapt_only_the_attention_projections(teacher_dir):
     assert adapted and all(n.rsplit(".", 2)[-2:] in (["attn1", "to_q"], ["attn1", "to_k"], ["attn1", "to_v"], ["attn2", "to_q"],
                                                      ["attn2", "to_k"], ["attn2", "to_v"], ["to_out", "0"]) for n in adapted)
     assert trainable and all(_is_lora_key(n) for n in trainable)
+
+
+def test_two_processes_train_the_same_lora(teacher_dir, lora_run, tmp_path):
+    """Under `accelerate launch` with 2 processes (gloo on the CPU; DDP over a frozen UNet with trainable factors) the
+    run trains the one-process run's LoRA up to the all-reduce's rounding: the losses agree to it; a few factors differ
+    by up to ~lr (Adam's first updates are about lr * g / |g|: a gradient element near 0 whose rounding differs moves
+    by a fraction of lr either way, as tests/train/test_distill_world_size_resume.py found for the whole UNet)."""
+    from cpu_launch import accelerate_cpu
+
+    full_out, full_report, _ = lora_run
+    overrides = [a for a in _cfg_args(teacher_dir) if not a.startswith("eval.")] + ["eval.enabled=false"]
+    accelerate_cpu(2, "-m", "pocketdiff", "distill", "--output", str(tmp_path / "two"), *overrides)
+    a, b = load_file(str(full_out / "round-0" / LORA)), load_file(str(tmp_path / "two" / "round-0" / LORA))
+    assert a.keys() == b.keys()
+    worst = max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+    mean = sum(float((a[k].float() - b[k].float()).abs().sum()) for k in a) / sum(v.numel() for v in a.values())
+    assert worst <= 0.01 and mean < 1e-4, (worst, mean)  # lr = 0.01; the factors reach ~0.2
+    assert any(float(v.abs().max()) > 0 for k, v in b.items() if ".lora_B." in k)
+    two = json.loads((tmp_path / "two" / "report.json").read_text())["rounds"][0]["losses"]
+    one = full_report["rounds"][0]["losses"]
+    assert [s for s, _ in two] == [s for s, _ in one] and all(abs(x - y) <= 1e-4 * max(1.0, abs(y)) for (_, x), (_, y) in zip(one, two))
