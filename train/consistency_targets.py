@@ -28,6 +28,8 @@ from pocketdiff.conditioning import as_conditioning
 from pocketdiff.consistency_sampling import boundary_scalings, skipping_grid
 from pocketdiff.sampling import ddim_step, predict_x0_eps
 
+from .distill_lora import is_lora_unet
+
 
 @dataclasses.dataclass
 class SkippingPlan:
@@ -82,7 +84,7 @@ class TargetNetwork:
         self.decay = float(decay)
         self.live = self.decay == 0.0
         # a LoRA student (train/distill_lora.py): only its factors move, so only they are averaged and checkpointed
-        self.lora = any(".lora_A." in n for n, _ in student.named_parameters())
+        self.lora = is_lora_unet(student)
         if self.live:
             self.net = student
             return

@@ -29,6 +29,8 @@ import torch
 from pocketdiff.errors import PocketdiffError, require
 from pocketdiff.names import PRECISIONS
 
+from .distill_targets import DTYPES
+
 LORA_FILE = "pytorch_lora_weights.safetensors"  # diffusers' default weight_name: load_lora_weights(folder) finds it
 # LCM-LoRA's targets (diffusers' train_lcm_distill_lora_sd_wds.py): every attention projection, the transformer blocks'
 # proj_in / proj_out and feed-forward, the ResNets' convs, shortcuts and time projections, the down / up samplers' convs
@@ -37,7 +39,6 @@ LCM_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "proj_in", "proj_out", "ff.ne
 # q, k, v and out of every attention: MediaPipe's choice, and what a bundle's `lora_slots` can swap
 ATTENTION_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
 TARGET_PRESETS = {"lcm": LCM_TARGETS, "attention": ATTENTION_TARGETS}
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 @dataclasses.dataclass

@@ -270,5 +270,10 @@ def _write_page(out: Path, report: dict) -> None:
         for steps, ev in _round_evals(r):
             if ev.get("grid"):
                 sections.append((f"Round {r['round']} ({steps} steps): rows = " + ", ".join(ev["rows"]), img(ev["grid"])))
+    lora = report.get("lora")
+    if lora:  # student.lora_rank: the few-step student as a LoRA file
+        sections.append(("The student as a LoRA", table(["file", "sha256", "rank", "alpha", "layers", "parameters", "bytes", "dtype"],
+                         [[Path(lora["file"]).name, lora["sha256"], lora["rank"], lora["alpha"], lora["layers"], lora["params"],
+                           lora["bytes"], lora["dtype"]]])))
     sections.append(("How to sample a student", f"<p>{report['guidance']['how']}</p>"))
     write_page(out / "index.html", "pocketdiff distill", sections, report)

@@ -102,6 +102,7 @@ def test_the_report_names_the_loras_file_hash_rank_and_size(lora_run):
         assert any(m.endswith("." + target) for m in modules), target
     assert json.loads((out / "round-0" / "distill.json").read_text())["lora"]["lora_rank"] == 4
     assert "load_lora_weights" in (out / "round-0" / "README.md").read_text()
+    assert entry["sha256"] in (out / "index.html").read_text()
 
 
 def _stock_teacher_with_lora(teacher_dir, folder, fuse: bool = True):
