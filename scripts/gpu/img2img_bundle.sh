@@ -21,21 +21,22 @@ exec > >(tee -a "$OUT/img2img_bundle.log") 2>&1
 say() { echo "[$(date +%H:%M:%S)] $*"; }
 source "$REPO/scripts/gpu/vulkan_env.sh"
 source "$REPO/scripts/gpu/env.sh" || exit 3  # cd /tmp/runs: the repo's pocketdiff/ would shadow the installed one
-PY=python3
+PY=${PYTHON:-python3}
 PD="$PY -m pocketdiff.cli"
 BENCH="$PY $REPO/benchmarks/img2img_bundle.py"
-BUNDLES=/tmp/sd21_bundles
+BUNDLES=${BUNDLES:-/tmp/sd21_bundles}  # a dry run elsewhere: BUNDLES/tiny and ENC/enc512 given (POCKETDIFF_ENV_READY=1 SKIP_GL=1 PYTHON=...)
 [ -d "$BUNDLES/tiny" ] || { say "unpack rr"; $PY "$REPO"/benchmarks/sd21_bundle.py unpack "$REPO/.devbundle/rr" "$BUNDLES" > /dev/null || exit 5; }
-ENC=/tmp/i2i_enc
+ENC=${ENC:-/tmp/i2i_enc}
 [ -d "$ENC/enc512" ] || { say "unpack i2i"; $PY "$REPO"/benchmarks/sd21_bundle.py unpack "$REPO/.devbundle/i2i" "$ENC" > /dev/null || exit 5; }
 B=$BUNDLES/tiny_i2i
 if [ ! -f "$B/vae_encoder.tflite" ]; then  # hard links: the graft replaces the manifest, the tiny bundle stays as it was
   rm -rf "$B" && cp -al "$BUNDLES/tiny" "$B" && $BENCH graft "$B" "$ENC/enc512" || exit 6
 fi
-DEVICE=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | head -1)
-say "$DEVICE"
+DEVICE=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1)
+say "${DEVICE:-no nvidia-smi}"
 echo "$DEVICE" > "$OUT/device.txt"
-$BENCH picture /tmp/runs/i2i_in.png 512 512
+SIZE=$($PY -c "import json, sys; i = json.load(open(sys.argv[1]))['image']; print(i['width'], i['height'])" "$B/manifest.json")
+$BENCH picture /tmp/runs/i2i_in.png $SIZE
 R=$OUT/i2i_runs
 mkdir -p "$R"
 filt() { grep -v '^INFO: \|^WARNING: All log messages\|Could not load shared library'; }
