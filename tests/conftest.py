@@ -213,3 +213,13 @@ def smoke_encoder_export(gpu_delegate, tmp_path_factory):
     from img2img_fixtures import export_smoke_encoder
 
     return export_smoke_encoder(tmp_path_factory.mktemp("smoke_encoder"))
+
+
+@pytest.fixture(scope="session")
+def inpaint_unet_export(gpu_delegate, shared_conversions, tmp_path_factory):
+    """A tiny 9-channel inpainting folder and its `tasks: [inpaint]` export, once per worker (tests/img2img_fixtures.py):
+    {model, bundle, pictures}."""
+    from img2img_fixtures import export_inpaint_bundle
+
+    with shared_conversions.of("text_encoder", "vae_decoder"):  # the shapes teacher's, as other exports convert them
+        return export_inpaint_bundle(tmp_path_factory.mktemp("inpaint9"))

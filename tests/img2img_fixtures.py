@@ -82,3 +82,19 @@ def save_inpaint_folder(out: Path) -> Path:
                                           requires_safety_checker=False)
     save_pipeline(pipe, out)
     return out
+
+
+INPAINT_EXPORT = {"seed": 0, "tasks": ["inpaint"], "weights": "fp16", "guidance": "cfg", "guidance_scale": 3.0, "steps": 4,
+                  "fp16_scan": {"enabled": False}}
+
+
+def export_inpaint_bundle(root: Path) -> dict:
+    """save_inpaint_folder's model exported with `tasks: [inpaint]` (fully on the delegate), and make_pictures' pictures:
+    {model, bundle, pictures}."""
+    from pocketdiff.cli import main as cli_main
+
+    model = save_inpaint_folder(root / "model")
+    (root / "export.yaml").write_text(yaml.safe_dump({**INPAINT_EXPORT, "model": {"pretrained": str(model)}}))
+    assert cli_main(["export", "--config", str(root / "export.yaml"), "--output", str(root / "bundle")]) == 0
+    (root / "pics").mkdir()
+    return {"model": model, "bundle": root / "bundle", "pictures": make_pictures(root / "pics")}

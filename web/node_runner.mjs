@@ -144,9 +144,9 @@ async function pictureInput(opts, man) {
   };
   const pic = await read(opts['init-image'], '--init-image');
   const pixels = pictureTensor(pic, man, `--init-image ${opts['init-image']}`);
-  const mask = opts.mask ? latentMask(maskGrey(await read(opts.mask, '--mask'), man, [pic.width, pic.height], `--mask ${opts.mask}`), man) : null;
+  const grey = opts.mask ? maskGrey(await read(opts.mask, '--mask'), man, [pic.width, pic.height], `--mask ${opts.mask}`) : null;
   if (pixels.warning) process.stderr.write(`${pixels.warning}\n`);
-  return { pixels, mask, strength: opts.strength === undefined ? null : Number(opts.strength) };
+  return { pixels, mask: grey ? latentMask(grey, man) : null, grey, strength: opts.strength === undefined ? null : Number(opts.strength) };
 }
 
 /** Why this run is not the reference's (its picture, mask and strength: reference.json), or null when it is. */

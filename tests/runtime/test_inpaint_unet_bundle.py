@@ -13,25 +13,15 @@ import pytest
 import torch
 import yaml
 
-from img2img_fixtures import make_pictures, save_inpaint_folder  # tests/img2img_fixtures.py
+from img2img_fixtures import INPAINT_EXPORT as EXPORT  # tests/img2img_fixtures.py
 
 PROMPT = "a large red circle at the center"
-EXPORT = {"seed": 0, "tasks": ["inpaint"], "weights": "fp16", "guidance": "cfg", "guidance_scale": 3.0, "steps": 4,
-          "fp16_scan": {"enabled": False}}
 
 
 @pytest.fixture(scope="module")
-def inpaint(gpu_delegate, shared_conversions, tmp_path_factory):
-    """{model: the folder, bundle: its export, pictures: tests/img2img_fixtures.make_pictures}."""
-    from pocketdiff.cli import main as cli_main
-
-    root = tmp_path_factory.mktemp("inpaint9")
-    model = save_inpaint_folder(root / "model")
-    (root / "export.yaml").write_text(yaml.safe_dump({**EXPORT, "model": {"pretrained": str(model)}}))
-    with shared_conversions.of("text_encoder", "vae_decoder"):  # the shapes teacher's, as other exports convert them
-        assert cli_main(["export", "--config", str(root / "export.yaml"), "--output", str(root / "bundle")]) == 0
-    (root / "pics").mkdir()
-    return {"model": model, "bundle": root / "bundle", "pictures": make_pictures(root / "pics"), "root": root}
+def inpaint(inpaint_unet_export):
+    """{model: the folder, bundle: its export, pictures}: tests/conftest.py's session fixture."""
+    return inpaint_unet_export
 
 
 def test_export_declares_the_inpainting_inputs_by_role(inpaint):

@@ -1,7 +1,6 @@
 // Runs web/static/stages.js under node for tests/web/test_stages_js.py (a plain module: nothing else is loaded).
 // argv: <request json file>; prints one JSON answer:
-//   manifests -> per manifest {derived, pipeline, problems, parts (per stage), error (checkPipeline's or checkRunnable's
-//                line, or null)}
+//   manifests -> per manifest {derived, pipeline, problems, parts (per stage), error (checkPipeline's line or null)}
 //   guidance  -> per case {prompts, stack, repeat, combine} on the given arrays
 //   and the module's tables (registry, roles, families, kinds, output roles, chunkable order).
 import { readFileSync } from 'node:fs';
@@ -16,7 +15,6 @@ out.manifests = (req.manifests || []).map((man) => {
   let error = null;
   try {
     stages.checkPipeline(man);
-    stages.checkRunnable(man); // what pipeline.js refuses next: a 9-channel inpainting UNet
   } catch (e) {
     error = { type: e.constructor.name, message: e.message };
   }

@@ -9,7 +9,7 @@ import { schedulerFor } from './schedulers.js';
 import { ONE_PASS, UP_TILE, onePassDecode, statsDecode } from './tiled.js';
 import { halfPrecisionProblem } from './prepare.js';
 import { ImageStart, encodeImage, imagePlan } from './image_input.js';
-import { Guidance, PROMPT, REGISTRY, ROLES, concatLast } from './stages.js';
+import { Guidance, PROMPT, REGISTRY, ROLES, concatLast, inpaintingRoles, pipelineOf } from './stages.js';
 import { loraFeeds } from './lora.js';
 
 export const DECODER_PRECISION = 'fp32'; // the decoder's precision unless opts.decoderPrecision says otherwise
@@ -243,8 +243,9 @@ function stepFeeds(stage, guidance, fixed, x, t, table, latentShape) {
   return feeds;
 }
 
-/** The denoise stage's inputs that stay the same at every step: the prompt roles and the block's constants. */
-function fixedFeeds(bundle, stage, guidance, cond, lora) {
+/** The denoise stage's inputs that stay the same at every step: the prompt roles, the block's constants and an
+ *  inpainting UNet's mask and masked-picture latents (`picture`, by role). */
+function fixedFeeds(bundle, stage, guidance, cond, lora, picture = null) {
   const ids = bundle.conditioning?.time_ids;
   const constants = Array.isArray(ids) ? { time_ids: { data: Float32Array.from(ids), shape: [1, ids.length] } } : {};
   const factors = Object.values(stage.inputs).includes('lora_factors') ? loraFeeds(bundle.man, lora) : {}; // zeros without opts.lora
@@ -253,8 +254,16 @@ function fixedFeeds(bundle, stage, guidance, cond, lora) {
     if (ROLES[r].per === PROMPT) feeds[name] = cond[r];
     else if (Object.hasOwn(constants, r)) feeds[name] = guidance.repeat(constants[r]);
     else if (r === 'lora_factors') feeds[name] = factors[name];
+    else if (picture && Object.hasOwn(picture, r)) feeds[name] = guidance.repeat(picture[r]);
   }
   return feeds;
+}
+
+/** What the denoise loop starts from: the plan, the picture's latents and an inpainting UNet's inputs by role. */
+function imageStart(plan, latents, lat) {
+  const shape = [1, lat.channels, lat.height, lat.width];
+  const unetInputs = plan.inpaintUnet ? { mask: plan.mask, masked_image_latents: { data: latents.masked_image_latents, shape } } : null;
+  return { ...plan, latents: latents.image_latents, unetInputs };
 }
 
 /** The initial latents (given: run-bundle's, else the page's seeded noise) and the noise between an lcm scheduler's
@@ -284,9 +293,9 @@ async function denoise(log, guidance, cond, unet, streamed, lastStep) {
   const ts = scheduler.timesteps;
   const source = latentSource(opts, n, ts.length);
   // from a picture (image_input.js): the initial latents are the noise it is noised with; a mask blends after each step
-  const start = log.image ? new ImageStart(scheduler, log.image.latents, source.x, log.image.mask, log.image.strength) : null;
+  const start = log.image ? new ImageStart(scheduler, log.image.latents, source.x, log.image.mask, log.image.strength, log.image.unetInputs) : null;
   let x = start ? start.start() : source.x;
-  const fixed = fixedFeeds(bundle, stage, guidance, cond, opts.lora); // opts.lora {bytes, scale, name}: swapped per image
+  const fixed = fixedFeeds(bundle, stage, guidance, cond, opts.lora, log.image?.unetInputs); // opts.lora {bytes, scale, name}: swapped per image
   const stepMs = [];
   for (let i = 0; i < ts.length; i++) {
     const t = ts[i];
@@ -350,6 +359,7 @@ async function decodeStage(log, x, fetches) {
  */
 export async function generate(bundle, opts) {
   const plan = opts.image ? imagePlan(bundle.man, opts.image) : null; // checked before any model loads (image_input.js)
+  if (!plan && inpaintingRoles(pipelineOf(bundle.man).stages).length) throw new BundleError("init_image: the bundle's UNet inpaints: it runs from a picture and a mask only");
   const log = new RunLog(bundle, opts);
   const zeroUncond = Boolean(bundle.man.pipeline?.conditioning?.zero_unconditional); // runtime/guidance.py's rule
   const guidance = new Guidance(bundle.man.guidance, opts.scale, zeroUncond);
@@ -364,7 +374,7 @@ export async function generate(bundle, opts) {
   const imageFetch = plan ? startFetches(bundle, bundle.parts[plan.stage.stage])[0] : null; // a text run never loads it
   const den = denoiserFetches(bundle, opts);
   const cond = await encodePrompts(log, guidance, rows, encFetches);
-  if (plan) log.image = { ...plan, latents: await encodeImage(log, plan, imageFetch) };
+  if (plan) log.image = imageStart(plan, await encodeImage(log, plan, imageFetch), bundle.man.latent);
   const unet = den.kept ?? [];
   bundle.residentUnet = null; // held by this call until it ends
   try {

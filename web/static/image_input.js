@@ -8,8 +8,10 @@
 // - The denoise loop starts from addNoise(imageLatents, noise, timesteps[0]) on schedulerFor(block, strength)'s partial
 //   schedule (inpainting at strength 1: from the noise itself); inpainting blends after every step:
 //   x = mask x + (1 - mask) addNoise(imageLatents, noise, t_next), and after the last step the picture's latents.
+// - An inpainting UNet (9 channels: the mask and the masked picture's latents as inputs) repaints by itself: the encoder
+//   also runs on the masked picture (the repainted part 0.5 grey), both are fed every step, nothing is blended.
 import { schedulerFor } from './schedulers.js';
-import { BundleError, ENCODE_IMAGE, pipelineOf } from './stages.js';
+import { BundleError, ENCODE_IMAGE, inpaintingRoles, pipelineOf } from './stages.js';
 
 export const IMAGE_TO_IMAGE = 'image_to_image', INPAINT = 'inpaint';
 export const DEFAULT_STRENGTH = { [IMAGE_TO_IMAGE]: 0.8, [INPAINT]: 1.0 }; // diffusers' img2img and inpaint pipelines'
@@ -112,13 +114,25 @@ export function maskGrey(maskPic, man, pictureSize, what = 'mask') {
   return fitted(maskPic, 1, man, what);
 }
 
+/** An inpainting UNet's masked picture (runtime/image_tasks.py masked_picture): where the mask's grey (at the bundle's
+ *  size) is >= 0.5, 0.5 (diffusers' 0 in [-1, 1]); elsewhere the picture. */
+export function maskedPicture(pixels, grey) {
+  const hw = grey.length, data = new Float32Array(pixels.data.length);
+  for (let j = 0; j < data.length; j++) data[j] = grey[j % hw] / 255 >= 0.5 ? 0.5 : pixels.data[j];
+  return { data, shape: pixels.shape };
+}
+
 /** The run's image input checked against the bundle: the task its tasks must serve, the strength (its default by task),
- *  the encode_image stage, the scheduler on the strength's partial schedule. `image`: {pixels: {data, shape}, mask:
- *  {data, shape} | null, strength: number | null}. */
+ *  the encode_image stages (an inpainting UNet's bundle: the picture's and the masked picture's) and the pictures they
+ *  read, the scheduler on the strength's partial schedule. `image`: {pixels: {data, shape}, mask: {data, shape} | null,
+ *  grey: the mask's bytes at the bundle's size | null, strength: number | null}. */
 export function imagePlan(man, image) {
   const task = image.mask ? INPAINT : IMAGE_TO_IMAGE;
   const pipe = pipelineOf(man), tasks = pipe.tasks ?? [];
-  const stage = pipe.stages.find((s) => s.kind === ENCODE_IMAGE);
+  const stages = pipe.stages.filter((s) => s.kind === ENCODE_IMAGE), stage = stages[0];
+  const inpaintUnet = inpaintingRoles(pipe.stages).length > 0;
+  if (inpaintUnet && !image.mask) throw new BundleError('init_image: the bundle serves inpaint only (its UNet inpaints): add a mask');
+  if (inpaintUnet && !image.grey) throw new BundleError("mask: an inpainting UNet needs the mask's grey at the bundle's size (image.grey)");
   if (!tasks.includes(task) || !stage) {
     throw new BundleError(`${image.mask ? 'mask' : 'init_image'}: the bundle serves ${tasks.join(', ') || 'text_to_image'}, not ${task} (it has no image encoder stage): export it with tasks: [text_to_image, image_to_image, inpaint]`);
   }
@@ -129,14 +143,15 @@ export function imagePlan(man, image) {
   } catch (e) {
     throw new BundleError(`strength ${strength}: ${e.message}`);
   }
-  return { task, stage, strength, scheduler, pixels: image.pixels, mask: image.mask ?? null };
+  const pictures = { init_image: image.pixels, ...(inpaintUnet ? { masked_image: maskedPicture(image.pixels, image.grey) } : {}) };
+  return { task, stage, stages: inpaintUnet ? stages : [stage], inpaintUnet, strength, scheduler, pixels: image.pixels, pictures, mask: image.mask ?? null };
 }
 
 /** The denoise loop from the user's picture (runtime/image_tasks.py ImageStart): its start latents, the blend after
  *  each step under a mask. `scheduler`: schedulerFor(block, strength); `noise`: the run's initial latents. */
 export class ImageStart {
-  constructor(scheduler, imageLatents, noise, mask = null, strength = 1) {
-    Object.assign(this, { scheduler, imageLatents, noise, mask, strength });
+  constructor(scheduler, imageLatents, noise, mask = null, strength = 1, unetInputs = null) {
+    Object.assign(this, { scheduler, imageLatents, noise, mask, strength, unetInputs }); // unetInputs: an inpainting UNet's (no blend)
   }
 
   start() {
@@ -146,7 +161,7 @@ export class ImageStart {
 
   /** After step i: the picture's latents, noised to the next timestep (none after the last), outside the mask. */
   blend(i, x) {
-    if (!this.mask) return x;
+    if (!this.mask || this.unetInputs) return x;
     const ts = this.scheduler.timesteps;
     const kept = i + 1 === ts.length ? this.imageLatents : this.scheduler.addNoise(this.imageLatents, this.noise, ts[i + 1]);
     const m = this.mask.data, hw = m.length, y = new Float32Array(x.length);
@@ -155,18 +170,23 @@ export class ImageStart {
   }
 }
 
-/** The encode_image stage: the encoder compiles (golden-checked), runs once on the picture and is released before the
- *  denoiser compiles; `log`: generate.js's RunLog; `fetched`: its model's fetch. Returns the latents (Float32Array). */
+/** The encode_image stages: the encoder compiles (golden-checked), runs on each stage's picture (the picture; an
+ *  inpainting UNet's bundle also the masked one) and is released before the denoiser compiles; `log`: generate.js's
+ *  RunLog; `fetched`: its model's fetch. Returns the latents by role ({image_latents[, masked_image_latents]}). */
 export async function encodeImage(log, plan, fetched) {
   const c = await log.compile(fetched, ENCODER_PRECISION);
   try {
     log.record(c);
     await log.checkGolden(c);
-    const fed = Object.keys(plan.stage.inputs).find((n) => plan.stage.inputs[n] === 'init_image');
-    const out = await c.run({ [fed]: plan.pixels });
-    if (!out.data.every(Number.isFinite)) throw new BundleError(`${plan.stage.component}: the picture's latents have NaN/Inf values`);
+    const latents = {};
+    for (const s of plan.stages) {
+      const [[fed, role]] = Object.entries(s.inputs);
+      const out = await c.run({ [fed]: plan.pictures[role] });
+      if (!out.data.every(Number.isFinite)) throw new BundleError(`${s.component}: the picture's latents have NaN/Inf values`);
+      latents[s.outputs[0]] = out.data;
+    }
     log.ran(c);
-    return out.data;
+    return latents;
   } finally {
     c.release();
   }

@@ -176,7 +176,7 @@ export class PictureControls {
   /** generate.js's opts.image (null: text to image). */
   input() {
     if (!this.enabled || !this.rgb) return null;
-    return { pixels: this.pixels, mask: this.grey ? latentMask(this.grey, this.man) : null,
+    return { pixels: this.pixels, mask: this.grey ? latentMask(this.grey, this.man) : null, grey: this.grey ?? null,
       strength: this.strengthTouched ? this.strength : null };
   }
 

@@ -15,7 +15,7 @@ import { sha256Hex } from './sha256.js';
 import { schedulerProblem } from './schedulers.js';
 import { tilingProblem, upPartsProblem } from './tiled.js';
 import { layoutProblem } from './chunks.js';
-import { BundleError, DECODE, DENOISE, ENCODE_PROMPT, checkPipeline, checkRunnable, pipelineOf, stageParts } from './stages.js';
+import { BundleError, DECODE, DENOISE, ENCODE_PROMPT, checkPipeline, pipelineOf, stageParts } from './stages.js';
 import { consoleMark, consoleSince, prepareFailure } from './prepare.js';
 import { modelEvent, openModelGpu, settleUploads } from './gpu_device.js';
 
@@ -64,7 +64,6 @@ export class Bundle {
       if (problem) throw new BundleError(problem);
     }
     checkPipeline(man); // stages, roles, the components present, the role-fed shapes: one line, before any model loads
-    checkRunnable(man); // a 9-channel inpainting UNet: refused in one line (run-bundle runs it)
     this.readStages(man);
     const chain = man.vae_tiling ? upPartsProblem(man) : null;
     if (chain) throw new BundleError(chain);

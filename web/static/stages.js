@@ -250,14 +250,6 @@ export function inpaintingRoles(stages) {
   return [...found].sort();
 }
 
-/** The page and the Node runner do not run an inpainting UNet yet (run-bundle does): one line, before any model loads. */
-export function checkRunnable(man) {
-  const roles = inpaintingRoles(pipelineOf(man).stages || []);
-  if (roles.length) {
-    throw new BundleError(`bundle: its UNet inpaints (a 9-channel StableDiffusionInpaintPipeline UNet reading ${roles.join(', ')}): the page and the Node runner do not run it yet; use pocketdiff run-bundle BUNDLE --init-image PATH --mask PATH`);
-  }
-}
-
 /** Every problem of the manifest's pipeline (its block, or the derived one) against the registry and the manifest:
  *  version, stages, roles, order, the shapes each role feeds and reads (stageShapeProblems); one line each, the
  *  first naming the stage, component and input at fault. Empty when the page can run it. */
