@@ -22,7 +22,7 @@ def bench():
 @pytest.fixture(scope="module")
 def grafted(bench, smoke_encoder_export, tmp_path_factory):
     root = tmp_path_factory.mktemp("i2i")
-    shutil.copytree(SMOKE, root / "tiny")
+    shutil.copytree(SMOKE, root / "tiny", ignore=shutil.ignore_patterns("README.md", "web"))
     os.system(f"cp -al '{root / 'tiny'}' '{root / 'tiny_i2i'}'")  # as the GPU script copies the unpacked bundle
     before = (root / "tiny" / "manifest.json").read_bytes()
     block = bench.graft(root / "tiny_i2i", smoke_encoder_export)

@@ -46,7 +46,7 @@ def test_check_params_name_the_reference_files():
 ])
 def test_contradictions_are_one_line_and_write_nothing(pictures, tmp_path, capsys, flags, words):
     bundle = tmp_path / "bundle"
-    shutil.copytree(SMOKE, bundle)
+    shutil.copytree(SMOKE, bundle, ignore=shutil.ignore_patterns("README.md", "web"))
     argv = [{"PIC": pictures / "pic.png", "MASK": pictures / "mask.png"}.get(f, f) for f in flags]
     assert _web(bundle, *argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -56,7 +56,7 @@ def test_contradictions_are_one_line_and_write_nothing(pictures, tmp_path, capsy
 
 def test_the_reference_is_run_bundles_inpainting_from_the_picture(smoke_encoder_export, pictures, tmp_path):
     bundle = tmp_path / "bundle"
-    shutil.copytree(SMOKE, bundle)
+    shutil.copytree(SMOKE, bundle, ignore=shutil.ignore_patterns("README.md", "web"))
     graft_encoder(bundle, smoke_encoder_export)
     assert _web(bundle, "--init-image", pictures / "pic.png", "--mask", pictures / "mask.png", "--strength", "0.75") == 0
     ref = json.loads((bundle / "web/reference/reference.json").read_text())
