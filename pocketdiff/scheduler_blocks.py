@@ -262,8 +262,9 @@ def ddim_field_problems(s: Mapping, T: Optional[int], steps: Optional[int], ts_o
         return [("scheduler.timestep_spacing", "value", f"must be one of {', '.join(SPACINGS)}, got {spacing!r}")]
     if not _is_int(offset) or offset < 0:
         return [("scheduler.steps_offset", "type", f"must be a non-negative integer, got {offset!r}")]
-    if _clip_problems(s):
-        return _clip_problems(s)
+    clip = _clip_problems(s)
+    if clip:
+        return clip
     if not (ts_ok and T is not None and steps is not None and steps <= T):
         return []
     ts = list(s["timesteps"])
