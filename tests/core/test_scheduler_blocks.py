@@ -60,6 +60,15 @@ def test_a_ddim_block_must_carry_its_offset_and_spacing():
     assert [p[:2] for p in too_far] == [("scheduler.steps_offset", "range")] and "1000, outside [0, 1000)" in too_far[0][2]
 
 
+def test_a_ddim_blocks_clip_range_is_checked_and_thresholding_refused():
+    block = sb.block_for(sb.DDIM, {**SD_DDIM, "clip_sample": True, "clip_sample_range": 1.5}, 4, ALPHAS)
+    assert sb.block_problems(block) == [] and scheduler_for(block).config.clip_sample_range == 1.5
+    for bad in (0, -1.0, float("nan"), "1"):
+        assert [p[:2] for p in sb.block_problems({**block, "clip_sample_range": bad})] == [("scheduler.clip_sample_range", "value")]
+    with pytest.raises(PocketdiffError, match="model.pretrained: the scheduler uses dynamic thresholding"):
+        sb.block_for(sb.DDIM, {**SD_DDIM, "thresholding": True}, 4, ALPHAS)
+
+
 def test_strength_and_refusals():
     assert sb.strength_timesteps([751, 501, 251, 1], 0.5) == [251, 1]
     assert sb.strength_timesteps([751, 501, 251, 1], 0.3) == [1]  # int(1.2) = 1
