@@ -2,7 +2,8 @@
 the shipped shapes teacher's VAE encoder exported alone (`components: [vae_encoder]`), grafted onto a copy of the web
 smoke bundle (the same model and size), and the pictures and masks the tests feed. Importable as `img2img_fixtures`
 (tests/conftest.py puts this folder on sys.path); tests/conftest.py's session fixture `smoke_encoder_export` exports
-the encoder once per worker."""
+the encoder once per worker. The torch sampler's tests (tests/core/test_img2img_sampling.py,
+test_inpaint_unet_sampling.py) share `torch_picture`, `torch_half_mask` and `psnr_unit_range`."""
 from __future__ import annotations
 
 import json
@@ -56,6 +57,29 @@ def make_pictures(d: Path) -> Path:
     Image.fromarray(mask[:16, :16]).save(d / "mask16.png")
     (d / "not_an_image.png").write_text("hello")
     return d
+
+
+def torch_picture(seed: int = 0):
+    """A 32 px picture [1, 3, 32, 32] in [0, 1] (a torch tensor): smooth colour fields."""
+    import torch
+
+    low = torch.rand(1, 3, 4, 4, generator=torch.Generator().manual_seed(seed))
+    return torch.nn.functional.interpolate(low, size=(32, 32), mode="bilinear", align_corners=False)
+
+
+def torch_half_mask():
+    """[1, 1, 32, 32] (a torch tensor): repaint the right half."""
+    import torch
+
+    m = torch.zeros(1, 1, 32, 32)
+    m[..., 16:] = 1.0
+    return m
+
+
+def psnr_unit_range(a, b) -> float:
+    """PSNR in dB of two torch images in [0, 1] (peak 1); inf when identical."""
+    mse = float(((a.float() - b.float()) ** 2).mean())
+    return float("inf") if mse == 0 else 10 * np.log10(1.0 / mse)
 
 
 def save_inpaint_folder(out: Path) -> Path:

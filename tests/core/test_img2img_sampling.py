@@ -10,33 +10,16 @@ agree to >= 60 dB PSNR (RMS 1e-3 on [0, 1]; measured: identical images here, on 
 """
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
+
+from img2img_fixtures import psnr_unit_range, torch_half_mask, torch_picture  # tests/img2img_fixtures.py
 
 from pocketdiff.models import ModelConfig, load_or_build
 from pocketdiff.sampling import ImageInput, consistency_sample, ddim_sample, decode_latents, encode_images, encode_prompts
 
 PROMPT = "a large red circle at the center"
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
-
-
-def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
-    mse = float(((a.float() - b.float()) ** 2).mean())
-    return float("inf") if mse == 0 else 10 * np.log10(1.0 / mse)
-
-
-def picture(seed: int = 0) -> torch.Tensor:
-    """A 32 px picture in [0, 1]: smooth colour fields."""
-    low = torch.rand(1, 3, 4, 4, generator=torch.Generator().manual_seed(seed))
-    return torch.nn.functional.interpolate(low, size=(32, 32), mode="bilinear", align_corners=False)
-
-
-def half_mask() -> torch.Tensor:
-    """[1, 1, 32, 32]: repaint the right half."""
-    m = torch.zeros(1, 1, 32, 32)
-    m[..., 16:] = 1.0
-    return m
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +36,7 @@ def _ours(pipe, image: ImageInput, steps: int, seed: int, guidance: float = 3.0)
 
 
 def test_encode_images_is_the_scaled_mean(teacher):
-    pic = picture()
+    pic = torch_picture()
     lat = encode_images(teacher.vae, pic)
     with torch.no_grad():
         dist = teacher.vae.encode(pic * 2 - 1).latent_dist
@@ -65,38 +48,38 @@ def test_encode_images_is_the_scaled_mean(teacher):
 def test_ddim_img2img_matches_diffusers(teacher, strength):
     from diffusers import StableDiffusionImg2ImgPipeline
 
-    lat = encode_images(teacher.vae, picture())
+    lat = encode_images(teacher.vae, torch_picture())
     stock = StableDiffusionImg2ImgPipeline(**{**teacher.components, "safety_checker": None, "feature_extractor": None},
                                            requires_safety_checker=False)
     ref = stock(PROMPT, image=lat, strength=strength, num_inference_steps=5, guidance_scale=3.0,
                 generator=torch.Generator().manual_seed(2), output_type="pt").images
     ours = _ours(teacher, ImageInput(lat, strength), steps=5, seed=2)
-    assert psnr(ours, ref) >= 60
+    assert psnr_unit_range(ours, ref) >= 60
     if strength < 1:  # not vacuous: another strength is another image
-        assert psnr(_ours(teacher, ImageInput(lat, 0.8), steps=5, seed=2), ref) < 30
+        assert psnr_unit_range(_ours(teacher, ImageInput(lat, 0.8), steps=5, seed=2), ref) < 30
 
 
 @pytest.mark.parametrize("strength", [0.75, 1.0])
 def test_ddim_inpaint_matches_diffusers_with_a_4_channel_unet(teacher, strength):
     from diffusers import StableDiffusionInpaintPipeline
 
-    lat = encode_images(teacher.vae, picture(1))
+    lat = encode_images(teacher.vae, torch_picture(1))
     stock = StableDiffusionInpaintPipeline(**{**teacher.components, "safety_checker": None, "feature_extractor": None},
                                            requires_safety_checker=False)
-    ref = stock(PROMPT, image=lat, mask_image=half_mask(), masked_image_latents=lat, height=32, width=32, strength=strength,
+    ref = stock(PROMPT, image=lat, mask_image=torch_half_mask(), masked_image_latents=lat, height=32, width=32, strength=strength,
                 num_inference_steps=4, guidance_scale=3.0, generator=torch.Generator().manual_seed(3), output_type="pt").images
-    mask = half_mask()[..., ::4, ::4]  # nearest to the latent grid, as diffusers' F.interpolate
+    mask = torch_half_mask()[..., ::4, ::4]  # nearest to the latent grid, as diffusers' F.interpolate
     ours = _ours(teacher, ImageInput(lat, strength, mask), steps=4, seed=3)
-    assert psnr(ours, ref) >= 60
+    assert psnr_unit_range(ours, ref) >= 60
     plain = _ours(teacher, ImageInput(lat, strength), steps=4, seed=3)  # the blend matters
-    assert psnr(plain, ref) < 30 or strength == 1.0 and psnr(plain, ref) < 40
+    assert psnr_unit_range(plain, ref) < 30 or strength == 1.0 and psnr_unit_range(plain, ref) < 40
 
 
 def test_lcm_img2img_matches_diffusers(lcm_student):
     from diffusers import LatentConsistencyModelImg2ImgPipeline, StableDiffusionPipeline
 
     pipe = StableDiffusionPipeline.from_pretrained(str(lcm_student), safety_checker=None, requires_safety_checker=False)
-    lat = encode_images(pipe.vae, picture(2))
+    lat = encode_images(pipe.vae, torch_picture(2))
     stock = LatentConsistencyModelImg2ImgPipeline(**{**pipe.components, "safety_checker": None, "feature_extractor": None},
                                                   requires_safety_checker=False)
     ref = stock(PROMPT, image=lat, strength=0.6, num_inference_steps=2, guidance_scale=2.0,
@@ -107,4 +90,4 @@ def test_lcm_img2img_matches_diffusers(lcm_student):
         out = consistency_sample(pipe.unet, pipe.scheduler, encode_prompts(pipe, PROMPT), noise, steps=2, guidance_scale=2.0,
                                  generator=gen, image=ImageInput(lat, 0.6))
         ours = decode_latents(pipe.vae, out)
-    assert psnr(ours, ref) >= 60
+    assert psnr_unit_range(ours, ref) >= 60

@@ -9,11 +9,10 @@ arithmetic only, >= 60 dB PSNR on [0, 1] (identical images on one x86-64 CPU); t
 zeroing them (< 30 dB) and the blend's absence by a 4-channel-style blended run (< 40 dB)."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
-from img2img_fixtures import save_inpaint_folder  # tests/img2img_fixtures.py
+from img2img_fixtures import psnr_unit_range, save_inpaint_folder, torch_half_mask, torch_picture  # tests/img2img_fixtures.py
 
 from pocketdiff.errors import PocketdiffError
 from pocketdiff.models import ModelConfig, load_or_build
@@ -21,22 +20,6 @@ from pocketdiff.sampling import ImageInput, ddim_sample, decode_latents, encode_
 
 PROMPT = "a large red circle at the center"
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
-
-
-def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
-    mse = float(((a.float() - b.float()) ** 2).mean())
-    return float("inf") if mse == 0 else 10 * np.log10(1.0 / mse)
-
-
-def picture(seed: int = 0) -> torch.Tensor:
-    low = torch.rand(1, 3, 4, 4, generator=torch.Generator().manual_seed(seed))
-    return torch.nn.functional.interpolate(low, size=(32, 32), mode="bilinear", align_corners=False)
-
-
-def half_mask() -> torch.Tensor:
-    m = torch.zeros(1, 1, 32, 32)
-    m[..., 16:] = 1.0
-    return m
 
 
 @pytest.fixture(scope="module")
@@ -62,20 +45,20 @@ def test_the_folder_loads_with_its_9_channel_unet(inpainter):
 def test_ddim_inpaint_matches_diffusers_with_a_9_channel_unet(inpainter, strength):
     from diffusers import StableDiffusionInpaintPipeline
 
-    image = inpaint_input(inpainter.vae, inpainter.unet, picture(1), half_mask(), strength)
+    image = inpaint_input(inpainter.vae, inpainter.unet, torch_picture(1), torch_half_mask(), strength)
     assert image.masked_latents is not None and image.mask.shape == (1, 1, 8, 8)
     stock = StableDiffusionInpaintPipeline(**{**inpainter.components, "safety_checker": None, "feature_extractor": None},
                                            requires_safety_checker=False)
-    ref = stock(PROMPT, image=image.latents, mask_image=half_mask(), masked_image_latents=image.masked_latents, height=32,
+    ref = stock(PROMPT, image=image.latents, mask_image=torch_half_mask(), masked_image_latents=image.masked_latents, height=32,
                 width=32, strength=strength, num_inference_steps=4, guidance_scale=3.0,
                 generator=torch.Generator().manual_seed(3), output_type="pt").images
     ours = _ours(inpainter, image, seed=3)
-    assert psnr(ours, ref) >= 60
+    assert psnr_unit_range(ours, ref) >= 60
     zeroed = ImageInput(image.latents, strength, image.mask, torch.zeros_like(image.masked_latents))
-    assert psnr(_ours(inpainter, zeroed, seed=3), ref) < 30  # the masked latents are read
+    assert psnr_unit_range(_ours(inpainter, zeroed, seed=3), ref) < 30  # the masked latents are read
     if strength < 1:  # no blend: the 4-channel path's blend on top of the 9-channel inputs is another image
         blended = _Blending(image.latents, strength, image.mask, image.masked_latents)
-        assert psnr(_ours(inpainter, blended, seed=3), ref) < 40
+        assert psnr_unit_range(_ours(inpainter, blended, seed=3), ref) < 40
 
 
 class _Blending(ImageInput):
@@ -86,8 +69,8 @@ class _Blending(ImageInput):
 
 
 def test_masked_pictures_are_grey_where_repainted():
-    pic = picture(2)
-    out = masked_pictures(pic, half_mask())
+    pic = torch_picture(2)
+    out = masked_pictures(pic, torch_half_mask())
     assert torch.equal(out[..., :16], pic[..., :16]) and bool((out[..., 16:] == 0.5).all())
 
 
@@ -97,4 +80,4 @@ def test_a_unet_of_another_width_is_refused(inpainter):
             in_channels = 7
 
     with pytest.raises(PocketdiffError, match="takes 7 channels"):
-        inpaint_input(inpainter.vae, Odd, picture(), half_mask())
+        inpaint_input(inpainter.vae, Odd, torch_picture(), torch_half_mask())
