@@ -89,8 +89,13 @@ def load_model_state(model, state: dict, trainable_only: bool) -> None:
     if not trainable_only:
         model.load_state_dict(state)
         return
-    want = set(model_state(model, True))
-    if set(state) != want:
-        odd = sorted(set(state) ^ want)[0]
+    load_exactly(model, state, set(model_state(model, True)))
+
+
+def load_exactly(model, state: dict, names: set) -> None:
+    """`state` into `model` when it holds exactly the parameters `names` (the rest of `model` stays as it is); else
+    ValueError naming one parameter that is in only one of them (train_loop's resume names the file)."""
+    if set(state) != names:
+        odd = sorted(set(state) ^ names)[0]
         raise ValueError(f"holds other trained parameters than this model's ({odd!r} is in one only)")
     model.load_state_dict(state, strict=False)

@@ -28,6 +28,7 @@ from pocketdiff.conditioning import as_conditioning
 from pocketdiff.consistency_sampling import boundary_scalings, skipping_grid
 from pocketdiff.sampling import ddim_step, predict_x0_eps
 
+from .checkpoints import load_exactly, model_state
 from .distill_lora import is_lora_unet
 
 
@@ -94,7 +95,7 @@ class TargetNetwork:
             self.net = UNet2DConditionModel.from_config(student.config)
             self.net.load_state_dict(student.state_dict())
         self.net.to(device=device, dtype=torch.float32).requires_grad_(False).eval()
-        trained = {n for n, p in student.named_parameters() if p.requires_grad} if self.lora else None
+        trained = set(model_state(student, trainable_only=True)) if self.lora else None
         self.moving = [(n, p) for n, p in self.net.named_parameters() if trained is None or n in trained]
 
     @torch.no_grad()
@@ -114,9 +115,7 @@ class TargetNetwork:
         if not self.lora:
             self.net.load_state_dict(state)
             return
-        if set(state) != {n for n, _ in self.moving}:
-            raise ValueError("holds other LoRA factors than this target network's")
-        self.net.load_state_dict(state, strict=False)
+        load_exactly(self.net, state, {n for n, _ in self.moving})
 
     @torch.no_grad()
     def __call__(self, z, t, cond, timestep_cond: Optional[torch.Tensor]) -> torch.Tensor:

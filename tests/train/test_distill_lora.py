@@ -253,3 +253,26 @@ def test_two_processes_train_the_same_lora(teacher_dir, lora_run, tmp_path):
     two = json.loads((tmp_path / "two" / "report.json").read_text())["rounds"][0]["losses"]
     one = full_report["rounds"][0]["losses"]
     assert [s for s, _ in two] == [s for s, _ in one] and all(abs(x - y) <= 1e-4 * max(1.0, abs(y)) for (_, x), (_, y) in zip(one, two))
+
+
+def test_a_lora_target_network_and_model_load_exactly_their_factors(teacher_dir):
+    """The target network (a LoRA student's: its factors alone) and the model checkpoint (trainable_only) load a state
+    of exactly their trained parameters; one more or one less is refused (train_loop's resume names the file)."""
+    from pocketdiff.models import load_pipeline
+    from pocketdiff.train.checkpoints import load_model_state, model_state
+    from pocketdiff.train.consistency_targets import TargetNetwork
+    from pocketdiff.train.distill_lora import add_lora
+
+    unet = add_lora(load_pipeline(str(teacher_dir)).unet, _cfg(teacher_dir, "student.lora_targets=attention").student)
+    target = TargetNetwork(unet, 0.5)
+    state = target.state_dict()
+    assert state and all(_is_lora_key(k) for k in state) and state.keys() == model_state(unet, trainable_only=True).keys()
+    moved = {k: v + 1 for k, v in state.items()}
+    target.load_state_dict(moved)
+    assert all(torch.equal(target.state_dict()[k], moved[k]) for k in moved)
+    first = sorted(state)[0]
+    for bad in ({k: v for k, v in state.items() if k != first}, {**state, "conv_in.weight": unet.conv_in.weight}):
+        with pytest.raises(ValueError, match="is in one only"):
+            target.load_state_dict(bad)
+        with pytest.raises(ValueError, match="is in one only"):
+            load_model_state(unet, bad, trainable_only=True)
