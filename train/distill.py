@@ -391,14 +391,13 @@ def _train_round(cfg: Config, spec: RoundSpec, acc, pipe, teacher_unet, t_sched,
         "report": round_report,
     }
     if acc.is_main_process:
-        saved, extra = student, {}
-        if cfg.student.enabled:  # the LoRA file, and the teacher with it fused as the folder's UNet
-            staging = out / f".{spec.name}.lora"
+        saved, extra, staging = student, {}, out / f".{spec.name}.lora"
+        if cfg.student.enabled:  # the LoRA file (staged), and the teacher with it fused as the folder's UNet
             saved, round_report["lora"], extra[LORA_FILE] = write_lora_outputs(student, teacher_unet, cfg.student, staging, folder)
             meta["lora"] = {"file": LORA_FILE, **cfg.student.record()}
         _write_round_folder(pipe, saved, s_sched, folder, meta, share_from=prev_folder or _teacher_folder(cfg), extra_files=extra)
         if extra:
-            shutil.rmtree(out / f".{spec.name}.lora", ignore_errors=True)
+            shutil.rmtree(staging, ignore_errors=True)  # emptied by the move into the round folder
         if not cfg.keep_round_checkpoints:  # the round folder is its result: resume never reads these again
             shutil.rmtree(out / "checkpoints" / spec.name, ignore_errors=True)
     acc.wait_for_everyone()

@@ -82,6 +82,7 @@ def test_only_the_lora_factors_train_and_the_teacher_stays(teacher_dir, lora_run
     ups = [v for k, v in state.items() if ".lora_B." in k]
     assert ups and any(float(v.abs().max()) > 0 for v in ups)  # B starts at zero: the factors did train
     assert all(v.dtype == torch.float16 for v in state.values())  # student.lora_dtype's default
+    assert not (out / ".round-0.lora").exists()  # the staged LoRA moved into the round folder, its folder gone
 
 
 def test_the_report_names_the_loras_file_hash_rank_and_size(lora_run):
