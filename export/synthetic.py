@@ -99,10 +99,13 @@ def round_norm_affines(module) -> int:
 
 
 def tile_pipeline(pipe, seed: int, init: str = "default") -> dict:
-    """Tiled weights for the text encoder, the UNet and the VAE of `pipe` (norm affines are
+    """Tiled weights for the text encoder(s), the UNet and the VAE of `pipe` (norm affines are
     perturbed by the caller first, then rounded here). Returns per-component fill info."""
     out = {}
-    for k, (name, module) in enumerate((("text_encoder", pipe.text_encoder), ("unet", pipe.unet), ("vae", pipe.vae))):
+    parts = [("text_encoder", pipe.text_encoder), ("unet", pipe.unet), ("vae", pipe.vae)]
+    if getattr(pipe, "text_encoder_2", None) is not None:  # the SDXL family's second text encoder (seed + 30)
+        parts.append(("text_encoder_2", pipe.text_encoder_2))
+    for k, (name, module) in enumerate(parts):
         info = fill_tiled(module, seed + 10 * k, init)
         info["norms_rounded"] = round_norm_affines(module)
         out[name] = info
