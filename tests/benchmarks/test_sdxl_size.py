@@ -4,32 +4,22 @@ benchmarks/calibrate_sd21.py's calibration set for an SDXL family (and the SD on
 benchmarks/sdxl_size.py (the folder calibrate loads, the verb on it with configs/sdxl/calibrate_smoke.yaml, the rows)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from script_module import load_script  # tests/script_module.py
 
 ROOT = Path(__file__).resolve().parents[2]
-BENCHMARKS = ROOT / "benchmarks"
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _module(name: str):
-    """A benchmark script as a module (it imports `_checkout` from benchmarks/)."""
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        spec = importlib.util.spec_from_file_location(f"{name}_sdxl_bench", BENCHMARKS / f"{name}.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = mod
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-    return mod
+    """A benchmark script as a module (tests/script_module.py)."""
+    return load_script(f"benchmarks/{name}.py", f"{name}_sdxl_bench")
 
 
 @pytest.fixture(scope="module")

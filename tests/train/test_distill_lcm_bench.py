@@ -3,28 +3,20 @@
 consistency run (its one stage against `ours_lcm` at the consistency section's batch)."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from script_module import load_script  # tests/script_module.py
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _module(name: str):
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        spec = importlib.util.spec_from_file_location(f"{name}_bench", BENCHMARKS / f"{name}.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-    return mod
+    """A benchmark script as a module (tests/script_module.py)."""
+    return load_script(f"benchmarks/{name}.py", f"{name}_bench")
 
 
 def test_ours_lcm_times_the_consistency_step(tmp_path):
