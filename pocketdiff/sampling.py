@@ -538,6 +538,9 @@ def generate(
     resolution = int(resolution or _cfg_get(ucfg, "sample_size") * factor)
     check_resolution(pipe, resolution, "resolution", unet)
     channels = _cfg_get(ucfg, "in_channels", pipe.unet.config.in_channels)
+    if channels == 2 * _cfg_get(ucfg, "out_channels", channels) + 1:  # a StableDiffusionInpaintPipeline folder's UNet
+        raise PocketdiffError(f"the UNet inpaints ({channels} input channels: latents, mask, masked-picture latents): it "
+                              "cannot draw from text alone; sample it from a picture and a mask (inpaint_input, ddim_sample)")
     side = resolution // factor
     device = _module_device(unet, _module_device(pipe.unet, torch.device("cpu")))
 

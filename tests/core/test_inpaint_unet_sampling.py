@@ -16,7 +16,7 @@ from img2img_fixtures import psnr_unit_range, save_inpaint_folder, torch_half_ma
 
 from pocketdiff.errors import PocketdiffError
 from pocketdiff.models import ModelConfig, load_or_build
-from pocketdiff.sampling import ImageInput, ddim_sample, decode_latents, encode_prompts, inpaint_input, masked_pictures
+from pocketdiff.sampling import ImageInput, ddim_sample, decode_latents, encode_prompts, generate, inpaint_input, masked_pictures
 
 PROMPT = "a large red circle at the center"
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -81,3 +81,11 @@ def test_a_unet_of_another_width_is_refused(inpainter):
 
     with pytest.raises(PocketdiffError, match="takes 7 channels"):
         inpaint_input(inpainter.vae, Odd, torch_picture(), torch_half_mask())
+
+
+def test_text_to_image_sampling_refuses_an_inpainting_unet_in_one_line(inpainter):
+    """generate (every verb's sampler: evaluate, distill, export's fp16 scan) draws from text alone: a 9-channel UNet
+    would otherwise stop in a torch shape error deep in the loop."""
+    with pytest.raises(PocketdiffError, match=r"^the UNet inpaints \(9 input channels") as e:
+        generate(inpainter, ["a red circle"], steps=2)
+    assert "\n" not in str(e.value)
