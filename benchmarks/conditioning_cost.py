@@ -21,6 +21,7 @@ import json
 import lzma
 import platform
 import shutil
+import tempfile
 import sys
 import time
 from pathlib import Path
@@ -124,7 +125,7 @@ def _timed(path: Path, feeds, repeats: int) -> dict:
 def measure(src: Path, bundle: Path, out: Path, repeats: int) -> dict:
     from pocketdiff.runtime.parity import metrics
 
-    work = out.parent / "conditioning_cost_graphs"
+    work = Path(tempfile.mkdtemp(prefix="conditioning_cost_"))  # not beside the result: $OUT takes no large files
     rows = []
     for name in WIDTHS:
         path = _unpacked(src, work, name)
