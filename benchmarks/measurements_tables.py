@@ -10,6 +10,7 @@ a table is always the one its result file holds.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import re
 import sys
@@ -520,6 +521,10 @@ TABLES = {
     "bundle-footprint-workers": bundle_footprint_workers,
     "load-stream": load_stream,
 }
+_spec = importlib.util.spec_from_file_location("startup_tables", Path(__file__).with_name("startup_tables.py"))
+_startup = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_startup)
+TABLES.update(_startup.TABLES)  # the start-up levers, an app's later images, img2img at SD-2.1 size
 
 
 def render(text: str) -> str:
