@@ -142,9 +142,11 @@ def row_of(config: str, flags: list[str], when: str, layout: str, r: dict, image
             "fully_accelerated": r.get("fully_accelerated"), "loading_policy": r.get("loading_policy"),
             "environments": mem.get("environments"), "overlap": mem.get("overlap"),
             "cpu_variants": sorted({p.get("variant") for p in mem.get("phases") or [] if p.get("phase") == "cpu_variant"}),
+            # XNNPACK's packed weights (runtime/xnnpack_cache.py): made at a cold launch, reused at a warm one, off without
+            "xnnpack_cache": sorted({p.get("state") for p in mem.get("phases") or [] if p.get("phase") == "xnnpack_cache"}),
             "image_sha256": _sha(image), "same_image_as_baseline": _sha(image) == _sha(baseline) if baseline else None,
             "psnr_vs_baseline_db": _finite(png_psnr(image, baseline)) if baseline else None,  # None: the same image
-            "marks": [{k: v for k, v in p.items() if k in ("component", "phase", "t_s", "host_rss_mb", "gpu_mb", "variant")}
+            "marks": [{k: v for k, v in p.items() if k in ("component", "phase", "t_s", "host_rss_mb", "gpu_mb", "variant", "state")}
                       for p in mem.get("phases") or []]}
 
 

@@ -22,7 +22,7 @@ class LoadedModel:
 
     def __init__(self, name: str, entry: dict, accelerator: str, cpu_int8_as_fp16: bool = True,
                  env=None, gpu_options: Optional[dict] = None, on_phase=None, release_file_pages: bool = False,
-                 cpu_variant_dir=None, cpu_threads: Optional[int] = None):
+                 cpu_variant_dir=None, cpu_threads: Optional[int] = None, xnnpack_cache=None):
         t0 = time.perf_counter()
         path = entry["_path"]
         self._tmp = None
@@ -30,6 +30,7 @@ class LoadedModel:
         self.run_s: list[float] = []
         self.pages_released: Optional[dict] = None
         self.cpu_variant: Optional[str] = None  # CPU, int8 file: made | kept (in cpu_variant_dir) | temporary
+        self.xnnpack_cache: Optional[str] = None  # CPU: made | reused | off (runtime/xnnpack_cache.py)
         if accelerator == "gpu":
             from .litert_c import CompiledModel as CModel
 
@@ -42,9 +43,13 @@ class LoadedModel:
             if release_file_pages and self.fully_accelerated:  # the accelerator holds the weights: the file's pages are dead
                 self._release_file_pages(path, on_phase)
         else:
+            source_key = entry.get("sha256") or ""
             if cpu_int8_as_fp16 and entry.get("weights") == "int8":
+                from .cpu_variant import VARIANT_VERSION
+
                 path = self._cpu_variant(entry, cpu_variant_dir, on_phase)
-            self._load_cpu(path, on_phase, cpu_threads)
+                source_key = source_key and f"{source_key}|cpu-variant-v{VARIANT_VERSION}"
+            self._load_cpu_cached(path, on_phase, cpu_threads, xnnpack_cache, source_key)
         self.load_s = time.perf_counter() - t0
 
     def _cpu_variant(self, entry: dict, folder, on_phase) -> str:
@@ -74,13 +79,37 @@ class LoadedModel:
         if on_phase and self.pages_released is not None:
             on_phase("pages_released", **self.pages_released)
 
-    def _load_cpu(self, path: str, on_phase, threads: Optional[int] = None) -> None:
-        """XNNPACK through ai-edge-litert's CompiledModel; `threads` None: the library's default count."""
+    def _load_cpu_cached(self, path: str, on_phase, threads: Optional[int], cache, source_key: str) -> None:
+        """`_load_cpu` with XNNPACK's packed weights kept in `cache` (an `XnnpackWeightCache`, or None: not kept) under
+        `source_key` (what the file is: its checked sha256, its variant's version). A load that fails with the cache
+        gets one warning line and is made again without it."""
+        slot = cache.slot(self.name, source_key) if cache is not None else None
+        if slot is None or not slot.path:
+            self.xnnpack_cache = "off"
+            self._load_cpu(path, on_phase, threads)
+        else:
+            try:
+                self._load_cpu(path, on_phase, threads, slot.path)
+            except Exception as e:  # noqa: BLE001 - LiteRT raises RuntimeError/ValueError; the load goes on without
+                cache.drop(slot)
+                cache.warn(f"xnnpack cache {slot.path}: {self.name} did not load with it ({e}); loaded without")
+                slot.state = "off"
+                self._load_cpu(path, on_phase, threads)
+            cache.keep(slot)
+            self.xnnpack_cache = slot.state
+        if on_phase:
+            on_phase("xnnpack_cache", state=self.xnnpack_cache)
+
+    def _load_cpu(self, path: str, on_phase, threads: Optional[int] = None, weight_cache: str = "") -> None:
+        """XNNPACK through ai-edge-litert's CompiledModel; `threads` None: the library's default count; `weight_cache`:
+        the file XNNPACK packs the weights into or maps them from (runtime/xnnpack_cache.py), "" for none."""
         from ai_edge_litert.compiled_model import CompiledModel, CpuOptions, HardwareAccelerator, Options
 
         if on_phase:
             on_phase("opened")
-        cpu = CpuOptions(num_threads=int(threads)) if threads else None
+        cpu = None
+        if threads or weight_cache:
+            cpu = CpuOptions(num_threads=int(threads or 0), xnnpack_weight_cache_path=weight_cache)
         self.model = CompiledModel.from_file(path, options=Options(hardware_accelerators=HardwareAccelerator.CPU, cpu_options=cpu))
         self.fully_accelerated = False
         sigs = self.model.get_signature_list()

@@ -70,6 +70,11 @@ class ModelPool:
         self.ahead = CompileAhead() if compile_ahead else None  # pipelined: the next GPU model compiled in a thread
         cache_folder = self.cache.folder if self.cache is not None and self.cache.enabled else None
         self.cpu_variants = None if cache_folder is None else Path(cache_folder) / "cpu"  # int8 files' CPU variants, kept
+        self.xnnpack = None  # CPU models' packed weights, kept beside them (runtime/xnnpack_cache.py)
+        if cache_folder is not None and self.on_cpu:
+            from .xnnpack_cache import SUBFOLDER, XnnpackWeightCache
+
+            self.xnnpack = XnnpackWeightCache(Path(cache_folder) / SUBFOLDER)
         if policy.overlap:  # the budget checked from measured figures before anything loads (runtime/overlap.py)
             gpu_units = [(u, tuple(p for p in parts if self.accelerator_of(p) == "gpu")) for u, parts in units]
             self.overlap = overlap_loader([(u, parts) for u, parts in gpu_units if parts], cache_folder,
@@ -238,7 +243,8 @@ class ModelPool:
         mark = lambda phase, **extra: self.mark(name, phase, **extra)  # noqa: E731
         if self.accelerator_of(name) == "cpu" and self.accelerator == "gpu":
             return LoadedModel(name, self.comps[name], "cpu", on_phase=mark, cpu_variant_dir=self.cpu_variants,
-                               cpu_threads=len(os.sched_getaffinity(0)))  # every core this process may use
+                               cpu_threads=len(os.sched_getaffinity(0)),  # every core this process may use
+                               xnnpack_cache=self.xnnpack)
         if self.workers is not None or self.overlap is not None:
             m = (self.workers or self.overlap).get(name)
             self.mark(name, "compiled")
