@@ -3,8 +3,8 @@ bytes on disk and what the phone profile says, from the export's report.json whe
 progress log and a timestamped RSS monitor (a run stopped at a deadline): the components it finished, with a
 `finished` flag.
 
-  python benchmarks/sdxl_export_rows.py --bundle B --log export.log --monitor monitor.txt --time time.txt \
-      --started 2026-12-07T14:00:26 --out benchmarks/results/sdxl_export_koala700m_cpu.json [--note TEXT ...]
+  python benchmarks/sdxl_export_rows.py --run 768:B768:export768.log:monitor768.txt:time768.txt [--run 1024:...] \
+      --packed .devbundle/xl --out benchmarks/results/sdxl_export_koala700m_cpu.json [--note TEXT ...]
 
 monitor.txt: lines `HH:MM:SS rss_kb=N lines=M last=...` every 10 s (the run's RSS, not its peak: a lower bound).
 time.txt: GNU `time -v` of the export (its peak RSS, wall time), when it exited.
@@ -72,7 +72,7 @@ def component_rows(bundle: Path, report: dict | None, spans: dict) -> list[dict]
     timings = (report or {}).get("timings") or {}
     for name in dict.fromkeys([*comps, *(n for n in spans if not n.startswith("_"))]):
         c, s = comps.get(name) or {}, spans.get(name) or {}
-        secs = sum(v for k, v in timings.items() if k.startswith(f"{name}_") and k.endswith("_s") and isinstance(v, (int, float)))
+        secs = sum(timings.get(f"{name}_{step}_s") or 0 for step in ("prepare", "convert", "verify"))  # the tiled decode's parity: timings
         f = bundle / (c.get("file") or f"{name}.tflite")
         prof = c.get("device_profile") or {}
         rows.append({
@@ -89,36 +89,43 @@ def component_rows(bundle: Path, report: dict | None, spans: dict) -> list[dict]
     return rows
 
 
+def run_rows(spec: str) -> dict:
+    """RES:BUNDLE:LOG:MONITOR:TIME -> one run's block (its components' rows)."""
+    res, bundle, log, monitor, tv_path = spec.split(":")
+    bundle = Path(bundle)
+    report = json.loads((bundle / "report.json").read_text()) if (bundle / "report.json").is_file() else None
+    spans = monitor_spans(Path(log), Path(monitor), dt.datetime.now(dt.timezone.utc).date())
+    return {
+        "resolution": int(res), "finished": report is not None, "export_s": (report or {}).get("export_s"),
+        "timings": (report or {}).get("timings"), "bundle_bytes": (report or {}).get("bundle_bytes"),
+        "report_peak_rss_bytes": int(report["peak_rss_mb"] * 2**20) if report and report.get("peak_rss_mb") else None,
+        "time_v": time_v(Path(tv_path)), "components": component_rows(bundle, report, spans),
+    }
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--bundle", required=True)
-    p.add_argument("--log", required=True)
-    p.add_argument("--monitor", required=True)
-    p.add_argument("--time", required=True)
+    p.add_argument("--run", action="append", required=True, help="RES:BUNDLE:LOG:MONITOR:TIME (repeat per resolution)")
     p.add_argument("--config", default="configs/sdxl/export_koala700m_phone.yaml")
-    p.add_argument("--resolution", type=int, default=768)
+    p.add_argument("--packed", default=None, help="the benchmarks/sd21_bundle.py pack folder of these bundles")
     p.add_argument("--out", required=True)
     p.add_argument("--note", action="append", default=[])
     a = p.parse_args(argv)
-    bundle = Path(a.bundle)
-    report = json.loads((bundle / "report.json").read_text()) if (bundle / "report.json").is_file() else None
-    spans = monitor_spans(Path(a.log), Path(a.monitor), dt.datetime.now(dt.timezone.utc).date())
-    tv = time_v(Path(a.time))
+    runs = [run_rows(r) for r in a.run]
     out = {
         "what": "pocketdiff export of the koala_700m SDXL preset (random tiled weights) with the phone preset on a 2-core / 24 GB machine",
-        "command": f"nice -n 10 /usr/bin/time -v pocketdiff export --config {a.config} --output <bundle>",
-        "preset": "koala_700m", "resolution": a.resolution, "host_cpus": os.cpu_count(),
-        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "finished": report is not None, "export_s": (report or {}).get("export_s"),
-        "timings": (report or {}).get("timings"), "bundle_bytes": (report or {}).get("bundle_bytes"),
-        "report_peak_rss_bytes": int(report["peak_rss_mb"] * 2**20) if report and report.get("peak_rss_mb") else None,
-        "time_v": tv, "components": component_rows(bundle, report, spans), "notes": a.note,
+        "command": f"nice -n 10 /usr/bin/time -v pocketdiff export --config {a.config} --output <bundle> [resolution=1024]",
+        "preset": "koala_700m", "host_cpus": os.cpu_count(), "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "finished": all(r["finished"] for r in runs), "runs": runs, "notes": a.note,
     }
+    if a.packed and (Path(a.packed) / "index.json").is_file():
+        out["packed"] = {"path": a.packed, "bytes": json.loads((Path(a.packed) / "index.json").read_text()).get("bytes_packed")}
     Path(a.out).write_text(json.dumps(out, indent=2) + "\n")
-    print(json.dumps({k: out[k] for k in ("finished", "export_s", "bundle_bytes", "time_v")}))
-    for r in out["components"]:
-        print(f"{r['component']}: params {r['params']} peak {r['peak_rss_bytes']} sampled {r['sampled_rss_max_bytes']} "
-              f"s {r['seconds']} bytes {r['bytes_on_disk']} finished {r['finished']}")
+    for r in runs:
+        print(json.dumps({k: r[k] for k in ("resolution", "finished", "export_s", "bundle_bytes", "time_v")}))
+        for c in r["components"]:
+            print(f"  {c['component']}: params {c['params']} peak {c['peak_rss_bytes']} sampled {c['sampled_rss_max_bytes']} "
+                  f"s {c['seconds']} bytes {c['bytes_on_disk']} finished {c['finished']}")
     return 0
 
 
