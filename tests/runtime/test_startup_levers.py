@@ -80,6 +80,16 @@ def test_the_cpu_variant_is_made_at_the_first_launch_and_read_at_the_next(runs):
     np.testing.assert_allclose(runs["te_cpu_again"][0], runs["te_cpu"][0], atol=1e-6)  # the same variant file and models
 
 
+def test_xnnpack_packs_the_cpu_text_encoder_at_the_first_launch_and_maps_it_at_the_next(runs):
+    """runtime/xnnpack_cache.py: the packed weights kept in the cache folder's xnnpack/ (the image equality above holds
+    with the second launch reading them)."""
+    states = {k: [p.get("state") for p in runs[k][1]["memory"]["phases"] if p["phase"] == "xnnpack_cache" and p["component"] == "text_encoder"]
+              for k in ("te_cpu", "te_cpu_again")}
+    assert states == {"te_cpu": ["made"], "te_cpu_again": ["reused"]}, states
+    files = sorted(p.name for p in (runs["cache"] / "xnnpack").glob("text_encoder-*"))
+    assert len(files) == 2 and files[1] == files[0] + ".ok", files  # one packed file and its sidecar, no private file
+
+
 def test_one_environment_loads_and_releases_each_model_as_pipelined_and_gives_its_image(runs):
     image, stats = runs["one_env"]
     mem = stats["memory"]
