@@ -108,6 +108,7 @@ def draw(bundle: Path, mode: str, images: int, prompt: str, accelerator: str, gp
                          "loads": {n: c - before.get(n, 0) for n, c in after.items() if c - before.get(n, 0)},
                          **{k: mem.get(k) for k in PEAKS},
                          "image_window": window(runner.pool.phases[seen:]),
+                         "xnnpack_cache": sorted({p.get("state") for p in runner.pool.phases[seen:] if p["phase"] == "xnnpack_cache"}),
                          "device": mem.get("gpu_name"), "gpu_source": mem.get("gpu_source"), "driver": stats["driver"],
                          "loading_policy": runner.policy.name, "fully_accelerated": stats["fully_accelerated"],
                          "accelerator_by_model": stats.get("accelerator_by_model"),

@@ -31,6 +31,7 @@ class LoadedModel:
         self.pages_released: Optional[dict] = None
         self.cpu_variant: Optional[str] = None  # CPU, int8 file: made | kept (in cpu_variant_dir) | temporary
         self.xnnpack_cache: Optional[str] = None  # CPU: made | reused | off (runtime/xnnpack_cache.py)
+        self._xnnpack_pending = None  # (cache, slot) of a packed file not yet kept
         if accelerator == "gpu":
             from .litert_c import CompiledModel as CModel
 
@@ -95,8 +96,9 @@ class LoadedModel:
                 cache.warn(f"xnnpack cache {slot.path}: {self.name} did not load with it ({e}); loaded without")
                 slot.state = "off"
                 self._load_cpu(path, on_phase, threads)
-            cache.keep(slot)
             self.xnnpack_cache = slot.state
+            if slot.state == "made":  # kept after the first run: XNNPACK may pack some weights only then
+                self._xnnpack_pending = (cache, slot)
         if on_phase:
             on_phase("xnnpack_cache", state=self.xnnpack_cache)
 
@@ -150,6 +152,10 @@ class LoadedModel:
             buf.write(arr)
         self.model.run_by_index(0, self.in_bufs, self.out_bufs)
         self.run_s.append(time.perf_counter() - t0)
+        if self._xnnpack_pending is not None:
+            cache, slot = self._xnnpack_pending
+            self._xnnpack_pending = None
+            cache.keep(slot)
         outs = []
         for buf, name in zip(self.out_bufs, self.out_names):
             shape = [int(s) for s in self.out_details[name]["shape"]]
@@ -159,6 +165,10 @@ class LoadedModel:
     def close(self) -> None:
         if self.accelerator == "gpu" and self.model is not None:
             self.model.close()
+        if self._xnnpack_pending is not None:  # never ran: its packed file is not known whole, and not kept
+            cache, slot = self._xnnpack_pending
+            self._xnnpack_pending = None
+            cache.drop(slot)
         self.in_bufs = self.out_bufs = None
         self.model = None
         if self._tmp is not None:

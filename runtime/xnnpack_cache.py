@@ -9,8 +9,8 @@ the first load and from which it maps them at later ones. This module owns those
   int8 file's CPU variant, the variant's version), ai-edge-litert's version, the CPU (model and instruction-set
   flags: XNNPACK packs for the kernels it picks on this CPU) and FORMAT. A file made for another model, LiteRT build
   or CPU is never read: its name differs.
-- XNNPACK writes a new file under a private name (`.tmp-<pid>-<token>-<name>`); once the model has loaded it is moved
-  under its final name with a sidecar (`.ok`: size and a sampled CRC-32), under an exclusive lock on `.lock`; a launch
+- XNNPACK writes a new file under a private name (`.tmp-<pid>-<token>-<name>`); after the model's first run (a model
+  released unrun keeps nothing: XNNPACK may pack some weights only at the first run) it is moved under its final name with a sidecar (`.ok`: size and a sampled CRC-32), under an exclusive lock on `.lock`; a launch
   that finds a good file already there (another launch made it meanwhile) drops its own. A killed launch thus leaves no
   half file under a final name, and XNNPACK never rewrites a file another launch may have mapped (it rewrites a file in
   place when it finds it damaged).

@@ -59,7 +59,7 @@ def load(entry, feeds, folder, warnings=None, tmp=None):
 
 
 def finals(folder: Path) -> list[Path]:
-    return sorted(folder.glob(f"*{xc.SUFFIX}"))
+    return sorted(p for p in folder.glob(f"*{xc.SUFFIX}") if not p.name.startswith(xc.PRIVATE))
 
 
 def same(outs, reference):
@@ -204,3 +204,15 @@ def test_two_launches_at_once_keep_one_good_file(entry, feeds, reference, tmp_pa
     assert xc.XnnpackWeightCache._good(f)
     assert [p.name for p in folder.iterdir() if p.name.startswith(xc.PRIVATE)] == []
     assert load(entry, feeds, folder)[0] == "reused"
+
+
+def test_the_packed_file_is_kept_after_the_first_run_and_not_for_a_model_that_never_ran(entry, feeds, tmp_path):
+    folder = tmp_path / "xnnpack"
+    m = LoadedModel("text_encoder", entry, "cpu", xnnpack_cache=xc.XnnpackWeightCache(folder))
+    assert m.xnnpack_cache == "made" and finals(folder) == []  # loaded, not yet run: under its private name
+    m.close()
+    assert finals(folder) == [] and [p for p in folder.iterdir() if p.name.startswith(xc.PRIVATE)] == []
+    m = LoadedModel("text_encoder", entry, "cpu", xnnpack_cache=xc.XnnpackWeightCache(folder))
+    m.run_all(feeds)
+    assert len(finals(folder)) == 1  # kept at the first run, before close
+    m.close()
