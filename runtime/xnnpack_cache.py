@@ -10,8 +10,9 @@ the first load and from which it maps them at later ones. This module owns those
   flags: XNNPACK packs for the kernels it picks on this CPU) and FORMAT. A file made for another model, LiteRT build
   or CPU is never read: its name differs.
 - XNNPACK writes a new file under a private name (`.tmp-<pid>-<token>-<name>`); after the model's first run (a model
-  released unrun keeps nothing: XNNPACK may pack some weights only at the first run) it is moved under its final name with a sidecar (`.ok`: size and a sampled CRC-32), under an exclusive lock on `.lock`; a launch
-  that finds a good file already there (another launch made it meanwhile) drops its own. A killed launch thus leaves no
+  released unrun keeps nothing: XNNPACK may pack some weights only at the first run) it is moved under its final name
+  with a sidecar (`.ok`: size and a sampled CRC-32), under an exclusive lock on `.lock`; a launch that finds a good
+  file already there (another launch made it meanwhile) drops its own. A killed launch thus leaves no
   half file under a final name, and XNNPACK never rewrites a file another launch may have mapped (it rewrites a file in
   place when it finds it damaged).
 - a final file whose sidecar is missing or does not match (truncated, overwritten): one warning line, the files are
