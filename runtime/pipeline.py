@@ -160,10 +160,6 @@ class BundlePipeline:
                 feeds[name] = np.full((B,), float(t), dtype=np.float32)
         return feeds
 
-    def encode_image(self, pixels: np.ndarray, latency: dict) -> np.ndarray:
-        """The encode-image stage: the user's picture [1, 3, H, W] in [0, 1] -> its latents [1, C, h, w]."""
-        return self.encode_pictures({"init_image": pixels}, latency)["image_latents"]
-
     def encode_pictures(self, pictures: dict[str, np.ndarray], latency: dict) -> dict[str, np.ndarray]:
         """Every encode-image stage on the picture role it reads (`pictures`: role -> [1, 3, H, W]): role -> latents.
         The stages share one encoder, loaded once for all of them."""
