@@ -65,32 +65,20 @@ def build_unet(arch: str, resolution: int, seed: int, device, norm_scale: float)
     return unet, DDIMScheduler(**scheduler_config("epsilon")), cfg
 
 
-def xl_time_ids(cond, unet, side: int):
-    """`cond` with its time ids as StableDiffusionXLPipeline gives them for `side`-pixel images (a family without
-    time ids: as it is)."""
-    import dataclasses
-
-    from pocketdiff.conditioning import sdxl_time_ids
-
-    if cond.time_ids is None:
-        return cond
-    return dataclasses.replace(cond, time_ids=sdxl_time_ids(unet, None, len(cond), resolution=side))
-
-
 def calib_set(unet, scheduler, cfg, trajectories: int, steps: int, seed: int, device, guidance: float = 3.0,
               pixels: int | None = None):
     """Calibration inputs from DDIM trajectories with random text conditioning: every field of the UNet family's
     conditioning drawn (SD: the prompt embeddings, the same draws as before the family seam); SDXL's time ids those
     of `pixels`-square images."""
     from pocketdiff.compress.quant.calib_data import collect_unet_inputs
-    from pocketdiff.conditioning import placeholder_conditioning
+    from pocketdiff.conditioning import drawn_conditioning
 
     g = torch.Generator("cpu").manual_seed(seed)
     side = cfg["sample_size"]
     draw = lambda v: torch.randn(v.shape, generator=g)  # noqa: E731
     pixels = pixels or side * 8
-    cond = xl_time_ids(placeholder_conditioning(unet, trajectories, 77).map(draw), unet, pixels).to(device)
-    uncond = xl_time_ids(placeholder_conditioning(unet, 1, 77).map(draw), unet, pixels).to(device)
+    cond = drawn_conditioning(unet, trajectories, draw, pixels).to(device)
+    uncond = drawn_conditioning(unet, 1, draw, pixels).to(device)
     return collect_unet_inputs(unet, scheduler, cond, uncond, steps=steps, guidance_scale=guidance,
                                latent_shape=(cfg["in_channels"], side, side), seed=seed, batch_size=8)
 

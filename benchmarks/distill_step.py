@@ -70,7 +70,7 @@ from _checkout import use_checkout  # noqa: E402
 use_checkout()
 
 from pocketdiff.archs import ARCHS, vae_config  # noqa: E402
-from pocketdiff.conditioning import placeholder_conditioning, sdxl_time_ids  # noqa: E402
+from pocketdiff.conditioning import drawn_conditioning  # noqa: E402
 from pocketdiff.models import default_resolution, perturb_norm_affines, scheduler_config, unet_config  # noqa: E402
 from pocketdiff.outputs import write_json  # noqa: E402
 from pocketdiff.train.consistency_loss import PairSettings, pair_loss  # noqa: E402
@@ -137,14 +137,6 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def with_time_ids(cond, unet, pixels: int):
-    """`cond` with an SDXL family's time ids as StableDiffusionXLPipeline gives them for `pixels`-square images
-    (original = target size, crop (0, 0)) instead of random draws; a family without time ids: as it is."""
-    if cond.time_ids is None:
-        return cond
-    return dataclasses.replace(cond, time_ids=sdxl_time_ids(unet, None, len(cond), resolution=pixels))
-
-
 class Batch:
     """Random latents / text embeddings / draws for one step (fixed across variants)."""
 
@@ -163,8 +155,8 @@ class Batch:
         self.z = noisy_latents(x0, eps, self.a_t.cpu()).to(device)
         draw = lambda v: 0.5 * torch.randn(v.shape, generator=g)  # noqa: E731  (every field of the UNet family's conditioning)
         pixels = pixels or latent * 8
-        self.cond = with_time_ids(placeholder_conditioning(unet, batch, 77).map(draw), unet, pixels).to(device)
-        self.uncond = with_time_ids(placeholder_conditioning(unet, 1, 77).map(draw), unet, pixels).to(device)
+        self.cond = drawn_conditioning(unet, batch, draw, pixels).to(device)  # SDXL: the pipeline's time ids of `pixels`
+        self.uncond = drawn_conditioning(unet, 1, draw, pixels).to(device)
         self.w = (1.0 + 7.0 * torch.rand(batch, generator=g)).to(device)
         # ours_lcm: a pair (t_hi -> t_lo) of the skipping grid per sample, z at t_hi
         lcm = skipping_plan(self.sched, LCM_SOLVER_STEPS)

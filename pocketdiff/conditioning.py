@@ -400,3 +400,14 @@ def placeholder_conditioning(unet, batch: int = 1, tokens: int = 77, device=None
     """Zeros of the shapes the family of `unet` (a model or its config) takes, for shape tracing."""
     config = getattr(unet, "config", unet)
     return family_of(config).placeholder(config, batch, tokens, device, dtype)
+
+
+def drawn_conditioning(unet, batch: int, draw: Callable[[torch.Tensor], torch.Tensor], resolution,
+                       tokens: int = 77) -> Conditioning:
+    """Random conditioning for benchmarks and calibration sets: every field of `placeholder_conditioning` drawn by
+    `draw` (a field's zeros -> its values, in field order), then a family's time ids replaced by those
+    StableDiffusionXLPipeline gives `resolution`-pixel images (`sdxl_time_ids`); an SD family's as drawn."""
+    cond = placeholder_conditioning(unet, batch, tokens).map(draw)
+    if cond.time_ids is None:
+        return cond
+    return dataclasses.replace(cond, time_ids=sdxl_time_ids(unet, None, len(cond), resolution=resolution))

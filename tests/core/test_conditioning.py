@@ -124,6 +124,22 @@ def test_placeholders_trace_either_family_on_meta(xl_unet):
     assert family_of(xl_unet).name == "sdxl" and family_of(build_pipeline(ModelConfig()).unet.config).name == "sd"
 
 
+def test_drawn_conditioning_draws_every_field_then_takes_the_pipelines_time_ids(xl_unet):
+    from pocketdiff.conditioning import drawn_conditioning
+    from pocketdiff.models import ModelConfig, build_pipeline
+
+    g = torch.Generator().manual_seed(0)
+    draw = lambda v: torch.randn(v.shape, generator=g)  # noqa: E731
+    xl = drawn_conditioning(xl_unet, 3, draw, 48)
+    assert xl.time_ids.tolist() == [[48.0, 48.0, 0.0, 0.0, 48.0, 48.0]] * 3  # StableDiffusionXLPipeline's at 48 px
+    assert float(xl.prompt_embeds.std()) > 0.5 and float(xl.pooled_embeds.std()) > 0.5  # drawn, not zeros
+    sd_unet = build_pipeline(ModelConfig()).unet
+    g.manual_seed(1)
+    sd = drawn_conditioning(sd_unet, 2, draw, 32)
+    g.manual_seed(1)
+    assert sd.time_ids is None and torch.equal(sd.prompt_embeds, placeholder_conditioning(sd_unet, 2).map(draw).prompt_embeds)
+
+
 # ------------------------------------------------------------------ the SDXL adapter's prompt encoding
 
 
