@@ -72,18 +72,25 @@ def load_init_image(path: str, man: dict) -> tuple[np.ndarray, tuple[int, int]]:
     return pixels.transpose(2, 0, 1)[None].copy(), size
 
 
-def load_mask(path: str, man: dict, picture_size: tuple[int, int], picture: str, pixels: bool = False):
-    """The mask on the latent grid [1, 1, h, w]: 1 = repaint, 0 = keep the picture; `pixels`: (that, the binary mask at
-    the bundle's image size [1, 1, H, W])."""
+def load_mask_pixels(path: str, man: dict, picture_size: tuple[int, int], picture: str) -> np.ndarray:
+    """The binary mask at the bundle's image size [1, 1, H, W]: 1 = repaint (grey >= 0.5), 0 = keep the picture."""
     im = _open(path, "--mask", "L")
     if im.size != tuple(picture_size):
         raise PocketdiffError(f"--mask {path}: {im.size[0]}x{im.size[1]} px, but --init-image {picture} is "
                               f"{picture_size[0]}x{picture_size[1]}: give a mask of the picture's size")
     im = _fitted(im, path, "--mask", int(man["image"]["width"]), int(man["image"]["height"]))
-    binary = (np.asarray(im, dtype=np.float32) / 255.0 >= 0.5).astype(np.float32)
+    return (np.asarray(im, dtype=np.float32) / 255.0 >= 0.5).astype(np.float32)[None, None]
+
+
+def latent_grid(binary: np.ndarray, man: dict) -> np.ndarray:
+    """A binary pixel mask [1, 1, H, W] on the latent grid [1, 1, h, w]: each latent cell's top-left pixel."""
     f = int(man["latent"]["vae_factor"])
-    grid = binary[::f, ::f][None, None].copy()
-    return (grid, binary[None, None]) if pixels else grid
+    return binary[..., ::f, ::f].copy()
+
+
+def load_mask(path: str, man: dict, picture_size: tuple[int, int], picture: str) -> np.ndarray:
+    """The mask on the latent grid [1, 1, h, w]: 1 = repaint, 0 = keep the picture."""
+    return latent_grid(load_mask_pixels(path, man, picture_size, picture), man)
 
 
 def masked_picture(pixels: np.ndarray, binary: np.ndarray) -> np.ndarray:
@@ -159,7 +166,8 @@ def image_inputs(args, man: dict) -> dict:
     strength = DEFAULT_STRENGTH[task] if getattr(args, "strength", None) is None else args.strength
     strength_scheduler(man["scheduler"], strength)  # a strength that keeps none of the bundle's steps is refused here
     pixels, size = load_init_image(path, man)
-    mask, binary = load_mask(mask_path, man, size, path, pixels=True) if mask_path is not None else (None, None)
+    binary = load_mask_pixels(mask_path, man, size, path) if mask_path is not None else None
+    mask = latent_grid(binary, man) if binary is not None else None
     width, height = int(man["image"]["width"]), int(man["image"]["height"])
     if size != (width, height):
         print(f"warning: --init-image {path} is {size[0]}x{size[1]} px; resized to the bundle's {width}x{height}", file=sys.stderr)
