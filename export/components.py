@@ -26,6 +26,8 @@ from pocketdiff.errors import PocketdiffError
 from pocketdiff.models import check_resolution, vae_scale_factor
 from pocketdiff.runtime.components import COMPONENTS  # noqa: F401  (the registry's names; the graphs below convert them)
 
+from .inpaint_check import inpaints
+
 
 class TextEncoderGraph(nn.Module):
     """A CLIP text encoder's graph: input_ids int32 [1, L] -> its output for the family.
@@ -98,7 +100,7 @@ def added_conditioning_inputs(unet) -> tuple[str, ...]:
 
 def inpainting_unet(unet) -> bool:
     """An inpainting UNet (StableDiffusionInpaintPipeline's): in_channels = latents + mask + masked-picture latents."""
-    return int(unet.config.in_channels) == 2 * int(unet.config.out_channels) + 1
+    return inpaints(unet.config)
 
 
 class UNetGraph(nn.Module):
