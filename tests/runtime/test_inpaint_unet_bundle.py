@@ -108,7 +108,8 @@ def test_run_bundle_inpaints_and_refuses_what_an_inpainting_unet_cannot_do(inpai
 
 
 @pytest.mark.parametrize("change,words", [({"tasks": ["text_to_image", "inpaint"]}, "tasks: the model's UNet inpaints"),
-                                          ({"unet_chunks": 2, "rewrites": {"time_embedding_outside": True}}, "unet_chunks: an inpainting UNet")])
+                                          ({"unet_chunks": 2, "rewrites": {"time_embedding_outside": True}}, "unet_chunks: an inpainting UNet"),
+                                          ({"fp16_scan": {"enabled": True}}, "fp16_scan.enabled: must be false for an inpainting UNet")])
 def test_export_refuses_an_inpainting_unet_with_other_tasks_or_in_chunks(inpaint, tmp_path, capsys, change, words):
     from pocketdiff.cli import main as cli_main
 
