@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pocketdiff.errors import ParityError, PocketdiffError
+from pocketdiff.runtime.parity import metrics
 
 from .vae_encoder import VaeEncoderGraph
 
@@ -205,10 +206,8 @@ def encoder_graph(vae: nn.Module, height: int, width: int, max_tensor_mb: Option
 
 
 def psnr_db(ref: torch.Tensor, out: torch.Tensor) -> float:
-    """PSNR over the reference's peak-to-peak range (as parity.metrics)."""
-    peak = float(ref.max() - ref.min()) or 1.0
-    mse = float(((ref.double() - out.double()) ** 2).mean())
-    return float("inf") if mse == 0 else 10.0 * torch.log10(torch.tensor(peak * peak / mse)).item()
+    """PSNR over the reference's peak-to-peak range: the runtime's parity metric (NaN when `out` is not finite)."""
+    return metrics(ref.detach().cpu().numpy(), out.detach().cpu().numpy())["psnr_db"]
 
 
 def check_band_parity(vae: nn.Module, graph: nn.Module, pixels: torch.Tensor, min_psnr_db: float) -> float:
