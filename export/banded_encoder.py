@@ -195,11 +195,18 @@ class BandedEncoderGraph(VaeEncoderGraph):
         return self.latents_from(h)
 
 
+def plan_for_budget(chans, height: int, width: int, max_tensor_mb: Optional[float], activation_bytes: int = 2) -> dict:
+    """plan_bands under `max_tensor_mb` (None: no budget) at `activation_bytes` an element, with the largest tensor in
+    MB (`largest_mb`)."""
+    limit = None if max_tensor_mb is None else max_tensor_mb * 2**20 / activation_bytes
+    plan = plan_bands(list(chans), int(height), int(width), limit)
+    return {**plan, "largest_mb": round(plan["largest"] * activation_bytes / 2**20, 2)}
+
+
 def encoder_graph(vae: nn.Module, height: int, width: int, max_tensor_mb: Optional[float], activation_bytes: int = 2):
     """(graph, plan): the whole VaeEncoderGraph when every tensor fits `max_tensor_mb` (or there is none), else the
     banded one."""
-    limit = None if max_tensor_mb is None else max_tensor_mb * 2**20 / activation_bytes
-    plan = plan_bands(list(vae.config.block_out_channels), height, width, limit)
+    plan = plan_for_budget(vae.config.block_out_channels, height, width, max_tensor_mb, activation_bytes)
     if not plan["levels"]:
         return VaeEncoderGraph(vae), plan
     return BandedEncoderGraph(vae, plan["levels"], plan["bands"]), plan

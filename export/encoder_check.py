@@ -14,16 +14,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .banded_encoder import plan_bands
+from .banded_encoder import plan_for_budget
 from .up_parts_check import vae_shape
-
-
-def encoder_plan(vae_conf: dict, resolution: int, max_tensor_mb: Optional[float], activation_bytes: int = 2) -> dict:
-    """plan_bands for a square image of `resolution` px under `max_tensor_mb` (None: no budget), plus the largest
-    tensor in MB at the activation width."""
-    limit = None if max_tensor_mb is None else max_tensor_mb * 2**20 / activation_bytes
-    plan = plan_bands(list(vae_conf["block_out_channels"]), int(resolution), int(resolution), limit)
-    return {**plan, "largest_mb": round(plan["largest"] * activation_bytes / 2**20, 2)}
 
 
 def precheck_encoder(model_cfg, int8_checkpoint: Optional[str], resolution: Optional[int], budgets: dict,
@@ -34,4 +26,4 @@ def precheck_encoder(model_cfg, int8_checkpoint: Optional[str], resolution: Opti
     conf = vae_shape(model_cfg, int8_checkpoint) if resolution and limit else None
     if conf is None:
         return None
-    return encoder_plan(conf, resolution, limit, activation_bytes)
+    return plan_for_budget(conf["block_out_channels"], resolution, resolution, limit, activation_bytes)
