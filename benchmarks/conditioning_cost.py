@@ -63,7 +63,9 @@ def sample_inputs(pooled: int, width: int):
     return torch.randn(BATCH, width, generator=g), torch.randn(BATCH, pooled, generator=g), ids
 
 
-def export(dest: Path) -> dict:
+def export(dest: Path, widths: dict = WIDTHS) -> dict:
+    """Each of `widths` (name -> (pooled width, time-embedding width)) converted, xz-packed with its golden; export.json
+    lists them (what `measure` runs)."""
     import torch
 
     from pocketdiff.export.convert import to_tflite
@@ -71,7 +73,7 @@ def export(dest: Path) -> dict:
 
     dest.mkdir(parents=True, exist_ok=True)
     out = {}
-    for name, (pooled, width) in WIDTHS.items():
+    for name, (pooled, width) in widths.items():
         module = added_embedding_module(pooled, width)
         fill_tiled(module, seed=7, init="default")
         inputs = sample_inputs(pooled, width)
@@ -126,14 +128,15 @@ def measure(src: Path, bundle: Path, out: Path, repeats: int) -> dict:
     from pocketdiff.runtime.parity import metrics
 
     work = Path(tempfile.mkdtemp(prefix="conditioning_cost_"))  # not beside the result: $OUT takes no large files
+    exported = json.loads((src / "export.json").read_text())  # the graphs `export` made
     rows = []
-    for name in WIDTHS:
+    for name in exported:
         path = _unpacked(src, work, name)
         golden = np.load(src / f"{name}.golden.npz")
         got = _timed(path, {f"args_{i}": golden[f"arr_{i}"] for i in range(3)}, repeats)  # the converter's names
         m = metrics(golden["out"], got.pop("outputs")[0])
         rows.append({"graph": f"added_embedding_{name}", "batch": BATCH, **got, "cosine_vs_torch": m["cosine"],
-                     "params": int(json.loads((src / "export.json").read_text())[name]["params"])})
+                     "params": int(exported[name]["params"])})
     manifest = json.loads((bundle / "manifest.json").read_text())
     unet_files = sorted(p.name for p in bundle.glob("unet*.tflite"))
     step = []

@@ -27,9 +27,9 @@ def test_the_measured_graph_is_the_unets_added_embedding():
 
 def test_it_exports_and_runs_fully_on_the_gpu_delegate(gpu_delegate, tmp_path):
     cc = load_script("benchmarks/conditioning_cost.py", "conditioning_cost_bench")
-    cc.WIDTHS = {"small": (16, 32)}  # the module's table, shrunk: the same code path at toy width
-    cc.export(tmp_path)
+    cc.export(tmp_path, widths={"small": (16, 32)})  # the same code path at toy width
     res = cc.measure(tmp_path, _smoke_bundle(), tmp_path / "r.json", repeats=2)
+    assert [r["graph"] for r in res["rows"]] == ["added_embedding_small"]  # what export made, not the module's table
     row = res["rows"][0]
     assert row["fully_accelerated"] and row["cosine_vs_torch"] > 0.999
     assert row["unet_step_ms"] > 0 and len(res["unet_step"]) == 1
