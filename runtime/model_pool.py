@@ -311,7 +311,7 @@ class ModelPool:
                 "release_file_pages": self.release_file_pages, "pages_released_mb": round(sum(released), 1),
                 "gpu_cache": self.cache.summary() if self.cache is not None else None,
                 "loading_policy": self.policy.name, "models": {n: m.memory() for n, m in self.models.items() if m.loads},
-                "accelerator_by_model": dict(self.placed), "environments": "own" if self.policy.own_environments else "workers" if self.policy.overlap else "one",
+                "accelerator_by_model": dict(self.placed), "environments": "own" if self.policy.own_environments else "workers" if self.policy.overlap or self.policy.load_workers else "one",
                 **({"overlap": self.overlap.report()} if self.overlap is not None else {}),
                 **({"compiled_ahead": list(self.ahead.asked)} if self.ahead is not None else {}),
                 **({"unet_compile_order": self.chunk_order.report()} if self.chunk_order is not None else {})}

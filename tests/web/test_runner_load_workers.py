@@ -34,6 +34,7 @@ def test_workers_give_the_one_process_image_and_count_their_memory(bundle, gpu_d
     assert stats[3]["fully_accelerated"] and stats[3]["finite"]
     mem = stats[3]["memory"]
     assert mem["processes"] == 4 and stats[0]["memory"]["processes"] == 1
+    assert mem["environments"] == "workers" and stats[0]["memory"]["environments"] == "one"  # the models live in the workers
     # each worker is a whole interpreter with LiteRT loaded: three of them add more than 100 MB to the host peak
     assert mem["host_peak_mb"] > stats[0]["memory"]["host_peak_mb"] + 100, (mem["host_peak_mb"], stats[0]["memory"]["host_peak_mb"])
     compiled = [p["component"] for p in mem["phases"] if p["phase"] == "compiled"]
