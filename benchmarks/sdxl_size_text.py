@@ -14,6 +14,7 @@ import datetime
 import json
 import sys
 from pathlib import Path
+from typing import Optional
 
 VARIANT_TEXT = {
     "eager": "eager: diffusers' default step (fp32 weights under bf16 autocast, cond / uncond as two calls, foreach AdamW)",
@@ -63,7 +64,7 @@ def distill_section(d: dict, file: str, date: str) -> str:
     compiled = any((r.get("levers") or {}).get("compiled") for r in rows)
     tail = (f"\n\nThe target, ≥ {d.get('target_ratio', 1.5)}× eager's samples/s at the same batch, is {verdict}. "
             + ("torch.compile was on." if compiled else
-               "torch.compile was off (compiling an SDXL UNet's step takes minutes; it did not fit the call beside calibrate)."))
+               "torch.compile was off (compiling an SDXL UNet's step takes minutes; it did not fit the call)."))
     return head + "\n".join(lines) + tail
 
 
@@ -92,32 +93,36 @@ def calibrate_section(c: dict, file: str, date: str) -> str:
                "under 64." if (refused := c.get("meta", {}).get("calibrate_refused_at_cap")) else ""))
 
 
-def readme_sentence(d: dict, c: dict, dfile: str, cfile: str) -> str:
+def readme_sentence(d: dict, c: Optional[dict], dfile: str, cfile: Optional[str]) -> str:
     best = d.get("best") or {}
     eager = next((r for r in d.get("rows", []) if r["variant"] == "eager" and r["batch"] == best.get("batch")), {})
     ours = next((r for r in d.get("rows", []) if r["variant"] == best.get("variant") and r["batch"] == best.get("batch")), {})
-    t = c.get("targets", {})
-    return (f"At SDXL size on {d.get('device')} (random weights, 1024 px): the distill step runs at "
+    step = (f"At SDXL size on {d.get('device')} (random weights, 1024 px): the distill step runs at "
             f"{best.get('ratio', float('nan')):.2f}× diffusers' default eager step's samples/s, {_gib(ours.get('peak_mem_bytes'))} "
-            f"of GPU against {_gib(eager.get('peak_mem_bytes'))} (`benchmarks/results/{dfile}`); calibrate W8 took "
-            f"{_num(c.get('wall_time_s'), '.0f')} s at {c.get('iters')} iterations per block, {_num(t.get('host_peak_gib'), '.1f')} "
-            f"GiB host and {_num(t.get('gpu_peak_gib'), '.1f')} GiB GPU at its peaks (`benchmarks/results/{cfile}`). The phone-path rows above are SD 2.1's.")
+            f"of GPU against {_gib(eager.get('peak_mem_bytes'))} (`benchmarks/results/{dfile}`); ")
+    if c is None:
+        return step + "calibrate at SDXL size is not yet measured on a GPU. The phone-path rows above are SD 2.1's."
+    t = c.get("targets", {})
+    return (step + f"calibrate W8 took {_num(c.get('wall_time_s'), '.0f')} s at {c.get('iters')} iterations per block, "
+            f"{_num(t.get('host_peak_gib'), '.1f')} GiB host and {_num(t.get('gpu_peak_gib'), '.1f')} GiB GPU at its peaks "
+            f"(`benchmarks/results/{cfile}`). The phone-path rows above are SD 2.1's.")
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--distill", required=True, help="sdxl_size.sh's sdxl_distill_step_<gpu>.json")
-    p.add_argument("--calibrate", required=True, help="sdxl_size.sh's sdxl_calibrate_<gpu>.json")
+    p.add_argument("--calibrate", help="sdxl_size.sh's sdxl_calibrate_<gpu>.json (left out: a call that measured the step only)")
     p.add_argument("--date", default=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"))
     args = p.parse_args(argv)
     try:
-        d, c = json.loads(Path(args.distill).read_text()), json.loads(Path(args.calibrate).read_text())
+        d = json.loads(Path(args.distill).read_text())
+        c = json.loads(Path(args.calibrate).read_text()) if args.calibrate else None
     except (OSError, ValueError) as e:
         print(f"sdxl_size_text: {e}", file=sys.stderr)
         return 2
-    dfile, cfile = Path(args.distill).name, Path(args.calibrate).name
-    print(distill_section(d, dfile, args.date), calibrate_section(c, cfile, args.date),
-          readme_sentence(d, c, dfile, cfile), sep="\n\n----\n\n")
+    dfile, cfile = Path(args.distill).name, (Path(args.calibrate).name if args.calibrate else None)
+    parts = [distill_section(d, dfile, args.date)] + ([calibrate_section(c, cfile, args.date)] if c is not None else [])
+    print(*parts, readme_sentence(d, c, dfile, cfile), sep="\n\n----\n\n")
     return 0
 
 

@@ -191,3 +191,8 @@ def test_docs_text_is_filled_from_the_rows(size, tmp_path):
     assert "1.60× diffusers' default eager step's samples/s, 63.0 GiB of GPU against 70.0 GiB" in readme
     assert "`benchmarks/results/sdxl_distill_step_h100.json`" in readme and "`benchmarks/results/sdxl_calibrate_h100.json`" in readme
     assert text_mod.main(["--distill", str(tmp_path / "missing.json"), "--calibrate", str(tmp_path / "sdxl_calibrate_h100.json")]) == 2
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):  # a call that measured the step only: no calibrate section, and the sentence says so
+        assert text_mod.main(["--distill", str(tmp_path / "sdxl_distill_step_h100.json"), "--date", "2026-12-07"]) == 0
+    distill_only, readme_only = buf.getvalue().split("\n\n----\n\n")
+    assert distill_only == distill and "calibrate at SDXL size is not yet measured on a GPU" in readme_only
