@@ -98,6 +98,29 @@ def litert_version() -> str:
         return "unknown"
 
 
+
+def writable_folder(folder: Path, warn, what: str, without: str) -> bool:
+    """FOLDER made if missing and a file written in it; else one warning line (WHAT: not writable (why); WITHOUT)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".probe-"):
+            pass
+        return True
+    except OSError as e:
+        warn(f"{what}: not writable ({e.strerror or e}); {without}")
+        return False
+
+
+@contextlib.contextmanager
+def folder_lock(folder: Path):
+    """An exclusive lock on FOLDER's lock file (another launch writing the same cache waits for it)."""
+    with open(folder / LOCK, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
 class GpuProgramCache:
     """One folder of cached compiled programs; `options_for(name, entry)` before a component's load,
     `record(name)` after it. `warn` prints one line per problem (stderr by default)."""
@@ -116,24 +139,11 @@ class GpuProgramCache:
         self.settled: set[str] = set()  # components whose files this process verified or recorded: not read again
 
     def _writable(self) -> bool:
-        try:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=self.folder, prefix=".probe-"):
-                pass
-            return True
-        except OSError as e:
-            self.warn(f"gpu cache {self.folder}: not writable ({e.strerror or e}); running without a program cache")
-            return False
+        return writable_folder(self.folder, self.warn, f"gpu cache {self.folder}", "running without a program cache")
 
-    @contextlib.contextmanager
     def _locked(self):
         """An exclusive lock on the folder (another launch's move and index update wait for it)."""
-        with open(self.folder / LOCK, "a") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(f, fcntl.LOCK_UN)
+        return folder_lock(self.folder)
 
     def _private(self, name: str) -> Path:
         return self.folder / f"{PRIVATE}{os.getpid()}-{self.token}-{name}"

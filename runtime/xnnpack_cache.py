@@ -24,12 +24,10 @@ the first load and from which it maps them at later ones. This module owns those
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
 import sys
-import tempfile
 import zlib
 from pathlib import Path
 from typing import Callable, Optional
@@ -37,7 +35,6 @@ from typing import Callable, Optional
 SUBFOLDER = "xnnpack"
 FORMAT = 1  # bump when what goes into a file's key changes
 SUFFIX = ".xnnpack"
-LOCK = ".lock"
 PRIVATE = ".tmp-"
 
 
@@ -100,23 +97,14 @@ class XnnpackWeightCache:
                 p.unlink(missing_ok=True)
 
     def _writable(self) -> bool:
-        try:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=self.folder, prefix=".probe-"):
-                pass
-            return True
-        except OSError as e:
-            self.warn(f"xnnpack cache {self.folder}: not writable ({e.strerror or e}); CPU models load without a weight cache")
-            return False
+        from .gpu_cache import writable_folder
 
-    @contextlib.contextmanager
+        return writable_folder(self.folder, self.warn, f"xnnpack cache {self.folder}", "CPU models load without a weight cache")
+
     def _locked(self):
-        with open(self.folder / LOCK, "a") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(f, fcntl.LOCK_UN)
+        from .gpu_cache import folder_lock
+
+        return folder_lock(self.folder)  # the program cache's lock file name, in this cache's own folder
 
     def final_path(self, name: str, source_key: str) -> Path:
         key = hashlib.sha256(f"{source_key}|{self.identity}".encode()).hexdigest()[:20]
