@@ -64,7 +64,7 @@ class ModelPool:
             self._prepare_gpu(gpu_cache)
         # every model the pipeline may use, loaded on use and released on request (runtime/managed_model.py)
         self.models = {n: ManagedModel(n, functools.partial(self._open, n), functools.partial(self._close, n)) for n in names}
-        self.accelerated: dict[str, bool] = {}  # every GPU model loaded so far: fully on the GPU delegate
+        self.accelerated: dict[str, bool] = {}  # every model loaded so far on the run's accelerator: fully on it
         self.workers = self.overlap = None
         self.units = [(u, tuple(parts)) for u, parts in units]
         self.ahead = CompileAhead() if compile_ahead else None  # pipelined: the next GPU model compiled in a thread
@@ -188,7 +188,7 @@ class ModelPool:
             self.placed[name] = getattr(m, "accelerator", None) or self.accelerator_of(name)  # the loaded model's own word
             if self.cache is not None and self.placed[name] == "gpu":
                 self.cache.record(name)
-            if self.placed[name] == "gpu":
+            if self.placed[name] == "gpu" or self.accelerator == "cpu":  # a GPU run's --on-cpu models are not counted
                 self.accelerated[name] = m.fully_accelerated
             latency[f"{name}_load"] = m.load_s
             if self.overlap is not None:  # compiled in its worker: how long the pipeline waited (the load time not hidden)
