@@ -160,6 +160,7 @@ def measure(src: Path, bundle: Path, out: Path, repeats: int) -> dict:
         "rows": rows, "unet_step": step,
     }
     out.write_text(json.dumps(result, indent=1))
+    shutil.rmtree(work, ignore_errors=True)  # the unpacked graphs: scratch
     return result
 
 
