@@ -276,6 +276,7 @@ def _load_pipeline(cfg: Config):
     """Step 1: the pipeline (an int8 checkpoint's own pipeline when model.pretrained is unset), in fp32,
     with the random-weight stand-ins asked for, and int8 weights applied: (model_cfg, pipe, synthetic, quantized)."""
     from .int8 import apply_to_module, load_component_checkpoints, rtn_checkpoint
+    from .vae_encoder import encoder_int8
 
     model_cfg = cfg.model
     if model_cfg.pretrained is None and cfg.int8.checkpoint and (Path(cfg.int8.checkpoint) / "pipeline").is_dir():
@@ -310,6 +311,7 @@ def _load_pipeline(cfg: Config):
                 if getattr(pipe, REGISTRY[c].pipeline_attr, None) is None:
                     raise PocketdiffError(f"int8.components: {c}: the model has no {c} (the SDXL family's second text encoder)")
                 quantized[c] = rtn_checkpoint(getattr(pipe, REGISTRY[c].pipeline_attr), c, cfg.int8.bits, skip=REGISTRY[c].int8_skip)
+        quantized.update(encoder_int8(cfg.weights, cfg.components, pipe, quantized))  # the encoder int8 with the others
         if cfg.rewrites.conv_lowering != "none":  # before any conversion: the lowered taps carry one scale per output channel
             grouped = [f"{c}.{n}" for c, q in quantized.items() if c in cfg.rewrites.conv_lowering_components
                        for n, lr in q.recipe.layers.items() if lr.group_size is not None]
