@@ -40,6 +40,35 @@ def check_outside_bundle(path: Optional[str], flag: str, bundle: str) -> None:
                                   "choose a path outside it")
 
 
+class CheckedOnCpu(tuple):
+    """--on-cpu's components once `check_on_cpu` passed them against a bundle's manifest (run-bundle checks them before
+    --output is made and hands them on: BundleRunner checks them no further)."""
+
+
+def check_on_cpu(names, accelerator: str, man: Optional[dict] = None, bundle=None) -> tuple[str, ...]:
+    """--on-cpu's components (a comma list or a sequence): components a pipeline stage may name, on a GPU runner; with
+    the bundle's manifest `man`, also each one a stage of bundle `bundle` runs (then a CheckedOnCpu)."""
+    from .components import STAGE_COMPONENTS
+    from .pipeline_spec import pipeline_of
+
+    if isinstance(names, CheckedOnCpu):
+        return names
+    names = tuple(n.strip() for n in (names.split(",") if isinstance(names, str) else names or ()) if n.strip())
+    unknown = [n for n in names if n not in STAGE_COMPONENTS]
+    if unknown:
+        raise PocketdiffError(f"--on-cpu {','.join(unknown)}: not a component (components: {', '.join(STAGE_COMPONENTS)})")
+    if names and accelerator != "gpu":
+        raise PocketdiffError(f"--on-cpu {','.join(names)} runs those components on the CPU beside the GPU: it needs "
+                              f"--accelerator gpu (with --accelerator {accelerator} every model runs there already)")
+    if man is None:
+        return names
+    stages = [s["component"] for s in pipeline_of(man)["stages"]]
+    absent = [n for n in names if n not in stages]
+    if absent:
+        raise PocketdiffError(f"--on-cpu {','.join(absent)}: no stage of bundle {bundle} runs it (its stages run {', '.join(stages)})")
+    return CheckedOnCpu(names)
+
+
 def check_run_bundle_flags(args) -> None:
     """run-bundle's text, paths and accelerator-only flags."""
     check_text(getattr(args, "prompt", None), "--prompt")

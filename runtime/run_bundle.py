@@ -51,6 +51,7 @@ from .litert_c import parse_gpu_option
 from .memory import process_age_s
 from .model_pool import ModelPool
 from .overlap import check_ahead, check_budget
+from .cli_checks import check_on_cpu
 from .compile_ahead import check_compile_ahead
 from .image_tasks import check_image_flags, image_inputs
 from .lora_slots import LoraFeeds, check_lora_flags
@@ -92,10 +93,10 @@ class BundleRunner:
         self.policy = loading_policy(accelerator, pipelined, stream_unet, load_workers, overlap_loads, keep, one_environment)
         budget = check_budget(memory_budget_mb, self.policy.overlap)
         overlap_ahead = check_ahead(overlap_ahead, self.policy.overlap, budget)
-        on_cpu = check_on_cpu_names(on_cpu, accelerator)
         compile_ahead = check_compile_ahead(compile_ahead, self.policy, accelerator)
         self.bundle, self.accelerator = bundle, accelerator
         self.man = manifest or check_bundle(bundle)  # fields, stages, sizes and every .tflite's signature, before anything runs
+        on_cpu = check_on_cpu(on_cpu, accelerator, self.man, bundle)  # names, a GPU runner, this bundle's stages (run-bundle's: checked)
         self.pipeline = BundlePipeline(self.man, bundle, image_input)  # image_input: runs from a picture (img2img, inpaint)
         if isinstance(lora, LoraFeeds):  # read and checked by the caller (run-bundle, before --output is made)
             self.pipeline.lora = lora
@@ -105,7 +106,6 @@ class BundleRunner:
         if absent:
             raise PocketdiffError(f"--keep {','.join(absent)}: no stage of bundle {bundle} runs it "
                                   f"(its stages run {', '.join(s['component'] for s in self.pipeline.stages)})")
-        check_on_cpu_stages(on_cpu, self.man, bundle)
         if stream_unet and len(self.pipeline.denoiser_parts()) == 1:
             raise PocketdiffError(f"bundle {bundle}: --stream-unet streams a UNet exported in chunks; this one is one model "
                                   "(export with unet_chunks=N)")
@@ -172,30 +172,6 @@ def generate(
         return runner.run(prompt, seed=seed, init_latents=init_latents)
 
 
-def check_on_cpu_names(names, accelerator: str) -> tuple[str, ...]:
-    """--on-cpu's components (a comma list or a sequence): components a pipeline stage may name, on a GPU runner."""
-    from .components import STAGE_COMPONENTS
-
-    names = tuple(n.strip() for n in (names.split(",") if isinstance(names, str) else names or ()) if n.strip())
-    unknown = [n for n in names if n not in STAGE_COMPONENTS]
-    if unknown:
-        raise PocketdiffError(f"--on-cpu {','.join(unknown)}: not a component (components: {', '.join(STAGE_COMPONENTS)})")
-    if names and accelerator != "gpu":
-        raise PocketdiffError(f"--on-cpu {','.join(names)} runs those components on the CPU beside the GPU: it needs "
-                              f"--accelerator gpu (with --accelerator {accelerator} every model runs there already)")
-    return names
-
-
-def check_on_cpu_stages(names, man: dict, bundle) -> None:
-    """Each --on-cpu component is one a stage of this bundle runs."""
-    from .pipeline_spec import pipeline_of
-
-    stages = [s["component"] for s in pipeline_of(man)["stages"]]
-    absent = [n for n in names if n not in stages]
-    if absent:
-        raise PocketdiffError(f"--on-cpu {','.join(absent)}: no stage of bundle {bundle} runs it (its stages run {', '.join(stages)})")
-
-
 def check_flags(args) -> None:
     """run-bundle's flags that contradict each other or say nothing: one line naming them, before anything is read."""
     from .cli_checks import check_run_bundle_flags
@@ -209,7 +185,6 @@ def check_flags(args) -> None:
                             one_environment=getattr(args, "one_environment", False))
     check_compile_ahead(getattr(args, "compile_ahead", False), policy, args.accelerator)
     check_ahead(getattr(args, "overlap_ahead", None), overlap, check_budget(getattr(args, "memory_budget_mb", None), overlap))
-    check_on_cpu_names(getattr(args, "on_cpu", None), args.accelerator)
     if getattr(args, "gpu_cache", None) is not None and getattr(args, "no_gpu_cache", False):
         raise PocketdiffError(f"--gpu-cache {args.gpu_cache} and --no-gpu-cache contradict each other: give one of them")
     check_image_flags(args)  # --mask / --strength without --init-image, a strength outside (0, 1] (runtime/image_tasks.py)
@@ -234,8 +209,8 @@ def main(args) -> int:
     check_flags(args)
     gpu_options = dict(parse_gpu_option(o) for o in getattr(args, "gpu_option", None) or [])
     man = check_bundle(args.bundle, ledger=hash_ledger(args))  # refuses bad bundles (files, fields, signatures) before touching --output
-    on_cpu = check_on_cpu_names(getattr(args, "on_cpu", None), args.accelerator)
-    check_on_cpu_stages(on_cpu, man, args.bundle)
+    # --on-cpu's one check (runtime/cli_checks.py): known components, a GPU runner, each one a stage of this bundle runs
+    on_cpu = check_on_cpu(getattr(args, "on_cpu", None), args.accelerator, man, args.bundle)
     startup["bundle_checked"] = process_age_s()  # sha256 (of the files changed since the last launch) and .tflite checks
     picture = image_inputs(args, man)  # img2img / inpaint: the bundle's tasks, the strength's steps, the picture and mask read
     lora = None

@@ -172,6 +172,22 @@ def test_run_bundle_refuses_a_lever_that_cannot_hold_in_one_line_before_anything
     assert not out.exists()
 
 
+def test_on_cpu_is_one_check_and_the_runner_takes_run_bundles_checked_components():
+    """runtime/cli_checks.check_on_cpu: names, a GPU runner and, given the manifest, the bundle's stages; what it passed
+    against a manifest (run-bundle's, before --output) the runner takes as it is, without checking it again."""
+    import json
+
+    from pocketdiff.runtime.cli_checks import CheckedOnCpu, check_on_cpu
+
+    man = json.loads((WEB / "smoke_bundle" / "manifest.json").read_text())
+    assert check_on_cpu(" text_encoder, ", "gpu") == ("text_encoder",) and check_on_cpu(None, "cpu") == ()
+    checked = check_on_cpu("text_encoder", "gpu", man, "b")
+    assert isinstance(checked, CheckedOnCpu) and checked == ("text_encoder",)
+    with pytest.raises(PocketdiffError, match="--on-cpu vae_encoder: no stage of bundle b runs it"):
+        check_on_cpu("vae_encoder", "gpu", man, "b")
+    assert check_on_cpu(checked, "cpu", man, "b") is checked  # not checked again (with --accelerator cpu it would be refused)
+
+
 def test_a_kept_cpu_variant_that_is_not_a_whole_file_is_made_again_with_one_warning(tmp_path, capsys):
     from pocketdiff.runtime.cpu_variant import VARIANT_VERSION, kept_variant
     from pocketdiff.runtime.tflite_file import check_tflite_file
