@@ -55,10 +55,12 @@ if [ -n "${SMOKE:-}" ]; then
   VAE="5 vae.batch_size=8 data.max_samples=64" TEACHER="train.max_steps=4 train.batch_size=8 samples.steps=2" CLIP="train.steps=4 train.batch_size=16 data.max_samples=64 holdout=16"
   LCM_STEPS=${LCM_STEPS:-3} LCMX="consistency.train.batch_size=8 consistency.train.checkpoint_every=3 data.max_samples=64"
   STYLE="train.max_steps=3 train.batch_size=8 samples.steps=2" NUM=${NUM:-16} EVAL_BATCH=16
+  W8X="calib.num_prompts=8 calib.holdout_prompts=4 recon.iters=2 recon.batch_size=4 recon.forward_batch=8 output.samples=2"
 else
   VAE=1500 TEACHER="train.batch_size=256 train.max_steps=${TEACHER_STEPS:-2000} train.max_time_s=${TEACHER_S:-400}" CLIP="train.steps=2000"
   LCM_STEPS=${LCM_STEPS:-600} LCMX="consistency.train.checkpoint_every=100"
   STYLE="train.max_steps=${STYLE_STEPS:-400} train.batch_size=128 train.max_time_s=${STYLE_S:-300}" NUM=${NUM:-1024} EVAL_BATCH=128
+  W8X="calib.num_prompts=${W8_PROMPTS:-512}"
 fi
 CLIP_SMALL="model.vision_width=128 model.text_width=128 model.projection_dim=128 model.vision_heads=4 model.text_heads=4"
 T=outputs/teacher-openmoji/pipeline K=outputs/clip-openmoji/clip S=outputs/style-data T2=outputs/teacher-style/pipeline
@@ -98,6 +100,22 @@ if not os.path.exists(link):
     os.symlink(os.path.join(os.path.abspath(src), "openmoji_128_png32.zip"), link)
 print(f"style subset: {len(rows)} emoji of {sorted(groups)}")
 PY
+}
+pack_students() {  # the full student (its UNet in fp16), the W8 student's UNet and int8 file, the LoRA: $OUT/students.tgz.*
+  python3 - outputs/full/round-0 /tmp/full16 <<'PY'
+import shutil, sys, torch
+from pathlib import Path
+from safetensors.torch import load_file, save_file
+src, dst = Path(sys.argv[1]), Path(sys.argv[2])
+shutil.rmtree(dst, ignore_errors=True)
+shutil.copytree(src, dst, ignore=shutil.ignore_patterns("vae", "text_encoder", "tokenizer"))
+for f in (dst / "unet").glob("*.safetensors"):
+    save_file({k: v.half() if v.is_floating_point() else v for k, v in load_file(f).items()}, f)
+PY
+  local w8=() f; for f in outputs/full-w8/pipeline/unet outputs/full-w8/pipeline/scheduler outputs/full-w8/pipeline/model_index.json \
+    outputs/full-w8/unet_int8.safetensors outputs/full-w8/unet_int8.json outputs/full-w8/report.json; do [ -e $f ] && w8+=($f); done
+  tar czf /tmp/students.tgz -C /tmp full16 -C $W outputs/lora/round-0/pytorch_lora_weights.safetensors "${w8[@]}" \
+    && split -b 15m /tmp/students.tgz $OUT/students.tgz. && ls -la /tmp/students.tgz
 }
 distill() {  # distill NAME ARGS...: configs/distill/openmoji_lora.yaml on the base teacher, metrics left to the eval call
   verb $1 distill --config $C/distill/openmoji_lora.yaml --output outputs/$1 $(again $1) model.pretrained=$T \
@@ -160,8 +178,14 @@ p = load_pipeline(sys.argv[1]); p.to(torch.float16); save_pipeline(p, sys.argv[2
     [ -f outputs/lora/round-0/pytorch_lora_weights.safetensors ] && [ -f $T2/model_index.json ] && [ -f outputs/full/round-0/model_index.json ] \
       || { echo "students missing: run (or RESUME=1) the students phase first"; finish; exit 1; }
     lcm_folder || { finish; exit 1; }
+    # issue 64 item 4 needs the full student's W8 (calibrated on its own 2-step, guidance-free trajectories; beside the evals)
+    # and both students back on the CPU machine (benchmarks/img2img_openmoji.py runs there)
+    [ -n "${NO_W8:-}" ] || verb full-w8 calibrate --config $C/calibrate/openmoji_student_w8.yaml --output outputs/full-w8 --overwrite \
+      model.pretrained=outputs/full/round-0 calib.steps=2 calib.guidance_scale=1.0 $W8X &
     evaluate_both
-    gpu=$(command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]*' | tr A-Z a-z)
+    wait
+    pack_students
+    gpu=$(command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]\+' | head -1 | tr A-Z a-z)
     python3 $REPO/scripts/gpu/lora_openmoji_table.py --runs $W --device "${gpu:-cpu}" --style "$STYLE_GROUPS" \
       --out $OUT/lora_openmoji_${gpu:-cpu}.json ;;
   *) echo "unknown phase $PHASE (teacher | students | eval)"; exit 2 ;;
