@@ -32,10 +32,12 @@ recorded by `collect_unet_inputs`, with random text embeddings (cond + uncond).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import platform
 import sys
 import time
 from pathlib import Path
+from typing import Any, Optional
 
 import torch
 
@@ -187,7 +189,7 @@ def compare_with_reference(full: dict, path: str) -> dict:
                              "within_5_percent": ratios["nmse_recon"] <= 1.05 and ratios["cosine_gap_recon"] <= 1.05}}
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
     p.add_argument("--arch", default="sd21", choices=ARCHS, help="sdxl: SDXL base's UNet (two text widths, pooled embedding, time ids)")
@@ -229,22 +231,86 @@ def main(argv=None) -> int:
     p.add_argument("--holdout", type=int, default=64, help="held-out inputs (whole trajectories) for the sweep and the full run")
     p.add_argument("--norm-scale", type=float, default=0.1, help="perturb_norm_affines scale")
     p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
 
-    import dataclasses
 
-    from pocketdiff.compress.quant.blocks import Request, build_blocks, capture, order_blocks
-    from pocketdiff.compress.quant.quantizer import layer_specs
-    from pocketdiff.compress.quant.block_recon import (ReconConfig, capture_settings, layer_inits, precision,
-                                                       reconstruct_block)
-    from pocketdiff.compress.quant.reconstruct import float_weights, reconstruct_unet
-    from pocketdiff.outputs import write_json
+def recon_base(args):
+    """The recipe every measurement starts from: the recon flags given, the recipe's defaults for the rest."""
+    from pocketdiff.compress.quant.block_recon import ReconConfig
 
-    out = Path(args.out)
+    overrides = {k: v for k, v in (("lr", args.lr), ("round_weight", args.round_weight), ("warmup", args.warmup),
+                                                   ("lr_schedule", args.lr_schedule)) if v is not None}
+    if args.lr_fan_in_ref is not None:
+        overrides["lr_fan_in_ref"] = None if args.lr_fan_in_ref.lower() == "none" else int(args.lr_fan_in_ref)
+    return ReconConfig(iters=1, batch_size=args.batch, autocast=args.autocast, compile=args.compile,
+                       compile_mode=args.compile_mode, channels_last=args.channels_last, scale_init=args.scale_init,
+                       learn_scale=not args.no_learn_scale, stream=args.stream, **overrides)
 
-    def save():  # after every phase (atomically), so that a run stopped by a time limit keeps what it measured
-        write_json(out, result)
 
+@dataclasses.dataclass
+class Run:
+    """One benchmark run's state, filled in step by step (main); `result` is the JSON written after every phase."""
+    args: argparse.Namespace
+    out: Path
+    device: torch.device
+    cap: Optional[int]  # the process's CUDA memory cap in bytes (--memory-cap-gib)
+    resolution: Optional[int]
+    result: dict
+    # set by the steps (None until then): the recipe and swept variants (start); the UNet, its scheduler and config, the
+    # calibration inputs (build_model); the held-out inputs (collect_holdout); the blocks, per-sample bytes, layer specs,
+    # swept blocks, float weights, RTN results and initial scales, capture settings, iteration counts (describe_blocks)
+    base: Any = None
+    variants: Any = None
+    t0: float = 0.0
+    unet: Any = None
+    scheduler: Any = None
+    ucfg: Any = None
+    calib: Any = None
+    held: Any = None
+    blocks: Any = None
+    per_sample: Any = None
+    specs: Any = None
+    swept: Any = None
+    weights: Any = None
+    rtn_res: Any = None
+    init_scales: Any = None
+    tf32: bool = False
+    cap_ac: Any = None
+    iters_list: Any = None
+
+    def save(self) -> None:  # after every phase (atomically), so that a run stopped by a time limit keeps what it measured
+        from pocketdiff.outputs import write_json
+
+        write_json(self.out, self.result)
+
+    def block_data(self, b, data=None):
+        """Block `b`'s captured inputs and outputs on `data` (the calibration set by default), and the capture's seconds."""
+        from pocketdiff.compress.quant.block_recon import precision
+        from pocketdiff.compress.quant.blocks import Request, capture
+
+        sync(self.device)
+        tc = time.time()
+        with precision(self.tf32):
+            caps = capture(self.unet, data if data is not None else self.calib, [Request(u, inputs=True, output=True) for u in b.units],
+                           device=self.device, batch_size=16, store_device=self.device, autocast=self.cap_ac)
+        sync(self.device)
+        return caps, time.time() - tc
+
+    def timed_block(self, b, caps, opts):
+        """reconstruct_block on `caps` with `opts`, synchronised: (its result, its seconds)."""
+        from pocketdiff.compress.quant.block_recon import reconstruct_block
+
+        sync(self.device)
+        ts = time.time()
+        res = reconstruct_block(b, caps, [c.output for c in caps], self.weights, self.specs, self.rtn_res, self.init_scales,
+                                opts, self.device)
+        sync(self.device)
+        return res, time.time() - ts
+
+
+def start(args) -> Run:
+    """Step 1: the device (and its memory cap, before anything is built), the result's header, the recipe and the
+    swept variants (bad overrides fail here, before the UNet and its data are built)."""
     device = torch.device(args.device)
     cap = int(args.memory_cap_gib * 2 ** 30) if args.memory_cap_gib else None
     if cap and device.type == "cuda":
@@ -254,189 +320,207 @@ def main(argv=None) -> int:
     resolution = args.resolution or (512 if args.arch in ("sd15", "sd21") else None)
     result: dict = {"args": vars(args), "torch": torch.__version__, "python": platform.python_version(),
                     "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"}
-    overrides = {k: v for k, v in (("lr", args.lr), ("round_weight", args.round_weight), ("warmup", args.warmup),
-                                                   ("lr_schedule", args.lr_schedule)) if v is not None}
-    if args.lr_fan_in_ref is not None:
-        overrides["lr_fan_in_ref"] = None if args.lr_fan_in_ref.lower() == "none" else int(args.lr_fan_in_ref)
-    base = ReconConfig(iters=1, batch_size=args.batch, autocast=args.autocast, compile=args.compile,
-                       compile_mode=args.compile_mode, channels_last=args.channels_last, scale_init=args.scale_init,
-                       learn_scale=not args.no_learn_scale, stream=args.stream, **overrides)
-    variants = sweep_variants(args, base)  # bad overrides fail here, before the UNet and its data are built
-    t0 = time.time()
-    unet, scheduler, ucfg = build_unet(args.arch, resolution, args.seed, device, args.norm_scale)
-    result["unet_params"] = sum(p.numel() for p in unet.parameters())
-    result["latent_size"] = ucfg["sample_size"]
-    result["build_s"] = round(time.time() - t0, 2)
+    run = Run(args, Path(args.out), device, cap, resolution, result)
+    run.base = recon_base(args)
+    run.variants = sweep_variants(args, run.base)
+    return run
 
+
+def build_model(run: Run) -> None:
+    """Step 2: the random-weight UNet and the calibration inputs of its DDIM trajectories."""
+    args, result = run.args, run.result
+    run.t0 = time.time()
+    run.unet, run.scheduler, run.ucfg = build_unet(args.arch, run.resolution, args.seed, run.device, args.norm_scale)
+    result["unet_params"] = sum(p.numel() for p in run.unet.parameters())
+    result["latent_size"] = run.ucfg["sample_size"]
+    result["build_s"] = round(time.time() - run.t0, 2)
     t = time.time()
-    calib = calib_set(unet, scheduler, ucfg, args.trajectories, args.steps, args.seed + 1, device,
-                      pixels=resolution or default_resolution(args.arch))
-    sync(device)
-    result["calibration"] = {"samples": len(calib), "collect_s": round(time.time() - t, 2)}
-    print(f"{len(calib)} calibration inputs in {result['calibration']['collect_s']} s", file=sys.stderr, flush=True)
+    run.calib = calib_set(run.unet, run.scheduler, run.ucfg, args.trajectories, args.steps, args.seed + 1, run.device,
+                          pixels=run.resolution or default_resolution(args.arch))
+    sync(run.device)
+    result["calibration"] = {"samples": len(run.calib), "collect_s": round(time.time() - t, 2)}
+    print(f"{len(run.calib)} calibration inputs in {result['calibration']['collect_s']} s", file=sys.stderr, flush=True)
 
-    blocks = build_blocks(unet)
-    per_sample = order_blocks(unet, blocks, calib, device)
+
+def describe_blocks(run: Run) -> None:
+    """Step 3: the UNet's blocks, their layers' quantisation specs, and the activations on the calibration inputs;
+    then the float weights and RTN / initial scales of the layers the later steps reconstruct."""
+    from pocketdiff.compress.quant.block_recon import capture_settings, layer_inits
+    from pocketdiff.compress.quant.blocks import build_blocks, order_blocks
+    from pocketdiff.compress.quant.quantizer import layer_specs
+    from pocketdiff.compress.quant.reconstruct import float_weights
+
+    args, result, unet = run.args, run.result, run.unet
+    run.blocks = blocks = build_blocks(unet)
+    run.per_sample = order_blocks(unet, blocks, run.calib, run.device)
     names = [g for b in blocks for g in b.layers]
-    specs = layer_specs(names, {g: unet.get_submodule(g).weight.shape for g in names}, args.bits, args.group_size)
+    run.specs = layer_specs(names, {g: unet.get_submodule(g).weight.shape for g in names}, args.bits, args.group_size)
     result["blocks"] = [{"name": b.name, "kind": b.kind, "layers": len(b.layers),
                          "params": int(sum(unet.get_submodule(g).weight.numel() for g in b.layers)),
-                         "bytes_per_sample": per_sample[b.name]} for b in blocks]
-    act = activation_stats(unet, blocks, calib, device, 8)
+                         "bytes_per_sample": run.per_sample[b.name]} for b in blocks]
+    act = activation_stats(unet, blocks, run.calib, run.device, 8)
     result["activations"] = act
     result["activations_max_abs"] = max(v["max_abs"] for v in act.values())
-    save()
+    run.save()
 
-    result["recon_config"] = dataclasses.asdict(base)
-    swept = [] if args.no_sweep else pick_blocks(blocks, args.blocks, per_sample)
+    result["recon_config"] = dataclasses.asdict(run.base)
+    run.swept = [] if args.no_sweep else pick_blocks(blocks, args.blocks, run.per_sample)
     if args.no_timing and args.full_iters is None:  # only the swept blocks need scales (the search is slow on a CPU)
-        names = [g for b in swept for g in b.layers]
-    weights = float_weights(unet, names)
-    rtn_res, init_scales = layer_inits(weights, specs, base, device)
-    tf32, cap_ac = capture_settings(base, device)
-    iters_list = [int(x) for x in args.iters.split(",") if x.strip()]
+        names = [g for b in run.swept for g in b.layers]
+    run.weights = float_weights(unet, names)
+    run.rtn_res, run.init_scales = layer_inits(run.weights, run.specs, run.base, run.device)
+    run.tf32, run.cap_ac = capture_settings(run.base, run.device)
+    run.iters_list = [int(x) for x in args.iters.split(",") if x.strip()]
 
-    def block_data(b, data=None):
-        sync(device)
-        tc = time.time()
-        with precision(tf32):
-            caps = capture(unet, data if data is not None else calib, [Request(u, inputs=True, output=True) for u in b.units],
-                           device=device, batch_size=16, store_device=device, autocast=cap_ac)
-        sync(device)
-        return caps, time.time() - tc
 
-    # ---- timing of every block
-    if not args.no_timing:
-        timing = []
-        capture_total = 0.0
-        for b in blocks:
-            if b.kind == "rest":
-                continue
-            caps, tc = block_data(b)
-            capture_total += tc
-            warm = dataclasses.replace(base, iters=3, fallback=True)
-            reconstruct_block(b, caps, [c.output for c in caps], weights, specs, rtn_res, init_scales, warm, device)
-            opts = dataclasses.replace(base, iters=args.timing_iters)
-            sync(device)
-            ts = time.time()
-            res = reconstruct_block(b, caps, [c.output for c in caps], weights, specs, rtn_res, init_scales, opts, device)
-            sync(device)
-            total = time.time() - ts
-            # reconstruct_block also evaluates 3 candidates (fixed cost): time it with iters=0 via method=rtn
-            opts0 = dataclasses.replace(base, method="rtn", iters=0)
-            sync(device)
-            ts = time.time()
-            reconstruct_block(b, caps, [c.output for c in caps], weights, specs, rtn_res, init_scales, opts0, device)
-            sync(device)
-            fixed = time.time() - ts
-            per_iter = max(0.0, total - fixed) / args.timing_iters
-            timing.append({"name": b.name, "kind": b.kind, "s_per_iter": per_iter, "eval_s": fixed, "capture_s": tc})
-            result["timing"] = {"blocks": timing, "partial": True}
-            save()
-            print(f"timing {b.name}: {per_iter * 1000:.2f} ms/iter, eval {fixed:.2f} s, capture {tc:.2f} s", file=sys.stderr, flush=True)
-            del caps
-        s_iter = sum(t["s_per_iter"] for t in timing)
-        fixed = sum(t["eval_s"] for t in timing)
-        result["timing"] = {
-            "blocks": timing,
-            "s_per_iter_all_blocks": s_iter,
-            "eval_s_all_blocks": fixed,
-            "capture_s_all_blocks_independent": capture_total,
-            "capture_s_sequential_estimate": 2 * capture_total,
-            "projected_wall_s": {str(n): round(n * s_iter + fixed + 2 * capture_total + result["calibration"]["collect_s"], 1)
-                                 for n in iters_list},
-        }
-        save()
+def time_blocks(run: Run) -> None:
+    """Step 4 (unless --no-timing): seconds per optimisation iteration of every block, its fixed evaluation cost, the
+    capture pass, and the projected whole-UNet wall time per iteration count."""
+    args, result, base = run.args, run.result, run.base
+    timing = []
+    capture_total = 0.0
+    for b in run.blocks:
+        if b.kind == "rest":
+            continue
+        caps, tc = run.block_data(b)
+        capture_total += tc
+        run.timed_block(b, caps, dataclasses.replace(base, iters=3, fallback=True))  # warm-up
+        _, total = run.timed_block(b, caps, dataclasses.replace(base, iters=args.timing_iters))
+        # reconstruct_block also evaluates 3 candidates (fixed cost): time it with iters=0 via method=rtn
+        _, fixed = run.timed_block(b, caps, dataclasses.replace(base, method="rtn", iters=0))
+        per_iter = max(0.0, total - fixed) / args.timing_iters
+        timing.append({"name": b.name, "kind": b.kind, "s_per_iter": per_iter, "eval_s": fixed, "capture_s": tc})
+        result["timing"] = {"blocks": timing, "partial": True}
+        run.save()
+        print(f"timing {b.name}: {per_iter * 1000:.2f} ms/iter, eval {fixed:.2f} s, capture {tc:.2f} s", file=sys.stderr, flush=True)
+        del caps
+    s_iter = sum(t["s_per_iter"] for t in timing)
+    fixed = sum(t["eval_s"] for t in timing)
+    result["timing"] = {
+        "blocks": timing,
+        "s_per_iter_all_blocks": s_iter,
+        "eval_s_all_blocks": fixed,
+        "capture_s_all_blocks_independent": capture_total,
+        "capture_s_sequential_estimate": 2 * capture_total,
+        "projected_wall_s": {str(n): round(n * s_iter + fixed + 2 * capture_total + result["calibration"]["collect_s"], 1)
+                             for n in run.iters_list},
+    }
+    run.save()
 
-    # held-out inputs (other prompts and seeds) of the sweep and the full run, collected once
-    # (the float UNet is never modified)
-    held = None
+
+def collect_holdout(run: Run) -> None:
+    """Step 5: held-out inputs (other prompts and seeds) of the sweep and the full run, collected once (the float UNet
+    is never modified)."""
+    args = run.args
     if not args.no_sweep or args.full_iters is not None:
-        held = calib_set(unet, scheduler, ucfg, max(1, args.holdout // (2 * args.steps)), args.steps, args.seed + 99, device)
-        result["holdout_samples"] = len(held)
+        run.held = calib_set(run.unet, run.scheduler, run.ucfg, max(1, args.holdout // (2 * args.steps)), args.steps,
+                             args.seed + 99, run.device)
+        run.result["holdout_samples"] = len(run.held)
 
-    # ---- error vs iterations on selected blocks
+
+def sweep_rows(run: Run, b) -> list[dict]:
+    """Block `b`'s error against iterations, per swept variant: on its calibration inputs and held-out ones."""
+    from pocketdiff.compress.quant.block_recon import block_mse
+    from pocketdiff.compress.quant.quantizer import dequant
+
+    device, specs = run.device, run.specs
+    caps, _ = run.block_data(b)
+    hcaps, _ = run.block_data(b, run.held)
+    htargets = [c.output for c in hcaps]
+    h_rtn = block_mse(b, hcaps, htargets, {g: dequant(*run.rtn_res[g], specs[g]).to(device) for g in b.layers}, device)
+    rows = []
+    for n, (label, variant) in [(n, v) for n in run.iters_list for v in (run.variants if n > 0 else run.variants[:1])]:
+        opts = dataclasses.replace(variant, iters=n, method="adaround" if n > 0 else "rtn", fallback=False)
+        res, wall = run.timed_block(b, caps, opts)
+        s = res.stats
+        row = {"iters": n, "lr": opts.lr, "rounding_lrs": s.get("rounding_lr"), "variant": label, "wall_s": round(wall, 3), "mse_rtn": s["mse_rtn_calib"], "mse_init": s["mse_init_calib"],
+               "mse_recon": s["mse_recon_calib"], "target_power": s["target_power"], "soft_fraction": s.get("soft_fraction")}
+        row["ratio_vs_rtn"] = row["mse_recon"] / max(row["mse_rtn"], 1e-30)
+        h = block_mse(b, hcaps, htargets, {g: dequant(layer.codes, layer.scale, specs[g]).to(device) for g, layer in res.layers.items()}, device)
+        row.update(holdout_mse_rtn=h_rtn, holdout_mse_recon=h, holdout_ratio_vs_rtn=h / max(h_rtn, 1e-30))
+        rows.append(row)
+        print(f"sweep {b.name} iters={n} {label or 'recipe'} lr={opts.lr:g} (per layer {row['rounding_lrs']}): rtn {row['mse_rtn']:.3e} init {row['mse_init']:.3e} recon {row['mse_recon']:.3e} "
+              f"({row['ratio_vs_rtn']:.3f}x rtn; held-out {row['holdout_ratio_vs_rtn']:.3f}x) soft {row['soft_fraction']} "
+              f"{row['wall_s']:.1f}s", file=sys.stderr, flush=True)
+    del caps, hcaps
+    return rows
+
+
+def sweep_blocks(run: Run) -> None:
+    """Step 6 (unless --no-sweep): error against iterations on the selected blocks (--blocks)."""
+    sweep = []
+    for b in run.swept:
+        sweep.append({"name": b.name, "kind": b.kind, "rows": sweep_rows(run, b)})
+        run.result["sweep"] = sweep
+        run.save()
+    run.result["sweep"] = sweep
+
+
+def full_run(run: Run) -> None:
+    """Step 7 (with --full-iters): a whole-UNet calibration, its wall time, peak GPU memory and held-out error."""
+    import copy
+
+    from pocketdiff.compress.quant.block_recon import LayerResult
+    from pocketdiff.compress.quant.blocks import build_blocks
+    from pocketdiff.compress.quant.metrics import compare_unets
+    from pocketdiff.compress.quant.reconstruct import reconstruct_unet, write_weights
+
+    args, device, unet, specs = run.args, run.device, run.unet, run.specs
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    opts = dataclasses.replace(run.base, iters=args.full_iters, mode=args.full_mode)
+    sync(device)
+    ts = time.time()
+    results, info = reconstruct_unet(unet, run.calib, specs, opts, device=device, seed=args.seed,
+                                     devices=[d for d in args.devices.split(",") if d] or None,
+                                     log=lambda m: print(m, file=sys.stderr, flush=True), memory_cap_bytes=run.cap)
+    sync(device)
+    wall = time.time() - ts
+    recon_peak = max(info.get("peak_gpu_bytes", 0), torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
+    q = copy.deepcopy(unet)
+    write_weights(q, {g: lr for r in results for g, lr in r.layers.items()}, specs)
+    r = copy.deepcopy(unet)
+    write_weights(r, {g: LayerResult(c, s, "rtn") for g, (c, s) in info["rtn"].items()}, specs)
+    cmp = compare_unets(unet, {"rtn": r, "recon": q}, build_blocks(unet), run.held, device, batch=8)
+    full = run.result["full"] = {
+        "iters": args.full_iters, "mode": args.full_mode, "devices": args.devices or str(device), "wall_s": round(wall, 2),
+        "wall_s_including_collect": round(wall + run.result["calibration"]["collect_s"], 2),
+        "peak_gpu_memory_gb": round(max(recon_peak, torch.cuda.max_memory_allocated(device)) / 2 ** 30, 2) if recon_peak else None,
+        "reconstruct_peak_gpu_gib": round(recon_peak / 2 ** 30, 2) if recon_peak else None,
+        "memory_cap_gib": args.memory_cap_gib, "stream": args.stream, "autocast": args.autocast,
+        "unet_cosine_rtn": cmp["unets"]["rtn"]["cosine_mean"], "unet_cosine_recon": cmp["unets"]["recon"]["cosine_mean"],
+        "unet_nmse_rtn": cmp["unets"]["rtn"]["nmse"], "unet_nmse_recon": cmp["unets"]["recon"]["nmse"],
+        "blocks_improved": sum(1 for v in cmp["blocks"].values() if v["recon"]["mse"] < v["rtn"]["mse"]),
+        "blocks": [{"name": res.name, "chosen": res.stats.get("chosen"), "time_s": res.stats.get("time_s"),
+                    "peak_gpu_gib": res.stats.get("peak_gpu_gib"), "cache_on_device": res.stats.get("cache_on_device"),
+                    "mse_rtn_calib": res.stats.get("mse_rtn_calib"), "mse_recon_calib": res.stats.get("mse_recon_calib"),
+                    "mse_rtn": cmp["blocks"].get(res.name, {}).get("rtn", {}).get("mse"),
+                    "mse_recon": cmp["blocks"].get(res.name, {}).get("recon", {}).get("mse")} for res in results],
+    }
+    if args.reference:
+        full.update(compare_with_reference(full, args.reference))
+    print(f"full: {wall:.1f} s, cosine rtn {full['unet_cosine_rtn']:.6f} recon {full['unet_cosine_recon']:.6f}",
+          file=sys.stderr, flush=True)
+
+
+def main(argv=None) -> int:
+    """1. the flags, device and recipe (start); 2. the UNet and its calibration inputs (build_model); 3. its blocks,
+    specs and activations (describe_blocks); 4. per-block timing (time_blocks); 5. held-out inputs (collect_holdout);
+    6. the error sweep (sweep_blocks); 7. the whole-UNet run (full_run). The result is saved after every phase."""
+    args = parse_args(argv)
+    run = start(args)
+    build_model(run)
+    describe_blocks(run)
+    if not args.no_timing:
+        time_blocks(run)
+    collect_holdout(run)
     if not args.no_sweep:
-        from pocketdiff.compress.quant.quantizer import dequant
-        from pocketdiff.compress.quant.block_recon import block_mse
-
-        sweep = []
-        for b in swept:
-            caps, _ = block_data(b)
-            hcaps, _ = block_data(b, held)
-            htargets = [c.output for c in hcaps]
-            h_rtn = block_mse(b, hcaps, htargets, {g: dequant(*rtn_res[g], specs[g]).to(device) for g in b.layers}, device)
-            rows = []
-            for n, (label, variant) in [(n, v) for n in iters_list for v in (variants if n > 0 else variants[:1])]:
-                opts = dataclasses.replace(variant, iters=n, method="adaround" if n > 0 else "rtn", fallback=False)
-                sync(device)
-                ts = time.time()
-                res = reconstruct_block(b, caps, [c.output for c in caps], weights, specs, rtn_res, init_scales, opts, device)
-                sync(device)
-                s = res.stats
-                row = {"iters": n, "lr": opts.lr, "rounding_lrs": s.get("rounding_lr"), "variant": label, "wall_s": round(time.time() - ts, 3), "mse_rtn": s["mse_rtn_calib"], "mse_init": s["mse_init_calib"],
-                       "mse_recon": s["mse_recon_calib"], "target_power": s["target_power"], "soft_fraction": s.get("soft_fraction")}
-                row["ratio_vs_rtn"] = row["mse_recon"] / max(row["mse_rtn"], 1e-30)
-                h = block_mse(b, hcaps, htargets, {g: dequant(layer.codes, layer.scale, specs[g]).to(device) for g, layer in res.layers.items()}, device)
-                row.update(holdout_mse_rtn=h_rtn, holdout_mse_recon=h, holdout_ratio_vs_rtn=h / max(h_rtn, 1e-30))
-                rows.append(row)
-                print(f"sweep {b.name} iters={n} {label or 'recipe'} lr={opts.lr:g} (per layer {row['rounding_lrs']}): rtn {row['mse_rtn']:.3e} init {row['mse_init']:.3e} recon {row['mse_recon']:.3e} "
-                      f"({row['ratio_vs_rtn']:.3f}x rtn; held-out {row['holdout_ratio_vs_rtn']:.3f}x) soft {row['soft_fraction']} "
-                      f"{row['wall_s']:.1f}s", file=sys.stderr, flush=True)
-            sweep.append({"name": b.name, "kind": b.kind, "rows": rows})
-            result["sweep"] = sweep
-            save()
-            del caps, hcaps
-        result["sweep"] = sweep
-
-    # ---- whole-UNet run
+        sweep_blocks(run)
     if args.full_iters is not None:
-        from pocketdiff.compress.quant.metrics import compare_unets
-        from pocketdiff.compress.quant.reconstruct import write_weights
-
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        opts = dataclasses.replace(base, iters=args.full_iters, mode=args.full_mode)
-        sync(device)
-        ts = time.time()
-        results, info = reconstruct_unet(unet, calib, specs, opts, device=device, seed=args.seed,
-                                         devices=[d for d in args.devices.split(",") if d] or None,
-                                         log=lambda m: print(m, file=sys.stderr, flush=True), memory_cap_bytes=cap)
-        sync(device)
-        wall = time.time() - ts
-        recon_peak = max(info.get("peak_gpu_bytes", 0), torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
-        import copy
-
-        q = copy.deepcopy(unet)
-        write_weights(q, {g: lr for r in results for g, lr in r.layers.items()}, specs)
-        r = copy.deepcopy(unet)
-        from pocketdiff.compress.quant.block_recon import LayerResult
-
-        write_weights(r, {g: LayerResult(c, s, "rtn") for g, (c, s) in info["rtn"].items()}, specs)
-        cmp = compare_unets(unet, {"rtn": r, "recon": q}, build_blocks(unet), held, device, batch=8)
-        result["full"] = {
-            "iters": args.full_iters, "mode": args.full_mode, "devices": args.devices or str(device), "wall_s": round(wall, 2),
-            "wall_s_including_collect": round(wall + result["calibration"]["collect_s"], 2),
-            "peak_gpu_memory_gb": round(max(recon_peak, torch.cuda.max_memory_allocated(device)) / 2 ** 30, 2) if recon_peak else None,
-            "reconstruct_peak_gpu_gib": round(recon_peak / 2 ** 30, 2) if recon_peak else None,
-            "memory_cap_gib": args.memory_cap_gib, "stream": args.stream, "autocast": args.autocast,
-            "unet_cosine_rtn": cmp["unets"]["rtn"]["cosine_mean"], "unet_cosine_recon": cmp["unets"]["recon"]["cosine_mean"],
-            "unet_nmse_rtn": cmp["unets"]["rtn"]["nmse"], "unet_nmse_recon": cmp["unets"]["recon"]["nmse"],
-            "blocks_improved": sum(1 for v in cmp["blocks"].values() if v["recon"]["mse"] < v["rtn"]["mse"]),
-            "blocks": [{"name": res.name, "chosen": res.stats.get("chosen"), "time_s": res.stats.get("time_s"),
-                        "peak_gpu_gib": res.stats.get("peak_gpu_gib"), "cache_on_device": res.stats.get("cache_on_device"),
-                        "mse_rtn_calib": res.stats.get("mse_rtn_calib"), "mse_recon_calib": res.stats.get("mse_recon_calib"),
-                        "mse_rtn": cmp["blocks"].get(res.name, {}).get("rtn", {}).get("mse"),
-                        "mse_recon": cmp["blocks"].get(res.name, {}).get("recon", {}).get("mse")} for res in results],
-        }
-        if args.reference:
-            result["full"].update(compare_with_reference(result["full"], args.reference))
-        print(f"full: {wall:.1f} s, cosine rtn {result['full']['unet_cosine_rtn']:.6f} recon {result['full']['unet_cosine_recon']:.6f}",
-              file=sys.stderr, flush=True)
-
-    result["total_s"] = round(time.time() - t0, 2)
-    save()
-    print(f"wrote {out}", file=sys.stderr)
+        full_run(run)
+    run.result["total_s"] = round(time.time() - run.t0, 2)
+    run.save()
+    print(f"wrote {run.out}", file=sys.stderr)
     return 0
 
 
