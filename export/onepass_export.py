@@ -57,7 +57,7 @@ def split_one_pass(vae: torch.nn.Module, tiling, latents: torch.Tensor, parity_l
     """Head and plain up tile of a norm-free `vae` (folded here with `tiling.fold_norms`); the tile's
     largest tensor checked against `max_tensor_mb` before any conversion."""
     from .onepass_vae import VaeUpPathPart, VaeUpPathPlain, check_tile_budget, plan_up_parts
-    from .rewrites import rescale_residual_stream
+    from .residual_scale import rescale_residual_stream
     from .tiled_vae import VaeDecoderHead
 
     _, _, h, w = latents.shape

@@ -52,7 +52,7 @@ def split_decoder(vae: torch.nn.Module, tiling, latents: torch.Tensor, factor: i
     what a later pass of `tiling.scheme` feeds it, from a first own-statistics pass over that tile:
     the statistics themselves with own = 0 ("plain"), or the control variate of those statistics
     against the tile's own with own = 1 ("control_variate")."""
-    from .rewrites import rescale_residual_stream
+    from .residual_scale import rescale_residual_stream
     from .tiled_vae import VaeDecoderHead, VaeUpPathTile
 
     _, _, h, w = latents.shape

@@ -24,7 +24,8 @@ from pocketdiff.export.components import VaeDecoderGraph
 from pocketdiff.export.exporter import export_component
 from pocketdiff.export.fp16scan import FP16_MAX, Fp16Scanner, residual_scale_for, scan_pipeline, stream_peaks
 from pocketdiff.export.parity import ParityConfig
-from pocketdiff.export.rewrites import RewriteConfig, rescale_residual_stream
+from pocketdiff.export.residual_scale import rescale_residual_stream
+from pocketdiff.export.rewrites import RewriteConfig
 from pocketdiff.export.verb import VerifyConfig
 from pocketdiff.models import ModelConfig, build_pipeline, build_vae, perturb_norm_affines
 
