@@ -2,7 +2,7 @@
 // argv: <request json file>; prints one JSON answer:
 //   manifests -> per manifest {derived, pipeline, problems, parts (per stage), error (checkPipeline's line or null)}
 //   guidance  -> per case {prompts, stack, repeat, combine} on the given arrays
-//   and the module's tables (registry, roles, families, kinds, output roles, chunkable order).
+//   and the module's tables (registry, roles, families, kinds, output roles, chunkable order, inpainting UNet roles).
 import { readFileSync } from 'node:fs';
 import * as stages from '../../web/static/stages.js';
 
@@ -10,6 +10,7 @@ const req = JSON.parse(readFileSync(process.argv[2], 'utf8'));
 const out = {
   registry: stages.REGISTRY, roles: stages.ROLES, families: stages.FAMILIES, kinds: stages.STAGE_KINDS,
   output_roles: stages.OUTPUT_ROLES, chunkable: stages.CHUNKABLE, tiled_decoder: stages.TILED_DECODER,
+  inpaint_unet_roles: stages.INPAINT_UNET_ROLES,
 };
 out.manifests = (req.manifests || []).map((man) => {
   let error = null;

@@ -16,7 +16,7 @@ from node_runner_cli import dawn_or_skip, edited_manifest, run_node_runner  # te
 from pocketdiff.runtime import components as reg
 from pocketdiff.runtime.guidance import Guidance
 from pocketdiff.runtime.manifest_check import manifest_problems
-from pocketdiff.runtime.pipeline_spec import OUTPUT_ROLES, ROLES, STAGE_KINDS, derive_pipeline, pipeline_of
+from pocketdiff.runtime.pipeline_spec import INPAINT_UNET_ROLES, OUTPUT_ROLES, ROLES, STAGE_KINDS, derive_pipeline, pipeline_of
 
 HERE = Path(__file__).resolve().parent
 HARNESS = HERE / "stages_harness.mjs"
@@ -74,6 +74,7 @@ def test_the_registry_tables_are_the_pythons(node, tmp_path):
     assert out["kinds"] == list(STAGE_KINDS) and out["output_roles"] == {k: list(v) for k, v in OUTPUT_ROLES.items()}
     assert sorted(out["chunkable"]) == sorted(reg.CHUNKABLE) and out["chunkable"][0] == reg.UNET  # the UNet's block checked first
     assert out["tiled_decoder"] == list(reg.TILED_DECODER)
+    assert out["inpaint_unet_roles"] == list(INPAINT_UNET_ROLES)  # what makes a UNet an inpainting one
 
 
 def test_derive_pipeline_is_the_pythons_on_every_smoke_bundle_and_a_v3_manifest(node, tmp_path):
