@@ -70,8 +70,8 @@ def encoder_int8(weights: str, components, pipe, quantized: dict) -> dict:
     if weights != "int8" or ENCODER not in components or quantized.get(ENCODER) is not None:
         return {}
     from pocketdiff.runtime.components import component
+    from pocketdiff.runtime.parity import metrics
 
-    from .banded_encoder import psnr_db
     from .int8 import apply_to_module, rtn_checkpoint
 
     vae = pipe.vae
@@ -83,7 +83,7 @@ def encoder_int8(weights: str, components, pipe, quantized: dict) -> dict:
         apply_to_module(vae, q)
         after = graph(px)
         vae.encoder.load_state_dict(saved)
-    db = round(psnr_db(before, after), 2)
+    db = round(metrics(before.numpy(), after.numpy())["psnr_db"], 2)  # over the float latents' peak-to-peak range
     q.recipe.extra.update(method="rtn", bits=ENCODER_INT8_BITS, latents_psnr_db_vs_float=db,
                           why="weights: int8 with no vae_encoder weights in the int8 checkpoint or int8.components")
     print(f"export: vae_encoder: int8 by round to nearest per output channel ({len(q.recipe.layers)} layers, "
