@@ -166,6 +166,14 @@ class Batch:
         self.z_hi = noisy_latents(x0, eps, lcm.a_hi[n]).to(device)
 
 
+def optimizer_step(student, opt, loss) -> None:
+    """Both steps' update: backward, the gradient clipped at norm 1, the optimizer's step, gradients dropped."""
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
 def eager_step(teacher, student, opt, b: Batch, amp, embed_dim):
     """The plain loop: separate cond/uncond teacher calls, autocast over fp32 weights, no tricks."""
     from pocketdiff.sampling import ddim_step
@@ -182,10 +190,7 @@ def eager_step(teacher, student, opt, b: Batch, amp, embed_dim):
             target = x_from_two_steps(b.z, z_prev, b.a_t, b.a_prev)
         out = student_forward(student, b.z, b.t, b.cond, b.w, False, embed_dim)
         loss = x_space_loss(out, b.z, b.a_t, target, "v_prediction")
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
+    optimizer_step(student, opt, loss)
     return loss
 
 
@@ -202,10 +207,7 @@ def ours_step(teacher: GuidedTeacher, student, opt, b: Batch, amp, embed_dim, ch
                 target = two_step_x_target(teacher, b.z, b.t, b.t_mid, b.a_t, b.a_mid, b.a_prev, b.cond, uncond, b.w)
             out = student_forward(student, b.z, b.t, b.cond, b.w, channels_last, embed_dim)
             loss = x_space_loss(out, b.z, b.a_t, target, "v_prediction")
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
+    optimizer_step(student, opt, loss)
     if lcm_target is not None:  # as train_loop's companion: after every optimizer step
         lcm_target.after_update(student)
     return loss

@@ -37,14 +37,6 @@ SKIP = {"_export", "report.json", "config.yaml", ".pocketdiff-output.json"}
 XZ_FILTERS = [{"id": lzma.FILTER_LZMA2, "preset": 6, "dict_size": 64 << 20}]  # the tiling period fits the window many times
 
 
-def _sha(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _xz(src: Path, dst: Path) -> None:
     with open(src, "rb") as f, lzma.open(dst, "wb", format=lzma.FORMAT_XZ, filters=XZ_FILTERS) as g:
         shutil.copyfileobj(f, g, 1 << 24)
@@ -67,6 +59,8 @@ def _big_goldens(folder: Path, max_mb) -> tuple[set, Optional[str]]:
 
 
 def pack(bundles: list[tuple[Path, str]], dest: Path, max_golden_mb: Optional[float] = None) -> dict:
+    from pocketdiff.outputs import sha256_file
+
     dest.mkdir(parents=True, exist_ok=True)
     shared = dest / "_shared"
     seen: dict[str, str] = {}  # sha -> stored name under _shared
@@ -85,7 +79,7 @@ def pack(bundles: list[tuple[Path, str]], dest: Path, max_golden_mb: Optional[fl
                 (dest / layout / "manifest.json").write_text(manifest_text)
                 files[str(rel)] = {"stored": f"{layout}/manifest.json", "sha256": hashlib.sha256(manifest_text.encode()).hexdigest()}
                 continue
-            sha = _sha(p)
+            sha = sha256_file(p)
             if sha in seen:  # stored already (same component in another layout)
                 files[str(rel)] = {"shared": seen[sha], "sha256": sha}
                 continue

@@ -42,7 +42,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from app_images import litert_version, summarize  # noqa: E402
-from runner_before_after import _relative, intervals, largest  # noqa: E402
+from runner_before_after import _relative, _sha, intervals, largest  # noqa: E402
 
 PROMPT = "a photograph of an astronaut riding a horse"
 CONFIGS = {
@@ -152,12 +152,6 @@ def row_of(config: str, flags: list[str], when: str, layout: str, r: dict, image
 
 def _finite(x: float | None) -> float | None:
     return None if x is None or x == float("inf") else x
-
-
-def _sha(path: Path) -> str | None:
-    import hashlib
-
-    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
 
 
 class Doc:

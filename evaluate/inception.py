@@ -20,7 +20,6 @@ pocketdiff carries the network itself and hands it to torchmetrics as a custom f
 """
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 from typing import Optional
@@ -30,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pocketdiff.errors import PocketdiffError
-from pocketdiff.outputs import atomic_path, read_safetensors
+from pocketdiff.outputs import atomic_path, read_safetensors, sha256_file
 
 INPUT_SIZE = 299
 NUM_FEATURES = 2048
@@ -238,14 +237,6 @@ class FIDInceptionV3(nn.Module):
 # ----------------------------------------------------------------------------- weights
 
 
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def read_tensor_file(path: Path, key: str = KEY) -> dict:
     """A state dict of tensors from .safetensors, or from a torch file through
     ``torch.load(weights_only=True)`` (code-carrying pickles are refused, never run)."""
@@ -284,7 +275,7 @@ def default_weights_file() -> Path:
     try:
         with atomic_path(path) as tmp:  # a failed or wrong download leaves nothing behind
             _download(WEIGHTS_URL, tmp)
-            got = file_sha256(tmp)
+            got = sha256_file(tmp)
             if got != STANDARD_SHA256:
                 raise PocketdiffError(f"downloaded file has sha256 {got[:16]}..., expected {STANDARD_SHA256[:16]}...")
     except Exception as e:  # noqa: BLE001 - no network, proxy, corrupt download: one line
@@ -322,7 +313,7 @@ def load_fid_inception(weights_path: Optional[str] = None) -> tuple[FIDInception
             raise PocketdiffError(f"{KEY}: {path} is not a file")
     else:
         path = default_weights_file()
-    sha = file_sha256(path)
+    sha = sha256_file(path)
     state = read_tensor_file(path)
     with torch.device("meta"):  # no random init of 24M parameters that are overwritten next
         model = FIDInceptionV3()

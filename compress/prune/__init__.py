@@ -20,7 +20,7 @@ Attributes load on first use, so loading a pruned model imports no pruning or tr
 """
 from __future__ import annotations
 
-import importlib
+from pocketdiff.lazy import lazy_attributes
 
 _ENTRY_POINTS = {
     "Config": "config",
@@ -33,13 +33,4 @@ _ENTRY_POINTS = {
     "load_pruned_unet": "model",
 }
 __all__ = sorted(_ENTRY_POINTS)
-
-
-def __getattr__(name: str):
-    if name not in _ENTRY_POINTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{_ENTRY_POINTS[name]}"), name)
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_attributes(globals(), _ENTRY_POINTS)

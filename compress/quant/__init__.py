@@ -20,7 +20,7 @@ Attributes load on first use, so reading the checkpoint format imports no optimi
 """
 from __future__ import annotations
 
-import importlib
+from pocketdiff.lazy import lazy_attributes
 
 _ENTRY_POINTS = {
     "Config": "calibrate_config",
@@ -35,13 +35,4 @@ _ENTRY_POINTS = {
     "dequantized_state_dict": "int8_format",
 }
 __all__ = sorted(_ENTRY_POINTS)
-
-
-def __getattr__(name: str):
-    if name not in _ENTRY_POINTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{_ENTRY_POINTS[name]}"), name)
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_attributes(globals(), _ENTRY_POINTS)

@@ -16,6 +16,7 @@ from pocketdiff.evaluate import MetricConfig, MetricSetup
 from pocketdiff.evaluate import inception
 from pocketdiff.evaluate.features import inception_label
 from pocketdiff.evaluate.inception import FIDInceptionV3, load_fid_inception, tf1_resize_bilinear
+from pocketdiff.outputs import sha256_file
 
 REF = DataConfig(source="shapes", shapes_count=8, resolution=32)  # Inception at 299 px: keep sets small
 
@@ -41,7 +42,7 @@ def test_inception_fd_offline_self_zero_grows_with_shift_and_is_named_honestly(i
     assert abs(self_fd) < 1e-3 * shifted[0], (self_fd, shifted)
     described = setup.describe()
     assert described["fd"] == setup.fd_label and described["fd_inception_weights"]["standard"] is False
-    assert described["fd_inception_weights"]["sha256"] == inception.file_sha256(inception_files["pth"])
+    assert described["fd_inception_weights"]["sha256"] == sha256_file(inception_files["pth"])
     assert not (no_network / "hub").exists()  # nothing was fetched into the hub cache
 
 
@@ -60,7 +61,7 @@ def test_safetensors_and_pth_weights_give_the_same_network(inception_files, no_n
 def test_only_the_standard_weights_make_it_fid(inception_files, monkeypatch, no_network):
     assert inception_label({"weights": "/x/weights-inception-2015-12-05-6726825d.pth", "standard": True}) == "FID (Inception-v3 pool3, 2048-d)"
     # a file whose sha256 is the standard one is recognised (pretend the random file is it)
-    monkeypatch.setattr(inception, "STANDARD_SHA256", inception.file_sha256(inception_files["pth"]))
+    monkeypatch.setattr(inception, "STANDARD_SHA256", sha256_file(inception_files["pth"]))
     _, info = load_fid_inception(str(inception_files["pth"]))
     assert info["standard"] and inception_label(info) == "FID (Inception-v3 pool3, 2048-d)"
 
