@@ -73,8 +73,12 @@ def test_clipped_gelu_equals_tanh_gelu_and_is_close_to_erf_gelu():
     big = torch.tensor([200.0, -200.0, 3.0], dtype=torch.float16)
     assert torch.isfinite(clipped_gelu(big, 10.0)).all()
     torch.testing.assert_close(clipped_gelu(big, 10.0).float(), F.gelu(big.float()), rtol=1e-3, atol=1e-2)
-    mod = ClippedGELU(10.0)
-    torch.testing.assert_close(mod(x), clipped_gelu(x, 10.0))
+    # the module swapped in for GELU activations (and diffusers' GELU with its projection) against torch's tanh-GELU,
+    # not against clipped_gelu, which is what it calls
+    torch.testing.assert_close(ClippedGELU(10.0)(x), F.gelu(x, approximate="tanh"), rtol=1e-6, atol=1e-6)
+    proj = nn.Linear(6, 4)
+    xp = torch.randn(3, 6, generator=_gen()) * 20
+    torch.testing.assert_close(ClippedGELU(10.0, proj=proj)(xp), F.gelu(proj(xp), approximate="tanh"), rtol=1e-5, atol=1e-5)
 
 
 def test_clipped_geglu_matches_diffusers_geglu():
@@ -286,8 +290,9 @@ def test_residual_rescaling_keeps_unet_and_decoder_outputs_and_shrinks_the_strea
     z = torch.randn(1, 4, 8, 8, generator=_gen(2))
     with torch.no_grad():
         ref = dec(z)
-        apply_rewrites(dec, dataclasses.replace(RewriteConfig(), residual_scale=0.25))
+        rep = apply_rewrites(dec, dataclasses.replace(RewriteConfig(), residual_scale=0.25))
         out = dec(z)
+    assert rep["residual_scale"]["scale"] == 0.25 and rep["residual_scale"]["writers"] > 5  # the decoder was rescaled
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
 
 
@@ -342,8 +347,14 @@ def test_residual_rescaling_keeps_a_folded_norm_free_decoder():
     assert all(isinstance(vae.get_submodule(n), ChannelAffine) for n in names)
     dec = VaeDecoderGraph(vae)
     z = torch.randn(1, 4, 8, 8, generator=_gen(2))
+    before = {n: vae.get_submodule(n).weight.detach().clone() for n in names}
     with torch.no_grad():
         ref = dec(z)
-        apply_rewrites(dec, dataclasses.replace(RewriteConfig(), residual_scale=0.125))
+        rep = apply_rewrites(dec, dataclasses.replace(RewriteConfig(), residual_scale=0.125))
         out = dec(z)
+    assert rep["residual_scale"]["norms"] > 0
+    divided = [n for n in names if not torch.equal(vae.get_submodule(n).weight, before[n])]
+    assert divided, "no folded norm read the scaled stream"  # else the unchanged output would prove nothing
+    for n in divided:
+        torch.testing.assert_close(vae.get_submodule(n).weight * 0.125, before[n], rtol=0, atol=0)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
