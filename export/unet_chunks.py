@@ -18,6 +18,12 @@ besides the UNet's own `timestep` (the time-embedding row: the time embedding is
 the graph) and `encoder_hidden_states`. The first chunk takes `sample`; the last one returns the
 UNet's output, `out`. A chunk that ends with a down block returns that block's last skip connection
 only as `hidden` (they are one tensor) and names it in its `aliases`.
+
+An SDXL-style UNet (`addition_embed_type: text_time`) adds to the time-embedding row an embedding of the prompt's
+pooled embedding and the size / crop ids (`add_time_proj` -> `add_embedding`), which every resnet reads. It depends on
+the prompt, so no table holds it (runtime/BUNDLE.md): the first chunk takes `text_embeds` and `time_ids`, computes
+`emb` = the row + the added embedding as UNet2DConditionModel.forward does, and returns it; later chunks take `emb` in
+place of `timestep`, as they take the skip connections (one [B, 1280] tensor: no weights are repeated in later chunks).
 """
 from __future__ import annotations
 
@@ -29,10 +35,12 @@ import torch
 from torch import nn
 
 from pocketdiff.errors import PocketdiffError
-from pocketdiff.runtime.chunks import OUTPUT, SKIP_PREFIX, STREAM, skip_name
+from pocketdiff.runtime.chunks import EMBEDDING, OUTPUT, SKIP_PREFIX, STREAM, skip_name, spoken_input
 
 MAX_CHUNKS = 16
 CUTS = ("block", "layer")  # where chunks may be cut: between blocks, or also between a block's layers
+ADDED = "text_time"  # the added embedding the chunks carry (SDXL's): the first chunk computes it, later ones take `emb`
+ADDED_INPUTS = ("text_embeds", "time_ids")  # its graph inputs (export/components.added_conditioning_inputs)
 
 
 @dataclasses.dataclass
@@ -50,13 +58,21 @@ class Stage:
 
 
 def check_chunkable(unet: nn.Module) -> None:
-    """The UNet2DConditionModel layouts the chunks reproduce (the SD family, with or without a mid block): one
-    named line otherwise."""
+    """The UNet2DConditionModel layouts the chunks reproduce (the SD family, with or without a mid block, and SDXL's
+    text_time added embedding, which the first chunk computes): one named line otherwise."""
     cfg = unet.config
-    extras = [k for k in ("class_embedding", "add_embedding", "encoder_hid_proj", "time_embed_act") if getattr(unet, k, None) is not None]
+    extras = [k for k in ("class_embedding", "encoder_hid_proj", "time_embed_act") if getattr(unet, k, None) is not None]
+    if getattr(unet, "add_embedding", None) is not None and not has_added_embedding(unet):
+        extras.append(f"add_embedding of addition_embed_type {getattr(cfg, 'addition_embed_type', None)!r} (the chunks "
+                      f"carry {ADDED!r} only)")
     if extras or getattr(cfg, "center_input_sample", False):
         what = ", ".join(extras) or "center_input_sample"
         raise PocketdiffError(f"unet_chunks: this UNet has {what}, which the chunked graphs do not carry (use unet_chunks: 1)")
+
+
+def has_added_embedding(unet: nn.Module) -> bool:
+    """The UNet adds SDXL's text_time embedding (text_embeds, time_ids) to its time embedding."""
+    return getattr(unet, "add_embedding", None) is not None and getattr(unet.config, "addition_embed_type", None) == ADDED
 
 
 def unet_stages(unet: nn.Module, cut: str = "block") -> list[Stage]:
@@ -81,7 +97,7 @@ def unet_stages(unet: nn.Module, cut: str = "block") -> list[Stage]:
     if cut == "layer":
         stages = [layer for s in stages for layer in (_layers(s) if s.kind != "mid" else [s])]
     stages[0].makes.insert(0, 0)
-    stages[0].params += _params(unet.conv_in)
+    stages[0].params += _params(unet.conv_in) + (_params(unet.add_embedding) if has_added_embedding(unet) else 0)  # the first chunk's
     stages[-1].params += sum(_params(m) for m in (unet.conv_norm_out, unet.conv_out) if m is not None)
     return stages
 
@@ -162,8 +178,11 @@ class ChunkPlan:
 
 def plan_chunks(unet: nn.Module, k: int, cut: str = "block") -> list[ChunkPlan]:
     """The K chunks of the UNet, balanced by parameter count (int8: one byte each), with the tensors
-    each reads and writes."""
+    each reads and writes. With SDXL's added embedding (`has_added_embedding`) the first chunk also reads
+    `text_embeds` and `time_ids` and returns `emb` (the time embedding plus the added one), which later chunks read
+    in place of `timestep`."""
     stages = unet_stages(unet, cut)
+    added = has_added_embedding(unet)
     mid = " and mid block" if any(s.kind == "mid" for s in stages) else ""
     bounds = balanced_bounds([s.params for s in stages], k, "blocks" if cut == "block" else f"stages (layers{mid})")
     plans = []
@@ -173,10 +192,14 @@ def plan_chunks(unet: nn.Module, k: int, cut: str = "block") -> list[ChunkPlan]:
         taken_later = {j for s in stages[b:] for j in s.takes}
         taken_here = [j for s in own for j in s.takes if j not in made_here]
         inputs = ["sample"] if c == 0 else [STREAM] + [skip_name(j) for j in sorted(set(taken_here))]
-        inputs.append("timestep")
+        inputs.append(EMBEDDING if added and c > 0 else "timestep")
         if any(s.cross for s in own):
             inputs.append("encoder_hidden_states")
+        if added and c == 0:
+            inputs += ADDED_INPUTS
         outputs = [OUTPUT] if c == k - 1 else [STREAM] + [skip_name(j) for j in sorted(made_here & taken_later)]
+        if added and c == 0 and k > 1:
+            outputs.append(EMBEDDING)
         aliases = {}
         if own[-1].kind == "down" and skip_name(own[-1].makes[-1]) in outputs:
             # a down block's last skip connection is its output, the stream: one tensor, which a converter
@@ -185,6 +208,20 @@ def plan_chunks(unet: nn.Module, k: int, cut: str = "block") -> list[ChunkPlan]:
             outputs.remove(skip_name(own[-1].makes[-1]))
         plans.append(ChunkPlan(c, k, [s.name for s in own], sum(s.params for s in own), inputs, outputs, aliases, cut))
     return plans
+
+
+class AddedEmbedding(nn.Module):
+    """SDXL's added embedding as UNet2DConditionModel.get_aug_embed computes it (text_time): the size / crop ids
+    through the sinusoidal `add_time_proj`, beside the pooled text embedding, through `add_embedding`."""
+
+    def __init__(self, unet: nn.Module):
+        super().__init__()
+        self.add_time_proj = unet.add_time_proj
+        self.add_embedding = unet.add_embedding
+
+    def forward(self, text_embeds: torch.Tensor, time_ids: torch.Tensor) -> torch.Tensor:
+        time_embeds = self.add_time_proj(time_ids.flatten()).reshape(text_embeds.shape[0], -1)
+        return self.add_embedding(torch.cat([text_embeds, time_embeds.to(text_embeds.dtype)], dim=-1))
 
 
 class UNetChunk(nn.Module):
@@ -199,13 +236,14 @@ class UNetChunk(nn.Module):
         self.blocks = nn.ModuleList([s.block for s in self.stage_info])
         first, last = plan.index == 0, plan.index == plan.count - 1
         self.conv_in = unet.conv_in if first else None
+        self.added = AddedEmbedding(unet) if first and has_added_embedding(unet) else None
         self.conv_norm_out = unet.conv_norm_out if last else None
         self.conv_act = unet.conv_act if last else None
         self.conv_out = unet.conv_out if last else None
 
     def forward(self, *tensors: torch.Tensor) -> dict[str, torch.Tensor]:
         t = dict(zip(self.plan.inputs, tensors))
-        emb, ehs = t["timestep"], t.get("encoder_hidden_states")
+        emb, ehs = self._embedding(t), t.get("encoder_hidden_states")
         skips = {j: v for j, v in ((_skip_index(n), v) for n, v in t.items()) if j is not None}
         if self.conv_in is not None:
             h = self.conv_in(t["sample"])
@@ -220,12 +258,21 @@ class UNetChunk(nn.Module):
             return {OUTPUT: self.conv_out(h)}
         out = {STREAM: h}
         for n in self.plan.outputs[1:]:
-            out[n] = skips[_skip_index(n)]
+            out[n] = emb if n == EMBEDDING else skips[_skip_index(n)]
         for n, src in self.plan.aliases.items():
             if skips[_skip_index(n)] is not out[src]:
                 raise PocketdiffError(f"unet_chunks: chunk {self.plan.index} takes {n} to be its output {src}, but the "
                                       f"block {self.plan.stages[-1]} made them apart")
         return out
+
+    def _embedding(self, t: dict) -> torch.Tensor:
+        """What the resnets read: the fed `emb` (a later chunk of a UNet with the added embedding), else the time-embedding
+        row, plus the added embedding in the first chunk of such a UNet."""
+        if EMBEDDING in t:
+            return t[EMBEDDING]
+        if self.added is None:
+            return t["timestep"]
+        return t["timestep"] + self.added(t["text_embeds"], t["time_ids"])
 
 
 def _skip_index(name: str) -> Optional[int]:
@@ -278,7 +325,8 @@ def run_chunks(chunks: list[UNetChunk], inputs: dict[str, torch.Tensor]) -> tupl
     for c in chunks:
         missing = [n for n in c.plan.inputs if n not in tensors]
         if missing:
-            raise PocketdiffError(f"unet_chunks: chunk {c.plan.index} needs {', '.join(missing)}, which no earlier chunk makes")
+            raise PocketdiffError(f"unet_chunks: chunk {c.plan.index} needs {', '.join(map(spoken_input, missing))}, which no "
+                                  "earlier chunk makes (nor the UNet's inputs)")
         feed = {n: tensors[n] for n in c.plan.inputs}
         out = c(*feed.values())
         feeds.append(feed)

@@ -15,7 +15,9 @@ tensors: the whole model's inputs first; chunk k reads its declared inputs from 
 outputs into it (`hidden`, the stream; the UNet's `skip_J`, a skip connection of the down path), then, per its
 `aliases` entry, each alias as a second name for one of its outputs (a UNet chunk that ends with a down block
 returns that block's last skip only as `hidden`: one tensor, which converters return once); the last
-chunk's single output is the model's output. numpy only.
+chunk's single output is the model's output. A UNet with SDXL's added embedding (its inputs `text_embeds`, `time_ids`)
+has them read by `unet.0`, which returns `emb` (the time-embedding row plus the added embedding); later chunks read
+`emb` in place of `timestep` (export/unet_chunks.py). numpy only.
 """
 from __future__ import annotations
 
@@ -31,6 +33,8 @@ from .components import CHUNKABLE, TEXT_ENCODER, UNET  # the registry: the compo
 STREAM = "hidden"
 OUTPUT = "out"
 SKIP_PREFIX = "skip_"
+EMBEDDING = "emb"  # a UNet with SDXL's added embedding: the time-embedding row plus it, made by unet.0 for later chunks
+ADDED_INPUTS = ("text_embeds", "time_ids")  # what unet.0 computes the added embedding from (the whole UNet's inputs)
 CHUNKED_SCHEMA_VERSION = 2
 
 
@@ -56,6 +60,14 @@ def has_chunks(man: dict) -> bool:
 
 def skip_name(j: int) -> str:
     return f"{SKIP_PREFIX}{j}"
+
+
+def spoken_input(name: str) -> str:
+    """A chunk input's name for a message: `emb` says what it is and where it comes from."""
+    if name == EMBEDDING:
+        return (f"{EMBEDDING} (the time embedding plus the added embedding of {' and '.join(ADDED_INPUTS)}, which the first "
+                "chunk computes and returns)")
+    return name
 
 
 def parts_of(man: dict, base: str = UNET) -> tuple[str, ...]:
@@ -122,12 +134,15 @@ def _aliases_of(block: dict, names: list[str], key: str, found) -> list[dict]:
 
 def _check_flow(names: list[str], whole_in: dict, ios: dict, aliases: list[dict], found, base: str) -> dict:
     tensors = dict(whole_in)
+    read: set = set()
     for k, name in enumerate(names):
         ins, outs = ios[name]
+        read.update(ins)
         for n, spec in ins.items():
             have = tensors.get(n)
             if have is None:
-                found.add(f"components.{name}.inputs.{n}", "consistency", f"no earlier chunk (nor the {base}'s inputs) makes it")
+                found.add(f"components.{name}.inputs.{n}", "consistency", f"no earlier chunk (nor the {base}'s inputs) makes it"
+                          + (f": {spoken_input(n)}" if n == EMBEDDING else ""))
             elif have != spec:
                 found.add(f"components.{name}.inputs.{n}", "consistency", f"{spec}, but it is made as {have}")
         if k == len(names) - 1 and len(outs) != 1:
@@ -138,6 +153,9 @@ def _check_flow(names: list[str], whole_in: dict, ios: dict, aliases: list[dict]
                 found.add(f"{block_key(base)}.aliases.{k}.{alias}", "consistency", f"names {src}, which {name} does not return ({sorted(outs)})")
             else:
                 tensors[alias] = outs[src]
+    for n in (n for n in ADDED_INPUTS if n in whole_in and n not in read):
+        found.add(f"{block_key(base)}.inputs.{n}", "consistency", f"no chunk reads it (the {base}'s added embedding is computed from "
+                  f"{' and '.join(ADDED_INPUTS)} in {names[0]}, which passes it on as {EMBEDDING})")
     return ios[names[-1]][1]
 
 
@@ -204,7 +222,7 @@ def chain_on_delegate(parts: Sequence[tuple[str | Path, Sequence[str], dict]], i
     for path, names, aliases in parts:
         missing = [n for n in names if n not in tensors]
         if missing:
-            raise PocketdiffError(f"chunk {Path(path).name}: no earlier chunk (nor the model's inputs) made its input {', '.join(missing)}")
+            raise PocketdiffError(f"chunk {Path(path).name}: no earlier chunk (nor the model's inputs) made its input {', '.join(map(spoken_input, missing))}")
         run = run_on_delegate(path, {n: tensors[n] for n in names}, precisions=[precision], **kw)
         runs.append(run)
         got = run.outputs.get(precision) or (run.outputs.get("fp32") if kw.get("accelerator") == "cpu" else None)

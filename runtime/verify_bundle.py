@@ -172,7 +172,7 @@ def verify_component(name: str, entry: dict, accelerator: str = "gpu", precision
         if not r.fully_accelerated:
             raise BundleCheckError(name, "delegate", f"not fully accelerated on the GPU delegate ({r.driver}): {r.rejected_summary()}")
         rep["checks"].append("delegate")
-    refs = _chunk_references(name, entry) or [ref]  # a UNet chunk: every output (the tensors the next chunks read)
+    refs = _in_run_order(_chunk_references(name, entry), entry, r.output_names) or [ref]  # a UNet chunk: every output
     rep["parity"] = {}
     for p in precs:
         if p not in r.outputs:
@@ -198,6 +198,16 @@ def check_parity(name: str, p: str, m: dict, tol: dict, what: str, say_what: boo
     fails = parity_lib.check(name, p, m, parity_lib.Thresholds(float(th["cosine_min"]), float(th["psnr_min_db"])))
     if fails:
         raise BundleCheckError(name, "parity", "; ".join(f.split(": ", 1)[-1] for f in fails) + (f" ({what})" if say_what else ""))
+
+
+def _in_run_order(refs: list, entry: dict, run_names: Sequence[str]) -> list:
+    """Golden outputs (declared order: the file's signature_def, by name) in the order the runtime returns them (its
+    signature list: the graph's order), matched by name; they differ when the names do not sort in the graph's order
+    (an SDXL UNet's unet.0 returns `emb` after its skip connections)."""
+    declared = [o["name"] for o in entry["outputs"]]
+    if len(refs) < 2 or sorted(run_names) != sorted(declared):
+        return refs
+    return [refs[declared.index(n)] for n in run_names]
 
 
 def _chunk_references(name: str, entry: dict) -> list:

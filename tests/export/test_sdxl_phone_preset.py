@@ -17,12 +17,32 @@ def test_the_sdxl_phone_preset_is_the_sd21_phone_preset_plus_the_sdxl_overrides(
     phone = yaml.safe_load((ROOT / "configs" / "sd21" / "export_student_int8gpu.yaml").read_text())
     xl = yaml.safe_load((ROOT / "configs" / "sdxl" / "export_koala700m_phone.yaml").read_text())
     phone["model"] = {"arch": "sdxl", "unet_blocks": "koala_700m", "prediction_type": "epsilon"}
-    # chunks: the chunked UNet graphs refuse SDXL's add_embedding and the chunked text encoder its penultimate output
-    phone.update(resolution=768, unet_chunks=1, text_encoder_chunks=1, guidance_scale=5.0)
+    # chunks: the UNet in 5 layer-cut chunks (the fewest at the preset's heaviest layer, 226 M: the config's comment); the
+    # chunked text encoder cannot build an SDXL encoder's penultimate output
+    phone.update(resolution=768, unet_chunks=5, text_encoder_chunks=1, guidance_scale=5.0)
     phone["int8"] = {**phone["int8"], "components": ["text_encoder", "text_encoder_2", "unet"]}
     assert xl == phone
     cfg = load_config(Config, ROOT / "configs" / "sdxl" / "export_koala700m_phone.yaml", [])
     assert cfg.model.unet_blocks == "koala_700m" and cfg.synthetic_weights == "tiled" and cfg.int8.gpu_weights == "direct"
+
+
+def test_the_koala_preset_in_5_chunks_is_the_fewest_at_its_heaviest_layer():
+    """The preset's UNet on the meta device (no weights, no export): its lowest stage's layers are 202-226 M parameters,
+    which no layer cut divides; 5 chunks reach that floor and 4 do not. SDXL's added embedding goes in unet.0."""
+    import torch
+    from diffusers import UNet2DConditionModel
+
+    from pocketdiff.export.unet_chunks import plan_chunks, unet_stages
+    from pocketdiff.models import ModelConfig, built_unet_config
+
+    conf = built_unet_config(ModelConfig(arch="sdxl", unet_blocks="koala_700m", prediction_type="epsilon"), 768, vae_factor=8)
+    with torch.device("meta"):
+        unet = UNet2DConditionModel.from_config({n: v for n, v in conf.items() if not n.startswith("_")})
+    floor = max(s.params for s in unet_stages(unet, "layer"))
+    heaviest = {k: max(p.params for p in plan_chunks(unet, k, "layer")) for k in (4, 5, 6)}
+    assert 220e6 < floor < 230e6 and heaviest[5] == heaviest[6] == floor < heaviest[4]
+    first = plan_chunks(unet, 5, "layer")[0]
+    assert first.inputs[-2:] == ["text_embeds", "time_ids"] and first.outputs[-1] == "emb"
 
 
 def test_tile_pipeline_fills_the_second_text_encoder():

@@ -6,7 +6,9 @@
 // encoder's input_ids; each chunk reads its inputs from it by name and writes its outputs into it:
 // `hidden`, the stream; the UNet's `skip_J`, the down path's skip connections), then, per the block's
 // `aliases`, a second name for one of its outputs (a UNet chunk ending with a down block returns that
-// block's last skip only as `hidden`); the last chunk's one output is the model's output.
+// block's last skip only as `hidden`); the last chunk's one output is the model's output. A UNet with SDXL's added
+// embedding: unet.0 reads `text_embeds` and `time_ids` (the model's inputs) and returns `emb` (the time embedding plus
+// the added embedding), which later chunks read in place of `timestep`: fed by name like any other.
 // Errors here are plain Errors with the component or field named; pipeline.js turns a manifest problem
 // (layoutProblem) into its BundleError.
 
@@ -15,6 +17,9 @@ import { CHUNKABLE, PIPELINE_SCHEMA_VERSION, REGISTRY, blockKey } from './stages
 export { CHUNKABLE, blockKey }; // the models a bundle may hold in chunks (the registry's; the UNet's layout checked first)
 export const CHUNKED_SCHEMA_VERSION = 2;
 const spoken = (base) => REGISTRY[base]?.spoken ?? base;
+export const EMBEDDING = 'emb'; // runtime/chunks.py EMBEDDING: made by unet.0 of a UNet with the added embedding
+const spokenInput = (name) => (name === EMBEDDING
+  ? `${EMBEDDING} (the time embedding plus the added embedding of text_embeds and time_ids, which the first chunk computes and returns)` : name);
 
 /** What is wrong with the manifest's layout of `base` (its `<base>_chunks` block, and the schema version
  *  that goes with it: 2 iff the manifest has a chunks block, or 3, whose pipeline block says, chunked or not), or null. */
@@ -88,7 +93,7 @@ export function goldenIndices(names, declared) {
 export async function runChunk(tensors, c, names, aliases, base) {
   const mine = {};
   for (const d of c.model.getInputDetails()) {
-    if (!(d.name in tensors)) throw new Error(`${c.name}: no earlier chunk (nor the ${spoken(base)}'s inputs) makes its input ${d.name}`);
+    if (!(d.name in tensors)) throw new Error(`${c.name}: no earlier chunk (nor the ${spoken(base)}'s inputs) makes its input ${spokenInput(d.name)}`);
     mine[d.name] = tensors[d.name];
   }
   const outs = await c.runAll(mine);
