@@ -426,6 +426,7 @@ def consistency_sample(
     w_embedding_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
     prediction_type: Optional[str] = None,
     image: Optional[ImageInput] = None,
+    callback: Optional[Callable[..., Any]] = None,
 ) -> torch.Tensor:
     """`steps` consistency steps from the noise `latents` (float32 result, the final estimate); with `image`
     (img2img / inpainting) from the picture's latents noised with `latents`, on the grid's first int(K x strength) points.
@@ -434,6 +435,8 @@ def consistency_sample(
     without a w embedding folded its guidance in and gets one conditional pass. The noise of
     step i > 0 comes from `generator` (one per sample: image i's noise does not depend on the batch).
     `cond`: a `Conditioning` of batch B or 1, or a tensor of prompt embeddings (`as_conditioning`).
+    `callback(i, t, latent_model_input, t_batch, emb)`: as `ddim_sample`'s, right before each UNet call with exactly
+    the UNet's inputs (the re-noised latents of step i; calibration records them); its return value is ignored.
     """
     config = scheduler.config
     if _cfg_get(config, "thresholding", False):
@@ -459,8 +462,10 @@ def consistency_sample(
     for i, t in enumerate(ts):
         a_t = alphas[t].to(device)
         t_batch = torch.full((B,), t, device=device, dtype=torch.long)
-        z_in = image.unet_input(z) if image is not None else z
-        out = _unet_output(unet(z_in.to(dtype), t_batch, **emb.unet_kwargs(), **kwargs)).to(torch.float32)
+        z_in = (image.unet_input(z) if image is not None else z).to(dtype)
+        if callback is not None:
+            callback(i, t, z_in, t_batch, emb)
+        out = _unet_output(unet(z_in, t_batch, **emb.unet_kwargs(), **kwargs)).to(torch.float32)
         x0, _ = predict_x0_eps(out, z, a_t, ptype)
         if clip is not None:
             x0 = x0.clamp(-clip, clip)

@@ -1,11 +1,15 @@
 """Timestep-aware calibration data (Q-Diffusion): the UNet inputs of the model's own sampler.
 
-`collect_unet_inputs` runs `pocketdiff.sampling.ddim_sample` on the given prompt embeddings
+`collect_unet_inputs` runs the sampler the model samples with on the given prompt embeddings:
+`pocketdiff.sampling.ddim_sample`, or `consistency_sample` for a consistency (LCM) student (its
+scheduler an LCMScheduler: the LCM grid's timesteps and the re-noised latents the student sees),
 and records, through its `callback`, the UNet inputs at `per_trajectory` steps spread evenly
 over each trajectory: latents, timesteps, the conditioning's fields (prompt embeddings, and a
 family's pooled embeddings / time ids; conditional and unconditional both under classifier-free
 guidance), the guidance embedding of a w-conditioned student and
-class labels when the UNet has a class embedding.
+class labels when the UNet has a class embedding. A consistency student runs without
+classifier-free guidance, as it samples: w through its embedding, or none (guidance folded in).
+The set's meta names the sampler ("ddim" / "consistency") and the trajectory's timesteps.
 """
 from __future__ import annotations
 
@@ -15,8 +19,9 @@ import numpy as np
 import torch
 
 from pocketdiff.conditioning import Conditioning, as_conditioning
+from pocketdiff.consistency_sampling import is_consistency_scheduler, scheduler_lcm_timesteps
 from pocketdiff.errors import PocketdiffError
-from pocketdiff.sampling import default_w_embedding_fn, ddim_sample, randn_latents
+from pocketdiff.sampling import consistency_sample, default_w_embedding_fn, ddim_sample, randn_latents, scheduler_timesteps
 
 from .blocks import CONDITIONING_KEYS, CalibSet
 
@@ -32,6 +37,18 @@ def trajectory_indices(steps: int, per_trajectory: int) -> list[int]:
 
 def has_class_embedding(unet) -> bool:
     return getattr(unet, "class_embedding", None) is not None
+
+
+def calibration_sampler(scheduler) -> str:
+    """The sampler calibration follows: "consistency" under diffusers' LCMScheduler, else "ddim"."""
+    return "consistency" if is_consistency_scheduler(scheduler) else "ddim"
+
+
+def sampler_timesteps(scheduler, steps: int) -> list[int]:
+    """The timesteps of a `steps`-step trajectory of `calibration_sampler(scheduler)` (descending)."""
+    if calibration_sampler(scheduler) == "consistency":
+        return [int(t) for t in scheduler_lcm_timesteps(scheduler, steps)]
+    return [int(t) for t in scheduler_timesteps(scheduler, steps).tolist()]
 
 
 @torch.no_grad()
@@ -59,11 +76,18 @@ def collect_unet_inputs(
     if P == 0:
         raise PocketdiffError("calibration needs at least one prompt (got zero)")
     device = cond_emb.device
+    sampler = calibration_sampler(scheduler)
+    timesteps = sampler_timesteps(scheduler, steps)
     keep = set(trajectory_indices(steps, per_trajectory))
     w_fn = default_w_embedding_fn(unet)
-    use_cfg = w_fn is None and uncond_emb is not None and float(guidance_scale) != 1.0
+    consistency = sampler == "consistency"
+    use_cfg = not consistency and w_fn is None and uncond_emb is not None and float(guidance_scale) != 1.0
+    lcm_w = float(guidance_scale) if w_fn is not None else 1.0  # a folded consistency student: one pass, no w
     if has_class_embedding(unet) and class_label is None:
         raise PocketdiffError("the UNet has a class embedding: set calib.class_label (the class fed during sampling)")
+    if consistency and has_class_embedding(unet):
+        raise PocketdiffError("a consistency (LCMScheduler) student with a class embedding: its sampler feeds no class "
+                              "labels, so calibration cannot follow it")
     rec: dict[str, list] = {"sample": [], "timestep": [], **{k: [] for k in CONDITIONING_KEYS.values()}, "timestep_cond": [],
                             "class_labels": []}
     step_of: list[int] = []
@@ -99,13 +123,17 @@ def collect_unet_inputs(
                 rec["class_labels"].append(labels.detach().cpu())
             step_of.extend([i] * x_in.shape[0])
 
-        ddim_sample(unet, scheduler, cond, uncond, steps=steps, guidance_scale=guidance_scale, latents=noise,
-                    extra_unet_kwargs=extra, callback=callback, progress=progress)
+        if consistency:  # the student's own steps: noise of step i > 0 from the trajectory's generator, as `generate`
+            consistency_sample(unet, scheduler, cond, noise, steps, lcm_w, gens, callback=callback)
+        else:
+            ddim_sample(unet, scheduler, cond, uncond, steps=steps, guidance_scale=guidance_scale, latents=noise,
+                        extra_unet_kwargs=extra, callback=callback, progress=progress)
     if not rec["sample"]:
         raise PocketdiffError("calibration recorded zero UNet inputs")
     out = {k: torch.cat(v) for k, v in rec.items() if v}
-    calib = CalibSet(**out, meta={"steps": steps, "guidance_scale": float(guidance_scale), "cfg": use_cfg,
-                                  "prompts": P, "step_indices": sorted(keep)})
+    calib = CalibSet(**out, meta={"steps": steps, "guidance_scale": lcm_w if consistency else float(guidance_scale),
+                                  "cfg": use_cfg, "prompts": P, "step_indices": sorted(keep), "sampler": sampler,
+                                  "timesteps": timesteps})
     bad = [k for k, v in calib.tensors().items() if v.is_floating_point() and not torch.isfinite(v).all()]
     if bad:
         raise PocketdiffError(f"calibration inputs contain NaN/inf ({', '.join(bad)}): the model diverges while sampling")

@@ -290,7 +290,8 @@ def _calibration_data(cfg: Config, pipe, calib_prompts: list[str], holdout_promp
     if len(calib) == 0:
         raise PocketdiffError("zero calibration samples")
     timings["collect_s"] = round(time.time() - t, 3)
-    _log(f"{len(calib)} calibration inputs ({len(calib_prompts)} trajectories x {len(calib.meta['step_indices'])} steps"
+    _log(f"{len(calib)} calibration inputs ({len(calib_prompts)} {calib.meta['sampler']} trajectories x "
+         f"{len(calib.meta['step_indices'])} steps"
          f"{' x cond/uncond' if calib.meta['cfg'] else ''}), {len(holdout)} held-out ({timings['collect_s']:.1f}s)")
     return calib, holdout
 
@@ -361,7 +362,8 @@ def _report(cfg: Config, results, cmp: dict, specs: dict, calib, holdout, calib_
         "blocks": block_rows,
         "calibration": {"samples": len(calib), "holdout_samples": len(holdout), "trajectories": len(calib_prompts),
                         "steps": cfg.calib.steps, "step_indices": calib.meta["step_indices"],
-                        "guidance_scale": cfg.calib.guidance_scale, "cond_and_uncond": bool(calib.meta["cfg"])},
+                        "guidance_scale": cfg.calib.guidance_scale, "cond_and_uncond": bool(calib.meta["cfg"]),
+                        "sampler": calib.meta["sampler"], "timesteps": calib.meta["timesteps"]},
         "source": cfg.model.pretrained or f"built:{cfg.model.arch}",
         "device": str(device),
         "workers": _worker_devices(cfg, device),
