@@ -17,58 +17,33 @@
 # Then: python3 scripts/gpu/block_removal_table.py --runs DIR (bro_reports.tgz unpacked) --out
 # benchmarks/results/block_removal_openmoji_h200.json.  RESUME=1: carry on runs an earlier call stopped at their box.
 # SMOKE=1: the same chain on this CPU at toy size (a few steps, 16 captions), OUT and RUNS set by the caller.
+# PRESETS, CHAIN (work folder and carry name), REPORTS (the reports file) and TEACHER_ARGS (teacher overrides) make
+# another chain of the same phases: scripts/gpu/sdxl_openmoji.sh (the SDXL-shaped teacher, the KOALA presets).
 set -u
 PHASE=${1:?usage: block_removal_openmoji.sh teacher|prune|students}
-REPO=$PWD
-if [ -n "${SMOKE:-}" ]; then  # this machine: the repo's venv, the shared data, no installs
-  export PATH=$REPO/.venv/bin:$PATH POCKETDIFF_ENV_READY=1 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1
-  RUNS=${RUNS:?SMOKE=1 needs RUNS=/tmp/...}; mkdir -p "$RUNS" "${OUT:?}" && cd "$RUNS" || exit 1
-  pack() { local dir=$1 name=$2; shift 2; tar czf /tmp/$name.tgz -C "$dir" "$@" && split -b 15m /tmp/$name.tgz $OUT/$name.tgz.; }
-else
-  if [ -d .whl_om ] && [ ! -f /tmp/site/.wheels-installed ]; then  # this job's wheels (env.sh's own .whl holds another job's)
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl_om/*.whl || exit 1
-    touch /tmp/site/.wheels-installed
-  fi
-  source scripts/gpu/env.sh
-fi
-C=$REPO/configs W=$RUNS/block_removal L=$RUNS/block_removal/logs
+source scripts/gpu/openmoji_lib.sh  # om_env, om_sizes, om_clock (left, stamp, verb, again), om_teacher, om_restore
+om_env
+CHAIN=${CHAIN:-block_removal}  # the work folder $RUNS/CHAIN and the carry .carry/CHAIN (sdxl_openmoji.sh runs this chain as its own)
+C=$REPO/configs W=$RUNS/$CHAIN L=$RUNS/$CHAIN/logs
 mkdir -p $L && cd $W || exit 1
 PRESETS=${PRESETS:-base small tiny}
-T0=$(date +%s); BUDGET_S=${BUDGET_S:-$([ -n "${SMOKE:-}" ] && echo 3000 || { [ "$PHASE" = teacher ] && echo 560 || echo 520; })}
-left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
-stamp() { echo "[$(date +%T)] $*" | tee -a $L/timeline.log; }
+om_clock $([ -n "${SMOKE:-}" ] && echo 3000 || { [ "$PHASE" = teacher ] && echo 560 || echo 520; })
+om_sizes
 if [ -n "${SMOKE:-}" ]; then
-  VAE="5 vae.batch_size=8 data.max_samples=64" TEACHER="train.max_steps=4 train.batch_size=8 samples.steps=2" CLIP="train.steps=4 train.batch_size=16 data.max_samples=64 holdout=16" LCM_STEPS=${LCM_STEPS:-3}
+  LCM_STEPS=${LCM_STEPS:-3}
   RECOVERY="train.max_steps=3 train.batch_size=8 train.checkpoint_every=3 eval.probe_samples=4 eval.steps=2 data.max_samples=64"
   LCMX="consistency.train.batch_size=8 data.max_samples=64" W8X="calib.num_prompts=4 calib.holdout_prompts=2 recon.iters=2 recon.batch_size=4 output.samples=0"
   NUM=${NUM:-16}
 else
-  VAE=1500 TEACHER="train.batch_size=256 train.max_steps=${TEACHER_STEPS:-2000} train.max_time_s=${TEACHER_S:-400}" CLIP="train.steps=2000" LCM_STEPS=${LCM_STEPS:-600}
+  LCM_STEPS=${LCM_STEPS:-600}
   RECOVERY="train.max_time_s=${RECOVERY_S:-200}" LCMX="" W8X="calib.num_prompts=256 recon.iters=${W8_ITERS:-200}"
   NUM=${NUM:-1024}
 fi
-CLIP_SMALL="model.vision_width=128 model.text_width=128 model.projection_dim=128 model.vision_heads=4 model.text_heads=4"
-T=outputs/teacher-openmoji/pipeline K=outputs/clip-openmoji/clip
-verb() {  # verb NAME VERB ARGS...: one pocketdiff verb, its log in $L/NAME.log, stopped at the call's budget
-  local name=$1 t=$(left); shift; [ "$t" -gt 10 ] || { stamp "not starting $name: $t s left"; return 1; }
-  stamp "start $name ($t s left)"
-  timeout $t python3 -m pocketdiff "$@" >> $L/$name.log 2>&1; local rc=$?
-  stamp "end $name exit $rc"; return $rc
-}
-again() { [ -n "${RESUME:-}" ] && [ -d outputs/$1/checkpoints ] && echo "--resume latest" || echo --overwrite; }
-finish() {  # every run's reports and logs (no weights) into $OUT/bro_reports.tgz
+finish() {  # every run's reports and logs (no weights) into $OUT/bro_reports.tgz (REPORTS: another name)
   command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,memory.used --format=csv,noheader >> $L/timeline.log
-  tar czf $OUT/bro_reports.tgz -C $W --exclude=checkpoints --exclude=cache --exclude='*.safetensors' --exclude='*.pt' \
+  tar czf $OUT/${REPORTS:-bro_reports}.tgz -C $W --exclude=checkpoints --exclude=cache --exclude='*.safetensors' --exclude='*.pt' \
     --exclude='*.bin' --exclude=images --exclude=tokenizer --exclude=text_encoder --exclude=vae logs outputs
   ls -la $OUT; tail -n 25 $L/timeline.log
-}
-restore() {  # the teacher and CLIP: kept in /tmp by the teacher call, or carried in .carry/block_removal after a lost machine
-  [ -f $T/model_index.json ] && [ -d $K ] && return 0
-  local S=$REPO/.carry/block_removal
-  ls $S/teacher16.tgz.* > /dev/null 2>&1 || { echo "no teacher: run the teacher phase first (or carry .carry/block_removal)"; exit 1; }
-  cat $S/teacher16.tgz.* | tar xzf - -C /tmp && python3 -c "import sys; from pocketdiff.models import load_pipeline, save_pipeline
-save_pipeline(load_pipeline(sys.argv[1]), sys.argv[2])" /tmp/teacher16 $T || exit 1
-  mkdir -p outputs/clip-openmoji && tar xzf $S/clip16.tgz -C outputs/clip-openmoji || exit 1
 }
 lcm() {  # lcm NAME FROM [later]: the 2-step consistency student of pipeline FROM (LCM_STEPS steps; boxed to leave W8_S + EVAL_S),
   # then its W8 (later: not here)
@@ -101,17 +76,10 @@ PY
 
 case $PHASE in
   teacher)
-    verb teacher train-teacher --config $C/teacher/openmoji.yaml --output outputs/teacher-openmoji --overwrite \
-      vae.steps=$VAE $TEACHER &
-    verb clip train-clip --config $C/clip/openmoji.yaml --output outputs/clip-openmoji --overwrite save_dtype=fp16 \
-      $CLIP_SMALL $CLIP &
-    wait
-    [ -f $T/model_index.json ] || { tail -20 $L/teacher.log; finish; exit 1; }
-    python3 -c "import sys, torch; from pocketdiff.models import load_pipeline, save_pipeline
-p = load_pipeline(sys.argv[1]); p.to(torch.float16); save_pipeline(p, sys.argv[2])" $T /tmp/teacher16 && pack /tmp teacher16 teacher16
-    tar czf $OUT/clip16.tgz -C outputs/clip-openmoji clip ;;
+    # shellcheck disable=SC2086  # TEACHER_ARGS: more teacher overrides (sdxl_openmoji.sh: model.arch=small_xl)
+    om_teacher ${TEACHER_ARGS:-} || { finish; exit 1; } ;;
   prune)
-    restore
+    om_restore $CHAIN
     pids=""
     for p in $PRESETS; do
       verb prune-$p prune --config $C/prune/openmoji_blocks.yaml --output outputs/prune-$p $(again prune-$p) \
@@ -122,7 +90,7 @@ p = load_pipeline(sys.argv[1]); p.to(torch.float16); save_pipeline(p, sys.argv[2
     (lcm unpruned $T later && for q in $pids; do kill -0 $q 2> /dev/null && { w8 unpruned; break; }; done) &
     wait ;;
   students)
-    restore
+    om_restore $CHAIN
     for p in $PRESETS; do
       [ -f outputs/prune-$p/pipeline/model_index.json ] && lcm $p outputs/prune-$p/pipeline &
     done

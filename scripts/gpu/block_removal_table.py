@@ -18,7 +18,7 @@ from pathlib import Path
 PRESETS = ("unpruned", "base", "small", "tiny")
 TARGETS = {"small": 1.15, "tiny": 1.25}  # FD at 2 steps, x the unpruned 2-step student's (the chain's end: W8)
 VARIANTS = {"float": " float", "w8": " W8", "w8_rtn": " W8 RTN"}  # evaluate model names: PRESET + suffix
-COLORS = {"float": "tab:blue", "w8": "tab:orange", "w8_rtn": "tab:green"}
+COLORS = {"float": "tab:blue", "w8": "tab:orange", "w8_rtn": "tab:green", "bundle": "tab:purple"}  # bundle: sdxl_openmoji_table.py
 
 
 def _read(path: Path) -> dict:
@@ -40,10 +40,10 @@ def recovery_seconds(log: Path) -> float | None:
     return total + last
 
 
-def sizes(runs: Path) -> dict:
+def sizes(runs: Path, presets: tuple = PRESETS) -> dict:
     """{preset: {unet_params, macs, recovery seconds and steps}} from the prune reports (unpruned: their `before`)."""
     out = {}
-    for p in PRESETS[1:]:
+    for p in presets[1:]:
         rep = _read(runs / "outputs" / f"prune-{p}" / "report.json")
         if not rep:
             continue
@@ -65,14 +65,14 @@ def student_train(runs: Path, name: str) -> dict:
     return {"lcm_steps": r.get("train_steps", r.get("steps_trained")), "lcm_train_s": r.get("train_seconds")}
 
 
-def rows_of(results: list[dict], size: dict, train: dict) -> list[dict]:
+def rows_of(results: list[dict], size: dict, train: dict, presets: tuple = PRESETS) -> list[dict]:
     """Rows from the evaluate results: the teacher's, then per preset, variant and steps, with fd_ratio."""
     by = {(r["model"], r["steps"]): r for r in results}
     rows = [{"preset": "teacher", "variant": "ddim", "steps": s, "fd": r["fd"], "clip_score": r["clip_score"],
              "unet_params": (size.get("unpruned") or {}).get("unet_params"), "gpu_hours": None}
             for (m, s), r in sorted(by.items()) if m == "teacher DDIM"]
     ref64 = next((r["fd"] for r in rows if r["steps"] == 64), None)
-    for p in PRESETS:
+    for p in presets:
         for variant, suffix in VARIANTS.items():
             for (m, steps), r in sorted(by.items(), key=lambda kv: kv[0][1]):
                 if m != f"{p}{suffix}":
@@ -89,11 +89,11 @@ def rows_of(results: list[dict], size: dict, train: dict) -> list[dict]:
     return rows
 
 
-def summary(rows: list[dict]) -> dict:
+def summary(rows: list[dict], targets: dict = TARGETS) -> dict:
     """The issue's targets on the chain's end (W8, 2 steps), and the same on the float students."""
     out = {}
     for variant in ("w8", "float"):
-        for p, limit in TARGETS.items():
+        for p, limit in targets.items():
             r = next((r for r in rows if r["preset"] == p and r["variant"] == variant and r["steps"] == 2), None)
             ratio = r and r.get("fd_ratio")
             out[f"{p}_{variant}_2step_fd_ratio"] = ratio
@@ -101,7 +101,7 @@ def summary(rows: list[dict]) -> dict:
     return out
 
 
-def plot(rows: list[dict], path: Path) -> Path:
+def plot(rows: list[dict], path: Path, targets: dict = TARGETS) -> Path:
     """FD and CLIP score at 2 steps against UNet parameters, one line per variant; the targets as marks."""
     import matplotlib
 
@@ -112,7 +112,7 @@ def plot(rows: list[dict], path: Path) -> Path:
     two = [r for r in rows if r["steps"] == 2 and r.get("unet_params") and r["fd"] is not None]
     for ax, key, title in ((axes[0], "fd", "FD (OpenMoji-CLIP) at 2 steps, lower is better"),
                            (axes[1], "clip_score", "CLIP score at 2 steps, higher is better")):
-        for variant in VARIANTS:
+        for variant in COLORS:
             pts = sorted((r["unet_params"] / 1e6, r[key], r["preset"]) for r in two if r["variant"] == variant)
             if pts:
                 ax.plot([x for x, _, _ in pts], [y for _, y, _ in pts], marker="o", color=COLORS[variant], label=variant)
@@ -124,7 +124,7 @@ def plot(rows: list[dict], path: Path) -> Path:
         ax.set_xlabel("UNet parameters (M)")
         ax.set_title(title, fontsize=10)
     base = next((r["fd"] for r in two if r["preset"] == "unpruned" and r["variant"] == "w8"), None)
-    for p, limit in TARGETS.items():
+    for p, limit in targets.items():
         if base:
             axes[0].axhline(base * limit, color="tab:red", linestyle="--", linewidth=0.8)
             axes[0].annotate(f"{p} target ({limit}x unpruned W8)", (0, base * limit), xycoords=("axes fraction", "data"), fontsize=7)

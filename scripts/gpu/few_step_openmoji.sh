@@ -49,32 +49,20 @@
 # setup 5 s, sweep 479 s, pd with PD_FINAL=2 425 s, lcm (600 steps) 290 s).
 set -u
 PHASE=${1:?usage: few_step_openmoji.sh setup|teacher|lcm|sweep|pd|decoder}
-source scripts/gpu/env.sh
-C=$REPO/configs S=$REPO/.carry/few_step L=$RUNS/few_step
+source scripts/gpu/openmoji_lib.sh  # om_env (env.sh), om_clock (left, stamp, verb), om_teacher, om_restore, om_fp16
+om_env
+C=$REPO/configs L=$RUNS/few_step
 mkdir -p $L outputs
 LCM_STEPS=${LCM_STEPS:-600} GUIDED_STEPS=${GUIDED_STEPS:-400} PD_ROUNDS=${PD_ROUNDS:-[350,350,400,400]}
 # the recipe's 0.999 is for rounds of 4,000-8,000 steps: over 350-400 it leaves 67-70 % of each round's starting
 # weights in the saved EMA (the stop-38 PD students kept the unguided start: CLIP score 4 against 10); 0.99 leaves 2-3 %
 PD_EMA=${PD_EMA:-0.99}
-BUDGET_S=${BUDGET_S:-540}  # this call's training budget: the distill verb stops (with a checkpoint) past it
-CLIP_SMALL="model.vision_width=128 model.text_width=128 model.projection_dim=128 model.vision_heads=4 model.text_heads=4 train.steps=2000"
 METRICS="eval.metrics=true eval.num_images=1024 eval.metric_seeds=[0] eval.reference_steps=64 eval.clip=outputs/clip-openmoji/clip"
 # NO_METRICS=1: no FD / CLIP score per round (a pd run that only has to give the decoder phase its 2-step student)
 [ -n "${NO_METRICS:-}" ] && METRICS="eval.metrics=false"
-T0=$(date +%s)
-left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
-stamp() { echo "[$(date +%T)] $*" | tee -a $L/timeline.log; }
-fp16() {  # fp16 SRC DST: a pipeline folder in float16 (loads back as float32)
-  python3 -c "import sys, torch; from pocketdiff.models import load_pipeline, save_pipeline
-p = load_pipeline(sys.argv[1]); p.to(torch.float16); save_pipeline(p, sys.argv[2])" "$1" "$2"
-}
-restore() {  # the carried teacher (back to float32, as restore_teacher does) and CLIP; kept from an earlier call of a warm machine
-  [ -f outputs/teacher-openmoji/pipeline/model_index.json ] && [ -d outputs/clip-openmoji/clip ] && return 0
-  ls $S/teacher16.tgz.* > /dev/null 2>&1 || { echo "no .carry/few_step/teacher16.tgz.*: run the teacher phase first"; exit 1; }
-  cat $S/teacher16.tgz.* | tar xzf - -C /tmp && python3 -c "import sys; from pocketdiff.models import load_pipeline, save_pipeline
-save_pipeline(load_pipeline(sys.argv[1]), sys.argv[2])" /tmp/teacher16 outputs/teacher-openmoji/pipeline || exit 1
-  mkdir -p outputs/clip-openmoji && tar xzf $S/clip16.tgz -C outputs/clip-openmoji || exit 1
-}
+om_clock 540  # this call's training budget (BUDGET_S): the distill verb stops (with a checkpoint) past it
+om_sizes  # VAE 1,500 steps and the 128-wide CLIP of 2,000 steps; this chain's teacher is time-boxed to 300 s at batch 256
+TEACHER="train.batch_size=256 train.max_time_s=300"
 distill() {  # distill NAME CONFIG ARGS...: one distill run, time-boxed, its reports into $OUT/NAME_reports.tgz
   local name=$1 config=$2; shift 2
   stamp "start $name ($(left) s left)"
@@ -93,28 +81,22 @@ distill() {  # distill NAME CONFIG ARGS...: one distill run, time-boxed, its rep
 case $PHASE in
   teacher)
     stamp "start teacher and CLIP"
-    python3 -m pocketdiff train-teacher --config $C/teacher/openmoji.yaml --output outputs/teacher-openmoji --overwrite \
-      vae.steps=1500 train.batch_size=256 train.max_time_s=300 > $L/teacher.log 2>&1 &
-    python3 -m pocketdiff train-clip --config $C/clip/openmoji.yaml --output outputs/clip-openmoji --overwrite \
-      save_dtype=fp16 $CLIP_SMALL > $L/clip.log 2>&1 &
     # DECODER=1: issue 33's decoder paths beside them (its own held-out VAE, this CLIP): scripts/gpu/decoder_openmoji.sh
     [ -n "${DECODER:-}" ] && (cd $REPO && CLIP_DIR=$RUNS/outputs/clip-openmoji/clip VAE_S=150 DECODER_S=120 \
       bash scripts/gpu/decoder_openmoji.sh > $L/decoder.log 2>&1) &
-    wait
+    om_teacher  # waits for the decoder paths too
     stamp "end teacher and CLIP"
-    fp16 outputs/teacher-openmoji/pipeline /tmp/teacher16 && pack /tmp teacher16 teacher16
-    tar czf $OUT/clip16.tgz -C outputs/clip-openmoji clip
     cp $L/*.log outputs/teacher-openmoji/; tar czf $OUT/teacher_reports.tgz -C outputs --exclude='*.safetensors' \
       --exclude=checkpoints --exclude='*.pt' teacher-openmoji clip-openmoji
     tail -n 2 $L/teacher.log $L/clip.log ;;
   setup)  # only the wheels and the data into /tmp (a first call that carries .whl .devdata; the next carries .carry/few_step)
     echo "set up: $(ls /tmp/site | wc -l) entries in /tmp/site, $(ls /tmp/devdata) in /tmp/devdata" ;;
   lcm)
-    restore
+    om_restore few_step
     distill ${LCM_NAME:-lcm} $C/distill/openmoji_lcm.yaml consistency.train.max_steps=$LCM_STEPS \
       consistency.train.checkpoint_every=${CURVE_EVERY:-100} eval.curve_steps=[2] ${LCM_ARGS:-} ;;
   sweep)  # consistency variants side by side on one GPU: FD at 2 steps against training steps (not GPU-hours: they share it)
-    restore
+    om_restore few_step
     IFS=';' read -ra variants <<< "${SWEEP:?SWEEP='name:overrides;name:overrides'}"
     for v in "${variants[@]}"; do
       # shellcheck disable=SC2086  # the overrides are words
@@ -123,12 +105,12 @@ case $PHASE in
     done
     wait ;;
   pd)
-    restore
+    om_restore few_step
     distill pd $C/distill/openmoji.yaml progressive.start_steps=16 progressive.final_steps=${PD_FINAL:-1} progressive.top_step_input=noise \
       guided.train.max_steps=$GUIDED_STEPS progressive.round_max_steps=$PD_ROUNDS \
       guided.train.ema_decay=$PD_EMA progressive.train.ema_decay=$PD_EMA ;;
   decoder)
-    restore
+    om_restore few_step
     FROM=${DECODER_FROM:-pd}  # whose 2-step student's samples: pd (the recommended method) or lcm
     student=$(python3 -c "import glob, json, os, sys
 found = [os.path.dirname(p) for p in sorted(glob.glob(f'outputs/{sys.argv[1]}/round-*/distill.json'))
