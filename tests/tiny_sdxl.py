@@ -64,3 +64,25 @@ def export_tiny_sdxl(root) -> dict:
     out = root / "bundle"
     assert main(["export", "--config", str(root / "export.yaml"), "--output", str(out)]) == 0
     return {"folder": root / "xl", "out": out, "report": json.loads((out / "report.json").read_text())}
+
+
+SDXL_CHUNKINGS = {2: "block", 3: "layer"}  # the tiny SDXL UNet's chunked exports: unet_chunks -> unet_chunk_cut
+
+
+def export_tiny_sdxl_chunked(folder, root, shared_conversions) -> dict:
+    """`pocketdiff export` of the tiny SDXL folder (export_tiny_sdxl's) with its UNet in chunks, once per SDXL_CHUNKINGS
+    entry (no fp16 scan: it changes no graph); the text encoders and decoder are converted once (tests/conftest.py
+    `shared_conversions`). {k: the bundle}."""
+    import yaml
+
+    from pocketdiff.cli import main
+
+    out = {}
+    for k, cut in SDXL_CHUNKINGS.items():
+        cfg = {"seed": 0, "model": {"pretrained": str(folder)}, "guidance": "cfg", "guidance_scale": SDXL_SCALE, "steps": SDXL_STEPS,
+               "golden_prompt": SDXL_PROMPT, "fp16_scan": {"enabled": False}, "unet_chunks": k, "unet_chunk_cut": cut}
+        (root / f"export_{k}.yaml").write_text(yaml.safe_dump(cfg))
+        out[k] = root / f"bundle_{k}"
+        with shared_conversions.of("text_encoder", "text_encoder_2", "vae_decoder"):
+            assert main(["export", "--config", str(root / f"export_{k}.yaml"), "--output", str(out[k])]) == 0
+    return out
