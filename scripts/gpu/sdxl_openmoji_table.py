@@ -95,8 +95,9 @@ def build_bundle(table: dict, preset: str, evaluate: dict, export: dict) -> dict
                      "weights": export.get("weights"), "resolution": export.get("resolution"), "guidance": export.get("guidance"),
                      "bundle_bytes": export.get("bundle_bytes"), "peak_rss_mb": export.get("peak_rss_mb"),
                      "export_s": export.get("export_s"), "components": _component_checks(export),
-                     "captions": b["num_samples"], "carried": "the W8 students came back from the GPU with their int8 codes "
-                     "as calibrated and their other weights in float16 (the bundle's own precision for them)"}
+                     "captions": b["num_samples"], "carried": "the W8 students came back from the GPU as scripts/gpu/w8_carry.py "
+                     "slims them: the UNet rebuilt bit for bit from its int8 checkpoint, the text encoders and VAE in "
+                     "float16 (the bundle's own precision for them)"}
     return out
 
 
