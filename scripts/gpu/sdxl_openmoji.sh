@@ -19,8 +19,9 @@
 #       the two presets' consistency students at once, each then W8; one `pocketdiff evaluate` (NUM=1024 captions, seed
 #       0, guidance 3) of every student (float and W8 at 1 and 2 steps, W8 RTN at 2) and the teacher's DDIM at 64; then
 #       sdxl_openmoji_table.py gpu -> $OUT/sdxl_openmoji_<gpu>.json (+ .png), and for the bundle step $OUT/w8_students.tgz.*
-#       (the W8 students of unpruned and BUNDLE_PRESET=koala_700m as scripts/gpu/w8_carry.py slims them: int8 codes as
-#       calibrated, the other weights in float16) and clip16.tgz. Budget 500 s.
+#       (the W8 students of unpruned and BUNDLE_PRESET=koala_700m as scripts/gpu/w8_carry.py slims them: the UNet as its
+#       int8 checkpoint, rebuilt bit for bit here; text encoders and VAE in float16; ~25 MB) and clip16.tgz: 6 files,
+#       ~31 MB in the toy run. Budget 500 s for the chain, ~20 s more for the table and the packing.
 #   Here, on the 2-core box (the export needs litert-torch + tensorflow, which the GPU machine has not), FROM = the
 #   students call's returned folder (files_at):
 #   FROM=<files_at> RUNS=/tmp/sdxl_bundle bash scripts/gpu/sdxl_openmoji.sh bundle
