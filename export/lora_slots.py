@@ -10,7 +10,8 @@ tokens flattened to [N, in]: two matmuls with activations as their second operan
 BATCH_MATMUL (the GPU delegate runs them; tests/export/test_lora_slots.py). No LoRA is zero factors.
 
 The golden inputs carry small seeded factors, so the export's delegate parity checks the branch too. A chunked UNet
-(`unet_chunks` > 1) is refused with slots: its chunks pass their tensors by the cut's names only.
+(`unet_chunks` > 1) is cut after the slots are added: each chunk takes the factor inputs of the slots in its stages, by
+the same names (export/unet_chunks.py plan_chunks), and the manifest's `lora_slots` block is the whole UNet's.
 """
 from __future__ import annotations
 
@@ -117,10 +118,8 @@ def add_lora_slots(graph: UNetGraph, inputs: dict, cfg: LoraSlotsConfig, seed: i
     return graph, {**inputs, **golden_factors(names, shapes, cfg.rank, seed)}, block
 
 
-def check_slot_settings(slots: Optional[LoraSlotsConfig], unet_chunks: int, components: list) -> None:
-    """The export settings slots cannot go with: a chunked UNet; no UNet exported."""
+def check_slot_settings(slots: Optional[LoraSlotsConfig], components: list) -> None:
+    """The export settings slots cannot go with: no UNet exported. (A chunked UNet takes them: each chunk its slots'.)"""
     if slots is None:
         return
-    require(unet_chunks == 1, "lora_slots", f"cannot go with unet_chunks: {unet_chunks} (the chunks pass only the cut's tensors "
-            "between them); export the UNet whole")
     require("unet" in components, "lora_slots", "slots the UNet, which components does not list")

@@ -24,6 +24,10 @@ pooled embedding and the size / crop ids (`add_time_proj` -> `add_embedding`), w
 the prompt, so no table holds it (runtime/BUNDLE.md): the first chunk takes `text_embeds` and `time_ids`, computes
 `emb` = the row + the added embedding as UNet2DConditionModel.forward does, and returns it; later chunks take `emb` in
 place of `timestep`, as they take the skip connections (one [B, 1280] tensor: no weights are repeated in later chunks).
+
+A UNet with LoRA slots (export/lora_slots.py) is cut the same way: each chunk takes, after its other inputs, the factor
+inputs (`lora_<module>_down`, `_up`: the whole UNet's names) of the slotted projections inside its stages, so a LoRA
+file maps to the slots as it does for the whole graph; the runner feeds them from its table like the UNet's inputs.
 """
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ import torch
 from torch import nn
 
 from pocketdiff.errors import PocketdiffError
+from pocketdiff.lora_keys import slot_input_names
 from pocketdiff.runtime.chunks import EMBEDDING, OUTPUT, SKIP_PREFIX, STREAM, skip_name, spoken_input
 
 MAX_CHUNKS = 16
@@ -174,6 +179,7 @@ class ChunkPlan:
     outputs: list[str]  # tensor names the chunk returns
     aliases: dict[str, str] = dataclasses.field(default_factory=dict)  # name -> the output it is (not returned twice)
     cut: str = "block"  # the stages' grain (CUTS)
+    slots: list[str] = dataclasses.field(default_factory=list)  # the LoRA-slotted modules in its stages (their factors end `inputs`)
 
 
 def plan_chunks(unet: nn.Module, k: int, cut: str = "block") -> list[ChunkPlan]:
@@ -206,7 +212,14 @@ def plan_chunks(unet: nn.Module, k: int, cut: str = "block") -> list[ChunkPlan]:
             # returns once (two signature names for one tensor), so the chunk returns it as `hidden` only
             aliases[skip_name(own[-1].makes[-1])] = STREAM
             outputs.remove(skip_name(own[-1].makes[-1]))
-        plans.append(ChunkPlan(c, k, [s.name for s in own], sum(s.params for s in own), inputs, outputs, aliases, cut))
+        slots = [m.slot_name for s in own for m in s.block.modules() if isinstance(getattr(m, "slot_name", None), str)]
+        inputs += [n for m in slots for n in slot_input_names(m)]
+        plans.append(ChunkPlan(c, k, [s.name for s in own], sum(s.params for s in own), inputs, outputs, aliases, cut, slots))
+    placed = {m for p in plans for m in p.slots}
+    lost = [m.slot_name for m in unet.modules() if isinstance(getattr(m, "slot_name", None), str) and m.slot_name not in placed]
+    if lost:
+        raise PocketdiffError(f"lora_slots: the slot of unet.{lost[0]} lies in none of the {k} chunks' stages "
+                              f"({len(lost)} such), so no chunk would take its factors")
     return plans
 
 
@@ -240,9 +253,20 @@ class UNetChunk(nn.Module):
         self.conv_norm_out = unet.conv_norm_out if last else None
         self.conv_act = unet.conv_act if last else None
         self.conv_out = unet.conv_out if last else None
+        # the slots' shared feed (export/lora_slots.LoraSlot reads its factors from it), filled from this chunk's inputs
+        self.lora_feed = next((m.feed for m in self.blocks.modules() if isinstance(getattr(m, "slot_name", None), str)), None)
 
     def forward(self, *tensors: torch.Tensor) -> dict[str, torch.Tensor]:
         t = dict(zip(self.plan.inputs, tensors))
+        if self.plan.slots:
+            self.lora_feed.update({m: (t[d], t[u]) for m in self.plan.slots for d, u in [slot_input_names(m)]})
+            try:
+                return self._forward(t)
+            finally:
+                self.lora_feed.clear()
+        return self._forward(t)
+
+    def _forward(self, t: dict) -> dict[str, torch.Tensor]:
         emb, ehs = self._embedding(t), t.get("encoder_hidden_states")
         skips = {j: v for j, v in ((_skip_index(n), v) for n, v in t.items()) if j is not None}
         if self.conv_in is not None:

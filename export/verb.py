@@ -216,7 +216,7 @@ class Config:
         require(self.unet_chunk_cut in CUTS, "unet_chunk_cut", f"must be one of {', '.join(CUTS)}, got {self.unet_chunk_cut!r}")
         for component in CHUNKABLE:
             self._check_chunks(component)
-        check_slot_settings(self.lora_slots, self.unet_chunks, self.components)
+        check_slot_settings(self.lora_slots, self.components)
         if self.unet_chunks > 1:
             require(self.rewrites.time_embedding_outside, "unet_chunks",
                     "needs rewrites.time_embedding_outside: true (the chunks take the time embedding as an input)")

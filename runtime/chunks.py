@@ -17,7 +17,8 @@ outputs into it (`hidden`, the stream; the UNet's `skip_J`, a skip connection of
 returns that block's last skip only as `hidden`: one tensor, which converters return once); the last
 chunk's single output is the model's output. A UNet with SDXL's added embedding (its inputs `text_embeds`, `time_ids`)
 has them read by `unet.0`, which returns `emb` (the time-embedding row plus the added embedding); later chunks read
-`emb` in place of `timestep` (export/unet_chunks.py). numpy only.
+`emb` in place of `timestep` (export/unet_chunks.py). A UNet with LoRA slots: the factors (`lora_factors`, the whole
+UNet's inputs in the block's `inputs`) start in the table, and each chunk reads those of its own slots. numpy only.
 """
 from __future__ import annotations
 

@@ -4,7 +4,9 @@ A slotted UNet takes, for every targeted attention projection, a down factor [in
 as graph inputs (role `lora_factors`, fed once per image like the prompt's states: runtime/pipeline.py). `LoraFeeds`
 holds what is fed: zeros (no LoRA: the plain UNet) or a LoRA file's factors, the up factor scaled by
 scale * alpha / rank (alpha / sqrt(rank) for rsLoRA) and both zero-padded to the slots' rank. Swapping a LoRA is
-reading another file into these arrays: no model is reloaded or recompiled.
+reading another file into these arrays: no model is reloaded or recompiled. A UNet in chunks: each chunk declares the
+factor inputs of its own slots (by the whole UNet's names), so the slots are found among every component's declared
+inputs and the factors enter the chunks' table of tensors with the UNet's other inputs (runtime/chunks.py run_parts).
 
 The file is read here, without torch or safetensors' torch API: its header JSON and little-endian F32 / F16 / BF16 /
 F64 buffers. Its keys are read with the rules the fusing side uses (pocketdiff/lora_keys.py: diffusers / PEFT,

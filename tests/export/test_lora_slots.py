@@ -230,5 +230,5 @@ def test_a_refused_swap_keeps_the_lora_fed_before(bundles, lora, tmp_path):
 def test_export_refuses_bad_lora_slots_in_one_line(export_config_error):
     assert "lora_slots.rank" in export_config_error(["lora_slots={rank: 0, targets: [attn]}"])
     assert "lora_slots.targets" in export_config_error(["lora_slots={rank: 4, targets: [ff]}"])
-    line = export_config_error(["lora_slots={rank: 4, targets: [attn]}", "unet_chunks=2"])
-    assert line.count("\n") == 0 and "lora_slots" in line and "unet_chunks" in line
+    line = export_config_error(["lora_slots={rank: 4, targets: [attn]}", "components=[text_encoder,vae_decoder]"])
+    assert line.count("\n") == 0 and "lora_slots" in line and "components" in line  # a chunked UNet takes slots: test_lora_slots_chunks.py

@@ -89,3 +89,34 @@ def test_lora_js_refuses_pickles_and_corrupt_files_in_one_line(node, tmp_path, b
     [out] = json.loads(res.stdout)
     assert "error" in out and "\n" not in out["error"]
     assert ("a pickle" in out["error"]) == blob.startswith(b"\x80")
+
+
+def _chunked(man: dict) -> dict:
+    """`man` as a chunked UNet's: each slot's inputs declared by the chunk holding it (unet.0, unet.1)."""
+    ins = man["components"]["unet"]["inputs"]
+    return {**man, "components": {"unet.0": {"inputs": ins[:3]}, "unet.1": {"inputs": [ins[0], *ins[3:]]}}}
+
+
+def test_lora_js_feeds_a_chunked_unet_as_numpy_and_refuses_a_slot_no_chunk_declares(node, tmp_path):
+    """The slots found by the chunks' declared inputs (runtime/BUNDLE.md): the same feeds as the whole UNet's, in both
+    readers; a slot whose inputs no chunk declares is one line in both."""
+    man, files = _chunked(_manifest()), _files(tmp_path)
+    ghost = "mid_block.attentions.0.transformer_blocks.0.attn1.to_q"
+    lost = {**man, "lora_slots": {**man["lora_slots"], "targets": [*man["lora_slots"]["targets"], ghost]}}
+    req = tmp_path / "request.json"
+    results = []
+    for m in (man, lost):
+        req.write_text(json.dumps({"manifest": m, "cases": [{"file": str(files["peft"]), "scale": 0.6}]}))
+        res = subprocess.run([node, str(HARNESS), str(req)], capture_output=True, text=True, timeout=120)
+        assert res.returncode == 0, res.stderr[-2000:]
+        results += json.loads(res.stdout)
+    fed, refused = results
+    feeds = LoraFeeds(man, "b")
+    feeds.load(files["peft"], 0.6)
+    assert set(fed["feeds"]) == set(feeds.feeds)
+    for k, v in feeds.feeds.items():
+        np.testing.assert_allclose(np.asarray(fed["feeds"][k]["data"], np.float32).reshape(v.shape), v, rtol=1e-6, atol=1e-7)
+    with pytest.raises(PocketdiffError, match="no component declares") as e:
+        LoraFeeds(lost, "b")
+    assert "\n" not in str(e.value) and ghost in str(e.value)
+    assert "error" in refused and "no component declares" in refused["error"] and ghost in refused["error"], refused

@@ -8,7 +8,8 @@
 // `aliases`, a second name for one of its outputs (a UNet chunk ending with a down block returns that
 // block's last skip only as `hidden`); the last chunk's one output is the model's output. A UNet with SDXL's added
 // embedding: unet.0 reads `text_embeds` and `time_ids` (the model's inputs) and returns `emb` (the time embedding plus
-// the added embedding), which later chunks read in place of `timestep`: fed by name like any other.
+// the added embedding), which later chunks read in place of `timestep`: fed by name like any other. A UNet with LoRA
+// slots: the factors (lora.js loraFeeds, the whole UNet's inputs) start in the table; each chunk reads its own slots'.
 // Errors here are plain Errors with the component or field named; pipeline.js turns a manifest problem
 // (layoutProblem) into its BundleError.
 

@@ -86,8 +86,9 @@ export function loraSlots(man) {
   const declared = {};
   for (const e of Object.values(man.components || {})) for (const i of e.inputs || []) declared[i.name] = i.shape;
   const shapes = {};
-  for (const m of block.targets) {
+  for (const m of block.targets) { // a chunked UNet: each chunk declares its slots' inputs (runtime/BUNDLE.md)
     const [d, u] = slotInputNames(m);
+    if (!declared[d] || !declared[u]) throw new LoraError(`manifest: lora_slots names ${m}, whose inputs ${d} / ${u} no component declares`);
     shapes[m] = [declared[d][0], declared[u][1]];
   }
   return { rank: block.rank, shapes };
