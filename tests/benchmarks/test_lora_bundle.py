@@ -1,8 +1,9 @@
 """benchmarks/lora_bundle.py measures LoRA slots against the plain UNet (issue 65 item 3): each layout in its own
 process, per-step times and the memory ledger's phases, and the swaps run-bundle --lora makes (LoraFeeds.load of the
 LoRA files it writes from the slots' shapes). On a toy UNet-like graph (one projection per slotted module, the slots'
-input names as the exporter gives them), converted here and run on the GPU delegate (lavapipe): the mechanics, not
-the SD-size figures (scripts/gpu/lora_bundle.sh)."""
+input names as the exporter gives them), converted here whole and in two chunks (one module each, the factors fed to
+each chunk by name, as export/unet_chunks.py cuts a slotted UNet) and run on the GPU delegate (lavapipe): the
+mechanics, not the SD-size figures (scripts/gpu/lora_bundle.sh)."""
 from __future__ import annotations
 
 import json
@@ -65,6 +66,57 @@ def _layout(root: Path, name: str, slotted: bool) -> Path:
     return folder
 
 
+class _Chunk(torch.nn.Module):
+    """Module k of the toy alone: tanh(proj_k(x) [+ (x @ down_k) @ up_k]) on its input (`sample`, then `hidden`)."""
+
+    def __init__(self, toy: _Toy, k: int):
+        super().__init__()
+        self.proj, self.module = toy.projs[k], MODULES[k]
+
+    def forward(self, **inputs):  # keyword inputs: the graph's input names (sample or hidden, the factors)
+        x = inputs["sample"] if "sample" in inputs else inputs["hidden"]
+        y = self.proj(x)
+        if len(inputs) > 1:
+            from pocketdiff.lora_keys import slot_input_names
+
+            down, up = (inputs[n] for n in slot_input_names(self.module))
+            y = y + (x @ down) @ up
+        return torch.tanh(y)
+
+
+def _chunked_layout(root: Path, name: str, slotted: bool) -> Path:
+    """A two-chunk bundle-like folder: unet.0 (sample -> hidden, the first module's slots), unet.1 (hidden -> out, the
+    second's), the manifest's unet_chunks block (the whole UNet's inputs, the factors among them; unet.0's output
+    aliased `hidden`), as export writes a chunked slotted UNet."""
+    import litert_torch
+
+    from pocketdiff.lora_keys import slot_input_names
+    from pocketdiff.runtime.manifest_check import tflite_io
+
+    folder = root / name
+    folder.mkdir(parents=True)
+    torch.manual_seed(0)  # the biases too (Linear's own init): plain and slotted share every weight
+    toy = _Toy().eval()
+    comps, aliases = {}, []
+    for k, first in enumerate(("sample", "hidden")):
+        kwargs = {first: torch.randn(TOKENS, WIDTH)}
+        if slotted:
+            d, u = slot_input_names(MODULES[k])
+            kwargs[d], kwargs[u] = torch.zeros(WIDTH, RANK), torch.zeros(RANK, WIDTH)
+        edge = litert_torch.convert(_Chunk(toy, k).eval(), (), sample_kwargs=kwargs)
+        edge.export(str(folder / f"unet.{k}.tflite"))
+        io = tflite_io(folder / f"unet.{k}.tflite")
+        comps[f"unet.{k}"] = {"path": f"unet.{k}.tflite", "weights": "fp32", "inputs": io["inputs"], "outputs": io["outputs"]}
+        aliases.append({"hidden": io["outputs"][0]["name"]} if k == 0 else {})
+    whole_in = [i for c in comps.values() for i in c["inputs"] if i["name"] != "hidden"]
+    man = {"schema_version": 2, "image": {"height": 16}, "components": comps,
+           "unet_chunks": {"components": list(comps), "inputs": whole_in, "aliases": aliases}}
+    if slotted:
+        man["lora_slots"] = {"rank": RANK, "targets": list(MODULES), "inputs": {m: list(slot_input_names(m)) for m in MODULES}}
+    (folder / "manifest.json").write_text(json.dumps(man))
+    return folder
+
+
 @pytest.fixture(scope="module")
 def measured(gpu_delegate, tmp_path_factory) -> dict:
     lb = load_script("benchmarks/lora_bundle.py", "lora_bundle_bench")
@@ -114,3 +166,28 @@ def test_measure_refuses_a_folder_without_bundles(tmp_path, capsys):
     lb = load_script("benchmarks/lora_bundle.py", "lora_bundle_bench")
     assert lb.main(["measure", str(tmp_path), "--out", str(tmp_path / "o.json")]) == 2
     assert "holds no bundle folder" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def measured_chunks(gpu_delegate, tmp_path_factory) -> dict:
+    lb = load_script("benchmarks/lora_bundle.py", "lora_bundle_bench")
+    root = tmp_path_factory.mktemp("lora_chunked")
+    with torch.no_grad():
+        _chunked_layout(root, "r4", True)
+        _chunked_layout(root, "plain", False)
+    return lb.measure(root, root / "out.json", steps=2, timeout=120)
+
+
+def test_a_chunked_unet_runs_its_chunks_per_step_with_the_factors_fed_by_name(measured_chunks, measured):
+    rows = measured_chunks["rows"]
+    assert [r["layout"] for r in rows] == ["plain", "r4"] and measured_chunks["bundle"]["unet_chunks"] == 2
+    assert all(r["unet_chunks"] == 2 and r["fully_accelerated"] and r["finite"] for r in rows), rows
+    assert all(r["unet_chunks"] == 1 for r in measured["rows"])  # the whole graph: one part
+    plain, slots = rows
+    assert slots["factor_inputs"] == 4 and slots["slot_modules"] == 2
+    # zero factors: the plain chunked bundle's step (same weights, same inputs), within float noise of the delegate
+    assert "no_lora_max_abs_vs_plain" not in plain and slots["plain_max_abs"] > 0.1
+    assert slots["no_lora_max_abs_vs_plain"] < 1e-4, slots["no_lora_max_abs_vs_plain"]
+    swaps = {s["to"]: s for s in slots["swaps"]}
+    assert swaps["lora_a"]["max_abs_change_vs_no_lora"] > 1e-3 and swaps["lora_b"]["max_abs_change_vs_no_lora"] > 1e-3
+    assert swaps["none"]["max_abs_change_vs_no_lora"] == 0.0
