@@ -29,61 +29,28 @@
 #   SMOKE=1 RUNS=/tmp/lora_smoke OUT=/tmp/lora_smoke/out bash scripts/gpu/lora_openmoji.sh teacher   # then students, eval
 set -u
 PHASE=${1:?usage: lora_openmoji.sh teacher|students|eval}
-REPO=$PWD
-if [ -n "${SMOKE:-}" ]; then  # this machine: the repo's venv, the shared data, no installs
-  export PATH=$REPO/.venv/bin:$PATH POCKETDIFF_ENV_READY=1 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1
-  RUNS=${RUNS:?SMOKE=1 needs RUNS=/tmp/...}; mkdir -p "$RUNS" "${OUT:?}" && cd "$RUNS" || exit 1
-  pack() { local dir=$1 name=$2; shift 2; tar czf /tmp/$name.tgz -C "$dir" "$@" && split -b 15m /tmp/$name.tgz $OUT/$name.tgz.; }
-  DATA_ROOT=$(python3 -c "from pocketdiff.data import shared_data_root; print(shared_data_root() or '')")
-else
-  if [ -d .whl_om ] && [ ! -f /tmp/site/.wheels-installed ]; then  # the OpenMoji jobs' wheels (env.sh's own .whl may hold another job's)
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl_om/*.whl || exit 1
-    touch /tmp/site/.wheels-installed
-  fi
-  source scripts/gpu/env.sh
-  DATA_ROOT=$POCKETDIFF_DATA
-fi
+source scripts/gpu/openmoji_lib.sh; om_env
 C=$REPO/configs W=$RUNS/lora L=$RUNS/lora/logs
 mkdir -p $L && cd $W || exit 1
 # the LoRA student trains through peft (the CUDA image has it; diffusers 0.42 wants peft >= 0.17)
 python3 -c "import peft, diffusers; print('peft', peft.__version__, 'diffusers', diffusers.__version__)" | tee -a $L/timeline.log || exit 1
-T0=$(date +%s); BUDGET_S=${BUDGET_S:-$([ -n "${SMOKE:-}" ] && echo 3000 || { [ "$PHASE" = teacher ] && echo 560 || echo 520; })}
-left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
-stamp() { echo "[$(date +%T)] $*" | tee -a $L/timeline.log; }
+om_clock $([ -n "${SMOKE:-}" ] && echo 3000 || { [ "$PHASE" = teacher ] && echo 560 || echo 520; }); om_sizes
 STYLE_GROUPS=${STYLE_GROUPS:-flags}
 if [ -n "${SMOKE:-}" ]; then
-  VAE="5 vae.batch_size=8 data.max_samples=64" TEACHER="train.max_steps=4 train.batch_size=8 samples.steps=2" CLIP="train.steps=4 train.batch_size=16 data.max_samples=64 holdout=16"
   LCM_STEPS=${LCM_STEPS:-3} LCMX="consistency.train.batch_size=8 consistency.train.checkpoint_every=3 data.max_samples=64"
   STYLE="train.max_steps=3 train.batch_size=8 samples.steps=2" NUM=${NUM:-16} EVAL_BATCH=16
   W8X="calib.num_prompts=8 calib.holdout_prompts=4 recon.iters=2 recon.batch_size=4 recon.forward_batch=8 output.samples=2"
 else
-  VAE=1500 TEACHER="train.batch_size=256 train.max_steps=${TEACHER_STEPS:-2000} train.max_time_s=${TEACHER_S:-400}" CLIP="train.steps=2000"
   LCM_STEPS=${LCM_STEPS:-600} LCMX="consistency.train.checkpoint_every=100"
   STYLE="train.max_steps=${STYLE_STEPS:-400} train.batch_size=128 train.max_time_s=${STYLE_S:-300}" NUM=${NUM:-1024} EVAL_BATCH=128
   W8X="calib.num_prompts=${W8_PROMPTS:-512}"
 fi
-CLIP_SMALL="model.vision_width=128 model.text_width=128 model.projection_dim=128 model.vision_heads=4 model.text_heads=4"
-T=outputs/teacher-openmoji/pipeline K=outputs/clip-openmoji/clip S=outputs/style-data T2=outputs/teacher-style/pipeline
-verb() {  # verb NAME VERB ARGS...: one pocketdiff verb, its log in $L/NAME.log, stopped at the call's budget
-  local name=$1 t=$(left); shift; [ "$t" -gt 10 ] || { stamp "not starting $name: $t s left"; return 1; }
-  stamp "start $name ($t s left)"
-  timeout $t python3 -m pocketdiff "$@" >> $L/$name.log 2>&1; local rc=$?
-  stamp "end $name exit $rc"; return $rc
-}
-again() { [ -n "${RESUME:-}" ] && [ -d outputs/$1/checkpoints ] && echo "--resume latest" || echo --overwrite; }
+S=outputs/style-data T2=outputs/teacher-style/pipeline
 finish() {  # every run's reports and logs (no weights) into $OUT/lora_reports.tgz
   command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,memory.used --format=csv,noheader >> $L/timeline.log
   tar czf $OUT/lora_reports.tgz -C $W --exclude=checkpoints --exclude=cache --exclude='*.safetensors' --exclude='*.pt' \
     --exclude='*.bin' --exclude=images --exclude=tokenizer --exclude=text_encoder --exclude=vae --exclude=style-data logs outputs
   ls -la $OUT; tail -n 25 $L/timeline.log
-}
-restore() {  # the teacher and CLIP: kept in /tmp by the teacher call, or carried in .carry/lora after a lost machine
-  [ -f $T/model_index.json ] && [ -d $K ] && return 0
-  local P=$REPO/.carry/lora
-  ls $P/teacher16.tgz.* > /dev/null 2>&1 || { echo "no teacher: run the teacher phase first (or carry .carry/lora)"; exit 1; }
-  cat $P/teacher16.tgz.* | tar xzf - -C /tmp && python3 -c "import sys; from pocketdiff.models import load_pipeline, save_pipeline
-save_pipeline(load_pipeline(sys.argv[1]), sys.argv[2])" /tmp/teacher16 $T || exit 1
-  mkdir -p outputs/clip-openmoji && tar xzf $P/clip16.tgz -C outputs/clip-openmoji || exit 1
 }
 style_data() {  # the style subset: OpenMoji's metadata rows of STYLE_GROUPS beside a link to the same zip (source openmoji)
   python3 - "$DATA_ROOT/openmoji" $S "$STYLE_GROUPS" <<'PY'
@@ -154,17 +121,9 @@ PY
 
 case $PHASE in
   teacher)
-    verb teacher train-teacher --config $C/teacher/openmoji.yaml --output outputs/teacher-openmoji --overwrite \
-      vae.steps=$VAE $TEACHER &
-    verb clip train-clip --config $C/clip/openmoji.yaml --output outputs/clip-openmoji --overwrite save_dtype=fp16 \
-      $CLIP_SMALL $CLIP &
-    wait
-    [ -f $T/model_index.json ] || { tail -20 $L/teacher.log; finish; exit 1; }
-    python3 -c "import sys, torch; from pocketdiff.models import load_pipeline, save_pipeline
-p = load_pipeline(sys.argv[1]); p.to(torch.float16); save_pipeline(p, sys.argv[2])" $T /tmp/teacher16 && pack /tmp teacher16 teacher16
-    tar czf $OUT/clip16.tgz -C outputs/clip-openmoji clip ;;
+    om_teacher || { finish; exit 1; } ;;
   students)
-    restore
+    om_restore lora
     style_data || { finish; exit 1; }
     distill lora &
     distill full student.lora_rank=null &
@@ -174,7 +133,7 @@ p = load_pipeline(sys.argv[1]); p.to(torch.float16); save_pipeline(p, sys.argv[2
       train.checkpoint_every=100 $STYLE &
     wait ;;
   eval)
-    restore
+    om_restore lora
     [ -f outputs/lora/round-0/pytorch_lora_weights.safetensors ] && [ -f $T2/model_index.json ] && [ -f outputs/full/round-0/model_index.json ] \
       || { echo "students missing: run (or RESUME=1) the students phase first"; finish; exit 1; }
     lcm_folder || { finish; exit 1; }

@@ -1,7 +1,7 @@
 # The OpenMoji GPU chains' shared part: the set-up of a call, its clock and verbs, the teacher phase (an OpenMoji
 # teacher beside a small OpenMoji CLIP, both packed into $OUT for a lost machine) and the restore of that teacher in a
-# later call. Sourced from the repo root by block_removal_openmoji.sh, few_step_openmoji.sh and sdxl_openmoji.sh
-# (lora_openmoji.sh still has its own copy of the same lines). What the sourcing script sets and calls:
+# later call. Sourced from the repo root by block_removal_openmoji.sh, few_step_openmoji.sh, sdxl_openmoji.sh and lora_openmoji.sh.
+# What the sourcing script sets and calls:
 #
 #   om_env            SMOKE=1: this machine (the repo's venv, the shared data, no installs; RUNS and OUT set by the
 #                     caller); else the GPU machine's wheels (.whl_om, else env.sh's .whl) and scripts/gpu/env.sh.

@@ -47,7 +47,7 @@ export TEACHER_S=${TEACHER_S:-360}
 chain() {  # chain PHASE BUDGET: the phase of block_removal_openmoji.sh's chain under this call's settings
   BUDGET_S=${BUDGET_S:-$([ -n "${SMOKE:-}" ] && echo 3000 || echo $2)} bash scripts/gpu/block_removal_openmoji.sh $1
 }
-gpu_name() { command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]*' | tr A-Z a-z; }
+gpu_name() { command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]\+' | head -1 | tr A-Z a-z; }
 case $PHASE in
   teacher) chain teacher 540 ;;
   prune) chain prune 480 ;;
