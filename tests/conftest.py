@@ -208,12 +208,12 @@ def sdxl_bundle(gpu_delegate, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def sdxl_chunked_bundles(sdxl_bundle, shared_conversions, tmp_path_factory):
-    """The tiny SDXL folder's bundles with the UNet in 2 (block cut) and 3 (layer cut) chunks, exported once for the
-    session (tests/tiny_sdxl.py `export_tiny_sdxl_chunked`): {k: the bundle}; read by tests/export/test_sdxl_chunks.py and
-    tests/web/test_node_runner_sdxl_chunks.py. Tests that change a bundle change a copy."""
-    from tiny_sdxl import export_tiny_sdxl_chunked
+    """The tiny SDXL folder's bundles with the UNet in 2 (block cut) and 3 (layer cut) chunks, each exported once for the
+    session when first read (tests/tiny_sdxl.py `ChunkedSdxlBundles`): {k: the bundle}; read by
+    tests/export/test_sdxl_chunks.py and tests/web/test_node_runner_sdxl_chunks.py. Tests that change a bundle change a copy."""
+    from tiny_sdxl import ChunkedSdxlBundles
 
-    return export_tiny_sdxl_chunked(sdxl_bundle["folder"], tmp_path_factory.mktemp("sdxl_chunks"), shared_conversions)
+    return ChunkedSdxlBundles(sdxl_bundle["folder"], tmp_path_factory.mktemp("sdxl_chunks"), shared_conversions)
 
 
 @pytest.fixture(scope="session")

@@ -69,20 +69,26 @@ def export_tiny_sdxl(root) -> dict:
 SDXL_CHUNKINGS = {2: "block", 3: "layer"}  # the tiny SDXL UNet's chunked exports: unet_chunks -> unet_chunk_cut
 
 
-def export_tiny_sdxl_chunked(folder, root, shared_conversions) -> dict:
-    """`pocketdiff export` of the tiny SDXL folder (export_tiny_sdxl's) with its UNet in chunks, once per SDXL_CHUNKINGS
-    entry (no fp16 scan: it changes no graph); the text encoders and decoder are converted once (tests/conftest.py
-    `shared_conversions`). {k: the bundle}."""
-    import yaml
+class ChunkedSdxlBundles(dict):
+    """{k: the tiny SDXL folder's bundle with its UNet in k chunks (SDXL_CHUNKINGS' cut)}, each exported the first time a
+    test reads it (a worker that needs one chunking pays for one export): `pocketdiff export` with no fp16 scan (it changes
+    no graph); the text encoders and decoder are converted once (tests/conftest.py `shared_conversions`)."""
 
-    from pocketdiff.cli import main
+    def __init__(self, folder, root, shared_conversions):
+        super().__init__()
+        self.folder, self.root, self.shared_conversions = folder, root, shared_conversions
 
-    out = {}
-    for k, cut in SDXL_CHUNKINGS.items():
-        cfg = {"seed": 0, "model": {"pretrained": str(folder)}, "guidance": "cfg", "guidance_scale": SDXL_SCALE, "steps": SDXL_STEPS,
-               "golden_prompt": SDXL_PROMPT, "fp16_scan": {"enabled": False}, "unet_chunks": k, "unet_chunk_cut": cut}
-        (root / f"export_{k}.yaml").write_text(yaml.safe_dump(cfg))
-        out[k] = root / f"bundle_{k}"
-        with shared_conversions.of("text_encoder", "text_encoder_2", "vae_decoder"):
-            assert main(["export", "--config", str(root / f"export_{k}.yaml"), "--output", str(out[k])]) == 0
-    return out
+    def __missing__(self, k: int):
+        import yaml
+
+        from pocketdiff.cli import main
+
+        cfg = {"seed": 0, "model": {"pretrained": str(self.folder)}, "guidance": "cfg", "guidance_scale": SDXL_SCALE,
+               "steps": SDXL_STEPS, "golden_prompt": SDXL_PROMPT, "fp16_scan": {"enabled": False}, "unet_chunks": k,
+               "unet_chunk_cut": SDXL_CHUNKINGS[k]}
+        (self.root / f"export_{k}.yaml").write_text(yaml.safe_dump(cfg))
+        out = self.root / f"bundle_{k}"
+        with self.shared_conversions.of("text_encoder", "text_encoder_2", "vae_decoder"):
+            assert main(["export", "--config", str(self.root / f"export_{k}.yaml"), "--output", str(out)]) == 0
+        self[k] = out
+        return out

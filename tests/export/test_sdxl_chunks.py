@@ -107,7 +107,7 @@ def test_a_chunk_missing_the_summed_embedding_is_named(xl):
 
 @pytest.fixture(scope="module")
 def bundles(sdxl_bundle, sdxl_chunked_bundles):
-    return {"folder": sdxl_bundle["folder"], "whole": sdxl_bundle["out"], **sdxl_chunked_bundles}
+    return {"folder": sdxl_bundle["folder"], "whole": sdxl_bundle["out"], **{k: sdxl_chunked_bundles[k] for k in SDXL_CHUNKINGS}}
 
 
 @pytest.mark.parametrize("k", list(SDXL_CHUNKINGS))

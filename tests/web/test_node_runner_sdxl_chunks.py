@@ -30,9 +30,10 @@ def _node(node: str, tmp_path: Path, harness: str, request: dict, *before: str) 
 
 
 def test_stages_js_derives_and_checks_the_chunked_sdxl_pipeline_as_python(node, sdxl_chunked_bundles, tmp_path):
-    mans = [json.loads((sdxl_chunked_bundles[k] / "manifest.json").read_text()) for k in SDXL_CHUNKINGS]
+    ks = [max(SDXL_CHUNKINGS)]  # the layer-cut bundle the Node runner test below runs (one export on this worker)
+    mans = [json.loads((sdxl_chunked_bundles[k] / "manifest.json").read_text()) for k in ks]
     out = _node(node, tmp_path, "stages_harness.mjs", {"manifests": mans})["manifests"]
-    for k, man, got in zip(SDXL_CHUNKINGS, mans, out):
+    for k, man, got in zip(ks, mans, out):
         assert got["pipeline"] == pipeline_of(man) and got["derived"] == derive_pipeline(man)
         assert got["problems"] == [] and got["error"] is None and manifest_problems("unused", man, files=False) == []
         denoise = got["pipeline"]["stages"][2]
