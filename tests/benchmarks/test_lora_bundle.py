@@ -117,14 +117,17 @@ def _chunked_layout(root: Path, name: str, slotted: bool) -> Path:
     return folder
 
 
+def _measure_layouts(root, make_layout, steps: int) -> dict:
+    """A slotted (r4) and a plain layout written by `make_layout(root, name, slotted)`, measured by the benchmark."""
+    with torch.no_grad():
+        make_layout(root, "r4", True)
+        make_layout(root, "plain", False)
+    return load_script("benchmarks/lora_bundle.py", "lora_bundle_bench").measure(root, root / "out.json", steps=steps, timeout=120)
+
+
 @pytest.fixture(scope="module")
 def measured(gpu_delegate, tmp_path_factory) -> dict:
-    lb = load_script("benchmarks/lora_bundle.py", "lora_bundle_bench")
-    root = tmp_path_factory.mktemp("lora_bundles")
-    with torch.no_grad():
-        _layout(root, "r4", True)
-        _layout(root, "plain", False)
-    return lb.measure(root, root / "out.json", steps=3, timeout=120)
+    return _measure_layouts(tmp_path_factory.mktemp("lora_bundles"), _layout, steps=3)
 
 
 def test_each_layout_is_measured_in_its_own_process_plain_first(measured):
@@ -170,12 +173,7 @@ def test_measure_refuses_a_folder_without_bundles(tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def measured_chunks(gpu_delegate, tmp_path_factory) -> dict:
-    lb = load_script("benchmarks/lora_bundle.py", "lora_bundle_bench")
-    root = tmp_path_factory.mktemp("lora_chunked")
-    with torch.no_grad():
-        _chunked_layout(root, "r4", True)
-        _chunked_layout(root, "plain", False)
-    return lb.measure(root, root / "out.json", steps=2, timeout=120)
+    return _measure_layouts(tmp_path_factory.mktemp("lora_chunked"), _chunked_layout, steps=2)
 
 
 def test_a_chunked_unet_runs_its_chunks_per_step_with_the_factors_fed_by_name(measured_chunks, measured):
