@@ -70,3 +70,13 @@ def export_config_error():
         return str(e.value)
 
     return error
+
+
+@pytest.fixture(scope="session")
+def lora_bundles(gpu_delegate, shared_conversions, tmp_path_factory):
+    """The tiny teacher's LoRA-slot bundles and references (tests/lora_bundles.py `LoraBundles`: {name: bundle}, each
+    exported the first time a test reads it; `.lora` the LoRA file the fused one holds), shared by test_lora_slots.py and
+    test_lora_slots_chunks.py. Tests that change a bundle change a copy."""
+    from lora_bundles import LoraBundles
+
+    return LoraBundles(tmp_path_factory.mktemp("lora_bundles"), shared_conversions)

@@ -4,77 +4,34 @@ run-bundle `--lora FILE [--lora-scale S]` / `BundleRunner.set_lora` feed a LoRA'
 
 Parity: the slotted bundle fed a LoRA against a bundle exported with the same LoRA fused (`model.lora`), and the
 slotted bundle with no LoRA against the plain bundle. All three bundles are the shipped tiny teacher at fp32 weights
-(the text encoder and decoder conversions shared: tests/conftest.py). Bad input: one line, exit 2, nothing written.
+(the text encoder and decoder conversions shared: tests/conftest.py), exported once a session for this file and
+test_lora_slots_chunks.py (tests/lora_bundles.py). Bad input: one line, exit 2, nothing written.
 """
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-import yaml
+from lora_bundles import PROMPT, peft_lora, psnr  # tests/lora_bundles.py: the bundles, shared with test_lora_slots_chunks.py
 from safetensors.torch import save_file
 
 from pocketdiff.cli import main as cli_main
 
-TEACHER = "pocketdiff:shapes-teacher"
-BASE = {"seed": 0, "model": {"pretrained": TEACHER}, "weights": "fp32", "guidance": "cfg", "guidance_scale": 3.0, "steps": 4,
-        "golden_prompt": "a large red circle at the center", "fp16_scan": {"enabled": False}}
-SLOTS = {"rank": 4, "targets": ["attn"]}
-PROMPT = "a red circle"
 
-
-def psnr(a: np.ndarray, b: np.ndarray) -> float:
-    """PSNR of two images in [0, 1] (peak 1)."""
-    mse = float(np.mean((np.asarray(a, np.float64) - np.asarray(b, np.float64)) ** 2))
-    return math.inf if mse == 0 else 10 * math.log10(1.0 / mse)
-
-
-def attention_linears(unet) -> dict:
-    return {n: m for n, m in unet.named_modules() if isinstance(m, torch.nn.Linear) and (".attn1." in n or ".attn2." in n)}
-
-
-def peft_lora(path: Path, rank: int = 4, seed: int = 1, modules=None) -> Path:
-    """A diffusers / PEFT LoRA on every attention projection of the tiny teacher (alpha 8 in its metadata: x2)."""
-    from pocketdiff.models import ModelConfig, load_or_build
-
-    unet = load_or_build(ModelConfig(pretrained=TEACHER)).unet
-    g = torch.Generator().manual_seed(seed)
-    state = {}
-    for n, m in attention_linears(unet).items():
-        if modules is None or n in modules:
-            state[f"unet.{n}.lora_A.weight"] = torch.randn(rank, m.in_features, generator=g) / m.in_features ** 0.5
-            state[f"unet.{n}.lora_B.weight"] = 0.2 * torch.randn(m.out_features, rank, generator=g)
-    save_file(state, str(path), metadata={"lora_adapter_metadata": json.dumps({"unet.lora_alpha": 2 * rank, "unet.r": rank})})
-    return path
-
-
-def export(root: Path, shared_conversions, **fields) -> Path:
-    cfg = {**BASE, **fields}
-    (root / "export.yaml").write_text(yaml.safe_dump(cfg))
-    with shared_conversions.of("text_encoder", "vae_decoder"):
-        assert cli_main(["export", "--config", str(root / "export.yaml"), "--output", str(root / "bundle")]) == 0
-    return root / "bundle"
+@pytest.fixture(scope="module")
+def lora(lora_bundles) -> Path:
+    return lora_bundles.lora
 
 
 @pytest.fixture(scope="module")
-def lora(tmp_path_factory) -> Path:
-    return peft_lora(tmp_path_factory.mktemp("lora") / "style.safetensors")
-
-
-@pytest.fixture(scope="module")
-def bundles(gpu_delegate, lora, shared_conversions, tmp_path_factory) -> dict:
-    """plain, slotted (rank 4 on every attention projection; delegate-checked at fp16 and fp32) and fused (the LoRA in
-    the weights). The reference bundles skip the delegate check: they only draw reference images."""
-    mk = tmp_path_factory.mktemp
-    off = {"verify": {"delegate": False}}
-    return {"slots": export(mk("slots"), shared_conversions, lora_slots=SLOTS),
-            "plain": export(mk("plain"), shared_conversions, **off),
-            "fused": export(mk("fused"), shared_conversions, **off,
-                            model={"pretrained": TEACHER, "lora": [{"path": str(lora), "scale": 1.0}]})}
+def bundles(lora_bundles) -> dict:
+    """slots (rank 4 on every attention projection; delegate-checked at fp16 and fp32), plain and fused (the LoRA in
+    the weights): tests/lora_bundles.py LAYOUTS. The reference bundles skip the delegate check: they only draw reference
+    images. Exported here (once a session: test_lora_slots_chunks.py reads slots and fused too)."""
+    return {name: lora_bundles[name] for name in ("slots", "plain", "fused")}
 
 
 def _images(bundle: Path, accelerator: str, loras: list, precision=None) -> list:

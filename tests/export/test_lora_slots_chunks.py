@@ -2,9 +2,10 @@
 the slotted projections in its stages, by the whole UNet's names (export/unet_chunks.py), so one LoRA file feeds a
 chunked bundle as it feeds a whole one; the runners pass the factors through the chunks' table of named tensors.
 
-Parity: the chunked slotted bundle (2 chunks, block cut; 3 chunks, layer cut) fed a LoRA against a chunked bundle with
-the same LoRA fused (`model.lora`) and against the whole-UNet slotted bundle fed it; with no LoRA against the plain
-chunked bundle. The shipped tiny teacher at fp32 weights (text encoder and decoder conversions shared)."""
+Parity: the chunked slotted bundle (2 chunks, block cut; 3 chunks, layer cut) fed a LoRA against the bundle with the
+same LoRA fused (`model.lora`) and against the whole-UNet slotted bundle fed it; with no LoRA against the plain chunked
+bundle. The shipped tiny teacher at fp32 weights (text encoder and decoder conversions shared); the whole slotted and
+fused bundles are test_lora_slots.py's, exported once a session for both files (tests/lora_bundles.py)."""
 from __future__ import annotations
 
 import json
@@ -14,14 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_lora_slots import PROMPT, SLOTS, TEACHER, export, peft_lora, psnr  # tests/export/ is on sys.path
+from lora_bundles import PROMPT, SLOTS, TEACHER, psnr  # tests/lora_bundles.py: the bundles, shared with test_lora_slots.py
 
 from pocketdiff.cli import main as cli_main
 from pocketdiff.lora_keys import slot_input_names
-
-TWO = {"unet_chunks": 2}
-THREE = {"unet_chunks": 3, "unet_chunk_cut": "layer"}
-OFF = {"verify": {"delegate": False}}
 
 
 @pytest.mark.parametrize("k, cut", [(2, "block"), (3, "layer"), (5, "layer")])
@@ -56,28 +53,24 @@ def test_slotted_chunks_in_sequence_equal_the_whole_slotted_graph_in_torch(k, cu
 
 
 @pytest.fixture(scope="module")
-def lora(tmp_path_factory) -> Path:
-    return peft_lora(tmp_path_factory.mktemp("lora_chunks") / "style.safetensors")
+def lora(lora_bundles) -> Path:
+    return lora_bundles.lora
 
 
 @pytest.fixture(scope="module")
-def bundles(gpu_delegate, lora, shared_conversions, tmp_path_factory) -> dict:
-    """slots (2 chunks, every chunk checked on the GPU delegate at fp16 and fp32), layered (3 chunks cut at layers),
-    and the references: fused (2 chunks, the LoRA in the weights), plain (2 chunks), whole (the UNet whole, slotted)."""
-    mk, fused = tmp_path_factory.mktemp, {"pretrained": TEACHER, "lora": [{"path": str(lora), "scale": 1.0}]}
-    return {"slots": export(mk("slots"), shared_conversions, lora_slots=SLOTS, **TWO),
-            "layered": export(mk("layered"), shared_conversions, lora_slots=SLOTS, **THREE, **OFF),
-            "fused": export(mk("fused"), shared_conversions, model=fused, **TWO, **OFF),
-            "plain": export(mk("plain"), shared_conversions, **TWO, **OFF),
-            "whole": export(mk("whole"), shared_conversions, lora_slots=SLOTS, **OFF)}
+def bundles(lora_bundles) -> dict:
+    """chunks (2 chunks, block cut, every chunk checked on the GPU delegate at fp16 and fp32), layered (3 chunks cut at
+    layers), and the references: plain_chunks (2 chunks, no slots), fused (the LoRA in the weights) and slots (the UNet
+    whole, slotted; delegate-checked), the last two test_lora_slots.py's (tests/lora_bundles.py LAYOUTS)."""
+    return {name: lora_bundles[name] for name in ("chunks", "layered", "plain_chunks", "slots", "fused")}
 
 
 def test_each_chunk_takes_its_slots_factors_fully_accelerated(bundles):
-    man = json.loads((bundles["slots"] / "manifest.json").read_text())
-    report = json.loads((bundles["slots"] / "report.json").read_text())
+    man = json.loads((bundles["chunks"] / "manifest.json").read_text())
+    report = json.loads((bundles["chunks"] / "report.json").read_text())
     block, chunks = man["lora_slots"], man["unet_chunks"]
     assert block["rank"] == 4 and len(block["targets"]) == 32 and "unet" not in man["components"]
-    assert block == json.loads((bundles["whole"] / "manifest.json").read_text())["lora_slots"]  # one block, chunked or whole
+    assert block == json.loads((bundles["slots"] / "manifest.json").read_text())["lora_slots"]  # one block, chunked or whole
     factor_names = {n for pair in block["inputs"].values() for n in pair}
     held = {}
     for name in chunks["components"]:
@@ -107,12 +100,13 @@ def _image(bundle: Path, lora_item, accelerator: str = "cpu", precision=None) ->
     return image
 
 
-@pytest.mark.parametrize("layout", ["slots", "layered"])
-def test_a_lora_fed_to_the_chunks_matches_the_fused_chunks_and_the_whole_slotted_unet(bundles, lora, layout):
-    """>= 40 dB against the fused chunked bundle and the whole slotted one (the same LoRA), and with no LoRA the plain
-    chunked bundle within 1e-5 (test_lora_slots.py's thresholds); the LoRA changes the image (< 30 dB): not vacuous."""
+@pytest.mark.parametrize("layout", ["chunks", "layered"])
+def test_a_lora_fed_to_the_chunks_matches_the_fused_bundle_and_the_whole_slotted_unet(bundles, lora, layout):
+    """>= 40 dB against the fused bundle (the LoRA in the UNet's weights) and the whole slotted one fed the same LoRA, and
+    with no LoRA the plain chunked bundle within 1e-5 (test_lora_slots.py's thresholds); the LoRA changes the image
+    (< 30 dB): not vacuous."""
     with_lora, none = _image(bundles[layout], (lora, 1.0)), _image(bundles[layout], None)
-    fused, plain, whole = _image(bundles["fused"], None), _image(bundles["plain"], None), _image(bundles["whole"], (lora, 1.0))
+    fused, plain, whole = _image(bundles["fused"], None), _image(bundles["plain_chunks"], None), _image(bundles["slots"], (lora, 1.0))
     assert psnr(with_lora, plain) < 30
     assert psnr(with_lora, fused) >= 40, psnr(with_lora, fused)
     assert psnr(with_lora, whole) >= 40, psnr(with_lora, whole)
@@ -120,14 +114,14 @@ def test_a_lora_fed_to_the_chunks_matches_the_fused_chunks_and_the_whole_slotted
 
 
 def test_run_bundle_on_the_gpu_feeds_the_chunks(bundles, lora):
-    """fp32 on lavapipe: every chunk fully accelerated, >= 40 dB against the fused chunked bundle on the GPU."""
-    got, fused = _image(bundles["slots"], (lora, 1.0), "gpu", "fp32"), _image(bundles["fused"], None, "gpu", "fp32")
+    """fp32 on lavapipe: every chunk fully accelerated, >= 40 dB against the fused bundle on the GPU."""
+    got, fused = _image(bundles["chunks"], (lora, 1.0), "gpu", "fp32"), _image(bundles["fused"], None, "gpu", "fp32")
     assert psnr(got, fused) >= 40, psnr(got, fused)
 
 
 def test_a_slot_missing_from_every_chunk_is_one_line(bundles, lora, tmp_path, capsys):
     bundle = tmp_path / "bundle"
-    shutil.copytree(bundles["slots"], bundle)
+    shutil.copytree(bundles["chunks"], bundle)
     man = json.loads((bundle / "manifest.json").read_text())
     ghost = "mid_block.attentions.0.transformer_blocks.0.attn1.to_r"
     man["lora_slots"]["targets"].append(ghost)
