@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 "$XDG_CACHE_HOME/pocketdiff/gpu) and the sha256 of the bundle's files (verified.json): a second launch "
                                 "loads without compiling and hashes only the files changed since")
             p.add_argument("--no-gpu-cache", action="store_true", help="compile every model and hash every file afresh, keep nothing")
+            p.add_argument("--weight-cache", action="store_true",
+                           help="also keep the GPU accelerator's converted weights in the --gpu-cache folder (constant-tensor "
+                                "sharing; LiteRT from litert-lm-api's one-build library: pip install 'pocketdiff[gpu-cache]')")
             p.add_argument("--load-workers", type=int, default=None, metavar="N",
                            help="compile the models in N worker processes at once (GPU, not --pipelined): LiteRT loads one "
                                 "model at a time per process, so the loads overlap only across processes; more memory")

@@ -69,10 +69,29 @@ def check_on_cpu(names, accelerator: str, man: Optional[dict] = None, bundle=Non
     return CheckedOnCpu(names)
 
 
+def check_weight_cache(weight_cache: bool, accelerator: str, gpu_cache: bool, find_library: bool = True) -> bool:
+    """--weight-cache: the GPU accelerator's converted weights kept in the GPU cache folder, so it needs both; and
+    litert-lm-api's library (runtime/litert_c.py), whose absence is one line naming the pip extra."""
+    if not weight_cache:
+        return False
+    if accelerator != "gpu":
+        raise PocketdiffError(f"--weight-cache keeps the GPU accelerator's converted weights: it needs --accelerator gpu, "
+                              f"not {accelerator}")
+    if not gpu_cache:
+        raise PocketdiffError("--weight-cache keeps the converted weights in the GPU cache folder: it cannot go with "
+                              "--no-gpu-cache (drop one of them)")
+    if find_library:
+        from .litert_c import single_build_path
+
+        single_build_path()
+    return True
+
+
 def check_run_bundle_flags(args) -> None:
     """run-bundle's text, paths and accelerator-only flags."""
     check_text(getattr(args, "prompt", None), "--prompt")
     check_outside_bundle(getattr(args, "gpu_cache", None), "--gpu-cache", args.bundle)
+    check_weight_cache(getattr(args, "weight_cache", False), args.accelerator, not getattr(args, "no_gpu_cache", False))
     if getattr(args, "keep_file_pages", False) and args.accelerator != "gpu":
         raise PocketdiffError("--keep-file-pages keeps the GPU accelerator's .tflite pages: it does nothing with "
                               f"--accelerator {args.accelerator}; drop it")

@@ -19,6 +19,15 @@ again. This module owns that folder for a runner:
   fingerprints a file another launch is still writing). A file found changed against an index read earlier
   is checked again against the index on disk, under the lock, before it is called corrupt.
 
+With `weight_cache` (run-bundle --weight-cache) the accelerator also keeps the converted weights
+(`<key>_mldrift_weight_cache.bin`): the options add constant-tensor sharing and `serialize_external_tensors`
+(WEIGHT_CACHE_OPTIONS, the leanest set benchmarks/weight_cache_repro.py showed to load and reuse). Those files are
+recorded, checked and invalidated with the component's programs (one index entry, one key). The library is then
+litert-lm-api's single build (runtime/litert_c.py); its identity (package version, size, sha256: `library_identity`,
+hashed once and remembered in the folder's `library.json`) is part of every key, so a folder written by another
+build is rebuilt. LiteRT itself rewrites a truncated weight file (tried on lavapipe); the index's size + CRC-32
+catches it before the accelerator sees it anyway.
+
 Default folder: `$POCKETDIFF_CACHE` or `$XDG_CACHE_HOME/pocketdiff/gpu` (`~/.cache/...`), one subfolder
 per bundle (its name and a hash of its components' sha256), so two bundles never evict each other.
 """
@@ -28,6 +37,7 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import mmap
 import os
 import shutil
 import sys
@@ -39,7 +49,13 @@ from typing import Callable, Optional
 INDEX = "index.json"
 LOCK = ".lock"
 PRIVATE = ".tmp-"
-SUFFIXES = ("_mldrift_program_cache.bin", "_mldrift_weight_cache.bin", "_mldrift_compiled_cache.bin")
+WEIGHT_SUFFIX = "_mldrift_weight_cache.bin"
+SUFFIXES = ("_mldrift_program_cache.bin", WEIGHT_SUFFIX, "_mldrift_compiled_cache.bin")
+LIBRARY_RECORD = "library.json"
+# the weight cache's options (with serialization_dir, model_cache_key, serialize_program_cache): the reproducer's
+# `sharing_weights_cached` set; LiteRT-LM's extra convert_weights_on_gpu / madvise_original_shared_tensors loaded as
+# well but slower on both of its models (cold 0.117 vs 0.100 s); --gpu-option adds them
+WEIGHT_CACHE_OPTIONS = {"enable_constant_tensors_sharing": True, "serialize_external_tensors": True}
 
 
 def default_cache_root() -> Path:
@@ -99,6 +115,60 @@ def litert_version() -> str:
 
 
 
+# ops whose constants the sharing path cannot take: litert-lm-api 0.18.1 aborts the process (a CHECK, "EMBEDDING_LOOKUP:
+# Unsupported external weights type: 1") on a float embedding table; such a model keeps its programs cached only
+UNSHAREABLE_OPS = {7: "EMBEDDING_LOOKUP"}
+
+
+def unshareable_ops(path: str | Path) -> list[str]:
+    """The ops of a .tflite that the accelerator's constant-sharing path aborts on (its operator codes only, read
+    lazily from the mapped file: milliseconds for any size)."""
+    from ai_edge_litert import schema_py_generated as schema
+
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        model = schema.Model.GetRootAs(mm, 0)
+        codes = {max(c.BuiltinCode(), c.DeprecatedBuiltinCode())
+                 for c in (model.OperatorCodes(i) for i in range(model.OperatorCodesLength()))}
+        del model
+    return sorted(UNSHAREABLE_OPS[c] for c in codes if c in UNSHAREABLE_OPS)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def library_identity(lib: Path, folder: Optional[Path], warn: Optional[Callable[[str], None]] = None) -> str:
+    """A LiteRT library's identity for cache keys: its package's version, size and sha256. The sha256 (a 130 MB file)
+    is remembered in FOLDER's library.json by path, size and mtime, and read back while those match."""
+    lib = Path(lib)
+    st = lib.stat()
+    mark = {"path": str(lib), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    record = Path(folder) / LIBRARY_RECORD if folder is not None else None
+    digest = None
+    if record is not None and record.is_file():
+        try:
+            known = json.loads(record.read_text())
+            digest = known.get("sha256") if {k: known.get(k) for k in mark} == mark else None
+        except (OSError, ValueError, AttributeError):
+            digest = None
+    if not isinstance(digest, str):
+        digest = _sha256(lib)
+        if record is not None:
+            try:
+                tmp = record.with_name(f".{LIBRARY_RECORD}.{os.getpid()}.tmp")
+                tmp.write_text(json.dumps({**mark, "sha256": digest}, indent=1))
+                os.replace(tmp, record)
+            except OSError as e:
+                (warn or (lambda m: None))(f"gpu cache {record}: not written ({e.strerror or e}); the library is hashed again next time")
+    dist = next(iter(sorted(lib.parent.parent.glob("litert_lm_api-*.dist-info"))), None)  # beside the package, no scan
+    version = dist.name[len("litert_lm_api-"):-len(".dist-info")] if dist is not None else "unknown"
+    return f"litert-lm-api {version} {lib.name} {st.st_size} sha256:{digest[:16]}"
+
+
 def writable_folder(folder: Path, warn, what: str, without: str) -> bool:
     """FOLDER made if missing and a file written in it; else one warning line (WHAT: not writable (why); WITHOUT)."""
     try:
@@ -125,9 +195,12 @@ class GpuProgramCache:
     """One folder of cached compiled programs; `options_for(name, entry)` before a component's load,
     `record(name)` after it. `warn` prints one line per problem (stderr by default)."""
 
-    def __init__(self, folder: str | Path, identity: str, warn: Optional[Callable[[str], None]] = None):
+    def __init__(self, folder: str | Path, identity: str, warn: Optional[Callable[[str], None]] = None,
+                 weight_cache: bool = False):
         self.folder = Path(folder)
-        self.identity = identity  # GPU, driver, LiteRT version, options: what else the programs depend on
+        self.weight_cache = bool(weight_cache)
+        # GPU, driver, LiteRT version (library), options: what else the programs depend on; weights kept: other files
+        self.identity = identity + ("|weight_cache" if self.weight_cache else "")
         self.warn = warn or (lambda msg: print(f"warning: {msg}", file=sys.stderr))
         self.token = os.urandom(4).hex()  # two caches of one process (tests, workers) keep apart too
         self.enabled = self._writable()
@@ -136,6 +209,8 @@ class GpuProgramCache:
         self.index = self._read_index() if self.enabled else {}
         self.keys: dict[str, str] = {}
         self.hits: dict[str, bool] = {}
+        self._warned_other = False
+        self.unshared: dict[str, list[str]] = {}  # weight cache on: components kept off the sharing path, and why
         self.settled: set[str] = set()  # components whose files this process verified or recorded: not read again
 
     def _writable(self) -> bool:
@@ -182,6 +257,15 @@ class GpuProgramCache:
             if p.is_file() and p.name.endswith(SUFFIXES) and match(p.name):
                 p.unlink(missing_ok=True)
 
+    def shares(self, name: str, entry: dict) -> bool:
+        """Weight cache on and the component's file free of ops the sharing path aborts on (checked once)."""
+        if not self.weight_cache:
+            return False
+        if name not in self.unshared:
+            path = entry.get("_path")
+            self.unshared[name] = unshareable_ops(path) if path and Path(path).is_file() else []
+        return not self.unshared[name]
+
     def key(self, name: str, entry: dict) -> str:
         h = hashlib.sha256(f"{entry.get('sha256', '')}|{self.identity}".encode()).hexdigest()[:16]
         return f"{name}-{h}"
@@ -191,13 +275,16 @@ class GpuProgramCache:
         if not self.enabled:
             return {}
         key = self.key(name, entry)
+        share = self.shares(name, entry)
         if name in self.settled and self.keys.get(name) == key:  # a streamed chunk's next load: checked already
-            return self._options(key)
+            return self._options(key, share=share)
         self.keys[name] = key
         old = self.index.get(name)
         hit = False
         if old is not None and old.get("key") != key:
-            self.warn(f"gpu cache {self.folder}: {name}'s programs were made for another model, driver or LiteRT version; rebuilding")
+            if not self._warned_other:  # one line: the other components' entries share the cause (a new driver, library)
+                self.warn(f"gpu cache {self.folder}: {name}'s programs were made for another model, driver or LiteRT version; rebuilding")
+            self._warned_other = True
             self._drop(name, old)
         elif old is not None:
             bad = self._bad_files(old)
@@ -213,18 +300,19 @@ class GpuProgramCache:
                 self.settled.add(name)
         self.hits[name] = hit
         if hit:
-            return self._options(key)
+            return self._options(key, share=share)
         private = self._private(name)  # compiled afresh: written apart, moved in by record()
         shutil.rmtree(private, ignore_errors=True)
         private.mkdir()
-        return self._options(key, private)
+        return self._options(key, private, share)
 
     def _bad_files(self, entry: dict) -> list[str]:
         return [f for f, mark in (entry.get("files") or {}).items()
                 if not (self.folder / f).is_file() or _fingerprint(self.folder / f) != mark]
 
-    def _options(self, key: str, folder: Optional[Path] = None) -> dict:
-        return {"serialization_dir": str(folder or self.folder), "model_cache_key": key, "serialize_program_cache": True}
+    def _options(self, key: str, folder: Optional[Path] = None, share: bool = False) -> dict:
+        return {"serialization_dir": str(folder or self.folder), "model_cache_key": key, "serialize_program_cache": True,
+                **(WEIGHT_CACHE_OPTIONS if share else {})}
 
     def _drop(self, name: str, old: dict) -> None:
         key = old.get("key", "")
@@ -256,5 +344,20 @@ class GpuProgramCache:
             self.settled.add(name)
         shutil.rmtree(private, ignore_errors=True)
 
+    def weight_files(self) -> dict[str, str]:
+        """Per component: `reused` (its weight file read from the folder), `made` (written now), `none` (not written),
+        `skipped: OP` (an op the sharing path aborts on: programs cached only)."""
+        if not (self.enabled and self.weight_cache):
+            return {}
+        files = {n: any(f.endswith(WEIGHT_SUFFIX) for f in (self.index.get(n) or {}).get("files") or {}) for n in self.hits}
+        return {n: f"skipped: {','.join(self.unshared[n])}" if self.unshared.get(n) else
+                ("reused" if self.hits[n] else "made") if files[n] else "none" for n in self.hits}
+
     def summary(self) -> dict:
-        return {"folder": str(self.folder) if self.enabled else None, "hits": dict(self.hits)}
+        """The folder, each component's program-cache hit, the weight cache (off, made, reused or made+reused, and
+        per component)."""
+        by = self.weight_files()
+        states = sorted({v for v in by.values() if v in ("made", "reused")})
+        state = "off" if not (self.enabled and self.weight_cache) else "+".join(states) if states else "none"
+        return {"folder": str(self.folder) if self.enabled else None, "hits": dict(self.hits), "weight_cache": state,
+                "weight_cache_by_model": by}

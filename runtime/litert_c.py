@@ -10,12 +10,18 @@ file's weight pages given back once uploaded), `convert_weights_on_gpu`. This mo
 payload and drives the same C functions the Python wrapper calls: environment, model from file,
 options, compiled model, managed tensor buffers, run.
 
-Only numpy and ctypes; the library is the wheel's own (`ai_edge_litert/libLiteRt.so`, which loads
-`libLiteRtWebGpuAccelerator.so` from the folder named as the runtime library dir).
+Only numpy and ctypes. The library is chosen per process: by default the ai-edge-litert wheel's own
+(`ai_edge_litert/libLiteRt.so`, which loads `libLiteRtWebGpuAccelerator.so` from the folder named as the runtime
+library dir); for the accelerator's weight cache (run-bundle --weight-cache) litert-lm-api's `litert_lm/liblitert-lm.so`,
+LiteRT's C API and the WebGPU accelerator linked into one build (`pip install 'pocketdiff[gpu-cache]'`; the wheels'
+separate accelerator crashes on the constant-tensor-sharing path the weight cache needs: benchmarks/weight_cache_repro.py).
+One library per process: asking for the other once one is loaded is refused (`LiteRtLibrary.shared`).
 """
 from __future__ import annotations
 
 import ctypes as C
+import importlib.util
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -112,26 +118,68 @@ def parse_gpu_option(text: str) -> tuple[str, object]:
     return key, raw
 
 
+DEFAULT_LIBRARY = "ai-edge-litert"  # the wheel's libLiteRt.so + libLiteRtWebGpuAccelerator.so
+SINGLE_BUILD = "litert-lm"  # litert-lm-api's liblitert-lm.so: C API and accelerator in one build (the weight cache)
+SINGLE_BUILD_FILE = "liblitert-lm.so"
+SINGLE_BUILD_ENV = "POCKETDIFF_LITERT_LM_LIB"  # a path to such a library instead of the installed litert_lm's
+GPU_CACHE_EXTRA = "pip install 'pocketdiff[gpu-cache]'"
+
+
 def _library_dir() -> Path:
     import ai_edge_litert
 
     return Path(ai_edge_litert.__file__).resolve().parent
 
 
+def single_build_path() -> Path:
+    """litert-lm-api's liblitert-lm.so: $POCKETDIFF_LITERT_LM_LIB, else found in the installed `litert_lm` package
+    (located, not imported); a one-line PocketdiffError naming the pip extra when there is none."""
+    override = os.environ.get(SINGLE_BUILD_ENV)
+    if override:
+        if not Path(override).is_file():
+            raise PocketdiffError(f"{SINGLE_BUILD_ENV}={override}: not a file (expected a {SINGLE_BUILD_FILE})")
+        return Path(override).resolve()
+    try:
+        spec = importlib.util.find_spec("litert_lm")
+    except (ImportError, ValueError):
+        spec = None
+    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+        if (Path(folder) / SINGLE_BUILD_FILE).is_file():
+            return (Path(folder) / SINGLE_BUILD_FILE).resolve()
+    raise PocketdiffError(f"the GPU weight cache needs litert-lm-api's {SINGLE_BUILD_FILE} (LiteRT's C API and GPU "
+                          f"accelerator in one build), which is not installed: {GPU_CACHE_EXTRA}")
+
+
 class LiteRtLibrary:
-    """The C functions, with argument types; one per process (`shared()`)."""
+    """The C functions, with argument types; one library per process (`shared(which)`)."""
 
     _shared: Optional["LiteRtLibrary"] = None
 
     @classmethod
-    def shared(cls) -> "LiteRtLibrary":
+    def shared(cls, which: Optional[str] = None) -> "LiteRtLibrary":
+        """This process's library: WHICH (DEFAULT_LIBRARY or SINGLE_BUILD) loaded at the first call; None: the one
+        loaded already, else the default. Asking for the other one once one is loaded is refused."""
+        if which not in (None, DEFAULT_LIBRARY, SINGLE_BUILD):
+            raise PocketdiffError(f"LiteRT library {which!r}: expected {DEFAULT_LIBRARY!r} or {SINGLE_BUILD!r}")
         if cls._shared is None:
-            cls._shared = cls(_library_dir())
+            if which == SINGLE_BUILD:
+                path = single_build_path()
+                cls._shared = cls(path.parent, path.name, SINGLE_BUILD)
+            else:
+                cls._shared = cls(_library_dir())
+        elif which is not None and cls._shared.which != which:
+            why = "the GPU weight cache" if which == SINGLE_BUILD else "a run without the weight cache asked for it"
+            raise PocketdiffError(f"this process loaded LiteRT's C API from {cls._shared.which} ({cls._shared.path}); "
+                                  f"{which} ({why}) cannot be loaded beside it: one LiteRT library per process, start "
+                                  "another process (or pass the same weight-cache choice)")
         return cls._shared
 
-    def __init__(self, folder: Path):
-        self.folder = folder
-        self.lib = C.CDLL(str(folder / "libLiteRt.so"), mode=C.RTLD_GLOBAL)
+    def __init__(self, folder: Path, file: str = "libLiteRt.so", which: str = DEFAULT_LIBRARY):
+        self.folder, self.which = folder, which
+        self.path = folder / file
+        # the wheel's runtime is global (its accelerator library binds to it); the single build needs no such partner,
+        # and kept local its TfLite symbols do not meet those of ai-edge-litert's Python modules (CPU models)
+        self.lib = C.CDLL(str(self.path), mode=C.RTLD_GLOBAL if which == DEFAULT_LIBRARY else C.RTLD_LOCAL)
         P, I, S = C.c_void_p, C.c_int, C.c_size_t
         pp = C.POINTER(C.c_void_p)
         sigs = {
@@ -179,8 +227,8 @@ class LiteRtLibrary:
 class Environment:
     """One LiteRT environment (one GPU device) that every model of a runner shares."""
 
-    def __init__(self, lib: Optional[LiteRtLibrary] = None):
-        self.lib = lib or LiteRtLibrary.shared()
+    def __init__(self, lib: Optional[LiteRtLibrary] = None, library: Optional[str] = None):
+        self.lib = lib or LiteRtLibrary.shared(library)  # library: LiteRtLibrary.shared's choice
         self._dir = C.c_char_p(str(self.lib.folder).encode())
         opt = _EnvOption(ENV_RUNTIME_LIBRARY_DIR, _Any(ANY_STRING, C.cast(self._dir, C.c_void_p)))
         self.handle = C.c_void_p()

@@ -48,10 +48,10 @@ def settle(model) -> None:
     model.run_s.pop()
 
 
-def _serve(conn, measure: bool = False, release_file_pages: bool = False) -> None:
-    """A worker: one environment; ("load", name, entry, options[, settle]) compiles (`release_file_pages`: a fully
-    accelerated model's file pages given back, runtime/file_pages.py), ("run", name, arrays) runs, ("close", name) frees
-    one model, ("measure", None) its memory (`measure`), ("stop",) all of them and the environment."""
+def _serve(conn, measure: bool = False, release_file_pages: bool = False, library: Optional[str] = None) -> None:
+    """A worker: one environment (of `library`, the parent's LiteRT library: runtime/litert_c.py); ("load", name, entry,
+    options[, settle]) compiles (`release_file_pages`: a fully accelerated model's file pages given back,
+    runtime/file_pages.py), ("run", name, arrays) runs, ("close", name) frees one model, ("measure", None) its memory (`measure`), ("stop",) all of them and the environment."""
     from .delegate import prepare_in_process
     from .litert_c import Environment
     from .memory import SelfMeter, return_freed_memory, tune_allocator
@@ -59,7 +59,7 @@ def _serve(conn, measure: bool = False, release_file_pages: bool = False) -> Non
     prepare_in_process()
     tune_allocator()
     meter = SelfMeter() if measure else None
-    env = Environment()
+    env = Environment(library=library)
     models: dict = {}
     while True:
         msg = conn.recv()
@@ -125,15 +125,17 @@ class LoadWorkers:
     """N worker processes (spawned: a fresh interpreter each, no inherited GPU state). `submit` hands every model
     to a worker at once, round-robin in the order given (the order they are first used), so each worker compiles
     its share while the others compile theirs; `get` waits for one. `release_file_pages`: each worker gives back a
-    fully accelerated model's file pages once it is compiled (runtime/file_pages.py)."""
+    fully accelerated model's file pages once it is compiled (runtime/file_pages.py). `library`: the LiteRT library the
+    workers load (the parent's: runtime/litert_c.py; None: the default)."""
 
-    def __init__(self, n: int, on_start=None, measure: bool = False, release_file_pages: bool = False):
+    def __init__(self, n: int, on_start=None, measure: bool = False, release_file_pages: bool = False,
+                 library: Optional[str] = None):
         check_count(n)
         ctx = mp.get_context("spawn")
         self.conns, self.procs = [], []
         for i in range(n):
             here, there = ctx.Pipe()
-            p = ctx.Process(target=_serve, args=(there, measure, release_file_pages), name=f"pocketdiff-load-worker-{i}", daemon=True)
+            p = ctx.Process(target=_serve, args=(there, measure, release_file_pages, library), name=f"pocketdiff-load-worker-{i}", daemon=True)
             p.start()
             there.close()
             self.conns.append(here)

@@ -48,7 +48,7 @@ class ModelPool:
     def __init__(self, bundle: Union[str, Path], man: dict, names: Sequence[str], units: list, policy: LoadingPolicy,
                  accelerator: str, gpu_cache: Union[str, Path, None, bool] = None, gpu_options: Optional[dict] = None,
                  release_file_pages: bool = True, budget=None, chunk_group: Sequence[str] = (), on_cpu: Sequence[str] = (),
-                 overlap_ahead: int = 1, compile_ahead: bool = False):
+                 overlap_ahead: int = 1, compile_ahead: bool = False, weight_cache: bool = False):
         self.bundle, self.man, self.comps, self.policy, self.accelerator = bundle, man, man["components"], policy, accelerator
         self.on_cpu = tuple(on_cpu) if accelerator == "gpu" else ()
         self.placed: dict[str, str] = {}  # every model loaded so far: the accelerator it ran on (cpu | gpu)
@@ -57,6 +57,7 @@ class ModelPool:
         self.phases: list[dict] = []
         self.runs_seen: dict[str, int] = {}
         self.driver, self.env, self.cache, self.gpu_identity = "n/a", None, None, ""
+        self.weight_cache, self.library = bool(weight_cache) and accelerator == "gpu", None  # library: litert_c's, GPU runs
         self.own_envs: dict = {}  # pipelined: one environment per loaded model
         self.gpu_options = dict(gpu_options or {})  # the accelerator's options (runtime/litert_c.py: GPU_OPTION_KEYS)
         self.release_file_pages = bool(release_file_pages) and accelerator == "gpu"
@@ -80,28 +81,44 @@ class ModelPool:
             self.overlap = overlap_loader([(u, parts) for u, parts in gpu_units if parts], cache_folder,
                                           (bundle_digest(self.comps), self.gpu_identity), budget,
                                           lambda n: (self.comps[n], self.options_for(n)), self.sampler,
-                                          release_file_pages=self.release_file_pages, ahead=overlap_ahead)
+                                          release_file_pages=self.release_file_pages, ahead=overlap_ahead,
+                                          library=self.library_name)
         self.chunk_order = None  # pipelined, chunks kept: the order they compile in (runtime/compile_order.py)
         if policy.name == PIPELINED and accelerator == "gpu" and len(chunk_group) > 1:
             self.chunk_order = ChunkOrder(tuple(chunk_group), cache_folder, (bundle_digest(self.comps), self.gpu_identity),
                                           lambda msg: print(f"warning: {msg}", file=sys.stderr))
         if policy.load_workers:  # last: nothing after this can fail and leave them running
             self.workers = LoadWorkers(policy.load_workers, on_start=self.sampler.add_process,
-                                       release_file_pages=self.release_file_pages)
+                                       release_file_pages=self.release_file_pages, library=self.library_name)
+
+    @property
+    def library_name(self) -> Optional[str]:
+        """The LiteRT library this process loaded (runtime/litert_c.py), for the workers to load the same one."""
+        return self.library.which if self.library is not None else None
 
     def _prepare_gpu(self, gpu_cache) -> None:
+        """The Vulkan driver, the LiteRT library (the single build with the weight cache), the cache folder, and the
+        identity its keys hold: the library's, the GPU's and driver's, the options."""
         from .delegate import prepare_in_process
-        from .gpu_cache import GpuProgramCache, bundle_cache_folder, litert_version
-        from .litert_c import Environment
+        from .gpu_cache import GpuProgramCache, bundle_cache_folder, library_identity, litert_version, writable_folder
+        from .litert_c import DEFAULT_LIBRARY, SINGLE_BUILD, Environment, LiteRtLibrary
 
         self.driver = prepare_in_process()
+        self.library = LiteRtLibrary.shared(SINGLE_BUILD if self.weight_cache else None)  # None: the loaded one, else the default
         self.env = None if self.policy.own_environments or self.policy.overlap else Environment()
-        gpu = self.sampler.gpu  # what compiled programs and measured memory figures depend on besides the bundle
-        self.gpu_identity = "|".join([litert_version(), self.driver, str(gpu.name), str(gpu.driver_version()),
-                                      os.environ.get("VK_ICD_FILENAMES", ""), json.dumps(self.gpu_options, sort_keys=True)])
+        folder = None
         if gpu_cache is not False:
             folder = Path(gpu_cache) if gpu_cache not in (None, True) else bundle_cache_folder(self.bundle, self.comps)
-            self.cache = GpuProgramCache(folder, self.gpu_identity)
+        version = litert_version()
+        if self.library.which != DEFAULT_LIBRARY:  # remembered in the folder when it can be written (its warning: below)
+            quiet = folder is not None and writable_folder(folder, lambda msg: None, "", "")
+            version = library_identity(self.library.path, folder if quiet else None,
+                                       lambda msg: print(f"warning: {msg}", file=sys.stderr))
+        gpu = self.sampler.gpu  # what compiled programs and measured memory figures depend on besides the bundle
+        self.gpu_identity = "|".join([version, self.driver, str(gpu.name), str(gpu.driver_version()),
+                                      os.environ.get("VK_ICD_FILENAMES", ""), json.dumps(self.gpu_options, sort_keys=True)])
+        if folder is not None:
+            self.cache = GpuProgramCache(folder, self.gpu_identity, weight_cache=self.weight_cache)
 
     # ------------------------------------------------------------------ state and marks
 
@@ -310,6 +327,7 @@ class ModelPool:
         return {**self.sampler.totals(), "phases": list(self.phases),
                 "release_file_pages": self.release_file_pages, "pages_released_mb": round(sum(released), 1),
                 "gpu_cache": self.cache.summary() if self.cache is not None else None,
+                "litert_library": f"{self.library.which} ({self.library.path.name})" if self.library is not None else None,
                 "loading_policy": self.policy.name, "models": {n: m.memory() for n, m in self.models.items() if m.loads},
                 "accelerator_by_model": dict(self.placed), "environments": "own" if self.policy.own_environments else "workers" if self.policy.overlap or self.policy.load_workers else "one",
                 **({"overlap": self.overlap.report()} if self.overlap is not None else {}),

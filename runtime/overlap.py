@@ -217,8 +217,10 @@ class OverlapLoader:
     worker exits with its unit's last model, measured first), `record(runner_mb)` the figures after the prompt."""
 
     def __init__(self, units: list[tuple[str, tuple[str, ...]]], plan: list[dict], load_args: Callable[[str], tuple], sampler,
-                 figures_path: Optional[Path], key: tuple[str, str], release_file_pages: bool = False, ahead: int = 1):
+                 figures_path: Optional[Path], key: tuple[str, str], release_file_pages: bool = False, ahead: int = 1,
+                 library: Optional[str] = None):
         self.units, self.plan, self.ahead = units, plan, ahead
+        self.library = library  # the runner's LiteRT library: each worker loads the same (runtime/litert_c.py)
         self.release_file_pages = release_file_pages  # each worker gives back its models' file pages (runtime/file_pages.py)
         self.levels = [p["level"] for p in plan]
         self.unit_of = {part: i for i, (_, parts) in enumerate(units) for part in parts}
@@ -241,7 +243,7 @@ class OverlapLoader:
         name, parts = self.units[i]
         self.timeline.append(("start", name))
         worker = self.workers[i] = LoadWorkers(1, on_start=lambda pid: self.sampler.add_process(pid, own_peak=True), measure=True,
-                                               release_file_pages=self.release_file_pages)
+                                               release_file_pages=self.release_file_pages, library=self.library)
         settle = name == UNET and len(parts) > 1  # each chunk's host weight copies go before the next chunk compiles
         worker.submit([(p, *self.load_args(p), settle) for p in parts])
 
@@ -328,7 +330,7 @@ def check_ahead(ahead, overlap: bool, budget) -> int:
 
 def overlap_loader(units, cache_folder: Optional[Path], key: tuple[str, str], budget: Optional[MemoryBudget],
                    load_args: Callable[[str], tuple], sampler, warn: Optional[Callable[[str], None]] = None,
-                   release_file_pages: bool = False, ahead: int = 1) -> OverlapLoader:
+                   release_file_pages: bool = False, ahead: int = 1, library: Optional[str] = None) -> OverlapLoader:
     """The loader of an overlapped runner: the budget checked against the measured figures before anything loads (a
     refusal raises; a pair that does not fit overlapped is said in one line)."""
     warn = warn or (lambda msg: print(f"warning: {msg}", file=sys.stderr))
@@ -342,4 +344,4 @@ def overlap_loader(units, cache_folder: Optional[Path], key: tuple[str, str], bu
         if p["level"] == NONE:
             print(f"--memory-budget-mb {budget.mb:g}: {p['first']} and {p['then']} would hold {p['overlapped_mb']:.0f} MB at "
                   f"once (measured); {p['then']} loads after {p['first']} is released", file=sys.stderr)
-    return OverlapLoader(units, plan, load_args, sampler, path, key, release_file_pages, ahead)
+    return OverlapLoader(units, plan, load_args, sampler, path, key, release_file_pages, ahead, library)

@@ -30,7 +30,8 @@ and with --overlap-loads it loads and runs while the GPU models compile in their
 model compiles in a thread while the current stage runs (the UNet during a CPU text encoder, the decoder's first graph
 during the steps; runtime/compile_ahead.py). On the GPU the
 models run through LiteRT's C API (runtime/litert_c.py) with the compiled-program cache
-(runtime/gpu_cache.py). The report has per-stage latency and the measured memory: host and GPU
+(runtime/gpu_cache.py); `--weight-cache` keeps the converted weights there too (litert-lm-api's one-build
+library). The report has per-stage latency and the measured memory: host and GPU
 peaks and every model's phases (runtime/memory.py).
 """
 from __future__ import annotations
@@ -51,7 +52,7 @@ from .litert_c import parse_gpu_option
 from .memory import process_age_s
 from .model_pool import ModelPool
 from .overlap import check_ahead, check_budget
-from .cli_checks import check_on_cpu
+from .cli_checks import check_on_cpu, check_weight_cache
 from .compile_ahead import check_compile_ahead
 from .image_tasks import check_image_flags, image_inputs
 from .lora_slots import LoraFeeds, check_lora_flags
@@ -78,7 +79,9 @@ class BundleRunner:
     the cache folder (the report's `accelerator_by_model` says where each model ran); `overlap_ahead` N (overlap_loads,
     no budget): the N units after the current one compile at once in their workers; `one_environment` (pipelined, GPU):
     the models share one LiteRT environment; `compile_ahead` (pipelined, GPU): the next GPU model compiles in a thread
-    while the current stage runs (runtime/compile_ahead.py).
+    while the current stage runs (runtime/compile_ahead.py). `weight_cache` (GPU, a cache folder): the accelerator's
+    converted weights kept in the cache folder too, through litert-lm-api's one-build LiteRT library, which this
+    process then keeps (one library per process: runtime/litert_c.py); the report's gpu_cache says made / reused.
     """
 
     def __init__(self, bundle: str | Path, accelerator: str = "gpu", pipelined: bool = False, manifest: Optional[dict] = None,
@@ -86,7 +89,8 @@ class BundleRunner:
                  load_workers: int = 0, overlap_loads: bool = False, memory_budget_mb: Optional[float] = None,
                  release_file_pages: bool = True, keep: tuple = (), image_input: bool = False,
                  lora: Union[str, Path, LoraFeeds, None] = None, lora_scale: float = 1.0, on_cpu: tuple = (),
-                 overlap_ahead: int = 1, one_environment: bool = False, compile_ahead: bool = False):
+                 overlap_ahead: int = 1, one_environment: bool = False, compile_ahead: bool = False,
+                 weight_cache: bool = False):
         if accelerator not in ("cpu", "gpu"):
             raise PocketdiffError(f"accelerator must be cpu or gpu, got {accelerator!r}")
         # plain, pipelined, streamed, workers or overlapped (runtime/managed_model.py), checked before the bundle is read
@@ -94,6 +98,7 @@ class BundleRunner:
         budget = check_budget(memory_budget_mb, self.policy.overlap)
         overlap_ahead = check_ahead(overlap_ahead, self.policy.overlap, budget)
         compile_ahead = check_compile_ahead(compile_ahead, self.policy, accelerator)
+        weight_cache = check_weight_cache(weight_cache, accelerator, gpu_cache is not False)
         self.bundle, self.accelerator = bundle, accelerator
         self.man = manifest or check_bundle(bundle)  # fields, stages, sizes and every .tflite's signature, before anything runs
         on_cpu = check_on_cpu(on_cpu, accelerator, self.man, bundle)  # names, a GPU runner, this bundle's stages (run-bundle's: checked)
@@ -112,7 +117,7 @@ class BundleRunner:
         self.pool = ModelPool(bundle, self.man, self.pipeline.names(), self.pipeline.units(), self.policy, accelerator,
                               gpu_cache=gpu_cache, gpu_options=gpu_options, release_file_pages=release_file_pages, budget=budget,
                               chunk_group=self.pipeline.denoiser_parts(), on_cpu=on_cpu, overlap_ahead=overlap_ahead,
-                              compile_ahead=compile_ahead)
+                              compile_ahead=compile_ahead, weight_cache=weight_cache)
         self.pipeline.pool = self.pool
         self.pool.mark("runner", "ready")
 
@@ -229,7 +234,8 @@ def main(args) -> int:
                           release_file_pages=not getattr(args, "keep_file_pages", False), image_input=bool(picture),
                           lora=lora, on_cpu=on_cpu, overlap_ahead=getattr(args, "overlap_ahead", None) or 1,
                           one_environment=getattr(args, "one_environment", False),
-                          compile_ahead=getattr(args, "compile_ahead", False)) as runner:
+                          compile_ahead=getattr(args, "compile_ahead", False),
+                          weight_cache=getattr(args, "weight_cache", False)) as runner:
             image, stats = runner.run(args.prompt, seed=args.seed, **picture)
         if not stats["finite"]:
             raise PocketdiffError(f"bundle {args.bundle}: the image has NaN/Inf values ({args.accelerator})")
@@ -267,6 +273,10 @@ def main(args) -> int:
         "overlap_ahead": getattr(args, "overlap_ahead", None) or 1,
         "one_environment": bool(getattr(args, "one_environment", False)),
         "compile_ahead": bool(getattr(args, "compile_ahead", False)),
+        "weight_cache": bool(getattr(args, "weight_cache", False)),
+        # the program cache's folder and hits, the weight cache (off | made | reused | made+reused) and the library
+        "gpu_cache": {**(stats["memory"].get("gpu_cache") or {"folder": None, "weight_cache": "off"}),
+                      "library": stats["memory"].get("litert_library")},
         "latency_s": {k: round(v, 4) for k, v in stats["latency_s"].items()},
         # measured (runtime/memory.py): host peak RSS, the process's GPU memory where NVML tells it, per phase
         "host_peak_mb": stats["memory"]["host_peak_mb"],

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv at the repo root (idempotent): torch==2.13.0 first, pinned through a
-# constraints file so nothing pulls a CUDA build, then pocketdiff with its extras, then the
+# constraints file so nothing pulls a CUDA build, then pocketdiff with its extras ([all]: export, dev and gpu-cache,
+# litert-lm-api's one-build LiteRT library for run-bundle --weight-cache), then the
 # Mesa lavapipe Vulkan driver (CPU machines) unpacked into .vulkan/ for the LiteRT GPU delegate.
 # pip's output goes to .venv/setup.log (printed when a step fails).
 set -euo pipefail
