@@ -9,7 +9,8 @@
             --one-environment; `overlap`: --overlap-loads, the next model, e.g. the decoder during the UNet's compile and
             steps, compiled in a worker; `compile_ahead`: the decoder's head compiled in a thread during the steps) and
             combined (`te_cpu_ahead`: the UNet compiled in a thread while the text encoder loads and runs on the CPU;
-            `overlap_ahead3_te_cpu`: the UNet and every decoder graph compile at once in workers meanwhile);
+            `overlap_ahead3_te_cpu`: the UNet and every decoder graph compile at once in workers meanwhile); not in
+            DEFAULT_PLAN: `weight_cache` (--pipelined --weight-cache) and `weight_cache_overlap_ahead3_te_cpu`;
           - `app:MODE`: benchmarks/app_images.py MODE, --images images in one process, on --app-folder's folders (an
             app's later images; launch "warm" when that configuration ran before);
           - `probe`: `env-probe` in a process of its own, on the baseline's program cache;
@@ -17,6 +18,7 @@
           Rows: layout, mode, launch, start_s, total_s, per-phase seconds (`phases_s` from run-bundle's phase marks, the
           three `largest`, `latency_s`), host / GPU / at-once peaks (measured: the report's `host_peak_mb`,
           `gpu_peak_mb`, `host_plus_gpu_peak_mb` and polled `host_plus_gpu_peak_at_once_mb`), where each model ran, the
+          weight cache's state (off, made, reused) and the LiteRT library, the
           image's sha256 and its PSNR against the baseline's cold image; device, LiteRT version, cores in the head.
   env-probe BUNDLE --cache DIR --models A,B   in one LiteRT environment: each model loaded, run once and released, the
           first again in the live environment, then the environment destroyed, and the first once more in a new one;
@@ -58,6 +60,11 @@ CONFIGS = {
     # during the steps (one model more resident than --pipelined, no worker processes)
     "te_cpu_ahead": ["--pipelined", "--on-cpu", "text_encoder", "--compile-ahead"],
     "compile_ahead": ["--pipelined", "--compile-ahead"],
+    # the accelerator's weight cache (litert-lm-api's one-build library): converted weights kept with the programs;
+    # not in DEFAULT_PLAN: PLAN=weight_cache,weight_cache_overlap_ahead3_te_cpu (after pipelined, for the baseline)
+    "weight_cache": ["--pipelined", "--weight-cache"],
+    "weight_cache_overlap_ahead3_te_cpu": ["--pipelined", "--overlap-loads", "--overlap-ahead", "3", "--on-cpu", "text_encoder",
+                                           "--weight-cache"],
 }
 # the steps in order of importance (a call cut by --budget-s loses the last): a configuration's cold + warm launches,
 # `app:MODE` (app_images.py, warm on --app-folder's folders), `probe` (env-probe), `repeat` (a last warm baseline)
@@ -144,6 +151,10 @@ def row_of(config: str, flags: list[str], when: str, layout: str, r: dict, image
             "cpu_variants": sorted({p.get("variant") for p in mem.get("phases") or [] if p.get("phase") == "cpu_variant"}),
             # XNNPACK's packed weights (runtime/xnnpack_cache.py): made at a cold launch, reused at a warm one, off without
             "xnnpack_cache": sorted({p.get("state") for p in mem.get("phases") or [] if p.get("phase") == "xnnpack_cache"}),
+            # --weight-cache: off | made | reused | made+reused, per model, and the LiteRT library the launch loaded
+            "weight_cache": (r.get("gpu_cache") or {}).get("weight_cache", "off"),
+            "weight_cache_by_model": (r.get("gpu_cache") or {}).get("weight_cache_by_model"),
+            "litert_library": (r.get("gpu_cache") or {}).get("library"),
             "image_sha256": _sha(image), "same_image_as_baseline": _sha(image) == _sha(baseline) if baseline else None,
             "psnr_vs_baseline_db": _finite(png_psnr(image, baseline)) if baseline else None,  # None: the same image
             "marks": [{k: v for k, v in p.items() if k in ("component", "phase", "t_s", "host_rss_mb", "gpu_mb", "variant", "state")}
@@ -274,7 +285,8 @@ def env_probe(bundle: str, cache: str, models: list[str]) -> dict:
 
 
 def summary_rows(rows: list[dict]) -> list[dict]:
-    keep = ("mode", "launch", "start_s", "total_s", *PEAKS, "same_image_as_baseline", "psnr_vs_baseline_db", "error")
+    keep = ("mode", "launch", "start_s", "total_s", *PEAKS, "weight_cache", "same_image_as_baseline", "psnr_vs_baseline_db",
+            "error")
     return [{k: r.get(k) for k in keep} for r in rows]
 
 
