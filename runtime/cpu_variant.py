@@ -8,7 +8,8 @@ folds at load. `fp16_variant` rewrites every int8 constant feeding a DEQUANTIZE 
 cpu` / `verify-bundle --accelerator cpu` of an int8 bundle run at fp16-file speed. The bundle
 is not touched: the variant is written to a temporary file at load. int8 filters read by a CONV_2D
 directly (export `int8.gpu_weights: direct`) become float32 filters (codes x scale), not the CPU's hybrid
-int8 kernel, which would quantize the activations and differ from the GPU.
+int8 kernel, which would quantize the activations and differ from the GPU. fp16 biases read through a DEQUANTIZE
+become float32 constants: XNNPACK leaves a conv with such a bias to TFLite's own kernels (`fp16_biases_to_float`).
 """
 from __future__ import annotations
 
@@ -80,17 +81,54 @@ def direct_int8_filters_to_float(model) -> int:
     return n
 
 
+BIAS_SLOTS = {"CONV_2D": 2, "DEPTHWISE_CONV_2D": 2, "FULLY_CONNECTED": 2}
+
+
+def fp16_biases_to_float(model) -> int:
+    """In a `TfliteModel`: every DEQUANTIZE of an FLOAT16 constant whose output is read only as the bias of a
+    CONV_2D / DEPTHWISE_CONV_2D / FULLY_CONNECTED becomes a float32 constant (the same values: fp16 -> fp32 is exact)
+    and the DEQUANTIZE is removed. XNNPACK (ai-edge-litert 2.3.0) takes no conv whose bias is such a DEQUANTIZE's
+    output: the SD-2.1-size text encoder's CPU variant ran all its 1x1 convs (the linear layers: ~all its FLOPs) on
+    TFLite's own kernels, between 29-33 XNNPACK partitions per chunk. Returns how many biases changed."""
+    from ai_edge_litert import schema_py_generated as schema
+
+    g = model.graph
+    consumers = model.consumers()
+    graph_outputs = {int(t) for t in g.outputs}
+    drop = set()
+    for k, op in enumerate(g.operators):
+        if model.op_name(op) != "DEQUANTIZE" or len(op.inputs) != 1 or len(op.outputs) != 1:
+            continue
+        i, o = int(op.inputs[0]), int(op.outputs[0])
+        if g.tensors[i].type != schema.TensorType.FLOAT16 or not model.is_constant(i) or o in graph_outputs:
+            continue
+        readers = [g.operators[r] for r in consumers.get(o, [])]
+        if not readers or not all(BIAS_SLOTS.get(model.op_name(r)) == list(r.inputs).index(o)
+                                  and list(r.inputs).count(o) == 1 for r in readers):
+            continue
+        t = g.tensors[o]
+        t.buffer = model._new_buffer(model.tensor_data(i).astype(np.float32))
+        t.type = schema.TensorType.FLOAT32
+        t.quantization = None
+        drop.add(k)
+    if drop:
+        g.operators = [op for k, op in enumerate(g.operators) if k not in drop]
+        model._producers = model._consumers = None
+    return len(drop)
+
+
 def fp16_variant(src, dst) -> int:
     """Write the fp16-storage variant of `src` to `dst`; returns the tensors converted."""
     from .tflite_file import TfliteModel
 
     m = TfliteModel(src)
-    n = dequantize_int8_to_fp16(m) + direct_int8_filters_to_float(m)
+    n = dequantize_int8_to_fp16(m) + direct_int8_filters_to_float(m) + fp16_biases_to_float(m)
     m.save(dst)
     return n
 
 
-VARIANT_VERSION = 1  # bump when fp16_variant writes another graph: the kept files of earlier versions are then not read
+VARIANT_VERSION = 2  # bump when fp16_variant writes another graph: the kept files of earlier versions are then not read
+# 2: fp16 biases behind DEQUANTIZE folded to float32 (fp16_biases_to_float): XNNPACK then takes the convs
 
 
 def kept_variant(src, sha256: str, folder) -> tuple[str, bool]:
