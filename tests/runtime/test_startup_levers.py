@@ -73,10 +73,11 @@ def test_the_cpu_variant_is_made_at_the_first_launch_and_read_at_the_next(runs):
     kept = [p.get("variant") for p in runs["te_cpu_again"][1]["memory"]["phases"] if p["phase"] == "cpu_variant"]
     assert made == ["made"] and kept == ["kept"], (made, kept)
     from pocketdiff.runtime.bundle import load_manifest
+    from pocketdiff.runtime.cpu_variant import VARIANT_VERSION
 
     sha = load_manifest(runs["bundle"])["components"]["text_encoder"]["sha256"]
     files = sorted(p.name for p in (runs["cache"] / "cpu").iterdir())
-    assert files == [f"{sha}.v1.tflite"], files  # named by the source's sha256; no private file left behind
+    assert files == [f"{sha}.v{VARIANT_VERSION}.tflite"], files  # named by the source's sha256; no private file left behind
     np.testing.assert_allclose(runs["te_cpu_again"][0], runs["te_cpu"][0], atol=1e-6)  # the same variant file and models
 
 
