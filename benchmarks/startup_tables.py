@@ -215,7 +215,8 @@ def app_advice() -> str:
             f" drew them in {span(text)} (`{APP_EARLIER}`, an earlier call on a faster H100 host), "
             f"`keep=(\"unet\", \"vae_decoder\"), on_cpu=(\"text_encoder\",)` in {span(cpu)} (`{STARTUP}`): "
             f"the CPU text encoder's run alone takes {min(te_runs):.2f}-{max(te_runs):.2f} s an image (it is reloaded for "
-            f"each; likely XNNPACK packing its weights again), about a whole image of the first mode. Two calls, two "
+            f"each; its linear layers ran outside XNNPACK: the CPU variant v2 fixes that, 3.2x on the 2-core CPU, not yet "
+            f"re-measured there), about a whole image of the first mode. Two calls, two "
             f"hosts, not side by side; within 4 GB we advise `keep=(\"unet\", \"text_encoder\")`.\n"
             f"Plain mode (every model kept) draws later images in {span(plain)}: the only mode measured under "
             f"{TARGET_LATER_S} s, over 4 GB.")
