@@ -46,6 +46,8 @@ import zlib
 from pathlib import Path
 from typing import Callable, Optional
 
+from pocketdiff.outputs import atomic_write_text, sha256_file
+
 INDEX = "index.json"
 LOCK = ".lock"
 PRIVATE = ".tmp-"
@@ -133,14 +135,6 @@ def unshareable_ops(path: str | Path) -> list[str]:
     return sorted(UNSHAREABLE_OPS[c] for c in codes if c in UNSHAREABLE_OPS)
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def library_identity(lib: Path, folder: Optional[Path], warn: Optional[Callable[[str], None]] = None) -> str:
     """A LiteRT library's identity for cache keys: its package's version, size and sha256. The sha256 (a 130 MB file)
     is remembered in FOLDER's library.json by path, size and mtime, and read back while those match."""
@@ -156,12 +150,10 @@ def library_identity(lib: Path, folder: Optional[Path], warn: Optional[Callable[
         except (OSError, ValueError, AttributeError):
             digest = None
     if not isinstance(digest, str):
-        digest = _sha256(lib)
+        digest = sha256_file(lib)
         if record is not None:
             try:
-                tmp = record.with_name(f".{LIBRARY_RECORD}.{os.getpid()}.tmp")
-                tmp.write_text(json.dumps({**mark, "sha256": digest}, indent=1))
-                os.replace(tmp, record)
+                atomic_write_text(record, json.dumps({**mark, "sha256": digest}, indent=1))
             except OSError as e:
                 (warn or (lambda m: None))(f"gpu cache {record}: not written ({e.strerror or e}); the library is hashed again next time")
     dist = next(iter(sorted(lib.parent.parent.glob("litert_lm_api-*.dist-info"))), None)  # beside the package, no scan

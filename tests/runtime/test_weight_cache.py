@@ -214,8 +214,8 @@ def test_library_identity_is_hashed_once_and_remembered(tmp_path, monkeypatch):
     (tmp_path / "site" / "litert_lm_api-0.18.1.dist-info").mkdir()
     lib.write_bytes(b"\x7fELF" + bytes(1000))
     hashed = []
-    real = gpu_cache._sha256
-    monkeypatch.setattr(gpu_cache, "_sha256", lambda p: hashed.append(p) or real(p))
+    real = gpu_cache.sha256_file
+    monkeypatch.setattr(gpu_cache, "sha256_file", lambda p: hashed.append(p) or real(p))
     first = gpu_cache.library_identity(lib, tmp_path)
     assert first == gpu_cache.library_identity(lib, tmp_path) and len(hashed) == 1
     assert first.startswith("litert-lm-api 0.18.1 liblitert-lm.so 1004 sha256:")
