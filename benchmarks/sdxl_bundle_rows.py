@@ -37,14 +37,13 @@ def stage_table(latency: dict) -> dict:
 
 
 def rows_of(runs: dict, manifest: dict, preset: str, resolution: int) -> list[dict]:
-    export = manifest.get("export", {})
     out = []
     for r in runs["rows"]:
         row = {k: r[k] for k in KEEP if k in r}
         if r.get("error"):
             row.update(error=r["error"], stderr_tail=r.get("stderr_tail"))
-        row.update(preset=preset, resolution=resolution, steps=export.get("steps"),
-                   unet_chunks=sum(1 for c in manifest.get("components", {}) if c.startswith("unet.")) or 1,
+        row.update(preset=preset, resolution=resolution, steps=(manifest.get("scheduler") or {}).get("steps"),
+                   unet_chunks=len((manifest.get("unet_chunks") or {}).get("components") or ["unet"]),
                    stages=stage_table(r.get("latency_s") or {}))
         at_once = r.get("host_plus_gpu_peak_at_once_mb")
         limit_s = TARGETS["cold_s"] if r.get("launch") == "cold" else TARGETS["warm_s"]

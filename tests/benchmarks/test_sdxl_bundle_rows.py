@@ -4,9 +4,11 @@ encoders apart), the targets checked per launch, and a clear refusal of missing 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from script_module import load_script  # tests/script_module.py
 
+CHUNKED_MANIFEST = Path(__file__).resolve().parents[1] / "web" / "smoke_bundle_chunked" / "manifest.json"  # an exported bundle's
 rows_script = load_script("benchmarks/sdxl_bundle_rows.py", "sdxl_bundle_rows")
 
 LATENCY = {"tokenize": 0.001, "text_encoder_load": 1.5, "text_encoder_run": 0.02, "text_encoder_2_load": 6.0,
@@ -29,16 +31,14 @@ def test_rows_check_the_targets_per_launch(tmp_path):
         {"layout": "k", "mode": "pipelined", "launch": "warm", "total_s": 16.0, "host_plus_gpu_peak_at_once_mb": 3900.0,
          "latency_s": LATENCY},
         {"layout": "k", "mode": "overlap", "launch": "cold", "error": "timeout after 200 s"}]}
-    manifest = {"export": {"steps": 4}, "components": {f"unet.{i}": {} for i in range(5)} | {"text_encoder": {}}}
     (tmp_path / "runs.json").write_text(json.dumps(runs))
-    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
     out = tmp_path / "rows.json"
-    assert rows_script.main([str(tmp_path / "runs.json"), "--manifest", str(tmp_path / "manifest.json"), "--preset",
+    assert rows_script.main([str(tmp_path / "runs.json"), "--manifest", str(CHUNKED_MANIFEST), "--preset",
                              "koala_700m", "--resolution", "768", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [r["targets"] for r in rows[:2]] == [{"at_once_within_4gb": False, "image_within_30s": True},
                                                 {"at_once_within_4gb": True, "image_within_15s": False}]
-    assert rows[0]["unet_chunks"] == 5 and rows[0]["steps"] == 4 and rows[0]["resolution"] == 768
+    assert rows[0]["unet_chunks"] == 2 and rows[0]["steps"] == 4 and rows[0]["resolution"] == 768  # read from a real export's manifest
     assert rows[2]["error"] == "timeout after 200 s"
 
 
