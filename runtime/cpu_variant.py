@@ -111,9 +111,7 @@ def fp16_biases_to_float(model) -> int:
         t.type = schema.TensorType.FLOAT32
         t.quantization = None
         drop.add(k)
-    if drop:
-        g.operators = [op for k, op in enumerate(g.operators) if k not in drop]
-        model._producers = model._consumers = None
+    model.remove_operators(drop)
     return len(drop)
 
 

@@ -256,6 +256,13 @@ class TfliteModel:
         self.model.buffers.append(b)
         return len(self.model.buffers) - 1
 
+    def remove_operators(self, indices) -> None:
+        """Drop the graph's operators at `indices` (their outputs now read as constants or not at all); the producer /
+        consumer maps are rebuilt on next use."""
+        drop = set(indices)
+        self.graph.operators = [op for k, op in enumerate(self.graph.operators) if k not in drop]
+        self._producers = self._consumers = None
+
     # ---------------------------------------------------------------- writing
     def save(self, path: Union[str, Path], external: Optional[bool] = None) -> Path:
         """Pack and write atomically. `external`: keep weights after the flatbuffer (offset/size)."""
