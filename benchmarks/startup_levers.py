@@ -65,6 +65,12 @@ CONFIGS = {
     "weight_cache": ["--pipelined", "--weight-cache"],
     "weight_cache_overlap_ahead3_te_cpu": ["--pipelined", "--overlap-loads", "--overlap-ahead", "3", "--on-cpu", "text_encoder",
                                            "--weight-cache"],
+    # SDXL bundles (scripts/gpu/sdxl_bundle.sh PLAN=...): both text encoders on the CPU, the UNet's and the decoder's
+    # compiles alone on the GPU; with the weight cache; and with the next model compiled in a worker
+    "tes_cpu": ["--pipelined", "--on-cpu", "text_encoder,text_encoder_2"],
+    "tes_cpu_weight_cache": ["--pipelined", "--on-cpu", "text_encoder,text_encoder_2", "--weight-cache"],
+    "overlap_tes_cpu_weight_cache": ["--pipelined", "--overlap-loads", "--on-cpu", "text_encoder,text_encoder_2",
+                                     "--weight-cache"],
 }
 # the steps in order of importance (a call cut by --budget-s loses the last): a configuration's cold + warm launches,
 # `app:MODE` (app_images.py, warm on --app-folder's folders), `probe` (env-probe), `repeat` (a last warm baseline)
