@@ -253,11 +253,14 @@ def main(argv=None) -> int:
                     key = (unet, device, variant)
                     runs[key] = run_node(bundle, unet, device, args.timeout, keep / "_".join(key), variant)
                     print(json.dumps(row(*key[:2], runs[key], rb, variant)), flush=True)
-    write_result(args, runs, rb, page_s)
+                    write_result(args, runs, rb, page_s)  # after every row: a call cut at its budget keeps what ran
     return 0 if all((r["report"] or {}).get("ok") for r in runs.values()) else 1
 
 
 def write_result(args, runs: dict, rb: dict | None, page_s: float) -> None:
+    """The result file (args.out, and $OUT/<its name> where OUT is set), rewritten after every row."""
+    from pocketdiff.outputs import atomic_write_text
+
     man = json.loads((Path(args.bundle) / "manifest.json").read_text())
     rows = [row(u, d, r, rb, v) for (u, d, v), r in runs.items()]
     out = {
@@ -279,9 +282,8 @@ def write_result(args, runs: dict, rb: dict | None, page_s: float) -> None:
         "runs": {"_".join(key): dict(r) for key, r in runs.items()},
     }
     for dest in [Path(args.out)] + ([Path(os.environ["OUT"]) / Path(args.out).name] if os.environ.get("OUT") else []):
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        dest.write_text(json.dumps(out, indent=1))
-        print(f"wrote {dest}")
+        atomic_write_text(dest, json.dumps(out, indent=1))  # a call stopped mid-write keeps the previous rows
+        print(f"wrote {dest} ({len(rows)} of {len(args.unets) * len(args.devices) * len(args.variants)} rows)")
 
 
 if __name__ == "__main__":

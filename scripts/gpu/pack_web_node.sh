@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Here (before a GPU-machine call of scripts/gpu/web_node.sh): node and the npm packages web/node_runner.mjs needs,
-# packed small enough to carry beside the bundle: .webnode/node.xz (this machine's node binary, linux-x64) and
+# packed small enough to carry beside the bundle: .webnode/node.xz (this machine's node binary, linux-x64, stripped) and
 # .webnode/node_modules.tar.xz (web/node_modules with only LiteRT.js's plain and compat wasm, which it picks without
-# the threads / jspi options, and Dawn's linux-x64 build of npm webgpu). Carry .webnode (about 32 MiB).
+# the threads / jspi options, and Dawn's linux-x64 build of npm webgpu). Carry .webnode (about 30 MiB).
 # LAYOUT=NAME (e.g. base, the layer-cut SD-2.1 student): also .devbundle-web/, that one layout of .devbundle/ (benchmarks/
 # sd21_bundle.py pack) with an index of it alone and the _shared files it names, so the carry stays under 64 MiB
 # however many layouts .devbundle/ holds (base: about 19.5 MiB; with .whl/ and .gl/ about 63 MiB in all).
@@ -11,7 +11,13 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT"
 [ -f web/node_modules/webgpu/package.json ] || { echo "pack_web_node: web/node_modules is incomplete: bash scripts/setup.sh" >&2; exit 2; }
 rm -rf .webnode && mkdir -p .webnode
-xz -T0 -6 -c "$(readlink -f "$(command -v node)")" > .webnode/node.xz
+# node without its symbol table and debug info (Debian's ships both: ~99 MB, 24 MB packed; stripped 22 MB): addons such
+# as Dawn's resolve N-API through the dynamic symbols, which strip keeps
+NODE_BIN="$(readlink -f "$(command -v node)")"
+if command -v strip > /dev/null; then
+  STRIPPED=$(mktemp) && trap 'rm -f "$STRIPPED"' EXIT && strip -o "$STRIPPED" "$NODE_BIN" && NODE_BIN=$STRIPPED
+fi
+xz -T0 -6 -c "$NODE_BIN" > .webnode/node.xz
 tar -C web -cJf .webnode/node_modules.tar.xz \
   --exclude='node_modules/@litertjs/core/wasm/litert_wasm_jspi_internal.*' \
   --exclude='node_modules/@litertjs/core/wasm/litert_wasm_threaded_internal.*' \
