@@ -103,7 +103,7 @@ def weights_sha256(folder: Path) -> dict:
 
 def load_models(args, device: torch.device) -> dict:
     """name -> pipeline (fp32, eval, on `device`): the teacher, the student and its W8 calibration."""
-    from pocketdiff.compress.quant.calibrate import UNET_FILE, load_quantized_pipeline
+    from pocketdiff.compress.quant.calibrate_outputs import UNET_FILE, load_quantized_pipeline
     from pocketdiff.models import load_pipeline
 
     folders = {"teacher": _folder(args.teacher, "--teacher"), "student": _folder(args.student, "--student"),

@@ -12,13 +12,13 @@
 5. held-out comparison (UNet cosine, per-block MSE, sample grid); named parity thresholds
 6. outputs: `unet_int8.safetensors` + `.json` recipe, `rtn/unet_int8.*`, stock diffusers
    folders `pipeline/` (and `rtn/pipeline/`) whose weights are codes * scales, report + page
+   (the files and their writing: `calibrate_outputs`)
 
-`load_quantized_pipeline(DIR)` rebuilds the float pipeline from the int8 codes and scales.
+`calibrate_outputs.load_quantized_pipeline(DIR)` rebuilds the float pipeline from the int8 codes and scales.
 """
 from __future__ import annotations
 
 import copy
-import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -27,30 +27,22 @@ from typing import Optional
 import torch
 
 from pocketdiff.errors import ParityError, PocketdiffError
-from pocketdiff.models import load_or_build, load_pipeline, perturb_norm_affines, save_pipeline
-from pocketdiff.outputs import commit_folder, write_json
+from pocketdiff.models import load_or_build, perturb_norm_affines
+from pocketdiff.outputs import write_json
 from pocketdiff.conditioning import encode_conditioning, encode_unconditional, text_encoders
 from pocketdiff.device import cap_cuda_memory, resolve_device
 from pocketdiff.runtime.memory import tune_allocator
 
 from .blocks import build_blocks
 from .calib_data import collect_unet_inputs, subsample
-from .int8_format import LayerRecipe, QuantRecipe, dequantized_state_dict, load_quantized, save_quantized
+from .int8_format import dequantized_state_dict
 from .metrics import compare_unets
 from .quantizer import LayerSpec, dequant, layer_specs, quantizable_layers, quantized_state_dict, rtn, search_scale
 from .calibrate_config import DEFAULT_MIN_COSINE, CalibDataConfig, Config  # Config: the verb's config, found here by the CLI
+from .calibrate_outputs import (TEXT_ENCODERS, VAE_DECODER_FILE, int8_file, make_recipe, save_checkpoints,
+                                save_pipelines, set_state)
 from .host_memory import host_report, mark_peak, plan_for_run
 from .reconstruct import reconstruct_unet, write_weights
-
-UNET_FILE = "unet_int8.safetensors"
-TEXT_ENCODER_FILE = "text_encoder_int8.safetensors"
-VAE_DECODER_FILE = "vae_decoder_int8.safetensors"
-TEXT_ENCODERS = ("text_encoder", "text_encoder_2")  # quantized by RTN at searched scales when listed
-
-
-def int8_file(component: str) -> str:
-    """A quantized component's checkpoint file name (text_encoder_int8.safetensors, ...)."""
-    return f"{component}_int8.safetensors"
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -87,18 +79,6 @@ def _worker_devices(cfg: Config, device: torch.device) -> list[str]:
     return []
 
 
-def versions() -> dict[str, str]:
-    import importlib.metadata as md
-
-    out = {}
-    for pkg in ("pocketdiff", "torch", "diffusers", "transformers", "safetensors"):
-        try:
-            out[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            pass
-    return out
-
-
 def _prompts(cfg: CalibDataConfig) -> tuple[list[str], list[str]]:
     need = cfg.num_prompts + cfg.holdout_prompts
     if cfg.prompts:
@@ -126,11 +106,6 @@ def _collect(pipe, prompts, cfg: CalibDataConfig, seed: int, device):
     return collect_unet_inputs(pipe.unet, pipe.scheduler, cond, uncond, steps=cfg.steps, guidance_scale=cfg.guidance_scale,
                                latent_shape=shape, seed=seed, per_trajectory=cfg.timesteps_per_trajectory,
                                batch_size=cfg.batch_size, class_label=cfg.class_label)
-
-
-def _recipe(component: str, specs: dict[str, LayerSpec], methods: dict[str, str], seed: int, extra: dict) -> QuantRecipe:
-    layers = {g: LayerRecipe(bits=s.bits, group_size=s.group_size, method=methods[g]) for g, s in specs.items()}
-    return QuantRecipe(component=component, layers=layers, seed=seed, versions=versions(), extra=extra)
 
 
 def _component_layers(module: torch.nn.Module, prefix_filter=None) -> dict[str, torch.nn.Module]:
@@ -236,10 +211,10 @@ def run(cfg: Config, out: Path, resume: Optional[str] = None) -> dict:
 
     # 6. outputs
     t = time.time()
-    pipe.to("cpu")  # the UNet's own float tensors are the float state (`_set_state` assigns new ones): no copy
+    pipe.to("cpu")  # the UNet's own float tensors are the float state (`set_state` assigns new ones): no copy
     float_state = {k: v.detach() for k, v in pipe.unet.state_dict().items()}
-    saved = _save_checkpoints(cfg, out, report, results, float_state, recon_layers, rtn_layers, specs, extras)
-    report.update(_save_pipelines(cfg, out, pipe, report["source"], saved, extras))
+    saved = save_checkpoints(cfg, out, report, results, float_state, recon_layers, rtn_layers, specs, extras)
+    report.update(save_pipelines(cfg, out, pipe, report["source"], saved, extras))
     timings["save_s"] = round(time.time() - t, 3)
     mark_peak(marks, "save")
 
@@ -371,96 +346,6 @@ def _report(cfg: Config, results, cmp: dict, specs: dict, calib, holdout, calib_
     }
 
 
-@dataclasses.dataclass
-class _Saved:
-    """Step 6's checkpoints: the reconstructed and RTN states (codes + scales) with their recipes."""
-
-    recon_state: dict
-    recon_recipe: QuantRecipe
-    rtn_state: dict
-    rtn_recipe: QuantRecipe
-    ckpt: Path
-    rtn_ckpt: Path
-
-
-def _save_checkpoints(cfg: Config, out: Path, report: dict, results, float_state: dict, recon_layers: dict, rtn_layers: dict,
-                      specs: dict, extras: dict) -> _Saved:
-    """Step 6a: unet_int8.safetensors + recipe, rtn/unet_int8.*, and the optional components' checkpoints."""
-    extra = {"source_pipeline": report["source"], "mode": cfg.recon.mode, "method": cfg.recon.method,
-             "recon": dataclasses.asdict(cfg.recon), "calibration": report["calibration"],
-             "blocks": [{"name": r.name, "kind": r.kind, "chosen": r.stats.get("chosen")} for r in results]}
-    recon_state = quantized_state_dict(float_state, {g: (lr.codes, lr.scale) for g, lr in recon_layers.items()})
-    recon_recipe = _recipe("unet", specs, {g: lr.method for g, lr in recon_layers.items()}, cfg.seed, extra)
-    ckpt, _ = save_quantized(recon_state, recon_recipe, out / UNET_FILE)
-    rtn_state = quantized_state_dict(float_state, rtn_layers)
-    rtn_recipe = _recipe("unet", specs, {g: "rtn" for g in specs}, cfg.seed, {**extra, "method": "rtn"})
-    (out / "rtn").mkdir(exist_ok=True)
-    rtn_ckpt, _ = save_quantized(rtn_state, rtn_recipe, out / "rtn" / UNET_FILE)
-    for comp in extras.get("save", []):
-        save_quantized(comp["state"], comp["recipe"], out / comp["file"])
-        save_quantized(comp["rtn_state"], comp["rtn_recipe"], out / "rtn" / comp["file"])
-    return _Saved(recon_state, recon_recipe, rtn_state, rtn_recipe, ckpt, rtn_ckpt)
-
-
-def _save_pipelines(cfg: Config, out: Path, pipe, source: str, saved: _Saved, extras: dict) -> dict:
-    """Step 6b: pipeline/ (and rtn/pipeline/) with the dequantized weights; returns the report's paths."""
-    pipe.to("cpu")
-    _set_state(pipe.unet, dequantized_state_dict(saved.recon_state, saved.recon_recipe))
-    for comp in extras.get("save", []):
-        _set_component(pipe, comp["component"], dequantized_state_dict(comp["state"], comp["recipe"]))
-    src_folder = Path(cfg.model.pretrained).expanduser() if cfg.model.pretrained and Path(cfg.model.pretrained).expanduser().is_dir() else None
-    qmeta = {"pocketdiff_calibrate": 1, "variant": "recon", "bits": cfg.quant.bits, "group_size": cfg.quant.group_size,
-             "checkpoint": f"../{UNET_FILE}", "source_pipeline": source,
-             "note": "weights are the dequantized int8/int4 codes x scales of the checkpoint; load it with "
-                     "pocketdiff.compress.quant.calibrate.load_quantized_pipeline to rebuild them from the codes"}
-    pipeline_dir = _save_pipeline_folder(pipe, out / "pipeline", src_folder, qmeta)
-    report_paths = {"checkpoint": str(saved.ckpt), "recipe": str(saved.ckpt.with_suffix(".json")),
-                    "rtn_checkpoint": str(saved.rtn_ckpt), "pipeline_dir": str(pipeline_dir)}
-    if cfg.output.rtn_pipeline:
-        _set_state(pipe.unet, dequantized_state_dict(saved.rtn_state, saved.rtn_recipe))
-        for comp in extras.get("save", []):
-            _set_component(pipe, comp["component"], dequantized_state_dict(comp["rtn_state"], comp["rtn_recipe"]))
-        report_paths["rtn_pipeline_dir"] = str(_save_pipeline_folder(pipe, out / "rtn" / "pipeline", src_folder,
-                                                                     {**qmeta, "variant": "rtn"}))
-    return report_paths
-
-
-QUANT_META = "quantization.json"
-
-
-def _save_pipeline_folder(pipe, folder: Path, source: Optional[Path], meta: dict) -> Path:
-    """A stock diffusers folder (written under a temporary name, then renamed), plus the
-    source folder's extra top-level files (e.g. a distilled student's distill.json, so that
-    evaluate samples it at its step count) and `quantization.json`."""
-    import shutil
-
-    tmp = folder.parent / f".{folder.name}.tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    save_pipeline(pipe, tmp)
-    if source is not None:
-        for f in source.iterdir():
-            if f.is_file() and not (tmp / f.name).exists() and f.name != "model_index.json":
-                shutil.copy2(f, tmp / f.name)
-    write_json(tmp / QUANT_META, meta)
-    return commit_folder(tmp, folder)
-
-
-def _set_state(module: torch.nn.Module, state: dict) -> None:
-    """`state` as `module`'s tensors (float32, on its device), assigned: tensors a caller holds from the
-    old state keep their values."""
-    dev = next(module.parameters()).device
-    module.load_state_dict({k: v.to(dev, torch.float32) if v.is_floating_point() else v.to(dev) for k, v in state.items()},
-                           strict=True, assign=True)
-
-
-def _set_component(pipe, component: str, state: dict) -> None:
-    if component in TEXT_ENCODERS:
-        _set_state(getattr(pipe, component), state)
-    elif component == "vae_decoder":
-        pipe.vae.load_state_dict(state, strict=False)
-
-
 def _parity(cfg: Config, min_bits: int, unet_cos: float, rtn_cos: float, extras: dict) -> dict:
     checks = {}
     thr = cfg.parity.min_unet_cosine if cfg.parity.min_unet_cosine is not None else DEFAULT_MIN_COSINE[min_bits]
@@ -502,8 +387,8 @@ def _text_encoder_int8(cfg: Config, pipe, name: str, holdout_prompts, device, re
     result["report"][f"{name}_cosine"] = cos
     state, src = te.state_dict(), {"source_pipeline": cfg.model.pretrained or f"built:{cfg.model.arch}"}
     return {"component": name, "file": int8_file(name), "state": quantized_state_dict(state, searched),
-            "recipe": _recipe(name, specs, {n: "rtn_mse" for n in names}, cfg.seed, src),
-            "rtn_state": quantized_state_dict(state, rtn_res), "rtn_recipe": _recipe(name, specs, {n: "rtn" for n in names}, cfg.seed, src)}
+            "recipe": make_recipe(name, specs, {n: "rtn_mse" for n in names}, cfg.seed, src),
+            "rtn_state": quantized_state_dict(state, rtn_res), "rtn_recipe": make_recipe(name, specs, {n: "rtn" for n in names}, cfg.seed, src)}
 
 
 @torch.no_grad()
@@ -531,9 +416,9 @@ def _optional_components(cfg: Config, pipe, holdout_prompts, calib, device) -> d
         result["save"].append({
             "component": "vae_decoder", "file": VAE_DECODER_FILE,
             "state": quantized_state_dict(state, searched),
-            "recipe": _recipe("vae_decoder", specs, {n: "rtn_mse" for n in names}, seed, src),
+            "recipe": make_recipe("vae_decoder", specs, {n: "rtn_mse" for n in names}, seed, src),
             "rtn_state": quantized_state_dict(state, rtn_res),
-            "rtn_recipe": _recipe("vae_decoder", specs, {n: "rtn" for n in names}, seed, src),
+            "rtn_recipe": make_recipe("vae_decoder", specs, {n: "rtn" for n in names}, seed, src),
         })
     return result
 
@@ -552,7 +437,7 @@ def _samples(cfg: Config, pipe, float_state, recon_state, recon_recipe, rtn_stat
     images = {}
     for name, state in (("float", float_state), ("rtn", dequantized_state_dict(rtn_state, rtn_recipe)),
                         ("recon", dequantized_state_dict(recon_state, recon_recipe))):
-        _set_state(pipe.unet, state)
+        set_state(pipe.unet, state)
         images[name] = generate(pipe, prompts, steps=steps, guidance_scale=cfg.calib.guidance_scale, seed=cfg.calib.seed + 200_000)
     pipe.to("cpu")
     grid = torch.cat([images["float"], images["rtn"], images["recon"]])
@@ -600,36 +485,3 @@ def _page(out: Path, report: dict, samples: Optional[dict]) -> None:
         sections.append((f"Samples: float / RTN / reconstruction (rows), DDIM {samples['steps']} steps; PSNR vs float: "
                          f"RTN {samples['psnr_rtn']:.2f} dB, recon {samples['psnr_recon']:.2f} dB", img(samples["grid"])))
     write_page(out / "index.html", "pocketdiff calibrate", sections, report)
-
-
-# ----------------------------------------------------------------------------- loading
-
-
-def load_quantized_pipeline(folder, variant: str = "recon", device=None, torch_dtype=None):
-    """The stock `StableDiffusionPipeline` of a calibrate output folder with its UNet (and
-    quantized text encoder / VAE decoder, when present) rebuilt from codes * scales.
-
-    `variant` is "recon" (the reconstruction) or "rtn" (the baseline). The other components
-    come from `DIR/pipeline` (or, without it, the recipe's source pipeline folder)."""
-    if variant not in ("recon", "rtn"):
-        raise PocketdiffError(f"variant must be 'recon' or 'rtn', got {variant!r}")
-    folder = Path(folder)
-    qdir = folder if variant == "recon" else folder / "rtn"
-    state, recipe = load_quantized(qdir / UNET_FILE)
-    base = folder / "pipeline"
-    if not base.is_dir():
-        src = recipe.extra.get("source_pipeline", "")
-        if not src or src.startswith("built:"):
-            raise PocketdiffError(f"{folder}: no pipeline/ folder and no source pipeline in the recipe to rebuild from")
-        base = Path(src)
-    pipe = load_pipeline(str(base))
-    _set_state(pipe.unet, dequantized_state_dict(state, recipe))
-    for file, comp in ((int8_file(c), c) for c in (*TEXT_ENCODERS, "vae_decoder")):
-        if (qdir / file).is_file():
-            s, r = load_quantized(qdir / file)
-            _set_component(pipe, comp, dequantized_state_dict(s, r))
-    if torch_dtype is not None:
-        pipe.to(dtype=torch_dtype)
-    if device is not None:
-        pipe.to(device)
-    return pipe

@@ -9,7 +9,7 @@ made whole again here (sdxl_openmoji.sh: the W8 students travel to the 2-core bo
 (unet_int8.safetensors: codes, scales and the UNet's other tensors) holds is written as zeros (they are codes x
 scales, rebuilt by `restore`; zeros pack to almost nothing), and the other float tensors of pipeline/ (text encoders,
 VAE, the UNet's tensors the checkpoint lacks) in float16. The checkpoint itself is kept as calibrated.
-`restore`: pipeline/unet's weights rebuilt from the checkpoint (compress.quant.calibrate.load_quantized_pipeline),
+`restore`: pipeline/unet's weights rebuilt from the checkpoint (compress.quant.load_quantized_pipeline),
 saved in float32; the float16 components load as float32 (pocketdiff.models.load_pipeline).
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ SKIP = ("rtn", "*.png", "index.html", "checkpoints")
 
 
 def _checkpoint_keys(folder: Path) -> set[str]:
-    from pocketdiff.compress.quant.calibrate import UNET_FILE
+    from pocketdiff.compress.quant.calibrate_outputs import UNET_FILE
     from pocketdiff.compress.quant.int8_format import dequantized_state_dict, load_quantized
 
     state, recipe = load_quantized(folder / UNET_FILE)
@@ -71,7 +71,7 @@ def link(root: Path) -> int:
 
 
 def restore(folder: Path) -> Path:
-    from pocketdiff.compress.quant.calibrate import load_quantized_pipeline
+    from pocketdiff.compress.quant.calibrate_outputs import load_quantized_pipeline
 
     pipe = load_quantized_pipeline(folder)
     pipe.unet.to(dtype=__import__("torch").float32).save_pretrained(folder / "pipeline" / "unet")

@@ -26,7 +26,7 @@ def w8(lcm_student, tmp_path_factory):
     load_quantized_pipeline reads): the codes and recipe beside a pipeline/ folder."""
     from diffusers import UNet2DConditionModel
 
-    from pocketdiff.compress.quant.calibrate import UNET_FILE
+    from pocketdiff.compress.quant.calibrate_outputs import UNET_FILE
     from pocketdiff.compress.quant.int8_format import save_quantized
     from pocketdiff.export.int8 import rtn_checkpoint
 

@@ -84,7 +84,7 @@ def test_consistency_distillation_of_a_unet_without_mid_block(slim_dir, tmp_path
 
 
 def test_calibrate_a_unet_without_mid_block(slim_dir, tmp_path):
-    from pocketdiff.compress.quant.calibrate import load_quantized_pipeline
+    from pocketdiff.compress.quant.calibrate_outputs import load_quantized_pipeline
 
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"device: cpu\nmodel: {{pretrained: {slim_dir}}}\n"

@@ -8,7 +8,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pocketdiff.cli import VERBS, main
-from pocketdiff.compress.quant.calibrate import Config, load_quantized_pipeline, run
+from pocketdiff.compress.quant.calibrate import Config, run
+from pocketdiff.compress.quant.calibrate_outputs import load_quantized_pipeline
 from pocketdiff.compress.quant.int8_format import dequantized_state_dict, load_quantized, qmax
 from pocketdiff.config import load_config
 from pocketdiff.errors import ConfigError, ParityError, PocketdiffError

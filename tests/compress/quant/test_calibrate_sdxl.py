@@ -22,7 +22,7 @@ def calibrated(tmp_path_factory):
 def test_w8_output_loads_in_stock_sdxl_pipeline(calibrated):
     from diffusers import StableDiffusionXLPipeline
 
-    from pocketdiff.compress.quant.calibrate import load_quantized_pipeline
+    from pocketdiff.compress.quant.calibrate_outputs import load_quantized_pipeline
 
     out, report = calibrated
     assert report["parity"]["passed"], report["parity"]
@@ -47,7 +47,7 @@ def test_w8_output_loads_in_stock_sdxl_pipeline(calibrated):
 def test_both_text_encoders_are_quantized(calibrated):
     """text_encoder_2 is RTN-quantized at searched scales like the first: its checkpoint, its cosine (of the prompts'
     conditioning, pooled embedding included) against its bar, and load_quantized_pipeline applies its codes x scales."""
-    from pocketdiff.compress.quant.calibrate import load_quantized_pipeline
+    from pocketdiff.compress.quant.calibrate_outputs import load_quantized_pipeline
     from pocketdiff.compress.quant.int8_format import dequantized_state_dict, load_quantized
 
     out, report = calibrated
