@@ -68,6 +68,7 @@ CONFIGS = {
     # SDXL bundles (scripts/gpu/sdxl_bundle.sh PLAN=...): both text encoders on the CPU, the UNet's and the decoder's
     # compiles alone on the GPU; with the weight cache; and with the next model compiled in a worker
     "tes_cpu": ["--pipelined", "--on-cpu", "text_encoder,text_encoder_2"],
+    "overlap_tes_cpu": ["--pipelined", "--overlap-loads", "--on-cpu", "text_encoder,text_encoder_2"],
     "tes_cpu_weight_cache": ["--pipelined", "--on-cpu", "text_encoder,text_encoder_2", "--weight-cache"],
     "overlap_tes_cpu_weight_cache": ["--pipelined", "--overlap-loads", "--on-cpu", "text_encoder,text_encoder_2",
                                      "--weight-cache"],

@@ -266,14 +266,16 @@ def _rows_for(model: str, build: str, site: str, version: str, set_name: str, re
 
 
 def run(models: list[str], builds: list[tuple[str, str, str]], sets: list[str], gdb: bool, timeout: float,
-        work: Path) -> dict:
-    """`builds`: (name, site folder, version text) each."""
+        work: Path, reference: str = "cpu") -> dict:
+    """`builds`: (name, site folder, version text) each. `reference`: "cpu" (the installed ai-edge-litert on XNNPACK) or
+    "gpu" (the installed ai-edge-litert's GPU accelerator, no option set: for graphs XNNPACK refuses, e.g. int8-direct
+    UNet chunks; the rows' rel_err_vs_cpu is then against that GPU run)."""
     rows, refs = [], {}
-    for model in models:  # the reference: the installed ai-edge-litert on the CPU (XNNPACK)
+    for model in models:
         refs[model] = str(work / f"ref_{Path(model).stem}.npz")
-        got = _launch(_probe_cmd(model, {}, None, cpu=True, save=refs[model]), "", timeout)
+        got = _launch(_probe_cmd(model, {}, None, cpu=reference == "cpu", save=refs[model]), "", timeout)
         if got.get("rc") != 0:
-            raise SystemExit(f"{model}: the CPU reference failed: {got.get('stderr_tail', got)}")
+            raise SystemExit(f"{model}: the {reference} reference failed: {got.get('stderr_tail', got)}")
     for name, site, version in builds:
         print(f"== {name}: {version}", flush=True)
         for model in models:
@@ -281,7 +283,7 @@ def run(models: list[str], builds: list[tuple[str, str, str]], sets: list[str], 
                 rows += _rows_for(model, name, site, version, set_name, refs[model], work, gdb, timeout)
     return {"what": "the LiteRT GPU accelerator's weight cache (constant tensor sharing) on tiny models, per option set "
                     "and LiteRT build, each launch a fresh process, outputs compared with the CPU's",
-            "models": [Path(m).name for m in models], "device": os.environ.get("DEVICE_NAME"),
+            "models": [Path(m).name for m in models], "device": os.environ.get("DEVICE_NAME"), "reference": reference,
             "parity_rel": PARITY_REL, "tried_elsewhere": TRIED_ELSEWHERE, "rows": rows}
 
 
@@ -304,6 +306,8 @@ def main(argv=None) -> int:
     rn.add_argument("--sets", default=",".join(SETS))
     rn.add_argument("--gdb", action="store_true", help="re-run a crashed launch under cuda-gdb (or gdb) for the backtrace")
     rn.add_argument("--timeout", type=float, default=120)
+    rn.add_argument("--reference", choices=("cpu", "gpu"), default="cpu",
+                    help="what the rows are compared with: the installed build on the CPU, or on the GPU (no options)")
     rn.add_argument("--out", required=True)
     pr = sub.add_parser("probe")
     pr.add_argument("model")
@@ -330,7 +334,8 @@ def main(argv=None) -> int:
         work = Path(tmp)
         builds = [(n, d, _version(d)) for n, d in _pairs(a.site, "--site", ap)]
         builds += [(n, *_lib_site(Path(f), work / f"lib_{i}")) for i, (n, f) in enumerate(_pairs(a.lib, "--lib", ap))]
-        result = run(a.models, builds or [("default", "", _version(""))], sets, a.gdb, a.timeout, work)
+        result = run(a.models, builds or [("default", "", _version(""))], sets, a.gdb, a.timeout, work,
+                     a.reference)
         # no machine's folders in the result: the checkout, the scratch folder and each build's folder by name
         subs = [(str(Path.cwd()) + os.sep, ""), (str(work), "<scratch>"), (sys.base_prefix, "<python>")]
         subs += [(str(Path(d).resolve()), f"<{n}>") for n, d in _pairs(a.site, "--site", ap) if d]
