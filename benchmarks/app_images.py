@@ -36,6 +36,9 @@ MODES = {"plain": (False, ()), "pipelined": (True, ()), "keep_unet": (True, ("un
          # (pipelined, keep, other BundleRunner options)
          "keep_unet_te_cpu": (True, ("unet",), {"on_cpu": ("text_encoder",)}),
          "keep_unet_decoder_te_cpu": (True, ("unet", "vae_decoder"), {"on_cpu": ("text_encoder",)}),
+         # the same in one LiteRT environment (one GPU device) for every model: no per-model device's own memory
+         "keep_unet_decoder_te_cpu_one_env": (True, ("unet", "vae_decoder"), {"on_cpu": ("text_encoder",),
+                                                                              "one_environment": True}),
          "plain_te_cpu": (False, (), {"on_cpu": ("text_encoder",)})}
 PEAKS = ("host_peak_mb", "gpu_peak_mb", "host_plus_gpu_peak_mb", "host_plus_gpu_peak_at_once_mb")
 
