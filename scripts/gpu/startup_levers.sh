@@ -15,7 +15,8 @@
 #   (a machine that already holds /tmp/sd21_bundles/tiny and /tmp/site, from an earlier script, needs only that call.)
 # PLAN (startup_levers.py --plan), IMAGES (default 6), BUDGET_S, LAUNCH_TIMEOUT (default 80 s, each process) override the defaults.
 # SMOKE=1: the smoke bundle on this machine's Vulkan (lavapipe on the 2-core box), nothing staged, a short plan.
-# Writes $OUT/startup_sd21.json (rewritten after every process: a cut call returns what ran), $OUT/startup_levers.log.
+# LAYOUT (default tiny) and PACK (default .devbundle/rr): which packed layout to unpack and measure.
+# Writes $OUT/startup_sd21_<layout>.json (rewritten after every process: a cut call returns what ran), $OUT/startup_levers.log.
 set -u
 REPO=$PWD
 OUT=${OUT:-/tmp/out}
@@ -35,10 +36,11 @@ source "$REPO/scripts/gpu/vulkan_env.sh"
 source "$REPO/scripts/gpu/env.sh" || exit 3  # cd /tmp/runs: the repo's pocketdiff/ would shadow the installed one
 PY=python3
 BUNDLES=/tmp/sd21_bundles
-[ -d "$BUNDLES/tiny" ] || { say "unpack"; $PY "$REPO"/benchmarks/sd21_bundle.py unpack "$REPO/.devbundle/rr" "$BUNDLES" || exit 5; }
+LAYOUT=${LAYOUT:-tiny}  # another packed layout: LAYOUT=full PACK=.devbundle/full (the 866 M phone bundle)
+[ -d "$BUNDLES/$LAYOUT" ] || { say "unpack"; $PY "$REPO"/benchmarks/sd21_bundle.py unpack "$REPO/${PACK:-.devbundle/rr}" "$BUNDLES" || exit 5; }
 if [ -n "${SETUP_ONLY:-}" ]; then say "set up: $(ls "$BUNDLES"), $(ls /tmp/site | wc -l) packages in /tmp/site"; exit 0; fi
 say "$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader); $(nproc) cores; set up in $SECONDS s"
-$PY "$REPO"/benchmarks/startup_levers.py run "$BUNDLES/tiny" --cache-root /tmp/startup_levers --out "$OUT/startup_sd21.json" \
+$PY "$REPO"/benchmarks/startup_levers.py run "$BUNDLES/$LAYOUT" --cache-root /tmp/startup_levers_$LAYOUT --out "$OUT/startup_sd21_$LAYOUT.json" \
   ${PLAN:+--plan "$PLAN"} --images "${IMAGES:-6}" --budget-s "$(( ${BUDGET_S:-380} - SECONDS ))" \
   --timeout "${LAUNCH_TIMEOUT:-80}" 2>&1 | grep -v '^INFO: \|^WARNING: All log messages'
 say "done"
