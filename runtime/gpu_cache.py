@@ -12,7 +12,9 @@ again. This module owns that folder for a runner:
   whose bytes changed or went missing ("corrupt"), or an unreadable index gets ONE warning line, its
   files are removed, and the component is compiled afresh (and cached again). A corrupt file is thus
   never handed to the accelerator.
-- a folder that cannot be created or written: one warning line, and the run goes on without a cache.
+- a folder that cannot be created or written: one warning line; when it holds an index (a read-only mount, a cache
+  shipped with an app), each component whose entry has its key and whole files is read from it, the others compile
+  without the cache, and nothing is written, removed or rebuilt there; without an index the run goes on without a cache.
 - launches sharing the folder at once: a component compiled afresh is written into the launch's own private
   subfolder (`.tmp-<pid>-<component>`), then moved into the folder together with its index entry under an
   exclusive lock on `.lock` (the index re-read and merged there, so no launch's entries are lost and no entry
@@ -25,8 +27,10 @@ With `weight_cache` (run-bundle --weight-cache) the accelerator also keeps the c
 recorded, checked and invalidated with the component's programs (one index entry, one key). The library is then
 litert-lm-api's single build (runtime/litert_c.py); its identity (package version, size, sha256: `library_identity`,
 hashed once and remembered in the folder's `library.json`) is part of every key, so a folder written by another
-build is rebuilt. LiteRT itself rewrites a truncated weight file (tried on lavapipe); the index's size + CRC-32
-catches it before the accelerator sees it anyway.
+build is rebuilt. That library aborts the process on some graphs on the sharing path: a model's first compile with
+sharing under a key is tried in a child process first (TRIAL_OPTION; runtime/sharing_trial.py), its verdict kept in the
+folder's sharing.json, and a model that aborted there loads without sharing. LiteRT itself rewrites a truncated weight
+file (tried on lavapipe); the index's size + CRC-32 catches it before the accelerator sees it anyway.
 
 Default folder: `$POCKETDIFF_CACHE` or `$XDG_CACHE_HOME/pocketdiff/gpu` (`~/.cache/...`), one subfolder
 per bundle (its name and a hash of its components' sha256), so two bundles never evict each other.
@@ -58,6 +62,9 @@ LIBRARY_RECORD = "library.json"
 # `sharing_weights_cached` set; LiteRT-LM's extra convert_weights_on_gpu / madvise_original_shared_tensors loaded as
 # well but slower on both of its models (cold 0.117 vs 0.100 s); --gpu-option adds them
 WEIGHT_CACHE_OPTIONS = {"enable_constant_tensors_sharing": True, "serialize_external_tensors": True}
+# a model's first compile with sharing under a key: tried in a child first (runtime/sharing_trial.py), verdicts kept here
+TRIAL_OPTION = "_weight_cache_trial"  # in a gpu_options dict: {"folder", "key", "name"}; popped by litert_c.CompiledModel
+VERDICTS = "sharing.json"
 
 
 def default_cache_root() -> Path:
@@ -135,6 +142,33 @@ def unshareable_ops(path: str | Path) -> list[str]:
     return sorted(UNSHAREABLE_OPS[c] for c in codes if c in UNSHAREABLE_OPS)
 
 
+def read_verdicts(folder: str | Path) -> dict:
+    """key -> {"name", "shared", "signal", "message"}: the trial compiles' verdicts in FOLDER's sharing.json ({} when
+    none or unreadable: each model is tried again, which is safe)."""
+    try:
+        data = json.loads((Path(folder) / VERDICTS).read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: v for k, v in data.items() if isinstance(v, dict)} if isinstance(data, dict) else {}
+
+
+def write_verdict(folder: str | Path, key: str, verdict: dict) -> None:
+    """VERDICT under KEY in FOLDER's sharing.json, merged with the file on disk under the folder's lock (launches at
+    once keep each other's verdicts); the same component's verdicts under other keys (another build, driver, bundle)
+    go. An OSError propagates."""
+    folder, name = Path(folder), verdict.get("name", "")
+    with folder_lock(folder):
+        record = {k: v for k, v in read_verdicts(folder).items() if v.get("name") != name or k == key}
+        record[key] = verdict
+        atomic_write_text(folder / VERDICTS, json.dumps(record, indent=1, sort_keys=True))
+
+
+def abort_warning(name: str, verdict: dict, folder: str | Path) -> str:
+    """The one line that tells of a model whose trial compile died (no `warning: ` prefix)."""
+    return (f"gpu weight cache: {name} aborted LiteRT in a trial compile with constant sharing ({verdict.get('signal')}: "
+            f"{verdict.get('message') or 'no message'}); recorded in {Path(folder) / VERDICTS}, loaded without the weight cache")
+
+
 def library_identity(lib: Path, folder: Optional[Path], warn: Optional[Callable[[str], None]] = None) -> str:
     """A LiteRT library's identity for cache keys: its package's version, size and sha256. The sha256 (a 130 MB file)
     is remembered in FOLDER's library.json by path, size and mtime, and read back while those match."""
@@ -161,16 +195,23 @@ def library_identity(lib: Path, folder: Optional[Path], warn: Optional[Callable[
     return f"litert-lm-api {version} {lib.name} {st.st_size} sha256:{digest[:16]}"
 
 
-def writable_folder(folder: Path, warn, what: str, without: str) -> bool:
-    """FOLDER made if missing and a file written in it; else one warning line (WHAT: not writable (why); WITHOUT)."""
+def write_error(folder: Path) -> Optional[str]:
+    """None when FOLDER exists (made if missing) and a file can be written in it; else why not."""
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=folder, prefix=".probe-"):
             pass
-        return True
+        return None
     except OSError as e:
-        warn(f"{what}: not writable ({e.strerror or e}); {without}")
-        return False
+        return str(e.strerror or e)
+
+
+def writable_folder(folder: Path, warn, what: str, without: str) -> bool:
+    """FOLDER made if missing and a file written in it; else one warning line (WHAT: not writable (why); WITHOUT)."""
+    why = write_error(folder)
+    if why is not None:
+        warn(f"{what}: not writable ({why}); {without}")
+    return why is None
 
 
 @contextlib.contextmanager
@@ -195,18 +236,37 @@ class GpuProgramCache:
         self.identity = identity + ("|weight_cache" if self.weight_cache else "")
         self.warn = warn or (lambda msg: print(f"warning: {msg}", file=sys.stderr))
         self.token = os.urandom(4).hex()  # two caches of one process (tests, workers) keep apart too
-        self.enabled = self._writable()
+        self.read_only = False  # a folder this launch cannot write, holding an index: its valid entries read, nothing written
+        self._why_not = write_error(self.folder)
+        self.enabled = self._why_not is None
         if self.enabled:
             self._remove_orphans()
-        self.index = self._read_index() if self.enabled else {}
+        self.index = self._read_index() if self.enabled else self._read_only_index()
         self.keys: dict[str, str] = {}
         self.hits: dict[str, bool] = {}
         self._warned_other = False
         self.unshared: dict[str, list[str]] = {}  # weight cache on: components kept off the sharing path, and why
         self.settled: set[str] = set()  # components whose files this process verified or recorded: not read again
+        # weight cache: each model's first compile with sharing, tried in a child first (runtime/sharing_trial.py)
+        self.sharing = read_verdicts(self.folder) if self.weight_cache and (self.enabled or self.read_only) else {}
+        self.trials: dict[str, str] = {}  # this launch's trial compiles: pending, then shared | aborted (SIG...) | undecided
 
-    def _writable(self) -> bool:
-        return writable_folder(self.folder, self.warn, f"gpu cache {self.folder}", "running without a program cache")
+    def _read_only_index(self) -> dict:
+        """A folder this launch cannot write: its index read when it has one (entries checked at each load; nothing
+        removed, written or rebuilt there: one warning line), else none (one warning line: no cache)."""
+        try:
+            data = json.loads((self.folder / INDEX).read_text())
+            usable = isinstance(data, dict) and bool(data) and all(isinstance(v, dict) for v in data.values())
+        except (OSError, ValueError):
+            usable = False
+        if not usable:
+            self.warn(f"gpu cache {self.folder}: not writable ({self._why_not}); running without a program cache")
+            return {}
+        self.read_only = True
+        self.warn(f"gpu cache {self.folder}: not writable ({self._why_not}); read-only: its valid cached programs"
+                  f"{' and weights' if self.weight_cache else ''} are read, nothing is written (a model without a valid "
+                  "entry compiles without the cache)")
+        return data
 
     def _locked(self):
         """An exclusive lock on the folder (another launch's move and index update wait for it)."""
@@ -256,6 +316,9 @@ class GpuProgramCache:
         if name not in self.unshared:
             path = entry.get("_path")
             self.unshared[name] = unshareable_ops(path) if path and Path(path).is_file() else []
+            seen = self.sharing.get(self.key(name, entry)) or {}
+            if not self.unshared[name] and seen.get("shared") is False:  # its trial compile aborted at an earlier launch
+                self.unshared[name] = [f"aborted ({seen.get('signal') or 'a signal'})"]
         return not self.unshared[name]
 
     def key(self, name: str, entry: dict) -> str:
@@ -263,9 +326,10 @@ class GpuProgramCache:
         return f"{name}-{h}"
 
     def options_for(self, name: str, entry: dict) -> dict:
-        """The accelerator options that read and write this component's programs (empty: no cache)."""
+        """The accelerator options that read and write this component's programs (empty: no cache). Weight cache on, a
+        model's first compile with sharing carries TRIAL_OPTION: litert_c compiles it in a child first."""
         if not self.enabled:
-            return {}
+            return self._read_only_options(name, entry) if self.read_only else {}
         key = self.key(name, entry)
         share = self.shares(name, entry)
         if name in self.settled and self.keys.get(name) == key:  # a streamed chunk's next load: checked already
@@ -296,7 +360,21 @@ class GpuProgramCache:
         private = self._private(name)  # compiled afresh: written apart, moved in by record()
         shutil.rmtree(private, ignore_errors=True)
         private.mkdir()
-        return self._options(key, private, share)
+        options = self._options(key, private, share)
+        if share and key not in self.sharing:  # never compiled with sharing under this key: a trial in a child first
+            options[TRIAL_OPTION] = {"folder": str(self.folder), "key": key, "name": name}
+            self.trials[name] = "pending"
+        return options
+
+    def _read_only_options(self, name: str, entry: dict) -> dict:
+        """A read-only folder: the component's cache options when its entry has this key and whole files (checked once
+        per launch), else none (it compiles without the cache: nothing is written, no trial)."""
+        key = self.key(name, entry)
+        if name not in self.hits or self.keys.get(name) != key:
+            old = self.index.get(name) or {}
+            self.keys[name] = key
+            self.hits[name] = old.get("key") == key and bool(old.get("files")) and not self._bad_files(old)
+        return self._options(key, share=self.shares(name, entry)) if self.hits[name] else {}
 
     def _bad_files(self, entry: dict) -> list[str]:
         return [f for f, mark in (entry.get("files") or {}).items()
@@ -321,6 +399,8 @@ class GpuProgramCache:
 
     def record(self, name: str) -> None:
         """After a load: the files the accelerator wrote for this component, with their size and CRC-32."""
+        if self.trials.get(name) == "pending":
+            self._trial_verdict(name)
         if not self.enabled or name not in self.keys or self.hits.get(name) or name in self.settled:
             return
         key, private = self.keys[name], self._private(name)
@@ -336,20 +416,42 @@ class GpuProgramCache:
             self.settled.add(name)
         shutil.rmtree(private, ignore_errors=True)
 
+    def _trial_verdict(self, name: str) -> None:
+        """After a load whose options carried a trial (run here or in a worker): its verdict, read from the folder."""
+        self.sharing = read_verdicts(self.folder)
+        seen = self.sharing.get(self.keys.get(name, ""))
+        if seen is None:  # the child failed with an error, not a signal: not recorded, tried again next launch
+            self.trials[name] = "undecided"
+        elif seen.get("shared"):
+            self.trials[name] = "shared"
+        else:
+            self.trials[name] = f"aborted ({seen.get('signal') or 'a signal'})"
+            self.unshared[name] = [self.trials[name]]
+            self.warn(abort_warning(name, seen, self.folder))
+
     def weight_files(self) -> dict[str, str]:
         """Per component: `reused` (its weight file read from the folder), `made` (written now), `none` (not written),
-        `skipped: OP` (an op the sharing path aborts on: programs cached only)."""
-        if not (self.enabled and self.weight_cache):
+        `skipped: OP` (an op the sharing path aborts on: programs cached only), `skipped: aborted (SIG...)` (its trial
+        compile died: programs cached only), `off` (a read-only folder without a valid entry for it: no cache)."""
+        if not ((self.enabled or self.read_only) and self.weight_cache):
             return {}
         files = {n: any(f.endswith(WEIGHT_SUFFIX) for f in (self.index.get(n) or {}).get("files") or {}) for n in self.hits}
-        return {n: f"skipped: {','.join(self.unshared[n])}" if self.unshared.get(n) else
-                ("reused" if self.hits[n] else "made") if files[n] else "none" for n in self.hits}
+
+        def state(n: str) -> str:
+            if self.read_only and not self.hits[n]:
+                return "off"
+            if self.unshared.get(n):
+                return f"skipped: {','.join(self.unshared[n])}"
+            return ("reused" if self.hits[n] else "made") if files[n] else "none"
+
+        return {n: state(n) for n in self.hits}
 
     def summary(self) -> dict:
-        """The folder, each component's program-cache hit, the weight cache (off, made, reused or made+reused, and
-        per component)."""
+        """The folder (read-only or not), each component's program-cache hit, the weight cache (off, made, reused or
+        made+reused, and per component), this launch's trial compiles."""
         by = self.weight_files()
         states = sorted({v for v in by.values() if v in ("made", "reused")})
-        state = "off" if not (self.enabled and self.weight_cache) else "+".join(states) if states else "none"
-        return {"folder": str(self.folder) if self.enabled else None, "hits": dict(self.hits), "weight_cache": state,
-                "weight_cache_by_model": by}
+        state = "off" if not ((self.enabled or self.read_only) and self.weight_cache) else "+".join(states) if states else "none"
+        return {"folder": str(self.folder) if self.enabled or self.read_only else None, "read_only": self.read_only,
+                "hits": dict(self.hits), "weight_cache": state, "weight_cache_by_model": by,
+                "trial_compiles": dict(self.trials)}

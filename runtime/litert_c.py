@@ -15,7 +15,9 @@ Only numpy and ctypes. The library is chosen per process: by default the ai-edge
 library dir); for the accelerator's weight cache (run-bundle --weight-cache) litert-lm-api's `litert_lm/liblitert-lm.so`,
 LiteRT's C API and the WebGPU accelerator linked into one build (`pip install 'pocketdiff[gpu-cache]'`; the wheels'
 separate accelerator crashes on the constant-tensor-sharing path the weight cache needs: benchmarks/weight_cache_repro.py).
-One library per process: asking for the other once one is loaded is refused (`LiteRtLibrary.shared`).
+One library per process: asking for the other once one is loaded is refused (`LiteRtLibrary.shared`). Options carrying
+gpu_cache.TRIAL_OPTION (the weight cache's first compile of a model) compile in a child process first, since that
+library aborts the process on some graphs (runtime/sharing_trial.py).
 """
 from __future__ import annotations
 
@@ -260,6 +262,14 @@ class CompiledModel:
         self._payload = None
         self.in_bufs: list = []
         self.out_bufs: list = []
+        from .gpu_cache import TRIAL_OPTION
+
+        gpu_options = dict(gpu_options or {})
+        trial = gpu_options.pop(TRIAL_OPTION, None)  # the weight cache's first compile of this model: a child's first
+        if trial and accelerator == "gpu":
+            from .sharing_trial import first_compile
+
+            gpu_options = first_compile(self.path, gpu_options, trial, self.lib)
         try:
             L.call("LiteRtCreateModelFromFile", env.handle, self.path.encode(), C.byref(self.model), what=self.path)
             if on_phase:

@@ -1,8 +1,9 @@
 """run-bundle --weight-cache (issue 66 item 2): the GPU accelerator's converted weights kept in the --gpu-cache folder,
 through litert-lm-api's one-build LiteRT library (runtime/litert_c.py, runtime/gpu_cache.py), on lavapipe with the
-smoke bundle. The issue's bad input, each a test: a read-only cache folder, a folder from another LiteRT build, a
-weight file truncated mid-write, two launches writing one folder at once; and the workers loading the parent's
-library. Every launch is a subprocess, so a native crash fails the test instead of killing pytest; every image is
+smoke bundle. The issue's bad input, each a test: a read-only cache folder (read when it holds a valid cache, nothing
+written or rebuilt), a folder from another LiteRT build, a weight file truncated mid-write, two launches writing one
+folder at once; and the workers loading the parent's library. (The trial compile that isolates the library's aborts:
+tests/runtime/test_weight_cache_trial.py.) Every launch is a subprocess, so a native crash fails the test instead of killing pytest; every image is
 compared with the launch without any cache (default library): PSNR >= PSNR_BAR dB.
 
 LiteRT's own answer to a truncated weight file, tried by hand on lavapipe (int8 FC model of
@@ -85,10 +86,12 @@ def test_cold_launch_makes_the_weight_cache_and_a_warm_one_reuses_it(made, tmp_p
     index = json.loads((folder / "index.json").read_text())
     assert all(any(f.endswith("_mldrift_weight_cache.bin") for f in index[n]["files"]) for n in ("unet", "vae_decoder"))
     assert (folder / "library.json").is_file()
+    assert gc["trial_compiles"] == {"unet": "shared", "vae_decoder": "shared"}  # each shared model's first compile: a child's first
     warm_folder = copy_of(made, tmp_path)
     proc = launch(tmp_path / "warm", "--gpu-cache", str(warm_folder), "--weight-cache")
     warm = ok(proc, tmp_path / "warm")
     assert warm["gpu_cache"]["weight_cache"] == "reused" and all(warm["gpu_cache"]["hits"].values())
+    assert warm["gpu_cache"]["trial_compiles"] == {}  # the verdicts are read: no child
     assert not warnings_of(proc.stderr), proc.stderr[-1500:]
     assert psnr(image(tmp_path / "warm"), ref) >= PSNR_BAR
 
@@ -100,21 +103,67 @@ def _can_mount_read_only(folder: Path) -> bool:
     return probe is not None and probe.returncode == 0
 
 
-@needs_library
-def test_a_read_only_cache_folder_runs_without_the_cache_and_one_warning(made, tmp_path):
-    """The folder on a read-only mount (a user and mount namespace: root too is refused writes there)."""
-    folder = copy_of(made, tmp_path)
+def read_only(folder: Path) -> tuple:
+    """A launch prefix that mounts FOLDER read-only for it (a user and mount namespace: root too is refused writes
+    there; chmod would not stop root); skips the test where that cannot be done."""
     if not _can_mount_read_only(folder):
         pytest.skip("no read-only bind mount here (unshare -rm refused): cannot make a folder read-only for root")
-    wrap = ("unshare", "-rm", "sh", "-c", f"mount --bind '{folder}' '{folder}' && mount -o remount,ro,bind '{folder}' "
+    return ("unshare", "-rm", "sh", "-c", f"mount --bind '{folder}' '{folder}' && mount -o remount,ro,bind '{folder}' "
             f"'{folder}' && exec \"$@\"", "sh")
-    before = sorted(p.name for p in folder.iterdir())
+
+
+def files_of(folder: Path) -> list:
+    return sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in folder.iterdir())
+
+
+@needs_library
+def test_a_read_only_folder_holding_a_valid_cache_is_read_with_one_warning(made, tmp_path):
+    """Programs and weights of an earlier launch (same library, bundle, driver) on a read-only mount: every model's
+    entry is read (weights reused), nothing is written."""
+    folder = copy_of(made, tmp_path)
+    wrap, before = read_only(folder), files_of(folder)
     proc = launch(tmp_path / "ro", "--gpu-cache", str(folder), "--weight-cache", wrap=wrap)
     report = ok(proc, tmp_path / "ro")
     lines = warnings_of(proc.stderr)
-    assert len(lines) == 1 and "not writable" in lines[0], proc.stderr[-1500:]
-    assert report["gpu_cache"]["weight_cache"] == "off"
-    assert sorted(p.name for p in folder.iterdir()) == before
+    assert len(lines) == 1 and "not writable" in lines[0] and "read-only" in lines[0], proc.stderr[-1500:]
+    gc = report["gpu_cache"]
+    assert gc["read_only"] is True and all(gc["hits"].values()) and gc["weight_cache"] == "reused"
+    assert gc["weight_cache_by_model"] == {"text_encoder": "skipped: EMBEDDING_LOOKUP", "unet": "reused", "vae_decoder": "reused"}
+    assert files_of(folder) == before
+    assert psnr(image(tmp_path / "ro"), made[0]) >= PSNR_BAR
+
+
+@needs_library
+def test_a_read_only_folder_rebuilds_nothing_it_cannot_write(made, tmp_path):
+    """The UNet's weight file cut short on a read-only mount: the UNet compiles without the cache (its files are not
+    handed to the accelerator, nor replaced), the other models' entries are read; one warning line in all."""
+    folder = copy_of(made, tmp_path)
+    victim = next(folder.glob("unet-*_mldrift_weight_cache.bin"))
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    wrap, before = read_only(folder), files_of(folder)
+    proc = launch(tmp_path / "ro", "--gpu-cache", str(folder), "--weight-cache", wrap=wrap)
+    report = ok(proc, tmp_path / "ro")
+    assert len(warnings_of(proc.stderr)) == 1, proc.stderr[-1500:]
+    gc = report["gpu_cache"]
+    assert gc["hits"] == {"text_encoder": True, "unet": False, "vae_decoder": True}
+    assert gc["weight_cache_by_model"] == {"text_encoder": "skipped: EMBEDDING_LOOKUP", "unet": "off", "vae_decoder": "reused"}
+    assert files_of(folder) == before
+    assert psnr(image(tmp_path / "ro"), made[0]) >= PSNR_BAR
+
+
+@needs_library
+def test_a_read_only_folder_without_an_index_runs_without_the_cache_and_one_warning(made, tmp_path):
+    """No index: nothing in the folder is trusted (its files are not read). The hash ledger (verified.json) is kept:
+    it is current, so nothing else has to be written there."""
+    folder = copy_of(made, tmp_path)
+    (folder / "index.json").unlink()
+    wrap, before = read_only(folder), files_of(folder)
+    proc = launch(tmp_path / "ro", "--gpu-cache", str(folder), "--weight-cache", wrap=wrap)
+    report = ok(proc, tmp_path / "ro")
+    lines = warnings_of(proc.stderr)
+    assert len(lines) == 1 and "not writable" in lines[0] and "running without a program cache" in lines[0], proc.stderr[-1500:]
+    assert report["gpu_cache"]["weight_cache"] == "off" and report["gpu_cache"]["folder"] is None
+    assert files_of(folder) == before
     assert psnr(image(tmp_path / "ro"), made[0]) >= PSNR_BAR
 
 
