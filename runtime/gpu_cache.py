@@ -29,7 +29,8 @@ litert-lm-api's single build (runtime/litert_c.py); its identity (package versio
 hashed once and remembered in the folder's `library.json`) is part of every key, so a folder written by another
 build is rebuilt. That library aborts the process on some graphs on the sharing path: a model's first compile with
 sharing under a key is tried in a child process first (TRIAL_OPTION; runtime/sharing_trial.py), its verdict kept in the
-folder's sharing.json, and a model that aborted there loads without sharing. LiteRT itself rewrites a truncated weight
+folder's sharing.json, and a model that aborted there, or whose output with sharing was off from its output without it
+(runtime/sharing_child.py; SHARING_MIN_COSINE, SHARING_MIN_PSNR_DB), loads without sharing. LiteRT itself rewrites a truncated weight
 file (tried on lavapipe); the index's size + CRC-32 catches it before the accelerator sees it anyway.
 
 Default folder: `$POCKETDIFF_CACHE` or `$XDG_CACHE_HOME/pocketdiff/gpu` (`~/.cache/...`), one subfolder
@@ -63,8 +64,15 @@ LIBRARY_RECORD = "library.json"
 # well but slower on both of its models (cold 0.117 vs 0.100 s); --gpu-option adds them
 WEIGHT_CACHE_OPTIONS = {"enable_constant_tensors_sharing": True, "serialize_external_tensors": True}
 # a model's first compile with sharing under a key: tried in a child first (runtime/sharing_trial.py), verdicts kept here
-TRIAL_OPTION = "_weight_cache_trial"  # in a gpu_options dict: {"folder", "key", "name"}; popped by litert_c.CompiledModel
+TRIAL_OPTION = "_weight_cache_trial"  # in a gpu_options dict: {"folder", "key", "name", "golden"}; popped by litert_c.CompiledModel
 VERDICTS = "sharing.json"
+# the trial's parity floors: a model's outputs with sharing (cold and warm) against its compile without sharing, same
+# GPU, options and inputs, in the child. On lavapipe (smoke bundle, litert-lm-api 0.18.1): the UNet bit-identical, the
+# decoder 61.9 dB / cosine 0.9999995 (fp16 weights converted apart); 40 dB leaves ~22 dB for other GPUs' rounding and
+# is the image bar the weight-cache tests hold (58.6 dB measured); NVIDIA's sharing path gave images 18.7 dB off
+SHARING_MIN_PSNR_DB = 40.0  # PSNR over the reference output's own range (runtime/parity.metrics)
+SHARING_MIN_COSINE = 0.9999
+TRIAL_VERSION = "parity-1"  # in weight-cache keys: verdicts and weights of a trial without the parity check are not read
 
 
 def default_cache_root() -> Path:
@@ -163,10 +171,27 @@ def write_verdict(folder: str | Path, key: str, verdict: dict) -> None:
         atomic_write_text(folder / VERDICTS, json.dumps(record, indent=1, sort_keys=True))
 
 
-def abort_warning(name: str, verdict: dict, folder: str | Path) -> str:
-    """The one line that tells of a model whose trial compile died (no `warning: ` prefix)."""
+def _figure(value, unit: str = "") -> str:
+    return "NaN/Inf" if value in (None, "nan") else f"{value}{unit}"
+
+
+def verdict_label(verdict: dict) -> str:
+    """A kept-off verdict in the report: `aborted (SIGABRT)` or `output off (cosine 0.91, PSNR 20.0 dB)`."""
+    if verdict.get("verdict") == "wrong output":
+        return f"output off (cosine {_figure(verdict.get('cosine'))}, PSNR {_figure(verdict.get('psnr_db'), ' dB')})"
+    return f"aborted ({verdict.get('signal') or 'a signal'})"
+
+
+def trial_warning(name: str, verdict: dict, folder: str | Path) -> str:
+    """The one line that tells of a model whose trial compile died or computed something else (no `warning: ` prefix)."""
+    where = f"recorded in {Path(folder) / VERDICTS}, loaded without the weight cache"
+    if verdict.get("verdict") == "wrong output":
+        return (f"gpu weight cache: {name}'s output with constant sharing is off from its output without it in a trial "
+                f"compile (cosine {_figure(verdict.get('cosine'))}, PSNR {_figure(verdict.get('psnr_db'), ' dB')}, "
+                f"{verdict.get('where') or 'an output'}; floors SHARING_MIN_COSINE={verdict.get('min_cosine')}, "
+                f"SHARING_MIN_PSNR_DB={verdict.get('min_psnr_db')}); {where}")
     return (f"gpu weight cache: {name} aborted LiteRT in a trial compile with constant sharing ({verdict.get('signal')}: "
-            f"{verdict.get('message') or 'no message'}); recorded in {Path(folder) / VERDICTS}, loaded without the weight cache")
+            f"{verdict.get('message') or 'no message'}); {where}")
 
 
 def library_identity(lib: Path, folder: Optional[Path], warn: Optional[Callable[[str], None]] = None) -> str:
@@ -229,11 +254,14 @@ class GpuProgramCache:
     `record(name)` after it. `warn` prints one line per problem (stderr by default)."""
 
     def __init__(self, folder: str | Path, identity: str, warn: Optional[Callable[[str], None]] = None,
-                 weight_cache: bool = False):
+                 weight_cache: bool = False, _perturb_trials: Optional[dict] = None):
+        """`_perturb_trials` (tests only): {component: fraction}: its trial child adds noise of that fraction of each
+        output's range to its sharing outputs, standing for a sharing path that computes something else."""
         self.folder = Path(folder)
         self.weight_cache = bool(weight_cache)
+        self._perturb_trials = dict(_perturb_trials or {})
         # GPU, driver, LiteRT version (library), options: what else the programs depend on; weights kept: other files
-        self.identity = identity + ("|weight_cache" if self.weight_cache else "")
+        self.identity = identity + (f"|weight_cache|{TRIAL_VERSION}" if self.weight_cache else "")
         self.warn = warn or (lambda msg: print(f"warning: {msg}", file=sys.stderr))
         self.token = os.urandom(4).hex()  # two caches of one process (tests, workers) keep apart too
         self.read_only = False  # a folder this launch cannot write, holding an index: its valid entries read, nothing written
@@ -249,7 +277,7 @@ class GpuProgramCache:
         self.settled: set[str] = set()  # components whose files this process verified or recorded: not read again
         # weight cache: each model's first compile with sharing, tried in a child first (runtime/sharing_trial.py)
         self.sharing = read_verdicts(self.folder) if self.weight_cache and (self.enabled or self.read_only) else {}
-        self.trials: dict[str, str] = {}  # this launch's trial compiles: pending, then shared | aborted (SIG...) | undecided
+        self.trials: dict[str, str] = {}  # this launch's trials: pending, then shared | aborted (SIG...) | output off (...) | undecided
 
     def _read_only_index(self) -> dict:
         """A folder this launch cannot write: its index read when it has one (entries checked at each load; nothing
@@ -317,8 +345,8 @@ class GpuProgramCache:
             path = entry.get("_path")
             self.unshared[name] = unshareable_ops(path) if path and Path(path).is_file() else []
             seen = self.sharing.get(self.key(name, entry)) or {}
-            if not self.unshared[name] and seen.get("shared") is False:  # its trial compile aborted at an earlier launch
-                self.unshared[name] = [f"aborted ({seen.get('signal') or 'a signal'})"]
+            if not self.unshared[name] and seen.get("shared") is False:  # its trial aborted or was off at an earlier launch
+                self.unshared[name] = [verdict_label(seen)]
         return not self.unshared[name]
 
     def key(self, name: str, entry: dict) -> str:
@@ -351,6 +379,8 @@ class GpuProgramCache:
             if bad or not old.get("files"):
                 self.warn(f"gpu cache {self.folder}: {name}'s cached programs are corrupt or missing ({', '.join(bad) or 'no files'}); rebuilding")
                 self._drop(name, old)
+            elif share and key not in self.sharing:  # its trial told nothing (an error in the child): compiled and tried again
+                self._drop(name, old)
             else:
                 hit = True
                 self.settled.add(name)
@@ -362,7 +392,9 @@ class GpuProgramCache:
         private.mkdir()
         options = self._options(key, private, share)
         if share and key not in self.sharing:  # never compiled with sharing under this key: a trial in a child first
-            options[TRIAL_OPTION] = {"folder": str(self.folder), "key": key, "name": name}
+            golden = (entry.get("golden") or {}).get("_path")
+            options[TRIAL_OPTION] = {"folder": str(self.folder), "key": key, "name": name, "golden": golden,
+                                     **({"perturb": self._perturb_trials[name]} if name in self._perturb_trials else {})}
             self.trials[name] = "pending"
         return options
 
@@ -420,19 +452,23 @@ class GpuProgramCache:
         """After a load whose options carried a trial (run here or in a worker): its verdict, read from the folder."""
         self.sharing = read_verdicts(self.folder)
         seen = self.sharing.get(self.keys.get(name, ""))
-        if seen is None:  # the child failed with an error, not a signal: not recorded, tried again next launch
+        if seen is None:  # the child failed with an error, not a signal: loaded without sharing, tried again next launch
             self.trials[name] = "undecided"
+            self.unshared[name] = ["trial undecided"]
+            self.warn(f"gpu weight cache: {name}'s trial compile with constant sharing ended with an error (its output "
+                      "not checked); loaded without the weight cache, tried again at the next launch")
         elif seen.get("shared"):
             self.trials[name] = "shared"
         else:
-            self.trials[name] = f"aborted ({seen.get('signal') or 'a signal'})"
+            self.trials[name] = verdict_label(seen)
             self.unshared[name] = [self.trials[name]]
-            self.warn(abort_warning(name, seen, self.folder))
+            self.warn(trial_warning(name, seen, self.folder))
 
     def weight_files(self) -> dict[str, str]:
         """Per component: `reused` (its weight file read from the folder), `made` (written now), `none` (not written),
         `skipped: OP` (an op the sharing path aborts on: programs cached only), `skipped: aborted (SIG...)` (its trial
-        compile died: programs cached only), `off` (a read-only folder without a valid entry for it: no cache)."""
+        compile died: programs cached only), `skipped: output off (cosine C, PSNR P dB)` (its trial's output with sharing
+        missed the floors), `off` (a read-only folder without a valid entry for it: no cache)."""
         if not ((self.enabled or self.read_only) and self.weight_cache):
             return {}
         files = {n: any(f.endswith(WEIGHT_SUFFIX) for f in (self.index.get(n) or {}).get("files") or {}) for n in self.hits}

@@ -114,13 +114,14 @@ def test_first_compile_keeps_or_drops_sharing_by_the_childs_verdict(tmp_path, mo
     lib = type("Lib", (), {"which": "litert-lm", "path": Path("liblitert-lm.so")})()
     got = st.first_compile("m/unet.tflite", dict(options), {"folder": str(tmp_path), "key": "unet-k", "name": "unet"}, lib)
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    if verdict is None or verdict["shared"]:
+    if verdict is not None and verdict["shared"]:
         assert got == options and not err
-        assert read_verdicts(tmp_path) == ({} if verdict is None else {"unet-k": {"name": "unet", "shared": True}})
-    else:
+        assert read_verdicts(tmp_path) == {"unet-k": {"name": "unet", "shared": True}}
+    else:  # aborted, or the child told nothing (an error status): sharing unchecked is never used
         assert got == {k: v for k, v in options.items() if k not in WEIGHT_CACHE_OPTIONS}
-        assert not err  # recorded: the runner's cache tells it when it reads the verdict (a worker's stderr is a log)
-        assert not list(private.iterdir()) and read_verdicts(tmp_path)["unet-k"]["shared"] is False
+        assert not err  # the runner's cache tells it when it reads the verdict (a worker's stderr is a log)
+        assert not list(private.iterdir())
+        assert read_verdicts(tmp_path) == ({} if verdict is None else {"unet-k": {"name": "unet", **verdict}})
 
 
 def test_the_cache_asks_for_a_trial_only_without_a_verdict(tmp_path):
