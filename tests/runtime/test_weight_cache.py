@@ -39,6 +39,21 @@ def launch(out: Path, *flags: str, wrap: tuple = (), wait: bool = True):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
 
 
+def launch_with(code: str, out: Path, folder: Path, *flags: str):
+    """run-bundle --weight-cache into FOLDER through `python -c CODE` (CODE patches the runtime, then calls the CLI), in
+    OUT's parent (a core file would show there)."""
+    cmd = [sys.executable, "-c", code, "run-bundle", str(BUNDLE), "--prompt", "a red circle", "--seed", "1",
+           "--output", str(out), "--gpu-cache", str(folder), "--weight-cache", *flags]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=out.parent)
+
+
+def uncached_image(tmp_path_factory, name: str):
+    """The image of a launch without any cache (the wheel's own library)."""
+    out = tmp_path_factory.mktemp(name) / "ref"
+    ok(launch(out, "--no-gpu-cache"), out)
+    return image(out)
+
+
 def ok(proc, out: Path) -> dict:
     """The launch's report, after checking it exited 0 (a native crash is a negative return code)."""
     assert proc.returncode == 0, proc.stderr[-2000:]

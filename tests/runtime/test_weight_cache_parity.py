@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from test_weight_cache import BUNDLE, PSNR_BAR, image, launch, needs_library, ok, psnr, warnings_of  # same folder
+from test_weight_cache import (BUNDLE, PSNR_BAR, image, launch, launch_with, needs_library, ok, psnr,  # same folder
+                               uncached_image, warnings_of)
 
 WRAP = ("import sys, functools\nimport pocketdiff.runtime.gpu_cache as g\n"
         "g.GpuProgramCache = functools.partial(g.GpuProgramCache, _perturb_trials={'vae_decoder': 0.1})\n"
@@ -27,16 +26,12 @@ WRAP = ("import sys, functools\nimport pocketdiff.runtime.gpu_cache as g\n"
 
 
 def perturbed(out: Path, folder: Path):
-    cmd = [sys.executable, "-c", WRAP, "run-bundle", str(BUNDLE), "--prompt", "a red circle", "--seed", "1",
-           "--output", str(out), "--gpu-cache", str(folder), "--weight-cache"]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=out.parent)
+    return launch_with(WRAP, out, folder)
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    out = tmp_path_factory.mktemp("parity") / "ref"
-    ok(launch(out, "--no-gpu-cache"), out)
-    return image(out)
+    return uncached_image(tmp_path_factory, "parity")
 
 
 @needs_library

@@ -10,13 +10,12 @@ with the launch without any cache, as in tests/runtime/test_weight_cache.py.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from test_weight_cache import BUNDLE, PSNR_BAR, image, launch, needs_library, ok, psnr, warnings_of  # same folder
+from test_weight_cache import (BUNDLE, PSNR_BAR, image, launch, launch_with, needs_library, ok, psnr,  # same folder
+                               uncached_image, warnings_of)
 
 WRAP = ("import sys\nimport pocketdiff.runtime.gpu_cache as g\ng.UNSHAREABLE_OPS.clear()\n"
         "from pocketdiff.cli import main\nsys.exit(main(sys.argv[1:]))\n")
@@ -24,18 +23,13 @@ ABORTED = "aborted (SIGABRT)"
 
 
 def unforeseen(out: Path, folder: Path, *flags: str):
-    """run-bundle --weight-cache into FOLDER, with no op known to abort (run in OUT's parent: a core file would show)."""
-    cmd = [sys.executable, "-c", WRAP, "run-bundle", str(BUNDLE), "--prompt", "a red circle", "--seed", "1",
-           "--output", str(out), "--gpu-cache", str(folder), "--weight-cache", *flags]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=out.parent)
+    """run-bundle --weight-cache into FOLDER, with no op known to abort."""
+    return launch_with(WRAP, out, folder, *flags)
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """The image of the launch without any cache (the wheel's own library)."""
-    out = tmp_path_factory.mktemp("trial") / "ref"
-    ok(launch(out, "--no-gpu-cache"), out)
-    return image(out)
+    return uncached_image(tmp_path_factory, "trial")
 
 
 def check_first_launch(proc, out: Path, folder: Path, ref) -> None:
