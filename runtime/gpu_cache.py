@@ -194,9 +194,11 @@ def trial_warning(name: str, verdict: dict, folder: str | Path) -> str:
             f"{verdict.get('message') or 'no message'}); {where}")
 
 
-def library_identity(lib: Path, folder: Optional[Path], warn: Optional[Callable[[str], None]] = None) -> str:
+def library_identity(lib: Path, folder: Optional[Path], warn: Optional[Callable[[str], None]] = None,
+                     write: bool = True) -> str:
     """A LiteRT library's identity for cache keys: its package's version, size and sha256. The sha256 (a 130 MB file)
-    is remembered in FOLDER's library.json by path, size and mtime, and read back while those match."""
+    is remembered in FOLDER's library.json by path, size and mtime, and read back while those match; with `write`
+    false (a read-only folder) it is only read."""
     lib = Path(lib)
     st = lib.stat()
     mark = {"path": str(lib), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
@@ -210,7 +212,7 @@ def library_identity(lib: Path, folder: Optional[Path], warn: Optional[Callable[
             digest = None
     if not isinstance(digest, str):
         digest = sha256_file(lib)
-        if record is not None:
+        if record is not None and write:
             try:
                 atomic_write_text(record, json.dumps({**mark, "sha256": digest}, indent=1))
             except OSError as e:

@@ -111,9 +111,9 @@ class ModelPool:
             folder = Path(gpu_cache) if gpu_cache not in (None, True) else bundle_cache_folder(self.bundle, self.comps)
         version = litert_version()
         if self.library.which != DEFAULT_LIBRARY:  # remembered in the folder when it can be written (its warning: below)
-            quiet = folder is not None and writable_folder(folder, lambda msg: None, "", "")
-            version = library_identity(self.library.path, folder if quiet else None,
-                                       lambda msg: print(f"warning: {msg}", file=sys.stderr))
+            writable = folder is not None and writable_folder(folder, lambda msg: None, "", "")
+            version = library_identity(self.library.path, folder,  # a read-only folder's record is read, not written
+                                       lambda msg: print(f"warning: {msg}", file=sys.stderr), write=writable)
         gpu = self.sampler.gpu  # what compiled programs and measured memory figures depend on besides the bundle
         self.gpu_identity = "|".join([version, self.driver, str(gpu.name), str(gpu.driver_version()),
                                       os.environ.get("VK_ICD_FILENAMES", ""), json.dumps(self.gpu_options, sort_keys=True)])

@@ -286,6 +286,12 @@ def test_library_identity_is_hashed_once_and_remembered(tmp_path, monkeypatch):
     lib.write_bytes(b"\x7fELF" + bytes(999) + b"x")  # another build, same size: its mtime differs
     os.utime(lib, ns=(lib.stat().st_atime_ns, lib.stat().st_mtime_ns + 10**9))
     assert gpu_cache.library_identity(lib, tmp_path) != first and len(hashed) == 2
+    # a read-only folder (write=False): its record is read, and a missing one is not written
+    record = tmp_path / gpu_cache.LIBRARY_RECORD
+    second = gpu_cache.library_identity(lib, tmp_path, write=False)
+    assert second == gpu_cache.library_identity(lib, tmp_path) and len(hashed) == 2
+    record.unlink()
+    assert gpu_cache.library_identity(lib, tmp_path, write=False) == second and len(hashed) == 3 and not record.exists()
 
 
 def test_models_with_an_embedding_lookup_stay_off_the_sharing_path(tmp_path):
