@@ -21,6 +21,7 @@ before; the code after reads that through its compatibility reader), and the cod
   python benchmarks/runner_before_after.py run --v2-bundle /tmp/b/tiny_v2 --v3-bundle /tmp/b/tiny \
       --site before=/tmp/sites/site_before --site after=/tmp/sites/site_after --order before,after,after,before --v3 1 --out R.json
   python benchmarks/runner_before_after.py timeline R.json --variant after --manifest 3 --out docs/results/timeline.png
+  python benchmarks/runner_before_after.py timeline STARTUP.json --mode te_cpu --out T.png   (startup_levers.py rows)
 """
 from __future__ import annotations
 
@@ -217,18 +218,27 @@ def largest(items: list[dict], n: int = 3) -> list[dict]:
     return [{"what": f"{c} {i}", "s": round(s, 2)} for (c, i), s in top]
 
 
+def as_report(row: dict) -> dict:
+    """A launch row as `intervals` reads it: this script's rows carry run-bundle's `memory` block; startup_levers.py's
+    (and sdxl_bundle.sh's) rows its startup seconds (`startup_s`) and phase marks (`marks`)."""
+    if "memory" in row:
+        return row
+    startup = row.get("startup_s") if isinstance(row.get("startup_s"), dict) else {}
+    return {**row, "memory": {"startup_s": startup, "phases": row.get("marks") or []}}
+
+
 def timeline(a) -> int:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     doc = json.loads(Path(a.results).read_text())
-    pick = [r for r in doc["rows"] if r["variant"] == a.variant and r["manifest_version"] == a.manifest
-            and r["mode"] == "pipelined" and not r.get("error")]
+    pick = [as_report(r) for r in doc["rows"] if r.get("variant", a.variant) == a.variant
+            and r.get("manifest_version", a.manifest) == a.manifest and r["mode"] == a.mode and not r.get("error")]
     launches = [next((r for r in pick if r["launch"] == l), None) for l in ("cold", "warm")]
     launches = [r for r in launches if r is not None]
     if not launches:
-        raise SystemExit(f"{a.results}: no pipelined launch of {a.variant} on manifest version {a.manifest}")
+        raise SystemExit(f"{a.results}: no {a.mode} launch of {a.variant} on manifest version {a.manifest}")
     kinds = sorted({it["item"] for r in launches for it in intervals(r)})
     colours = {k: plt.get_cmap("tab20")(i % 20) for i, k in enumerate(kinds)}
     fig, axes = plt.subplots(len(launches), 1, figsize=(12, 3.2 * len(launches) + 1), squeeze=False)
@@ -244,7 +254,7 @@ def timeline(a) -> int:
         ax.set_xlim(0, max(it["t1"] for it in items) * 1.01)
         top = largest(items)
         summary[r["launch"]] = {"total_s": r.get("total_s"), "start_s": r.get("start_s"), "largest": top}
-        ax.set_title(f"{r['launch']} launch, run-bundle --pipelined: first step {r.get('start_s')} s, image {r.get('total_s')} s; "
+        ax.set_title(f"{r['launch']} launch, run-bundle {' '.join(r.get('flags') or ['--pipelined'])}: first step {r.get('start_s')} s, image {r.get('total_s')} s; "
                      f"largest: " + ", ".join(f"{t['what']} {t['s']} s" for t in top), fontsize=9)
         ax.set_xlabel("seconds since process start")
     handles = [plt.Rectangle((0, 0), 1, 1, color=colours[k]) for k in kinds]
@@ -275,6 +285,7 @@ def main(argv=None) -> int:
     t.add_argument("results")
     t.add_argument("--variant", default="after")
     t.add_argument("--manifest", type=int, default=3)
+    t.add_argument("--mode", default="pipelined", help="the rows' mode (startup_levers.py rows: a configuration name)")
     t.add_argument("--title")
     t.add_argument("--out", required=True)
     a = ap.parse_args(argv)

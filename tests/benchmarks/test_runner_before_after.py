@@ -78,3 +78,21 @@ def test_largest_sums_a_chunked_models_parts(rba):
 def test_records_name_no_scratch_path(rba):
     doc = {"a": ["/tmp/rba-cache/x/programs", "see /tmp/site/y"], "b": {"c": "x/tmp/keep", "d": 3}}
     assert rba._relative(doc) == {"a": ["rba-cache/x/programs", "see site/y"], "b": {"c": "x/tmp/keep", "d": 3}}
+
+
+def test_startup_levers_rows_read_as_reports_and_plot(rba, tmp_path):
+    """startup_levers.py / sdxl_bundle.sh rows keep run-bundle's marks as `marks` and its startup seconds as `startup_s`:
+    the timeline reads them the same way, and `timeline --mode` plots that configuration's cold and warm launches."""
+    import json
+
+    full = _row()
+    row = {"mode": "te_cpu", "launch": "cold", "total_s": 14.0, "start_s": 12.4, "flags": ["--pipelined", "--on-cpu", "text_encoder"],
+           "startup_s": full["memory"]["startup_s"], "marks": full["memory"]["phases"]}
+    assert rba.intervals(rba.as_report(row)) == rba.intervals(full)
+    results = tmp_path / "startup.json"
+    results.write_text(json.dumps({"rows": [row, {**row, "launch": "warm"}, {**row, "mode": "pipelined"}]}))
+    out = tmp_path / "t.png"
+    assert rba.main(["timeline", str(results), "--mode", "te_cpu", "--out", str(out)]) == 0
+    assert out.stat().st_size > 10_000
+    with pytest.raises(SystemExit, match="no overlap launch"):
+        rba.main(["timeline", str(results), "--mode", "overlap", "--out", str(out)])
