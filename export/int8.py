@@ -21,7 +21,7 @@ from torch import nn
 from pocketdiff.compress.quant.int8_format import (
     SCALE_SUFFIX,
     QuantRecipe,
-    dequantize,
+    dequantized_state_dict,
     load_quantized,
     quantize_codes,
     rtn_scale,
@@ -66,54 +66,35 @@ def load_component_checkpoints(source: str | Path) -> dict[str, QuantizedCompone
 def rtn_checkpoint(module: nn.Module, component: str, bits: int = 8, skip: tuple[str, ...] = ()) -> QuantizedComponent:
     """Round-to-nearest per-output-channel int8 of every Conv2d / Linear weight (benchmarks, smoke). The tensors under
     `skip` are left out of the checkpoint: two components of one module (the VAE's decoder and encoder) each apply
-    theirs without undoing the other's. Layer by layer, straight from the module's weights: only the float tensors kept
-    as they are (biases, norms) are copied, so the host holds the module, its codes and one layer's temporaries (a
-    clone of the whole float state beside an SDXL-size UNet was 10.3e9 B more). Keys keep the state dict's order,
-    scales follow in module order."""
+    theirs without undoing the other's."""
     from pocketdiff.compress.quant.int8_format import LayerRecipe
 
-    layers = [(name, m) for name, m in module.named_modules()
-              if isinstance(m, (nn.Conv2d, nn.Linear)) and not any(name.startswith(s) for s in skip)]
-    quantized = {f"{name}.weight" for name, _ in layers}
-    state: dict[str, Optional[torch.Tensor]] = {}
-    for k, v in module.state_dict().items():
-        if not any(k.startswith(s) for s in skip):
-            state[k] = None if k in quantized else v.detach().clone()  # None: the codes take its place below
+    state = {k: v.detach().clone() for k, v in module.state_dict().items() if not any(k.startswith(s) for s in skip)}
     recipe = QuantRecipe(component=component, extra={"method": "rtn", "made_by": "pocketdiff export"})
-    with torch.no_grad():
-        for name, m in layers:
-            scale = rtn_scale(m.weight, bits)
-            state[f"{name}.weight"] = quantize_codes(m.weight, scale, bits)
-            state[f"{name}.weight{SCALE_SUFFIX}"] = scale
-            recipe.layers[name] = LayerRecipe(bits=bits)
+    for name, m in module.named_modules():
+        if not isinstance(m, (nn.Conv2d, nn.Linear)) or any(name.startswith(s) for s in skip):
+            continue
+        scale = rtn_scale(m.weight, bits)
+        state[f"{name}.weight"] = quantize_codes(m.weight, scale, bits)
+        state[f"{name}.weight{SCALE_SUFFIX}"] = scale
+        recipe.layers[name] = LayerRecipe(bits=bits)
     return QuantizedComponent(component, state, recipe)
 
 
 def apply_to_module(module: nn.Module, q: QuantizedComponent) -> None:
-    """Load codes * scales (and the checkpoint's float tensors) into `module` (its own names), one tensor at a time:
-    the values `load_state_dict(dequantized_state_dict(...))` loads, without the whole float state built beside it."""
+    """Load codes * scales (and the checkpoint's float tensors) into `module` (its own names)."""
+    float_state = dequantized_state_dict(q.state, q.recipe)
     own = module.state_dict()
-    weight_keys = {f"{name}.weight": lr for name, lr in q.recipe.layers.items()}
-    lacking = [k for k in weight_keys for key in (k, f"{k}{SCALE_SUFFIX}") if key not in q.state]
-    if lacking:
-        raise PocketdiffError(f"int8 checkpoint for {q.component}: layer {lacking[0][: -len('.weight')]} lacks its codes or scales")
-    keys = [k for k in q.state if not k.endswith(f".weight{SCALE_SUFFIX}")]
-    missing = [k for k in keys if k not in own]
+    missing = [k for k in float_state if k not in own]
     if missing:
         raise PocketdiffError(
             f"int8 checkpoint for {q.component}: {len(missing)} tensors do not exist in the model "
             f"(e.g. {missing[0]}); was it calibrated from another architecture?"
         )
-    for k in keys:
-        if tuple(own[k].shape) != tuple(q.state[k].shape):
-            raise PocketdiffError(f"int8 checkpoint for {q.component}: {k} has shape {list(q.state[k].shape)}, the model {list(own[k].shape)}")
-    with torch.no_grad():
-        for k in keys:
-            lr = weight_keys.get(k)
-            if lr is None:
-                own[k].copy_(q.state[k])
-            else:
-                own[k].copy_(dequantize(q.state[k], q.state[f"{k}{SCALE_SUFFIX}"], lr.group_size).to(torch.float32))
+    for k, v in float_state.items():
+        if tuple(own[k].shape) != tuple(v.shape):
+            raise PocketdiffError(f"int8 checkpoint for {q.component}: {k} has shape {list(v.shape)}, the model {list(own[k].shape)}")
+    module.load_state_dict(float_state, strict=False)
 
 
 def split_groupwise(graph: nn.Module, q: QuantizedComponent) -> list[str]:

@@ -322,31 +322,6 @@ def _load_pipeline(cfg: Config):
     return model_cfg, pipe, synthetic, quantized
 
 
-def _release_unexported(pipe, names) -> list[str]:
-    """Free the weights of the pipeline's models that no component in `names` reads (with `components: [unet]`, the
-    text encoders and the VAE: 3.2e9 B beside an SDXL UNet), once the golden inputs and the scan have run: their
-    parameters go to the meta device, so configs and shapes stay (the manifest, the chunk plans) and a forward would
-    fail loudly. Returns the attributes released."""
-    import gc
-
-    from pocketdiff.runtime.components import component
-
-    try:
-        needed = {component(n).pipeline_attr for n in names}
-    except KeyError:  # a name outside the registry: keep everything
-        return []
-    released = []
-    for attr in ("text_encoder", "text_encoder_2", "vae"):
-        model = getattr(pipe, attr, None)
-        if model is not None and attr not in needed and isinstance(model, torch.nn.Module):
-            model.to("meta")
-            released.append(attr)
-    if released:
-        gc.collect()
-        log.info("export: released the weights of %s (not exported)", ", ".join(released))
-    return released
-
-
 def _golden_inputs(cfg: Config, pipe) -> GoldenInputs:
     """Step 2: guidance mode, shapes, the golden prompt's ids and text states, seeded latents, the
     timestep (or its time-embedding row) at the middle of the schedule."""
@@ -543,7 +518,6 @@ def run(cfg: Config, output_dir: Path, resume: Optional[str] = None) -> dict:
     tiled = tuple(split.block["components"]) if split is not None else TILED_DECODER
     names = with_family_components(expand_components(cfg.components, split is not None, cfg.vae_tiling.up_parts), pipe)
     rewrites_of = with_family_rewrites(rewrites_of, names)
-    _release_unexported(pipe, names)  # the UNet's phase without the text encoders / VAE it does not read
 
     # 4. components (export_components: one at a time, or converted in parallel workers)
     weights_of = {n: (cfg.weights if (cfg.weights != "int8" or quantized.get(n) is not None) else "fp16") for n in names}
