@@ -3,6 +3,7 @@
 # Installs the carried wheels and this repo into /tmp/site, then works from $RUNS: not the
 # repo root, whose pocketdiff/ folder would shadow the installed package.
 REPO=$PWD
+source "$REPO/scripts/gpu/gpu_tag.sh"  # gpu_tag: h100 / h200 for result names
 if [ -z "${POCKETDIFF_ENV_READY:-}" ]; then  # a script started by an already set-up script must not reinstall under running jobs
   if [ ! -f /tmp/site/.wheels-installed ] || [ -n "${REINSTALL:-}" ]; then  # later calls of a warm machine need not carry .whl
     if ls .whl/*.whl > /dev/null 2>&1; then

@@ -54,7 +54,7 @@ else
   BUNDLES=/tmp/lora_bundles
   [ -d "$BUNDLES/plain" ] || { say "unpack"; $PY "$REPO"/benchmarks/sd21_bundle.py unpack "$REPO/.devbundle/lora" "$BUNDLES" || exit 5; }
   say "$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader); $(nproc) cores; set up in $SECONDS s"
-  GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]\+' | head -1 | tr A-Z a-z)
+  GPU=$(gpu_tag gpu)
 fi
 say "layouts: $(ls "$BUNDLES" | tr '\n' ' ')"
 $PY "$REPO"/benchmarks/lora_bundle.py measure "$BUNDLES" --out "$OUT/lora_bundle_${GPU:-gpu}.json" --steps "${STEPS:-20}" \

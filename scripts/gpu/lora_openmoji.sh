@@ -144,7 +144,7 @@ case $PHASE in
     evaluate_both
     wait
     pack_students
-    gpu=$(command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]\+' | head -1 | tr A-Z a-z)
+    gpu=$(gpu_tag cpu)
     python3 $REPO/scripts/gpu/lora_openmoji_table.py --runs $W --device "${gpu:-cpu}" --style "$STYLE_GROUPS" \
       --out $OUT/lora_openmoji_${gpu:-cpu}.json ;;
   *) echo "unknown phase $PHASE (teacher | students | eval)"; exit 2 ;;

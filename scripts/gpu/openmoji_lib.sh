@@ -19,6 +19,7 @@
 #   om_fp16 SRC DST   a pipeline folder in float16 (it loads back as float32).
 # Needs C (configs folder) and L (log folder) set before om_clock's functions run.
 # shellcheck shell=bash
+source scripts/gpu/gpu_tag.sh  # gpu_tag: h100 / h200 for result names (SMOKE runs source no env.sh)
 T=outputs/teacher-openmoji/pipeline K=outputs/clip-openmoji/clip
 
 om_env() {

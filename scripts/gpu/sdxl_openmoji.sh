@@ -47,7 +47,6 @@ export TEACHER_S=${TEACHER_S:-360}
 chain() {  # chain PHASE BUDGET: the phase of block_removal_openmoji.sh's chain under this call's settings
   BUDGET_S=${BUDGET_S:-$([ -n "${SMOKE:-}" ] && echo 3000 || echo $2)} bash scripts/gpu/block_removal_openmoji.sh $1
 }
-gpu_name() { command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]\+' | head -1 | tr A-Z a-z; }
 case $PHASE in
   teacher) chain teacher 540 ;;
   prune) chain prune 480 ;;
@@ -55,7 +54,7 @@ case $PHASE in
     chain students 500 || true
     source scripts/gpu/openmoji_lib.sh && om_env  # the installed package and $RUNS (nothing reinstalled)
     W=$RUNS/$CHAIN; cd $W || exit 1
-    gpu=$(gpu_name)
+    gpu=$(gpu_tag cpu)
     python3 $REPO/scripts/gpu/sdxl_openmoji_table.py gpu --runs $W --device "${gpu:-cpu}" --out $OUT/sdxl_openmoji_${gpu:-cpu}.json \
       || echo "no table: the students phase did not reach its evaluate"
     mkdir -p /tmp/w8_students && rm -rf /tmp/w8_students/*

@@ -41,7 +41,7 @@
 set -u
 START=$SECONDS
 REPO=$PWD
-OUT=${OUT:-/tmp/out}
+export OUT=${OUT:-/tmp/out}  # benchmarks/web_node.py writes its result there too, after every row
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/web_node.log") 2>&1
 say() { echo "[$(date +%H:%M:%S)] $*"; }
@@ -85,8 +85,7 @@ say "layout $LAYOUT from $PACKED ($(( SECONDS - START )) s)"
 nvidia-smi --query-compute-apps=pid,used_memory --format=csv 2>/dev/null | head -3
 REF=(); [ -f "$REPO/.webref/reference.json" ] && REF=(--reference "$REPO/.webref")
 tag="${UNET//,/-}_${DEVICES//,/-}"; [ "$VARIANTS" = plain ] || tag="${tag}_${VARIANTS//,/-}"  # names of letters, digits, "." "_" "-" alone: the device tool returns no other file from $OUT
-GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -o 'H[0-9]\+' | head -1 | tr A-Z a-z)
-GPU=${GPU:-gpu}
+GPU=$(gpu_tag gpu)  # scripts/gpu/gpu_tag.sh, sourced by env.sh
 case $LAYOUT in tiny) ROWS=web_tiny ;; *) ROWS=web_sd21 ;; esac  # the phone bundle's rows, beside the SD-2.1 student's
 NAME="${ROWS}_node_${tag}_${GPU}"
 say "== web_node $LAYOUT unet=$UNET devices=$DEVICES -> $NAME"
@@ -96,7 +95,6 @@ timeout -k 10 "$LEFT" python3 "$REPO/benchmarks/web_node.py" --bundle "$BUNDLES/
   "${REF[@]}" --timeout "$(( TIMEOUT < LEFT ? TIMEOUT : LEFT ))" --out "/tmp/runs/$NAME.json"
 rc=$?
 [ $rc -ne 124 ] || say "stopped at BUDGET after $(( SECONDS - START )) s: the rows that ran are in $NAME.json and the JSON lines above"
-cp "/tmp/runs/$NAME.json" "$OUT/" 2>/dev/null
 tar czf "$OUT/$NAME.tgz" --exclude='*.tflite' -C /tmp/runs "$NAME"
 say "done (exit $rc, $(( SECONDS - START )) s)"
 exit $rc
