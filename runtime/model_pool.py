@@ -100,7 +100,7 @@ class ModelPool:
         """The Vulkan driver, the LiteRT library (the single build with the weight cache), the cache folder, and the
         identity its keys hold: the library's, the GPU's and driver's, the options."""
         from .delegate import prepare_in_process
-        from .gpu_cache import GpuProgramCache, bundle_cache_folder, library_identity, litert_version, writable_folder
+        from .gpu_cache import GpuProgramCache, bundle_cache_folder, library_identity, litert_version, write_error
         from .litert_c import DEFAULT_LIBRARY, SINGLE_BUILD, Environment, LiteRtLibrary
 
         self.driver = prepare_in_process()
@@ -111,9 +111,9 @@ class ModelPool:
             folder = Path(gpu_cache) if gpu_cache not in (None, True) else bundle_cache_folder(self.bundle, self.comps)
         version = litert_version()
         if self.library.which != DEFAULT_LIBRARY:  # remembered in the folder when it can be written (its warning: below)
-            writable = folder is not None and writable_folder(folder, lambda msg: None, "", "")
             version = library_identity(self.library.path, folder,  # a read-only folder's record is read, not written
-                                       lambda msg: print(f"warning: {msg}", file=sys.stderr), write=writable)
+                                       lambda msg: print(f"warning: {msg}", file=sys.stderr),
+                                       write=folder is not None and write_error(folder) is None)
         gpu = self.sampler.gpu  # what compiled programs and measured memory figures depend on besides the bundle
         self.gpu_identity = "|".join([version, self.driver, str(gpu.name), str(gpu.driver_version()),
                                       os.environ.get("VK_ICD_FILENAMES", ""), json.dumps(self.gpu_options, sort_keys=True)])
